@@ -1,0 +1,231 @@
+# Copyright 2026 The Spider authors. Licensed under the Apache License, Version 2.0.
+"""Spider model configuration.
+
+Spider is a byte-level recurrent-depth transformer: a dense *prelude* over bytes, a FlexiTokens boundary predictor that
+pools bytes into segments, a *recurrent* block of MLA-attention + mixture-of-experts layers (with Engram memory) looped
+``n_loops`` times with LTI injection and ACT halting, and a dense *coda* over bytes again.
+
+Field names follow transformers' DeepseekV3 / Qwen3-MoE configs wherever a concept exists there (``hidden_size``,
+``q_lora_rank``, ``n_routed_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``, ...). Named presets:
+
+>>> SpiderConfig()                      # the seed's ~1B model (hidden 2048, 6 recurrent layers, 32 experts top-2)
+>>> SpiderConfig.from_preset("small")   # a few million parameters: the default CPU training run
+>>> SpiderConfig.from_preset("tiny", n_loops=3)   # for tests; keyword arguments override the preset
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+# Presets are deltas against the defaults below (the seed's ~1B model). Each one keeps every linear layer's dimensions
+# divisible by 16, so the FP8 trainer converts the same modules at every size.
+SPIDER_PRESETS: dict[str, dict] = {
+    "1b": {},
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_prelude_layers=1, num_recurrent_layers=2,
+        num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+        engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=32, engram_table_size=4096,
+        n_loops=2, max_loop_iters=8, lora_rank=16, max_position_embeddings=2048,
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_prelude_layers=1, num_recurrent_layers=2,
+        num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=16, engram_table_size=257,
+        n_loops=2, max_loop_iters=4, lora_rank=16, max_position_embeddings=512,
+    ),
+}
+
+MOE_IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
+
+
+class SpiderConfig(PreTrainedConfig):
+    r"""Configuration of a Spider model (:class:`SpiderForConditionalGeneration`).
+
+    ``SpiderConfig()`` with no arguments is the seed's ~1B model (about 1.0B parameters). Invalid values raise
+    ``ValueError`` naming the field and the constraint.
+
+    Args:
+        vocab_size (`int`, defaults to 272): bytes 0-255, PAD=256, BOS=257, EOS=258, further specials 259-271.
+        hidden_size (`int`, defaults to 2048): width D of every layer (bytes and segments).
+        intermediate_size (`int`, defaults to 11008): SwiGLU width of the dense prelude/coda layers.
+        num_attention_heads (`int`, defaults to 16): MLA heads.
+        q_lora_rank (`int` or `None`, defaults to 768): rank of the query down-projection (``None``: full ``q_proj``).
+        kv_lora_rank (`int`, defaults to 256): rank of the joint KV compression (DeepSeek-V2 MLA).
+        qk_rope_head_dim / qk_nope_head_dim / v_head_dim (`int`): per-head dims of the rotary part, the non-rotary part of
+            queries/keys, and of values.
+        num_prelude_layers / num_recurrent_layers / num_coda_layers (`int`, defaults 2 / 6 / 2): dense byte layers before,
+            MLA+MoE segment layers in the looped block, dense byte layers after.
+        num_hidden_layers (`int`, derived): ``prelude + recurrent + coda``; passing another value raises ``ValueError``.
+        n_routed_experts (`int`, defaults to 32; alias ``num_experts``): routed experts per recurrent layer.
+        num_experts_per_tok (`int`, defaults to 2): top-k.
+        n_shared_experts (`int`, defaults to 1): always-on experts (one SwiGLU of width ``n_shared * moe_intermediate``).
+        moe_intermediate_size (`int`, defaults to 512): SwiGLU width of one expert.
+        norm_topk_prob (`bool`, defaults to True): renormalise the top-k weights to sum to 1.
+        router_aux_loss_coef (`float`, defaults to 0.01): weight of the aux_fi load-balancing loss.
+        output_router_logits (`bool`): return every router's logits.
+        moe_implementation (`str`, defaults to ``"sorted"``): expert compute path, one of ``"eager"`` (the seed's
+            per-expert loop over a token mask), ``"sorted"`` (tokens sorted by expert, one contiguous slice per
+            expert, each expert an ``nn.Linear`` SwiGLU: FP8-convertible) or ``"grouped_mm"`` (same layout, one
+            ``torch._grouped_mm`` over the stacked expert weights; bypasses ``Float8Linear``). transformers' own
+            ``experts_implementation`` interface is not used: it needs fused 3-D expert parameters, which torchao's
+            ``Float8Linear`` conversion (``nn.Linear`` only) cannot reach.
+        engram_layer_ids (`list[int]`, defaults to ``[1, 4]``): recurrent layers that read Engram memory.
+        engram_ngram_sizes (`list[int]`, defaults to ``[2, 3]``): hashed byte n-gram orders.
+        engram_num_heads (`int`, defaults to 4): hash heads per n-gram order (each its own table and prime modulus).
+        engram_head_dim (`int`, defaults to 64): embedding width of one table; the memory is
+            ``len(engram_ngram_sizes) * engram_num_heads * engram_head_dim`` wide.
+        engram_table_size (`int`, defaults to 65536): rows per table (each head uses the next distinct prime above it).
+        engram_conv_kernel_size (`int`, defaults to 4): causal depthwise ShortConv width, in segments.
+        engram_hash_seed (`int`): seed of the odd hash multipliers (plain numpy data, identical in every process).
+        boundary_temperature (`float`, defaults to 0.5): relaxed-Bernoulli temperature in training (FlexiTokens).
+        boundary_threshold (`float`, defaults to 0.5): eval-time boundary when ``sigmoid(logit) > threshold``.
+        boundary_prior / boundary_prior_std / boundary_prior_k (`float`): target boundary rate per byte (English 0.333),
+            its std (0.023) and the lower-hinge width k (3): loss ``relu(r - prior) + relu(prior - k*std - r)``.
+        boundary_loss_coef (`float`, defaults to 1.0).
+        n_loops (`int`, defaults to 6): recurrent iterations; may exceed ``max_loop_iters`` (loop index clamped).
+        max_loop_iters (`int`, defaults to 16): rows of ``loop_embedding`` and of the per-loop LoRA scales.
+        act_threshold (`float`, defaults to 0.99): ACT halting threshold (Graves 2016).
+        ponder_loss_coef (`float`, defaults to 0.01).
+        lora_rank (`int`, defaults to 16): rank of the per-loop LoRA adapter.
+        rms_norm_eps, initializer_range, max_position_embeddings, rope_theta, attention_dropout: as in Llama.
+    """
+
+    model_type = "spider"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts"}
+
+    vocab_size: int = 272
+    hidden_size: int = 2048
+    intermediate_size: int = 11008
+    num_attention_heads: int = 16
+    q_lora_rank: int | None = 768
+    kv_lora_rank: int = 256
+    qk_rope_head_dim: int = 32
+    qk_nope_head_dim: int = 64
+    v_head_dim: int = 64
+    num_prelude_layers: int = 2
+    num_recurrent_layers: int = 6
+    num_coda_layers: int = 2
+    num_hidden_layers: int | None = None
+    hidden_act: str = "silu"
+    n_routed_experts: int = 32
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    output_router_logits: bool = False
+    moe_implementation: str = "sorted"
+    engram_layer_ids: list[int] | None = None
+    engram_ngram_sizes: list[int] | None = None
+    engram_num_heads: int = 4
+    engram_head_dim: int = 64
+    engram_table_size: int = 65536
+    engram_conv_kernel_size: int = 4
+    engram_hash_seed: int = 0
+    boundary_temperature: float = 0.5
+    boundary_threshold: float = 0.5
+    boundary_prior: float = 0.333
+    boundary_prior_std: float = 0.023
+    boundary_prior_k: float = 3.0
+    boundary_loss_coef: float = 1.0
+    n_loops: int = 6
+    max_loop_iters: int = 16
+    act_threshold: float = 0.99
+    ponder_loss_coef: float = 0.01
+    lora_rank: int = 16
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    attention_dropout: float = 0.0
+    use_cache: bool = False
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = 256
+    bos_token_id: int | None = 257
+    eos_token_id: int | list[int] | None = 258
+
+    def __post_init__(self, **kwargs):
+        if self.engram_layer_ids is None:
+            self.engram_layer_ids = [1, 4]
+        if self.engram_ngram_sizes is None:
+            self.engram_ngram_sizes = [2, 3]
+        self.engram_layer_ids = [int(i) for i in self.engram_layer_ids]
+        self.engram_ngram_sizes = [int(n) for n in self.engram_ngram_sizes]
+        derived = self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
+        if self.num_hidden_layers is not None and self.num_hidden_layers != derived:
+            raise ValueError(
+                f"num_hidden_layers={self.num_hidden_layers} must equal num_prelude_layers + num_recurrent_layers + "
+                f"num_coda_layers = {derived}; leave it unset, it is derived"
+            )
+        self.num_hidden_layers = derived
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        super().__post_init__(**kwargs)
+        self.validate_architecture()
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "SpiderConfig":
+        """Build a named preset (``"tiny"``, ``"small"``, ``"1b"``), with keyword overrides.
+
+        Raises:
+            ValueError: unknown preset name (the message lists the known ones).
+        """
+        if name not in SPIDER_PRESETS:
+            raise ValueError(f"unknown Spider preset {name!r}; known presets: {sorted(SPIDER_PRESETS)}")
+        return cls(**{**SPIDER_PRESETS[name], **overrides})
+
+    def validate_architecture(self):
+        """Raise ``ValueError`` naming the first field whose value breaks a constraint."""
+
+        def require(ok: bool, field: str, constraint: str):
+            if not ok:
+                raise ValueError(f"SpiderConfig.{field}={getattr(self, field)!r} is invalid: {constraint}")
+
+        positive = [
+            "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "kv_lora_rank",
+            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_recurrent_layers", "n_routed_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "engram_num_heads", "engram_head_dim",
+            "engram_table_size", "engram_conv_kernel_size", "n_loops", "max_loop_iters", "lora_rank",
+            "max_position_embeddings",
+        ]
+        for field in positive:
+            value = getattr(self, field)
+            require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field, "must be an integer > 0")
+        for field in ("num_prelude_layers", "num_coda_layers", "n_shared_experts"):
+            value = getattr(self, field)
+            require(isinstance(value, int) and value >= 0, field, "must be an integer >= 0")
+        require(self.vocab_size >= 259, "vocab_size", "must hold the 256 bytes and PAD/BOS/EOS (>= 259)")
+        require(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be None or > 0")
+        require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (RoPE rotates pairs)")
+        require(
+            self.num_experts_per_tok <= self.n_routed_experts,
+            "num_experts_per_tok", f"top-k must not exceed n_routed_experts={self.n_routed_experts}",
+        )
+        require(self.moe_implementation in MOE_IMPLEMENTATIONS, "moe_implementation", f"must be one of {MOE_IMPLEMENTATIONS}")
+        require(
+            all(0 <= i < self.num_recurrent_layers for i in self.engram_layer_ids)
+            and len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),
+            "engram_layer_ids", f"must be distinct recurrent layer indices in [0, {self.num_recurrent_layers})",
+        )
+        require(
+            len(self.engram_ngram_sizes) > 0 and all(n >= 1 for n in self.engram_ngram_sizes),
+            "engram_ngram_sizes", "must be a non-empty list of n-gram orders >= 1",
+        )
+        require(self.boundary_temperature > 0, "boundary_temperature", "must be > 0")
+        require(0 < self.boundary_threshold < 1, "boundary_threshold", "must be in (0, 1)")
+        require(0 < self.boundary_prior < 1, "boundary_prior", "must be in (0, 1)")
+        require(self.boundary_prior_std >= 0, "boundary_prior_std", "must be >= 0")
+        require(0 < self.act_threshold <= 1, "act_threshold", "must be in (0, 1]")
+        for field in ("router_aux_loss_coef", "boundary_loss_coef", "ponder_loss_coef", "boundary_prior_k"):
+            require(getattr(self, field) >= 0, field, "must be >= 0")
+        require(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        require(self.rope_theta > 0, "rope_theta", "must be > 0")
+        require(0 <= self.attention_dropout < 1, "attention_dropout", "must be in [0, 1)")
+        for field in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, field)
+            require(value is None or 0 <= value < self.vocab_size, field, f"must be None or in [0, {self.vocab_size})")
+
+
+__all__ = ["SpiderConfig", "SPIDER_PRESETS"]

@@ -1,0 +1,1081 @@
+# Copyright 2026 The Spider authors. Licensed under the Apache License, Version 2.0.
+"""PyTorch Spider: a byte-level recurrent-depth transformer with learned token boundaries.
+
+The file reads top-down like the forward pass (SPEC §3)::
+
+    x  = embed_tokens(input_ids)                          # (B, L, D) bytes
+    x  = prelude(x)                                       # dense MLA + SwiGLU layers over bytes
+    b  = boundary_predictor(x)                            # FlexiTokens: hard 0/1 boundary per byte
+    e  = down_norm(downsample(b, x, null_group))          # (B, 1+S, D) segments
+    for t in range(n_loops):                              # recurrent block, shared weights
+        z = loop_norm(h + e + loop_embedding[t])
+        z = recurrent_layers(z, engram_memory)            # MLA + MoE (+ Engram at engram_layer_ids)
+        z = z + loop_lora(z, t);  h = A*h + B*e + z       # per-loop LoRA, LTI injection
+        ACT halting: h_out += w_t * h                     # Graves 2016
+    y  = coda(upsample(b, h_out) + x);  logits = lm_head(norm(y))
+
+Sources: DeepSeek-V2/V3 (MLA, MoE, aux_fi load balancing; transformers ``models/deepseek_v3``), Engram (DeepSeek,
+arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the pooling of Nawrot et al. 2023,
+OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn (arXiv 2502.05171), Relaxed Recursive Transformers
+(arXiv 2410.20672), ACT (Graves 2016, arXiv 1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
+
+This file imports only torch, transformers, numpy and the standard library: it is what the Hub serves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
+    from .configuration_spider import SpiderConfig
+except ImportError:  # loaded as a top-level module from the repository root
+    from configuration_spider import SpiderConfig
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpiderModelOutput(ModelOutput):
+    """Output of :class:`SpiderModel`.
+
+    Attributes:
+        last_hidden_state (`torch.FloatTensor` of shape `(B, L, D)`): byte states after the coda and the final norm.
+        hidden_states (`tuple[torch.FloatTensor]`, *optional*): byte states `(B, L, D)`: the embeddings, each prelude
+            layer's output, the upsampled recurrent output (plus the residual), each coda layer's output.
+        router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer), `(N, E)` fp32 logits of
+            the N routed (non-padding) segments.
+        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms (see
+            :class:`SpiderForConditionalGeneration`).
+        compression_rate (`torch.FloatTensor` scalar): bytes per closed segment (FlexiTokens' compression rate).
+        mean_halting_step (`torch.FloatTensor` scalar): mean number of loops a segment runs before ACT halts it.
+        expert_load (`torch.FloatTensor` of shape `(E,)`): aux_fi load per expert averaged over loops and layers
+            (1.0 everywhere at perfect balance).
+        boundaries (`torch.FloatTensor` of shape `(B, L)`): the hard 0/1 boundary decisions.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+    aux_loss: torch.FloatTensor | None = None
+    boundary_loss: torch.FloatTensor | None = None
+    ponder_loss: torch.FloatTensor | None = None
+    compression_rate: torch.FloatTensor | None = None
+    mean_halting_step: torch.FloatTensor | None = None
+    expert_load: torch.FloatTensor | None = None
+    boundaries: torch.FloatTensor | None = None
+
+
+@dataclass
+class SpiderCausalLMOutput(ModelOutput):
+    """Output of :class:`SpiderForConditionalGeneration`: ``out["loss"]`` works as in the seed's training loop.
+
+    Attributes:
+        loss (`torch.FloatTensor` scalar, with `labels`): ``lm_loss + router_aux_loss_coef * aux_loss +
+            boundary_loss_coef * boundary_loss + ponder_loss_coef * ponder_loss``.
+        logits (`torch.FloatTensor` of shape `(B, L, vocab_size)`).
+        lm_loss (`torch.FloatTensor` scalar, with `labels`): next-byte cross-entropy in nats (labels shifted inside,
+            -100 ignored).
+        Other fields as in :class:`SpiderModelOutput`.
+    """
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    lm_loss: torch.FloatTensor | None = None
+    aux_loss: torch.FloatTensor | None = None
+    boundary_loss: torch.FloatTensor | None = None
+    ponder_loss: torch.FloatTensor | None = None
+    compression_rate: torch.FloatTensor | None = None
+    mean_halting_step: torch.FloatTensor | None = None
+    expert_load: torch.FloatTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+    past_key_values: object | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building blocks: RMSNorm, RoPE, MLA attention, SwiGLU
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiderRMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype. Shape-preserving `(..., D)`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+
+
+class SpiderRotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021) for the `qk_rope_head_dim` part of MLA heads.
+
+    Computed on the fly (no buffers: `from_pretrained` builds on the meta device). Called once per forward for the
+    byte positions and once for the segment positions, and shared by every layer and loop.
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        self.dim = config.qk_rope_head_dim
+        self.base = config.rope_theta
+
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`position_ids` (B, T) int64 -> `(cos, sin)`, each (B, T, qk_rope_head_dim) in `x.dtype`."""
+        exponent = torch.arange(0, self.dim, 2, device=x.device, dtype=torch.float32) / self.dim
+        inv_freq = 1.0 / (self.base**exponent)
+        freqs = position_ids[..., None].to(torch.float32) * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """Rotate `q` (B, H, T, d) and `k` (B, 1, T, d) by `cos`/`sin` (B, T, d)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def build_attention_mask(token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Causal + key-padding boolean mask for SDPA.
+
+    Args:
+        token_mask: `(B, T)` bool, True for real tokens, or None (no padding: SDPA's `is_causal` path is used).
+    Returns:
+        `(B, 1, T, T)` bool (True = may attend) or None. A padding query attends to itself, so no row is empty
+        (an all-masked row would give NaN); its output is never read.
+    """
+    if token_mask is None:
+        return None
+    T = token_mask.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=token_mask.device).tril()
+    mask = causal[None] & token_mask[:, None, :]
+    mask = mask | torch.eye(T, dtype=torch.bool, device=token_mask.device)[None]
+    return mask[:, None]
+
+
+class SpiderAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 §2.1; transformers' `DeepseekV3Attention` names).
+
+    Queries go through a low-rank `q_a_proj -> q_a_layernorm -> q_b_proj`; keys and values share one compressed
+    latent `kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`, plus one rotary key shared by all heads. RoPE is
+    applied to the rope part only; attention is causal SDPA. Input/output `(B, T, hidden_size)`.
+    """
+
+    def __init__(self, config: SpiderConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scaling = self.qk_head_dim**-0.5
+        D, H = config.hidden_size, self.num_heads
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = SpiderRMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = SpiderRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, T, _ = hidden_states.shape
+        if self.config.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        compressed_kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv))
+        kv = kv.view(B, T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+        k_nope, value_states = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+        cos, sin = position_embeddings
+        q_pe, k_pe = apply_rotary_pos_emb(q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim), cos, sin)
+        query_states = torch.cat((q_nope, q_pe), dim=-1)
+        key_states = torch.cat((k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1)
+
+        attn_output = F.scaled_dot_product_attention(
+            query_states,
+            key_states,
+            value_states,
+            attn_mask=attention_mask,
+            dropout_p=self.config.attention_dropout if self.training else 0.0,
+            is_causal=attention_mask is None,
+            scale=self.scaling,
+        )
+        attn_output = attn_output.transpose(1, 2).reshape(B, T, self.num_heads * self.v_head_dim)
+        return self.o_proj(attn_output)
+
+
+class SpiderMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`, `(..., D) -> (..., D)`.
+
+    Used for the dense prelude/coda layers, for every routed expert and for the shared experts. Plain `nn.Linear`s,
+    so torchao's `Float8Linear` conversion reaches the experts too (as in the seed).
+    """
+
+    def __init__(self, config: SpiderConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Mixture of experts (DeepSeek-V3 MoE; routing ops mirror TileKernels 1.x)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class FusedMapping(NamedTuple):
+    """The expert-sorted ("fused") layout of TileKernels' `get_fused_mapping`.
+
+    Token-slots (token t, choice j) are laid out sorted by expert, one contiguous slice per expert padded to the
+    alignment. N = number of rows in the layout; -1 marks padding rows.
+
+    Attributes:
+        pos_to_expert, pos_to_token, pos_to_token_topk: int64 `(N,)` expert / token / flat slot (t*k+j) of each row.
+        token_topk_to_pos: int64 `(T, k)` row of each token-slot.
+        expert_start, expert_end: int64 `(E,)` first row and one-past-last row of each expert's slice.
+        num_tokens_per_expert: int64 `(E,)` rows per expert (slots rounded up to the alignment).
+    """
+
+    pos_to_expert: torch.Tensor
+    pos_to_token: torch.Tensor
+    pos_to_token_topk: torch.Tensor
+    token_topk_to_pos: torch.Tensor
+    expert_start: torch.Tensor
+    expert_end: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
+
+
+class SpiderMoEKernels:
+    """Torch reference of the TileKernels 1.x MoE routing ops: same names, shapes and rules, any device.
+
+    A :class:`SpiderMoE` calls its ``kernels`` attribute (this class by default); the trainer may swap in an adapter
+    over the installed `tile_kernels` (CUDA only) with the same methods. Every method is differentiable where the
+    TileKernels op has a backward (`expand_to_fused`, `reduce_fused` w.r.t. `x` and the weights).
+    """
+
+    name = "torch"
+    alignment = 1
+
+    @staticmethod
+    def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
+        """`scores` fp32 `(T, E)` -> int64 `(T, k)` expert ids, best first; ties go to the smaller expert index.
+
+        (`torch.topk` on CPU does not break ties that way; a stable descending sort does.)
+        """
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :num_topk]
+
+    @staticmethod
+    def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(T, k)` -> `(denominator (T,), normalized (T, k))`; the sum starts at 1e-20 as in TileKernels."""
+        denominator = topk_weights.sum(dim=-1) + 1e-20
+        return denominator, topk_weights / denominator[:, None]
+
+    @staticmethod
+    def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_topk: int) -> torch.Tensor:
+        """DeepSeek's f_i: `count_i * E / (T * k)`, fp32 `(E,)`; 1.0 for every expert at perfect balance."""
+        counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts).to(torch.float32)
+        return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
+
+    @staticmethod
+    def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
+        """Expert-sorted layout of the `(T, k)` token-slots; see :class:`FusedMapping`. No host-device sync.
+
+        The number of rows N is the static bound `T*k + E*(alignment-1)` (exactly `T*k` at alignment 1).
+        """
+        T, k = topk_idx.shape
+        device = topk_idx.device
+        flat = topk_idx.reshape(-1)
+        counts = torch.bincount(flat, minlength=num_experts)
+        padded = (counts + alignment - 1) // alignment * alignment
+        expert_end = padded.cumsum(0)
+        expert_start = expert_end - padded
+        order = torch.sort(flat, stable=True).indices  # slots sorted by expert, token order kept within an expert
+        sorted_expert = flat[order]
+        rank_in_expert = torch.arange(T * k, device=device) - (counts.cumsum(0) - counts)[sorted_expert]
+        pos = expert_start[sorted_expert] + rank_in_expert
+        N = T * k + num_experts * (alignment - 1)
+        token_topk_to_pos = torch.empty_like(flat).scatter_(0, order, pos)
+        pos_to_expert = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, sorted_expert)
+        pos_to_token = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, order // k)
+        pos_to_token_topk = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, order)
+        return FusedMapping(
+            pos_to_expert, pos_to_token, pos_to_token_topk, token_topk_to_pos.view(T, k), expert_start, expert_end, padded
+        )
+
+    @staticmethod
+    def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_expert: torch.Tensor) -> torch.Tensor:
+        """`x` `(T, H)` -> `(N, H)` rows in the fused layout; padding rows are 0."""
+        T, k = token_topk_to_pos.shape
+        out = x.new_zeros(pos_to_expert.shape[0], x.shape[-1])
+        return out.index_copy(0, token_topk_to_pos.reshape(-1), x.repeat_interleave(k, dim=0))
+
+    @staticmethod
+    def reduce_fused(x: torch.Tensor, topk_weights: torch.Tensor, token_topk_to_pos: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each token's k rows: `(N, H)`, `(T, k)`, `(T, k)` -> fp32 `(T, H)` (fp32 accumulation)."""
+        T, k = token_topk_to_pos.shape
+        rows = x[token_topk_to_pos.reshape(-1)].view(T, k, -1).to(torch.float32)
+        return (rows * topk_weights.to(torch.float32)[..., None]).sum(dim=1)
+
+
+class SpiderMoE(nn.Module):
+    """DeepSeek-V3-style mixture of experts: `router` + top-k routed SwiGLU experts + always-on shared experts.
+
+    Routing: softmax scores over `n_routed_experts` (fp32), top-k (ties to the smaller index), weights renormalised
+    over the top-k when `norm_topk_prob`. Load balancing: DeepSeek's f·P ("aux_fi") loss
+    `sum_i f_i * P_i`, `f_i = E * share of token-slots sent to i`, `P_i = mean score of i` (= 1 at perfect balance).
+
+    Expert compute follows `config.moe_implementation`: ``"eager"`` (the seed's loop over experts with a token mask),
+    ``"sorted"`` (fused expert-sorted layout, one contiguous slice per expert) or ``"grouped_mm"`` (fused layout,
+    `torch._grouped_mm` over the stacked expert weights). All three give the same outputs and gradients (tested).
+    """
+
+    kernels = SpiderMoEKernels
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(SpiderMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
+        if config.n_shared_experts > 0:
+            self.shared_experts = SpiderMLP(config, config.moe_intermediate_size * config.n_shared_experts)
+        else:
+            self.shared_experts = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route `x` `(T, D)` (the non-padding tokens).
+
+        Returns:
+            `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`.
+        """
+        router_logits = F.linear(x.to(torch.float32), self.router.weight.to(torch.float32))
+        scores = router_logits.softmax(dim=-1)
+        topk_idx = self.kernels.topk_gate(scores, self.top_k)
+        topk_weights = scores.gather(1, topk_idx)
+        if self.config.norm_topk_prob:
+            topk_weights = self.kernels.normalize_weight(topk_weights)[1]
+
+        routed = self.experts_forward(x, topk_idx, topk_weights)
+        out = routed.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+
+        expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
+        aux_loss = (expert_load * scores.mean(dim=0)).sum()
+        return out, router_logits, aux_loss, expert_load
+
+    def experts_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of the k chosen experts per token: `(T, D)`, int64 `(T, k)`, `(T, k)` -> fp32 `(T, D)`."""
+        implementation = self.config.moe_implementation
+        if implementation == "eager":
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for e, expert in enumerate(self.experts):
+                token_idx, slot = torch.where(topk_idx == e)
+                weighted = expert(x[token_idx]) * topk_weights[token_idx, slot, None]
+                out.index_add_(0, token_idx, weighted.to(torch.float32))
+            return out
+
+        mapping = self.kernels.get_fused_mapping(topk_idx, self.num_experts, self.kernels.alignment)
+        fused = self.kernels.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert)
+        if implementation == "grouped_mm":
+            offsets = mapping.expert_end.to(torch.int32)
+            gate = torch.stack([e.gate_proj.weight for e in self.experts]).transpose(1, 2)
+            up = torch.stack([e.up_proj.weight for e in self.experts]).transpose(1, 2)
+            down = torch.stack([e.down_proj.weight for e in self.experts]).transpose(1, 2)
+            act = self.experts[0].act_fn
+            hidden = act(torch._grouped_mm(fused, gate, offs=offsets)) * torch._grouped_mm(fused, up, offs=offsets)
+            expert_out = torch._grouped_mm(hidden, down, offs=offsets)
+        else:  # "sorted": one contiguous slice per expert through its own nn.Linear SwiGLU
+            sizes = mapping.num_tokens_per_expert.tolist()
+            trailing = fused.shape[0] - sum(sizes)
+            chunks = fused.split(sizes + [trailing])
+            outs = [expert(chunk) for expert, chunk in zip(self.experts, chunks)]
+            expert_out = torch.cat(outs + [chunks[-1]] if trailing else outs)
+        return self.kernels.reduce_fused(expert_out, topk_weights, mapping.token_topk_to_pos)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Engram conditional memory (DeepSeek, arXiv 2601.07372)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _primes_from(start: int, count: int) -> list[int]:
+    """The `count` smallest primes >= `start` (trial division; start is at most ~1e6 here)."""
+    primes, n = [], max(start, 2)
+    while len(primes) < count:
+        if all(n % d for d in range(2, math.isqrt(n) + 1)):
+            primes.append(n)
+        n += 1
+    return primes
+
+
+class SpiderEngramEmbeddings(nn.Module):
+    """Hashed byte n-gram memory tables, looked up once per forward at byte level.
+
+    For every n in `engram_ngram_sizes` and each of `engram_num_heads` heads, the n-gram of byte ids ending at byte l
+    is hashed as `XOR_i(id[l-i] * m_{n,h,i}) mod p_{n,h}` (odd multipliers m, a distinct prime modulus p per head)
+    and looked up in that head's table. Positions before the sequence start and padding read as id `vocab_size`.
+    Constants are plain Python ints drawn from `numpy.random.default_rng(engram_hash_seed)`: identical in every
+    process and unaffected by the meta device `from_pretrained` builds on. All tables live in one `nn.Embedding`
+    (head h's rows start at `offsets[h]`).
+
+    Output: `(B, L, M)` with `M = len(engram_ngram_sizes) * engram_num_heads * engram_head_dim`.
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        self.ngram_sizes = list(config.engram_ngram_sizes)
+        self.num_heads = config.engram_num_heads
+        self.head_dim = config.engram_head_dim
+        self.fill_id = config.vocab_size
+        n_tables = len(self.ngram_sizes) * self.num_heads
+        rng = np.random.default_rng(config.engram_hash_seed)
+        # multipliers[n_idx][h] = list of n odd 31-bit ints
+        self.multipliers = [
+            [[int(m) | 1 for m in rng.integers(1 << 20, 1 << 31, size=n)] for _ in range(self.num_heads)]
+            for n in self.ngram_sizes
+        ]
+        self.moduli = _primes_from(config.engram_table_size, n_tables)
+        self.offsets = [int(o) for o in np.cumsum([0] + self.moduli[:-1])]
+        self.embedding = nn.Embedding(sum(self.moduli), self.head_dim)
+        self.output_size = n_tables * self.head_dim
+
+    def hash_ids(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None) -> torch.LongTensor:
+        """Table row of every (byte, head): int64 `(B, L, n_tables)`, already offset into `self.embedding`."""
+        ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, self.fill_id)
+        max_n = max(self.ngram_sizes)
+        padded = F.pad(ids, (max_n - 1, 0), value=self.fill_id)
+        L = ids.shape[1]
+        shifted = [padded[:, max_n - 1 - i : max_n - 1 - i + L] for i in range(max_n)]  # shifted[i][l] = id[l - i]
+        rows, table = [], 0
+        for n_idx, n in enumerate(self.ngram_sizes):
+            for h in range(self.num_heads):
+                mult = self.multipliers[n_idx][h]
+                hashed = shifted[0] * mult[0]
+                for i in range(1, n):
+                    hashed = torch.bitwise_xor(hashed, shifted[i] * mult[i])
+                rows.append(hashed % self.moduli[table] + self.offsets[table])
+                table += 1
+        return torch.stack(rows, dim=-1)
+
+    def forward(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        rows = self.hash_ids(input_ids, token_mask)
+        B, L, n_tables = rows.shape
+        return self.embedding(rows).view(B, L, n_tables * self.head_dim)
+
+
+class SpiderEngram(nn.Module):
+    """Context-aware gating of Engram memory into one recurrent layer (Engram §3):
+
+    `alpha = sigmoid(signed_sqrt(<RMSNorm(h), RMSNorm(W_k e)> / sqrt(D)))`, `v = alpha * W_v e`,
+    `out = v + SiLU(ShortConv(RMSNorm(v)))` with a causal depthwise convolution over segments. The output is added
+    to the residual stream before attention. Shapes: `h` `(B, S, D)`, memory `e` `(B, S, M)` -> `(B, S, D)`.
+    """
+
+    def __init__(self, config: SpiderConfig, memory_size: int):
+        super().__init__()
+        D = config.hidden_size
+        self.key_proj = nn.Linear(memory_size, D, bias=False)
+        self.value_proj = nn.Linear(memory_size, D, bias=False)
+        self.hidden_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.key_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.conv_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.kernel_size = config.engram_conv_kernel_size
+        self.short_conv = nn.Conv1d(D, D, self.kernel_size, groups=D, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        memory = memory.to(hidden_states.dtype)
+        key = self.key_norm(self.key_proj(memory))
+        score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / math.sqrt(hidden_states.shape[-1])
+        score = score.to(torch.float32)
+        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt()).to(hidden_states.dtype)
+        value = gate * self.value_proj(memory)
+        conv_in = F.pad(self.conv_norm(value).transpose(1, 2), (self.kernel_size - 1, 0))
+        return value + F.silu(self.short_conv(conv_in).transpose(1, 2))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiderDecoderLayer(GradientCheckpointingLayer):
+    """Dense pre-norm layer over bytes (prelude and coda): MLA attention + SwiGLU. `(B, L, D) -> (B, L, D)`."""
+
+    def __init__(self, config: SpiderConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = SpiderAttention(config, layer_idx)
+        self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SpiderMLP(config, config.intermediate_size)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask):
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class SpiderRecurrentLayer(GradientCheckpointingLayer):
+    """One layer of the looped block over segments: (Engram memory) + MLA attention + MoE, pre-norm.
+
+    Forward args (positional, so activation checkpointing sees every tensor): `hidden_states` `(B, S, D)`,
+    `position_embeddings` (segment RoPE), `attention_mask` `(B, 1, S, S)` bool or None, `token_mask` `(B, S)` bool
+    (non-padding segments; only these are routed), `engram_memory` `(B, S, M)` or None.
+    Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`.
+    """
+
+    def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.engram = SpiderEngram(config, memory_size) if layer_idx in config.engram_layer_ids else None
+        self.input_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = SpiderAttention(config, layer_idx)
+        self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SpiderMoE(config)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, token_mask, engram_memory=None):
+        if self.engram is not None:
+            hidden_states = hidden_states + self.engram(hidden_states, engram_memory)
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
+        normed = self.post_attention_layernorm(hidden_states)
+        moe_out, router_logits, aux_loss, expert_load = self.mlp(normed[token_mask])
+        hidden_states = hidden_states.index_put((token_mask,), hidden_states[token_mask] + moe_out)
+        return hidden_states, router_logits, aux_loss, expert_load
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FlexiTokens: boundary predictor, downsample, upsample
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiderBoundaryPredictor(nn.Module):
+    """FlexiTokens boundary predictor (arXiv 2507.12720 §3): `Linear(D, D) -> GELU -> Linear(D, 1)` per byte.
+
+    Training samples a relaxed Bernoulli at `boundary_temperature` and takes `hard = soft > 0.5` with a
+    straight-through estimator; eval is deterministic (`sigmoid(logit) > boundary_threshold`). Padding never
+    holds a boundary. Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in value.
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = nn.GELU()
+        self.out_proj = nn.Linear(config.hidden_size, 1)
+        self.temperature = config.boundary_temperature
+        self.threshold = config.boundary_threshold
+
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
+        logits = self.out_proj(self.act(self.dense(hidden_states))).squeeze(-1).to(torch.float32)
+        probs = torch.sigmoid(logits)
+        if self.training:
+            soft = torch.distributions.RelaxedBernoulli(torch.tensor(self.temperature), logits=logits).rsample()
+            boundaries = (soft > 0.5).to(soft.dtype) + soft - soft.detach()
+        else:
+            boundaries = (probs > self.threshold).to(torch.float32)
+        if token_mask is not None:
+            boundaries = boundaries * token_mask
+        return boundaries, probs
+
+
+def downsample(
+    boundaries: torch.Tensor,
+    hidden_states: torch.Tensor,
+    null_group: torch.Tensor | None,
+    token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean-pool bytes into the segments their boundaries close (FlexiTokens / Nawrot et al. 2023).
+
+    A boundary at byte l closes the segment containing l; the open tail after the last boundary is dropped, and
+    padding bytes never enter a mean. A `null_group` vector (zeros if None) is prepended as segment 0. Gradients
+    reach the boundaries through the pooling weights, which equal 1 in value (Nawrot et al.'s construction).
+
+    Args:
+        boundaries: `(B, L)` float, 0/1 in value (may carry a straight-through gradient).
+        hidden_states: `(B, L, D)`.
+        null_group: `(D,)` or None.
+        token_mask: `(B, L)` bool or None.
+    Returns:
+        `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)` with S the largest number of
+        closed segments in the batch; rows with fewer are right-padded with zeros (mask False).
+    """
+    B, L, D = hidden_states.shape
+    cum_inclusive = boundaries.cumsum(dim=1)
+    cum_exclusive = cum_inclusive - boundaries
+    segment_idx = cum_exclusive.detach().long()  # segment holding byte l (0-based among closed segments)
+    n_closed = cum_inclusive[:, -1].detach().long() if L > 0 else boundaries.new_zeros(B).long()
+    S = int(n_closed.max()) if B > 0 and L > 0 else 0
+    weight = 1.0 + (cum_exclusive - cum_exclusive.detach())
+    inside = segment_idx < n_closed[:, None]
+    if token_mask is not None:
+        inside = inside & token_mask
+    weight = weight * inside
+    pooled = hidden_states.new_zeros(B, S, D)
+    if S > 0:
+        index = segment_idx.clamp(max=S - 1)
+        sums = torch.zeros(B, S, D, dtype=torch.float32, device=hidden_states.device).scatter_add(
+            1, index[..., None].expand(B, L, D), hidden_states.to(torch.float32) * weight[..., None]
+        )
+        counts = torch.zeros(B, S, dtype=torch.float32, device=hidden_states.device).scatter_add(1, index, weight)
+        pooled = (sums / counts.clamp_min(1e-6)[..., None]).to(hidden_states.dtype)
+    null = hidden_states.new_zeros(D) if null_group is None else null_group.to(hidden_states.dtype)
+    segments = torch.cat([null.expand(B, 1, D), pooled], dim=1)
+    segment_mask = torch.arange(S + 1, device=hidden_states.device)[None] <= n_closed[:, None]
+    return segments, segment_mask
+
+
+def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """Byte l reads the last segment closed at or before l (segment 0, the null group, before the first): causal.
+
+    Args: `boundaries` `(B, L)` 0/1 float, `segments` `(B, 1+S, D)`. Returns `(B, L, D)`.
+    """
+    cum_inclusive = boundaries.cumsum(dim=1)
+    index = cum_inclusive.detach().long()
+    weight = (1.0 + (cum_inclusive - cum_inclusive.detach())).to(segments.dtype)
+    gathered = segments.gather(1, index[..., None].expand(-1, -1, segments.shape[-1]))
+    return gathered * weight[..., None]
+
+
+def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, config: SpiderConfig):
+    """FlexiTokens' hinge on the boundary rate r (boundaries per real byte):
+    `relu(r - prior) + relu(prior - k*std - r)`. Returns `(loss, rate)`, fp32 scalars."""
+    rate = (boundaries * token_mask).sum() / token_mask.sum().clamp_min(1)
+    lower = config.boundary_prior - config.boundary_prior_k * config.boundary_prior_std
+    return F.relu(rate - config.boundary_prior) + F.relu(lower - rate), rate
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Recurrence: loop LoRA, LTI injection, ACT halting
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiderLoopLoRA(nn.Module):
+    """Per-loop low-rank adapter `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`.
+
+    A and B are shared across loops and each loop t scales the rank-r bottleneck with its own vector (OpenMythos'
+    design rather than Relaxed Recursive Transformers' separate A/B per loop): `max_loop_iters * r` extra
+    parameters instead of `max_loop_iters * 2 * D * r`, so the loop count stays cheap to raise. B starts at zero, so
+    every loop starts as the shared block. Loops past `max_loop_iters` reuse the last scale.
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        self.max_loop_iters = config.max_loop_iters
+        self.lora_A = nn.Parameter(torch.empty(config.lora_rank, config.hidden_size))
+        self.lora_B = nn.Parameter(torch.empty(config.hidden_size, config.lora_rank))
+        self.loop_scale = nn.Parameter(torch.empty(config.max_loop_iters, config.lora_rank))
+
+    def forward(self, hidden_states: torch.Tensor, loop_idx: int) -> torch.Tensor:
+        scale = self.loop_scale[min(loop_idx, self.max_loop_iters - 1)].to(hidden_states.dtype)
+        down = F.linear(hidden_states, self.lora_A.to(hidden_states.dtype)) * scale
+        return F.linear(down, self.lora_B.to(hidden_states.dtype))
+
+
+class SpiderLTIInjection(nn.Module):
+    """Stable linear time-invariant state update (Parcae / OpenMythos): `h = A*h + B*e + z`, per channel.
+
+    `A = exp(-exp(log_dt + log_A))` is strictly inside (0, 1) (the exponent is clamped to [-10, 4], where fp32
+    still resolves both ends), so the recurrence cannot blow up however many loops run. Shapes `(B, S, D)`.
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        self.log_A = nn.Parameter(torch.empty(config.hidden_size))
+        self.log_dt = nn.Parameter(torch.empty(1))
+        self.B = nn.Parameter(torch.empty(config.hidden_size))
+
+    def decay(self) -> torch.Tensor:
+        """A, fp32 `(D,)`, strictly in (0, 1)."""
+        return torch.exp(-torch.exp((self.log_dt + self.log_A).to(torch.float32).clamp(-10.0, 4.0)))
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.decay().to(h.dtype) * h + self.B.to(h.dtype) * e + z
+
+
+class AdaptiveComputationTime:
+    """ACT halting state over a grid of positions (Graves 2016, arXiv 1603.08983; OpenMythos' loop form).
+
+    Each loop t gives a halting probability `p_t` per position; a position keeps accumulating `p_t` until the sum
+    would reach `threshold`, then halts with the remainder `1 - sum`. `step(p, is_last=True)` halts every
+    position still running, so each position's step weights sum to exactly 1. All state is fp32, shape `shape`.
+
+    Attributes:
+        halting_prob: accumulated probability; `remainders`: the remainder each position halted with;
+        n_updates: loops each position took part in. Ponder cost = `n_updates + remainders` (the remainder
+        carries the gradient to the halt predictor).
+    """
+
+    def __init__(self, shape: tuple[int, ...], threshold: float, device: torch.device | None = None):
+        self.threshold = threshold
+        self.halting_prob = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.remainders = torch.zeros_like(self.halting_prob)
+        self.n_updates = torch.zeros_like(self.halting_prob)
+
+    def step(self, p: torch.Tensor, is_last: bool) -> torch.Tensor:
+        """`p`: fp32 halting probabilities, shape `shape`. Returns this loop's output weights, fp32, shape `shape`."""
+        running = (self.halting_prob < self.threshold).to(torch.float32)
+        if is_last:
+            new_halted, running = running, torch.zeros_like(running)
+        else:
+            reached = (self.halting_prob + p * running >= self.threshold).to(torch.float32)
+            new_halted, running = reached * running, (1.0 - reached) * running
+        self.halting_prob = self.halting_prob + p * running
+        self.remainders = self.remainders + new_halted * (1.0 - self.halting_prob)
+        self.halting_prob = self.halting_prob + new_halted * self.remainders
+        self.n_updates = self.n_updates + running + new_halted
+        return p * running + new_halted * self.remainders
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiderPreTrainedModel(PreTrainedModel):
+    config: SpiderConfig
+    config_class = SpiderConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SpiderDecoderLayer", "SpiderRecurrentLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Conv1d):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, SpiderRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, SpiderLoopLoRA):
+            init.normal_(module.lora_A, mean=0.0, std=std)
+            init.zeros_(module.lora_B)
+            init.ones_(module.loop_scale)
+        elif isinstance(module, SpiderLTIInjection):
+            init.zeros_(module.log_A)
+            init.constant_(module.log_dt, math.log(math.log(2.0)))  # A = 0.5 at start
+            init.constant_(module.B, 0.5)
+        elif isinstance(module, SpiderModel):
+            init.normal_(module.null_group, mean=0.0, std=std)
+
+
+class SpiderModel(SpiderPreTrainedModel):
+    """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments -> coda.
+
+    Module names are load-bearing (the FP8 filter of the seed selects by them): `embed_tokens`, `prelude_layers`,
+    `boundary_predictor`, `engram_embeddings`, `layers` (recurrent), `loop_embedding`, `loop_lora`, `injection`,
+    `halt_predictor`, `coda_layers`, norms `down_norm`, `loop_norm`, `norm`.
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__(config)
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.rotary_emb = SpiderRotaryEmbedding(config)
+        self.prelude_layers = nn.ModuleList(SpiderDecoderLayer(config, i) for i in range(config.num_prelude_layers))
+        self.boundary_predictor = SpiderBoundaryPredictor(config)
+        self.null_group = nn.Parameter(torch.empty(D))
+        self.down_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.engram_embeddings = SpiderEngramEmbeddings(config)
+        self.loop_embedding = nn.Embedding(config.max_loop_iters, D)
+        self.loop_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        first = config.num_prelude_layers
+        self.layers = nn.ModuleList(
+            SpiderRecurrentLayer(config, i, self.engram_embeddings.output_size)
+            for i in range(config.num_recurrent_layers)
+        )
+        self.loop_lora = SpiderLoopLoRA(config)
+        self.injection = SpiderLTIInjection(config)
+        self.halt_predictor = nn.Linear(D, 1)
+        first += config.num_recurrent_layers
+        self.coda_layers = nn.ModuleList(SpiderDecoderLayer(config, first + i) for i in range(config.num_coda_layers))
+        self.norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def check_inputs(self, input_ids: torch.LongTensor, n_loops: int) -> None:
+        """Raise ``ValueError`` for ids outside `[0, vocab_size)`, sequences longer than `max_position_embeddings`,
+        or `n_loops < 1` -- before any indexing."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(
+                f"input length {input_ids.shape[1]} exceeds max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        if input_ids.numel() > 0:
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
+        if not isinstance(n_loops, int) or n_loops < 1:
+            raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        n_loops: int | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SpiderModelOutput:
+        """Args:
+            input_ids: int64 `(B, L)`, ids in `[0, vocab_size)`.
+            attention_mask: `(B, L)`, 1 for real bytes, 0 for padding (left or right), or None.
+            n_loops: recurrent iterations (default `config.n_loops`).
+        Raises:
+            ValueError: see :meth:`check_inputs`.
+        """
+        n_loops = self.config.n_loops if n_loops is None else n_loops
+        self.check_inputs(input_ids, n_loops)
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        B, L = input_ids.shape
+
+        # Padding: positions count real bytes only, so a left-padded row sees the positions it has alone.
+        token_mask = None
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            token_mask = attention_mask.bool()
+            position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)
+        else:
+            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        byte_mask = token_mask if token_mask is not None else torch.ones(B, L, dtype=torch.bool, device=input_ids.device)
+        byte_attention_mask = build_attention_mask(token_mask)
+
+        # Prelude over bytes.
+        x = self.embed_tokens(input_ids)
+        byte_rope = self.rotary_emb(x, position_ids)
+        all_hidden_states = (x,) if output_hidden_states else None
+        for layer in self.prelude_layers:
+            x = layer(x, byte_rope, byte_attention_mask)
+            if output_hidden_states:
+                all_hidden_states += (x,)
+
+        # FlexiTokens: bytes -> segments. Engram memory is looked up once, pooled with the same boundaries.
+        boundaries, _ = self.boundary_predictor(x, byte_mask)
+        segments, segment_mask = downsample(boundaries, x, self.null_group, byte_mask)
+        e = self.down_norm(segments)
+        engram_bytes = self.engram_embeddings(input_ids, byte_mask)
+        engram_memory, _ = downsample(boundaries, engram_bytes, None, byte_mask)
+        S1 = e.shape[1]
+        segment_rope = self.rotary_emb(e, torch.arange(S1, device=e.device).expand(B, S1))
+        padded_segments = not bool(segment_mask.all())
+        segment_attention_mask = build_attention_mask(segment_mask) if padded_segments else None
+
+        # Recurrent block with LTI injection and ACT halting (Graves 2016), weights shared across loops.
+        h = e
+        act = AdaptiveComputationTime((B, S1), self.config.act_threshold, e.device)
+        h_out = torch.zeros(B, S1, e.shape[-1], dtype=torch.float32, device=e.device)
+        aux_losses, expert_loads, router_logits = [], [], []
+        for t in range(n_loops):
+            loop_idx = min(t, self.config.max_loop_iters - 1)
+            z = self.loop_norm(h + e + self.loop_embedding.weight[loop_idx])
+            for layer in self.layers:
+                z, logits, aux, load = layer(z, segment_rope, segment_attention_mask, segment_mask, engram_memory)
+                aux_losses.append(aux)
+                expert_loads.append(load)
+                if output_router_logits:
+                    router_logits.append(logits)
+            z = z + self.loop_lora(z, t)
+            h = self.injection(h, e, z)
+
+            p = torch.sigmoid(self.halt_predictor(h).squeeze(-1).to(torch.float32))
+            step_weight = act.step(p, is_last=t == n_loops - 1)
+            h_out = h_out + step_weight[..., None] * h.to(torch.float32)
+
+        # Back to bytes (causal upsample + residual), then the coda.
+        y = upsample(boundaries, h_out.to(x.dtype)) + x
+        if output_hidden_states:
+            all_hidden_states += (y,)
+        for layer in self.coda_layers:
+            y = layer(y, byte_rope, byte_attention_mask)
+            if output_hidden_states:
+                all_hidden_states += (y,)
+        y = self.norm(y)
+
+        seg_weight = segment_mask.to(torch.float32)
+        ponder_loss = ((act.n_updates + act.remainders) * seg_weight).sum() / seg_weight.sum()
+        mean_halting_step = ((act.n_updates * seg_weight).sum() / seg_weight.sum()).detach()
+        boundary_loss, rate = boundary_rate_loss(boundaries, byte_mask, self.config)
+        compression_rate = (1.0 / rate.clamp_min(1.0 / max(L, 1))).detach()
+        aux_loss = torch.stack(aux_losses).mean()
+        expert_load = torch.stack(expert_loads).mean(0).detach()
+
+        return SpiderModelOutput(
+            last_hidden_state=y,
+            hidden_states=all_hidden_states,
+            router_logits=tuple(router_logits) if output_router_logits else None,
+            aux_loss=aux_loss,
+            boundary_loss=boundary_loss,
+            ponder_loss=ponder_loss,
+            compression_rate=compression_rate,
+            mean_halting_step=mean_halting_step,
+            expert_load=expert_load,
+            boundaries=boundaries.detach(),
+        )
+
+
+class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
+    """Spider with a byte LM head. `forward(input_ids, attention_mask=None, labels=None, n_loops=None)`.
+
+    `labels` follow transformers' convention: aligned with `input_ids` (the model shifts them), -100 ignored.
+    The loss is `lm_loss + router_aux_loss_coef * aux_loss + boundary_loss_coef * boundary_loss +
+    ponder_loss_coef * ponder_loss`; every term is returned separately (:class:`SpiderCausalLMOutput`).
+    `generate()` re-runs the whole prefix each step (no KV cache yet); `n_loops=` passes through.
+    """
+
+    _tied_weights_keys = {}
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__(config)
+        self.model = SpiderModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        n_loops: int | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        return_dict: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> SpiderCausalLMOutput:
+        """Args: as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100 = ignore) and
+        `num_items_in_batch` (Trainer's count of label tokens across gradient-accumulation steps).
+        Returns :class:`SpiderCausalLMOutput`; logits are `(B, L, vocab_size)` in the model dtype.
+        Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, or mis-shaped labels."""
+        outputs = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            n_loops=n_loops,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = lm_loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+            lm_loss = self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch)
+            loss = (
+                lm_loss
+                + self.config.router_aux_loss_coef * outputs.aux_loss
+                + self.config.boundary_loss_coef * outputs.boundary_loss
+                + self.config.ponder_loss_coef * outputs.ponder_loss
+            )
+        return SpiderCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            lm_loss=lm_loss,
+            aux_loss=outputs.aux_loss,
+            boundary_loss=outputs.boundary_loss,
+            ponder_loss=outputs.ponder_loss,
+            compression_rate=outputs.compression_rate,
+            mean_halting_step=outputs.mean_halting_step,
+            expert_load=outputs.expert_load,
+            hidden_states=outputs.hidden_states,
+            router_logits=outputs.router_logits,
+        )
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, n_loops=None, **kwargs):
+        """Without a KV cache every step feeds the whole prefix; `n_loops` is passed through."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "n_loops": n_loops}
+
+
+SpiderConfig.register_for_auto_class()
+SpiderModel.register_for_auto_class("AutoModel")
+SpiderForConditionalGeneration.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "SpiderPreTrainedModel",
+    "SpiderModel",
+    "SpiderForConditionalGeneration",
+    "SpiderMoE",
+    "SpiderMoEKernels",
+    "downsample",
+    "upsample",
+]

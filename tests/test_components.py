@@ -1,0 +1,439 @@
+"""Component tests of modeling_spider against independent references (SPEC §3)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from configuration_spider import SpiderConfig
+from modeling_spider import (
+    AdaptiveComputationTime,
+    SpiderEngramEmbeddings,
+    SpiderForConditionalGeneration,
+    SpiderLTIInjection,
+    SpiderMoE,
+    SpiderMoEKernels,
+    downsample,
+    upsample,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny(**overrides):
+    return SpiderConfig.from_preset("tiny", **overrides)
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return SpiderForConditionalGeneration(tiny(**overrides))
+
+
+# --- FlexiTokens downsample / upsample ---------------------------------------------------------------------------
+
+
+def test_downsample_upsample_worked_example():
+    # bytes:      0  1  2  3  4  5  6
+    # boundary:   0  1  0  0  1  0  0   -> segments {0,1}, {2,3,4}; bytes 5,6 are the open tail (dropped)
+    b = torch.tensor([[0.0, 1, 0, 0, 1, 0, 0]])
+    h = torch.arange(7, dtype=torch.float32).view(1, 7, 1) * torch.tensor([1.0, 10.0])
+    null = torch.tensor([-1.0, -2.0])
+    seg, mask = downsample(b, h, null)
+    expected = torch.tensor([[[-1.0, -2.0], [0.5, 5.0], [3.0, 30.0]]])
+    torch.testing.assert_close(seg, expected)
+    assert mask.tolist() == [[True, True, True]]
+    # upsample: byte l reads the last segment closed at or before l
+    up = upsample(b, seg)
+    reads = [0, 1, 1, 1, 2, 2, 2]
+    torch.testing.assert_close(up, seg[0, reads].unsqueeze(0))
+
+
+def test_downsample_padding_and_ragged_rows():
+    b = torch.tensor([[1.0, 0, 1, 1], [0.0, 0, 0, 1]])
+    mask = torch.tensor([[True, True, True, True], [False, False, True, True]])
+    h = torch.randn(2, 4, 3)
+    seg, seg_mask = downsample(b, h, None, mask)
+    assert seg.shape == (2, 4, 3)
+    assert seg_mask.tolist() == [[True] * 4, [True, True, False, False]]
+    torch.testing.assert_close(seg[0, 2], h[0, 1:3].mean(0))
+    torch.testing.assert_close(seg[1, 1], h[1, 2:4].mean(0))  # padding bytes 0, 1 never enter the mean
+    assert torch.equal(seg[1, 2:], torch.zeros(2, 3))
+
+
+def test_downsample_gradient_reaches_boundaries():
+    logits = torch.zeros(1, 6, requires_grad=True)
+    soft = torch.sigmoid(logits)
+    hard = torch.tensor([[0.0, 1, 0, 1, 0, 1]])
+    b = hard + soft - soft.detach()
+    h = torch.randn(1, 6, 4)
+    seg, _ = downsample(b, h, torch.zeros(4))
+    upsample(b, seg).pow(2).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+# --- causality, padding ------------------------------------------------------------------------------------------
+
+
+def test_causality_in_eval():
+    model = tiny_model().eval()
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids).logits
+        for k in (5, 20, 47):
+            changed = ids.clone()
+            changed[0, k] = (changed[0, k] + 101) % 256
+            out = model(changed).logits
+            torch.testing.assert_close(out[:, :k], base[:, :k], atol=1e-5, rtol=1e-5)
+            assert (out[:, k:] - base[:, k:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_rows_alone(side):
+    model = tiny_model().eval()
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(0, 256, (1, 30), generator=g)
+    b = torch.randint(0, 256, (1, 17), generator=g)
+    pad = torch.full((1, 13), 256)
+    row_b = torch.cat([pad, b], 1) if side == "left" else torch.cat([b, pad], 1)
+    mask_b = (row_b != 256).long() if side == "left" else torch.cat([torch.ones(1, 17), torch.zeros(1, 13)], 1).long()
+    with torch.no_grad():
+        alone_a, alone_b = model(a).logits, model(b).logits
+        both = model(torch.cat([a, row_b]), attention_mask=torch.cat([torch.ones(1, 30).long(), mask_b])).logits
+    torch.testing.assert_close(both[0], alone_a[0], atol=1e-5, rtol=1e-5)
+    got_b = both[1, 13:] if side == "left" else both[1, :17]
+    torch.testing.assert_close(got_b, alone_b[0], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_gets_no_loss():
+    model = tiny_model().eval()
+    ids = torch.randint(0, 256, (1, 20))
+    labels = ids.clone()
+    padded_ids = torch.cat([ids, torch.full((1, 8), 256)], 1)
+    padded_labels = torch.cat([labels, torch.full((1, 8), -100)], 1)
+    mask = torch.cat([torch.ones(1, 20), torch.zeros(1, 8)], 1).long()
+    with torch.no_grad():
+        alone = model(ids, labels=labels).lm_loss
+        padded = model(padded_ids, attention_mask=mask, labels=padded_labels).lm_loss
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
+
+
+# --- recurrence: ACT, LTI --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_loops,threshold", [(1, 0.99), (4, 0.99), (7, 0.5), (12, 0.999)])
+def test_act_weights_sum_to_one(n_loops, threshold):
+    g = torch.Generator().manual_seed(n_loops)
+    act = AdaptiveComputationTime((3, 50), threshold)
+    total = torch.zeros(3, 50)
+    for t in range(n_loops):
+        p = torch.rand(3, 50, generator=g) ** 2
+        w = act.step(p, is_last=t == n_loops - 1)
+        assert (w >= 0).all()
+        total += w
+    torch.testing.assert_close(total, torch.ones(3, 50))
+    assert ((act.n_updates >= 1) & (act.n_updates <= n_loops)).all()
+
+
+def test_act_matches_reference_recursion():
+    # independent scalar reference of Graves' ACT for one position
+    ps, threshold = [0.3, 0.5, 0.4, 0.9], 0.99
+    acc, weights = 0.0, []
+    for t, p in enumerate(ps):
+        if t == len(ps) - 1 or acc + p >= threshold:
+            weights.append(1.0 - acc)
+            break
+        acc += p
+        weights.append(p)
+    act = AdaptiveComputationTime((1,), threshold)
+    got = [float(act.step(torch.tensor([p]), is_last=t == len(ps) - 1)) for t, p in enumerate(ps)]
+    assert got[: len(weights)] == pytest.approx(weights)
+    assert sum(got) == pytest.approx(1.0)
+    assert float(act.n_updates) == len(weights)
+
+
+def test_lti_decay_strictly_inside_unit_interval():
+    lti = SpiderLTIInjection(tiny())
+    for value in (-1e4, -50.0, -3.0, 0.0, 3.0, 50.0, 1e4):
+        with torch.no_grad():
+            lti.log_A.fill_(value)
+            lti.log_dt.fill_(value / 2)
+        A = lti.decay()
+        assert ((A > 0) & (A < 1)).all(), value
+
+
+# --- MoE -------------------------------------------------------------------------------------------------------------
+
+
+def test_aux_fi_is_one_at_uniform_load():
+    E, k = 8, 2
+    topk_idx = torch.stack([torch.arange(16) % E, (torch.arange(16) + 3) % E], 1)
+    f = SpiderMoEKernels.aux_fi(topk_idx, E, k)
+    torch.testing.assert_close(f, torch.ones(E))
+    uniform_scores = torch.full((16, E), 1.0 / E)
+    assert float((f * uniform_scores.mean(0)).sum()) == pytest.approx(1.0)
+    # all tokens on one expert: f = [E, 0, ...] and aux = E * P_0
+    skewed = SpiderMoEKernels.aux_fi(torch.zeros(16, 1, dtype=torch.long), E, 1)
+    assert skewed.tolist() == [E] + [0.0] * (E - 1)
+
+
+def test_topk_ties_go_to_smaller_index():
+    scores = torch.tensor([[0.1, 0.3, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25], [0.4, 0.1, 0.4, 0.1]])
+    assert SpiderMoEKernels.topk_gate(scores, 2).tolist() == [[1, 2], [0, 1], [0, 2]]
+    # large random tie-heavy case against a pure-Python reference
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 4, (300, 32), generator=g).float()
+    got = SpiderMoEKernels.topk_gate(scores, 2).tolist()
+    ref = [sorted(range(32), key=lambda e: (-row[e], e))[:2] for row in scores.tolist()]
+    assert got == ref
+
+
+def test_fused_mapping_layout():
+    topk_idx = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])
+    for alignment in (1, 4):
+        m = SpiderMoEKernels.get_fused_mapping(topk_idx, 3, alignment)
+        counts = [3, 2, 3]
+        padded = [(c + alignment - 1) // alignment * alignment for c in counts]
+        assert m.num_tokens_per_expert.tolist() == padded
+        for t in range(4):
+            for j in range(2):
+                pos = int(m.token_topk_to_pos[t, j])
+                assert int(m.pos_to_expert[pos]) == int(topk_idx[t, j])
+                assert int(m.pos_to_token[pos]) == t and int(m.pos_to_token_topk[pos]) == t * 2 + j
+                e = int(topk_idx[t, j])
+                assert int(m.expert_start[e]) <= pos < int(m.expert_end[e])
+        assert int((m.pos_to_expert >= 0).sum()) == 8
+        x = torch.randn(4, 5)
+        fused = SpiderMoEKernels.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert)
+        assert torch.equal(fused[m.pos_to_expert < 0], torch.zeros(int((m.pos_to_expert < 0).sum()), 5))
+        w = torch.rand(4, 2)
+        torch.testing.assert_close(
+            SpiderMoEKernels.reduce_fused(fused, w, m.token_topk_to_pos), x * w.sum(1, keepdim=True)
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("implementation", ["sorted", "grouped_mm"])
+def test_moe_fast_paths_equal_eager(implementation, dtype):
+    torch.manual_seed(0)
+    config = tiny(moe_implementation="eager")
+    moe = SpiderMoE(config).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(57, config.hidden_size, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(57, config.hidden_size, dtype=dtype)
+
+    def run(impl):
+        moe.config.moe_implementation = impl
+        moe.zero_grad()
+        x.grad = None
+        out, _, aux, load = moe(x)
+        (out * grad_out).sum().backward()
+        return out.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in moe.named_parameters()}, aux, load
+
+    ref_out, ref_dx, ref_grads, ref_aux, ref_load = run("eager")
+    out, dx, grads, aux, load = run(implementation)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(dx, ref_dx, **tol)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=name)
+    torch.testing.assert_close(aux, ref_aux)
+    assert torch.equal(load, ref_load)
+
+
+def test_full_model_moe_paths_equal():
+    ids = torch.randint(0, 256, (2, 33))
+    losses = {}
+    for impl in ("eager", "sorted", "grouped_mm"):
+        model = tiny_model(seed=3, moe_implementation=impl).eval()
+        with torch.no_grad():
+            losses[impl] = model(ids, labels=ids).loss
+    torch.testing.assert_close(losses["sorted"], losses["eager"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(losses["grouped_mm"], losses["eager"], atol=1e-5, rtol=1e-5)
+
+
+# --- Engram ----------------------------------------------------------------------------------------------------------
+
+
+def _hash_script(config_json: str) -> str:
+    return (
+        "import json, sys, torch\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from configuration_spider import SpiderConfig\n"
+        "from modeling_spider import SpiderEngramEmbeddings\n"
+        f"cfg = SpiderConfig(**json.loads({config_json!r}))\n"
+        "ids = torch.arange(0, 272).remainder(251).view(2, 136)\n"
+        "print(json.dumps(SpiderEngramEmbeddings(cfg).hash_ids(ids).tolist()))\n"
+    )
+
+
+def test_engram_hashes_identical_across_processes():
+    overrides = {"engram_table_size": 1000, "engram_num_heads": 3, "engram_ngram_sizes": [2, 3]}
+    config = SpiderConfig(**overrides)
+    ids = torch.arange(0, 272).remainder(251).view(2, 136)
+    here = SpiderEngramEmbeddings(config).hash_ids(ids).tolist()
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", _hash_script(json.dumps(overrides))], capture_output=True, text=True, check=True
+        )
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+
+
+def test_engram_hash_reference_and_moduli():
+    config = tiny(engram_table_size=500, engram_num_heads=2, engram_ngram_sizes=[2, 3])
+    emb = SpiderEngramEmbeddings(config)
+    assert len(set(emb.moduli)) == 4 and all(p >= 500 for p in emb.moduli)
+    assert all(all(p % d for d in range(2, int(p**0.5) + 1)) for p in emb.moduli)
+    assert all(m % 2 == 1 for per_n in emb.multipliers for head in per_n for m in head)
+    ids = torch.randint(0, 256, (1, 9))
+    rows = emb.hash_ids(ids)
+    fill = config.vocab_size
+    seq = ids[0].tolist()
+    table = 0
+    for n_idx, n in enumerate(config.engram_ngram_sizes):
+        for h in range(2):
+            mult = emb.multipliers[n_idx][h]
+            for l in range(9):
+                acc = 0
+                for i in range(n):
+                    acc ^= (seq[l - i] if l - i >= 0 else fill) * mult[i]
+                assert int(rows[0, l, table]) == acc % emb.moduli[table] + emb.offsets[table]
+            table += 1
+
+
+def test_engram_identical_after_save_and_load(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    loaded = SpiderForConditionalGeneration.from_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (2, 21))
+    a, b = model.model.engram_embeddings, loaded.model.engram_embeddings
+    assert a.moduli == b.moduli and a.multipliers == b.multipliers
+    assert torch.equal(a.hash_ids(ids), b.hash_ids(ids))
+    torch.testing.assert_close(a(ids), b(ids))
+
+
+# --- losses and gradients --------------------------------------------------------------------------------------------
+
+
+LOSS_REACHES = {
+    "lm_loss": ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.router.weight"],
+    "aux_loss": ["model.layers.0.mlp.router.weight"],
+    "boundary_loss": ["model.boundary_predictor.out_proj.weight"],
+    "ponder_loss": ["model.halt_predictor.weight"],
+}
+
+
+@pytest.mark.parametrize("term", sorted(LOSS_REACHES))
+def test_each_loss_term_is_finite_and_reaches_its_parameters(term):
+    # boundary_prior far from the initial rate so the boundary hinge is active
+    model = tiny_model(boundary_prior=0.9).train()
+    ids = torch.randint(0, 256, (2, 40))
+    out = model(ids, labels=ids)
+    for name in ("loss", "lm_loss", "aux_loss", "boundary_loss", "ponder_loss"):
+        assert torch.isfinite(out[name]), name
+    out[term].backward()
+    params = dict(model.named_parameters())
+    for name in LOSS_REACHES[term]:
+        grad = params[name].grad
+        assert grad is not None and grad.abs().sum() > 0, f"{term} does not reach {name}"
+    if term == "aux_loss":  # the load-balancing loss touches the router only
+        assert params["lm_head.weight"].grad is None
+
+
+def test_total_loss_is_weighted_sum():
+    model = tiny_model().eval()
+    ids = torch.randint(0, 256, (2, 30))
+    out = model(ids, labels=ids)
+    c = model.config
+    expected = (
+        out.lm_loss + c.router_aux_loss_coef * out.aux_loss + c.boundary_loss_coef * out.boundary_loss
+        + c.ponder_loss_coef * out.ponder_loss
+    )
+    torch.testing.assert_close(out.loss, expected)
+    ref = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:]) + torch.nn.functional.cross_entropy(
+        out.logits[1, :-1], ids[1, 1:]
+    )
+    torch.testing.assert_close(out.lm_loss, ref / 2)
+
+
+def test_activation_checkpointing_gives_equal_gradients():
+    ids = torch.randint(0, 256, (2, 40))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(seed=4).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+            assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        torch.manual_seed(7)  # same relaxed-Bernoulli boundary sample
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_n_loops_beyond_max_loop_iters():
+    model = tiny_model().eval()
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        out = model(ids, n_loops=model.config.max_loop_iters + 3)
+    assert torch.isfinite(out.logits).all()
+    assert 1 <= float(out.mean_halting_step) <= model.config.max_loop_iters + 3
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_id", [-1, 272, 10_000])
+def test_out_of_vocabulary_ids_raise(bad_id):
+    model = tiny_model()
+    ids = torch.tensor([[1, 2, bad_id, 3]])
+    with pytest.raises(ValueError, match=f"token id {bad_id}"):
+        model(ids)
+
+
+def test_too_long_input_raises():
+    model = tiny_model(max_position_embeddings=32)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_bad_n_loops_raises():
+    with pytest.raises(ValueError, match="n_loops"):
+        tiny_model()(torch.zeros(1, 4, dtype=torch.long), n_loops=0)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("hidden_size", -8), ("num_experts_per_tok", 9), ("engram_layer_ids", [5]), ("n_loops", 0),
+        ("moe_implementation", "fast"), ("qk_rope_head_dim", 7), ("act_threshold", 1.5), ("num_hidden_layers", 3),
+        ("boundary_threshold", 1.0), ("vocab_size", 100),
+    ],
+)
+def test_invalid_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        tiny(**{field: value})
+
+
+def test_presets():
+    assert tiny().hidden_size == 64
+    assert SpiderConfig.from_preset("small", n_loops=3).n_loops == 3
+    with pytest.raises(ValueError, match="known presets"):
+        SpiderConfig.from_preset("huge")
+
+
+def test_default_config_is_the_seed_1b_model():
+    config = SpiderConfig()
+    assert (config.hidden_size, config.num_recurrent_layers, config.n_routed_experts, config.num_experts_per_tok) == (
+        2048, 6, 32, 2,
+    )
+    with torch.device("meta"):
+        model = SpiderForConditionalGeneration(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert 0.9e9 <= n <= 1.1e9, n
+    assert math.isclose(config.num_hidden_layers, 10)
