@@ -791,6 +791,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     _can_compile_fullgraph = False
 
+    def _return_dict(self, return_dict: bool | None) -> bool:
+        return return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -968,7 +971,7 @@ class SpiderModel(SpiderPreTrainedModel):
         aux_loss = torch.stack(aux_losses).mean()
         expert_load = torch.stack(expert_loads).mean(0).detach()
 
-        return SpiderModelOutput(
+        output = SpiderModelOutput(
             last_hidden_state=y,
             hidden_states=all_hidden_states,
             router_logits=tuple(router_logits) if output_router_logits else None,
@@ -980,6 +983,7 @@ class SpiderModel(SpiderPreTrainedModel):
             expert_load=expert_load,
             boundaries=boundaries.detach(),
         )
+        return output if self._return_dict(return_dict) else output.to_tuple()
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
@@ -1025,7 +1029,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> SpiderCausalLMOutput:
         """Args: as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100 = ignore) and
-        `num_items_in_batch` (Trainer's count of label tokens across gradient-accumulation steps).
+        `num_items_in_batch` (Trainer's count of label tokens across gradient-accumulation steps), and `shift_labels`
+        (targets already shifted, as transformers' loss takes them under sequence parallelism).
         Returns :class:`SpiderCausalLMOutput`; logits are `(B, L, vocab_size)` in the model dtype.
         Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, or mis-shaped labels."""
         outputs = self.model(
@@ -1037,17 +1042,20 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = lm_loss = None
-        if labels is not None:
-            if labels.shape != input_ids.shape:
+        shift_labels = kwargs.get("shift_labels")  # pre-shifted targets (sequence/context parallelism)
+        if labels is not None or shift_labels is not None:
+            if labels is not None and labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-            lm_loss = self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch)
+            lm_loss = self.loss_function(
+                logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
+            )
             loss = (
                 lm_loss
                 + self.config.router_aux_loss_coef * outputs.aux_loss
                 + self.config.boundary_loss_coef * outputs.boundary_loss
                 + self.config.ponder_loss_coef * outputs.ponder_loss
             )
-        return SpiderCausalLMOutput(
+        output = SpiderCausalLMOutput(
             loss=loss,
             logits=logits,
             lm_loss=lm_loss,
@@ -1060,6 +1068,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
         )
+        return output if self._return_dict(return_dict) else output.to_tuple()
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, n_loops=None, **kwargs):
         """Without a KV cache every step feeds the whole prefix; `n_loops` is passed through."""
