@@ -1,0 +1,675 @@
+"""Tests of spider_training.data and spider_training.write_shards (byte-level datasets, shards, sharding)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from spider_training import data as D
+from spider_training.write_shards import write_shards
+
+REPO = Path(__file__).resolve().parents[1]
+
+TEXTS = [
+    "Hello world.",
+    "Ünïcödé – ∑ 日本語 🕷",
+    "   ",  # whitespace only: skipped
+    "",  # empty: skipped
+    "The quick brown fox jumps over the lazy dog. " * 5,
+    "x",
+    "\n\t\n",  # whitespace only: skipped
+    "Last document.",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# independent reference (plain Python lists)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def reference_stream(texts) -> list[int]:
+    stream: list[int] = []
+    for t in texts:
+        b = t if isinstance(t, bytes) else t.encode("utf-8")
+        if (t.strip() if isinstance(t, str) else b.strip()) in ("", b""):
+            continue
+        stream += [257] + list(b) + [258]
+    return stream
+
+
+def reference_windows(texts, seq_len: int) -> list[list[int]]:
+    stream = reference_stream(texts)
+    width = seq_len + 1
+    out = []
+    for i in range(0, len(stream), width):
+        w = stream[i:i + width]
+        if len(w) < 2:  # a lone final token has no target
+            break
+        out.append(w + [256] * (width - len(w)))
+    return out
+
+
+def reference_examples(texts, seq_len):
+    return [(w, [-100 if x == 256 else x for x in w]) for w in reference_windows(texts, seq_len)]
+
+
+def as_pairs(examples):
+    return [(e["input_ids"].tolist(), e["labels"].tolist()) for e in examples]
+
+
+def rows(batches):
+    """Batches from a DataLoader -> list of (input_ids tuple, labels tuple)."""
+    out = []
+    for b in batches:
+        for x, y in zip(b["input_ids"].tolist(), b["labels"].tolist()):
+            out.append((tuple(x), tuple(y)))
+    return out
+
+
+def _chunks(stream, width):
+    return [c + [256] * (width - len(c)) for c in (stream[i:i + width] for i in range(0, len(stream), width))
+            if len(c) >= 2]
+
+
+def write_seed_shard(path: Path, tokens) -> Path:
+    np.asarray(tokens, dtype="<u2").tofile(path)
+    return path
+
+
+def write_header_shard(path: Path, tokens, *, magic=D.HEADER_MAGIC, version=1, count=None) -> Path:
+    header = np.zeros(256, dtype="<i4")
+    header[0], header[1], header[2] = magic, version, len(tokens) if count is None else count
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+    return path
+
+
+@pytest.fixture
+def random_shards(tmp_path):
+    """Two seed-format shards of random ids (windows are unique with overwhelming probability)."""
+    rng = np.random.default_rng(123)
+    d = tmp_path / "shards"
+    d.mkdir()
+    a = rng.integers(0, 259, size=1000)
+    b = rng.integers(0, 259, size=540)
+    write_seed_shard(d / "part_000.bin", a)
+    write_seed_shard(d / "part_001.bin", b)
+    return d, np.concatenate([a, b])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# packing and labels
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 16, 63, 4096])
+def test_text_packing_matches_reference(seq_len):
+    ds = D.TextByteDataset(D.TextSource.from_texts(TEXTS, "unit texts"), seq_len)
+    got = as_pairs(ds)
+    want = reference_examples(TEXTS, seq_len)
+    assert got == want
+    assert ds.stats.skipped_empty == 3 and ds.stats.documents == 5
+    for e in ds:
+        assert e["input_ids"].dtype == torch.long and e["labels"].dtype == torch.long
+        assert e["input_ids"].shape == e["labels"].shape == (seq_len + 1,)
+
+
+def test_bos_eos_and_pad_positions():
+    seq_len = 10
+    ds = D.TextByteDataset(D.TextSource.from_texts(["ab", "c"], "two docs"), seq_len)
+    (ex,) = list(ds)
+    # stream: BOS a b EOS BOS c EOS, padded to 11 with PAD
+    assert ex["input_ids"].tolist() == [257, 97, 98, 258, 257, 99, 258, 256, 256, 256, 256]
+    assert ex["labels"].tolist() == [257, 97, 98, 258, 257, 99, 258, -100, -100, -100, -100]
+
+
+def test_single_tail_token_is_not_emitted():
+    # "abc" -> 5 tokens; width 4 -> one full window + 1 lone token (no target)
+    ds = D.TextByteDataset(D.TextSource.from_texts(["abc"], "t"), 3)
+    assert as_pairs(ds) == [([257, 97, 98, 99], [257, 97, 98, 99])]
+    assert ds.stats.unused_tail_tokens == 1
+
+
+def test_window_to_example_pad_inside_window():
+    ex = D.window_to_example(np.array([257, 65, 256, 66, 258], dtype=np.uint16))
+    assert ex["input_ids"].tolist() == [257, 65, 256, 66, 258]
+    assert ex["labels"].tolist() == [257, 65, -100, 66, 258]
+
+
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40), max_size=12),
+       seq_len=st.integers(1, 50))
+def test_pack_windows_property(texts, seq_len):
+    docs = [D.encode_document(t) for t in texts if t.strip()]
+    got = [w.tolist() for w in D.pack_windows(docs, seq_len)]
+    assert got == reference_windows(texts, seq_len)
+
+
+def test_large_document_packs(tmp_path):
+    """A 20 MB single document streams through the datasets text path and the packer (linear, no list slicing)."""
+    n = 20 * 1024 * 1024
+    rng = np.random.default_rng(0)
+    body = rng.integers(97, 123, size=n, dtype=np.uint8).tobytes()
+    f = tmp_path / "big.txt"
+    f.write_bytes(body)
+    seq_len = 2047
+    ds = D.build_dataset(str(f), seq_len)
+    total = 0
+    first = last = None
+    for k, w in enumerate(ds.iter_windows()):
+        if k == 0:
+            first = w.copy()
+        last = w
+        total += 1
+    assert total == math.ceil((n + 2) / (seq_len + 1))
+    assert first[0] == D.BOS_ID and bytes(first[1:].astype(np.uint8)) == body[:seq_len]
+    tail = (n + 2) % (seq_len + 1)
+    assert last[tail - 1] == D.EOS_ID and (last[tail:] == D.PAD_ID).all()
+    # the public packer on the same document with a small window
+    windows = D.pack_windows([D.encode_document(body)], 255)
+    assert sum(1 for _ in windows) == math.ceil((n + 2) / 256)
+
+
+def test_max_doc_bytes_truncates_and_counts():
+    ds = D.TextByteDataset(D.TextSource.from_texts(["abcdef", "gh"], "t"), 100, max_doc_bytes=3)
+    (ex,) = list(ds)
+    assert ex["input_ids"].tolist()[:9] == [257, 97, 98, 99, 258, 257, 103, 104, 258]
+    assert ds.stats.truncated == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# empty documents, invalid UTF-8
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_whitespace_only_documents_are_skipped_and_counted(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    f.write_text("\n".join(json.dumps({"text": t}) for t in ["  ", "real text", "\n\n", "", "more"]) + "\n")
+    ds = D.build_dataset(str(f), 8)
+    got = as_pairs(ds)
+    assert got == reference_examples(["real text", "more"], 8)
+    assert ds.stats.skipped_empty == 3 and ds.stats.documents == 2
+
+
+def test_all_empty_source_raises_naming_source(tmp_path):
+    f = tmp_path / "blank_docs.jsonl"
+    f.write_text("\n".join(json.dumps({"text": t}) for t in [" ", "\t", ""]) + "\n")
+    ds = D.build_dataset(str(f), 8)
+    with pytest.raises(ValueError, match=r"blank_docs\.jsonl.*no non-empty documents.*3 empty"):
+        list(ds)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_invalid_utf8_is_replaced_not_fatal(tmp_path, suffix):
+    f = tmp_path / f"bad{suffix}"
+    if suffix == ".txt":
+        f.write_bytes(b"good \xff\xfe bytes\n")
+    else:
+        f.write_bytes(b'{"text": "good \xff\xfe bytes"}\n')
+    (ex,) = list(D.build_dataset(str(f), 64))
+    ids = ex["input_ids"].tolist()
+    replacement = list("\ufffd".encode("utf-8"))
+    assert ids[1:6] == list(b"good ")
+    assert ids[6:9] == replacement and ids[9:12] == replacement
+    assert 0xFF not in ids
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# local files and the hub code path, through datasets streaming
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+DOCS = ["First document, plain ASCII.", "Second: ß, é, 中文.", "Third one is a bit longer " * 3]
+
+
+def _write_local(tmp_path: Path, kind: str) -> Path:
+    if kind == "text":
+        d = tmp_path / "txt"
+        d.mkdir()
+        for i, t in enumerate(DOCS):
+            (d / f"doc{i}.txt").write_text(t, encoding="utf-8")
+        return d
+    if kind == "json":
+        f = tmp_path / "docs.jsonl"
+        f.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS)), encoding="utf-8")
+        return f
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"content": DOCS, "n": list(range(len(DOCS)))}), f)
+    return f
+
+
+@pytest.mark.parametrize("kind", ["text", "json", "parquet"])
+def test_local_files_through_streaming_datasets(tmp_path, kind):
+    import datasets
+
+    src = _write_local(tmp_path, kind)
+    column = "content" if kind == "parquet" else "text"
+    ds = D.build_dataset(str(src), 12, text_column=column)
+    assert isinstance(ds.source.dataset, datasets.IterableDataset)  # the streaming path
+    assert as_pairs(ds) == reference_examples(DOCS, 12)
+
+
+def test_missing_text_column_is_named(tmp_path):
+    src = _write_local(tmp_path, "parquet")
+    with pytest.raises(ValueError, match=r"no column 'body'.*content"):
+        list(D.build_dataset(str(src), 12, text_column="body"))
+
+
+def test_parquet_binary_column_keeps_raw_bytes(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "raw.parquet"
+    pq.write_table(pa.table({"text": pa.array([b"ok\xff"], type=pa.binary())}), f)
+    (ex,) = list(D.build_dataset(str(f), 8))
+    assert ex["input_ids"].tolist()[:5] == [257, 111, 107, 255, 258]
+
+
+def test_hub_code_path_offline_with_local_dataset_dir(tmp_path):
+    """TextSource.from_hub is load_dataset(id, name=config, split, streaming=True); a local dataset directory takes
+    the same call offline (the real FineWeb-Edu id cannot be reached here)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = tmp_path / "fake_hub_repo" / "data"
+    repo.mkdir(parents=True)
+    pq.write_table(pa.table({"text": DOCS[:2]}), repo / "train-00000-of-00002.parquet")
+    pq.write_table(pa.table({"text": DOCS[2:]}), repo / "train-00001-of-00002.parquet")
+    source = D.TextSource.from_hub(str(tmp_path / "fake_hub_repo"), None, split="train")
+    assert source.is_hub and source.num_shards == 2
+    ds = D.TextByteDataset(source, 12)
+    assert as_pairs(ds) == reference_examples(DOCS, 12)
+    # shard_by="auto" gives each of 2 slots its own file for a hub source with >= 2 files
+    assert ds.resolve_shard_by(2) == "files" and ds.resolve_shard_by(3) == "windows"
+    per_slot = [list(ds.iter_windows(s, 2)) for s in range(2)]
+    assert sorted(w.tolist() for ws in per_slot for w in ws) == sorted(
+        reference_windows(DOCS[:2], 12) + reference_windows(DOCS[2:], 12))
+
+
+def test_hub_source_parsing_and_errors():
+    assert D.parse_hub_source("HuggingFaceFW/fineweb-edu:sample-10BT") == ("HuggingFaceFW/fineweb-edu", "sample-10BT")
+    assert D.parse_hub_source("owner/name") == ("owner/name", None)
+    assert D.classify_source("HuggingFaceFW/fineweb-edu:sample-10BT") == ("hub", [])
+    with pytest.raises(ValueError, match="not a Hub dataset id"):
+        D.parse_hub_source("no-slash")
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        D.classify_source("./no_such_dir/x")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the embedded corpus
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_sotu_split_by_year_is_disjoint_and_complete():
+    train = D.sotu_documents("train", eval_from_year=2000)
+    ev = D.sotu_documents("eval", eval_from_year=2000)
+    speech_files = [p for p in D.sotu_speeches_dir().iterdir() if p.suffix == ".txt"]
+    assert train and ev
+    assert max(d["year"] for d in train) < 2000 <= min(d["year"] for d in ev)
+    assert not {d["fileid"] for d in train} & {d["fileid"] for d in ev}
+    assert len(train) + len(ev) == len(speech_files)
+    # the file name carries year and president
+    washington = train[0]
+    assert washington["fileid"].startswith(f"{washington['year']}-{washington['president']}-")
+    assert all(d["text"].strip() for d in train + ev)
+    with pytest.raises(ValueError, match="eval_from_year=3000"):
+        D.sotu_documents("eval", eval_from_year=3000)
+
+
+def test_sotu_dataset_and_windows():
+    hf = D.sotu_dataset("eval", eval_from_year=2020)
+    assert set(hf.column_names) >= {"text", "year", "president", "fileid"}
+    assert min(hf["year"]) >= 2020
+    ds = D.build_dataset("sotu", 512, split="eval", eval_from_year=2020)
+    windows = list(ds.iter_windows())
+    assert windows and ds.stats.documents == len(hf)
+    stream = np.concatenate(windows)
+    assert int((stream == D.BOS_ID).sum()) == len(hf) == int((stream == D.EOS_ID).sum())
+
+
+def test_mock_source_matches_seed_samples():
+    ds = D.build_dataset("mock", 32, num_samples=10)
+    texts = [D.MOCK_SAMPLES[i % len(D.MOCK_SAMPLES)] for i in range(10)]
+    assert as_pairs(ds) == reference_examples(texts, 32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# sharding across ranks and workers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_shards_two_ranks_two_workers_cover_every_window_once(random_shards):
+    d, stream = random_shards
+    seq_len = 15
+    full = D.ByteShardDataset(str(d), seq_len, even_shards=False)
+    reference = rows([{k: v.unsqueeze(0) for k, v in e.items()} for e in full])
+    assert len(reference) == full.num_windows == math.ceil(len(stream) / 16)
+    assert [list(x) for x, _ in reference] == [w for w in _chunks(stream.tolist(), 16)]
+    got = []
+    per_rank = []
+    for rank in range(2):
+        ds = D.ByteShardDataset(str(d), seq_len, rank=rank, world_size=2, even_shards=False)
+        loader = DataLoader(ds, batch_size=3, num_workers=2)
+        r = rows(loader)
+        per_rank.append(r)
+        got += r
+    assert Counter(got) == Counter(reference)  # every window exactly once, nothing dropped
+    assert all(per_rank)  # one stream, both ranks get work
+
+
+def test_text_two_ranks_two_workers_cover_every_window_once(tmp_path):
+    """Dataloader workers iterate a datasets stream: datasets must not re-split it by worker underneath us."""
+    f = tmp_path / "docs.jsonl"
+    texts = [f"document number {i} " * (i % 7 + 1) for i in range(40)]
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    seq_len = 9
+    want = Counter((tuple(x), tuple(y)) for x, y in reference_examples(texts, seq_len))
+    got = Counter()
+    for rank in range(2):
+        ds = D.build_dataset(str(f), seq_len, rank=rank, world_size=2, even_shards=False)
+        got += Counter(rows(DataLoader(ds, batch_size=4, num_workers=2)))
+    assert got == want
+
+
+@pytest.mark.parametrize("kind", ["shards", "text"])
+def test_even_shards_equal_counts_and_wraparound(random_shards, kind):
+    d, _ = random_shards
+    seq_len = 15
+    if kind == "shards":
+        make = lambda: D.ByteShardDataset(str(d), seq_len)  # noqa: E731
+    else:
+        make = lambda: D.TextByteDataset(  # noqa: E731
+            D.TextSource.from_texts([f"doc {i} " * 9 for i in range(22)], "t"), seq_len)
+    ds = make()
+    stream = [w.tolist() for w in ds.iter_windows(0, 1)]
+    n = len(stream)
+    num_slots = 5
+    assert n % num_slots  # the interesting case
+    per_slot = [[w.tolist() for w in make().iter_windows(s, num_slots)] for s in range(num_slots)]
+    assert {len(p) for p in per_slot} == {math.ceil(n / num_slots)}
+    for s, p in enumerate(per_slot):
+        for m, w in enumerate(p):
+            assert w == stream[(s + m * num_slots) % n]
+    flat = [tuple(w) for p in per_slot for w in p]
+    assert set(flat) == {tuple(w) for w in stream}  # all covered; only the <num_slots wrap-arounds repeat
+    assert len(flat) - n == math.ceil(n / num_slots) * num_slots - n
+
+
+def test_two_ranks_share_a_single_file(tmp_path):
+    d = tmp_path / "one"
+    d.mkdir()
+    write_seed_shard(d / "only.bin", np.arange(100) % 259)
+    counts = [sum(1 for _ in D.ByteShardDataset(str(d), 9, rank=r, world_size=2)) for r in range(2)]
+    assert counts == [5, 5]
+
+
+def test_rank_validation():
+    src = D.TextSource.from_texts(["a"], "t")
+    with pytest.raises(ValueError, match="rank"):
+        D.TextByteDataset(src, 4, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="seq_len"):
+        D.TextByteDataset(src, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# order, shuffle, epochs, resume
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_shard_order_deterministic_per_seed_and_epoch(random_shards):
+    d, _ = random_shards
+
+    def order(seed, epoch=0, shuffle=True):
+        ds = D.ByteShardDataset(str(d), 15, seed=seed, shuffle=shuffle)
+        ds.set_epoch(epoch)
+        return [tuple(e["input_ids"].tolist()) for e in ds]
+
+    a, b, c, e1 = order(0), order(0), order(1), order(0, epoch=1)
+    assert a == b
+    assert a != c and a != e1
+    assert Counter(a) == Counter(c) == Counter(e1)
+    assert order(0, shuffle=False) == order(5, shuffle=False)
+
+
+def test_text_shuffle_deterministic_per_seed():
+    texts = [f"doc-{i:03d}" for i in range(60)]
+
+    def order(seed, epoch=0):
+        ds = D.TextByteDataset(D.TextSource.from_texts(texts, "t"), 10, seed=seed, shuffle=True)
+        ds.set_epoch(epoch)
+        return [e["input_ids"].tolist() for e in ds]
+
+    assert order(0) == order(0)
+    assert order(0) != order(1)
+    assert order(0) != order(0, epoch=1)
+
+
+@pytest.mark.parametrize("kind", ["shards", "text"])
+def test_resume_skips_exactly_the_consumed_batches(random_shards, kind):
+    d, _ = random_shards
+    if kind == "shards":
+        ds = D.ByteShardDataset(str(d), 15, shuffle=True, seed=3)
+    else:
+        ds = D.TextByteDataset(D.TextSource.from_texts([f"text {i} " * 5 for i in range(30)], "t"), 15)
+    full = [rows([b]) for b in DataLoader(ds, batch_size=2, num_workers=2)]
+    for consumed in (1, 4, 7):
+        ds.set_resume(consumed, batch_size=2)
+        resumed = [rows([b]) for b in DataLoader(ds, batch_size=2, num_workers=2)]
+        assert resumed == full[consumed:]
+    ds.set_epoch(1)  # the resume point belongs to epoch 0 only
+    assert len(list(DataLoader(ds, batch_size=2, num_workers=2))) == len(full)
+
+
+def test_make_dataloader_batches_and_set_epoch(random_shards):
+    d, _ = random_shards
+    ds = D.ByteShardDataset(str(d), 15, shuffle=True)
+    loader = D.make_dataloader(ds, 4, device="cpu")
+    first = next(iter(loader))
+    assert first["input_ids"].shape == first["labels"].shape == (4, 16)
+    epoch0 = rows(loader)
+    loader.set_epoch(1)  # what Trainer calls each epoch: must reach the dataset
+    assert ds.epoch == 1
+    epoch1 = rows(loader)
+    assert Counter(epoch0) == Counter(epoch1) and epoch0 != epoch1
+
+
+def test_set_epoch_reaches_persistent_workers(random_shards):
+    d, _ = random_shards
+    ds = D.ByteShardDataset(str(d), 15, shuffle=True, seed=11)
+    loader = D.make_dataloader(ds, 4, num_workers=2, persistent_workers=True)
+    epoch0 = rows(loader)
+    loader.set_epoch(1)
+    epoch1 = rows(loader)  # same worker processes as epoch 0
+    fresh = D.make_dataloader(D.ByteShardDataset(str(d), 15, shuffle=True, seed=11), 4, num_workers=2)
+    fresh.set_epoch(1)  # (DataLoaderShard re-applies its own epoch counter on every __iter__)
+    assert epoch1 == rows(fresh)
+    assert epoch0 != epoch1
+
+
+def test_accelerate_default_prepare_would_reshard(random_shards):
+    """Why the trainer must use make_dataloader: accelerate's prepare (dispatch_batches=False) wraps an
+    IterableDataset in IterableDatasetShard and keeps 1/num_processes of what each rank iterates, so our already
+    rank-sharded datasets would lose windows; make_dataloader (num_processes=1) keeps them all."""
+    from accelerate.data_loader import prepare_data_loader
+
+    d, _ = random_shards
+    total = D.ByteShardDataset(str(d), 15, even_shards=False).num_windows
+    resharded, ours = [], []
+    for rank in range(2):
+        ds = D.ByteShardDataset(str(d), 15, rank=rank, world_size=2, even_shards=False)
+        loader = prepare_data_loader(DataLoader(ds, batch_size=2), num_processes=2, process_index=rank,
+                                     dispatch_batches=False, put_on_device=False)
+        resharded += rows(loader)
+        ours += rows(D.make_dataloader(ds, 2))
+    assert len(set(ours)) == len(ours) == total
+    assert len(set(resharded)) < total
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# shard formats and errors
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_seed_and_header_formats_read_the_same_stream(tmp_path):
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 272, size=333)
+    seed_dir, head_dir = tmp_path / "seed", tmp_path / "head"
+    seed_dir.mkdir()
+    head_dir.mkdir()
+    write_seed_shard(seed_dir / "a.bin", tokens)
+    write_header_shard(head_dir / "a.bin", tokens)
+    a = D.ByteShardDataset(str(seed_dir), 31)
+    b = D.ByteShardDataset(str(head_dir), 31)
+    assert [s.format for s in a.shards] == ["seed"] and [s.format for s in b.shards] == ["header"]
+    wa = np.concatenate(list(a.iter_windows()))
+    assert (wa == np.concatenate(list(b.iter_windows()))).all()
+    assert (wa[:333] == tokens).all() and (wa[333:] == D.PAD_ID).all()
+
+
+def _expect_shard_error(path: Path, match: str, exc=D.ShardFormatError, source=None):
+    with pytest.raises(exc, match=re.escape(str(path)) + ".*" + match) as info:
+        D.ByteShardDataset(str(source or path), 8)
+    if exc is D.ShardFormatError:
+        assert info.value.path == str(path)
+
+
+def test_shard_errors_name_the_file(tmp_path):
+    missing = tmp_path / "missing_dir"
+    _expect_shard_error(missing, "no such file", FileNotFoundError)
+
+    empty_dir = tmp_path / "empty_dir"
+    empty_dir.mkdir()
+    (empty_dir / "notes.md").write_text("not a shard")
+    with pytest.raises(FileNotFoundError, match=re.escape(str(empty_dir))):
+        D.discover_shards(empty_dir)
+
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    _expect_shard_error(empty, "empty")
+
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    _expect_shard_error(odd, "odd byte length 3")
+
+    bad_magic = write_header_shard(tmp_path / "bad_magic.bin", [1, 2, 3], magic=20240521)
+    _expect_shard_error(bad_magic, "magic is 20240521")
+
+    bad_version = write_header_shard(tmp_path / "bad_version.bin", [1, 2, 3], version=2)
+    _expect_shard_error(bad_version, "version 2")
+
+    bad_count = write_header_shard(tmp_path / "bad_count.bin", [1, 2, 3], count=10)
+    _expect_shard_error(bad_count, "token count 10")
+
+    short = tmp_path / "short_header.bin"
+    short.write_bytes(np.array([D.HEADER_MAGIC, 1, 5], dtype="<i4").tobytes())
+    _expect_shard_error(short, "only 12 bytes")
+
+    big_id = write_seed_shard(tmp_path / "big_id.bin", [257, 65, 272, 258])
+    _expect_shard_error(big_id, "token id 272 at token 2")
+
+    gpt2 = write_header_shard(tmp_path / "gpt2.bin", [50256, 464, 2068])
+    _expect_shard_error(gpt2, "token id 50256")
+
+
+def test_unchecked_shard_ids_fail_when_the_window_is_read(tmp_path):
+    bad = write_seed_shard(tmp_path / "late_bad.bin", [65] * 20 + [999] + [66] * 9)
+    ds = D.ByteShardDataset(str(bad), 9, check_ids=False)
+    assert ds.window(0).max() == 65
+    with pytest.raises(D.ShardFormatError, match=re.escape(str(bad)) + ".*token id 999"):
+        ds.window(2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# write_shards round trips
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["seed", "header"])
+def test_write_shards_round_trip(tmp_path, fmt):
+    src = tmp_path / "docs.jsonl"
+    texts = [f"round trip document {i}: {'é' * (i % 5)}" for i in range(50)] + ["  "]
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    out = tmp_path / "out"
+    summary = write_shards(str(src), out, tokens_per_shard=500, fmt=fmt)
+    stream = reference_stream(texts)
+    assert summary["tokens"] == len(stream) and summary["skipped_empty"] == 1
+    assert summary["num_shards"] == math.ceil(len(stream) / 500) > 1
+    first = out / summary["shards"][0]
+    if fmt == "header":
+        header = np.fromfile(first, dtype="<i4", count=256)
+        assert header[:3].tolist() == [D.HEADER_MAGIC, 1, 500]
+        assert first.stat().st_size == 1024 + 2 * 500
+    else:
+        assert first.stat().st_size == 2 * 500
+    meta = json.loads((out / "metadata.json").read_text())
+    assert [s["name"] for s in meta["shards"]] == summary["shards"]
+    assert {s["format"] for s in meta["shards"]} == {fmt}
+    assert meta["vocab"]["bos"] == 257 and meta["splits"]["train"]["documents"] == 50
+    assert not [p for p in out.iterdir() if ".tmp" in p.name]
+    # shards read back == text source packed on the fly, windows spanning shard boundaries included
+    from_shards = as_pairs(D.build_dataset(str(out), 37))
+    assert from_shards == as_pairs(D.build_dataset(str(src), 37)) == reference_examples(texts, 37)
+
+
+def test_write_shards_splits_metadata_and_overwrite(tmp_path):
+    out = tmp_path / "sotu_shards"
+    train = write_shards("sotu", out, split="train", eval_from_year=2016, tokens_per_shard=4_000_000)
+    ev = write_shards("sotu", out, split="eval", eval_from_year=2016, fmt="header")
+    assert train["shards"][0] == "sotu_train_000000.bin" and ev["shards"] == ["sotu_eval_000000.bin"]
+    tr_ds = D.build_dataset(str(out), 1024, split="train")
+    ev_ds = D.build_dataset(str(out), 1024, split="eval")
+    assert tr_ds.total_tokens == train["tokens"] and ev_ds.total_tokens == ev["tokens"]
+    with pytest.raises(FileExistsError, match="overwrite"):
+        write_shards("sotu", out, split="train", eval_from_year=2016)
+    # overwrite with bigger shards: stale shard files of the split disappear, eval untouched
+    again = write_shards("sotu", out, split="train", eval_from_year=2016, tokens_per_shard=50_000_000,
+                         overwrite=True)
+    assert again["num_shards"] == 1 and train["num_shards"] > 1
+    assert sorted(p.name for p in out.glob("*.bin")) == ["sotu_eval_000000.bin", "sotu_train_000000.bin"]
+    meta = json.loads((out / "metadata.json").read_text())
+    assert sorted(meta["splits"]) == ["eval", "train"] and len(meta["shards"]) == 2
+    # metadata mismatch names the shard
+    meta["shards"][0]["tokens"] += 1
+    (out / "metadata.json").write_text(json.dumps(meta))
+    bad = out / meta["shards"][0]["name"]
+    with pytest.raises(D.ShardFormatError, match=re.escape(str(bad)) + ".*metadata.json says"):
+        D.discover_shards(out, meta["shards"][0]["split"])
+
+
+def test_write_shards_cli(tmp_path):
+    out = tmp_path / "cli"
+    cmd = [sys.executable, "-m", "spider_training.write_shards", "--source", "mock", "--num_samples", "20",
+           "--out", str(out), "--format", "header"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["documents"] == 20 and summary["shards"] == ["mock_train_000000.bin"]
+    assert {"tokens", "mb_per_s", "seconds"} <= set(summary)
+    r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert r2.returncode == 2 and "overwrite" in r2.stderr
+
+
+def test_write_shards_empty_source_errors(tmp_path):
+    f = tmp_path / "nothing.jsonl"
+    f.write_text(json.dumps({"text": "   "}) + "\n")
+    with pytest.raises(ValueError, match=r"nothing\.jsonl.*no non-empty documents"):
+        write_shards(str(f), tmp_path / "out")
