@@ -38,6 +38,11 @@ SPIDER_PRESETS: dict[str, dict] = {
 }
 
 MOE_IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
+SPIDER_AUTO_MAP = {
+    "AutoConfig": "configuration_spider.SpiderConfig",
+    "AutoModel": "modeling_spider.SpiderModel",
+    "AutoModelForCausalLM": "modeling_spider.SpiderForConditionalGeneration",
+}
 
 
 class SpiderConfig(PreTrainedConfig):
@@ -163,6 +168,8 @@ class SpiderConfig(PreTrainedConfig):
         self.num_hidden_layers = derived
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         super().__post_init__(**kwargs)
+        # Every saved folder maps all three Auto classes, whichever class saved it (save_pretrained adds only its own).
+        self.auto_map = {**SPIDER_AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self.validate_architecture()
 
     @classmethod

@@ -1,0 +1,72 @@
+"""A saved Spider folder loads with the Auto classes and trust_remote_code in a fresh process elsewhere."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from configuration_spider import SpiderConfig
+from modeling_spider import SpiderForConditionalGeneration
+from tokenization_spider import SpiderTokenizer
+
+LOADER = r"""
+import json, sys, torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+folder = sys.argv[1]
+assert not any("modeling_spider" in m for m in sys.modules)
+config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+lm = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+ids = tok(["Four score and seven", "years ago"], padding=True, return_tensors="pt")
+with torch.no_grad():
+    logits = lm(**ids).logits
+    hidden = base(**ids).last_hidden_state
+print(json.dumps({
+    "config_class": type(config).__name__, "lm_class": type(lm).__name__, "base_class": type(base).__name__,
+    "tok_class": type(tok).__name__, "input_ids": ids["input_ids"].tolist(),
+    "attention_mask": ids["attention_mask"].tolist(), "logits": logits.tolist(), "hidden": hidden.tolist(),
+}))
+"""
+
+
+def test_save_then_load_in_fresh_process_from_another_directory(tmp_path):
+    torch.manual_seed(0)
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny")).eval()
+    tok = SpiderTokenizer()
+    folder = tmp_path / "release"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+    files = set(os.listdir(folder))
+    assert {"model.safetensors", "config.json", "configuration_spider.py", "modeling_spider.py",
+            "tokenization_spider.py", "tokenizer_config.json"} <= files
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_spider.SpiderForConditionalGeneration"
+    assert auto_map["AutoModel"] == "modeling_spider.SpiderModel"
+    assert auto_map["AutoConfig"] == "configuration_spider.SpiderConfig"
+    assert set(load_file(folder / "model.safetensors")) == set(model.state_dict())
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    env["HF_HUB_OFFLINE"] = "1"
+    out = subprocess.run([sys.executable, "-c", LOADER, str(folder)], cwd=elsewhere, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (got["config_class"], got["lm_class"], got["base_class"], got["tok_class"]) == (
+        "SpiderConfig", "SpiderForConditionalGeneration", "SpiderModel", "SpiderTokenizer",
+    )
+    ids = torch.tensor(got["input_ids"])
+    mask = torch.tensor(got["attention_mask"])
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask)
+    torch.testing.assert_close(torch.tensor(got["logits"]), expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(got["hidden"]), model.model(ids, attention_mask=mask).last_hidden_state,
+                               atol=1e-5, rtol=1e-5)
