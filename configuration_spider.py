@@ -30,7 +30,7 @@ SPIDER_PRESETS: dict[str, dict] = {
     ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_prelude_layers=1, num_recurrent_layers=2,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, num_prelude_layers=1, num_recurrent_layers=2,
         num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=16, engram_table_size=257,
         n_loops=2, max_loop_iters=4, lora_rank=16, max_position_embeddings=512,

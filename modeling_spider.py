@@ -414,6 +414,16 @@ class SpiderMoE(nn.Module):
         aux_loss = (expert_load * scores.mean(dim=0)).sum()
         return out, router_logits, aux_loss, expert_load
 
+    @staticmethod
+    def run_expert(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`expert(x)` for `(n, D)` rows. An expert that got no token is not called (torchao's Float8Linear cannot
+        scale an empty tensor); it returns `(0, D)` zeros tied to its weights with a zero factor, so every expert
+        still gets a (zero) gradient, as DDP without `find_unused_parameters` requires."""
+        if x.shape[0] > 0:
+            return expert(x)
+        tie = sum(p.reshape(-1)[0] for p in expert.parameters()) * 0.0
+        return x.new_zeros(0, x.shape[-1]) + tie.to(x.dtype)
+
     def experts_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of the k chosen experts per token: `(T, D)`, int64 `(T, k)`, `(T, k)` -> fp32 `(T, D)`."""
         implementation = self.config.moe_implementation
@@ -421,7 +431,7 @@ class SpiderMoE(nn.Module):
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for e, expert in enumerate(self.experts):
                 token_idx, slot = torch.where(topk_idx == e)
-                weighted = expert(x[token_idx]) * topk_weights[token_idx, slot, None]
+                weighted = self.run_expert(expert, x[token_idx]) * topk_weights[token_idx, slot, None]
                 out.index_add_(0, token_idx, weighted.to(torch.float32))
             return out
 
@@ -439,7 +449,7 @@ class SpiderMoE(nn.Module):
             sizes = mapping.num_tokens_per_expert.tolist()
             trailing = fused.shape[0] - sum(sizes)
             chunks = fused.split(sizes + [trailing])
-            outs = [expert(chunk) for expert, chunk in zip(self.experts, chunks)]
+            outs = [self.run_expert(expert, chunk) for expert, chunk in zip(self.experts, chunks)]
             expert_out = torch.cat(outs + [chunks[-1]] if trailing else outs)
         return self.kernels.reduce_fused(expert_out, topk_weights, mapping.token_topk_to_pos)
 

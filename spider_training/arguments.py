@@ -1,0 +1,169 @@
+"""Command line of ``train_hf.py``: ``TrainingArguments`` plus Spider's own fields, with the seed's flags and env vars.
+
+The seed (`tk-train.py`) took ``--seq_len --micro_batch --grad_accum --n_loops --lr --precision --compile --resume
+--reset_steps --ckpt_dir --data_dir --mock_data --max_steps --no_gradient_checkpointing`` and the environment
+variables ``SEQ_LEN MICRO_BATCH GRAD_ACCUM N_LOOPS LR TARGET_TOKENS CKPT_EVERY``. They keep the seed's meaning here
+and are mapped onto transformers' ``TrainingArguments`` (``--micro_batch`` -> ``per_device_train_batch_size``,
+``--grad_accum`` -> ``gradient_accumulation_steps``, ``--lr`` -> ``learning_rate``, ``--ckpt_dir`` -> ``output_dir``,
+``--compile`` -> ``torch_compile``, ``CKPT_EVERY`` -> ``save_steps``). A flag given on the command line wins over its
+environment variable, which wins over the default. ``TARGET_TOKENS`` sets the step count as in the seed:
+``steps = TARGET_TOKENS // (world_size * micro_batch * grad_accum * seq_len)``, capped by ``--max_steps`` when both
+are given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser, TrainingArguments
+
+# Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
+DEFAULT_MAX_STEPS = 500
+DEFAULT_OUTPUT_DIR = "runs/spider-small"
+
+
+@dataclass
+class SpiderArguments:
+    """Spider's own training fields (everything else is a ``TrainingArguments`` field)."""
+
+    preset: str = field(default="small", metadata={"help": "model preset: tiny, small, 1b (SpiderConfig.from_preset)"})
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "comma-separated config overrides, e.g. 'n_loops=3,lora_rank=8'"}
+    )
+    init_from: str | None = field(default=None, metadata={"help": "start from the weights of a saved Spider folder"})
+    data: str = field(
+        default="sotu",
+        metadata={
+            "help": "training data: 'sotu' (embedded corpus), 'mock', a folder of byte shards, local text/jsonl/"
+            "parquet files, or a hub dataset 'id[:config]' streamed (e.g. HuggingFaceFW/fineweb-edu:sample-10BT)"
+        },
+    )
+    eval_data: str | None = field(
+        default=None, metadata={"help": "held-out data (default: the sotu split by year when --data sotu, else none)"}
+    )
+    text_column: str = field(default="text", metadata={"help": "text column of a datasets source"})
+    eval_from_year: int = field(default=2000, metadata={"help": "sotu: speeches from this year on are held out"})
+    eval_windows: int = field(default=64, metadata={"help": "held-out windows scored for bits-per-byte"})
+    seq_len: int | None = field(default=None, metadata={"help": "bytes per training window (env SEQ_LEN; default 256)"})
+    micro_batch: int | None = field(
+        default=None, metadata={"help": "windows per device per step (env MICRO_BATCH; sets per_device_train_batch_size)"}
+    )
+    grad_accum: int | None = field(
+        default=None, metadata={"help": "gradient accumulation steps (env GRAD_ACCUM; sets gradient_accumulation_steps)"}
+    )
+    n_loops: int | None = field(default=None, metadata={"help": "recurrent loop iterations (env N_LOOPS)"})
+    lr: float | None = field(default=None, metadata={"help": "peak learning rate (env LR; sets learning_rate; default 1e-3)"})
+    precision: str = field(
+        default="auto",
+        metadata={"help": "auto | fp8 | bf16 | fp32. auto: fp8 on CUDA with compute capability >= 8.9, bf16 on other "
+                  "CUDA, fp32 on CPU (as the seed's detect_precision_mode, plus the CPU case)"},
+    )
+    fp8_recipe: str = field(default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (sets torch_compile)"})
+    resume: str | None = field(
+        default=None, metadata={"help": "checkpoint folder to resume from (default: the newest complete one in ckpt_dir)"}
+    )
+    reset_steps: bool = field(default=False, metadata={"help": "with --resume: load weights only, restart at step 0"})
+    ckpt_dir: str | None = field(default=None, metadata={"help": "checkpoint directory (sets output_dir)"})
+    data_dir: str | None = field(default=None, metadata={"help": "folder of byte shards (seed flag; same as --data DIR)"})
+    mock_data: bool = field(default=False, metadata={"help": "train on the seed's few fixed sentences (same as --data mock)"})
+    no_gradient_checkpointing: bool = field(default=False, metadata={"help": "disable activation checkpointing"})
+    adamw_8bit: bool = field(default=False, metadata={"help": "bitsandbytes 8-bit AdamW (sets optim=adamw_bnb_8bit)"})
+    ckpt_every: int | None = field(default=None, metadata={"help": "steps between checkpoints (env CKPT_EVERY; sets save_steps)"})
+    target_tokens: int | None = field(default=None, metadata={"help": "total training tokens (env TARGET_TOKENS)"})
+    release_dir: str | None = field(default=None, metadata={"help": "final release folder (default: OUTPUT_DIR/release)"})
+    hub_endpoint: str | None = field(
+        default=None, metadata={"help": "Hub URL for --push_to_hub (default: HF_ENDPOINT or huggingface.co)"}
+    )
+    sample_prompt: str = field(default="The state of the union is", metadata={"help": "prompt of the sample generation"})
+    sample_bytes: int = field(default=96, metadata={"help": "bytes generated for the sample"})
+
+
+ENV_VARS = {"seq_len": ("SEQ_LEN", int), "micro_batch": ("MICRO_BATCH", int), "grad_accum": ("GRAD_ACCUM", int),
+            "n_loops": ("N_LOOPS", int), "lr": ("LR", float), "target_tokens": ("TARGET_TOKENS", int),
+            "ckpt_every": ("CKPT_EVERY", int)}
+
+
+def _from_env(name: str, cast):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return cast(raw.replace("_", "")) if cast is int else cast(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {cast.__name__}") from None
+
+
+def build_parser() -> HfArgumentParser:
+    """The ``HfArgumentParser`` over (SpiderArguments, TrainingArguments) with Spider's defaults set."""
+    parser = HfArgumentParser((SpiderArguments, TrainingArguments), description=__doc__)
+    parser.set_defaults(
+        output_dir=None, learning_rate=None, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+        lr_scheduler_type="cosine_with_min_lr", logging_steps=10, save_total_limit=2, report_to="none",
+        remove_unused_columns=False, optim="adamw_torch", save_steps=None, max_steps=None, logging_first_step=True,
+        per_device_train_batch_size=None, gradient_accumulation_steps=None,
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> tuple[SpiderArguments, TrainingArguments]:
+    """Parse the command line (and env vars) into ``(SpiderArguments, TrainingArguments)``.
+
+    Raises:
+        ValueError: a bad env var value, an unknown precision/recipe, a non-positive size, ``--reset_steps`` without
+            ``--resume``.
+        SystemExit: argparse errors (unknown flags, wrong types), with argparse's message.
+    """
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    values = vars(namespace)
+    spider_fields = {f for f in SpiderArguments.__dataclass_fields__}
+    spider = SpiderArguments(**{k: v for k, v in values.items() if k in spider_fields})
+    for attr, (env, cast) in ENV_VARS.items():
+        if getattr(spider, attr) is None:
+            setattr(spider, attr, _from_env(env, cast))
+    spider.seq_len = spider.seq_len or 256
+    for attr in ("seq_len", "micro_batch", "grad_accum", "n_loops", "target_tokens", "ckpt_every", "eval_windows", "sample_bytes"):
+        value = getattr(spider, attr)
+        if value is not None and value < 1 and not (attr == "sample_bytes" and value == 0):
+            raise ValueError(f"--{attr} must be >= 1, got {value}")
+    if spider.precision not in ("auto", "fp8", "bf16", "fp32"):
+        raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
+    if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
+    if spider.reset_steps and not spider.resume:
+        raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
+    if spider.mock_data:
+        spider.data = "mock"
+    elif spider.data_dir:
+        spider.data = spider.data_dir
+
+    training = {k: v for k, v in values.items() if k not in spider_fields}
+    training["output_dir"] = spider.ckpt_dir or training.get("output_dir") or DEFAULT_OUTPUT_DIR
+    training["per_device_train_batch_size"] = spider.micro_batch or training.get("per_device_train_batch_size") or 8
+    training["gradient_accumulation_steps"] = spider.grad_accum or training.get("gradient_accumulation_steps") or 1
+    training["learning_rate"] = spider.lr or training.get("learning_rate") or 1e-3
+    training["save_steps"] = spider.ckpt_every or training.get("save_steps") or 200
+    if spider.compile:
+        training["torch_compile"] = True
+    if spider.adamw_8bit:
+        training["optim"] = "adamw_bnb_8bit"
+    if spider.no_gradient_checkpointing:
+        training["activation_checkpointing"] = False
+        training["gradient_checkpointing"] = False
+    elif training.get("gradient_checkpointing") is None and training.get("activation_checkpointing") is None:
+        training["activation_checkpointing"] = True
+
+    max_steps = training.get("max_steps")
+    if spider.target_tokens:
+        world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        per_step = world * training["per_device_train_batch_size"] * training["gradient_accumulation_steps"] * spider.seq_len
+        steps = max(1, spider.target_tokens // per_step)
+        max_steps = min(steps, max_steps) if max_steps and max_steps > 0 else steps
+    training["max_steps"] = max_steps if max_steps and max_steps > 0 else DEFAULT_MAX_STEPS
+    if training.get("lr_scheduler_kwargs") in (None, {}) and training["lr_scheduler_type"] == "cosine_with_min_lr":
+        training["lr_scheduler_kwargs"] = {"min_lr_rate": 0.1}
+    if not training.get("warmup_steps"):
+        training["warmup_steps"] = min(200, max(1, training["max_steps"] // 10))
+    return spider, TrainingArguments(**training)

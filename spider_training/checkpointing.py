@@ -1,0 +1,106 @@
+"""Atomic checkpoint folders: write into a staging folder, then publish it with one ``os.replace``.
+
+A training checkpoint is a complete HF folder (``checkpoint-N``: safetensors weights, config with ``auto_map``, the
+model/tokenizer code, tokenizer files, optimizer/scheduler/RNG/trainer state). It is written under
+``OUTPUT_DIR/.staging/`` and renamed into place only once every file is on disk, so a ``checkpoint-N`` folder is
+always complete: a crash mid-write leaves only staging debris, which the next save clears and which
+``transformers.trainer_utils.get_last_checkpoint`` never picks (its name does not match ``checkpoint-N``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+STAGING_DIRNAME = ".staging"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def publish(staged: str | os.PathLike, final: str | os.PathLike) -> Path:
+    """Move the finished folder `staged` to `final` atomically (same filesystem), replacing an older `final`.
+
+    Raises:
+        FileNotFoundError: `staged` does not exist.
+        OSError: the rename failed (the message names both paths); `final`'s previous content is kept.
+    """
+    staged, final = Path(staged), Path(final)
+    if not staged.is_dir():
+        raise FileNotFoundError(f"staged checkpoint folder {staged} does not exist")
+    _fsync_tree(staged)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    try:
+        os.replace(staged, final)
+    except OSError as err:
+        if old is not None:
+            os.replace(old, final)
+        raise OSError(f"could not publish checkpoint {staged} -> {final}: {err}") from err
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    parent_fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(parent_fd)
+    finally:
+        os.close(parent_fd)
+    return final
+
+
+def clear_staging(output_dir: str | os.PathLike) -> Path:
+    """Remove leftovers of an interrupted save and return the (absent) staging folder of `output_dir`."""
+    staging = Path(output_dir) / STAGING_DIRNAME
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The published ``checkpoint-N`` folders of `output_dir` that hold a trainer state, oldest step first."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for child in folder.iterdir():
+        match = _CHECKPOINT_RE.match(child.name)
+        if match and child.is_dir() and (child / "trainer_state.json").is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """Newest complete checkpoint folder of `output_dir` (what auto-resume picks), or None."""
+    checkpoints = complete_checkpoints(output_dir)
+    return str(checkpoints[-1]) if checkpoints else None
+
+
+def save_folder_atomically(final: str | os.PathLike, write) -> Path:
+    """Call ``write(tmp_folder)`` to fill a fresh sibling temp folder, then publish it as `final`.
+
+    Used for the release folder. Raises whatever `write` raises (the temp folder is removed, `final` untouched).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(tmp, final)

@@ -1,0 +1,48 @@
+"""The release folder a training run leaves: what ``from_pretrained(..., trust_remote_code=True)`` loads.
+
+Contents: ``model.safetensors`` (plain weights, also after FP8 training), ``config.json`` with ``auto_map``, the three
+module files (``configuration_spider.py``, ``modeling_spider.py``, ``tokenization_spider.py``), the tokenizer files,
+``README.md`` (the model card rendered from ``hub_card/``) and ``loss_curve.png``. Written atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .checkpointing import save_folder_atomically
+from .fp8 import fp8_to_plain_state_dict
+from .model_card import write_model_card
+
+
+def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict, log_history: list[dict]) -> Path:
+    """Save `model` (unwrapped; FP8 layers saved as their plain weights) and `tokenizer` with a model card.
+
+    Args:
+        spider: the run's :class:`~spider_training.arguments.SpiderArguments`; args: its ``TrainingArguments``.
+        summary: the run's figures (bits-per-byte before/after, steps, precision, ...), shown on the card.
+        log_history: ``trainer.state.log_history`` (for the loss curve).
+    Raises:
+        OSError naming the folder when it cannot be written (an older release there is kept).
+    """
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, state_dict=fp8_to_plain_state_dict(model))
+        tokenizer.save_pretrained(folder)
+        config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
+        training = {
+            "steps": summary.get("steps"), "precision": summary.get("precision"), "moe_backend": summary.get("moe_backend"),
+            "seq_len": spider.seq_len, "micro_batch": args.per_device_train_batch_size,
+            "grad_accum": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
+            "optimizer": getattr(args.optim, "value", str(args.optim)),
+            "lr_scheduler": getattr(args.lr_scheduler_type, "value", str(args.lr_scheduler_type)), "n_loops": model.config.n_loops,
+            "world_size": args.world_size,
+        }
+        data = {"source": spider.data, "eval": spider.eval_data or ("sotu, years >= %d" % spider.eval_from_year
+                                                                    if spider.data == "sotu" else None)}
+        metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "parameters"}
+        metrics["parameters"] = summary.get("parameters")
+        write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
+                         loss_history=log_history, repo_id=getattr(args, "hub_model_id", None))
+
+    return save_folder_atomically(release_dir, write)

@@ -1,0 +1,187 @@
+"""``SpiderTrainer``: a ``transformers.Trainer`` that trains Spider in FP8 with the TileKernels MoE.
+
+Everything Trainer and accelerate already do (optimizer, cosine schedule, gradient accumulation and clipping, DDP/FSDP,
+checkpoint rotation, resume with RNG state and data skipping, the progress bar, logging) stays theirs. The subclass
+overrides documented hooks only:
+
+- ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and swaps in the
+  TileKernels MoE routing (:mod:`spider_training.tile_kernels_moe`) before Trainer/accelerate wrap the model, and
+  refuses a launch whose processes do not see each other.
+- ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
+  once, here, with the seed's module filter; accelerate is then told bf16 so it does not convert a second time.
+- ``get_train_dataloader``: the datasets shard themselves by rank and worker (:mod:`spider_training.data`), so the
+  loader is prepared for device placement and gradient-accumulation bookkeeping only, not re-sharded.
+- ``compute_loss`` / ``log``: pass ``n_loops`` and log every loss term, bits-per-byte, compression rate, expert load
+  balance, mean halting step, tokens/s and peak memory.
+- ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
+- ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import time
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer
+from transformers.trainer_utils import rotate_checkpoints
+
+from . import checkpointing
+from .data import make_dataloader
+from .fp8 import convert_model_to_fp8
+from .metrics import bits_per_byte
+from .tile_kernels_moe import swap_in_tile_kernels
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchMismatchError(RuntimeError):
+    """The launcher started several processes but accelerate sees only one: each would train alone."""
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this process in MB: CUDA allocator peak on GPU, else the resident-set high-water mark."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class SpiderTrainer(Trainer):
+    """Trainer for :class:`SpiderForConditionalGeneration`.
+
+    Args (beyond ``Trainer``'s):
+        n_loops: recurrent iterations per forward (None: the model config's).
+        precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see :func:`spider_training.fp8.resolve_precision`).
+        fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``.
+        eval_windows: held-out windows scored by :meth:`evaluate`.
+        tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
+            ``tile_kernels`` when CUDA is available.
+
+    Raises:
+        LaunchMismatchError: ``WORLD_SIZE > 1`` in the environment but accelerate runs a single process (on CPU,
+            ``accelerate launch --multi_gpu`` needs ``--use_cpu``).
+    """
+
+    def __init__(self, model=None, args=None, *, n_loops=None, precision="fp32", fp8_recipe="tensorwise",
+                 eval_windows=64, tile_kernels_module=None, **kwargs):
+        self.n_loops = n_loops
+        self.precision = precision
+        self.eval_windows = eval_windows
+        self.fp8_report = None
+        if precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":
+            self.fp8_report = convert_model_to_fp8(model, recipe=fp8_recipe)
+            self.precision = "fp8"
+        self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
+        logger.info("MoE routing backend: %s", self.moe_backend)
+        super().__init__(model=model, args=args, **kwargs)
+        # Spider's loss is a per-batch mean plus per-batch regularisers: let Trainer divide by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.accelerator.num_processes == 1:
+            raise LaunchMismatchError(
+                f"the launcher started WORLD_SIZE={launched} processes but accelerate sees 1, so every process would "
+                "train alone on the same data and overwrite the same checkpoints. On CPU pass --use_cpu (Trainer) so "
+                "accelerate uses the gloo backend, or launch with torchrun."
+            )
+        self._metric_sums: dict[str, torch.Tensor] = {}
+        self._metric_count = 0
+        self._tokens_since_log = 0
+        self._last_log_time = time.perf_counter()
+
+    # --- accelerate / data ---------------------------------------------------------------------------------------
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        if self.fp8_report is not None and args.get("mixed_precision") == "fp8":
+            logger.info("accelerate asked for fp8: converted once by SpiderTrainer (seed filter); accelerate runs bf16")
+            args["mixed_precision"] = "bf16"
+        return args
+
+    def get_train_dataloader(self) -> DataLoader:
+        """A loader over the self-sharding train dataset, prepared for device placement only (no re-sharding)."""
+        loader = make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
+                                 num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator)
+        self.accelerator._dataloaders.append(loader)  # accelerate's gradient-accumulation bookkeeping sees it
+        return loader
+
+    # --- loss and logging ----------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.n_loops is not None:
+            inputs = {**inputs, "n_loops": self.n_loops}
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training:
+            self._record(outputs, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _record(self, outputs, inputs) -> None:
+        terms = {name: outputs[name].detach().float() for name in
+                 ("lm_loss", "aux_loss", "boundary_loss", "ponder_loss", "compression_rate", "mean_halting_step")}
+        terms["expert_load_max"] = outputs["expert_load"].max().float()  # 1.0 = perfect balance
+        for name, value in terms.items():
+            self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
+        self._metric_count += 1
+        self._tokens_since_log += inputs["input_ids"].numel() * self.accelerator.num_processes
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._metric_count:
+            for name, total in self._metric_sums.items():
+                logs[name] = round(float(total) / self._metric_count, 5)
+            logs["bits_per_byte"] = round(logs["lm_loss"] / math.log(2), 5)
+            now = time.perf_counter()
+            logs["tokens_per_second"] = round(self._tokens_since_log / max(now - self._last_log_time, 1e-9), 1)
+            logs["peak_memory_mb"] = round(peak_memory_mb(), 1)
+            self._metric_sums, self._metric_count, self._tokens_since_log = {}, 0, 0
+            self._last_log_time = now
+        super().log(logs, start_time)
+
+    # --- evaluation ----------------------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Held-out bits-per-byte over up to `eval_windows` windows (all ranks; sums gathered across processes)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            return {}
+        loader = make_dataloader(dataset, self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
+        max_batches = max(1, math.ceil(self.eval_windows / self.args.per_device_eval_batch_size))
+        result = bits_per_byte(
+            self.model, loader, device=self.args.device, n_loops=self.n_loops, max_batches=max_batches,
+            reduce=self.accelerator.reduce if self.accelerator.num_processes > 1 else None,
+        )
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in result.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # --- checkpoints -----------------------------------------------------------------------------------------------
+
+    def _get_output_dir(self, trial) -> str:
+        staging = getattr(self, "_staging_root", None)
+        return staging if staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, written under ``OUTPUT_DIR/.staging`` and published with one rename."""
+        run_dir = super()._get_output_dir(trial)
+        if self.args.should_save:
+            staging = checkpointing.clear_staging(run_dir)
+            staging.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_root = str(os.path.join(run_dir, checkpointing.STAGING_DIRNAME))
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            name = f"checkpoint-{self.state.global_step}"
+            checkpointing.publish(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), os.path.join(run_dir, name))
+            checkpointing.clear_staging(run_dir)
+            rotate_checkpoints(
+                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False,
+            )
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,305 @@
+"""Tests of spider_training.fp8: torchao Float8Linear conversion of Spider (seed tk-train.py configure_fp8_training),
+precision resolution (seed detect_precision_mode) and checkpoints of FP8-trained models. CPU: emulate mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchao.float8")
+
+from torchao.float8 import Float8LinearConfig  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
+from configuration_spider import SpiderConfig  # noqa: E402
+from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
+from spider_training import fp8  # noqa: E402
+from spider_training.fp8 import (  # noqa: E402
+    ao_recipe_kwargs,
+    convert_fp8_to_plain,
+    convert_model_to_fp8,
+    fp8_module_filter,
+    fp8_to_plain_state_dict,
+    resolve_precision,
+)
+
+# The seed's skip list, restated here (tk-train.py configure_fp8_training.module_filter_fn).
+SEED_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm", "norm", "embed_tokens", "lm_head",
+                   "halt_predictor", "router"]
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", **overrides))
+
+
+def loss_and_grads(model, input_ids, seed=1):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(input_ids, labels=input_ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def input_ids():
+    torch.manual_seed(7)
+    return torch.randint(0, 256, (2, 40))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Which modules
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_filter_rules():
+    assert fp8_module_filter(nn.Linear(32, 48), "model.layers.0.mlp.experts.3.up_proj")
+    assert not fp8_module_filter(nn.Linear(32, 48), "model.layers.0.post_attention_layernorm.proj")
+    assert not fp8_module_filter(nn.Linear(32, 48), "model.layers.0.mlp.router")
+    assert not fp8_module_filter(nn.Linear(30, 48), "model.layers.0.mlp.experts.3.up_proj")
+    assert not fp8_module_filter(nn.Linear(32, 40), "model.layers.0.mlp.experts.3.up_proj")
+    assert not fp8_module_filter(nn.Conv1d(32, 32, 3), "model.layers.0.conv")
+    already = Float8Linear.from_float(nn.Linear(32, 32), config=fp8.build_float8_config("tensorwise", emulate=True))
+    assert not fp8_module_filter(already, "model.layers.0.self_attn.o_proj")
+
+
+def test_converts_exactly_the_intended_modules():
+    model = tiny_model()
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    expected = {
+        fqn for fqn, m in linears.items()
+        if not any(word in fqn for word in SEED_SKIP_WORDS) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+    }
+    report = convert_model_to_fp8(model, recipe="tensorwise", emulate=True)
+    converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == expected == set(report.converted_fqns)
+    assert report.converted == len(expected) and report.linear_total == len(linears)
+    assert not report.already_converted and report.recipe == "tensorwise" and report.emulate is True
+    assert report.message == (
+        f"FP8: converted {len(expected)} of {len(linears)} linear layers (recipe=tensorwise, emulate=True)"
+    )
+    assert set(report.skipped) == set(linears) - expected
+
+    cfg = model.config
+    for layer in range(cfg.num_recurrent_layers):
+        prefix = f"model.layers.{layer}"
+        for e in range(cfg.n_routed_experts):  # every routed expert
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert f"{prefix}.mlp.experts.{e}.{proj}" in converted
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert f"{prefix}.mlp.shared_experts.{proj}" in converted
+        for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):  # attention
+            assert f"{prefix}.self_attn.{proj}" in converted
+        assert f"{prefix}.mlp.router" not in converted
+    for dense in ("model.prelude_layers.0", "model.coda_layers.0"):  # dense MLPs and their attention
+        for proj in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj"):
+            assert f"{dense}.{proj}" in converted
+    for kept in ("lm_head", "model.boundary_predictor.dense", "model.boundary_predictor.out_proj", "model.halt_predictor",
+                 "model.layers.1.engram.key_proj", "model.layers.1.engram.value_proj"):
+        assert kept in linears and kept not in converted
+    # 64x64, 16-divisible: skipped by name alone
+    assert report.skipped["model.boundary_predictor.dense"] == "name contains 'boundary_predictor'"
+    assert report.skipped["model.layers.1.engram.key_proj"] == "name contains 'engram'"
+
+
+def test_emulate_default_follows_cuda_availability():
+    model = tiny_model()
+    report = convert_model_to_fp8(model)
+    assert report.emulate is (not torch.cuda.is_available())
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    assert layers and all(m.config.emulate is report.emulate and m.config.pad_inner_dim for m in layers)
+    with pytest.raises(ValueError, match="unknown FP8 recipe"):
+        convert_model_to_fp8(tiny_model(), recipe="axiswise")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training step on CPU, every recipe
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
+    reference = tiny_model()
+    ref_loss, ref_grads = loss_and_grads(reference, input_ids)
+    model = tiny_model()
+    report = convert_model_to_fp8(model, recipe=recipe, emulate=True)
+    assert report.recipe == recipe and report.converted > 0
+    loss, grads = loss_and_grads(model, input_ids)
+    assert torch.isfinite(loss)
+    # FP8 rounding (e4m3: 3 mantissa bits) moves the loss only slightly on a freshly initialised model (measured:
+    # relative change ~2e-4 for all three recipes)
+    assert abs(loss.item() - ref_loss.item()) < 0.005 * ref_loss.item()
+    assert loss.item() != ref_loss.item()  # the FP8 path was really taken
+    # Gradients point the same way. Layers after the boundary predictor see slightly different hard boundaries (FP8
+    # noise flips a few threshold decisions), so their agreement is looser than the experts' (measured 0.92 / 0.997).
+    for name, min_cosine in (("model.layers.0.mlp.experts.0.gate_proj.weight", 0.98),
+                             ("model.prelude_layers.0.self_attn.o_proj.weight", 0.8), ("lm_head.weight", 0.8)):
+        g, r = grads[name].flatten(), ref_grads[name].flatten()
+        assert torch.isfinite(g).all()
+        assert torch.nn.functional.cosine_similarity(g, r, dim=0) > min_cosine, name
+
+
+def test_double_conversion_is_a_noop(input_ids):
+    model = tiny_model()
+    first = convert_model_to_fp8(model, recipe="rowwise", emulate=True)
+    modules_before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    second = convert_model_to_fp8(model, recipe="tensorwise", emulate=True)
+    modules_after = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert second.already_converted and second.converted == first.converted
+    assert second.recipe == "rowwise"  # recovered from the existing layers' config
+    assert modules_before.keys() == modules_after.keys()
+    assert all(modules_before[k] is modules_after[k] for k in modules_before)
+    assert "already converted" in second.message
+    loss, _ = loss_and_grads(model, input_ids)
+    assert torch.isfinite(loss)
+
+
+def test_accelerate_ao_path_and_ours_do_not_convert_twice():
+    from accelerate.utils.ao import convert_model_to_fp8_ao  # what Accelerator.prepare calls for fp8 / AO
+
+    # accelerate first (its default filter and config), then ours: ours detects it and leaves it alone
+    model = tiny_model()
+    convert_model_to_fp8_ao(model, config=Float8LinearConfig(emulate=True, pad_inner_dim=True))
+    converted = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    report = convert_model_to_fp8(model, emulate=True)
+    assert report.already_converted and set(report.converted_fqns) == set(converted)
+    assert all(m is converted[fqn] for fqn, m in model.named_modules() if isinstance(m, Float8Linear))
+
+    # ours first, then accelerate's pass with ao_recipe_kwargs: the filter rejects Float8Linear, nothing changes
+    model = tiny_model()
+    ours = convert_model_to_fp8(model, emulate=True)
+    before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    kwargs = ao_recipe_kwargs("tensorwise", emulate=True)
+    assert kwargs.config.emulate is True and kwargs.config.pad_inner_dim is True
+    assert kwargs.config.enable_fsdp_float8_all_gather is False
+    convert_model_to_fp8_ao(model, config=kwargs.config, module_filter_func=kwargs.module_filter_func)
+    after = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert before.keys() == after.keys() == set(ours.converted_fqns)
+    assert all(before[k] is after[k] for k in before)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# grouped_mm bypasses Float8Linear
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_grouped_mm_is_switched_to_sorted_when_experts_are_converted(input_ids):
+    model = tiny_model(moe_implementation="grouped_mm")
+    report = convert_model_to_fp8(model, emulate=True)
+    assert report.moe_implementation_switch == "grouped_mm -> sorted"
+    assert model.config.moe_implementation == "sorted"
+    moe_layers = [layer.mlp for layer in model.model.layers]
+    assert all(moe.config.moe_implementation == "sorted" for moe in moe_layers)
+    assert "grouped_mm" in report.message
+    calls = []
+    hooks = [moe.experts[e].gate_proj.register_forward_hook(lambda *a: calls.append(1))
+             for moe in moe_layers for e in range(len(moe.experts))]
+    loss_and_grads(model, input_ids)
+    for hook in hooks:
+        hook.remove()
+    assert len(calls) > 0  # the experts' Float8Linear layers ran
+
+
+def test_grouped_mm_kept_when_no_expert_is_converted():
+    model = tiny_model(moe_implementation="grouped_mm", moe_intermediate_size=24)  # 24 % 16 != 0: experts stay
+    report = convert_model_to_fp8(model, emulate=True)
+    assert not any(".experts." in fqn for fqn in report.converted_fqns)
+    assert report.moe_implementation_switch is None and model.config.moe_implementation == "grouped_mm"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_converted_checkpoint_loads_into_plain_model(tmp_path, input_ids):
+    plain_reference = tiny_model()
+    model = tiny_model()
+    convert_model_to_fp8(model, emulate=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_and_grads(model, input_ids)
+    optimizer.step()  # weights now differ from the initialisation
+
+    state = model.state_dict()
+    plain_state = plain_reference.state_dict()
+    assert state.keys() == plain_state.keys()
+    assert all(type(t) is torch.Tensor and t.dtype == plain_state[k].dtype for k, t in state.items())
+
+    model.save_pretrained(tmp_path)
+    loaded = SpiderForConditionalGeneration.from_pretrained(tmp_path)
+    assert not any(isinstance(m, Float8Linear) for m in loaded.modules())
+    loaded_state = loaded.state_dict()
+    assert loaded_state.keys() == state.keys()
+    assert all(torch.equal(loaded_state[k], state[k]) for k in state)
+
+    # swapping the converted model back to nn.Linear gives the same function as the loaded plain model
+    n_float8 = sum(isinstance(m, Float8Linear) for m in model.modules())
+    assert convert_fp8_to_plain(model) == n_float8 > 0
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, loaded(input_ids).logits, rtol=0, atol=0)
+
+
+def test_fsdp_float8_all_gather_weights_save_through_plain_state_dict(tmp_path):
+    from accelerate.utils.ao import convert_model_to_fp8_ao
+
+    model = tiny_model()
+    # accelerate's default AORecipeKwargs config turns on FSDP float8 all-gather: weights become wrapper subclasses
+    config = Float8LinearConfig(emulate=True, pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
+    convert_model_to_fp8_ao(model, config=config)
+    assert any(type(t) is not torch.Tensor for t in model.state_dict().values())
+    plain = fp8_to_plain_state_dict(model)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in plain.values())
+    model.save_pretrained(tmp_path, state_dict=dict(plain))  # save_pretrained empties the dict it is given
+    loaded = SpiderForConditionalGeneration.from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == plain.keys()
+    assert all(torch.equal(loaded[k], plain[k]) for k in plain)
+    swapped = convert_fp8_to_plain(model)
+    assert swapped > 0 and all(type(p) is nn.Parameter for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --precision
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _fake_cuda(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+
+
+@pytest.mark.parametrize(
+    "capability, torchao_ok, expected",
+    [
+        (None, True, "fp32"),       # CPU
+        ((8, 0), True, "bf16"),     # A100: no FP8 matmuls
+        ((8, 6), True, "bf16"),
+        ((8, 9), True, "fp8"),      # Ada
+        ((9, 0), True, "fp8"),      # H100
+        ((10, 0), True, "fp8"),     # B200
+        ((12, 0), True, "fp8"),     # sm_120
+        ((9, 0), False, "bf16"),    # no torchao
+    ],
+)
+def test_resolve_precision_auto(monkeypatch, capability, torchao_ok, expected):
+    _fake_cuda(monkeypatch, capability)
+    monkeypatch.setattr(fp8, "torchao_fp8_available", lambda: torchao_ok)
+    assert resolve_precision("auto") == expected
+
+
+def test_resolve_precision_explicit_and_invalid(monkeypatch):
+    _fake_cuda(monkeypatch, None)
+    assert resolve_precision("fp8") == "fp8"
+    assert resolve_precision(" BF16 ") == "bf16"
+    assert resolve_precision("fp32") == "fp32"
+    with pytest.raises(ValueError, match=r"--precision must be one of \('auto', 'fp8', 'bf16', 'fp32'\), got 'fp16'"):
+        resolve_precision("fp16")
+    with pytest.raises(ValueError):
+        resolve_precision(None)
+    monkeypatch.setattr(fp8, "torchao_fp8_available", lambda: False)
+    with pytest.raises(ImportError, match="torchao"):
+        resolve_precision("fp8")

@@ -1,0 +1,414 @@
+"""Tests of ``spider_training/hub.py`` against ``FakeHubServer`` (tests/hub_server.py), a local test double of the Hub.
+
+The real ``huggingface_hub.HfApi`` code path runs (create_repo, validate-yaml, preupload, LFS batch + PUT + verify,
+commit); only the server is fake. Xet is switched off for these tests (the fake speaks the plain LFS path only; see
+the hub_server docstring). Every test is bounded by a few seconds: failure modes use short timeouts and back-offs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from huggingface_hub import constants
+
+from spider_training import hub
+from spider_training.hub import HubPushCallback, PushResult, configure_http_timeouts, push_folder, push_release
+from tests.hub_server import FakeHubServer
+
+TOKEN = "hf_fake_test_token"
+REPO = "spider-test/spider-tiny"
+
+
+@pytest.fixture(autouse=True)
+def _plain_http_uploads(monkeypatch):
+    """The fake Hub does not speak Xet: force huggingface_hub onto the plain git-LFS path for these tests."""
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def server():
+    with FakeHubServer(token=TOKEN) as srv:
+        yield srv
+
+
+def _png_bytes() -> bytes:
+    """A real (small) PNG drawn by matplotlib."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2, 1.5), dpi=50)
+    fig.subplots().plot([0, 1, 2], [3, 1, 2])
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def make_folder(root: Path) -> dict[str, bytes]:
+    """Write a small release-like folder: ~1 MiB safetensors, a PNG, json, README with front matter, a sub-folder.
+    Returns ``{relative posix path: content}``."""
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    save_file({"w": rng.standard_normal((512, 512), dtype=np.float32)}, str(root / "model.safetensors"))
+    (root / "loss_curve.png").write_bytes(_png_bytes())
+    (root / "config.json").write_text(json.dumps({"model_type": "spider", "hidden_size": 64}))
+    (root / "README.md").write_text("---\nlicense: apache-2.0\ntags:\n- spider\n---\n\n# Spider test\n")
+    (root / "sub").mkdir(exist_ok=True)
+    (root / "sub" / "notes.txt").write_text("nested file\n")
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on: bind, read the port, close."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+# ------------------------------------------------------------------------------------------------ push_folder
+
+
+def test_push_folder_uploads_every_file_intact(server, tmp_path):
+    files = make_folder(tmp_path / "release")
+    assert len(files["model.safetensors"]) > 1_000_000
+
+    result = push_folder(tmp_path / "release", REPO, token=TOKEN, endpoint=server.url, commit_message="first release",
+                         private=True, timeout_s=20)
+
+    assert isinstance(result, PushResult)
+    assert result.ok, result.error
+    assert result.attempts == 1 and result.error is None and not result.timed_out
+    assert result.commit_url == f"{server.url}/{REPO}/commit/{result.commit_oid}"
+    assert server.files(REPO) == files  # exactly these paths, byte-identical
+    assert server.repos[REPO].private is True
+    assert [c.summary for c in server.commits] == ["first release"]
+    # binary files went through the LFS upload (PUT of the exact bytes), text files inline in the commit
+    assert set(server.lfs_blobs) == {hashlib.sha256(files[p]).hexdigest() for p in ("model.safetensors", "loss_curve.png")}
+    assert server.count("PUT", "") == 2
+    assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in server.requests if r.path.startswith("/api/"))
+
+
+def test_push_folder_into_subfolder_of_existing_repo(server, tmp_path):
+    first = make_folder(tmp_path / "a")
+    assert push_folder(tmp_path / "a", REPO, token=TOKEN, endpoint=server.url, commit_message="one", timeout_s=20).ok
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "trainer_state.json").write_text('{"global_step": 7}')
+
+    result = push_folder(tmp_path / "b", REPO, token=TOKEN, endpoint=server.url, commit_message="two",
+                         path_in_repo="last-checkpoint", timeout_s=20)
+
+    assert result.ok, result.error
+    assert server.count("POST", "/api/repos/create") == 2  # the second create answered 409, accepted as "exists"
+    expected = dict(first)
+    expected["last-checkpoint/trainer_state.json"] = b'{"global_step": 7}'
+    assert server.files(REPO) == expected
+
+
+def test_push_to_a_branch_creates_it(server, tmp_path):
+    files = make_folder(tmp_path / "f")
+    for message in ("first", "second"):  # the second push finds the branch (409 accepted)
+        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message=message,
+                             revision="training-run-1", timeout_s=20)
+        assert result.ok, result.error
+    assert server.files(REPO, "training-run-1") == files
+    assert server.files(REPO, "main") == {}
+    assert server.count("POST", "/branch/training-run-1") == 2
+
+
+def test_closed_port_warns_and_returns_without_exception(tmp_path, caplog):
+    make_folder(tmp_path / "f")
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
+        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=endpoint, commit_message="x",
+                             timeout_s=5, retries=2, backoff_s=0.01)
+    elapsed = time.monotonic() - start
+
+    assert not result.ok and not result.timed_out
+    assert result.attempts == 3
+    assert "Connect" in result.error  # httpx2.ConnectError
+    assert elapsed < 5
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and REPO in warnings[0].getMessage() and "Connect" in warnings[0].getMessage()
+
+
+def test_error500_is_retried_with_exponential_backoff(tmp_path, caplog):
+    make_folder(tmp_path / "f")
+    with FakeHubServer(mode="error500") as srv, caplog.at_level(logging.WARNING, logger="spider_training.hub"):
+        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=srv.url, commit_message="x",
+                             timeout_s=10, retries=3, backoff_s=0.1)
+        creates = [r.time for r in srv.requests if r.path == "/api/repos/create"]
+
+    assert not result.ok and result.attempts == 4
+    assert "500" in result.error
+    assert len(creates) == 4  # 1 attempt + 3 retries; create_repo itself does not retry
+    gaps = np.diff(creates)
+    for gap, expected in zip(gaps, (0.1, 0.2, 0.4)):
+        assert expected * 0.9 <= gap < expected + 1.0, (gaps, expected)
+    assert any(REPO in r.getMessage() and "500" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_transient_errors_then_success(tmp_path):
+    files = make_folder(tmp_path / "f")
+    with FakeHubServer(fail_first=2) as srv:
+        result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
+                             timeout_s=10, retries=3, backoff_s=0.05)
+        assert result.ok, result.error
+        assert result.attempts == 3
+        assert srv.files(REPO) == files
+
+
+def test_retry_not_made_when_backoff_would_pass_timeout(tmp_path):
+    make_folder(tmp_path / "f")
+    with FakeHubServer(mode="error500") as srv:
+        result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
+                             timeout_s=1.0, retries=5, backoff_s=5.0)
+    assert not result.ok and not result.timed_out
+    assert result.attempts == 1 and "no retry" in result.error
+    assert result.elapsed_s < 1.0
+
+
+def test_hang_returns_within_timeout_and_server_closes(tmp_path, caplog):
+    make_folder(tmp_path / "f")
+    srv = FakeHubServer(mode="hang", hang_s=30).start()
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
+            result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
+                                 timeout_s=1.5, retries=3, backoff_s=0.1)
+        elapsed = time.monotonic() - start
+        assert srv.count("POST", "/api/repos/create") == 1  # the request arrived and was never answered
+    finally:
+        close_start = time.monotonic()
+        srv.close()
+        close_time = time.monotonic() - close_start
+
+    assert not result.ok and result.timed_out
+    assert 1.4 <= elapsed < 3.0
+    assert "gave up waiting after 1.5s" in result.error
+    assert any(REPO in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert close_time < 3.0
+
+
+def test_http_read_timeout_ends_a_hung_request(tmp_path):
+    """With huggingface_hub's client timeouts set, the worker itself fails on a silent server (no lingering)."""
+    make_folder(tmp_path / "f")
+    try:
+        assert configure_http_timeouts(read_s=0.5, connect_s=0.5)
+        from huggingface_hub import get_session
+
+        assert get_session().timeout.read == 0.5
+        with FakeHubServer(mode="hang", hang_s=30) as srv:
+            result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
+                                 timeout_s=10, retries=0)
+    finally:
+        configure_http_timeouts()  # back to the module defaults for the rest of the session
+    assert not result.ok and not result.timed_out  # it failed by itself, well before timeout_s
+    assert "Timeout" in result.error
+    assert result.elapsed_s < 5
+
+
+def test_configure_http_timeouts_leaves_a_custom_factory_alone():
+    import httpx2
+    from huggingface_hub import get_session, set_client_factory
+    from huggingface_hub.utils import _http
+
+    original = _http._GLOBAL_CLIENT_FACTORY
+    custom = lambda: httpx2.Client(timeout=123.0)  # noqa: E731
+    try:
+        set_client_factory(custom)
+        assert configure_http_timeouts() is False
+        assert get_session().timeout.read == 123.0
+    finally:
+        set_client_factory(original)
+    assert configure_http_timeouts() is True
+    assert get_session().timeout.read == hub.DEFAULT_HTTP_TIMEOUT_S
+    assert get_session().timeout.connect == hub.DEFAULT_CONNECT_TIMEOUT_S
+
+
+def test_unauthorized_is_not_retried(server, tmp_path):
+    make_folder(tmp_path / "f")
+    result = push_folder(tmp_path / "f", REPO, token="hf_wrong", endpoint=server.url, commit_message="x",
+                         timeout_s=10, retries=3, backoff_s=0.01)
+    assert not result.ok and result.attempts == 1
+    assert "401" in result.error
+    assert REPO not in server.repos
+
+
+def test_offline_mode_sends_nothing(server, tmp_path, monkeypatch, caplog):
+    make_folder(tmp_path / "f")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
+        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message="x")
+    assert not result.ok and result.attempts == 0 and "offline" in result.error
+    assert server.requests == []
+    assert any("offline" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_local_input_raises_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        push_folder(tmp_path / "missing", REPO, commit_message="x")
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(NotADirectoryError, match="file.txt"):
+        push_folder(tmp_path / "file.txt", REPO, commit_message="x")
+    with pytest.raises(ValueError, match="repo_id"):
+        push_folder(tmp_path, "a/b/c", commit_message="x")
+    with pytest.raises(ValueError, match="timeout_s"):
+        push_folder(tmp_path, REPO, commit_message="x", timeout_s=0)
+    with pytest.raises(ValueError, match="retries"):
+        push_folder(tmp_path, REPO, commit_message="x", retries=-1)
+    with pytest.raises(ValueError, match="hub_strategy"):
+        HubPushCallback(REPO, hub_strategy="every_save")
+    with pytest.raises(ValueError, match="repo_id"):
+        HubPushCallback("not a repo id!")
+
+
+def test_release_with_model_card_reaches_the_hub(server, tmp_path):
+    """The README written by write_model_card passes the Hub's YAML validation and arrives at the repo root."""
+    from spider_training.model_card import write_model_card
+
+    release = tmp_path / "release"
+    make_folder(release)
+    write_model_card(release, config={"hidden_size": 64, "n_loops": 2}, training={"precision": "fp8"},
+                     data={"source": "sotu"}, metrics={"bits_per_byte_after": 2.5},
+                     loss_history=[{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}], repo_id=REPO)
+    files = {p.relative_to(release).as_posix(): p.read_bytes() for p in release.rglob("*") if p.is_file()}
+
+    result = push_release(release, REPO, token=TOKEN, endpoint=server.url, timeout_s=20)
+
+    assert result.ok, result.error
+    assert result.path_in_repo == ""
+    assert server.files(REPO) == files
+    validations = [r for r in server.requests if r.path == "/api/validate-yaml"]
+    assert validations and all(r.status == 200 for r in validations)
+
+
+def test_invalid_readme_metadata_fails_without_retry(server, tmp_path):
+    make_folder(tmp_path / "f")
+    (tmp_path / "f" / "README.md").write_text("---\nlicense: [unclosed\n---\n# broken\n")
+    result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message="x",
+                         timeout_s=10, retries=3, backoff_s=0.01)
+    assert not result.ok and result.attempts == 1
+    assert "Invalid metadata in README.md" in result.error
+    assert server.commits == []
+
+
+# ------------------------------------------------------------------------------------------------ callback
+
+
+def _trainer_objects(output_dir: Path, step: int, main: bool = True):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(output_dir), report_to="none", use_cpu=True)
+    state = TrainerState(global_step=step, is_world_process_zero=main, is_local_process_zero=main)
+    return args, state, TrainerControl()
+
+
+def _fake_checkpoint(output_dir: Path, step: int) -> dict[str, bytes]:
+    folder = output_dir / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(np.full(4096, step, dtype=np.float32).tobytes())
+    (folder / "optimizer.pt").write_bytes(bytes([step % 256]) * 2048)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_callback_pushes_checkpoint_to_last_checkpoint(server, tmp_path):
+    out = tmp_path / "out"
+    expected = _fake_checkpoint(out, 5)
+    callback = HubPushCallback(REPO, token=TOKEN, endpoint=server.url, private=True, timeout_s=20)
+    args, state, control = _trainer_objects(out, 5)
+
+    callback.on_save(args, state, control)
+    results = callback.wait(timeout_s=20)
+
+    assert len(results) == 1 and results[0].ok, results[0].error
+    assert results[0].path_in_repo == "last-checkpoint"
+    assert server.files(REPO) == {f"last-checkpoint/{name}": data for name, data in expected.items()}
+    assert server.commits[0].summary == "Training in progress, step 5, checkpoint"
+    assert server.repos[REPO].private is True
+    assert not (out / hub.STAGING_DIR_NAME / "checkpoint-5").exists()  # snapshot cleaned up
+    assert (out / "checkpoint-5").is_dir()  # the checkpoint itself is untouched
+
+
+def test_callback_does_not_block_training_and_skips_while_busy(tmp_path):
+    out = tmp_path / "out"
+    _fake_checkpoint(out, 5)
+    _fake_checkpoint(out, 10)
+    with FakeHubServer(mode="hang", hang_s=30) as srv:
+        callback = HubPushCallback(REPO, token=TOKEN, endpoint=srv.url, timeout_s=1.0, retries=0)
+        args, state, control = _trainer_objects(out, 5)
+        start = time.monotonic()
+        callback.on_save(args, state, control)
+        assert time.monotonic() - start < 0.5  # the save returns while the push hangs
+        state.global_step = 10
+        callback.on_save(args, state, control)
+        assert callback.skipped_steps == [10]
+        results = callback.wait(timeout_s=5)
+    assert len(results) == 1 and not results[0].ok and results[0].timed_out
+    assert callback.pending == 0
+
+
+def test_callback_only_on_main_process(server, tmp_path):
+    out = tmp_path / "out"
+    _fake_checkpoint(out, 3)
+    callback = HubPushCallback(REPO, token=TOKEN, endpoint=server.url)
+    callback.on_save(*_trainer_objects(out, 3, main=False))
+    assert callback.wait(timeout_s=1) == []
+    assert server.requests == []
+
+
+def test_callback_in_a_real_trainer_run_with_checkpoint_rotation(server, tmp_path):
+    """A tiny Trainer run (plain torch module, 4 steps, save every 2, keep 1 checkpoint): both checkpoints reach the
+    Hub under checkpoint-N/, although Trainer deletes checkpoint-2 while it may still be uploading."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    class TinyModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels):
+            return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return {"x": torch.full((4,), float(i)), "labels": torch.tensor(float(i % 3))}
+
+    out = tmp_path / "run"
+    callback = HubPushCallback(REPO, token=TOKEN, endpoint=server.url, hub_strategy="all_checkpoints",
+                               always_push=True, timeout_s=20)
+    args = TrainingArguments(output_dir=str(out), max_steps=4, save_steps=2, save_total_limit=1,
+                             per_device_train_batch_size=2, report_to="none", use_cpu=True, logging_steps=1,
+                             save_only_model=False, disable_tqdm=True)
+    trainer = Trainer(model=TinyModel(), args=args, train_dataset=Data(), callbacks=[callback])
+    trainer.train()
+    results = callback.wait(timeout_s=30)
+
+    assert [r.ok for r in results] == [True, True], [r.error for r in results]
+    assert not (out / "checkpoint-2").exists()  # rotated away by Trainer
+    remote = server.files(REPO)
+    for step in (2, 4):
+        assert f"checkpoint-{step}/model.safetensors" in remote
+        state = json.loads(remote[f"checkpoint-{step}/trainer_state.json"])
+        assert state["global_step"] == step
+    local = {p.name: p.read_bytes() for p in (out / "checkpoint-4").iterdir() if p.is_file()}
+    assert {k.split("/", 1)[1]: v for k, v in remote.items() if k.startswith("checkpoint-4/")} == local
+    shutil.rmtree(out)

@@ -1,0 +1,170 @@
+"""End-to-end tests of train_hf.py: smoke runs, resume equality, release loading, distributed launch."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_hf
+from spider_training import checkpointing
+from spider_training.arguments import parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--preset", "tiny", "--seq_len", "32", "--micro_batch", "2", "--eval_windows", "4", "--sample_bytes", "4",
+        "--logging_steps", "1", "--dataloader_num_workers", "0"]
+
+
+def run(tmp_path, name, *extra):
+    out = tmp_path / name
+    summary = train_hf.main(TINY + ["--ckpt_dir", str(out), *extra])
+    return out, summary
+
+
+def losses(output_dir: Path, step: int) -> dict[int, float]:
+    state = json.loads((output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+
+
+def test_seed_flags_and_env_vars(monkeypatch):
+    monkeypatch.setenv("SEQ_LEN", "48")
+    monkeypatch.setenv("MICRO_BATCH", "3")
+    monkeypatch.setenv("GRAD_ACCUM", "2")
+    monkeypatch.setenv("LR", "2e-4")
+    monkeypatch.setenv("CKPT_EVERY", "7")
+    monkeypatch.setenv("TARGET_TOKENS", "10_000")
+    spider, args = parse_args(["--grad_accum", "1"])  # a flag wins over its env var
+    assert (spider.seq_len, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (48, 3, 1)
+    assert args.learning_rate == 2e-4 and args.save_steps == 7
+    assert args.max_steps == 10_000 // (3 * 1 * 48)
+    spider, args = parse_args(["--max_steps", "5"])  # TARGET_TOKENS capped by --max_steps
+    assert args.max_steps == 5
+    spider, args = parse_args(["--mock_data", "--no_gradient_checkpointing", "--compile", "--ckpt_dir", "x"])
+    assert spider.data == "mock" and args.activation_checkpointing is False and args.torch_compile
+    assert args.output_dir == "x"
+    monkeypatch.setenv("N_LOOPS", "many")
+    with pytest.raises(ValueError, match="N_LOOPS"):
+        parse_args([])
+
+
+def test_bad_flags_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="--precision"):
+        parse_args(["--precision", "fp4"])
+    with pytest.raises(ValueError, match="--reset_steps needs --resume"):
+        parse_args(["--reset_steps"])
+    with pytest.raises(SystemExit):
+        parse_args(["--seq_len", "abc"])
+
+
+@pytest.mark.slow
+def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path):
+    out, summary = run(tmp_path, "fp32", "--max_steps", "6", "--save_steps", "2", "--precision", "fp32")
+    assert summary["steps"] == 6 and summary["precision"] == "fp32"
+    assert summary["eval_after_bits_per_byte"] < summary["eval_before_bits_per_byte"]
+    # newest two checkpoints kept (Trainer's rotation), no staging debris, plus the release
+    assert [p.name for p in checkpointing.complete_checkpoints(out)] == ["checkpoint-4", "checkpoint-6"]
+    assert not (out / checkpointing.STAGING_DIRNAME).exists()
+    ckpt = out / "checkpoint-6"
+    for name in ("model.safetensors", "config.json", "modeling_spider.py", "configuration_spider.py",
+                 "tokenization_spider.py", "tokenizer_config.json", "optimizer.pt", "trainer_state.json"):
+        assert (ckpt / name).exists(), name
+    release = out / "release"
+    for name in ("model.safetensors", "config.json", "modeling_spider.py", "tokenization_spider.py", "README.md",
+                 "loss_curve.png"):
+        assert (release / name).exists(), name
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    logged = [e for e in state["log_history"] if "loss" in e][-1]
+    for key in ("lm_loss", "aux_loss", "boundary_loss", "ponder_loss", "bits_per_byte", "compression_rate",
+                "expert_load_max", "mean_halting_step", "tokens_per_second", "peak_memory_mb"):
+        assert key in logged and logged[key] == logged[key], key  # present and not NaN
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_smoke_bf16_and_emulated_fp8(tmp_path, precision):
+    out, summary = run(tmp_path, precision, "--max_steps", "3", "--save_steps", "3", "--precision", precision)
+    assert summary["precision"] == precision
+    assert summary["train_loss"] == summary["train_loss"]
+    from modeling_spider import SpiderForConditionalGeneration
+
+    plain = SpiderForConditionalGeneration.from_pretrained(out / "checkpoint-3")  # loads into a plain model
+    assert not any("Float8" in type(m).__name__ for m in plain.modules())
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_trajectory(tmp_path):
+    straight, _ = run(tmp_path, "straight", "--max_steps", "6", "--save_steps", "3", "--save_total_limit", "4")
+    expected = losses(straight, 6)
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(straight / "checkpoint-3", resumed_dir / "checkpoint-3")
+    # auto-resume: picks the newest complete checkpoint of ckpt_dir, ignoring staging debris
+    (resumed_dir / checkpointing.STAGING_DIRNAME / "checkpoint-9").mkdir(parents=True)
+    train_hf.main(TINY + ["--ckpt_dir", str(resumed_dir), "--max_steps", "6", "--save_steps", "3"])
+    got = losses(resumed_dir, 6)
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5), step
+
+
+@pytest.mark.slow
+def test_reset_steps_loads_weights_only(tmp_path):
+    first, _ = run(tmp_path, "first", "--max_steps", "2", "--save_steps", "2")
+    second, summary = run(tmp_path, "second", "--max_steps", "2", "--save_steps", "2", "--resume",
+                          str(first / "checkpoint-2"), "--reset_steps")
+    assert summary["steps"] == 2  # restarted at step 0
+
+
+@pytest.mark.slow
+def test_release_loads_in_fresh_process(tmp_path):
+    out, _ = run(tmp_path, "rel", "--max_steps", "2", "--save_steps", "2")
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
+        "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "ids = t('Hello', return_tensors='pt')\n"
+        "print(m.generate(**ids, max_new_tokens=3, do_sample=False).shape[1])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    result = subprocess.run([sys.executable, "-c", code, str(out / "release")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "10"  # BOS + 5 bytes + EOS + 3 new
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_run(tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(REPO / "train_hf.py"), *TINY, "--ckpt_dir", str(out), "--max_steps", "2", "--save_steps", "2",
+           "--use_cpu"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert '"world_size": 2' in result.stdout or "world_size" in (out / "release" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_launcher_mismatch_is_refused(tmp_path):
+    """accelerate launch --multi_gpu on CPU without --use_cpu: each process would think it is alone."""
+    out = tmp_path / "mismatch"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(REPO / "train_hf.py"), *TINY, "--ckpt_dir", str(out),
+           "--max_steps", "1"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "--use_cpu" in result.stderr + result.stdout
+    assert not checkpointing.complete_checkpoints(out)

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Train Spider with ``accelerate launch train_hf.py`` (or plain ``python train_hf.py``).
+
+With no arguments it trains the ``small`` preset on the embedded corpus (249 State of the Union speeches, speeches
+from 2000 on held out), prints held-out bits-per-byte before and after, a sample generation, and writes a release
+folder (safetensors, config with ``auto_map``, model and tokenizer code, tokenizer files, model card with a loss
+curve) that loads anywhere with ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``.
+
+This script only wires the pieces of :mod:`spider_training` together; ``--help`` lists every flag
+(``TrainingArguments`` plus Spider's own, including the seed's flags and environment variables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import torch
+import transformers
+from transformers import default_data_collator
+
+from configuration_spider import SpiderConfig
+from modeling_spider import SpiderForConditionalGeneration
+from spider_training import checkpointing
+from spider_training.arguments import SpiderArguments, parse_args
+from spider_training.data import build_dataset
+from spider_training.fp8 import resolve_precision
+from spider_training.generate import sample
+from spider_training.release import write_release
+from spider_training.trainer import SpiderTrainer
+from tokenization_spider import SpiderTokenizer
+
+logger = logging.getLogger("train_hf")
+
+
+def parse_overrides(text: str | None) -> dict:
+    """``"n_loops=3,lora_rank=8"`` -> ``{"n_loops": 3, "lora_rank": 8}`` (values parsed as JSON when they can be).
+
+    Raises: ValueError naming the malformed item."""
+    overrides = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--config_overrides item {item!r} is not key=value")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    return overrides
+
+
+def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
+    """A fresh model from the preset, or the weights of ``--init_from`` / ``--resume --reset_steps``."""
+    overrides = parse_overrides(spider.config_overrides)
+    if spider.n_loops is not None:
+        overrides["n_loops"] = spider.n_loops
+    weights = spider.init_from or (spider.resume if spider.reset_steps else None)
+    if weights:
+        logger.info("loading weights from %s", weights)
+        return SpiderForConditionalGeneration.from_pretrained(weights, **overrides)
+    return SpiderForConditionalGeneration(SpiderConfig.from_preset(spider.preset, **overrides))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    spider, args = parse_args(argv)
+    precision = resolve_precision(spider.precision)
+    if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
+        # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
+        args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO,
+                        stream=sys.stdout)
+    transformers.utils.logging.set_verbosity_info() if args.process_index == 0 else None
+
+    transformers.set_seed(args.seed)  # model initialisation is part of the run's reproducible state
+    model = build_model(spider)
+    tokenizer = SpiderTokenizer()
+    data_kwargs = dict(rank=args.process_index, world_size=args.world_size, seed=args.seed,
+                       text_column=spider.text_column, eval_from_year=spider.eval_from_year)
+    train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
+    eval_source = spider.eval_data or ("sotu" if spider.data == "sotu" else None)
+    eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None
+
+    callbacks = []
+    push = args.push_to_hub
+    if push:
+        from spider_training.hub import HubPushCallback
+
+        if not args.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id OWNER/NAME")
+        callbacks.append(HubPushCallback(args.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
+                                         endpoint=spider.hub_endpoint))
+        args = dataclasses.replace(args, push_to_hub=False)  # Trainer's own push would crash offline at init
+
+    trainer = SpiderTrainer(
+        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, data_collator=default_data_collator, callbacks=callbacks,
+        n_loops=spider.n_loops, precision=precision, fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("Spider %s: %.2fM parameters, precision %s, MoE %s", spider.preset, n_params / 1e6, trainer.precision,
+                trainer.moe_backend)
+
+    before = trainer.evaluate(metric_key_prefix="eval_before") if eval_dataset is not None else {}
+    resume = None
+    if spider.resume and not spider.reset_steps:
+        resume = spider.resume
+    elif not spider.reset_steps:
+        resume = checkpointing.latest_checkpoint(args.output_dir)
+    if resume:
+        logger.info("resuming from %s", resume)
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    after = trainer.evaluate(metric_key_prefix="eval_after") if eval_dataset is not None else {}
+
+    summary = {
+        "steps": trainer.state.global_step,
+        "train_loss": train_result.training_loss,
+        "precision": trainer.precision,
+        "moe_backend": trainer.moe_backend,
+        "parameters": n_params,
+        **{k: v for k, v in {**before, **after}.items() if k.endswith(("bits_per_byte", "compression_rate"))},
+    }
+    if trainer.is_world_process_zero():
+        plain = trainer.accelerator.unwrap_model(trainer.model)
+        summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
+                                   n_loops=spider.n_loops)
+        print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
+        if before:
+            print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
+                  f"after {after['eval_after_bits_per_byte']:.4f}")
+        release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
+        write_release(release_dir, plain, tokenizer, spider=spider, args=args, summary=summary,
+                      log_history=trainer.state.log_history)
+        summary["release_dir"] = release_dir
+        print(f"release written to {release_dir}")
+        if push:
+            from spider_training.hub import push_release
+
+            callbacks[0].wait()
+            result = push_release(release_dir, args.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
+                                  endpoint=spider.hub_endpoint)
+            summary["pushed"] = result.ok
+        print(json.dumps({k: v for k, v in summary.items() if k != "sample"}, indent=2, default=str))
+    trainer.accelerator.wait_for_everyone()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
