@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         "precision": trainer.precision,
         "moe_backend": trainer.moe_backend,
         "parameters": n_params,
+        "world_size": args.world_size,
         **{k: v for k, v in {**before, **after}.items() if k.endswith(("bits_per_byte", "compression_rate"))},
     }
     if trainer.is_world_process_zero():

@@ -235,6 +235,19 @@ class _Attempts:
         self.commit = None  # huggingface_hub.CommitInfo
 
 
+def share_tqdm_lock() -> None:
+    """Make huggingface_hub's progress bars take tqdm's own lock.
+
+    huggingface_hub's ``tqdm`` subclass carries a lock of its own, but all bars share one instance registry. An upload
+    running in a background thread then adds and removes bars while Trainer's progress bar iterates that registry
+    under the other lock ("Set changed size during iteration" crashes training). One shared lock serialises them.
+    """
+    import tqdm as tqdm_module
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    hf_tqdm.set_lock(tqdm_module.tqdm.get_lock())
+
+
 def push_folder(
     folder: str | os.PathLike,
     repo_id: str,
@@ -478,6 +491,7 @@ class HubPushCallback(TrainerCallback):
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+        share_tqdm_lock()
         self.repo_id = repo_id
         self.token = token
         self.endpoint = endpoint

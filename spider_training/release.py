@@ -43,6 +43,6 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
         metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "parameters"}
         metrics["parameters"] = summary.get("parameters")
         write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
-                         loss_history=log_history, repo_id=getattr(args, "hub_model_id", None))
+                         loss_history=log_history, repo_id=getattr(args, "hub_model_id", None) or str(release_dir))
 
     return save_folder_atomically(release_dir, write)

@@ -27,7 +27,8 @@ with torch.no_grad():
     hidden = base(**ids).last_hidden_state
 print(json.dumps({
     "config_class": type(config).__name__, "lm_class": type(lm).__name__, "base_class": type(base).__name__,
-    "tok_class": type(tok).__name__, "input_ids": ids["input_ids"].tolist(),
+    "tok_class": type(tok).__name__, "modules": [type(o).__module__ for o in (config, lm, base, tok)],
+    "input_ids": ids["input_ids"].tolist(),
     "attention_mask": ids["attention_mask"].tolist(), "logits": logits.tolist(), "hidden": hidden.tolist(),
 }))
 """
@@ -63,6 +64,8 @@ def test_save_then_load_in_fresh_process_from_another_directory(tmp_path):
     assert (got["config_class"], got["lm_class"], got["base_class"], got["tok_class"]) == (
         "SpiderConfig", "SpiderForConditionalGeneration", "SpiderModel", "SpiderTokenizer",
     )
+    # the classes come from the folder's code through transformers' dynamic modules, not from this repository
+    assert all(m.startswith("transformers_modules.") for m in got["modules"]), got["modules"]
     ids = torch.tensor(got["input_ids"])
     mask = torch.tensor(got["attention_mask"])
     with torch.no_grad():

@@ -154,7 +154,7 @@ def test_two_process_ddp_run(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
-    assert '"world_size": 2' in result.stdout or "world_size" in (out / "release" / "README.md").read_text()
+    assert '"world_size": 2' in result.stdout
 
 
 @pytest.mark.slow
@@ -168,3 +168,53 @@ def test_launcher_mismatch_is_refused(tmp_path):
     assert result.returncode != 0
     assert "--use_cpu" in result.stderr + result.stdout
     assert not checkpointing.complete_checkpoints(out)
+
+
+def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
+    """FP8 asked through accelerate's own config: SpiderTrainer converts once (seed filter); accelerate does not."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from configuration_spider import SpiderConfig
+    from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.data import build_dataset
+    from spider_training.trainer import SpiderTrainer
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    torch.manual_seed(0)
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny"))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                             per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="no")
+    trainer = SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
+                            data_collator=default_data_collator, precision="fp32")
+    assert trainer.precision == "fp8" and trainer.fp8_report.converted > 0
+    assert trainer.accelerator.mixed_precision == "bf16"
+    trainer.train()
+    float8 = [name for name, m in trainer.model.named_modules() if type(m).__name__ == "Float8Linear"]
+    assert len(float8) == trainer.fp8_report.converted
+    assert set(float8) == set(trainer.fp8_report.converted_fqns)
+
+
+@pytest.mark.slow
+def test_push_to_hub_against_fake_hub_and_closed_port(tmp_path, monkeypatch):
+    """Checkpoints and the release reach a local fake Hub (test double); a dead endpoint only warns."""
+    from huggingface_hub import constants
+
+    from tests.hub_server import FakeHubServer
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the fake Hub speaks the plain LFS protocol only
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with FakeHubServer(token="hf_fake") as server:
+        out, summary = run(tmp_path, "pushed", "--max_steps", "2", "--save_steps", "1", "--push_to_hub",
+                           "--hub_model_id", "spider/tiny", "--hub_token", "hf_fake", "--hub_endpoint", server.url)
+        files = server.files("spider/tiny")
+    assert summary["pushed"] is True
+    release = out / "release"
+    for name in ("model.safetensors", "config.json", "modeling_spider.py", "README.md", "loss_curve.png"):
+        assert files[name] == (release / name).read_bytes(), name
+    assert any(path.startswith("last-checkpoint/") and path.endswith("model.safetensors") for path in files)
+
+    out, summary = run(tmp_path, "dead", "--max_steps", "2", "--save_steps", "1", "--push_to_hub",
+                       "--hub_model_id", "spider/tiny", "--hub_token", "hf_fake",
+                       "--hub_endpoint", f"http://127.0.0.1:{_free_port()}")
+    assert summary["pushed"] is False and summary["steps"] == 2
+    assert (out / "release" / "model.safetensors").exists()
