@@ -347,6 +347,14 @@ def _suffix_kind(path: Path) -> str | None:
     return TEXT_SUFFIXES.get(path.suffix.lower())
 
 
+def _glob_files(pattern: str, what: str) -> list[Path]:
+    """Files matched by a (recursive, ``~``-expanded) glob, sorted. Raises FileNotFoundError naming the pattern."""
+    files = sorted(Path(p) for p in _glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+    if not files:
+        raise FileNotFoundError(f"{what} {pattern!r} matched no files")
+    return files
+
+
 def classify_source(source: str) -> tuple[str, list[Path]]:
     """Decide what ``source`` is.
 
@@ -376,9 +384,7 @@ def classify_source(source: str) -> tuple[str, list[Path]]:
     elif path.is_file():
         files = [path]
     elif _GLOB_CHARS.search(source):
-        files = sorted(Path(p) for p in _glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p))
-        if not files:
-            raise FileNotFoundError(f"glob {source!r} matched no files")
+        files = _glob_files(source, "glob")
     elif _HUB_ID.match(source) and not source.startswith((".", "/", "~")):
         return "hub", []
     else:
@@ -952,9 +958,7 @@ def discover_shards(source: str | os.PathLike, split: str = "train", *, check_id
     elif path.is_file():
         files = [path]
     elif _GLOB_CHARS.search(source):
-        files = sorted(Path(p) for p in _glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p))
-        if not files:
-            raise FileNotFoundError(f"shard glob {source!r} matched no files")
+        files = _glob_files(source, "shard glob")
     else:
         raise FileNotFoundError(f"shard source {source}: no such file or directory")
     infos = [inspect_shard(p, check_ids=check_ids) for p in files]

@@ -20,17 +20,11 @@ from modeling_spider import (
     downsample,
     upsample,
 )
+from tests.helpers import tiny, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiny(**overrides):
-    return SpiderConfig.from_preset("tiny", **overrides)
-
-
-def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return SpiderForConditionalGeneration(tiny(**overrides))
 
 
 # --- FlexiTokens downsample / upsample ---------------------------------------------------------------------------

@@ -12,7 +12,6 @@ pytest.importorskip("torchao.float8")
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
-from configuration_spider import SpiderConfig  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training import fp8  # noqa: E402
 from spider_training.fp8 import (  # noqa: E402
@@ -23,15 +22,12 @@ from spider_training.fp8 import (  # noqa: E402
     fp8_to_plain_state_dict,
     resolve_precision,
 )
+from tests.helpers import tiny_model  # noqa: E402
 
 # The seed's skip list, restated here (tk-train.py configure_fp8_training.module_filter_fn).
 SEED_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm", "norm", "embed_tokens", "lm_head",
                    "halt_predictor", "router"]
 
-
-def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", **overrides))
 
 
 def loss_and_grads(model, input_ids, seed=1):

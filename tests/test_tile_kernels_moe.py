@@ -31,6 +31,7 @@ from spider_training.tile_kernels_moe import (
     spider_moe_layers,
     swap_in_tile_kernels,
 )
+from tests.helpers import tiny_model
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Test doubles
@@ -204,10 +205,6 @@ class FakeTileKernels2x(_FakeTileKernelsGate):
 # Helpers
 # ----------------------------------------------------------------------------------------------------------------------
 
-
-def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", **overrides))
 
 
 def run_step(model, input_ids, seed=1):
