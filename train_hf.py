@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         "moe_backend": trainer.moe_backend,
         "parameters": n_params,
         "world_size": args.world_size,
+        "distributed_type": str(trainer.accelerator.distributed_type),
         **{k: v for k, v in {**before, **after}.items() if k.endswith(("bits_per_byte", "compression_rate"))},
     }
     if trainer.is_world_process_zero():

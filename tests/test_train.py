@@ -154,7 +154,7 @@ def test_two_process_ddp_run(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
-    assert '"world_size": 2' in result.stdout
+    assert '"world_size": 2' in result.stdout and '"distributed_type": "DistributedType.MULTI_CPU"' in result.stdout
 
 
 @pytest.mark.slow
