@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
         args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO,
                         stream=sys.stdout)
-    transformers.utils.logging.set_verbosity_info() if args.process_index == 0 else None
+    if args.process_index == 0:
+        transformers.utils.logging.set_verbosity_info()
 
     transformers.set_seed(args.seed)  # model initialisation is part of the run's reproducible state
     model = build_model(spider)

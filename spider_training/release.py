@@ -7,7 +7,6 @@ module files (``configuration_spider.py``, ``modeling_spider.py``, ``tokenizatio
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from .checkpointing import save_folder_atomically

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from configuration_spider import SpiderConfig
-from modeling_spider import SpiderForConditionalGeneration, SpiderMoEKernels
+from modeling_spider import SpiderMoEKernels
 from spider_training.tile_kernels_moe import (
     BACKEND_1X,
     BACKEND_2X,
