@@ -22,7 +22,7 @@ from spider_training.fp8 import (  # noqa: E402
     fp8_to_plain_state_dict,
     resolve_precision,
 )
-from tests.helpers import tiny_model  # noqa: E402
+from tests.helpers import tiny_model, train_step  # noqa: E402
 
 # The seed's skip list, restated here (tk-train.py configure_fp8_training.module_filter_fn).
 SEED_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm", "norm", "embed_tokens", "lm_head",
@@ -31,12 +31,8 @@ SEED_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm"
 
 
 def loss_and_grads(model, input_ids, seed=1):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(input_ids, labels=input_ids)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    out, grads = train_step(model, input_ids, seed)
+    return out.loss.detach(), grads
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from spider_training.tile_kernels_moe import (
     spider_moe_layers,
     swap_in_tile_kernels,
 )
-from tests.helpers import tiny_model
+from tests.helpers import tiny_model, train_step
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Test doubles
@@ -199,23 +199,6 @@ class FakeTileKernels2x(_FakeTileKernelsGate):
     def moe_topk_gate_backward(self, *args, **kwargs):
         self.calls["moe_topk_gate_backward"] += 1
         raise AssertionError("moe_topk_gate_backward must not be called by Spider's adapter")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-
-def run_step(model, input_ids, seed=1):
-    """One training forward+backward with a fixed seed (the boundary predictor samples); returns outputs and grads."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(input_ids, labels=input_ids)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out, grads
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -393,14 +376,14 @@ def test_model_with_fake_tile_kernels_matches_torch_path(fake_cls, implementatio
     model = tiny_model(hidden_size=hidden, moe_implementation=implementation)
     torch.manual_seed(123)
     input_ids = torch.randint(0, 256, (2, 48))
-    ref_out, ref_grads = run_step(model, input_ids)
+    ref_out, ref_grads = train_step(model, input_ids)
 
     fake = fake_cls()
     backend = swap_in_tile_kernels(model, fake)
     expected = BACKEND_1X if fake_cls is FakeTileKernels1x else BACKEND_2X
     assert backend == expected and backend.num_layers == SpiderConfig.from_preset("tiny").num_recurrent_layers
     assert all(isinstance(layer.kernels, TileKernelsMoEKernels) for layer in spider_moe_layers(model))
-    out, grads = run_step(model, input_ids)
+    out, grads = train_step(model, input_ids)
 
     for name in ("loss", "logits", "aux_loss", "expert_load", "boundary_loss", "ponder_loss"):
         torch.testing.assert_close(out[name], ref_out[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -453,7 +436,7 @@ def test_swap_imports_installed_tile_kernels_and_guards_cpu_tensors(monkeypatch)
     backend = swap_in_tile_kernels(model)
     assert backend == BACKEND_1X and "installed tile_kernels.moe" in backend.reason
     assert "reduce_fused runs in torch" in backend.reason  # tiny hidden_size 64
-    run_step(model, torch.randint(0, 256, (1, 24)))
+    train_step(model, torch.randint(0, 256, (1, 24)))
     assert sum(fake.calls.values()) == 0
 
 
