@@ -146,7 +146,7 @@ class SpiderConfig(PreTrainedConfig):
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
     attention_dropout: float = 0.0
-    use_cache: bool = False
+    use_cache: bool = True
     tie_word_embeddings: bool = False
     pad_token_id: int | None = 256
     bos_token_id: int | None = 257

@@ -56,6 +56,7 @@ class SpiderModelOutput(ModelOutput):
 
     Attributes:
         last_hidden_state (`torch.FloatTensor` of shape `(B, L, D)`): byte states after the coda and the final norm.
+        past_key_values (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
         hidden_states (`tuple[torch.FloatTensor]`, *optional*): byte states `(B, L, D)`: the embeddings, each prelude
             layer's output, the upsampled recurrent output (plus the residual), each coda layer's output.
         router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer), `(N, E)` fp32 logits of
@@ -70,6 +71,7 @@ class SpiderModelOutput(ModelOutput):
     """
 
     last_hidden_state: torch.FloatTensor | None = None
+    past_key_values: object | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
@@ -215,7 +217,10 @@ class SpiderAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
+        past_key_values: SpiderLayerCache | None = None,
     ) -> torch.Tensor:
+        """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None (causal when the queries
+        are all the keys, else every cached key); `past_key_values` this layer's cache, updated in place."""
         B, T, _ = hidden_states.shape
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -235,6 +240,8 @@ class SpiderAttention(nn.Module):
         q_pe, k_pe = apply_rotary_pos_emb(q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim), cos, sin)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
         key_states = torch.cat((k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states)
 
         attn_output = F.scaled_dot_product_attention(
             query_states,
@@ -242,7 +249,7 @@ class SpiderAttention(nn.Module):
             value_states,
             attn_mask=attention_mask,
             dropout_p=self.config.attention_dropout if self.training else 0.0,
-            is_causal=attention_mask is None,
+            is_causal=attention_mask is None and T == key_states.shape[2],
             scale=self.scaling,
         )
         attn_output = attn_output.transpose(1, 2).reshape(B, T, self.num_heads * self.v_head_dim)
@@ -543,15 +550,21 @@ class SpiderEngram(nn.Module):
         self.kernel_size = config.engram_conv_kernel_size
         self.short_conv = nn.Conv1d(D, D, self.kernel_size, groups=D, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, memory: torch.Tensor, past_key_values: SpiderLayerCache | None = None
+    ) -> torch.Tensor:
         memory = memory.to(hidden_states.dtype)
         key = self.key_norm(self.key_proj(memory))
         score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / math.sqrt(hidden_states.shape[-1])
         score = score.to(torch.float32)
         gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt()).to(hidden_states.dtype)
         value = gate * self.value_proj(memory)
-        conv_in = F.pad(self.conv_norm(value).transpose(1, 2), (self.kernel_size - 1, 0))
-        return value + F.silu(self.short_conv(conv_in).transpose(1, 2))
+        conv_in = self.conv_norm(value)
+        if past_key_values is None:
+            window = F.pad(conv_in, (0, 0, self.kernel_size - 1, 0))
+        else:
+            window = past_key_values.conv_window(conv_in, self.kernel_size)
+        return value + F.silu(self.short_conv(window.transpose(1, 2)).transpose(1, 2))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -569,8 +582,10 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SpiderMLP(config, config.intermediate_size)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask):
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None):
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
+        )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -579,7 +594,8 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
     Forward args (positional, so activation checkpointing sees every tensor): `hidden_states` `(B, S, D)`,
     `position_embeddings` (segment RoPE), `attention_mask` `(B, 1, S, S)` bool or None, `token_mask` `(B, S)` bool
-    (non-padding segments; only these are routed), `engram_memory` `(B, S, M)` or None.
+    (non-padding segments; only these are routed), `engram_memory` `(B, S, M)` or None; keyword `past_key_values`
+    (this loop's and layer's :class:`SpiderLayerCache`, generation only).
     Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`.
     """
 
@@ -592,10 +608,14 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SpiderMoE(config)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, token_mask, engram_memory=None):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask, token_mask, engram_memory=None, past_key_values=None
+    ):
         if self.engram is not None:
-            hidden_states = hidden_states + self.engram(hidden_states, engram_memory)
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
+            hidden_states = hidden_states + self.engram(hidden_states, engram_memory, past_key_values)
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
+        )
         normed = self.post_attention_layernorm(hidden_states)
         moe_out, router_logits, aux_loss, expert_load = self.mlp(normed[token_mask])
         hidden_states = hidden_states.index_put((token_mask,), hidden_states[token_mask] + moe_out)
@@ -785,6 +805,115 @@ class AdaptiveComputationTime:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Generation cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiderLayerCache:
+    """Keys and values of one attention layer (and the inputs of its Engram convolution, for recurrent layers).
+
+    Byte layers (prelude, coda) append along the sequence, as transformers' ``DynamicLayer`` does. Segment layers
+    (one per loop and recurrent layer) hold one slot per segment; rows close segments at different bytes, so a decode
+    step writes row b's new segment at slot ``cache.segment_write_index[b]`` (a slot past a row's last segment holds
+    stale data that its attention mask hides and its next segment overwrites).
+    Tensors: keys `(B, H, S, qk_head_dim)`, values `(B, H, S, v_head_dim)`, post-RoPE; conv inputs `(B, S, D)`.
+    """
+
+    def __init__(self, cache: "SpiderCache", per_row_slots: bool):
+        self.cache = cache
+        self.per_row_slots = per_row_slots
+        self.keys = self.values = self.conv_inputs = None
+
+    def _write(self, buffer: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
+        if buffer is None:
+            return new
+        if not self.per_row_slots:
+            return torch.cat([buffer, new], dim=dim)
+        slots = self.cache.segment_slots
+        if buffer.shape[dim] < slots:
+            grow = list(buffer.shape)
+            grow[dim] = slots - buffer.shape[dim]
+            buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
+        index = self.cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
+        return buffer.scatter(dim, index, new)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's `keys`/`values` `(B, H, T, d)`; return every key/value the queries may attend to."""
+        self.keys = self._write(self.keys, keys, dim=2)
+        self.values = self._write(self.values, values, dim=2)
+        return self.keys, self.values
+
+    def conv_window(self, conv_inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """Causal window of the Engram short convolution: `conv_inputs` `(B, S, D)` -> `(B, kernel_size - 1 + S, D)`
+        (zeros before the first segment), the new inputs preceded by the cached ones of the same row."""
+        first = self.conv_inputs is None
+        self.conv_inputs = self._write(self.conv_inputs, conv_inputs, dim=1)
+        if first:
+            return F.pad(conv_inputs, (0, 0, kernel_size - 1, 0))
+        offsets = torch.arange(-(kernel_size - 1), 1, device=conv_inputs.device)
+        positions = self.cache.segment_write_index[:, None] + offsets  # (B, kernel_size)
+        window = self.conv_inputs.gather(
+            1, positions.clamp(min=0)[..., None].expand(-1, -1, conv_inputs.shape[-1])
+        )
+        return window * (positions >= 0)[..., None].to(window.dtype)
+
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        for name in ("keys", "values", "conv_inputs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, rows))
+
+
+class SpiderCache:
+    """Incremental-decoding state of :class:`SpiderModel` (what ``generate`` passes back as ``past_key_values``).
+
+    Prelude and coda layers cache per byte; the recurrent block keeps one :class:`SpiderLayerCache` per loop and
+    layer and runs only when a byte closes a segment (FlexiTokens boundaries are causal: a closed segment never
+    changes). Between segments the cache keeps, per row: the running sums of the open segment's byte states and
+    Engram memory, the last `max(engram_ngram_sizes) - 1` byte ids (the n-gram hash context), the number of closed
+    segments and the ACT-weighted recurrent output of the last one, which every byte up to the next boundary reads.
+
+    Built by the first forward with ``use_cache=True``; valid for the ``n_loops`` it was built with (another value
+    raises ``ValueError``). Shapes use B = batch, D = hidden_size, M = Engram memory width; sums are fp32.
+    """
+
+    def __init__(self, config: SpiderConfig, n_loops: int):
+        self.n_loops = n_loops
+        self.prelude = [SpiderLayerCache(self, False) for _ in range(config.num_prelude_layers)]
+        self.coda = [SpiderLayerCache(self, False) for _ in range(config.num_coda_layers)]
+        self.recurrent = [
+            [SpiderLayerCache(self, True) for _ in range(config.num_recurrent_layers)] for _ in range(n_loops)
+        ]
+        self.seen_bytes = 0  # columns of input_ids consumed so far, padding included
+        self.byte_mask = None  # (B, seen_bytes) bool, or None while no column is padding
+        self.byte_positions = None  # (B,) int64: RoPE position of the next byte (= real bytes so far)
+        self.hash_context = None  # (B, max_n - 1) int64: last byte ids, padding as the Engram fill id
+        self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
+        self.num_segments = None  # (B,) int64: closed segments (the null group excluded)
+        self.last_segment_output = None  # (B, D) fp32: recurrent output of the last closed segment
+        self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
+        self.segment_slots = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Bytes (input columns) already consumed."""
+        return self.seen_bytes
+
+    def begin_segment_step(self) -> torch.LongTensor:
+        """Point every row at the slot of its next segment (the null group is slot 0); returns it, `(B,)` int64."""
+        self.segment_write_index = self.num_segments + 1
+        self.segment_slots = max(self.segment_slots, int(self.segment_write_index.max()) + 1)
+        return self.segment_write_index
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep rows `beam_idx` `(B,)` int64 (beam search)."""
+        for layer in self.prelude + self.coda + [layer for loop in self.recurrent for layer in loop]:
+            layer.select_rows(beam_idx)
+        for name in ("byte_mask", "byte_positions", "hash_context", "open_sum", "open_memory_sum", "open_count",
+                     "num_segments", "last_segment_output"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, beam_idx))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -892,20 +1021,30 @@ class SpiderModel(SpiderPreTrainedModel):
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         n_loops: int | None = None,
+        past_key_values: SpiderCache | None = None,
+        use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> SpiderModelOutput:
         """Args:
-            input_ids: int64 `(B, L)`, ids in `[0, vocab_size)`.
+            input_ids: int64 `(B, L)`, ids in `[0, vocab_size)`. With a non-empty `past_key_values`, only the bytes
+                the cache has not seen (all real bytes, no padding).
             attention_mask: `(B, L)`, 1 for real bytes, 0 for padding (left or right), or None.
             n_loops: recurrent iterations (default `config.n_loops`).
+            past_key_values: a :class:`SpiderCache` from an earlier call, or None.
+            use_cache: build and return a :class:`SpiderCache` (default: `config.use_cache` in eval mode).
         Raises:
-            ValueError: see :meth:`check_inputs`.
+            ValueError: see :meth:`check_inputs`; a cache built with another `n_loops`.
         """
         n_loops = self.config.n_loops if n_loops is None else n_loops
         self.check_inputs(input_ids, n_loops)
+        if past_key_values is not None and past_key_values.seen_bytes > 0:
+            return self.decode(input_ids, past_key_values, n_loops, return_dict)
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        cache = past_key_values if past_key_values is not None else (SpiderCache(self.config, n_loops) if use_cache else None)
         output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
@@ -926,8 +1065,8 @@ class SpiderModel(SpiderPreTrainedModel):
         x = self.embed_tokens(input_ids)
         byte_rope = self.rotary_emb(x, position_ids)
         all_hidden_states = (x,) if output_hidden_states else None
-        for layer in self.prelude_layers:
-            x = layer(x, byte_rope, byte_attention_mask)
+        for i, layer in enumerate(self.prelude_layers):
+            x = layer(x, byte_rope, byte_attention_mask, past_key_values=cache.prelude[i] if cache else None)
             if output_hidden_states:
                 all_hidden_states += (x,)
 
@@ -942,36 +1081,21 @@ class SpiderModel(SpiderPreTrainedModel):
         padded_segments = not bool(segment_mask.all())
         segment_attention_mask = build_attention_mask(segment_mask) if padded_segments else None
 
-        # Recurrent block with LTI injection and ACT halting (Graves 2016), weights shared across loops.
-        h = e
-        act = AdaptiveComputationTime((B, S1), self.config.act_threshold, e.device)
-        h_out = torch.zeros(B, S1, e.shape[-1], dtype=torch.float32, device=e.device)
-        aux_losses, expert_loads, router_logits = [], [], []
-        for t in range(n_loops):
-            loop_idx = min(t, self.config.max_loop_iters - 1)
-            z = self.loop_norm(h + e + self.loop_embedding.weight[loop_idx])
-            for layer in self.layers:
-                z, logits, aux, load = layer(z, segment_rope, segment_attention_mask, segment_mask, engram_memory)
-                aux_losses.append(aux)
-                expert_loads.append(load)
-                if output_router_logits:
-                    router_logits.append(logits)
-            z = z + self.loop_lora(z, t)
-            h = self.injection(h, e, z)
-
-            p = torch.sigmoid(self.halt_predictor(h).squeeze(-1).to(torch.float32))
-            step_weight = act.step(p, is_last=t == n_loops - 1)
-            h_out = h_out + step_weight[..., None] * h.to(torch.float32)
+        h_out, act, aux_losses, expert_loads, router_logits = self.recurrent_block(
+            e, segment_rope, segment_attention_mask, segment_mask, engram_memory, n_loops, cache, output_router_logits
+        )
 
         # Back to bytes (causal upsample + residual), then the coda.
         y = upsample(boundaries, h_out.to(x.dtype)) + x
         if output_hidden_states:
             all_hidden_states += (y,)
-        for layer in self.coda_layers:
-            y = layer(y, byte_rope, byte_attention_mask)
+        for i, layer in enumerate(self.coda_layers):
+            y = layer(y, byte_rope, byte_attention_mask, past_key_values=cache.coda[i] if cache else None)
             if output_hidden_states:
                 all_hidden_states += (y,)
         y = self.norm(y)
+        if cache is not None:
+            self.fill_cache(cache, input_ids, x, engram_bytes, boundaries, byte_mask, token_mask, segment_mask, h_out)
 
         seg_weight = segment_mask.to(torch.float32)
         ponder_loss = ((act.n_updates + act.remainders) * seg_weight).sum() / seg_weight.sum()
@@ -983,6 +1107,7 @@ class SpiderModel(SpiderPreTrainedModel):
 
         output = SpiderModelOutput(
             last_hidden_state=y,
+            past_key_values=cache,
             hidden_states=all_hidden_states,
             router_logits=tuple(router_logits) if output_router_logits else None,
             aux_loss=aux_loss,
@@ -995,6 +1120,125 @@ class SpiderModel(SpiderPreTrainedModel):
         )
         return output if self._return_dict(return_dict) else output.to_tuple()
 
+    def recurrent_block(
+        self, e, segment_rope, segment_attention_mask, segment_mask, engram_memory, n_loops, cache=None,
+        output_router_logits=False,
+    ):
+        """The looped block with LTI injection and ACT halting (Graves 2016), weights shared across loops.
+
+        Args: `e` `(B, S, D)` normed segments, `segment_rope` their RoPE, `segment_attention_mask` bool
+            `(B, 1, S, S_keys)` or None, `segment_mask` `(B, S)` bool (segments to route), `engram_memory`
+            `(B, S, M)`, `cache` a :class:`SpiderCache` (its loop/layer caches are read and written) or None.
+        Returns: `(h_out fp32 (B, S, D), act, aux_losses, expert_loads, router_logits)`: the ACT-weighted output,
+            the :class:`AdaptiveComputationTime` state and per-(loop, layer) lists.
+        """
+        B, S, D = e.shape
+        h = e
+        act = AdaptiveComputationTime((B, S), self.config.act_threshold, e.device)
+        h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
+        aux_losses, expert_loads, router_logits = [], [], []
+        for t in range(n_loops):
+            loop_idx = min(t, self.config.max_loop_iters - 1)
+            z = self.loop_norm(h + e + self.loop_embedding.weight[loop_idx])
+            for i, layer in enumerate(self.layers):
+                z, logits, aux, load = layer(
+                    z, segment_rope, segment_attention_mask, segment_mask, engram_memory,
+                    past_key_values=cache.recurrent[t][i] if cache else None,
+                )
+                aux_losses.append(aux)
+                expert_loads.append(load)
+                if output_router_logits:
+                    router_logits.append(logits)
+            z = z + self.loop_lora(z, t)
+            h = self.injection(h, e, z)
+
+            p = torch.sigmoid(self.halt_predictor(h).squeeze(-1).to(torch.float32))
+            step_weight = act.step(p, is_last=t == n_loops - 1)
+            h_out = h_out + step_weight[..., None] * h.to(torch.float32)
+        return h_out, act, aux_losses, expert_loads, router_logits
+
+    def fill_cache(self, cache, input_ids, x, engram_bytes, boundaries, byte_mask, token_mask, segment_mask, h_out):
+        """After a full forward, store what decoding continues from (see :class:`SpiderCache`)."""
+        B, L = input_ids.shape
+        cache.seen_bytes = L
+        cache.byte_mask = token_mask
+        cache.byte_positions = byte_mask.long().sum(-1)
+        context = max(self.engram_embeddings.ngram_sizes) - 1
+        ids = input_ids.masked_fill(~byte_mask, self.engram_embeddings.fill_id)
+        cache.hash_context = F.pad(ids, (context, 0), value=self.engram_embeddings.fill_id)[:, ids.shape[1] :]
+        cache.num_segments = segment_mask.long().sum(-1) - 1
+        cache.segment_slots = segment_mask.shape[1]
+        index = cache.num_segments[:, None, None].expand(B, 1, h_out.shape[-1])
+        cache.last_segment_output = h_out.gather(1, index)[:, 0]
+        # The open segment: real bytes after the last boundary. cumsum adds in byte order, as downsample's scatter_add.
+        open_bytes = ((boundaries.cumsum(1) - boundaries).long() == cache.num_segments[:, None]) & byte_mask
+        weight = open_bytes[..., None].to(torch.float32)
+        cache.open_sum = (x.to(torch.float32) * weight).cumsum(1)[:, -1]
+        cache.open_memory_sum = (engram_bytes.to(torch.float32) * weight).cumsum(1)[:, -1]
+        cache.open_count = open_bytes.to(torch.float32).sum(-1)
+
+    @torch.no_grad()
+    def decode(self, input_ids, cache: SpiderCache, n_loops: int, return_dict=None) -> SpiderModelOutput:
+        """Continue from `cache` with the new bytes `input_ids` `(B, T)` (all real), one byte at a time: the prelude
+        and coda read their byte caches; a byte that closes a segment runs the recurrent block for that segment
+        only. Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)` and
+        the cache; the loss terms are None. Raises ValueError if `n_loops` differs from the cache's."""
+        if n_loops != cache.n_loops:
+            raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with")
+        states, boundaries = [], []
+        for j in range(input_ids.shape[1]):
+            y, b = self.decode_byte(input_ids[:, j : j + 1], cache)
+            states.append(y)
+            boundaries.append(b)
+        output = SpiderModelOutput(
+            last_hidden_state=torch.cat(states, 1), past_key_values=cache, boundaries=torch.cat(boundaries, 1)
+        )
+        return output if self._return_dict(return_dict) else output.to_tuple()
+
+    def decode_byte(self, input_ids: torch.LongTensor, cache: SpiderCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1) fp32)`."""
+        B = input_ids.shape[0]
+        if cache.byte_mask is not None:
+            cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
+        byte_attention_mask = cache.byte_mask[:, None, None, :] if cache.byte_mask is not None else None
+        x = self.embed_tokens(input_ids)
+        byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
+        for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
+            x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+
+        boundary, _ = self.boundary_predictor(x)
+        window = torch.cat([cache.hash_context, input_ids], dim=1)
+        memory = self.engram_embeddings(window)[:, -1]
+        cache.hash_context = window[:, 1:]
+        open_sum = cache.open_sum + x[:, 0].to(torch.float32)
+        open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
+        open_count = cache.open_count + 1.0
+        closing = boundary[:, 0] > 0
+        if bool(closing.any()):
+            slot = cache.begin_segment_step()
+            segment = (open_sum / open_count[:, None]).to(x.dtype)[:, None]
+            e = self.down_norm(segment)
+            segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
+            segment_rope = self.rotary_emb(e, slot[:, None])
+            keys = torch.arange(cache.segment_slots, device=e.device)
+            segment_attention_mask = (keys[None] <= slot[:, None])[:, None, None, :]
+            every_row = torch.ones(B, 1, dtype=torch.bool, device=e.device)
+            h_out = self.recurrent_block(
+                e, segment_rope, segment_attention_mask, every_row, segment_memory, cache.n_loops, cache
+            )[0]
+            cache.last_segment_output = torch.where(closing[:, None], h_out[:, 0], cache.last_segment_output)
+            cache.num_segments = cache.num_segments + closing.long()
+            keep = (~closing).to(torch.float32)
+            open_sum, open_memory_sum, open_count = open_sum * keep[:, None], open_memory_sum * keep[:, None], open_count * keep
+        cache.open_sum, cache.open_memory_sum, cache.open_count = open_sum, open_memory_sum, open_count
+
+        y = cache.last_segment_output[:, None].to(x.dtype) + x
+        for layer, layer_cache in zip(self.coda_layers, cache.coda):
+            y = layer(y, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+        cache.byte_positions = cache.byte_positions + 1
+        cache.seen_bytes += 1
+        return self.norm(y), boundary
+
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     """Spider with a byte LM head. `forward(input_ids, attention_mask=None, labels=None, n_loops=None)`.
@@ -1002,7 +1246,9 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     `labels` follow transformers' convention: aligned with `input_ids` (the model shifts them), -100 ignored.
     The loss is `lm_loss + router_aux_loss_coef * aux_loss + boundary_loss_coef * boundary_loss +
     ponder_loss_coef * ponder_loss`; every term is returned separately (:class:`SpiderCausalLMOutput`).
-    `generate()` re-runs the whole prefix each step (no KV cache yet); `n_loops=` passes through.
+    `generate()` decodes incrementally with a :class:`SpiderCache` (`use_cache=True`, the default): after the
+    prompt, each new byte runs the prelude and coda on one position and the recurrent block only when the byte closes
+    a segment; the output equals the no-cache output (tested). `n_loops=` passes through.
     """
 
     _tied_weights_keys = {}
@@ -1032,6 +1278,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         n_loops: int | None = None,
+        past_key_values: SpiderCache | None = None,
+        use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
         return_dict: bool | None = None,
@@ -1042,11 +1290,16 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         `num_items_in_batch` (Trainer's count of label tokens across gradient-accumulation steps), and `shift_labels`
         (targets already shifted, as transformers' loss takes them under sequence parallelism).
         Returns :class:`SpiderCausalLMOutput`; logits are `(B, L, vocab_size)` in the model dtype.
-        Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, or mis-shaped labels."""
+        Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, mis-shaped labels, or labels
+        with a non-empty cache."""
+        if labels is not None and past_key_values is not None and past_key_values.seen_bytes > 0:
+            raise ValueError("labels cannot be scored against a non-empty past_key_values cache; pass the whole sequence")
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
             n_loops=n_loops,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
         )
@@ -1068,6 +1321,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         output = SpiderCausalLMOutput(
             loss=loss,
             logits=logits,
+            past_key_values=outputs.past_key_values,
             lm_loss=lm_loss,
             aux_loss=outputs.aux_loss,
             boundary_loss=outputs.boundary_loss,
@@ -1080,9 +1334,23 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         )
         return output if self._return_dict(return_dict) else output.to_tuple()
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, n_loops=None, **kwargs):
-        """Without a KV cache every step feeds the whole prefix; `n_loops` is passed through."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "n_loops": n_loops}
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own SpiderCache on the first forward with use_cache=True
+
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, attention_mask=None, n_loops=None, use_cache=None, **kwargs
+    ):
+        """Feed only the bytes `past_key_values` has not seen (the whole prompt first); `n_loops` passes through."""
+        if past_key_values is not None:
+            input_ids = input_ids[:, past_key_values.seen_bytes :]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "n_loops": n_loops,
+            "past_key_values": past_key_values,
+            "use_cache": use_cache,
+        }
 
 
 SpiderConfig.register_for_auto_class()
