@@ -504,6 +504,9 @@ class SpiderEngramEmbeddings(nn.Module):
         ]
         self.moduli = _primes_from(config.engram_table_size, n_tables)
         self.offsets = [int(o) for o in np.cumsum([0] + self.moduli[:-1])]
+        # multiplier_table[table][i] multiplies id[l - i]; 0 past the table's n (x ^ 0 == x, so it drops out).
+        max_n = max(self.ngram_sizes)
+        self.multiplier_table = [mult + [0] * (max_n - len(mult)) for per_n in self.multipliers for mult in per_n]
         self.embedding = nn.Embedding(sum(self.moduli), self.head_dim)
         self.output_size = n_tables * self.head_dim
 
@@ -511,19 +514,16 @@ class SpiderEngramEmbeddings(nn.Module):
         """Table row of every (byte, head): int64 `(B, L, n_tables)`, already offset into `self.embedding`."""
         ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, self.fill_id)
         max_n = max(self.ngram_sizes)
-        padded = F.pad(ids, (max_n - 1, 0), value=self.fill_id)
-        L = ids.shape[1]
-        shifted = [padded[:, max_n - 1 - i : max_n - 1 - i + L] for i in range(max_n)]  # shifted[i][l] = id[l - i]
-        rows, table = [], 0
-        for n_idx, n in enumerate(self.ngram_sizes):
-            for h in range(self.num_heads):
-                mult = self.multipliers[n_idx][h]
-                hashed = shifted[0] * mult[0]
-                for i in range(1, n):
-                    hashed = torch.bitwise_xor(hashed, shifted[i] * mult[i])
-                rows.append(hashed % self.moduli[table] + self.offsets[table])
-                table += 1
-        return torch.stack(rows, dim=-1)
+        # context[b, l, i] = id[l - i]: (B, L, max_n), all tables hashed at once (max_n XORs, not one op per table).
+        context = F.pad(ids, (max_n - 1, 0), value=self.fill_id).unfold(1, max_n, 1).flip(-1)
+        multipliers = torch.tensor(self.multiplier_table, dtype=torch.long, device=ids.device)  # (n_tables, max_n)
+        products = context[:, :, None, :] * multipliers  # (B, L, n_tables, max_n)
+        hashed = products[..., 0]
+        for i in range(1, max_n):
+            hashed = torch.bitwise_xor(hashed, products[..., i])
+        moduli = torch.tensor(self.moduli, dtype=torch.long, device=ids.device)
+        offsets = torch.tensor(self.offsets, dtype=torch.long, device=ids.device)
+        return hashed % moduli + offsets
 
     def forward(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         rows = self.hash_ids(input_ids, token_mask)
@@ -1008,11 +1008,10 @@ class SpiderModel(SpiderPreTrainedModel):
                 f"input length {input_ids.shape[1]} exceeds max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
             )
-        if input_ids.numel() > 0:
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
+        out_of_vocabulary = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+        if bool(out_of_vocabulary.any()):  # one host sync; the offending id is looked up only on the error path
+            bad = int(input_ids[out_of_vocabulary][0])
+            raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
         if not isinstance(n_loops, int) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
 
@@ -1072,10 +1071,13 @@ class SpiderModel(SpiderPreTrainedModel):
 
         # FlexiTokens: bytes -> segments. Engram memory is looked up once, pooled with the same boundaries.
         boundaries, _ = self.boundary_predictor(x, byte_mask)
-        segments, segment_mask = downsample(boundaries, x, self.null_group, byte_mask)
-        e = self.down_norm(segments)
+        # One pooling pass (one cumsum, one host sync) over the byte states and their Engram memory side by side.
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
-        engram_memory, _ = downsample(boundaries, engram_bytes, None, byte_mask)
+        D, M = x.shape[-1], engram_bytes.shape[-1]
+        null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
+        pooled, segment_mask = downsample(boundaries, torch.cat([x, engram_bytes.to(x.dtype)], -1), null, byte_mask)
+        segments, engram_memory = pooled.split([D, M], dim=-1)
+        e = self.down_norm(segments)
         S1 = e.shape[1]
         segment_rope = self.rotary_emb(e, torch.arange(S1, device=e.device).expand(B, S1))
         padded_segments = not bool(segment_mask.all())

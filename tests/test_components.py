@@ -58,6 +58,20 @@ def test_downsample_padding_and_ragged_rows():
     assert torch.equal(seg[1, 2:], torch.zeros(2, 3))
 
 
+def test_downsample_of_concatenated_features_equals_separate_calls():
+    """The model pools byte states and Engram memory in one call over both; it must equal pooling each alone."""
+    torch.manual_seed(0)
+    b = (torch.rand(3, 17) > 0.6).float()
+    mask = torch.ones(3, 17, dtype=torch.bool)
+    mask[1, :5] = False
+    x, memory, null = torch.randn(3, 17, 4), torch.randn(3, 17, 6), torch.randn(4)
+    joint, joint_mask = downsample(b, torch.cat([x, memory], -1), torch.cat([null, torch.zeros(6)]), mask)
+    seg_x, mask_x = downsample(b, x, null, mask)
+    seg_m, _ = downsample(b, memory, None, mask)
+    assert torch.equal(joint_mask, mask_x)
+    assert torch.equal(joint[..., :4], seg_x) and torch.equal(joint[..., 4:], seg_m)
+
+
 def test_downsample_gradient_reaches_boundaries():
     logits = torch.zeros(1, 6, requires_grad=True)
     soft = torch.sigmoid(logits)
