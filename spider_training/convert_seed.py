@@ -1,0 +1,638 @@
+"""Import a seed checkpoint (``spider-stepN.pt``) as a safetensors release -- the only way a seed pickle gets in.
+
+``python -m spider_training.convert_seed spider-step50.pt OUTPUT_DIR [--preset NAME] [--dtype seed|float32|...]
+[--rename SEED=OURS ...] [--overwrite] [--strict]`` prints a JSON report on stdout and writes ``OUTPUT_DIR`` with
+``SpiderForConditionalGeneration.save_pretrained`` (``model.safetensors``, ``config.json`` with ``auto_map``, the
+module files) plus the ``SpiderTokenizer`` files and ``seed_conversion.json`` (the same report), so that
+``AutoModelForCausalLM.from_pretrained(OUTPUT_DIR, trust_remote_code=True)`` loads it. Everything else in Spider
+writes and reads safetensors only.
+
+What a seed checkpoint is (``seeds/tk-train.py``, ``save_step_checkpoint`` and the final save): ``torch.save`` of
+``{"step", "epoch", "model_state_dict", "optimizer_state_dict", "cfg", "best_loss"}``, where ``model_state_dict`` is
+``model.state_dict()`` of the *wrapped* training model (``torch.compile`` adds ``_orig_mod.``, DDP adds ``module.``;
+torchao's ``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names), usually in bf16 (the seed runs
+``model.to(bf16)``), and ``cfg`` is a ``SpiderConfig()`` instance of the seed's model file. ``tk-train.py`` loads that
+file with ``importlib.import_module("tk-spider")``, so the pickle names the class ``tk-spider.SpiderConfig``
+(``fp8-ready-spider.SpiderConfig`` for ``fp8_train.py``; ``__main__.SpiderConfig`` if the class was defined in the
+script that saved). The seed model file itself is not public, so the seed's exact parameter and config field names
+are not known: :data:`SEED_NAME_RULES` and :data:`SEED_CFG_ALIASES` hold the documented guesses, every key that does not
+map is reported, and ``--rename`` adds rules without editing code.
+
+Safety: the file is read with ``torch.load(..., weights_only=True)`` (torch's restricted unpickler: tensors,
+containers, numbers, strings, dtypes). The seed's config class is never imported: each name in
+:data:`SEED_CFG_GLOBALS` is allowlisted (``torch.serialization.safe_globals``) as an inert stand-in,
+:class:`SeedConfigData`, that only stores the pickled ``__dict__``. Any other global (``os.system`` in a
+``__reduce__``, a class not on the list) makes the load fail before anything runs, and the conversion raises
+:class:`UnsafeCheckpointError` naming the file and the offending globals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import re
+import sys
+import zipfile
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading the pickle safely
+# --------------------------------------------------------------------------------------------------------------------
+
+#: Pickle globals that name the seed's config class. Each is read through :class:`SeedConfigData` (never imported).
+#: ``tk-spider``: ``tk-train.py`` line 55 (``importlib.import_module("tk-spider")``); ``fp8-ready-spider``: the model
+#: file of ``fp8_train.py`` (seed ``hub-README.md``); ``__main__``: a config class defined in the saving script.
+SEED_CFG_GLOBALS: tuple[str, ...] = (
+    "tk-spider.SpiderConfig",
+    "fp8-ready-spider.SpiderConfig",
+    "__main__.SpiderConfig",
+)
+
+
+class UnsafeCheckpointError(ValueError):
+    """The checkpoint's pickle needs a global (function or class) that is not on the weights-only allowlist."""
+
+
+class SeedConfigData:
+    """Inert stand-in for the seed's pickled config object: holds its state as plain data, runs none of its code.
+
+    torch's weights-only unpickler creates it for an allowlisted global (``NEWOBJ`` -> ``__new__``, or ``REDUCE`` ->
+    ``__init__`` with the pickled arguments) and hands it the object's state (``BUILD`` -> :meth:`__setstate__`). The
+    state arrives already unpickled by the restricted unpickler, so it holds only allowlisted types.
+
+    Attributes:
+        fields (`dict[str, Any]`): the pickled ``__dict__`` (plus ``__slots__`` state, if any).
+        args (`tuple`): constructor arguments the pickle carried (normally empty).
+        seed_global (`str`): the pickle global this instance stood in for, e.g. ``"tk-spider.SpiderConfig"``.
+    """
+
+    seed_global = "?"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args = tuple(args)
+        obj.fields = dict(kwargs)
+        return obj
+
+    def __init__(self, *args, **kwargs):  # REDUCE path: arguments were stored by __new__, nothing to run
+        pass
+
+    def __setstate__(self, state):
+        slots = None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        for part in (state, slots):
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                raise pickle.UnpicklingError(
+                    f"{self.seed_global}: expected the pickled state to be a dict, got {type(part).__name__}"
+                )
+            self.fields.update({str(k): v for k, v in part.items()})
+
+    def __repr__(self) -> str:
+        return f"SeedConfigData({self.seed_global}, {len(self.fields)} fields)"
+
+
+def _stand_ins() -> list[tuple[type, str]]:
+    """One :class:`SeedConfigData` subclass per name in :data:`SEED_CFG_GLOBALS`, as ``safe_globals`` entries."""
+    entries = []
+    for name in SEED_CFG_GLOBALS:
+        cls = type("SeedConfigData", (SeedConfigData,), {"seed_global": name, "__module__": __name__})
+        entries.append((cls, name))
+    return entries
+
+
+_STAND_INS = _stand_ins()
+
+
+def _sniff_format(path: Path) -> str:
+    """``"zip"`` (``torch.save`` default) or ``"legacy"`` (a raw pickle stream). Raises for anything else."""
+    if not path.exists():
+        raise FileNotFoundError(f"seed checkpoint {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"seed checkpoint {path} is not a file")
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    if not head:
+        raise ValueError(f"seed checkpoint {path} is empty")
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except zipfile.BadZipFile as err:
+            raise ValueError(f"seed checkpoint {path} is a damaged zip archive: {err}") from err
+        if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+            raise ValueError(f"seed checkpoint {path} is a TorchScript archive, not a torch.save checkpoint")
+        if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+            raise ValueError(f"seed checkpoint {path} is a zip archive without data.pkl: not a torch.save checkpoint")
+        return "zip"
+    if head[:1] == b"\x80":  # pickle PROTO opcode: torch's legacy (pre-1.6) format starts with a pickled magic number
+        return "legacy"
+    raise ValueError(
+        f"seed checkpoint {path} is not a torch checkpoint: neither a torch.save zip archive nor a pickle "
+        f"(first bytes {head!r})"
+    )
+
+
+def _offending_globals(message: str) -> list[str]:
+    found = re.findall(r"GLOBAL ([^\s]+)", message)
+    found += re.findall(r"unrecognized function ([^\s]+(?: which belongs to [^\s]+)?)", message)
+    found += re.findall(r"(?:new object for|but got) <class '([^']+)'>", message)
+    return list(dict.fromkeys(found))
+
+
+def load_seed_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a seed checkpoint with torch's weights-only unpickler; the seed's config becomes :class:`SeedConfigData`.
+
+    Args:
+        path: a ``spider-stepN.pt`` file (``torch.save`` zip format, or the legacy pickle format).
+    Returns:
+        The checkpoint dict, tensors on CPU (memory-mapped for the zip format).
+    Raises:
+        FileNotFoundError: no such file.
+        UnsafeCheckpointError (a ``ValueError``): the pickle names a global outside the allowlist (the message names
+            the file and the globals); nothing from it was called.
+        ValueError: not a file, empty, not a zip/pickle, damaged, or the top level is not a dict.
+    """
+    path = Path(path)
+    kind = _sniff_format(path)
+    with torch.serialization.safe_globals(_STAND_INS):
+        if kind == "zip":
+            try:
+                unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+            except Exception as err:  # a damaged archive: report it as such rather than as unsafe
+                raise ValueError(f"seed checkpoint {path} could not be read as a torch.save archive: {err}") from err
+            if unsafe:
+                raise UnsafeCheckpointError(
+                    f"refusing to load seed checkpoint {path}: its pickle needs {unsafe}, which "
+                    f"{'is' if len(unsafe) == 1 else 'are'} not on the weights-only allowlist (tensors, containers, "
+                    f"numbers, strings, dtypes, and the seed config class as inert data: {list(SEED_CFG_GLOBALS)}). "
+                    "Loading it would import or run code from the file."
+                )
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=kind == "zip")
+        except pickle.UnpicklingError as err:
+            offending = _offending_globals(str(err))
+            detail = (f"{offending}, which {'is' if len(offending) == 1 else 'are'} not on the allowlist"
+                      if offending else "an object it may not build")
+            raise UnsafeCheckpointError(
+                f"refusing to load seed checkpoint {path}: the weights-only unpickler stopped at {detail} "
+                f"(allowed: tensors, containers, numbers, strings, dtypes, and the seed config class as inert data: "
+                f"{list(SEED_CFG_GLOBALS)}). Nothing from the file was run."
+            ) from err
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"seed checkpoint {path} could not be read: {type(err).__name__}: {err}") from err
+    if not isinstance(checkpoint, dict):
+        raise ValueError(
+            f"seed checkpoint {path} holds a {type(checkpoint).__name__}, expected the seed's dict with keys "
+            "model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss"
+        )
+    return checkpoint
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parameter names: seed -> Spider
+# --------------------------------------------------------------------------------------------------------------------
+
+#: Wrapper prefixes dropped from the front of every seed key: DDP (``module.``) and ``torch.compile``
+#: (``_orig_mod.``), both applied by ``tk-train.py`` before ``model.state_dict()`` is saved.
+WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
+#: Wrapper components dropped anywhere in a key: FSDP and torch's activation-checkpoint wrapper.
+WRAPPER_COMPONENTS: tuple[str, ...] = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+#: Explicit renames ``(seed fragment, Spider fragment, source of the seed name)``, applied in order to whole dotted
+#: components; ``{name}`` stands for a layer/expert index. A key that matches none is taken as is (the seed used
+#: transformers-style names: its FP8 filter selects ``embed_tokens, lm_head, layernorm, norm, router,
+#: boundary_predictor, loop_embedding, halt_predictor, engram``, which SPEC §1 made load-bearing for us too).
+SEED_NAME_RULES: tuple[tuple[str, str, str], ...] = (
+    ("model.prelude.{i}.", "model.prelude_layers.{i}.", "SPEC §3 forward pass: `x = prelude(x)`"),
+    ("model.recurrent_layers.{i}.", "model.layers.{i}.", "SPEC §3 forward pass: `for layer in recurrent_layers`"),
+    ("model.coda.{i}.", "model.coda_layers.{i}.", "SPEC §3 forward pass: `y = coda(y)`"),
+    ("model.boundary_predictor.0.", "model.boundary_predictor.dense.",
+     "FLEXITOKENS / Nawrot et al. boundary predictor: nn.Sequential(Linear(D, D), GELU, Linear(D, 1))"),
+    ("model.boundary_predictor.2.", "model.boundary_predictor.out_proj.", "same nn.Sequential, index 2"),
+)
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+class _Rule:
+    """A reversible fragment substitution on dotted names (``{name}`` matches a decimal index)."""
+
+    def __init__(self, seed: str, ours: str, source: str = ""):
+        for side, text in (("seed", seed), ("Spider", ours)):
+            if not text or text.startswith(".") or ".." in text:
+                raise ValueError(f"rename rule {seed!r}={ours!r}: the {side} fragment must be a dotted name")
+        if sorted(_PLACEHOLDER.findall(seed)) != sorted(_PLACEHOLDER.findall(ours)):
+            raise ValueError(f"rename rule {seed!r}={ours!r}: both sides must use the same {{placeholders}}")
+        self.seed, self.ours, self.source = seed, ours, source
+        self._to_ours = (self._pattern(seed), self._template(ours))
+        self._to_seed = (self._pattern(ours), self._template(seed))
+
+    @staticmethod
+    def _pattern(fragment: str) -> re.Pattern:
+        parts, last = [], 0
+        for match in _PLACEHOLDER.finditer(fragment):
+            parts.append(re.escape(fragment[last:match.start()]))
+            parts.append(f"(?P<{match.group(1)}>\\d+)")
+            last = match.end()
+        parts.append(re.escape(fragment[last:]))
+        tail = "" if fragment.endswith(".") else r"(?=\.|$)"
+        return re.compile(r"(?:^|(?<=\.))" + "".join(parts) + tail)
+
+    @staticmethod
+    def _template(fragment: str) -> str:
+        return _PLACEHOLDER.sub(lambda m: f"\\g<{m.group(1)}>", fragment.replace("\\", "\\\\"))
+
+    def to_ours(self, name: str) -> str:
+        pattern, template = self._to_ours
+        return pattern.sub(template, name)
+
+    def to_seed(self, name: str) -> str:
+        pattern, template = self._to_seed
+        return pattern.sub(template, name)
+
+
+def parse_rename(spec: str) -> tuple[str, str, str]:
+    """Parse a ``SEED=OURS`` rename (``--rename``), e.g. ``"model.halt.=model.halt_predictor."``.
+
+    Raises:
+        ValueError: no ``=``, empty or malformed side, or placeholders that differ between the sides.
+    """
+    if spec.count("=") != 1:
+        raise ValueError(f"rename rule {spec!r} must have the form SEED_FRAGMENT=SPIDER_FRAGMENT")
+    seed, ours = (s.strip() for s in spec.split("="))
+    _Rule(seed, ours)  # validates
+    return seed, ours, "--rename"
+
+
+def _rules(extra: Iterable[str | tuple] = ()) -> list[_Rule]:
+    rules = [_Rule(*rule) for rule in SEED_NAME_RULES]
+    for spec in extra:
+        rules.append(_Rule(*(parse_rename(spec) if isinstance(spec, str) else spec)))
+    return rules
+
+
+def strip_wrappers(name: str) -> str:
+    """Drop DDP / torch.compile prefixes and FSDP / checkpoint-wrapper components from a state-dict key."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    for component in WRAPPER_COMPONENTS:
+        name = name.replace(component, "")
+    return name
+
+
+def seed_to_spider_name(name: str, extra_rules: Iterable[str | tuple] = ()) -> str:
+    """The Spider state-dict key a seed key maps to (wrappers stripped, :data:`SEED_NAME_RULES` then extra rules)."""
+    name = strip_wrappers(name)
+    for rule in _rules(extra_rules):
+        name = rule.to_ours(name)
+    return name
+
+
+def spider_to_seed_name(name: str, extra_rules: Iterable[str | tuple] = ()) -> str:
+    """Inverse of :func:`seed_to_spider_name` (without wrappers): the seed's name for a Spider key."""
+    for rule in reversed(_rules(extra_rules)):
+        name = rule.to_seed(name)
+    return name
+
+
+def map_state_dict(
+    seed_state: dict, model_state: dict, extra_rules: Iterable[str | tuple] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Match seed tensors to the Spider model's state dict by name and shape.
+
+    Args:
+        seed_state: the seed's ``model_state_dict`` (names as saved, wrappers included).
+        model_state: ``model.state_dict()`` of the target Spider model (only names and shapes are read).
+        extra_rules: additional ``SEED=OURS`` renames.
+    Returns:
+        ``(mapped, details)``: ``mapped`` is ``{spider_key: seed_tensor}`` for every name *and* shape match;
+        ``details`` has ``unwrapped`` (how many mapped keys carried DDP / compile / FSDP wrapper names), ``renamed``
+        (``{seed_key: spider_key}`` where the names differ beyond those wrappers), ``unmapped_seed_keys`` (no
+        Spider counterpart, or not a tensor), ``duplicate_seed_keys`` (a second seed key for an already-mapped
+        Spider key), ``shape_mismatches`` (``[{seed_key, model_key, seed_shape, model_shape}]``) and
+        ``missing_model_keys`` (Spider keys that received nothing: they keep their fresh initialisation; this
+        includes the targets of shape mismatches).
+    """
+    rules = _rules(extra_rules)
+    mapped: dict[str, torch.Tensor] = {}
+    renamed, unmapped, duplicates, mismatches, wrapped = {}, [], [], [], 0
+    for seed_key, value in seed_state.items():
+        if not isinstance(value, torch.Tensor):
+            unmapped.append(seed_key)
+            continue
+        target = strip_wrappers(seed_key)
+        for rule in rules:
+            target = rule.to_ours(target)
+        bare = target not in model_state and not target.startswith(("model.", "lm_head."))
+        if bare and f"model.{target}" in model_state:
+            target = f"model.{target}"  # a seed trunk saved without the `model.` base-model prefix
+        if target not in model_state:
+            unmapped.append(seed_key)
+            continue
+        if target in mapped:
+            duplicates.append(seed_key)
+            continue
+        if tuple(value.shape) != tuple(model_state[target].shape):
+            mismatches.append({"seed_key": seed_key, "model_key": target, "seed_shape": list(value.shape),
+                               "model_shape": list(model_state[target].shape)})
+            continue
+        mapped[target] = value
+        unwrapped = strip_wrappers(seed_key)
+        wrapped += unwrapped != seed_key
+        if target != unwrapped:
+            renamed[seed_key] = target
+    details = {
+        "unwrapped": wrapped,
+        "renamed": renamed,
+        "unmapped_seed_keys": unmapped,
+        "duplicate_seed_keys": duplicates,
+        "shape_mismatches": mismatches,
+        "missing_model_keys": [k for k in model_state if k not in mapped],
+    }
+    return mapped, details
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Config: seed cfg fields -> SpiderConfig
+# --------------------------------------------------------------------------------------------------------------------
+
+#: Seed config field names that differ from SpiderConfig's, with where the name comes from: OpenMythos' MythosConfig
+#: (the recurrent-depth design SPEC §6 cites: ``dim, n_heads, max_seq_len, prelude_layers, coda_layers, n_experts,
+#: n_experts_per_tok, expert_dim``) and common transformers spellings. A field that *is* a SpiderConfig field is
+#: taken under its own name; an exact name wins over an alias.
+SEED_CFG_ALIASES: dict[str, str] = {
+    "dim": "hidden_size",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "num_heads": "num_attention_heads",
+    "max_seq_len": "max_position_embeddings",
+    "prelude_layers": "num_prelude_layers",
+    "n_prelude_layers": "num_prelude_layers",
+    "recurrent_layers": "num_recurrent_layers",
+    "n_recurrent_layers": "num_recurrent_layers",
+    "coda_layers": "num_coda_layers",
+    "n_coda_layers": "num_coda_layers",
+    "n_experts": "n_routed_experts",
+    "num_experts": "n_routed_experts",
+    "num_local_experts": "n_routed_experts",
+    "n_experts_per_tok": "num_experts_per_tok",
+    "top_k": "num_experts_per_tok",
+    "expert_dim": "moe_intermediate_size",
+    "engram_layers": "engram_layer_ids",
+    "norm_eps": "rms_norm_eps",
+}
+
+#: SpiderConfig fields a seed value must not set: ``num_hidden_layers`` is derived (prelude + recurrent + coda).
+_DERIVED_FIELDS = {"num_hidden_layers": "derived by SpiderConfig (prelude + recurrent + coda)"}
+
+
+def _spider_fields() -> set[str]:
+    from configuration_spider import SpiderConfig
+
+    return set(SpiderConfig.__annotations__)  # the fields SpiderConfig itself declares (not PreTrainedConfig's)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _jsonable(value.item())
+    return repr(value)
+
+
+def seed_cfg_fields(cfg: Any, source: str = "seed checkpoint") -> tuple[dict[str, Any] | None, str | None]:
+    """``(fields, global_name)`` of the checkpoint's ``cfg`` entry: a :class:`SeedConfigData`, a plain dict, or None.
+
+    Raises:
+        ValueError: ``cfg`` is some other type (the message names `source`).
+    """
+    if cfg is None:
+        return None, None
+    if isinstance(cfg, SeedConfigData):
+        return dict(cfg.fields), cfg.seed_global
+    if isinstance(cfg, dict):
+        return {str(k): v for k, v in cfg.items()}, None
+    raise ValueError(f"{source}: cfg is a {type(cfg).__name__}; expected the seed's config object, a dict, or None")
+
+
+def build_config(fields: dict[str, Any] | None, preset: str | None = None, source: str = "seed checkpoint"):
+    """Build a :class:`SpiderConfig` from the seed's config fields on top of `preset` (default: ``SpiderConfig()``).
+
+    Returns:
+        ``(config, used, ignored)``: ``used`` maps seed field -> SpiderConfig field; ``ignored`` maps seed field ->
+        reason (no counterpart, derived, shadowed by the exact name).
+    Raises:
+        ValueError: unknown preset, or seed values that SpiderConfig rejects (the message names `source`).
+    """
+    from configuration_spider import SpiderConfig
+
+    known = _spider_fields()
+    used: dict[str, str] = {}
+    ignored: dict[str, str] = {}
+    overrides: dict[str, Any] = {}
+    for name, value in (fields or {}).items():
+        if name in _DERIVED_FIELDS:
+            ignored[name] = _DERIVED_FIELDS[name]
+        elif name in known:
+            used[name], overrides[name] = name, value
+    for name, value in (fields or {}).items():
+        if name in used or name in ignored:
+            continue
+        target = SEED_CFG_ALIASES.get(name)
+        if target is None or target not in known:
+            ignored[name] = "no SpiderConfig counterpart"
+        elif target in overrides:
+            ignored[name] = f"alias of {target}, which the seed cfg also sets under that name"
+        else:
+            used[name], overrides[target] = target, value
+    overrides = {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}
+    try:
+        config = SpiderConfig.from_preset(preset, **overrides) if preset else SpiderConfig(**overrides)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{source}: the seed cfg does not give a valid SpiderConfig "
+                         f"(preset {preset or 'default'}; seed fields {used}): {err}") from err
+    return config, used, ignored
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Conversion
+# --------------------------------------------------------------------------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _seed_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    counts = Counter(t.dtype for t in tensors if t.is_floating_point())
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def convert_seed_checkpoint(
+    path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    preset: str | None = None,
+    *,
+    dtype: str | None = None,
+    renames: Iterable[str] = (),
+    overwrite: bool = False,
+    strict: bool = False,
+) -> dict:
+    """Convert a seed ``spider-stepN.pt`` into a safetensors release folder and return the report.
+
+    Args:
+        path: the seed checkpoint (see the module docstring for its layout).
+        output_dir: the release folder to write (created; written to a temp sibling and renamed into place).
+        preset: SpiderConfig preset the seed's cfg fields are applied on top of (``"tiny"``, ``"small"``, ``"1b"``);
+            default ``SpiderConfig()`` (the seed's ~1B model). Fields the seed cfg lacks come from here.
+        dtype: weights dtype of the release: ``None``/``"seed"`` keeps the seed's (its most common float dtype,
+            usually bf16), or ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        renames: extra ``SEED=OURS`` name rules (see :func:`parse_rename`), applied after :data:`SEED_NAME_RULES`.
+        overwrite: replace a non-empty `output_dir` (default: refuse).
+        strict: refuse (``ValueError``, nothing written) unless every seed tensor maps and every model key is filled.
+    Returns:
+        A JSON-serialisable dict: ``checkpoint, output_dir, format, cfg_global, step, epoch, best_loss, preset,
+        dtype, mapped`` (count), ``model_keys`` (count), ``unwrapped, renamed, unmapped_seed_keys, duplicate_seed_keys, shape_mismatches,
+        missing_model_keys, cfg_fields_used, cfg_fields_ignored, complete, files``. Model keys that receive no seed
+        tensor keep a fresh initialisation (seeded, reproducible) and are listed in ``missing_model_keys``.
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        UnsafeCheckpointError (``ValueError``): the pickle needs a non-allowlisted global (nothing from it ran).
+        ValueError: not a torch checkpoint, no ``model_state_dict``, invalid cfg values, bad dtype / rename / preset,
+            `strict` and the mapping is incomplete.
+        FileExistsError: `output_dir` exists, is not empty, and `overwrite` is False.
+    """
+    from configuration_spider import SPIDER_PRESETS
+    from modeling_spider import SpiderForConditionalGeneration
+    from tokenization_spider import SpiderTokenizer
+
+    from .checkpointing import save_folder_atomically
+
+    path, output_dir = Path(path), Path(output_dir)
+    if preset is not None and preset not in SPIDER_PRESETS:
+        raise ValueError(f"unknown Spider preset {preset!r}; known presets: {sorted(SPIDER_PRESETS)}")
+    if dtype not in (None, "seed", *DTYPES):
+        raise ValueError(f"dtype {dtype!r} is not one of {['seed', *DTYPES]}")
+    renames = list(renames)
+    for spec in renames:
+        parse_rename(spec)
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
+        raise FileExistsError(f"output folder {output_dir} exists and is not empty; pass overwrite=True (--overwrite)")
+
+    checkpoint = load_seed_checkpoint(path)
+    if "model_state_dict" not in checkpoint:
+        raise ValueError(
+            f"seed checkpoint {path} has no 'model_state_dict' (keys: {sorted(map(str, checkpoint))}); a seed "
+            "checkpoint holds model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss"
+        )
+    seed_state = checkpoint["model_state_dict"]
+    if not isinstance(seed_state, dict):
+        raise ValueError(f"seed checkpoint {path}: model_state_dict is a {type(seed_state).__name__}, expected a dict")
+    fields, cfg_global = seed_cfg_fields(checkpoint.get("cfg"), source=f"seed checkpoint {path}")
+    config, cfg_used, cfg_ignored = build_config(fields, preset, source=f"seed checkpoint {path}")
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # missing keys get a reproducible fresh initialisation
+        model = SpiderForConditionalGeneration(config)
+    mapped, details = map_state_dict(seed_state, model.state_dict(), renames)
+    target_dtype = _seed_dtype(mapped.values()) if dtype in (None, "seed") else DTYPES[dtype]
+    complete = not (details["unmapped_seed_keys"] or details["shape_mismatches"] or details["missing_model_keys"]
+                    or details["duplicate_seed_keys"])
+    if strict and not complete:
+        raise ValueError(
+            f"seed checkpoint {path} does not map completely (strict): {len(details['unmapped_seed_keys'])} unmapped "
+            f"seed keys {details['unmapped_seed_keys'][:5]}, {len(details['shape_mismatches'])} shape mismatches, "
+            f"{len(details['missing_model_keys'])} missing model keys {details['missing_model_keys'][:5]}"
+        )
+    model = model.to(target_dtype)
+    result = model.load_state_dict(mapped, strict=False)
+    if result.unexpected_keys:  # cannot happen: mapped keys are drawn from the model's own state dict
+        raise RuntimeError(f"internal error: unexpected keys {result.unexpected_keys}")
+    model.eval()
+
+    report = {
+        "checkpoint": str(path),
+        "output_dir": str(output_dir),
+        "cfg_global": cfg_global,
+        "step": _jsonable(checkpoint.get("step")),
+        "epoch": _jsonable(checkpoint.get("epoch")),
+        "best_loss": _jsonable(checkpoint.get("best_loss")),
+        "preset": preset,
+        "dtype": str(target_dtype).removeprefix("torch."),
+        "mapped": len(mapped),
+        "model_keys": len(model.state_dict()),
+        **details,
+        "cfg_fields_used": cfg_used,
+        "cfg_fields_ignored": cfg_ignored,
+        "complete": complete,
+    }
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        SpiderTokenizer().save_pretrained(folder)
+        report["files"] = sorted(os.listdir(folder)) + ["seed_conversion.json"]
+        (folder / "seed_conversion.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    save_folder_atomically(output_dir, write)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from configuration_spider import SPIDER_PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m spider_training.convert_seed",
+        description="Convert a seed checkpoint (spider-stepN.pt, a torch pickle) into a safetensors release folder. "
+        "The pickle is read with torch's weights-only unpickler; the seed's config class is read as inert data.",
+    )
+    parser.add_argument("checkpoint", help="seed checkpoint file, e.g. checkpoints-tk/spider-step50.pt")
+    parser.add_argument("output_dir", help="release folder to write")
+    parser.add_argument("--preset", choices=sorted(SPIDER_PRESETS), default=None,
+                        help="SpiderConfig preset under the seed's cfg fields (default: SpiderConfig(), the 1B model)")
+    parser.add_argument("--dtype", choices=["seed", *DTYPES], default="seed",
+                        help="weights dtype of the release (default: keep the seed's)")
+    parser.add_argument("--rename", action="append", default=[], metavar="SEED=OURS",
+                        help="extra name rule, e.g. 'model.halt.=model.halt_predictor.' ({i} = index); repeatable")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    parser.add_argument("--strict", action="store_true",
+                        help="write nothing unless every seed tensor maps and every model key is filled")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: prints the JSON report on stdout; errors go to stderr with exit status 1."""
+    args = build_parser().parse_args(argv)
+    try:
+        report = convert_seed_checkpoint(args.checkpoint, args.output_dir, args.preset, dtype=args.dtype,
+                                         renames=args.rename, overwrite=args.overwrite, strict=args.strict)
+    except (OSError, ValueError) as err:
+        print(f"convert_seed: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2))
+    if not report["complete"]:
+        print(f"convert_seed: warning: incomplete mapping: {len(report['unmapped_seed_keys'])} unmapped seed keys, "
+              f"{len(report['shape_mismatches'])} shape mismatches, {len(report['missing_model_keys'])} model keys "
+              "left at fresh initialisation (see the report)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,451 @@
+"""Seed checkpoints (`spider-stepN.pt` pickles) enter only through `spider_training.convert_seed`.
+
+The seed-format checkpoints are written the way `seeds/tk-train.py` writes them: `torch.save` of its dict, in a
+separate process in which the config class really is the seed's (`__main__.SpiderConfig`, or `tk-spider.SpiderConfig`
+imported with `importlib.import_module("tk-spider")` as tk-train.py does), so this process cannot import it.
+"""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from configuration_spider import SpiderConfig
+from spider_training import convert_seed as cs
+from spider_training.convert_seed import (
+    SEED_NAME_RULES,
+    UnsafeCheckpointError,
+    convert_seed_checkpoint,
+    seed_to_spider_name,
+    spider_to_seed_name,
+)
+from tests.helpers import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The seed's config class. Its shape is a guess (the seed's model file, tk-spider.py, is not public): SpiderConfig
+# field names, OpenMythos-style aliases (dim, prelude_layers, n_experts, ...) and two fields with no counterpart.
+SEED_CFG_CLASS = '''
+from dataclasses import dataclass, field
+
+@dataclass
+class SpiderConfig:
+    vocab_size: int = 272
+    dim: int = 64
+    intermediate_size: int = 128
+    n_heads: int = 4
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 32
+    qk_rope_head_dim: int = 16
+    qk_nope_head_dim: int = 16
+    v_head_dim: int = 16
+    prelude_layers: int = 1
+    num_recurrent_layers: int = 2
+    coda_layers: int = 1
+    n_experts: int = 8
+    n_experts_per_tok: int = 2
+    expert_dim: int = 32
+    engram_layer_ids: tuple = (1,)
+    engram_num_heads: int = 2
+    engram_head_dim: int = 16
+    engram_table_size: int = 257
+    n_loops: int = 3
+    max_loop_iters: int = 4
+    lora_rank: int = 16
+    max_seq_len: int = 512
+    use_tile_kernels: bool = True
+    fp8_recipe: str = "tensorwise"
+
+    def __setstate__(self, state):  # runs only if something imports and executes this class while loading
+        open(MARKER, "w").close()
+        self.__dict__.update(state)
+'''
+
+# Writes two checkpoints the way tk-train.py's save_step_checkpoint does.
+SEED_WRITER = r'''
+import importlib, os, sys
+import torch
+from safetensors.torch import load_file
+
+seed_dir, state_file = sys.argv[1], sys.argv[2]
+MARKER = os.path.join(seed_dir, "seed_code_ran")
+exec(open(os.path.join(seed_dir, "seed_cfg.py")).read())          # SpiderConfig defined in __main__
+sys.path.insert(0, seed_dir)
+tk_spider = importlib.import_module("tk-spider")                   # as tk-train.py line 55
+assert SpiderConfig.__module__ == "__main__" and tk_spider.SpiderConfig.__module__ == "tk-spider"
+
+state = load_file(state_file)
+opt_param = torch.nn.Parameter(torch.randn(8, 4))
+optimizer = torch.optim.AdamW([opt_param], lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), foreach=True, eps=1e-8)
+opt_param.grad = torch.randn(8, 4)
+optimizer.step()
+
+def save(path, model_state, cfg):
+    tmp_path = path + ".tmp"
+    torch.save({
+        "step": 50, "epoch": 0,
+        "model_state_dict": model_state,
+        "optimizer_state_dict": optimizer.state_dict(),
+        "cfg": cfg, "best_loss": float("inf"),
+    }, tmp_path)
+    os.replace(tmp_path, path)
+
+# 1) config class in __main__, fp32, plain keys
+save(os.path.join(seed_dir, "spider-step50-main.pt"), dict(state), SpiderConfig())
+# 2) like tk-train.py: tk-spider.SpiderConfig, model.to(bf16), DDP(torch.compile(model)) key prefixes
+wrapped = {"module._orig_mod." + k: v.to(torch.bfloat16) for k, v in state.items()}
+save(os.path.join(seed_dir, "spider-step50-tk.pt"), wrapped, tk_spider.SpiderConfig())
+'''
+
+LOADER = r'''
+import json, sys, torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+results = {}
+assert not any("modeling_spider" in m for m in sys.modules)
+for folder in sys.argv[1:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    ids = tok(["Four score and seven years ago"], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**ids).logits
+    on_disk = load_file(folder + "/model.safetensors")
+    state = model.state_dict()
+    results[folder] = {
+        "class": type(model).__name__, "module": type(model).__module__,
+        "n_loops": model.config.n_loops, "dtype": str(logits.dtype),
+        "logits_shape": list(logits.shape), "finite": bool(torch.isfinite(logits).all()),
+        "weights_equal_file": all(torch.equal(state[k], v) for k, v in on_disk.items()) and set(state) == set(on_disk),
+    }
+print(json.dumps(results))
+'''
+
+UNKNOWN_KEY = "model.rope.inv_freq"  # a buffer the seed may have saved; Spider computes RoPE on the fly
+MISSHAPED_MODEL_KEY = "model.layers.0.mlp.router.weight"
+
+
+def _clean_env(tmp: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp / "hf_modules")
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    """Two seed-format checkpoints and the tensors they hold (Spider names -> tensor)."""
+    tmp = tmp_path_factory.mktemp("seed")
+    ours = {k: v.clone() for k, v in tiny_model(seed=3, n_loops=3).state_dict().items()}
+    seed_state = {spider_to_seed_name(k): v for k, v in ours.items()}
+    seed_state[UNKNOWN_KEY] = torch.arange(8, dtype=torch.float32)
+    bad = spider_to_seed_name(MISSHAPED_MODEL_KEY)
+    seed_state[bad] = torch.randn(9, ours[MISSHAPED_MODEL_KEY].shape[1])
+    save_file(seed_state, tmp / "seed_state.safetensors")
+    (tmp / "seed_cfg.py").write_text(SEED_CFG_CLASS)
+    (tmp / "tk-spider.py").write_text("import os\nMARKER = os.path.join(os.path.dirname(__file__), 'seed_code_ran')\n"
+                                      + SEED_CFG_CLASS)
+    script = tmp / "write_seed.py"
+    script.write_text(SEED_WRITER)
+    out = subprocess.run([sys.executable, str(script), str(tmp), str(tmp / "seed_state.safetensors")],
+                         cwd=tmp, env=_clean_env(tmp), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not (tmp / "seed_code_ran").exists()
+    return {"dir": tmp, "ours": ours, "seed_state": seed_state, "misshaped_seed_key": bad,
+            "main": tmp / "spider-step50-main.pt", "tk": tmp / "spider-step50-tk.pt"}
+
+
+def test_name_rules_round_trip_every_spider_key():
+    keys = list(tiny_model().state_dict())
+    seed_names = [spider_to_seed_name(k) for k in keys]
+    assert [seed_to_spider_name(n) for n in seed_names] == keys
+    assert [seed_to_spider_name("module._orig_mod." + n) for n in seed_names] == keys
+    assert len(set(seed_names)) == len(keys)
+    # the explicit renames are exercised: some seed names differ from ours, each rule is used
+    renamed = {n for n, k in zip(seed_names, keys) if n != k}
+    for seed_fragment, _, _ in SEED_NAME_RULES:
+        stem = seed_fragment.split("{")[0]
+        assert any(stem in n for n in renamed), seed_fragment
+    # our own names are accepted too (identity), and extra rules apply
+    assert seed_to_spider_name("model.layers.1.engram.key_proj.weight") == "model.layers.1.engram.key_proj.weight"
+    assert seed_to_spider_name("model.halt.weight", ["model.halt.=model.halt_predictor."]) == \
+        "model.halt_predictor.weight"
+    assert seed_to_spider_name("blocks.3.ffn.router.weight", ["blocks.{n}.ffn.=model.layers.{n}.mlp."]) == \
+        "model.layers.3.mlp.router.weight"
+    for bad in ["no_equals_sign", "a.{i}.=b.", "=model.x."]:
+        with pytest.raises(ValueError, match="rename rule"):
+            cs.parse_rename(bad)
+
+
+@pytest.mark.parametrize("variant", ["main", "tk"])
+def test_convert_maps_tensors_and_reports_the_rest(seed, variant, tmp_path, monkeypatch, capsys):
+    # A loader that imported the seed's class could find tk-spider.py here; the weights-only one must not run it.
+    monkeypatch.syspath_prepend(str(seed["dir"]))
+    out = tmp_path / "release"
+    report = convert_seed_checkpoint(seed[variant], out, preset="tiny")
+    assert not (seed["dir"] / "seed_code_ran").exists()
+    assert "tk-spider" not in sys.modules
+
+    prefix = "module._orig_mod." if variant == "tk" else ""
+    expected_dtype = torch.bfloat16 if variant == "tk" else torch.float32
+    assert report["cfg_global"] == ("tk-spider.SpiderConfig" if variant == "tk" else "__main__.SpiderConfig")
+    assert (report["step"], report["epoch"], report["best_loss"]) == (50, 0, "inf")
+    assert report["dtype"] == str(expected_dtype).removeprefix("torch.")
+    assert report["unmapped_seed_keys"] == [prefix + UNKNOWN_KEY]
+    assert report["shape_mismatches"] == [{
+        "seed_key": prefix + seed["misshaped_seed_key"], "model_key": MISSHAPED_MODEL_KEY,
+        "seed_shape": [9, 64], "model_shape": [8, 64],
+    }]
+    assert report["missing_model_keys"] == [MISSHAPED_MODEL_KEY]
+    assert report["mapped"] == len(seed["ours"]) - 1 == report["model_keys"] - 1
+    assert report["complete"] is False
+    assert report["renamed"]["%smodel.recurrent_layers.0.self_attn.o_proj.weight" % prefix] == \
+        "model.layers.0.self_attn.o_proj.weight"
+    assert (prefix + "lm_head.weight") not in report["renamed"]  # only wrappers differ: counted, not listed
+    assert report["unwrapped"] == (report["mapped"] if prefix else 0)
+    # cfg: names and aliases read from the pickled object; fields with no counterpart reported
+    assert report["cfg_fields_used"]["dim"] == "hidden_size"
+    assert report["cfg_fields_used"]["n_experts"] == "n_routed_experts"
+    assert report["cfg_fields_used"]["n_loops"] == "n_loops"
+    assert set(report["cfg_fields_ignored"]) == {"use_tile_kernels", "fp8_recipe"}
+    json.dumps(report)  # serialisable as printed by the CLI
+
+    # files: safetensors only, plus the config/code/tokenizer and the report
+    files = set(os.listdir(out))
+    assert {"model.safetensors", "config.json", "modeling_spider.py", "configuration_spider.py",
+            "tokenization_spider.py", "tokenizer_config.json", "seed_conversion.json"} <= files
+    assert not any(f.endswith((".pt", ".bin", ".pkl", ".pth")) for f in files)
+    assert json.loads((out / "seed_conversion.json").read_text())["mapped"] == report["mapped"]
+
+    # mapped tensors equal the originals, bit for bit, in the seed's dtype
+    saved = load_file(out / "model.safetensors")
+    assert set(saved) == set(seed["ours"])
+    for key, original in seed["ours"].items():
+        if key == MISSHAPED_MODEL_KEY:
+            continue
+        assert saved[key].dtype == expected_dtype, key
+        assert torch.equal(saved[key], original.to(expected_dtype)), key
+    assert saved[MISSHAPED_MODEL_KEY].shape == (8, 64)
+
+    # the config comes from the seed's cfg object (n_loops=3 differs from the tiny preset's 2)
+    config = json.loads((out / "config.json").read_text())
+    reference = SpiderConfig.from_preset("tiny", n_loops=3).to_dict()
+    for field in ("hidden_size", "num_attention_heads", "num_prelude_layers", "num_recurrent_layers",
+                  "num_coda_layers", "n_routed_experts", "moe_intermediate_size", "engram_layer_ids", "n_loops",
+                  "max_position_embeddings"):
+        assert config[field] == reference[field], field
+
+
+def test_cli_release_loads_with_auto_classes_in_a_fresh_process(seed, tmp_path):
+    env = _clean_env(tmp_path)
+    env["PYTHONPATH"] = str(REPO)
+    cli_out = tmp_path / "cli_release"
+    run = subprocess.run([sys.executable, "-m", "spider_training.convert_seed", str(seed["tk"]), str(cli_out),
+                          "--preset", "tiny"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["unmapped_seed_keys"] == ["module._orig_mod." + UNKNOWN_KEY]
+    assert report["mapped"] == len(seed["ours"]) - 1
+    assert "incomplete mapping" in run.stderr
+
+    fp32_out = tmp_path / "fp32_release"
+    convert_seed_checkpoint(seed["main"], fp32_out, preset="tiny")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    load = subprocess.run([sys.executable, "-c", LOADER, str(cli_out), str(fp32_out)], cwd=elsewhere,
+                          env=_clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert load.returncode == 0, load.stderr[-3000:]
+    results = json.loads(load.stdout.strip().splitlines()[-1])
+    for folder, dtype in ((cli_out, "torch.bfloat16"), (fp32_out, "torch.float32")):
+        got = results[str(folder)]
+        assert got["class"] == "SpiderForConditionalGeneration"
+        assert got["module"].startswith("transformers_modules."), got["module"]
+        assert got["n_loops"] == 3
+        assert got["dtype"] == dtype
+        assert got["logits_shape"] == [1, 32, 272]
+        assert got["finite"] is True
+        assert got["weights_equal_file"] is True
+
+
+def test_cli_reports_errors_without_traceback(tmp_path):
+    env = _clean_env(tmp_path)
+    env["PYTHONPATH"] = str(REPO)
+    missing = tmp_path / "spider-step404.pt"
+    run = subprocess.run([sys.executable, "-m", "spider_training.convert_seed", str(missing), str(tmp_path / "out")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert str(missing) in run.stderr and "does not exist" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+class Pwn:
+    """A pickle payload: unpickling it would run `touch <target>`."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))
+
+
+@pytest.mark.parametrize("how", ["torch_zip", "torch_legacy", "raw_pickle"])
+def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path, how):
+    pwned = tmp_path / "pwned"
+    ckpt = tmp_path / "spider-step50.pt"
+    payload = {"model_state_dict": {"model.norm.weight": torch.ones(4)}, "cfg": Pwn(pwned), "step": 50}
+    if how == "torch_zip":
+        torch.save(payload, ckpt)
+    elif how == "torch_legacy":
+        torch.save(payload, ckpt, _use_new_zipfile_serialization=False)
+    else:  # plain pickle (no tensors: plain pickle would store them through another non-allowlisted global)
+        payload["model_state_dict"] = {}
+        ckpt.write_bytes(pickle.dumps(payload, protocol=2))
+    assert not pwned.exists()
+    with pytest.raises(UnsafeCheckpointError) as info:
+        convert_seed_checkpoint(ckpt, tmp_path / "out", preset="tiny")
+    message = str(info.value)
+    assert str(ckpt) in message
+    assert "posix.system" in message or "os.system" in message
+    assert not pwned.exists()
+    assert not (tmp_path / "out").exists()
+
+
+class NotTheSeedConfig:
+    """A harmless class that is simply not on the allowlist."""
+
+    def __init__(self):
+        self.hidden_size = 64
+
+
+def test_global_not_on_the_allowlist_is_refused(tmp_path):
+    ckpt = tmp_path / "spider-step50.pt"
+    torch.save({"model_state_dict": {}, "cfg": NotTheSeedConfig()}, ckpt)
+    with pytest.raises(UnsafeCheckpointError, match="NotTheSeedConfig") as info:
+        convert_seed_checkpoint(ckpt, tmp_path / "out", preset="tiny")
+    assert str(ckpt) in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_file_garbage_and_wrong_layout_are_clear_errors(tmp_path):
+    out = tmp_path / "out"
+    missing = tmp_path / "nope.pt"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        convert_seed_checkpoint(missing, out)
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"this is not a checkpoint\x00\x01\x02" * 10)
+    with pytest.raises(ValueError, match="not a torch checkpoint") as info:
+        convert_seed_checkpoint(garbage, out)
+    assert str(garbage) in str(info.value)
+
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        convert_seed_checkpoint(empty, out)
+
+    other_zip = tmp_path / "other.pt"
+    with zipfile.ZipFile(other_zip, "w") as archive:
+        archive.writestr("readme.txt", "hello")
+    with pytest.raises(ValueError, match="without data.pkl"):
+        convert_seed_checkpoint(other_zip, out)
+
+    with pytest.raises(ValueError, match="is not a file"):
+        convert_seed_checkpoint(tmp_path, out)
+
+    no_state = tmp_path / "no_state.pt"
+    torch.save({"step": 50, "epoch": 0, "cfg": None, "best_loss": 1.0}, no_state)
+    with pytest.raises(ValueError, match="no 'model_state_dict'") as info:
+        convert_seed_checkpoint(no_state, out)
+    assert str(no_state) in str(info.value) and "best_loss" in str(info.value)
+
+    bare = tmp_path / "bare.pt"
+    torch.save(torch.zeros(3), bare)
+    with pytest.raises(ValueError, match="holds a Tensor"):
+        convert_seed_checkpoint(bare, out)
+    assert not out.exists()
+
+
+def test_invalid_seed_cfg_and_occupied_output_are_refused(seed, tmp_path):
+    bad_cfg = tmp_path / "bad_cfg.pt"
+    torch.save({"model_state_dict": {}, "cfg": {"hidden_size": 64, "n_experts": 2, "num_experts_per_tok": 4}}, bad_cfg)
+    with pytest.raises(ValueError, match="num_experts_per_tok") as info:
+        convert_seed_checkpoint(bad_cfg, tmp_path / "out", preset="tiny")
+    assert str(bad_cfg) in str(info.value)
+
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert_seed_checkpoint(seed["main"], occupied, preset="tiny")
+    assert (occupied / "keep.txt").read_text() == "mine"
+
+    with pytest.raises(ValueError, match="strict"):
+        convert_seed_checkpoint(seed["main"], tmp_path / "strict_out", preset="tiny", strict=True)
+    assert not (tmp_path / "strict_out").exists()
+
+
+def test_seed_cfg_that_is_a_transformers_config_is_read_as_data(tmp_path):
+    """The seed calls `gradient_checkpointing_enable()` on its model, so its SpiderConfig may well be a transformers
+    config subclass: its pickled __dict__ (with transformers' bookkeeping fields) is read the same way."""
+    import types
+
+    from transformers import PreTrainedConfig
+
+    module = types.ModuleType("tk-spider")
+
+    class SeedHFConfig(PreTrainedConfig):
+        model_type = "seed_spider"
+
+        def __init__(self, hidden_size=64, n_experts=8, n_loops=5, **kwargs):
+            self.hidden_size, self.n_experts, self.n_loops = hidden_size, n_experts, n_loops
+            super().__init__(**kwargs)
+
+    SeedHFConfig.__module__ = "tk-spider"
+    SeedHFConfig.__name__ = SeedHFConfig.__qualname__ = "SpiderConfig"
+    module.SpiderConfig = SeedHFConfig
+    sys.modules["tk-spider"] = module
+    try:
+        ckpt = tmp_path / "spider-step50.pt"
+        torch.save({"model_state_dict": {}, "cfg": SeedHFConfig(), "step": 50}, ckpt)
+    finally:
+        del sys.modules["tk-spider"]
+    assert "tk-spider.SpiderConfig" in torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt))
+
+    report = convert_seed_checkpoint(ckpt, tmp_path / "out", preset="tiny")
+    assert report["cfg_global"] == "tk-spider.SpiderConfig"
+    assert report["cfg_fields_used"] == {"hidden_size": "hidden_size", "n_experts": "n_routed_experts",
+                                         "n_loops": "n_loops"}
+    assert {"return_dict", "transformers_version", "id2label"} <= set(report["cfg_fields_ignored"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["n_loops"] == 5
+    # nothing mapped: every model key is reported missing
+    assert report["mapped"] == 0 and len(report["missing_model_keys"]) == report["model_keys"]
+
+
+def test_map_state_dict_bare_trunk_keys_duplicates_and_non_tensors():
+    model_state = tiny_model().state_dict()
+    seed_state = {
+        "embed_tokens.weight": torch.zeros(272, 64),                     # trunk saved without `model.`
+        "model.recurrent_layers.1.engram.key_proj.weight": torch.ones(64, 64),
+        "model.layers.1.engram.key_proj.weight": torch.full((64, 64), 2.0),  # same target under our own name
+        "model.loop_lora.lora_A": torch.zeros(16, 64),
+        "lm_head.weight": torch.zeros(272, 64),
+        "_extra_state": {"fp8": "metadata"},                             # not a tensor
+    }
+    mapped, details = cs.map_state_dict(seed_state, model_state)
+    assert set(mapped) == {"model.embed_tokens.weight", "model.layers.1.engram.key_proj.weight",
+                           "model.loop_lora.lora_A", "lm_head.weight"}
+    assert torch.equal(mapped["model.layers.1.engram.key_proj.weight"], torch.ones(64, 64))  # first one wins
+    assert details["duplicate_seed_keys"] == ["model.layers.1.engram.key_proj.weight"]
+    assert details["unmapped_seed_keys"] == ["_extra_state"]
+    assert details["renamed"] == {"embed_tokens.weight": "model.embed_tokens.weight",
+                                  "model.recurrent_layers.1.engram.key_proj.weight":
+                                      "model.layers.1.engram.key_proj.weight"}
+    assert set(details["missing_model_keys"]) == set(model_state) - set(mapped)
