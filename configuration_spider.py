@@ -15,7 +15,10 @@ Field names follow transformers' DeepseekV3 / Qwen3-MoE configs wherever a conce
 
 from __future__ import annotations
 
+import difflib
+
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 # Presets are deltas against the defaults below (the seed's ~1B model). Each one keeps every linear layer's dimensions
 # divisible by 16, so the FP8 trainer converts the same modules at every size.
@@ -157,6 +160,7 @@ class SpiderConfig(PreTrainedConfig):
             self.engram_layer_ids = [1, 4]
         if self.engram_ngram_sizes is None:
             self.engram_ngram_sizes = [2, 3]
+        self._check_types()
         self.engram_layer_ids = [int(i) for i in self.engram_layer_ids]
         self.engram_ngram_sizes = [int(n) for n in self.engram_ngram_sizes]
         derived = self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
@@ -177,11 +181,49 @@ class SpiderConfig(PreTrainedConfig):
         """Build a named preset (``"tiny"``, ``"small"``, ``"1b"``), with keyword overrides.
 
         Raises:
-            ValueError: unknown preset name (the message lists the known ones).
+            ValueError: unknown preset name (the message lists the known ones), or an override that is not a config
+                field (a misspelling would otherwise be stored as an unused attribute; the message suggests the field).
         """
         if name not in SPIDER_PRESETS:
             raise ValueError(f"unknown Spider preset {name!r}; known presets: {sorted(SPIDER_PRESETS)}")
+        known = set(cls.__dataclass_fields__) | set(cls.attribute_map)
+        for key in overrides:
+            if key not in known and not key.startswith("_"):
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ValueError(f"unknown SpiderConfig field {key!r} in the overrides of preset {name!r}"
+                                 + (f"; did you mean {close[0]!r}?" if close else ""))
         return cls(**{**SPIDER_PRESETS[name], **overrides})
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """As ``PreTrainedConfig.get_config_dict``; raises ``ValueError`` naming the folder when its ``config.json``
+        belongs to another model type (transformers only logs a warning, then the first mismatching field fails)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        model_type = config_dict.get("model_type")
+        if model_type is not None and model_type != cls.model_type:
+            raise ValueError(f"{pretrained_model_name_or_path} holds a config.json of model_type {model_type!r}, not "
+                             f"{cls.model_type!r}: not a Spider checkpoint")
+        return config_dict, kwargs
+
+    def _check_types(self):
+        """Raise ``ValueError`` naming the first field whose value does not have its annotated type (checked before
+        any arithmetic on it): ``int`` fields take ints (not bools), ``float`` fields any real number, ``int | None``
+        None or an int, the Engram lists lists of ints."""
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        checks = {
+            "int": (is_int, "an integer"),
+            "int | None": (lambda v: v is None or is_int(v), "None or an integer"),
+            "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+            "list[int] | None": (lambda v: isinstance(v, (list, tuple)) and all(map(is_int, v)), "a list of integers"),
+        }
+        for name, field in self.__dataclass_fields__.items():
+            if field.type in checks:
+                ok, expected = checks[field.type]
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"SpiderConfig.{name}={getattr(self, name)!r} is invalid: must be {expected}")
 
     def validate_architecture(self):
         """Raise ``ValueError`` naming the first field whose value breaks a constraint."""
@@ -228,11 +270,18 @@ class SpiderConfig(PreTrainedConfig):
         for field in ("router_aux_loss_coef", "boundary_loss_coef", "ponder_loss_coef", "boundary_prior_k"):
             require(getattr(self, field) >= 0, field, "must be >= 0")
         require(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        require(self.initializer_range >= 0, "initializer_range", "must be >= 0")
+        require(self.hidden_act in ACT2FN, "hidden_act", "must be an activation name of transformers.activations.ACT2FN")
         require(self.rope_theta > 0, "rope_theta", "must be > 0")
         require(0 <= self.attention_dropout < 1, "attention_dropout", "must be in [0, 1)")
         for field in ("pad_token_id", "bos_token_id"):
             value = getattr(self, field)
             require(value is None or 0 <= value < self.vocab_size, field, f"must be None or in [0, {self.vocab_size})")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+        require(
+            all(v is None or (isinstance(v, int) and 0 <= v < self.vocab_size) for v in eos),
+            "eos_token_id", f"must be None, or an id / list of ids in [0, {self.vocab_size})",
+        )
 
 
 __all__ = ["SpiderConfig", "SPIDER_PRESETS"]

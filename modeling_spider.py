@@ -24,7 +24,9 @@ This file imports only torch, transformers, numpy and the standard library: it i
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -918,6 +920,21 @@ class SpiderCache:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _first_unreadable_safetensors(folder) -> str | None:
+    """The first ``*.safetensors`` file of a local ``folder`` whose header safetensors cannot read, else None."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isdir(str(folder)):
+        return None
+    for path in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except SafetensorError:
+            return path
+    return None
+
+
 class SpiderPreTrainedModel(PreTrainedModel):
     config: SpiderConfig
     config_class = SpiderConfig
@@ -932,6 +949,20 @@ class SpiderPreTrainedModel(PreTrainedModel):
 
     def _return_dict(self, return_dict: bool | None) -> bool:
         return return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """As ``PreTrainedModel.from_pretrained``. A truncated or corrupt ``.safetensors`` file raises ``OSError``
+        naming the file, instead of safetensors' bare ``SafetensorError`` ("incomplete metadata, file not fully
+        covered"), which names neither the file nor the folder."""
+        from safetensors import SafetensorError
+
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        except SafetensorError as err:
+            bad = _first_unreadable_safetensors(pretrained_model_name_or_path)
+            raise OSError(f"cannot load Spider weights from {bad or pretrained_model_name_or_path}: truncated or "
+                          f"corrupt safetensors file ({err})") from err
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -999,10 +1030,15 @@ class SpiderModel(SpiderPreTrainedModel):
         self.embed_tokens = value
 
     def check_inputs(self, input_ids: torch.LongTensor, n_loops: int) -> None:
-        """Raise ``ValueError`` for ids outside `[0, vocab_size)`, sequences longer than `max_position_embeddings`,
-        or `n_loops < 1` -- before any indexing."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
+        """Raise ``TypeError`` for `input_ids` that is not an integer tensor, ``ValueError`` for a shape other than
+        `(batch >= 1, length >= 1)`, ids outside `[0, vocab_size)`, sequences longer than `max_position_embeddings`,
+        or `n_loops` not an int >= 1 (a bool is refused) -- before any indexing."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must have shape (batch, length) with batch, length >= 1, got {tuple(input_ids.shape)}")
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(
                 f"input length {input_ids.shape[1]} exceeds max_position_embeddings="
@@ -1012,7 +1048,7 @@ class SpiderModel(SpiderPreTrainedModel):
         if bool(out_of_vocabulary.any()):  # one host sync; the offending id is looked up only on the error path
             bad = int(input_ids[out_of_vocabulary][0])
             raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
-        if not isinstance(n_loops, int) or n_loops < 1:
+        if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
 
     def forward(
@@ -1049,6 +1085,8 @@ class SpiderModel(SpiderPreTrainedModel):
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
         B, L = input_ids.shape
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, L):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {(B, L)}")
 
         # Padding: positions count real bytes only, so a left-padded row sees the positions it has alone.
         token_mask = None
@@ -1311,9 +1349,17 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         if labels is not None or shift_labels is not None:
             if labels is not None and labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-            lm_loss = self.loss_function(
-                logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
-            )
+            targets = shift_labels if shift_labels is not None else labels[:, 1:]
+            bad = (targets != -100) & ((targets < 0) | (targets >= self.vocab_size))
+            if bool(bad.any()):
+                raise ValueError(f"labels contains token id {int(targets[bad][0])}, outside the vocabulary "
+                                 f"[0, {self.vocab_size}) (-100 = ignored)")
+            if num_items_in_batch is None and not bool((targets != -100).any()):
+                lm_loss = logits.sum() * 0.0  # no target at all (length 1, all -100): 0, not a mean over nothing
+            else:
+                lm_loss = self.loss_function(
+                    logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
+                )
             loss = (
                 lm_loss
                 + self.config.router_aux_loss_coef * outputs.aux_loss

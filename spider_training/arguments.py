@@ -13,10 +13,14 @@ are given.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser, TrainingArguments
+
+from configuration_spider import SPIDER_PRESETS
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
 DEFAULT_MAX_STEPS = 500
@@ -86,6 +90,9 @@ ENV_VARS = {"seq_len": ("SEQ_LEN", int), "micro_batch": ("MICRO_BATCH", int), "g
 
 
 def _from_env(name: str, cast):
+    """Value of environment variable ``name`` cast to ``cast`` (``int`` accepts ``10_000``); ``None`` if unset/empty.
+
+    Raises: ValueError naming the variable and its value."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return None
@@ -93,6 +100,31 @@ def _from_env(name: str, cast):
         return cast(raw.replace("_", "")) if cast is int else cast(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {cast.__name__}") from None
+
+
+_HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> None:
+    """``--resume`` / ``--init_from`` must name a folder saved with ``save_pretrained`` (``--init_from`` may also be a
+    Hub model id ``owner/name``). Checked here, before any model is built or file written.
+
+    Raises: FileNotFoundError (no such folder) or ValueError (a file, e.g. a seed ``.pt`` checkpoint), naming it."""
+    if value is None:
+        return
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        hint = ""
+        if path.endswith((".pt", ".pth")):
+            hint = (" -- a seed .pt checkpoint is converted first: python -m spider_training.convert_seed "
+                    f"{value} OUTPUT_DIR")
+        raise ValueError(f"{flag} {value}: is a file; expected a folder saved with save_pretrained (config.json + "
+                         f"model.safetensors){hint}")
+    if os.path.isdir(path):
+        return
+    if not local_only and _HUB_MODEL_ID.match(value) and not value.startswith((".", "/", "~")):
+        return  # a Hub model id: from_pretrained downloads (or fails naming it)
+    raise FileNotFoundError(f"{flag} {value}: no such folder")
 
 
 def build_parser() -> HfArgumentParser:
@@ -111,29 +143,49 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     """Parse the command line (and env vars) into ``(SpiderArguments, TrainingArguments)``.
 
     Raises:
-        ValueError: a bad env var value, an unknown precision/recipe, a non-positive size, ``--reset_steps`` without
-            ``--resume``.
-        SystemExit: argparse errors (unknown flags, wrong types), with argparse's message.
+        ValueError: a bad env var value (names the variable), an unknown preset/precision/recipe, a non-positive size
+            or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1 other than -1,
+            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a seed ``.pt``).
+        FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
+        SystemExit: argparse errors (unknown flags, wrong types), with argparse's message on stderr naming the flag.
     """
     parser = build_parser()
     namespace = parser.parse_args(argv)
     values = vars(namespace)
     spider_fields = {f for f in SpiderArguments.__dataclass_fields__}
     spider = SpiderArguments(**{k: v for k, v in values.items() if k in spider_fields})
+    from_env = {}
     for attr, (env, cast) in ENV_VARS.items():
         if getattr(spider, attr) is None:
             setattr(spider, attr, _from_env(env, cast))
-    spider.seq_len = spider.seq_len or 256
+            if getattr(spider, attr) is not None:
+                from_env[attr] = env
+    if spider.seq_len is None:
+        spider.seq_len = 256
+
+    def origin(attr: str) -> str:
+        return f" (from environment variable {from_env[attr]})" if attr in from_env else ""
+
     for attr in ("seq_len", "micro_batch", "grad_accum", "n_loops", "target_tokens", "ckpt_every", "eval_windows", "sample_bytes"):
         value = getattr(spider, attr)
         if value is not None and value < 1 and not (attr == "sample_bytes" and value == 0):
-            raise ValueError(f"--{attr} must be >= 1, got {value}")
+            raise ValueError(f"--{attr} must be >= 1, got {value}{origin(attr)}")
+    for attr, value in (("lr", spider.lr), ("learning_rate", values.get("learning_rate"))):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{attr} must be a finite number > 0, got {value}{origin(attr)}")
+    max_steps_flag = values.get("max_steps")
+    if max_steps_flag is not None and max_steps_flag != -1 and max_steps_flag < 1:
+        raise ValueError(f"--max_steps must be >= 1 (or -1: not set), got {max_steps_flag}")
+    if spider.preset not in SPIDER_PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(SPIDER_PRESETS)}; got {spider.preset!r}")
     if spider.precision not in ("auto", "fp8", "bf16", "fp32"):
         raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
     if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
     if spider.reset_steps and not spider.resume:
         raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
+    _check_weights_path("--resume", spider.resume, local_only=True)
+    _check_weights_path("--init_from", spider.init_from, local_only=False)
     if spider.mock_data:
         spider.data = "mock"
     elif spider.data_dir:
@@ -143,7 +195,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     training["output_dir"] = spider.ckpt_dir or training.get("output_dir") or DEFAULT_OUTPUT_DIR
     training["per_device_train_batch_size"] = spider.micro_batch or training.get("per_device_train_batch_size") or 8
     training["gradient_accumulation_steps"] = spider.grad_accum or training.get("gradient_accumulation_steps") or 1
-    training["learning_rate"] = spider.lr or training.get("learning_rate") or 1e-3
+    training["learning_rate"] = spider.lr or training.get("learning_rate") or 1e-3  # validated > 0 above
     training["save_steps"] = spider.ckpt_every or training.get("save_steps") or 200
     if spider.compile:
         training["torch_compile"] = True
@@ -157,7 +209,9 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
     max_steps = training.get("max_steps")
     if spider.target_tokens:
-        world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size or _from_env("WORLD_SIZE", int) or 1
+        if world < 1:
+            raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
         per_step = world * training["per_device_train_batch_size"] * training["gradient_accumulation_steps"] * spider.seq_len
         steps = max(1, spider.target_tokens // per_step)
         max_steps = min(steps, max_steps) if max_steps and max_steps > 0 else steps

@@ -10,7 +10,8 @@ into non-overlapping *windows* of ``seq_len + 1`` tokens; an example is ``input_
 pairs ``window[:-1] -> window[1:]``. The last, incomplete window is padded with ``PAD`` (its padded labels are ``-100``), so no labelled token is
 dropped; a tail of a single token (an input without a target) is the only thing not emitted. Packing uses numpy
 slices and a fixed window buffer, so it is linear in the number of bytes even for a single 50 MB document (the seed's
-``buf = buf[seq_len + 1:]`` on Python lists is quadratic).
+``buf = buf[seq_len + 1:]`` on Python lists is quadratic); a document longer than 1 MiB is encoded in 1 MiB pieces,
+so beyond the decoded text itself it costs a few MiB, not the 3 bytes per byte of a whole ``uint16`` copy.
 
 Sources (:func:`build_dataset` ``source`` argument):
 
@@ -21,7 +22,11 @@ Sources (:func:`build_dataset` ``source`` argument):
 * a local text file, glob or directory of ``.txt``/``.md`` (one document per file by default), ``.jsonl``/``.json``
   (one document per record, column ``text_column``), ``.parquet`` (column ``text_column``), read through
   ``datasets.load_dataset(<builder>, data_files=..., streaming=streaming)`` -- the same streaming code path as the
-  Hub. Invalid UTF-8 in local files is replaced by U+FFFD (``errors="replace"``), never an error.
+  Hub. Invalid UTF-8 in local files is replaced by U+FFFD (``errors="replace"``), never an error: the first
+  document holding U+FFFD logs a WARNING naming the source, the document number and the character offset, and every
+  such document is counted (``stats.replaced_documents``). (Raw bytes are kept only for a parquet ``binary``
+  column.) Unreadable local files (malformed JSON, a file that is not parquet) raise ``ValueError`` naming the
+  source; 0-byte and 0-row JSON/parquet files are skipped with a warning.
 * a Hub dataset id, optionally with a config: ``"HuggingFaceFW/fineweb-edu:sample-10BT"`` (the production source),
   loaded with ``datasets.load_dataset(id, name=config, split=split, streaming=streaming)``.
 * a directory, file or glob of byte shards (``.bin``), memory-mapped, in either format of SPEC §5:
@@ -135,6 +140,7 @@ MOCK_SAMPLES = (
 )
 
 _ID_CHECK_CHUNK = 1 << 24  # tokens per vectorised max() when validating a shard
+_PIECE_CHARS = 1 << 20  # text documents longer than this are encoded piece by piece (characters or bytes per piece)
 
 
 class ShardFormatError(ValueError):
@@ -246,6 +252,7 @@ class DocumentStats:
     repeated: int = 0  # windows yielded a second time to even out slots (``even_shards``)
     padded_tokens: int = 0  # PAD tokens appended to the final window
     unused_tail_tokens: int = 0  # final single token without a target (0 or 1)
+    replaced_documents: int = 0  # documents holding U+FFFD (invalid UTF-8 replaced while decoding the source)
 
 
 def _check_seq_len(seq_len: int) -> None:
@@ -413,6 +420,26 @@ def _select_split(files: list[Path], root: Path | None, split: str, source: str)
     return chosen
 
 
+def _empty_data_file(path: str, kind: str) -> bool:
+    """``True`` (and a warning) for a 0-byte file, or a parquet file with 0 rows.
+
+    Raises: ValueError naming ``path`` when a parquet footer cannot be read (not a parquet file, truncated)."""
+    if os.path.getsize(path) == 0:
+        logger.warning("skipping %s: empty file (0 bytes)", path)
+        return True
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except Exception as e:  # ArrowInvalid: "Parquet magic bytes not found in footer", truncated files
+            raise ValueError(f"parquet file {path} cannot be read: {type(e).__name__}: {e}") from e
+        if rows == 0:
+            logger.warning("skipping %s: parquet file with 0 rows", path)
+            return True
+    return False
+
+
 class TextSource:
     """A stream of text documents: a ``datasets.IterableDataset`` plus the column holding the text.
 
@@ -481,12 +508,28 @@ class TextSource:
         column is always ``text``. Invalid UTF-8 is replaced (``encoding_errors="replace"``); for JSON Lines
         ``datasets`` 5.2 ignores ``encoding_errors`` when ``encoding == "utf-8"``, so ``encoding="utf-8-sig"`` (same
         codec, also drops a BOM) is passed to route the bytes through ``bytes.decode(errors="replace")``.
+
+        ``json`` / ``parquet``: 0-byte files and parquet files with 0 rows hold no document and are skipped with a
+        warning (``datasets`` would fail on them with a bare ``StopIteration`` / ``ArrowInvalid``).
+
+        Raises:
+            FileNotFoundError: no files. ValueError: every file is empty (names the source), a parquet file whose
+            footer cannot be read (names the file), or ``datasets.load_dataset`` fails (names the source, carries
+            the cause). Errors met later, while reading (e.g. a malformed JSON line), are raised by
+            :meth:`iter_texts` as ``ValueError`` naming the source.
         """
         import datasets
 
         files = [str(f) for f in files]
         if not files:
             raise FileNotFoundError("no files given")
+        given = len(files)
+        desc = description or (files[0] if len(files) == 1 else f"{len(files)} {kind} files ({files[0]}, ...)")
+        if kind in ("json", "parquet"):
+            files = [f for f in files if not _empty_data_file(f, kind)]
+            if not files:
+                raise ValueError(f"text source {desc} has no non-empty documents (all {given} {kind} file(s) are "
+                                 f"empty: 0 bytes or 0 rows)")
         kwargs: dict[str, Any] = {}
         if kind == "text":
             if text_sample_by not in ("document", "paragraph", "line"):
@@ -497,8 +540,11 @@ class TextSource:
             kwargs = {"encoding": "utf-8-sig", "encoding_errors": "replace"}
         elif kind != "parquet":
             raise ValueError(f"unknown local file kind {kind!r} (expected text, json or parquet)")
-        desc = description or (files[0] if len(files) == 1 else f"{len(files)} {kind} files ({files[0]}, ...)")
-        ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming, **kwargs)
+        try:
+            ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming, **kwargs)
+        except Exception as e:  # e.g. StopIteration from a whitespace-only JSON Lines file
+            raise ValueError(f"could not read local {kind} source {desc} with datasets.load_dataset: "
+                             f"{type(e).__name__}: {e or 'no records found'}") from e
         return cls(ds, desc, text_column)
 
     @classmethod
@@ -542,39 +588,89 @@ class TextSource:
             ds = ds.shuffle(seed=shuffle_seed, buffer_size=shuffle_buffer)
         ds.set_epoch(epoch)
         col = self.text_column
-        for batch in ds.iter(batch_size=batch_size):
+        batches = ds.iter(batch_size=batch_size)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:  # malformed JSON, corrupt parquet, a Hub read error: say which source failed
+                raise ValueError(f"text source {self.description}: reading failed: {type(e).__name__}: {e}") from e
             if col not in batch:
                 raise ValueError(f"text source {self.description}: no column {col!r} (columns: {list(batch)})")
             yield from batch[col]
 
 
 def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, column: str,
-                 max_doc_bytes: int | None) -> Iterator[np.ndarray]:
+                 max_doc_bytes: int | None, *, piece_chars: int | None = None) -> Iterator[np.ndarray]:
     """Encode raw documents with :func:`encode_document`, skipping (and counting in ``stats``) ``None``, empty and
     whitespace-only ones; cut documents longer than ``max_doc_bytes`` bytes (counted as ``truncated``).
+
+    Args:
+        texts: raw column values (``str``, ``bytes`` or ``None``).
+        stats: counters updated in place (``documents``, ``skipped_empty``, ``truncated``, ``bytes``,
+            ``replaced_documents``).
+        description, column: name of the source and its column, for messages.
+        max_doc_bytes: cut longer documents to this many UTF-8 bytes (``None``: keep whole).
+        piece_chars: ``None`` yields one ``uint16`` array per document (``[BOS] + bytes + [EOS]``). An int yields a
+            document longer than ``piece_chars`` characters (bytes for ``bytes`` input) as several arrays -- ``[BOS]``,
+            the encoded pieces, ``[EOS]`` -- whose concatenation is the same; peak memory per document is then the
+            decoded text plus one piece, not plus a 3-bytes-per-byte ``uint16`` copy (a single 50 MB document).
+
+    Yields:
+        ``np.ndarray`` ``uint16`` (whole documents or pieces, see ``piece_chars``).
+
+    Logs one WARNING per call for the first ``str`` document holding U+FFFD (what ``errors="replace"`` puts in place of
+    invalid UTF-8), naming the source, the document number and the character offset.
 
     Raises:
         TypeError: a value that is neither ``str`` nor ``bytes`` (names ``description`` and ``column``).
     """
-    for text in texts:
+    for index, text in enumerate(texts):
         if text is None:
             stats.skipped_empty += 1
             continue
         if not isinstance(text, (str, bytes, bytearray, memoryview)):
-            raise TypeError(f"text source {description}: column {column!r} holds {type(text).__name__}, "
-                            f"expected str or bytes")
+            raise TypeError(f"text source {description}: column {column!r} holds {type(text).__name__} "
+                            f"(document {index}), expected str or bytes")
         if isinstance(text, memoryview):
             text = bytes(text)
         if not text or text.isspace():
             stats.skipped_empty += 1
             continue
-        ids = encode_document(text)
-        if max_doc_bytes is not None and len(ids) - 2 > max_doc_bytes:
-            ids = np.concatenate([ids[:max_doc_bytes + 1], ids[-1:]])
-            stats.truncated += 1
+        if isinstance(text, str) and "\ufffd" in text:
+            stats.replaced_documents += 1
+            if stats.replaced_documents == 1:
+                logger.warning("text source %s: document %d holds U+FFFD at character %d: invalid UTF-8 in the source "
+                               "is replaced by U+FFFD (errors='replace'), not an error; further such documents are "
+                               "counted in stats.replaced_documents", description, index, text.index("\ufffd"))
         stats.documents += 1
-        stats.bytes += len(ids) - 2
-        yield ids
+        if piece_chars is None or len(text) <= piece_chars:
+            ids = encode_document(text)
+            if max_doc_bytes is not None and len(ids) - 2 > max_doc_bytes:
+                ids = np.concatenate([ids[:max_doc_bytes + 1], ids[-1:]])
+                stats.truncated += 1
+            stats.bytes += len(ids) - 2
+            yield ids
+            continue
+        yield np.array([BOS_ID], dtype=np.uint16)
+        remaining = max_doc_bytes
+        view = memoryview(text) if not isinstance(text, str) else None
+        for start in range(0, len(text), piece_chars):
+            data = (text[start:start + piece_chars].encode("utf-8", "replace") if view is None
+                    else view[start:start + piece_chars])
+            cut = remaining is not None and len(data) > remaining  # every piece is non-empty
+            if cut:
+                data = data[:remaining]
+                stats.truncated += 1
+            if remaining is not None:
+                remaining -= len(data)
+            if len(data):
+                stats.bytes += len(data)
+                yield np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+            if cut:
+                break
+        yield np.array([EOS_ID], dtype=np.uint16)
 
 
 def open_text_source(source: str, *, split: str = "train", text_column: str = "text", streaming: bool = True,
@@ -771,7 +867,8 @@ class TextByteDataset(ByteWindowDataset):
         texts = self.source.iter_texts(
             epoch=epoch, shuffle_seed=self.seed if self.shuffle else None, shuffle_buffer=self.shuffle_buffer,
             shard=(num_slots, slot) if mode == "files" else None)
-        docs = encode_texts(texts, stats, self.source.description, self.source.text_column, self.max_doc_bytes)
+        docs = encode_texts(texts, stats, self.source.description, self.source.text_column, self.max_doc_bytes,
+                            piece_chars=_PIECE_CHARS)
         mine = 0  # windows of this slot so far (yielded or skipped)
         first: list[np.ndarray] = []  # the first num_slots windows, for even_shards wrap-around
         k = -1
@@ -808,10 +905,11 @@ class TextByteDataset(ByteWindowDataset):
                     stats.repeated += 1
                     yield first[position % total].copy()
                 mine += 1
-        logger.info("%s slot %d/%d epoch %d: %d documents (%d empty skipped, %d truncated), %d windows in the stream, "
-                    "%d yielded here (%d repeated for even shards), %d pad tokens", self.source.description, slot,
-                    num_slots, epoch, stats.documents, stats.skipped_empty, stats.truncated, total, stats.yielded,
-                    stats.repeated, stats.padded_tokens)
+        logger.info("%s slot %d/%d epoch %d: %d documents (%d empty skipped, %d truncated, %d with U+FFFD), %d windows "
+                    "in the stream, %d yielded here (%d repeated for even shards), %d pad tokens",
+                    self.source.description, slot, num_slots, epoch, stats.documents, stats.skipped_empty,
+                    stats.truncated, stats.replaced_documents, total, stats.yielded, stats.repeated,
+                    stats.padded_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -122,6 +122,8 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
     fill = 0
     written: list[dict[str, Any]] = []
 
+    staged: list[tuple[Path, Path]] = []  # (partial file, final path): published only once the source is read
+
     def flush(n: int) -> None:
         name = f"{prefix}_{split}_{len(written):06d}{SHARD_SUFFIX}"
         chunks: list[bytes | np.ndarray] = []
@@ -130,27 +132,36 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
             header[0], header[1], header[2] = HEADER_MAGIC, HEADER_VERSION, n
             chunks.append(header)
         chunks.append(buf[:n])
-        _write_atomic(out / name, chunks)
+        partial = out / f".{name}.partial-{os.getpid()}"
+        _write_atomic(partial, chunks)
+        staged.append((partial, out / name))
         written.append({"name": name, "split": split, "format": fmt, "tokens": int(n),
                         "bytes": int(n * TOKEN_DTYPE.itemsize + (HEADER_BYTES if fmt == "header" else 0))})
 
-    for ids in docs:
-        pos = 0
-        while pos < len(ids):
-            take = min(tokens_per_shard - fill, len(ids) - pos)
-            buf[fill:fill + take] = ids[pos:pos + take]
-            fill += take
-            pos += take
-            if fill == tokens_per_shard:
-                flush(fill)
-                fill = 0
-        if max_documents is not None and stats.documents >= max_documents:
-            break
-    if fill:
-        flush(fill)
-    if stats.documents == 0:
-        raise ValueError(f"text source {text_source.description} has no non-empty documents "
-                         f"({stats.skipped_empty} empty or whitespace-only skipped); no shards written")
+    try:
+        for ids in docs:
+            pos = 0
+            while pos < len(ids):
+                take = min(tokens_per_shard - fill, len(ids) - pos)
+                buf[fill:fill + take] = ids[pos:pos + take]
+                fill += take
+                pos += take
+                if fill == tokens_per_shard:
+                    flush(fill)
+                    fill = 0
+            if max_documents is not None and stats.documents >= max_documents:
+                break
+        if fill:
+            flush(fill)
+        if stats.documents == 0:
+            raise ValueError(f"text source {text_source.description} has no non-empty documents "
+                             f"({stats.skipped_empty} empty or whitespace-only skipped); no shards written")
+    except BaseException:  # a source failing midway: the shards already in out_dir stay as they were
+        for partial, _ in staged:
+            partial.unlink(missing_ok=True)
+        raise
+    for partial, final in staged:
+        os.replace(partial, final)
 
     new_names = {w["name"] for w in written}
     for stale in existing:
