@@ -39,12 +39,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
     from .configuration_spider import SpiderConfig
 except ImportError:  # loaded as a top-level module from the repository root
     from configuration_spider import SpiderConfig
+
+logger = logging.get_logger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1079,6 +1081,9 @@ class SpiderModel(SpiderPreTrainedModel):
             return self.decode(input_ids, past_key_values, n_loops, return_dict)
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
+        if use_cache and self.gradient_checkpointing and self.training:
+            logger.warning_once("use_cache=True is incompatible with activation checkpointing in training; no cache built")
+            use_cache = False
         cache = past_key_values if past_key_values is not None else (SpiderCache(self.config, n_loops) if use_cache else None)
         output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         output_router_logits = (

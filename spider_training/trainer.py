@@ -14,7 +14,15 @@ overrides documented hooks only:
 - ``compute_loss`` / ``log``: pass ``n_loops`` and log every loss term, bits-per-byte, compression rate, expert load
   balance, mean halting step, tokens/s and peak memory.
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
-- ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`).
+- ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`); a save that fails
+  for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder and the cause.
+
+Two callbacks are added (Trainer's documented ``TrainerCallback`` events):
+
+- :class:`spider_training.preemption.StopOnSignalCallback`: SIGTERM/SIGINT finish the step, save, stop cleanly.
+- :class:`spider_training.nonfinite.NonFiniteGuardCallback`: optimizer steps with a NaN/inf loss or gradient are
+  skipped (parameters and optimizer state untouched) and counted (``nonfinite_steps`` in the logs); too many in a
+  row raise ``NonFiniteLossError``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from . import checkpointing
 from .data import make_dataloader
 from .fp8 import convert_model_to_fp8
 from .metrics import bits_per_byte
+from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
+from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
 from .tile_kernels_moe import swap_in_tile_kernels
 
 logger = logging.getLogger(__name__)
@@ -60,6 +70,14 @@ class SpiderTrainer(Trainer):
         eval_windows: held-out windows scored by :meth:`evaluate`.
         tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
             ``tile_kernels`` when CUDA is available.
+        max_consecutive_nonfinite: optimizer steps with a NaN/inf loss or gradient skipped in a row before the run
+            stops with ``NonFiniteLossError`` (default :data:`spider_training.nonfinite.DEFAULT_MAX_CONSECUTIVE_NONFINITE`).
+        stop_signals: signals that stop training gracefully (save, then stop); default SIGTERM and SIGINT;
+            ``()`` leaves signal handling alone.
+
+    Attributes:
+        nonfinite_guard: the :class:`NonFiniteGuardCallback` (``skipped_steps``, ``skipped_at``).
+        stop_callback: the :class:`StopOnSignalCallback` (``received``, ``stopped_at_step``), or None.
 
     Raises:
         LaunchMismatchError: ``WORLD_SIZE > 1`` in the environment but accelerate runs a single process (on CPU,
@@ -67,7 +85,8 @@ class SpiderTrainer(Trainer):
     """
 
     def __init__(self, model=None, args=None, *, n_loops=None, precision="fp32", fp8_recipe="tensorwise",
-                 eval_windows=64, tile_kernels_module=None, **kwargs):
+                 eval_windows=64, tile_kernels_module=None,
+                 max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS, **kwargs):
         self.n_loops = n_loops
         self.precision = precision
         self.eval_windows = eval_windows
@@ -87,6 +106,11 @@ class SpiderTrainer(Trainer):
                 "train alone on the same data and overwrite the same checkpoints. On CPU pass --use_cpu (Trainer) so "
                 "accelerate uses the gloo backend, or launch with torchrun."
             )
+        self.nonfinite_guard = NonFiniteGuardCallback(max_consecutive_nonfinite)
+        self.add_callback(self.nonfinite_guard)
+        self.stop_callback = StopOnSignalCallback(stop_signals) if stop_signals else None
+        if self.stop_callback is not None:
+            self.add_callback(self.stop_callback)
         self._metric_sums: dict[str, torch.Tensor] = {}
         self._metric_count = 0
         self._tokens_since_log = 0
@@ -114,7 +138,7 @@ class SpiderTrainer(Trainer):
         if self.n_loops is not None:
             inputs = {**inputs, "n_loops": self.n_loops}
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if model.training:
+        if model.training and self.nonfinite_guard.observe_loss(loss):  # a skipped step's terms are not averaged in
             self._record(outputs, inputs)
         return (loss, outputs) if return_outputs else loss
 
@@ -137,6 +161,11 @@ class SpiderTrainer(Trainer):
             logs["peak_memory_mb"] = round(peak_memory_mb(), 1)
             self._metric_sums, self._metric_count, self._tokens_since_log = {}, 0, 0
             self._last_log_time = now
+        if "loss" in logs:
+            # every step since the previous log skipped: Trainer's NaN filter would log 0.0; log NaN ("no loss")
+            if self.nonfinite_guard.all_skipped_since_last_log(self.state.global_step):
+                logs["loss"] = float("nan")
+            logs["nonfinite_steps"] = self.nonfinite_guard.skipped_steps
         super().log(logs, start_time)
 
     # --- evaluation ----------------------------------------------------------------------------------------------
@@ -164,8 +193,28 @@ class SpiderTrainer(Trainer):
         return staging if staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Trainer's checkpoint, written under ``OUTPUT_DIR/.staging`` and published with one rename."""
+        """Trainer's checkpoint, written under ``OUTPUT_DIR/.staging`` and published with one rename.
+
+        Raises:
+            CheckpointWriteError: the disk is full, the filesystem read-only, or writing not permitted; names the
+                folder, the cause and the previous (intact) checkpoint. Staging debris is removed when possible (and
+                by the next save otherwise).
+        """
         run_dir = super()._get_output_dir(trial)
+        previous = checkpointing.latest_checkpoint(run_dir) if self.args.should_save else None
+        try:
+            self._save_checkpoint_atomically(model, trial, run_dir)
+        except Exception as err:
+            if not self.args.should_save or isinstance(err, checkpointing.CheckpointWriteError):
+                raise
+            final = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+            number, _ = checkpointing.describe_write_failure(final, err)
+            if number is None:
+                raise
+            checkpointing.clear_staging(run_dir)
+            raise checkpointing.checkpoint_write_error(final, err, previous) from err
+
+    def _save_checkpoint_atomically(self, model, trial, run_dir: str) -> None:
         if self.args.should_save:
             staging = checkpointing.clear_staging(run_dir)
             staging.mkdir(parents=True)

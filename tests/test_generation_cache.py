@@ -88,3 +88,11 @@ def test_training_forward_builds_no_cache():
     model = tiny_model(seed=0).train()
     assert model(_prompt(1, 16)).past_key_values is None
     assert model.eval()(_prompt(1, 16)).past_key_values is not None  # config.use_cache applies in eval mode
+
+
+def test_activation_checkpointing_in_training_refuses_the_cache():
+    """Checkpointed layers skip cache writes in training, so a cache there would be incomplete: none is built."""
+    model = tiny_model(seed=0)
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert model(_prompt(1, 16), use_cache=True).past_key_values is None

@@ -1,0 +1,251 @@
+"""kill -9 harness: SIGKILL ``train_hf.py`` at random moments, restart it with the same command, check every resume.
+
+:func:`run_kill_harness` trains the tiny preset (``--data mock``, seq_len 32, micro_batch 2, a checkpoint every step,
+each pushed to a local :class:`tests.hub_server.FakeHubServer` -- the Hub test double) in a subprocess and kills it
+``n_kills`` times with SIGKILL. Each kill waits until the life made progress (a checkpoint newer than the one it
+resumed from) and then lands in a phase drawn from a seeded RNG:
+
+* ``"step"``: a uniform random delay (0-0.4 s) -- anywhere in a step, a save or a push;
+* ``"save"``: the moment ``OUTPUT_DIR/.staging/checkpoint-*`` appears (a checkpoint half-written);
+* ``"push"``: the moment ``OUTPUT_DIR/.hub_push_staging/checkpoint-*`` appears (an upload in flight), plus 0-50 ms.
+
+After every kill the harness checks that the newest ``checkpoint-N`` folder is complete (every file present,
+safetensors and the optimizer state readable, ``trainer_state.json`` at step N), restarts the same command, and checks
+from its log that it resumed from exactly that folder and got further (staging debris must not block its next
+save; the dead run's lock must not block the start). A kill is *survived* when all of that holds. Finally the run
+completes, and its loss trajectory (``log_history`` of the last checkpoint) is compared step by step with an
+uninterrupted run of the same command (run alongside, on the other core).
+
+The subprocesses run with ``OMP_NUM_THREADS=1``: on the 2-core development machine two intra-op threads make a tiny
+step 10-100x slower (0.5-7 s instead of 0.05 s); one thread per process also lets the reference run use the other
+core.
+
+Command line (for the reliability table)::
+
+    python -m tests.kill_harness --kills 20 --workdir /tmp/kills --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from spider_training import checkpointing  # noqa: E402
+from tests.hub_server import FakeHubServer  # noqa: E402
+
+PHASES = ("step", "save", "push")
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+                    "trainer_state.json", "modeling_spider.py", "tokenizer_config.json")
+HUB_STAGING = ".hub_push_staging"
+LOSS_RTOL = 1e-4
+LOSS_ATOL = 1e-5
+
+
+def command(output_dir: Path, max_steps: int, hub_url: str) -> list[str]:
+    """The training command every life runs (identical each time)."""
+    return [sys.executable, str(REPO / "train_hf.py"), "--preset", "tiny", "--data", "mock", "--seq_len", "32",
+            "--micro_batch", "2", "--logging_steps", "1", "--dataloader_num_workers", "0", "--sample_bytes", "4",
+            "--ckpt_dir", str(output_dir), "--max_steps", str(max_steps), "--save_steps", "1",
+            "--save_total_limit", "2", "--push_to_hub", "--hub_model_id", "spider/kills", "--hub_token", "hf_fake",
+            "--hub_endpoint", hub_url]
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why `folder` (``checkpoint-N``) is not a complete, loadable checkpoint, or None if it is."""
+    import torch
+    from safetensors import safe_open
+
+    step = int(folder.name.split("-")[1])
+    missing = [name for name in CHECKPOINT_FILES if not (folder / name).is_file()]
+    if missing:
+        return f"{folder.name}: missing {missing}"
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+        if state["global_step"] != step:
+            return f"{folder.name}: trainer_state global_step {state['global_step']}"
+        with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+            for key in handle.keys():
+                handle.get_tensor(key)
+        torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 -- any failure to read is a broken checkpoint
+        return f"{folder.name}: unreadable ({type(err).__name__}: {err})"
+    return None
+
+
+def newest_step(output_dir: Path) -> int:
+    latest = checkpointing.latest_checkpoint(output_dir)
+    return int(Path(latest).name.split("-")[1]) if latest else 0
+
+
+def _appeared(folder: Path) -> bool:
+    try:
+        return any(child.name.startswith("checkpoint-") for child in folder.iterdir())
+    except OSError:
+        return False
+
+
+def losses(output_dir: Path, step: int) -> dict[int, float]:
+    state = json.loads((output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+
+
+def _start(cmd, log_path: Path) -> tuple[subprocess.Popen, object]:
+    handle = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=environment(), stdout=handle, stderr=subprocess.STDOUT)
+    return proc, handle
+
+
+def _resumed_from(log_text: str) -> str | None:
+    match = re.search(r"resuming from (\S+)", log_text)
+    return match.group(1) if match else None
+
+
+def run_kill_harness(n_kills: int, workdir: Path, seed: int, max_steps: int = 80,
+                     life_timeout_s: float = 120.0) -> dict:
+    """Kill a training run `n_kills` times (SIGKILL), restart it each time, and check every resume.
+
+    Args:
+        n_kills: SIGKILLs to deliver (fewer happen if training finishes first; reported).
+        workdir: scratch folder (created); results go to ``workdir/reliability_kills.json``.
+        seed: seeds the RNG choosing the phase and delay of each kill.
+        max_steps: training length (a life makes ~1-3 steps before its kill).
+        life_timeout_s: a life that makes no progress for this long is a failure.
+
+    Returns:
+        dict with ``kills`` (attempted), ``survived``, ``phases`` (kills per phase), ``violations`` (list of str),
+        ``final_step``, ``max_loss_diff`` (largest |loss - reference loss| over all steps), ``trajectory_equal``,
+        ``seconds``, ``summary`` (``"kills survived: S / N"``).
+    """
+    started = time.monotonic()
+    workdir = Path(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    rng = random.Random(seed)
+    out, ref_out = workdir / "killed", workdir / "reference"
+    violations: list[str] = []
+    phases = {phase: 0 for phase in PHASES}
+    kills = survived = 0
+    with FakeHubServer(token="hf_fake") as hub:
+        cmd = command(out, max_steps, hub.url)
+        ref_cmd = command(ref_out, max_steps, hub.url)
+        ref_cmd[ref_cmd.index("spider/kills")] = "spider/reference"
+        reference, ref_log = _start(ref_cmd, workdir / "reference.log")
+        life = 0
+        pending_check = None  # (expected resume folder, step) of the kill to confirm on the next life
+        while True:
+            life += 1
+            start_step = newest_step(out)
+            log_path = workdir / f"life{life:02d}.log"
+            proc, handle = _start(cmd, log_path)
+            phase = rng.choice(PHASES) if kills < n_kills else None
+            delay = rng.uniform(0.0, 0.4) if phase == "step" else rng.uniform(0.0, 0.05)
+            deadline = time.monotonic() + life_timeout_s
+            killed = False
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    violations.append(f"life {life}: no progress within {life_timeout_s:.0f}s")
+                    proc.kill()
+                    break
+                if phase is not None and newest_step(out) > start_step:
+                    if phase == "step":
+                        time.sleep(delay)
+                        fire = True
+                    elif phase == "save":
+                        fire = _appeared(out / checkpointing.STAGING_DIRNAME)
+                    else:
+                        fire = _appeared(out / HUB_STAGING)
+                        if fire:
+                            time.sleep(delay)
+                    if fire and proc.poll() is None:
+                        proc.kill()  # SIGKILL
+                        killed = True
+                        break
+                time.sleep(0.005)
+            proc.wait()
+            handle.close()
+            text = log_path.read_text(errors="replace")
+            # the previous kill is survived if this life resumed from the newest complete checkpoint and got further
+            if pending_check is not None:
+                want, kill_no = pending_check
+                got = _resumed_from(text)
+                progressed = newest_step(out) > start_step or proc.returncode == 0
+                if got != want:
+                    violations.append(f"kill {kill_no}: restart resumed from {got}, newest complete is {want}")
+                elif not progressed:
+                    violations.append(f"kill {kill_no}: restart made no progress after resuming from {want}")
+                else:
+                    survived += 1
+            if killed:
+                kills += 1
+                phases[phase] += 1
+                newest = checkpointing.latest_checkpoint(out)
+                problem = checkpoint_problem(Path(newest)) if newest else "no checkpoint at all"
+                if problem:
+                    violations.append(f"kill {kills} ({phase}): newest checkpoint broken: {problem}")
+                pending_check = (newest, kills)
+                continue
+            pending_check = None
+            if proc.returncode != 0:
+                violations.append(f"life {life}: exited {proc.returncode}: {text[-1500:]}")
+            break
+        reference.wait(timeout=600)
+        ref_log.close()
+    final_step = newest_step(out)
+    max_diff, trajectory_equal = float("inf"), False
+    if final_step == max_steps and reference.returncode == 0:
+        got, want = losses(out, max_steps), losses(ref_out, max_steps)
+        steps = sorted(want)
+        if sorted(got) != steps:
+            violations.append(f"logged steps differ: {sorted(set(steps) ^ set(got))}")
+        else:
+            diffs = [abs(got[s] - want[s]) for s in steps]
+            max_diff = max(diffs)
+            trajectory_equal = all(abs(got[s] - want[s]) <= LOSS_ATOL + LOSS_RTOL * abs(want[s]) for s in steps)
+            if not trajectory_equal:
+                violations.append(f"loss trajectory differs from the uninterrupted run (max |diff| {max_diff:.3g})")
+    else:
+        violations.append(f"run ended at step {final_step} (reference exit {reference.returncode})")
+    result = {
+        "kills": kills, "survived": survived, "requested_kills": n_kills, "phases": phases, "seed": seed,
+        "max_steps": max_steps, "final_step": final_step, "max_loss_diff": max_diff,
+        "trajectory_equal": trajectory_equal, "violations": violations, "lives": life,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    result["summary"] = f"kills survived: {survived} / {kills}"
+    (workdir / "reliability_kills.json").write_text(json.dumps(result, indent=2))
+    print(result["summary"], flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/spider-kill-harness"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max_steps", type=int, default=80)
+    ns = parser.parse_args(argv)
+    result = run_kill_harness(ns.kills, ns.workdir, ns.seed, max_steps=ns.max_steps)
+    print(json.dumps(result, indent=2))
+    return 0 if not result["violations"] and result["survived"] == result["kills"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
