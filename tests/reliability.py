@@ -6,7 +6,10 @@ warning logged: invalid UTF-8, a 50 MB document), crashes (another exception typ
 problem, silent acceptance, or something already written lost) and, among the crashes, those waiting for a fix
 proposed for a file outside this registry's reach (``xfail``). Then two rows from the fault-tolerance work:
 
-* ``faults survived``: read from ``--faults_json`` (default ``tests/.reliability/faults.json``) if present;
+* ``faults survived``: ``--faults`` runs the fault tests (:data:`FAULT_TESTS`: SIGTERM/SIGINT stop and resume, disk
+  full and read-only saves, the output-folder lock, non-finite steps, the Hub down: closed port, 500s, a hang) through
+  pytest, slow ones included, and counts those that pass (skipped ones, e.g. no tmpfs mount allowed, are left out);
+  without it the figure is read from ``--faults_json`` (default ``tests/.reliability/faults.json``) if present;
 * ``kills survived / N``: ``--kills N`` runs ``tests.kill_harness.run_kill_harness(N, workdir, seed)`` if that module
   exists, else it is read from ``--kills_json`` (default ``tests/.reliability/kills.json``) if present; otherwise
   "not run".
@@ -34,6 +37,45 @@ from tests.bad_inputs import CATEGORIES, REGISTRY, BadInput, Outcome, run_case
 
 DEFAULT_DIR = Path(__file__).resolve().parent / ".reliability"
 SLOW_CASES = ("50 MB single document (memory bounded)",)
+README_START, README_END = "<!-- reliability:start -->", "<!-- reliability:end -->"
+
+#: pytest selections whose tests each survive one fault (``--faults``)
+FAULT_TESTS = (
+    "tests/test_fault_tolerance.py",
+    "tests/test_hub.py::test_closed_port_warns_and_returns_without_exception",
+    "tests/test_hub.py::test_error500_is_retried_with_exponential_backoff",
+    "tests/test_hub.py::test_transient_errors_then_success",
+    "tests/test_hub.py::test_hang_returns_within_timeout_and_server_closes",
+    "tests/test_hub.py::test_http_read_timeout_ends_a_hung_request",
+)
+
+
+class _FaultTally:
+    """pytest plugin: the final outcome of every test it sees."""
+
+    def __init__(self):
+        self.outcomes: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.outcomes[report.nodeid] = "failed"
+        elif report.skipped:
+            self.outcomes.setdefault(report.nodeid, "skipped")
+        elif report.when == "call":
+            self.outcomes.setdefault(report.nodeid, "passed")
+
+
+def run_faults() -> dict[str, Any]:
+    """Run :data:`FAULT_TESTS` (slow ones included) in this process; returns ``survived``, ``total``, ``skipped``
+    and the ``failed`` node ids."""
+    import pytest
+
+    tally = _FaultTally()
+    pytest.main(["-q", "-m", "", "-p", "no:cacheprovider", *FAULT_TESTS], plugins=[tally])
+    failed = sorted(n for n, o in tally.outcomes.items() if o == "failed")
+    passed = sum(o == "passed" for o in tally.outcomes.values())
+    return {"survived": passed, "total": passed + len(failed), "failed": failed,
+            "skipped": sum(o == "skipped" for o in tally.outcomes.values())}
 
 
 def run_registry(cases: Sequence[BadInput], workdir: str | Path | None = None) -> list[Outcome]:
@@ -119,8 +161,8 @@ def format_table(summary: dict[str, Any], faults: tuple[int, int] | None, kills:
                  f"**{t['xfail']}** |")
     lines += ["", "| fault tolerance | result |", "|---|---|",
               f"| faults survived | {f'{faults[0]} / {faults[1]}' if faults else 'not run'} |",
-              f"| kills survived / {kills[1] if kills else kills_wanted} | "
-              f"{kills[0] if kills else 'not run'} |"]
+              f"| kills survived (kill -9, then the same command) | "
+              f"{f'{kills[0]} / {kills[1]}' if kills else f'not run ({kills_wanted} wanted)'} |"]
     return "\n".join(lines)
 
 
@@ -130,7 +172,10 @@ def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = N
     p.add_argument("--kills", type=int, default=None, help="run tests.kill_harness with this many kills")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill harness")
     p.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    p.add_argument("--faults", action="store_true", help="run the fault tests (FAULT_TESTS) through pytest")
     p.add_argument("--faults_json", default=str(DEFAULT_DIR / "faults.json"))
+    p.add_argument("--write-readme", dest="write_readme", metavar="README", default=None,
+                   help="also put the table between the reliability markers of this file")
     p.add_argument("--kills_json", default=str(DEFAULT_DIR / "kills.json"))
     p.add_argument("--only", action="append", choices=CATEGORIES, help="only this category (repeatable)")
     p.add_argument("--skip_slow", action="store_true", help="leave out the 50 MB document")
@@ -148,7 +193,10 @@ def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = N
     summary = summarize(outcomes)
     summary["seconds"] = round(time.perf_counter() - start, 1)
 
-    faults = _fraction(_read_json(Path(args.faults_json)))
+    faults_data = run_faults() if args.faults else _read_json(Path(args.faults_json))
+    faults = _fraction(faults_data)
+    if args.faults and faults_data["failed"]:
+        print("faults not survived: " + ", ".join(faults_data["failed"]), file=sys.stderr)
     kills_data = None
     kills_wanted = args.kills if args.kills is not None else 20
     if args.kills is not None:
@@ -161,7 +209,12 @@ def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = N
     summary["faults_survived"] = list(faults) if faults else None
     summary["kills_survived"] = list(kills) if kills else None
 
-    print(format_table(summary, faults, kills, kills_wanted))
+    table = format_table(summary, faults, kills, kills_wanted)
+    print(table)
+    if args.write_readme:
+        from bench.report import write_readme
+
+        write_readme(args.write_readme, table + "\n", README_START, README_END)
     details = summary["crash_details"] if args.verbose else [d for d in summary["crash_details"] if not d["fix_proposed"]]
     for d in details:
         print(f"\ncrash: [{d['category']}] {d['name']}: {d['detail']}" + (f"\n  fix: {d['fix_proposed']}"

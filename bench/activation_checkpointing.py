@@ -1,0 +1,176 @@
+"""Benchmark 5 -- activation checkpointing: peak memory of a training step with and without, and its time cost.
+
+Spider ``small`` preset, ``batch x seq_len`` = 1 x 2048 random bytes, fp32, AdamW step as in :mod:`bench.train_step`.
+Checkpointing is switched on with transformers' ``activation_checkpointing_enable()`` (the non-deprecated name in
+transformers 5.x; ``gradient_checkpointing_enable()`` on older versions); every ``GradientCheckpointingLayer``
+(prelude, recurrent and coda layers) then recomputes its activations in the backward.
+
+Peak memory (method recorded in the JSON as ``memory_method``): each variant runs in a **fresh subprocess**
+(``python -m bench.activation_checkpointing --child on|off``) with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` so every
+tensor above 64 KiB is its own ``mmap`` and goes back to the OS when freed (resident memory then follows live
+tensors instead of malloc's cache). The child builds the model and optimizer, runs one warm-up step (which also
+allocates AdamW's state), frees garbage and ``malloc_trim``s, reads ``VmRSS`` as the baseline, resets the kernel's
+high-water mark (``echo 5 > /proc/self/clear_refs``), runs one step and reads ``VmHWM``: ``step peak = VmHWM -
+baseline`` is the extra resident memory the step needed at its peak (activations, gradients, temporaries). Repeated
+``repeats`` times in the child; the median is used. If ``clear_refs`` is not writable the child falls back to
+``ru_maxrss`` minus the RSS after the model build, without a warm-up step (then AdamW's state is included).
+
+Time: both variants in this process, separate models with the same weights, interleaved, median of ``repeats``.
+
+Target: ``1 - peak(on) / peak(off) >= 0.40`` (40 % less step memory). The slowdown (``time on / time off``) is
+reported, with no target.
+
+Run alone: ``python -m bench.activation_checkpointing [--quick]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench.common import (
+    REPO_ROOT, TrainStep, check, finish, info, main_for, random_bytes, spider_model, time_interleaved,
+)
+
+TARGET = 0.40
+FULL = dict(preset="small", batch=1, seq_len=2048, warmup=1, repeats=3, memory_repeats=2)
+QUICK = dict(preset="tiny", batch=1, seq_len=128, warmup=1, repeats=2, memory_repeats=1)
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+def enable_checkpointing(model) -> str:
+    """Switch on activation checkpointing; returns the method name used."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+        return "activation_checkpointing_enable"
+    model.gradient_checkpointing_enable()
+    return "gradient_checkpointing_enable"
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def child(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> dict:
+    """Measure the step peak in this (fresh) process; see the module docstring. Returns a JSON-able dict (bytes)."""
+    model = spider_model(preset)
+    method = enable_checkpointing(model) if variant == "on" else None
+    step = TrainStep(model, random_bytes(batch, seq_len))
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    peaks = []
+    if hwm_reset:
+        torch.manual_seed(0)
+        step()  # warm-up: AdamW state, lazy allocations
+        for i in range(repeats):
+            _release_memory()
+            baseline = _status_kb("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            torch.manual_seed(i + 1)
+            step()
+            peaks.append((_status_kb("VmHWM") - baseline) * 1024)
+        how = "VmHWM - VmRSS baseline after warm-up step (clear_refs reset)"
+    else:
+        _release_memory()
+        baseline = _status_kb("VmRSS")
+        torch.manual_seed(1)
+        step()
+        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline * 1024)
+        how = "ru_maxrss - VmRSS after model build (no warm-up; includes AdamW state)"
+    return {"variant": variant, "checkpointing_method": method, "step_peak_bytes": statistics.median(peaks),
+            "step_peak_bytes_all": peaks, "how": how, "malloc_env": {k: os.environ.get(k) for k in CHILD_ENV}}
+
+
+def measure_in_subprocess(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> dict:
+    """Run :func:`child` in a fresh interpreter; raises ``RuntimeError`` with the child's stderr tail on failure."""
+    cmd = [sys.executable, "-m", "bench.activation_checkpointing", "--child", variant, "--preset", preset,
+           "--batch", str(batch), "--seq-len", str(seq_len), "--repeats", str(repeats)]
+    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory child ({variant}) failed with exit code {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
+    """Run the benchmark; ``sizes`` override :data:`FULL` / :data:`QUICK`. Returns the result dict."""
+    start = time.perf_counter()
+    s = {**(QUICK if quick else FULL), **sizes}
+    mem = {v: measure_in_subprocess(v, s["preset"], s["batch"], s["seq_len"], s["memory_repeats"])
+           for v in ("off", "on")}
+
+    ids = random_bytes(s["batch"], s["seq_len"])
+    off_model, on_model = spider_model(s["preset"]), spider_model(s["preset"])  # same seed: same weights
+    method = enable_checkpointing(on_model)
+    timed = time_interleaved({"off": TrainStep(off_model, ids), "on": TrainStep(on_model, ids)},
+                             s["warmup"], s["repeats"])
+    off_b, on_b = mem["off"]["step_peak_bytes"], mem["on"]["step_peak_bytes"]
+    saving = 1.0 - on_b / off_b if off_b > 0 else None
+    result = {
+        "benchmark": "activation_checkpointing",
+        "description": "training-step peak memory saved by activation checkpointing (1 - on/off)",
+        "sizes": {k: s[k] for k in ("preset", "batch", "seq_len")},
+        "dtype": "fp32",
+        "timing": {"warmup": s["warmup"], "repeats": s["repeats"], "statistic": "median",
+                   "memory_repeats": s["memory_repeats"]},
+        "checkpointing_method": method,
+        "memory_method": ("fresh subprocess per variant, MALLOC_MMAP_THRESHOLD_=65536; " + mem["off"]["how"]),
+        "measurements": {
+            "step_peak_mb": {v: round(m["step_peak_bytes"] / 2**20, 2) for v, m in mem.items()},
+            "step_peak_mb_all": {v: [round(b / 2**20, 2) for b in m["step_peak_bytes_all"]] for v, m in mem.items()},
+            "median_step_s": {v: round(t["median_s"], 5) for v, t in timed.items()},
+            "times_s": {v: t["times_s"] for v, t in timed.items()},
+            "time_cost_on_over_off": round(timed["on"]["median_s"] / timed["off"]["median_s"], 4),
+        },
+        "checks": [check("activation checkpointing memory saving", "1 - peak(on)/peak(off)", TARGET, saving)],
+        "info": [info("activation checkpointing step time cost (on / off)",
+                      timed["on"]["median_s"] / timed["off"]["median_s"], "x")],
+        "notes": [],
+    }
+    return finish(result, start)
+
+
+def _child_main(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", choices=["on", "off"], required=True)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args(argv)
+    print(json.dumps(child(a.child, a.preset, a.batch, a.seq_len, a.repeats)))
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        _child_main(sys.argv[1:])
+    else:
+        main_for(run)

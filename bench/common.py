@@ -1,0 +1,333 @@
+"""Shared pieces of the benchmarks: timing, environment record, model builders, FLOP counting, profiling, results.
+
+Timing rules (issue #4): every figure is a ratio of two variants measured side by side in one process on this
+machine; each variant gets ``warmup`` untimed calls, then ``repeats`` timed calls, and the **median** is used.
+Variants are interleaved (A, B, A, B, ...) by :func:`time_interleaved` so that load from other processes hits
+both alike.
+
+Result format (what every ``bench.<name>.run`` returns, and :mod:`bench.report` reads)::
+
+    {"benchmark": str, "description": str, "sizes": {...}, "dtype": str,
+     "checks": [{"name": str, "metric": str, "target": float, "measured": float, "met": bool}, ...],
+     "info": [{"name": str, "measured": float, "unit": str}]  (figures without a target),
+     "met": bool, "measurements": {...}, "notes": [str], "profile": {...} (only when a target is missed),
+     "seconds": float}
+
+``met`` of a benchmark is ``all(check["met"])`` unless the module says otherwise in its docstring. A benchmark that
+crashed is recorded by the runner as ``{"benchmark": name, "error": "...", "met": False, "checks": []}``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
+    sys.path.insert(0, str(REPO_ROOT))
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Environment and results
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, CPU model, load average at the time of the run."""
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "mkldnn": bool(torch.backends.mkldnn.is_available()),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "device": "cpu",
+    }
+
+
+def check(name: str, metric: str, target: float, measured: float | None, higher_is_better: bool = True) -> dict:
+    """One target line: ``met`` is ``measured >= target`` (or ``<=`` when lower is better); None -> not met."""
+    if measured is None:
+        met = False
+    else:
+        met = bool(measured >= target) if higher_is_better else bool(measured <= target)
+    return {
+        "name": name,
+        "metric": metric,
+        "target": target,
+        "comparison": ">=" if higher_is_better else "<=",
+        "measured": None if measured is None else float(round(measured, 4)),
+        "met": met,
+    }
+
+
+def info(name: str, measured: float | None, unit: str) -> dict:
+    """A reported figure without a target (shown in the report table with target "-")."""
+    return {"name": name, "measured": None if measured is None else float(round(measured, 4)), "unit": unit}
+
+
+def finish(result: dict, start: float) -> dict:
+    """Fill ``met`` (all checks met, unless already set) and the wall time of the benchmark."""
+    result.setdefault("met", bool(result["checks"]) and all(c["met"] for c in result["checks"]))
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def time_call(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` takes (wall clock, ``time.perf_counter``)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """Time several variants side by side.
+
+    Each variant is warmed up ``warmup`` times, then the variants run in turn ``repeats`` rounds. Returns
+    ``{name: {"median_s": float, "times_s": [float]}}``. Raises ``ValueError`` if ``repeats < 1``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    gc.collect()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(time_call(fn))
+    return {
+        name: {"median_s": statistics.median(ts), "times_s": [round(t, 5) for t in ts]} for name, ts in times.items()
+    }
+
+
+def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeats: int = 5) -> dict[str, float]:
+    """Measured peak FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (2 n^3 FLOPs per call), median of repeats."""
+    a = torch.randn(n, n, dtype=torch.float32).to(dtype)
+    b = torch.randn(n, n, dtype=torch.float32).to(dtype)
+    timed = time_interleaved({"mm": lambda: torch.mm(a, b)}, warmup, repeats)["mm"]
+    return {"n": n, "median_s": timed["median_s"], "flops_per_s": 2 * n**3 / timed["median_s"]}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def spider_config(preset: str, **overrides):
+    """``SpiderConfig.from_preset(preset, **overrides)``."""
+    from configuration_spider import SpiderConfig
+
+    return SpiderConfig.from_preset(preset, **overrides)
+
+
+def spider_model(preset: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A freshly initialised ``SpiderForConditionalGeneration`` (seeded), in ``dtype``."""
+    from modeling_spider import SpiderForConditionalGeneration
+
+    torch.manual_seed(seed)
+    return SpiderForConditionalGeneration(spider_config(preset, **overrides)).to(dtype)
+
+
+def peer_config(spider_cfg):
+    """transformers' ``DeepseekV3Config`` with Spider's width, heads, MLA ranks, experts, layer count and vocab.
+
+    Layers: ``num_hidden_layers = prelude + recurrent + coda``; ``first_k_dense_replace = num_prelude_layers`` makes
+    the prelude dense. DeepseekV3 cannot make a *last* layer dense (``layer_idx >= first_k_dense_replace`` is MoE),
+    so the peer's coda layers are MoE layers -- a documented mismatch. Routing: one group (``n_group=topk_group=1``),
+    no multi-token prediction, non-interleaved RoPE as in Spider, SDPA attention, transformers' default experts
+    implementation.
+    """
+    from transformers import DeepseekV3Config
+
+    c = spider_cfg
+    return DeepseekV3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        moe_intermediate_size=c.moe_intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_attention_heads,
+        n_shared_experts=c.n_shared_experts, n_routed_experts=c.n_routed_experts,
+        num_experts_per_tok=c.num_experts_per_tok, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank,
+        qk_rope_head_dim=c.qk_rope_head_dim, qk_nope_head_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim,
+        n_group=1, topk_group=1, first_k_dense_replace=c.num_prelude_layers, norm_topk_prob=c.norm_topk_prob,
+        max_position_embeddings=c.max_position_embeddings, num_mtp_layers=0, rope_interleave=False,
+        rms_norm_eps=c.rms_norm_eps, initializer_range=c.initializer_range,
+        pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def peer_model(spider_cfg, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A freshly initialised ``DeepseekV3ForCausalLM`` built from :func:`peer_config`."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(peer_config(spider_cfg)).to(dtype)
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
+    """int64 ``(batch, length)`` ids drawn uniformly from the 256 byte values (no specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, length), generator=g)
+
+
+class TrainStep:
+    """One training step as the trainer does it: ``model.train()``, forward with labels, backward, AdamW step,
+    ``zero_grad``. ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments."""
+
+    def __init__(self, model, input_ids: torch.LongTensor, lr: float = 1e-4, **forward_kwargs):
+        self.model = model
+        self.input_ids = input_ids
+        self.forward_kwargs = forward_kwargs
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.model.train()
+
+    def __call__(self):
+        out = self.model(input_ids=self.input_ids, labels=self.input_ids, **self.forward_kwargs)
+        out.loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FLOP counting
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``torch._grouped_mm`` FLOPs (2 per multiply-add) for the four 2-D/3-D operand layouts."""
+    if len(a_shape) == 2 and len(b_shape) == 3:  # (M, K) x (E, K, N), rows grouped by offs
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 3 and len(b_shape) == 2:  # (E, M, K) x (K, N), columns grouped
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (M, K) x (K, N), K grouped -> (E, M, N)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]  # batched
+
+
+def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def extra_flop_formulas() -> dict:
+    """FLOP formulas torch 2.13's ``FlopCounterMode`` lacks on CPU: ``_grouped_mm`` (transformers' and Spider's
+    grouped experts) and the CPU flash-attention SDPA kernel (forward and backward). Without them attention and
+    grouped experts would count as 0 FLOPs. Causal attention is counted as full attention, as torch does."""
+    aten = torch.ops.aten
+    formulas = {aten._grouped_mm: _grouped_mm_flop}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        formulas[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu_flop
+        formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward_flop
+    return formulas
+
+
+def count_flops(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn`` once under ``torch.utils.flop_counter.FlopCounterMode`` (plus :func:`extra_flop_formulas`).
+
+    Returns ``{"total": int, "by_op": {op: int}}``. Only matmul-like ops are counted (elementwise ops, norms and the
+    optimizer update count 0), as in torch's counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
+    with counter:
+        fn()
+    by_op = {str(k): int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return {"total": int(counter.get_total_flops()), "by_op": by_op}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Profiling
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def profile_top(fn: Callable[[], Any], steps: int = 2, top: int = 12) -> dict[str, Any]:
+    """Profile ``steps`` calls of ``fn`` with ``torch.profiler`` (CPU) and return the top ops by self CPU time.
+
+    Returns ``{"steps": int, "total_self_cpu_ms": float, "top": [{"op", "self_cpu_pct", "self_cpu_ms", "calls"}]}``
+    (percent of the summed self CPU time of all ops in the profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+    events = prof.key_averages()
+    total_us = sum(e.self_cpu_time_total for e in events) or 1.0
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "steps": steps,
+        "total_self_cpu_ms": round(total_us / 1e3, 2),
+        "top": [
+            {
+                "op": e.key,
+                "self_cpu_pct": round(100.0 * e.self_cpu_time_total / total_us, 2),
+                "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2),
+                "calls": int(e.count),
+            }
+            for e in rows
+        ],
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Command line of a single benchmark
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
+    """``python -m bench.<name> [--quick] [--out FILE]``: run one benchmark, print (and write) its JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=(run.__module__ or "").split(".")[-1] + " benchmark")
+    parser.add_argument("--quick", action="store_true", help="toy sizes (seconds, not minutes)")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    result = {"environment": environment(), "quick": args.quick, "benchmarks": {}}
+    single = run(quick=args.quick)
+    result["benchmarks"][single["benchmark"]] = single
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
