@@ -19,7 +19,8 @@ arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the
 OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn (arXiv 2502.05171), Relaxed Recursive Transformers
 (arXiv 2410.20672), ACT (Graves 2016, arXiv 1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
 
-This file imports only torch, transformers, numpy and the standard library: it is what the Hub serves.
+This file imports only torch, transformers (and its safetensors), numpy and the standard library: it is what the Hub
+serves.
 """
 
 from __future__ import annotations
