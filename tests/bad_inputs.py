@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tests.helpers import write_header_shard, write_seed_shard
+
 REPO = Path(__file__).resolve().parents[1]
 
 CATEGORIES = ("byte shards", "text sources", "configs", "cli flags", "env vars", "checkpoints", "model forward")
@@ -154,22 +156,6 @@ def run_case(case: BadInput, tmp: Path) -> Outcome:
 # ----------------------------------------------------------------------------------------------------------------------
 # small builders
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def write_seed_shard(path: Path, tokens) -> Path:
-    """A headerless ``uint16`` shard (the seed's format). Same as ``tests/test_data.py``'s helper."""
-    np.asarray(tokens, dtype="<u2").tofile(path)
-    return path
-
-
-def write_header_shard(path: Path, tokens, *, magic=20240520, version=1, count=None) -> Path:
-    """A parameter-golf / modded-nanogpt shard (256 int32 header). Same as ``tests/test_data.py``'s helper."""
-    header = np.zeros(256, dtype="<i4")
-    header[0], header[1], header[2] = magic, version, len(tokens) if count is None else count
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
-    return path
 
 
 @contextlib.contextmanager

@@ -1,5 +1,8 @@
 """Small builders shared by the test modules."""
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from configuration_spider import SpiderConfig
@@ -27,3 +30,20 @@ def train_step(model, input_ids: torch.Tensor, seed: int = 1):
     out = model(input_ids, labels=input_ids)
     out.loss.backward()
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def write_seed_shard(path: Path, tokens) -> Path:
+    """A headerless little-endian ``uint16`` byte shard (the seed's format) holding `tokens`; returns `path`."""
+    np.asarray(tokens, dtype="<u2").tofile(path)
+    return path
+
+
+def write_header_shard(path: Path, tokens, *, magic=20240520, version=1, count=None) -> Path:
+    """A modded-nanogpt / parameter-golf shard: 256 int32 header (`magic`, `version`, token `count`, default
+    `len(tokens)`), then `tokens` as ``uint16``; returns `path`."""
+    header = np.zeros(256, dtype="<i4")
+    header[0], header[1], header[2] = magic, version, len(tokens) if count is None else count
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+    return path

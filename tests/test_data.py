@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from spider_training import data as D
 from spider_training.write_shards import write_shards
+from tests.helpers import write_header_shard, write_seed_shard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,20 +83,6 @@ def rows(batches):
 def _chunks(stream, width):
     return [c + [256] * (width - len(c)) for c in (stream[i:i + width] for i in range(0, len(stream), width))
             if len(c) >= 2]
-
-
-def write_seed_shard(path: Path, tokens) -> Path:
-    np.asarray(tokens, dtype="<u2").tofile(path)
-    return path
-
-
-def write_header_shard(path: Path, tokens, *, magic=D.HEADER_MAGIC, version=1, count=None) -> Path:
-    header = np.zeros(256, dtype="<i4")
-    header[0], header[1], header[2] = magic, version, len(tokens) if count is None else count
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
-    return path
 
 
 @pytest.fixture
