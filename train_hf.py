@@ -149,9 +149,10 @@ def _run(spider: SpiderArguments, args) -> dict:
     }
     if trainer.is_world_process_zero():
         plain = trainer.accelerator.unwrap_model(trainer.model)
-        summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
-                                   n_loops=spider.n_loops)
-        print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
+        if spider.sample_bytes > 0:  # --sample_bytes 0: no sample
+            summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
+                                       n_loops=spider.n_loops)
+            print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
         if before:
             print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
                   f"after {after['eval_after_bits_per_byte']:.4f}")

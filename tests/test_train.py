@@ -87,8 +87,10 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_smoke_bf16_and_emulated_fp8(tmp_path, precision):
-    out, summary = run(tmp_path, precision, "--max_steps", "3", "--save_steps", "3", "--precision", precision)
+    out, summary = run(tmp_path, precision, "--max_steps", "3", "--save_steps", "3", "--precision", precision,
+                       "--sample_bytes", "0")
     assert summary["precision"] == precision
+    assert "sample" not in summary  # --sample_bytes 0 skips the sample
     assert summary["train_loss"] == summary["train_loss"]
     from modeling_spider import SpiderForConditionalGeneration
 
