@@ -220,3 +220,16 @@ def test_push_to_hub_against_fake_hub_and_closed_port(tmp_path, monkeypatch):
                        "--hub_endpoint", f"http://127.0.0.1:{_free_port()}")
     assert summary["pushed"] is False and summary["steps"] == 2
     assert (out / "release" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_small_preset_keeps_its_boundaries(tmp_path):
+    """The default run's preset must not collapse to zero boundaries in training (compression = the whole window),
+    which the seed's boundary_loss_coef=1.0 did within ~50 steps at lr 1e-3: the logged training compression rate
+    (bytes per segment, sampled boundaries) stays near the prior's 3 bytes."""
+    out = tmp_path / "run"
+    train_hf.main(["--preset", "small", "--max_steps", "80", "--eval_windows", "4", "--sample_bytes", "0",
+                   "--save_steps", "80", "--logging_steps", "10", "--dataloader_num_workers", "0", "--ckpt_dir", str(out)])
+    state = json.loads((out / "checkpoint-80" / "trainer_state.json").read_text())
+    rates = [e["compression_rate"] for e in state["log_history"] if "compression_rate" in e]
+    assert len(rates) >= 8 and all(2.0 <= r <= 8.0 for r in rates[-4:]), rates
