@@ -863,6 +863,7 @@ class SpiderLayerCache:
         return window * (positions >= 0)[..., None].to(window.dtype)
 
     def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keep batch rows `rows` `(B,)` int64 of every cached tensor (beam search reorders beams this way)."""
         for name in ("keys", "values", "conv_inputs"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).index_select(0, rows))
