@@ -864,9 +864,14 @@ class SpiderLayerCache:
 
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keep batch rows `rows` `(B,)` int64 of every cached tensor (beam search reorders beams this way)."""
-        for name in ("keys", "values", "conv_inputs"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).index_select(0, rows))
+        _select_rows(self, ("keys", "values", "conv_inputs"), rows)
+
+
+def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
+    """Replace each tensor attribute `names` of `holder` (None ones skipped) by its batch rows `rows`."""
+    for name in names:
+        if getattr(holder, name) is not None:
+            setattr(holder, name, getattr(holder, name).index_select(0, rows))
 
 
 class SpiderCache:
@@ -913,10 +918,8 @@ class SpiderCache:
         """Keep rows `beam_idx` `(B,)` int64 (beam search)."""
         for layer in self.prelude + self.coda + [layer for loop in self.recurrent for layer in loop]:
             layer.select_rows(beam_idx)
-        for name in ("byte_mask", "byte_positions", "hash_context", "open_sum", "open_memory_sum", "open_count",
-                     "num_segments", "last_segment_output"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).index_select(0, beam_idx))
+        _select_rows(self, ("byte_mask", "byte_positions", "hash_context", "open_sum", "open_memory_sum",
+                            "open_count", "num_segments", "last_segment_output"), beam_idx)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1079,8 +1082,12 @@ class SpiderModel(SpiderPreTrainedModel):
         """
         n_loops = self.config.n_loops if n_loops is None else n_loops
         self.check_inputs(input_ids, n_loops)
+        if past_key_values is not None and n_loops != past_key_values.n_loops:
+            raise ValueError(
+                f"n_loops={n_loops} differs from the n_loops={past_key_values.n_loops} this cache was built with"
+            )
         if past_key_values is not None and past_key_values.seen_bytes > 0:
-            return self.decode(input_ids, past_key_values, n_loops, return_dict)
+            return self.decode(input_ids, past_key_values, return_dict)
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
@@ -1225,13 +1232,11 @@ class SpiderModel(SpiderPreTrainedModel):
         cache.open_count = open_bytes.to(torch.float32).sum(-1)
 
     @torch.no_grad()
-    def decode(self, input_ids, cache: SpiderCache, n_loops: int, return_dict=None) -> SpiderModelOutput:
+    def decode(self, input_ids, cache: SpiderCache, return_dict=None) -> SpiderModelOutput:
         """Continue from `cache` with the new bytes `input_ids` `(B, T)` (all real), one byte at a time: the prelude
         and coda read their byte caches; a byte that closes a segment runs the recurrent block for that segment
         only. Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)` and
-        the cache; the loss terms are None. Raises ValueError if `n_loops` differs from the cache's."""
-        if n_loops != cache.n_loops:
-            raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with")
+        the cache; the loss terms are None. It runs the cache's `n_loops` (:meth:`forward` refuses another)."""
         states, boundaries = [], []
         for j in range(input_ids.shape[1]):
             y, b = self.decode_byte(input_ids[:, j : j + 1], cache)

@@ -57,6 +57,7 @@ def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
     }
     details = {
         "default_n_loops": cfg.n_loops,
+        "boundary_prior": cfg.boundary_prior,
         "spider_params": num_params(spider),
         "peer_params": num_params(peer),
         "spider_moe_implementation": cfg.moe_implementation,
@@ -65,11 +66,6 @@ def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
         "peer_layers": [type(layer.mlp).__name__ for layer in peer.model.layers],
     }
     return steps, details
-
-
-def cfg_prior(preset: str) -> float:
-    """The preset's FlexiTokens boundary prior (boundaries per byte the boundary loss trains towards)."""
-    return spider_config(preset).boundary_prior
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
@@ -99,7 +95,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         "checks": [
             check("train step Spider(n_loops=1) / peer, boundary rate at init (~0.5)", "tokens/s ratio", TARGET,
                   tps["spider_n_loops_1"] / tps["peer"]),
-            check(f"train step Spider(n_loops=1) / peer, boundary rate at the prior ({cfg_prior(s['preset'])})",
+            check(f"train step Spider(n_loops=1) / peer, boundary rate at the prior ({info_['boundary_prior']})",
                   "tokens/s ratio", TARGET, tps["spider_n_loops_1_at_prior_rate"] / tps["peer"]),
         ],
         "info": [

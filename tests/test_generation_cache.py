@@ -80,6 +80,8 @@ def test_cache_refuses_other_loop_count_and_labels():
     cache = model(ids, n_loops=2, use_cache=True).past_key_values
     with pytest.raises(ValueError, match="n_loops=3 differs from the n_loops=2"):
         model(ids[:, :1], n_loops=3, past_key_values=cache)
+    with pytest.raises(ValueError, match="n_loops=3 differs from the n_loops=2"):  # an empty cache too
+        model(ids, n_loops=3, past_key_values=SpiderCache(model.config, n_loops=2))
     with pytest.raises(ValueError, match="labels cannot be scored against a non-empty past_key_values"):
         model(ids[:, :1], labels=ids[:, :1], n_loops=2, past_key_values=cache)
 
