@@ -30,9 +30,11 @@ SPIDER_PRESETS: dict[str, dict] = {
         num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
         engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=32, engram_table_size=4096,
         n_loops=2, max_loop_iters=8, lora_rank=16, max_position_embeddings=2048,
-        # The seed's boundary_loss_coef=1.0 lets the default CPU run (lr 1e-3) drive the boundary predictor to zero
-        # boundaries within ~50 steps, after which the hinge's gradient vanishes; 10 holds the rate in the prior's band.
-        boundary_loss_coef=10.0,
+        # Measured with bench/quality.py (README "Model quality"): local byte attention is the largest single gain
+        # at this budget; without a ponder cost the loops keep their weight instead of halting at loop 1; with hard
+        # boundaries the seed's boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and
+        # the MoE balancing loss both cost held-out bits per byte.
+        sliding_window=16, ponder_loss_coef=0.0, boundary_loss_coef=1.0, router_aux_loss_coef=0.0,
     ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
@@ -40,10 +42,14 @@ SPIDER_PRESETS: dict[str, dict] = {
         num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=16, engram_table_size=257,
         n_loops=2, max_loop_iters=4, lora_rank=16, max_position_embeddings=512,
+        # the tests check the global path's machinery (cache, padding, gradients): it must reach the output at init
+        upsample_scale_init=1.0,
     ),
 }
 
 MOE_IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
+BOUNDARY_MODES = ("hard", "relaxed")
+UPSAMPLE_MIXINGS = ("residual_proj", "scaled_norm", "add")
 SPIDER_AUTO_MAP = {
     "AutoConfig": "configuration_spider.SpiderConfig",
     "AutoModel": "modeling_spider.SpiderModel",
@@ -90,11 +96,32 @@ class SpiderConfig(PreTrainedConfig):
         engram_table_size (`int`, defaults to 65536): rows per table (each head uses the next distinct prime above it).
         engram_conv_kernel_size (`int`, defaults to 4): causal depthwise ShortConv width, in segments.
         engram_hash_seed (`int`): seed of the odd hash multipliers (plain numpy data, identical in every process).
-        boundary_temperature (`float`, defaults to 0.5): relaxed-Bernoulli temperature in training (FlexiTokens).
-        boundary_threshold (`float`, defaults to 0.5): eval-time boundary when ``sigmoid(logit) > threshold``.
+        boundary_mode (`str`, defaults to ``"hard"``): how the boundary predictor's probabilities become 0/1
+            boundaries. ``"hard"``: ``p > boundary_threshold`` in training and evaluation alike, with a straight-through
+            gradient to ``p`` (H-Net's hard routing), so the model is evaluated on the segmentation it trains on.
+            ``"relaxed"``: FlexiTokens' relaxed-Bernoulli samples in training and the threshold at evaluation (the
+            seed's rule; the two segment at different rates once ``p`` sits near the prior).
+        boundary_temperature (`float`, defaults to 0.5): relaxed-Bernoulli temperature (``boundary_mode="relaxed"``).
+        boundary_threshold (`float`, defaults to 0.5): a byte closes a segment when ``sigmoid(logit) > threshold``.
         boundary_prior / boundary_prior_std / boundary_prior_k (`float`): target boundary rate per byte (English 0.333),
             its std (0.023) and the lower-hinge width k (3): loss ``relu(r - prior) + relu(prior - k*std - r)``.
         boundary_loss_coef (`float`, defaults to 1.0).
+        upsample_mixing (`str`, defaults to ``"scaled_norm"``): how the coda's input joins the upsampled recurrent
+            output `h` and the prelude's byte states `x`. ``"scaled_norm"``: ``x + upsample_norm(h)``, an RMSNorm whose
+            per-channel weight (the global path's scale, initialised to ``upsample_scale_init``) sets how loud the
+            global stream is, whatever the loops' magnitude. ``"residual_proj"`` (H-Net):
+            ``RMSNorm(h) + residual_proj(x)`` with ``residual_proj`` initialised to zero, so at initialisation every
+            prediction must go through the global path. ``"add"`` (the seed): ``h + x``, where the unnormalised
+            loop output drowns the byte stream at initialisation.
+        upsample_scale_init (`float`, defaults to 0.0): initial per-channel scale of the global stream with
+            ``upsample_mixing="scaled_norm"`` (ReZero-style: the byte layers start unperturbed and the global path's
+            gradient opens it as far as it helps).
+        sliding_window (`int` or `None`, defaults to `None`): byte layers (prelude and coda) attend to the last
+            ``sliding_window`` bytes only (Mistral's ``sliding_window``, BLT's local encoder/decoder); context beyond it
+            reaches a byte through the global path. `None`: full causal attention. The recurrent block always sees
+            every segment.
+        halt_bias_init (`float`, defaults to 0.0): initial bias of ``halt_predictor`` (halting probability
+            ``sigmoid(bias)`` per loop at initialisation).
         n_loops (`int`, defaults to 6): recurrent iterations; may exceed ``max_loop_iters`` (loop index clamped).
         max_loop_iters (`int`, defaults to 16): rows of ``loop_embedding`` and of the per-loop LoRA scales.
         act_threshold (`float`, defaults to 0.99): ACT halting threshold (Graves 2016).
@@ -136,12 +163,17 @@ class SpiderConfig(PreTrainedConfig):
     engram_table_size: int = 65536
     engram_conv_kernel_size: int = 4
     engram_hash_seed: int = 0
+    boundary_mode: str = "hard"
     boundary_temperature: float = 0.5
     boundary_threshold: float = 0.5
     boundary_prior: float = 0.333
     boundary_prior_std: float = 0.023
     boundary_prior_k: float = 3.0
     boundary_loss_coef: float = 1.0
+    upsample_mixing: str = "scaled_norm"
+    upsample_scale_init: float = 0.0
+    sliding_window: int | None = None
+    halt_bias_init: float = 0.0
     n_loops: int = 6
     max_loop_iters: int = 16
     act_threshold: float = 0.99
@@ -265,6 +297,10 @@ class SpiderConfig(PreTrainedConfig):
             len(self.engram_ngram_sizes) > 0 and all(n >= 1 for n in self.engram_ngram_sizes),
             "engram_ngram_sizes", "must be a non-empty list of n-gram orders >= 1",
         )
+        require(self.boundary_mode in BOUNDARY_MODES, "boundary_mode", f"must be one of {BOUNDARY_MODES}")
+        require(self.upsample_mixing in UPSAMPLE_MIXINGS, "upsample_mixing", f"must be one of {UPSAMPLE_MIXINGS}")
+        require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", "must be None or >= 1")
+        require(self.upsample_scale_init >= 0, "upsample_scale_init", "must be >= 0")
         require(self.boundary_temperature > 0, "boundary_temperature", "must be > 0")
         require(0 < self.boundary_threshold < 1, "boundary_threshold", "must be in (0, 1)")
         require(0 < self.boundary_prior < 1, "boundary_prior", "must be in (0, 1)")

@@ -168,21 +168,44 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def build_attention_mask(token_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Causal + key-padding boolean mask for SDPA.
+def build_attention_mask(
+    token_mask: torch.Tensor | None,
+    sliding_window: int | None = None,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Causal + key-padding (+ sliding-window) boolean mask for SDPA.
 
     Args:
-        token_mask: `(B, T)` bool, True for real tokens, or None (no padding: SDPA's `is_causal` path is used).
+        token_mask: `(B, T)` bool, True for real tokens, or None (no padding).
+        sliding_window: a query at position p sees keys at positions `p - sliding_window < k <= p` (positions count
+            real tokens only), or None (every earlier key). Mistral's `sliding_window`.
+        query_positions, key_positions: `(B, T_q)` / `(B, T_k)` int64 positions, for a decode step whose queries are
+            not all the keys (then `token_mask` is `(B, T_k)` and may be None). Default: the cumulative count of real
+            tokens of `token_mask`.
     Returns:
-        `(B, 1, T, T)` bool (True = may attend) or None. A padding query attends to itself, so no row is empty
-        (an all-masked row would give NaN); its output is never read.
+        `(B, 1, T_q, T_k)` bool (True = may attend), or None where SDPA's `is_causal` (full forward without padding
+        or window) or no mask at all (decode step without padding or window) is exact. A padding query attends to
+        itself, so no row is empty (an all-masked row would give NaN); its output is never read.
     """
-    if token_mask is None:
+    if query_positions is not None:  # decode step: the queries are the last len(query_positions) keys
+        if sliding_window is None:
+            return None if token_mask is None else token_mask[:, None, None, :]
+        mask = (query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window
+        if token_mask is not None:
+            mask = mask & token_mask[:, None, :]
+        return mask[:, None]
+    if token_mask is None and sliding_window is None:
         return None
-    T = token_mask.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=token_mask.device).tril()
-    mask = causal[None] & token_mask[:, None, :]
-    mask = mask | torch.eye(T, dtype=torch.bool, device=token_mask.device)[None]
+    T = token_mask.shape[-1] if token_mask is not None else key_positions.shape[-1]
+    device = token_mask.device if token_mask is not None else key_positions.device
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]
+    if token_mask is not None:
+        mask = mask & token_mask[:, None, :]
+    if sliding_window is not None:
+        positions = key_positions if token_mask is None else token_mask.long().cumsum(-1)
+        mask = mask & ((positions[:, :, None] - positions[:, None, :]) < sliding_window)
+    mask = mask | torch.eye(T, dtype=torch.bool, device=device)[None]
     return mask[:, None]
 
 
@@ -635,9 +658,12 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 class SpiderBoundaryPredictor(nn.Module):
     """FlexiTokens boundary predictor (arXiv 2507.12720 §3): `Linear(D, D) -> GELU -> Linear(D, 1)` per byte.
 
-    Training samples a relaxed Bernoulli at `boundary_temperature` and takes `hard = soft > 0.5` with a
-    straight-through estimator; eval is deterministic (`sigmoid(logit) > boundary_threshold`). Padding never
-    holds a boundary. Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in value.
+    `boundary_mode="hard"` (default): a byte closes a segment when `p = sigmoid(logit) > boundary_threshold`, in
+    training and evaluation alike, with a straight-through gradient to `p` (H-Net's hard routing, Hwang et al. 2025,
+    arXiv 2507.07955): one rule, so evaluation segments at the rate training does. `boundary_mode="relaxed"`
+    (FlexiTokens / the seed): training samples a relaxed Bernoulli at `boundary_temperature` and takes `soft > 0.5`
+    with a straight-through estimator, evaluation thresholds `p`. Padding never holds a boundary.
+    Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in value.
     """
 
     def __init__(self, config: SpiderConfig):
@@ -647,13 +673,16 @@ class SpiderBoundaryPredictor(nn.Module):
         self.out_proj = nn.Linear(config.hidden_size, 1)
         self.temperature = config.boundary_temperature
         self.threshold = config.boundary_threshold
+        self.mode = config.boundary_mode
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
         logits = self.out_proj(self.act(self.dense(hidden_states))).squeeze(-1).to(torch.float32)
         probs = torch.sigmoid(logits)
-        if self.training:
+        if self.training and self.mode == "relaxed":
             soft = torch.distributions.RelaxedBernoulli(torch.tensor(self.temperature), logits=logits).rsample()
-            boundaries = (soft > 0.5).to(soft.dtype) + soft - soft.detach()
+            boundaries = (soft > 0.5).to(soft.dtype) + (soft - soft.detach())  # exactly 0/1 in value
+        elif self.training:
+            boundaries = (probs > self.threshold).to(torch.float32) + (probs - probs.detach())
         else:
             boundaries = (probs > self.threshold).to(torch.float32)
         if token_mask is not None:
@@ -670,8 +699,8 @@ def downsample(
     """Mean-pool bytes into the segments their boundaries close (FlexiTokens / Nawrot et al. 2023).
 
     A boundary at byte l closes the segment containing l; the open tail after the last boundary is dropped, and
-    padding bytes never enter a mean. A `null_group` vector (zeros if None) is prepended as segment 0. Gradients
-    reach the boundaries through the pooling weights, which equal 1 in value (Nawrot et al.'s construction).
+    padding bytes never enter a mean. A `null_group` vector (zeros if None) is prepended as segment 0. The pooling
+    is a plain mean: no gradient reaches the boundaries here (it reaches them in :func:`upsample`, per byte).
 
     Args:
         boundaries: `(B, L)` float, 0/1 in value (may carry a straight-through gradient).
@@ -683,16 +712,15 @@ def downsample(
         closed segments in the batch; rows with fewer are right-padded with zeros (mask False).
     """
     B, L, D = hidden_states.shape
-    cum_inclusive = boundaries.cumsum(dim=1)
-    cum_exclusive = cum_inclusive - boundaries
-    segment_idx = cum_exclusive.detach().long()  # segment holding byte l (0-based among closed segments)
-    n_closed = cum_inclusive[:, -1].detach().long() if L > 0 else boundaries.new_zeros(B).long()
+    hard = boundaries.detach()
+    cum_inclusive = hard.cumsum(dim=1)
+    segment_idx = (cum_inclusive - hard).long()  # segment holding byte l (0-based among closed segments)
+    n_closed = cum_inclusive[:, -1].long() if L > 0 else boundaries.new_zeros(B).long()
     S = int(n_closed.max()) if B > 0 and L > 0 else 0
-    weight = 1.0 + (cum_exclusive - cum_exclusive.detach())
     inside = segment_idx < n_closed[:, None]
     if token_mask is not None:
         inside = inside & token_mask
-    weight = weight * inside
+    weight = inside.to(torch.float32)
     pooled = hidden_states.new_zeros(B, S, D)
     if S > 0:
         index = segment_idx.clamp(max=S - 1)
@@ -710,13 +738,19 @@ def downsample(
 def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """Byte l reads the last segment closed at or before l (segment 0, the null group, before the first): causal.
 
-    Args: `boundaries` `(B, L)` 0/1 float, `segments` `(B, 1+S, D)`. Returns `(B, L, D)`.
+    The boundary decision's gradient enters here, per byte, as in H-Net's dechunking (arXiv 2507.07955 §2.2): the
+    gathered vector is multiplied by the confidence of byte l's own decision (`b` where it closed a segment, `1 - b`
+    where it did not), which is exactly 1 in value and carries `b`'s straight-through gradient. (A gradient through
+    the cumulative segment index instead would sum over every later byte of the row.)
+
+    Args: `boundaries` `(B, L)` 0/1 float (may carry a straight-through gradient), `segments` `(B, 1+S, D)`.
+    Returns `(B, L, D)`.
     """
-    cum_inclusive = boundaries.cumsum(dim=1)
-    index = cum_inclusive.detach().long()
-    weight = (1.0 + (cum_inclusive - cum_inclusive.detach())).to(segments.dtype)
+    hard = boundaries.detach()
+    index = hard.cumsum(dim=1).long()
+    confidence = torch.where(hard > 0, boundaries, 1.0 - boundaries).to(segments.dtype)
     gathered = segments.gather(1, index[..., None].expand(-1, -1, segments.shape[-1]))
-    return gathered * weight[..., None]
+    return gathered * confidence[..., None]
 
 
 def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, config: SpiderConfig):
@@ -772,7 +806,10 @@ class SpiderLTIInjection(nn.Module):
         return torch.exp(-torch.exp((self.log_dt + self.log_A).to(torch.float32).clamp(-10.0, 4.0)))
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self.decay().to(h.dtype) * h + self.B.to(h.dtype) * e + z
+        """`A * h` is computed in fp32 whatever the activations' dtype: in bf16 (8 mantissa bits) a decay within
+        2**-9 of 1 would round to exactly 1 and the state would stop decaying. Returns `h.dtype`."""
+        f32 = torch.float32  # a no-op for fp32 activations: the same operations in the same order
+        return (self.decay() * h.to(f32) + self.B.to(f32) * e.to(f32) + z.to(f32)).to(h.dtype)
 
 
 class AdaptiveComputationTime:
@@ -994,6 +1031,11 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.constant_(module.B, 0.5)
         elif isinstance(module, SpiderModel):
             init.normal_(module.null_group, mean=0.0, std=std)
+            init.constant_(module.halt_predictor.bias, self.config.halt_bias_init)
+            if self.config.upsample_mixing == "residual_proj":
+                init.zeros_(module.residual_proj.weight)  # H-Net: the byte skip starts closed
+            if self.config.upsample_mixing == "scaled_norm":
+                init.constant_(module.upsample_norm.weight, self.config.upsample_scale_init)
 
 
 class SpiderModel(SpiderPreTrainedModel):
@@ -1024,6 +1066,10 @@ class SpiderModel(SpiderPreTrainedModel):
         self.loop_lora = SpiderLoopLoRA(config)
         self.injection = SpiderLTIInjection(config)
         self.halt_predictor = nn.Linear(D, 1)
+        if config.upsample_mixing in ("residual_proj", "scaled_norm"):
+            self.upsample_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        if config.upsample_mixing == "residual_proj":
+            self.residual_proj = nn.Linear(D, D, bias=False)
         first += config.num_recurrent_layers
         self.coda_layers = nn.ModuleList(SpiderDecoderLayer(config, first + i) for i in range(config.num_coda_layers))
         self.norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
@@ -1087,6 +1133,13 @@ class SpiderModel(SpiderPreTrainedModel):
                 f"n_loops={n_loops} differs from the n_loops={past_key_values.n_loops} this cache was built with"
             )
         if past_key_values is not None and past_key_values.seen_bytes > 0:
+            total = past_key_values.seen_bytes + input_ids.shape[1]
+            if total > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"decoding past max_position_embeddings={self.config.max_position_embeddings}: the cache holds "
+                    f"{past_key_values.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
+                    f"{self.config.max_position_embeddings} bytes in total (prompt included)"
+                )
             return self.decode(input_ids, past_key_values, return_dict)
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
@@ -1110,7 +1163,7 @@ class SpiderModel(SpiderPreTrainedModel):
         else:
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
         byte_mask = token_mask if token_mask is not None else torch.ones(B, L, dtype=torch.bool, device=input_ids.device)
-        byte_attention_mask = build_attention_mask(token_mask)
+        byte_attention_mask = build_attention_mask(token_mask, self.config.sliding_window, key_positions=position_ids)
 
         # Prelude over bytes.
         x = self.embed_tokens(input_ids)
@@ -1139,8 +1192,8 @@ class SpiderModel(SpiderPreTrainedModel):
             e, segment_rope, segment_attention_mask, segment_mask, engram_memory, n_loops, cache, output_router_logits
         )
 
-        # Back to bytes (causal upsample + residual), then the coda.
-        y = upsample(boundaries, h_out.to(x.dtype)) + x
+        # Back to bytes (causal upsample, joined with the byte stream), then the coda.
+        y = self.mix_streams(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
         if output_hidden_states:
             all_hidden_states += (y,)
         for i, layer in enumerate(self.coda_layers):
@@ -1173,6 +1226,23 @@ class SpiderModel(SpiderPreTrainedModel):
             boundaries=boundaries.detach(),
         )
         return output if self._return_dict(return_dict) else output.to_tuple()
+
+    def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
+        """What each segment hands back to the bytes: `upsample_norm(h_out)` with `upsample_mixing="residual_proj"`
+        (unit scale whatever the loops' magnitude), else `h_out` as is. Per segment, `(B, S, D) -> (B, S, D)`; it is
+        normalised before :func:`upsample` so that the boundary confidence upsample multiplies in keeps its
+        gradient (a norm after it would cancel the scale)."""
+        return self.upsample_norm(h_out) if self.config.upsample_mixing in ("residual_proj", "scaled_norm") else h_out
+
+    def mix_streams(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The coda's input from the upsampled global stream and the prelude's byte states, both `(B, L, D)`.
+
+        `upsample_mixing="residual_proj"` (H-Net): `upsampled + residual_proj(x)`; `residual_proj` starts at zero,
+        so at initialisation every prediction reads the global path and the byte skip grows only as far as it helps.
+        `"add"` (the seed): `upsampled + x`."""
+        if self.config.upsample_mixing == "residual_proj":
+            return upsampled + self.residual_proj(x)
+        return upsampled + x
 
     def recurrent_block(
         self, e, segment_rope, segment_attention_mask, segment_mask, engram_memory, n_loops, cache=None,
@@ -1252,7 +1322,16 @@ class SpiderModel(SpiderPreTrainedModel):
         B = input_ids.shape[0]
         if cache.byte_mask is not None:
             cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
-        byte_attention_mask = cache.byte_mask[:, None, None, :] if cache.byte_mask is not None else None
+        key_positions = None
+        if self.config.sliding_window is not None:
+            if cache.byte_mask is None:
+                key_positions = torch.arange(cache.seen_bytes + 1, device=input_ids.device).expand(B, -1)
+            else:
+                key_positions = cache.byte_mask.long().cumsum(-1) - 1
+        byte_attention_mask = build_attention_mask(
+            cache.byte_mask, self.config.sliding_window, query_positions=cache.byte_positions[:, None],
+            key_positions=key_positions,
+        )
         x = self.embed_tokens(input_ids)
         byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
         for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
@@ -1284,7 +1363,7 @@ class SpiderModel(SpiderPreTrainedModel):
             open_sum, open_memory_sum, open_count = open_sum * keep[:, None], open_memory_sum * keep[:, None], open_count * keep
         cache.open_sum, cache.open_memory_sum, cache.open_count = open_sum, open_memory_sum, open_count
 
-        y = cache.last_segment_output[:, None].to(x.dtype) + x
+        y = self.mix_streams(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
         for layer, layer_cache in zip(self.coda_layers, cache.coda):
             y = layer(y, byte_rope, byte_attention_mask, past_key_values=layer_cache)
         cache.byte_positions = cache.byte_positions + 1

@@ -30,6 +30,14 @@ SEED_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm"
 
 
 
+def pin_boundaries(model, logit: float = 4.0):
+    """Make every byte close a segment with probability sigmoid(`logit`), whatever the prelude computes."""
+    with torch.no_grad():
+        model.model.boundary_predictor.out_proj.weight.zero_()
+        model.model.boundary_predictor.out_proj.bias.fill_(logit)
+    return model
+
+
 def loss_and_grads(model, input_ids, seed=1):
     out, grads = train_step(model, input_ids, seed)
     return out.loss.detach(), grads
@@ -113,9 +121,11 @@ def test_emulate_default_follows_cuda_availability():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
-    reference = tiny_model()
+    # Boundaries pinned far from the threshold (every byte closes a segment, p = 0.98): with hard boundaries, FP8
+    # noise on a freshly initialised predictor (p near 0.5) would flip decisions and compare different segmentations.
+    reference = pin_boundaries(tiny_model())
     ref_loss, ref_grads = loss_and_grads(reference, input_ids)
-    model = tiny_model()
+    model = pin_boundaries(tiny_model())
     report = convert_model_to_fp8(model, recipe=recipe, emulate=True)
     assert report.recipe == recipe and report.converted > 0
     loss, grads = loss_and_grads(model, input_ids)
@@ -124,10 +134,10 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
     # relative change ~2e-4 for all three recipes)
     assert abs(loss.item() - ref_loss.item()) < 0.005 * ref_loss.item()
     assert loss.item() != ref_loss.item()  # the FP8 path was really taken
-    # Gradients point the same way. Layers after the boundary predictor see slightly different hard boundaries (FP8
-    # noise flips a few threshold decisions), so their agreement is looser than the experts' (measured 0.92 / 0.997).
-    for name, min_cosine in (("model.layers.0.mlp.experts.0.gate_proj.weight", 0.98),
-                             ("model.prelude_layers.0.self_attn.o_proj.weight", 0.8), ("lm_head.weight", 0.8)):
+    # Gradients point the same way (e4m3 keeps ~2 significant digits per element; cosine of the whole gradient
+    # stays near 1 when the segmentation is the same).
+    for name, min_cosine in (("model.layers.0.mlp.experts.0.gate_proj.weight", 0.95),
+                             ("model.prelude_layers.0.self_attn.o_proj.weight", 0.95), ("lm_head.weight", 0.95)):
         g, r = grads[name].flatten(), ref_grads[name].flatten()
         assert torch.isfinite(g).all()
         assert torch.nn.functional.cosine_similarity(g, r, dim=0) > min_cosine, name

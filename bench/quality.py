@@ -1,0 +1,472 @@
+"""Model quality: held-out bits per byte of Spider against a dense byte ``LlamaForCausalLM``, plus ablations.
+
+``python -m bench.quality`` trains each variant with one recipe -- the default run's (batch 8 x 256 bytes, AdamW
+betas (0.9, 0.95), weight decay 0.1, clipping 1.0, linear warmup then cosine to 0.1x; windows drawn uniformly at
+random from every pre-2000 address) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
+starting a third of the way in, context 256, the slice issue #16 measures) and on any ``--text`` file given.
+
+For Spider it also reports bits per byte at 1, half, the trained and twice the trained loop count, training and
+evaluation bytes per segment, and the mean ACT halting step. Every row is one JSON object; ``--out`` writes them all.
+
+Usage::
+
+    python -m bench.quality --runs spider llama              # the headline pair
+    python -m bench.quality --runs spider --overrides '{"n_loops": 3}' --name loops3
+    python -m bench.quality --ablations                       # every ablation of the README table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from configuration_spider import SpiderConfig  # noqa: E402
+from modeling_spider import SpiderForConditionalGeneration, build_attention_mask  # noqa: E402
+from spider_training.data import encode_document, sotu_documents  # noqa: E402
+
+#: the dense baseline of issue #16: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
+LLAMA_BASELINE = dict(vocab_size=272, hidden_size=256, intermediate_size=768, num_hidden_layers=7,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+                      pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_word_embeddings=False)
+
+
+@dataclass
+class Recipe:
+    """The default run's training recipe (``train_hf.py`` with no arguments)."""
+
+    steps: int = 500
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_rate: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    eval_every: int = 0  # also score the held-out slice every N steps (for the bpb-vs-wall-clock plot)
+
+
+def corpus_bytes(split: str) -> np.ndarray:
+    """The SOTU addresses of `split` ("train": before 2000, "eval": 2000 on) as one uint16 id stream
+    (BOS + UTF-8 bytes + EOS per address, in year order)."""
+    return np.concatenate([encode_document(d["text"]) for d in sotu_documents(split)]).astype(np.int64)
+
+
+def heldout_windows(ids: np.ndarray, seq_len: int = 256, slice_bytes: int = 32 * 1024, start_fraction: float = 1 / 3
+                    ) -> torch.Tensor:
+    """Non-overlapping windows of `seq_len + 1` ids from a `slice_bytes` slice starting at `start_fraction` of `ids`:
+    int64 `(N, seq_len + 1)`; each window predicts its last `seq_len` ids from the ones before (context <= seq_len)."""
+    start = int(len(ids) * start_fraction) if len(ids) > slice_bytes else 0
+    piece = ids[start : start + slice_bytes]
+    n = (len(piece) - 1) // seq_len
+    windows = [piece[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]
+    return torch.from_numpy(np.stack(windows))
+
+
+def text_file_ids(path: str) -> np.ndarray:
+    return encode_document(Path(path).read_text(encoding="utf-8", errors="replace")).astype(np.int64)
+
+
+@torch.no_grad()
+def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: int = 16) -> dict:
+    """Bits per predicted byte of `model` over `windows` `(N, T)`, in eval mode; Spider's bytes per segment too."""
+    model.eval()
+    nll, count, seg_bytes, segs = 0.0, 0, 0.0, 0.0
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i : i + batch_size]
+        kwargs = {"n_loops": n_loops} if n_loops is not None else {}
+        out = model(input_ids=batch, **kwargs)
+        logits = out.logits[:, :-1].float()
+        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum").item()
+        count += batch[:, 1:].numel()
+        if getattr(out, "compression_rate", None) is not None:
+            segs += batch.numel() / float(out.compression_rate)
+            seg_bytes += batch.numel()
+    result = {"bits_per_byte": nll / count / math.log(2)}
+    if segs:
+        result["bytes_per_segment"] = seg_bytes / segs
+    return result
+
+
+def lr_at(step: int, total: int, recipe: Recipe) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = min(1.0, (step - recipe.warmup_steps) / max(1, total - recipe.warmup_steps))
+    return recipe.lr * (recipe.min_lr_rate + (1 - recipe.min_lr_rate) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tensor | None = None) -> dict:
+    """Train `model` with `recipe` on windows drawn uniformly at random from `train_ids`; returns training stats."""
+    torch.manual_seed(recipe.seed)
+    rng = np.random.default_rng(recipe.seed)
+    optimizer = model.optimizer_groups(recipe.lr, recipe.weight_decay) if hasattr(model, "optimizer_groups") else None
+    if optimizer is None:
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        optimizer = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    for group in optimizer:
+        group.setdefault("lr_scale", 1.0)
+    opt = torch.optim.AdamW(optimizer, lr=recipe.lr, betas=recipe.betas)
+    model.train()
+    T = recipe.seq_len + 1
+    losses, rates, curve = [], [], []
+    start = time.perf_counter()
+    total = recipe.steps
+    for step in range(total):
+        lr = lr_at(step, total, recipe)
+        for group in opt.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        offsets = rng.integers(0, len(train_ids) - T, size=recipe.batch_size)
+        batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets]))
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(getattr(out, "lm_loss", None) if getattr(out, "lm_loss", None) is not None else out.loss))
+        if getattr(out, "compression_rate", None) is not None:
+            rates.append(float(out.compression_rate))
+        if recipe.eval_every and eval_windows is not None and (step + 1) % recipe.eval_every == 0:
+            paused = time.perf_counter()
+            curve.append({"step": step + 1, "seconds": paused - start, **score(model, eval_windows)})
+            model.train()
+            start += time.perf_counter() - paused  # evaluation time is not training time
+    seconds = time.perf_counter() - start
+    tail = max(1, len(losses) // 10)
+    stats = {"steps": total, "train_seconds": seconds, "train_bits_per_byte": float(np.mean(losses[-tail:])) / math.log(2)}
+    if rates:
+        stats["train_bytes_per_segment"] = float(np.mean(rates[-tail:]))
+    if curve:
+        stats["curve"] = curve
+    return stats
+
+
+class BytePathOnly(torch.nn.Module):
+    """The "global path removed" ablation: Spider's own byte layers alone -- `embed_tokens -> prelude -> coda ->
+    norm -> lm_head` -- with no boundaries, segments, recurrent block or upsampling. Same byte layers, same init."""
+
+    def __init__(self, spider: SpiderForConditionalGeneration):
+        super().__init__()
+        trunk = spider.model
+        self.layers = torch.nn.ModuleList([*trunk.prelude_layers, *trunk.coda_layers])
+        self.sliding_window = spider.config.sliding_window
+        self.embed_tokens, self.rotary_emb, self.norm, self.lm_head = (
+            trunk.embed_tokens, trunk.rotary_emb, trunk.norm, spider.lm_head)
+
+    def forward(self, input_ids, labels=None, **_):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        rope = self.rotary_emb(x, positions)
+        mask = build_attention_mask(None, self.sliding_window, key_positions=positions)
+        for layer in self.layers:
+            x = layer(x, rope, mask)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def build(kind: str, overrides: dict) -> torch.nn.Module:
+    if kind == "bytes_only":
+        return BytePathOnly(SpiderForConditionalGeneration(SpiderConfig.from_preset("small", **overrides)))
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BASELINE, **overrides}))
+    return SpiderForConditionalGeneration(SpiderConfig.from_preset("small", **overrides))
+
+
+def run(kind: str, name: str, overrides: dict, recipe: Recipe, extra_texts: dict[str, np.ndarray] | None = None,
+        loops_curve: bool = True, save: str | None = None) -> dict:
+    torch.manual_seed(recipe.seed)
+    model = build(kind, overrides)
+    train_ids = corpus_bytes("train")
+    eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len)
+    stats = train(model, train_ids, recipe, eval_windows)
+    row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr,
+           "parameters": sum(p.numel() for p in model.parameters()), **stats}
+    row["sotu_bits_per_byte"] = score(model, eval_windows)["bits_per_byte"]
+    row["xz_bits_per_byte"] = xz_bits_per_byte(eval_windows)
+    if kind == "spider":
+        cfg = model.config
+        row["n_loops"] = cfg.n_loops
+        base = score(model, eval_windows)
+        row["eval_bytes_per_segment"] = base.get("bytes_per_segment")
+        if loops_curve:
+            counts = sorted({1, max(1, cfg.n_loops // 2), cfg.n_loops, 2 * cfg.n_loops})
+            row["bpb_by_loops"] = {str(n): score(model, eval_windows, n_loops=n)["bits_per_byte"] for n in counts}
+        with torch.no_grad():
+            out = model(input_ids=eval_windows[:16])
+        row["mean_halting_step"] = float(out.mean_halting_step)
+    for label, ids in (extra_texts or {}).items():
+        row[f"{label}_bits_per_byte"] = score(model, heldout_windows(ids, recipe.seq_len))["bits_per_byte"]
+    if save and hasattr(model, "save_pretrained"):
+        model.save_pretrained(save)
+    return row
+
+
+#: The ablations of the README table: (name, model kind, Spider config overrides). Each trains with the default
+#: recipe (same steps, data, seed); "spider" is the default run itself.
+ABLATIONS: list[tuple[str, str, dict]] = [
+    ("spider", "spider", {}),
+    ("global path removed (prelude + coda only)", "bytes_only", {}),
+    ("n_loops=1", "spider", {"n_loops": 1}),
+    ("n_loops=3", "spider", {"n_loops": 3}),
+    ("full attention in the byte layers (no sliding window)", "spider", {"sliding_window": None}),
+    ("global path removed, full attention", "bytes_only", {"sliding_window": None}),
+    ("dense FFN instead of MoE in the recurrent block", "spider", {"n_routed_experts": 1, "num_experts_per_tok": 1}),
+    ("Engram off", "spider", {"engram_layer_ids": []}),
+    ("prelude/coda 2 + 2 layers", "spider", {"num_prelude_layers": 2, "num_coda_layers": 2}),
+    ("mixing: global scale initialised to 0.04", "spider", {"upsample_scale_init": 0.04}),
+    ("mixing: H-Net residual_proj (zero-init byte skip)", "spider", {"upsample_mixing": "residual_proj"}),
+    ("mixing: upsampled + bytes (the seed's)", "spider", {"upsample_mixing": "add"}),
+    ("ACT with the seed's ponder_loss_coef=0.01", "spider", {"ponder_loss_coef": 0.01}),
+    ("MoE balancing loss on (router_aux_loss_coef=0.01, the seed's)", "spider", {"router_aux_loss_coef": 0.01}),
+    ("boundary_loss_coef=10 (the previous small preset)", "spider", {"boundary_loss_coef": 10.0}),
+    ("fixed loop count (halting bias -10)", "spider", {"halt_bias_init": -10.0}),
+    ("boundaries: relaxed Bernoulli in training, threshold at evaluation (the seed's)", "spider",
+     {"boundary_mode": "relaxed"}),
+    ("the seed's rules together (relaxed boundaries, seed mixing, ponder 0.01, full attention)", "spider",
+     {"boundary_mode": "relaxed", "upsample_mixing": "add", "ponder_loss_coef": 0.01, "sliding_window": None}),
+]
+
+
+def technical_text_ids() -> np.ndarray:
+    """An unrelated technical English text every CPython ships: the Python reference topics of ``pydoc_data``
+    (about 465 KB), as one BOS + bytes + EOS id stream."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return encode_document("\n\n".join(topics[k] for k in sorted(topics))).astype(np.int64)
+
+
+def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warmup: int = 3) -> float:
+    """Median wall-clock of one training step (forward, backward, AdamW) of a fresh model, in seconds."""
+    model = build(kind, overrides)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    ids = torch.randint(0, 256, (recipe.batch_size, recipe.seq_len + 1))
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3)) -> list[dict]:
+    """Every run of the full benchmark, as keyword arguments of :func:`run` (plus a ``group``).
+
+    The dense baseline trains at equal parameter count (the default recipe, 500 steps) and at equal wall-clock: the
+    step count Spider's 500 steps take, from both models' measured step times (so the comparison does not depend on
+    what else the machine runs while training); its learning rate is swept over `lrs` at equal wall-clock."""
+    t_spider = step_seconds("spider", {}, recipe)
+    t_llama = step_seconds("llama", {}, recipe)
+    equal_time_steps = max(1, round(recipe.steps * t_spider / t_llama))
+    runs = [dict(group="ablation", kind=kind, name=name, overrides=ov, steps=recipe.steps, lr=recipe.lr)
+            for name, kind, ov in ABLATIONS]
+    runs.append(dict(group="baseline equal parameters", kind="llama", name="llama", overrides={},
+                     steps=recipe.steps, lr=recipe.lr))
+    for lr in lrs:
+        runs.append(dict(group="baseline equal wall-clock", kind="llama", name=f"llama lr={lr:g}, equal wall-clock",
+                         overrides={}, steps=equal_time_steps, lr=lr))
+    for r in runs:
+        r["step_seconds"] = {"spider": t_spider, "llama": t_llama}
+    return runs
+
+
+#: rough single-thread cost of one run, seconds (only used to balance the shards)
+_COST = {"spider": 290, "bytes_only": 145, "llama": 1.15}
+
+
+def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
+    """This shard's runs: the dense baselines together in the last shard (their equal-wall-clock step count comes
+    from that process's timing), the ablations spread so that every shard gets about the same cost."""
+    loads = [0.0] * num_shards
+    assigned: list[list[dict]] = [[] for _ in range(num_shards)]
+    for r in runs:
+        if r["kind"] == "llama":
+            assigned[-1].append(r)
+            loads[-1] += _COST["llama"] * r["steps"]
+    for r in runs:
+        if r["kind"] != "llama":
+            k = min(range(num_shards), key=lambda i: loads[i])
+            assigned[k].append(r)
+            loads[k] += _COST[r["kind"]]
+    return assigned[shard]
+
+
+def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, steps: int = Recipe.steps,
+              out: str | None = None, log=sys.stderr) -> list[dict]:
+    """Run this shard's part (:func:`shard_of`) of :func:`suite_runs`; one row per run, rewritten to `out` (JSON)
+    after every run."""
+    base = Recipe(steps=steps)
+    rows = []
+    for spec in shard_of(suite_runs(base), shard, num_shards):
+        recipe = Recipe(steps=spec["steps"], lr=spec["lr"], warmup_steps=min(200, max(1, spec["steps"] // 10)),
+                        eval_every=max(1, base.steps // 10) if spec["name"] in ("spider", "llama") else 0)
+        print(f"[quality] {spec['name']} ...", file=log, flush=True)
+        row = run(spec["kind"], spec["name"], spec["overrides"], recipe, texts, loops_curve=spec["kind"] == "spider")
+        row.update(group=spec["group"], step_seconds=spec["step_seconds"])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if out:
+            Path(out).write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def xz_bits_per_byte(windows: torch.Tensor) -> float:
+    """`xz -9e` (LZMA preset 9 | extreme) on the bytes of `windows` (ids >= 256 dropped): compressed bits per byte."""
+    import lzma
+
+    ids = torch.cat([windows[0], windows[1:, 1:].reshape(-1)])  # consecutive windows share one id
+    raw = bytes(int(i) for i in ids if int(i) < 256)
+    return 8 * len(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)) / len(raw)
+
+
+def _f(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def render(rows: list[dict]) -> str:
+    """The README's "Model quality" section (Markdown) from the suite's rows."""
+    by_name = {r["name"]: r for r in rows}
+    spider = by_name["spider"]
+    equal_time = [r for r in rows if r.get("group") == "baseline equal wall-clock"]
+    best = min(equal_time, key=lambda r: r["sotu_bits_per_byte"]) if equal_time else None
+    dense = by_name.get("llama")
+    tech = "pydoc_topics_bits_per_byte"
+    xz = spider.get("xz_bits_per_byte")
+    lines = [
+        "| model | steps | parameters | held-out bpb (SOTU 2000+) | technical text bpb (Python reference) |",
+        "|---|---:|---:|---:|---:|",
+        f"| Spider `small` (the default run) | {spider['steps']} | {spider['parameters'] / 1e6:.2f}M | "
+        f"**{_f(spider['sotu_bits_per_byte'])}** | {_f(spider.get(tech))} |",
+    ]
+    if dense:
+        lines.append(f"| `LlamaForCausalLM`, equal parameters and steps (lr {dense['lr']:g}) | {dense['steps']} | "
+                     f"{dense['parameters'] / 1e6:.2f}M | {_f(dense['sotu_bits_per_byte'])} | {_f(dense.get(tech))} |")
+    if best:
+        sweep = ", ".join(f"{r['lr']:g}: {_f(r['sotu_bits_per_byte'])}" for r in equal_time)
+        lines.append(f"| `LlamaForCausalLM`, equal wall-clock (best lr {best['lr']:g}; sweep {sweep}) | "
+                     f"{best['steps']} | {best['parameters'] / 1e6:.2f}M | {_f(best['sotu_bits_per_byte'])} | "
+                     f"{_f(best.get(tech))} |")
+    if xz is not None:
+        lines.append(f"| `xz -9e` on the same slice | - | - | {_f(xz)} | - |")
+    loops = spider.get("bpb_by_loops", {})
+    lines += [
+        "",
+        "| Spider default run | value |",
+        "|---|---:|",
+        *(f"| held-out bpb at n_loops={n}{' (trained)' if int(n) == spider.get('n_loops') else ''} | {_f(v, 4)} |"
+          for n, v in loops.items()),
+        f"| training bytes per segment | {_f(spider.get('train_bytes_per_segment'), 2)} |",
+        f"| evaluation bytes per segment | {_f(spider.get('eval_bytes_per_segment'), 2)} |",
+        f"| mean ACT halting step | {_f(spider.get('mean_halting_step'), 2)} |",
+        "",
+        "| ablation (one change to the default, same recipe and budget) | held-out bpb | vs default |",
+        "|---|---:|---:|",
+    ]
+    for r in rows:
+        if r.get("group") == "ablation" and r["name"] != "spider":
+            delta = r["sotu_bits_per_byte"] - spider["sotu_bits_per_byte"]
+            lines.append(f"| {r['name']} | {_f(r['sotu_bits_per_byte'])} | {delta:+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    """Held-out bpb against training wall-clock, Spider and the dense baseline (rows with a ``curve``)."""
+    from matplotlib.figure import Figure
+
+    curves = [(r["name"], r["curve"]) for r in rows if r.get("curve")]
+    if not curves:
+        return False
+    fig = Figure(figsize=(6, 3.6))
+    ax = fig.subplots()
+    for name, curve in curves:
+        label = "Spider small" if name == "spider" else "LlamaForCausalLM (equal parameters)"
+        ax.plot([c["seconds"] for c in curve], [c["bits_per_byte"] for c in curve], marker="o", markersize=3,
+                label=label)
+    ax.set_xlabel("training wall-clock (s, one thread)")
+    ax.set_ylabel("held-out bits per byte")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", action="store_true", help="every run of the README tables (see ABLATIONS)")
+    parser.add_argument("--shard", default="0/1", help="with --suite: run part K of N (K/N), e.g. 0/2 and 1/2 in "
+                        "two processes with --threads 1")
+    parser.add_argument("--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "bytes_only"])
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--overrides", default="{}", help="JSON config overrides (Spider runs)")
+    parser.add_argument("--steps", type=int, default=Recipe.steps)
+    parser.add_argument("--lr", type=float, default=Recipe.lr)
+    parser.add_argument("--eval_every", type=int, default=0)
+    parser.add_argument("--text", action="append", default=[], help="extra text file to score (repeatable)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no_loops_curve", action="store_true")
+    parser.add_argument("--out", default=None, help="write the rows as a JSON list")
+    parser.add_argument("--save", default=None, help="save the trained model (save_pretrained) under this folder")
+    parser.add_argument("--report", nargs="+", default=None, help="render the README section from these JSON files")
+    parser.add_argument("--write_readme", default=None, help="with --report: replace the quality block of this file")
+    parser.add_argument("--plot", default=None, help="with --report: write the bpb-vs-wall-clock plot here")
+    args = parser.parse_args(argv)
+    if args.report:
+        rows = [r for f in args.report for r in json.loads(Path(f).read_text())]
+        section = render(rows)
+        if args.plot:
+            plot(rows, args.plot)
+        if args.write_readme:
+            from bench.report import write_readme
+
+            write_readme(args.write_readme, section, start="<!-- quality:start -->", end="<!-- quality:end -->")
+        print(section)
+        return rows
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    texts = {Path(t).stem: text_file_ids(t) for t in args.text}
+    if args.suite:
+        shard, num_shards = (int(x) for x in args.shard.split("/"))
+        rows = run_suite(shard, num_shards, {"pydoc_topics": technical_text_ids(), **texts}, steps=args.steps,
+                         out=args.out)
+    else:
+        recipe = Recipe(steps=args.steps, lr=args.lr, eval_every=args.eval_every,
+                        warmup_steps=min(200, max(1, args.steps // 10)))
+        rows = []
+        for kind in args.runs:
+            row = run(kind, args.name or kind, json.loads(args.overrides) if kind != "llama" else {}, recipe, texts,
+                      loops_curve=not args.no_loops_curve, save=args.save and f"{args.save}/{kind}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

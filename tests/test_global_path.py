@@ -1,0 +1,205 @@
+"""Spider's global path: one segmentation rule for training and evaluation, the per-byte boundary gradient, the
+mixing of the upsampled stream into the byte stream, sliding-window byte attention, and (slow) a short training run
+whose held-out bits per byte, segmentation rates and loop dependence are checked.
+"""
+
+import math
+
+import pytest
+import torch
+
+from modeling_spider import build_attention_mask, downsample, upsample
+from tests.helpers import tiny, tiny_model
+
+
+def _ids(batch=2, length=48, seed=0):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One segmentation rule
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_hard_boundaries_are_the_same_in_training_and_evaluation():
+    model = tiny_model(seed=3, boundary_mode="hard")
+    ids = _ids()
+    with torch.no_grad():
+        train_b = model.train().model(ids).boundaries
+        eval_b = model.eval().model(ids).boundaries
+    assert torch.equal(train_b, eval_b)
+    assert 0 < float(train_b.mean()) < 1  # a real segmentation, not all or nothing
+
+
+def test_relaxed_boundaries_sample_in_training():
+    model = tiny_model(seed=3, boundary_mode="relaxed")
+    ids = _ids()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = model.train().model(ids).boundaries
+        torch.manual_seed(1)
+        b = model.train().model(ids).boundaries
+    assert not torch.equal(a, b)  # the seed's rule: training samples, so it does not match evaluation
+
+
+def test_hard_boundary_gradient_is_straight_through_to_the_probability():
+    model = tiny_model(seed=0)
+    predictor = model.model.boundary_predictor.train()
+    x = torch.randn(2, 10, model.config.hidden_size, requires_grad=True)
+    boundaries, probs = predictor(x)
+    assert set(boundaries.detach().unique().tolist()) <= {0.0, 1.0}
+    assert torch.equal(boundaries.detach(), (probs > model.config.boundary_threshold).float())
+    (boundaries * torch.arange(10.0)).sum().backward()
+    assert x.grad is not None and float(x.grad.abs().sum()) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Down/upsampling
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_upsample_gradient_reaches_only_each_bytes_own_decision():
+    # boundaries at bytes 1 and 3 of 5: bytes read segments 0, 1, 1, 2, 2
+    hard = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]])
+    probs = torch.tensor([[0.2, 0.7, 0.4, 0.9, 0.1]], requires_grad=True)
+    boundaries = hard + (probs - probs.detach())
+    segments = torch.randn(1, 3, 4)
+    out = upsample(boundaries, segments)
+    torch.testing.assert_close(out, segments[:, [0, 1, 1, 2, 2]], rtol=0, atol=0)  # confidence is exactly 1 in value
+    weights = torch.randn(1, 5, 4)
+    (out * weights).sum().backward()
+    # d out_l / d p_l = +segment (closed here) or -segment (not closed): one term per byte, nothing from later bytes
+    read = segments[0, [0, 1, 1, 2, 2]]
+    sign = torch.where(hard[0] > 0, 1.0, -1.0)
+    expected = sign * (read * weights[0]).sum(-1)
+    torch.testing.assert_close(probs.grad[0], expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+
+
+def test_downsample_pools_without_a_boundary_gradient():
+    probs = torch.tensor([[0.2, 0.7, 0.4, 0.9, 0.1]], requires_grad=True)
+    boundaries = (probs > 0.5).float() + (probs - probs.detach())
+    h = torch.randn(1, 5, 3, requires_grad=True)
+    segments, mask = downsample(boundaries, h, None)
+    torch.testing.assert_close(segments[0, 1], h[0, :2].mean(0))
+    torch.testing.assert_close(segments[0, 2], h[0, 2:4].mean(0))
+    assert mask.tolist() == [[True, True, True]]
+    segments.sum().backward()
+    assert probs.grad is None or float(probs.grad.abs().sum()) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Mixing the upsampled stream into the bytes
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_scaled_norm_mixing_starts_at_the_configured_scale():
+    model = tiny_model(seed=0, upsample_mixing="scaled_norm", upsample_scale_init=0.04)
+    assert torch.equal(model.model.upsample_norm.weight, torch.full_like(model.model.upsample_norm.weight, 0.04))
+    h = torch.randn(2, 3, model.config.hidden_size) * 50  # whatever the loops' magnitude ...
+    g = model.model.global_stream(h)
+    rms = g.pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.full_like(rms, 0.04), rtol=1e-3, atol=0)  # ... it arrives at scale 0.04
+
+
+def test_residual_proj_mixing_starts_with_the_byte_skip_closed():
+    model = tiny_model(seed=0, upsample_mixing="residual_proj")
+    assert float(model.model.residual_proj.weight.detach().abs().sum()) == 0.0
+    x, up = torch.randn(1, 4, model.config.hidden_size), torch.randn(1, 4, model.config.hidden_size)
+    torch.testing.assert_close(model.model.mix_streams(up, x), up, rtol=0, atol=0)
+
+
+def test_language_model_loss_reaches_the_boundary_predictor():
+    model = tiny_model(seed=0, upsample_mixing="scaled_norm", upsample_scale_init=0.5).train()
+    ids = _ids(length=64)
+    model(ids, labels=ids).lm_loss.backward()
+    grad = model.model.boundary_predictor.out_proj.weight.grad
+    assert grad is not None and float(grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("field, value", [("boundary_mode", "soft"), ("upsample_mixing", "concat"),
+                                          ("sliding_window", 0), ("upsample_scale_init", -1.0)])
+def test_invalid_global_path_fields_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        tiny(**{field: value})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sliding-window byte attention
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_sliding_window_mask_counts_real_bytes():
+    mask = build_attention_mask(None, 3, key_positions=torch.arange(6)[None])[0, 0]
+    for q in range(6):
+        assert mask[q].nonzero().flatten().tolist() == list(range(max(0, q - 2), q + 1))
+    padded = build_attention_mask(torch.tensor([[False, False, True, True, True, True]]), 2)[0, 0]
+    assert padded[5].nonzero().flatten().tolist() == [4, 5]
+    assert padded[2].nonzero().flatten().tolist() == [2]  # the first real byte sees itself only
+
+
+def test_sliding_window_cache_decoding_equals_full_forward_and_padding_is_invisible():
+    model = tiny_model(seed=1, sliding_window=8).eval()
+    ids = _ids(length=80, seed=3)
+    with torch.no_grad():
+        full = model(ids)
+        prefill = model(ids[:, :40], use_cache=True)
+        step = model(ids[:, 40:], past_key_values=prefill.past_key_values)
+    scale = float(full.logits.abs().max())
+    tol = dict(rtol=0, atol=64 * torch.finfo(torch.float32).eps * scale)
+    torch.testing.assert_close(prefill.logits, full.logits[:, :40], **tol)
+    torch.testing.assert_close(step.logits, full.logits[:, 40:], **tol)
+    # the window really cuts context: changing byte 0 leaves the logits of bytes past the window's reach unchanged
+    # in the byte layers, but not through the global path
+    with torch.no_grad():
+        no_window = tiny_model(seed=1).eval()(ids).logits
+    assert not torch.allclose(no_window, full.logits)
+    greedy = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=256)
+    short = ids[1:, :30]
+    batch = torch.cat([ids[:1, :40], torch.cat([torch.full((1, 10), 256), short], 1)])
+    mask = torch.cat([torch.ones(1, 40), torch.cat([torch.zeros(1, 10), torch.ones(1, 30)], 1)]).long()
+    cached = model.generate(batch, attention_mask=mask, use_cache=True, **greedy)
+    assert torch.equal(cached, model.generate(batch, attention_mask=mask, use_cache=False, **greedy))
+    assert torch.equal(cached[1, 10:], model.generate(short, use_cache=True, **greedy)[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A short training run (slow)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_run():
+    from bench.quality import Recipe, corpus_bytes, heldout_windows, train
+    from configuration_spider import SpiderConfig
+    from modeling_spider import SpiderForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("small"))
+    recipe = Recipe(steps=150, warmup_steps=15)
+    stats = train(model, corpus_bytes("train"), recipe)
+    return model, stats, heldout_windows(corpus_bytes("eval"), recipe.seq_len)[:32]
+
+
+@pytest.mark.slow
+def test_short_run_learns_and_segments_as_it_trains(short_run):
+    from bench.quality import score
+
+    model, stats, windows = short_run
+    result = score(model, windows)
+    # 150 steps of the default recipe: far below a uniform byte model (8 bits) and below an order-0 byte model
+    # of English (~4.5 bits)
+    assert result["bits_per_byte"] < 3.5, result
+    # evaluation segments at the rate training did (one rule), inside a factor 1.25
+    ratio = result["bytes_per_segment"] / stats["train_bytes_per_segment"]
+    assert 0.8 < ratio < 1.25, (result, stats)
+
+
+@pytest.mark.slow
+def test_output_depends_on_the_loop_count(short_run):
+    model, _, windows = short_run
+    model.eval()
+    with torch.no_grad():
+        one = model(windows[:4], n_loops=1).logits
+        trained = model(windows[:4]).logits
+    assert not torch.allclose(one, trained)
+    assert math.isfinite(float(trained.sum()))
