@@ -7,10 +7,23 @@
   ``transformers.testing_utils.pytest_addoption_shared``. Upstream's own conftest is not used: it needs
   pytest-xdist and the full upstream checkout.
 
+* Seeds ``torch``, ``numpy`` and ``random`` before every test from ``SPIDER_TEST_SEED`` (default 0) and the test's id,
+  so a randomised test draws other inputs under another seed base and still must pass (tolerances are derived, not
+  tuned: ``tests.helpers.float_tol``). The base is printed in the pytest header.
+
 ``tests`` is a package (``tests/__init__.py``) so that test modules can ``from tests.hf_suites import ...``
 and ``import tokenization_spider`` etc. from the repository root: with pytest's default ``prepend`` import
 mode the repository root (the first folder above ``tests`` without ``__init__.py``) goes on ``sys.path``.
 """
+
+import os
+import random
+import zlib
+
+import pytest
+
+#: base of every test's seed; run the suite under several values to check no test depends on one draw
+SEED_BASE = int(os.environ.get("SPIDER_TEST_SEED", "0"))
 
 # marker name -> description
 MARKERS = {
@@ -42,3 +55,26 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one intra-op thread per pytest-xdist worker: the workers already fill the cores, and more threads than
+        # cores makes every worker slower (the subprocesses tests start choose their own)
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_report_header(config):
+    return f"SPIDER_TEST_SEED={SEED_BASE} (per-test seed = base * 1_000_003 + crc32(test id))"
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything(request):
+    """Seed torch, numpy and random per test from :data:`SEED_BASE` and the test id (reproducible per base)."""
+    import numpy as np
+    import torch
+
+    seed = (SEED_BASE * 1_000_003 + zlib.crc32(request.node.nodeid.encode())) % 2**31
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    yield

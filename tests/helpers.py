@@ -47,3 +47,26 @@ def write_header_shard(path: Path, tokens, *, magic=20240520, version=1, count=N
         f.write(header.tobytes())
         f.write(np.asarray(tokens, dtype="<u2").tobytes())
     return path
+
+
+def float_tol(reference: torch.Tensor, terms: int, ulps: float = 8.0) -> dict:
+    """``assert_close`` tolerances for two computations of `reference` that differ only in the order of floating-point
+    operations (another kernel, summation order, thread count or CPU), derived instead of tuned on one machine.
+
+    Recursive summation of `terms` values carries an error of at most ``(terms - 1) * eps * sum|x_i|`` (Higham 2002,
+    "Accuracy and Stability of Numerical Algorithms", §4.2); bounding ``sum|x_i|`` by the magnitude of the result and
+    allowing `ulps` units of roundoff per term gives ``rtol = ulps * eps * terms`` and ``atol = rtol * max|reference|``,
+    with eps the machine epsilon of `reference`'s dtype. `terms` is the longest chain of accumulations that feeds an
+    element: the reduction length of a matmul (its inner dimension), times the number of such layers in sequence for a
+    whole-model output. Returns ``dict(rtol=..., atol=...)``."""
+    eps = torch.finfo(reference.dtype).eps
+    bound = ulps * eps * max(1, terms)
+    scale = float(reference.detach().abs().max()) if reference.numel() else 1.0
+    return dict(rtol=bound, atol=bound * max(scale, 1e-30))
+
+
+def model_terms(model) -> int:
+    """The `terms` of :func:`float_tol` for a whole-model output of `model`: its hidden size times the number of
+    layers a byte passes through (prelude, every recurrent layer in every loop, coda)."""
+    c = model.config
+    return c.hidden_size * (c.num_prelude_layers + c.num_recurrent_layers * c.n_loops + c.num_coda_layers + 1)
