@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from configuration_spider import SPIDER_PRESETS
@@ -137,7 +138,7 @@ def build_parser() -> HfArgumentParser:
         output_dir=None, learning_rate=None, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         lr_scheduler_type="cosine_with_min_lr", logging_steps=10, save_total_limit=2, report_to="none",
         remove_unused_columns=False, optim="adamw_torch", save_steps=None, max_steps=None, logging_first_step=True,
-        per_device_train_batch_size=None, gradient_accumulation_steps=None,
+        per_device_train_batch_size=None, gradient_accumulation_steps=None, eval_strategy="steps", eval_steps=None,
     )
     return parser
 
@@ -223,4 +224,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         training["lr_scheduler_kwargs"] = {"min_lr_rate": 0.1}
     if not training.get("warmup_steps"):
         training["warmup_steps"] = min(200, max(1, training["max_steps"] // 10))
+    if not torch.cuda.is_available():
+        training["dataloader_pin_memory"] = False  # pinned memory needs an accelerator (DataLoader warns otherwise)
+    if not training.get("eval_steps"):  # held-out bits per byte ten times per run (the card's held-out curve)
+        training["eval_steps"] = max(1, training["max_steps"] // 10)
     return spider, TrainingArguments(**training)

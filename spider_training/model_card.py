@@ -47,8 +47,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-#: Default template: ``<repo root>/hub_card/model_card.md.j2`` (a source checkout; pass ``template_path`` otherwise).
-DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "hub_card" / "model_card.md.j2"
+_CHECKOUT_TEMPLATE = Path(__file__).resolve().parent.parent / "hub_card" / "model_card.md.j2"
+_INSTALLED_TEMPLATE = Path(__file__).resolve().parent / "hub_card" / "model_card.md.j2"  # package data of a wheel
+#: the card template: ``hub_card/`` of a source checkout, else the copy an installed wheel carries
+DEFAULT_TEMPLATE = _CHECKOUT_TEMPLATE if _CHECKOUT_TEMPLATE.is_file() else _INSTALLED_TEMPLATE
 #: Loss-curve file name inside the release folder (the card links to it relatively).
 LOSS_CURVE_NAME = "loss_curve.png"
 #: Tags every Spider card carries; ``fp8`` is added when the run's precision was FP8.
@@ -382,6 +384,7 @@ def write_model_card(
     repo_id: str | None,
     template_path: str | Path | None = None,
     model_name: str | None = None,
+    bits_per_byte_by_loops: dict | None = None,
 ) -> Path:
     """Render the model card into ``release_dir/README.md`` and the loss curve into ``release_dir/loss_curve.png``.
 
@@ -392,8 +395,10 @@ def write_model_card(
         loss_history: ``Trainer.state.log_history`` (or ``None``: no curve, the card says so).
         repo_id: Hub repo the card is for (used in the code snippets and as the model name); ``None``: the snippets
             load from ``release_dir``.
-        template_path: Jinja template (default ``hub_card/model_card.md.j2`` of the source checkout).
+        template_path: Jinja template (default :data:`DEFAULT_TEMPLATE`: ``hub_card/model_card.md.j2``).
         model_name: card title and ``model-index`` name (default: the repo name, else ``"Spider"``).
+        bits_per_byte_by_loops: ``{loop count (str or int): held-out bits per byte}`` measured after training (the
+            recurrent depth's test-time curve; a table on the card), or ``None``.
 
     Returns:
         Path of the written ``README.md``.
@@ -452,8 +457,12 @@ def write_model_card(
     def cfg(key: str) -> str:
         return _fmt(key, config[key]) if config.get(key) is not None else "?"
 
+    trained_loops = config.get("n_loops")
+    loops_rows = [(f"{n}{' (trained)' if int(n) == trained_loops else ''}", f"{float(v):.4f}")
+                  for n, v in sorted((bits_per_byte_by_loops or {}).items(), key=lambda kv: int(kv[0]))]
     kwargs = dict(
         model_name=model_name,
+        loops_rows=loops_rows,
         repo_id=repo_id,
         model_ref=repo_id or str(release_dir),
         arch_summary=_arch_summary(config, _first(PARAMETER_KEYS, training, metrics)),

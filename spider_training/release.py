@@ -41,7 +41,12 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
                                                                     if spider.data == "sotu" else None)}
         metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "parameters"}
         metrics["parameters"] = summary.get("parameters")
+        hub_id = getattr(args, "hub_model_id", None)
+        params = summary.get("parameters")
+        model_name = (hub_id.split("/")[-1] if hub_id
+                      else f"spider-{spider.preset}" + (f"-{params / 1e6:.1f}M" if params else ""))
         write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
-                         loss_history=log_history, repo_id=getattr(args, "hub_model_id", None) or str(release_dir))
+                         loss_history=log_history, repo_id=hub_id or str(release_dir), model_name=model_name,
+                         bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"))
 
     return save_folder_atomically(release_dir, write)

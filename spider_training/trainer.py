@@ -9,8 +9,10 @@ overrides documented hooks only:
   refuses a launch whose processes do not see each other.
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
   once, here, with the seed's module filter; accelerate is then told bf16 so it does not convert a second time.
-- ``get_train_dataloader``: the datasets shard themselves by rank and worker (:mod:`spider_training.data`), so the
-  loader is prepared for device placement and gradient-accumulation bookkeeping only, not re-sharded.
+- ``get_train_dataloader``: only for a streamed Hub source (:class:`spider_training.data.StreamingTextDataset`, which
+  splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
+  re-sharded. Local sources are map-style datasets and keep Trainer's own loader (seeded random sampler, accelerate's
+  split across processes, ``skip_first_batches`` on resume).
 - ``compute_loss`` / ``log``: pass ``n_loops`` and log every loss term, bits-per-byte, compression rate, expert load
   balance, mean halting step, tokens/s and peak memory.
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
@@ -39,7 +41,7 @@ from transformers import Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
-from .data import make_dataloader
+from .data import StreamingTextDataset, make_dataloader
 from .fp8 import convert_model_to_fp8
 from .metrics import bits_per_byte
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
@@ -126,7 +128,10 @@ class SpiderTrainer(Trainer):
         return args
 
     def get_train_dataloader(self) -> DataLoader:
-        """A loader over the self-sharding train dataset, prepared for device placement only (no re-sharding)."""
+        """Trainer's loader for a map-style dataset; for a rank-split stream a loader prepared for device placement
+        only (accelerate would otherwise dispatch from rank 0 or re-shard it)."""
+        if not isinstance(self.train_dataset, StreamingTextDataset):
+            return super().get_train_dataloader()
         loader = make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
                                  num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator)
         self.accelerator._dataloaders.append(loader)  # accelerate's gradient-accumulation bookkeeping sees it
@@ -175,16 +180,32 @@ class SpiderTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             return {}
-        loader = make_dataloader(dataset, self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
-        max_batches = max(1, math.ceil(self.eval_windows / self.args.per_device_eval_batch_size))
-        result = bits_per_byte(
-            self.model, loader, device=self.args.device, n_loops=self.n_loops, max_batches=max_batches,
-            reduce=self.accelerator.reduce if self.accelerator.num_processes > 1 else None,
-        )
+        result = self._held_out_bits_per_byte(dataset, self.n_loops)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in result.items()}
+        metrics[f"{metric_key_prefix}_loss"] = result["lm_loss"]  # Trainer's name for the held-out loss (nats/byte)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def evaluate_loop_counts(self, counts, eval_dataset=None) -> dict[str, float]:
+        """Held-out bits per byte at each inference loop count in `counts` (the recurrent depth's test-time curve):
+        ``{str(n_loops): bits_per_byte}``, scored like :meth:`evaluate` (not logged)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            return {}
+        return {str(n): self._held_out_bits_per_byte(dataset, n)["bits_per_byte"] for n in counts}
+
+    def _held_out_bits_per_byte(self, dataset, n_loops: int | None) -> dict[str, float]:
+        """:func:`~spider_training.metrics.bits_per_byte` over the first `eval_windows` windows of `dataset`."""
+        if isinstance(dataset, StreamingTextDataset):
+            loader = make_dataloader(dataset, self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
+        else:  # sequential, split across processes by accelerate
+            loader = self.get_eval_dataloader(dataset)
+        max_batches = max(1, math.ceil(self.eval_windows / self.args.per_device_eval_batch_size))
+        return bits_per_byte(
+            self.model, loader, device=self.args.device, n_loops=n_loops, max_batches=max_batches,
+            reduce=self.accelerator.reduce if self.accelerator.num_processes > 1 else None,
+        )
 
     # --- checkpoints -----------------------------------------------------------------------------------------------
 

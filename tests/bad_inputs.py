@@ -318,8 +318,9 @@ def _bytes(path: Path, data: bytes) -> Path:
 # ----------------------------------------------------------------------------------------------------------------------
 
 BIG_DOCUMENT_BYTES = 50 * 1024 * 1024
-#: allowed growth of peak RSS while packing one document, in multiples of its size. The datasets text builder holds the
-#: file as a Python str and as an Arrow buffer (~2x); encoding it whole as uint16 would add 3x more (5.3x measured).
+#: allowed growth of peak RSS while encoding one document, in multiples of its size. The datasets text builder holds the
+#: file as a Python str and as an Arrow buffer (~2x); the dataset keeps the encoded stream (uint16, 2x), filled piece by
+#: piece into 1M-token chunks -- a uint16 copy of the whole document made at once would add 3x more (5.3x measured).
 BIG_DOCUMENT_MAX_RSS_FACTOR = 4.0
 
 _MEMORY_PROBE = r"""

@@ -195,9 +195,8 @@ def test_whitespace_only_documents_are_skipped_and_counted(tmp_path):
 def test_all_empty_source_raises_naming_source(tmp_path):
     f = tmp_path / "blank_docs.jsonl"
     f.write_text("\n".join(json.dumps({"text": t}) for t in [" ", "\t", ""]) + "\n")
-    ds = D.build_dataset(str(f), 8)
     with pytest.raises(ValueError, match=r"blank_docs\.jsonl.*no non-empty documents.*3 empty"):
-        list(ds)
+        D.build_dataset(str(f), 8)
 
 
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
@@ -281,13 +280,7 @@ def test_hub_code_path_offline_with_local_dataset_dir(tmp_path):
     pq.write_table(pa.table({"text": DOCS[2:]}), repo / "train-00001-of-00002.parquet")
     source = D.TextSource.from_hub(str(tmp_path / "fake_hub_repo"), None, split="train")
     assert source.is_hub and source.num_shards == 2
-    ds = D.TextByteDataset(source, 12)
-    assert as_pairs(ds) == reference_examples(DOCS, 12)
-    # shard_by="auto" gives each of 2 slots its own file for a hub source with >= 2 files
-    assert ds.resolve_shard_by(2) == "files" and ds.resolve_shard_by(3) == "windows"
-    per_slot = [list(ds.iter_windows(s, 2)) for s in range(2)]
-    assert sorted(w.tolist() for ws in per_slot for w in ws) == sorted(
-        reference_windows(DOCS[:2], 12) + reference_windows(DOCS[2:], 12))
+    assert as_pairs(D.StreamingTextDataset(source, 12)) == reference_examples(DOCS, 12)
 
 
 def test_hub_source_parsing_and_errors():
@@ -339,175 +332,234 @@ def test_mock_source_matches_seed_samples():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# sharding across ranks and workers
+# map-style datasets: whole corpus, split across ranks and shuffled by the sampler
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_shards_two_ranks_two_workers_cover_every_window_once(random_shards):
-    d, stream = random_shards
-    seq_len = 15
-    full = D.ByteShardDataset(str(d), seq_len, even_shards=False)
-    reference = rows([{k: v.unsqueeze(0) for k, v in e.items()} for e in full])
-    assert len(reference) == full.num_windows == math.ceil(len(stream) / 16)
-    assert [list(x) for x, _ in reference] == [w for w in _chunks(stream.tolist(), 16)]
-    got = []
+def _local_dataset(kind, random_shards, seq_len=15):
+    d, _ = random_shards
+    if kind == "shards":
+        return D.build_dataset(str(d), seq_len)
+    return D.TextByteDataset(D.TextSource.from_texts([f"doc {i} " * (i % 9 + 1) for i in range(60)], "t"), seq_len)
+
+
+@pytest.mark.parametrize("kind", ["shards", "text"])
+def test_local_sources_are_map_style_over_the_whole_corpus(random_shards, kind):
+    from torch.utils.data import Dataset, IterableDataset
+
+    ds = _local_dataset(kind, random_shards)
+    assert isinstance(ds, Dataset) and not isinstance(ds, IterableDataset)
+    assert len(ds) == ds.num_windows == math.ceil(ds.total_tokens / 16)
+    assert [ds[k]["input_ids"].tolist() for k in range(len(ds))] == [w.tolist() for w in ds.iter_windows()]
+    assert ds[-1]["input_ids"].tolist() == ds[len(ds) - 1]["input_ids"].tolist()
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    if kind == "shards":
+        _, stream = random_shards
+        assert [w.tolist() for w in ds.iter_windows()] == _chunks(stream.tolist(), 16)
+
+
+def test_mock_and_sotu_sources_are_map_style():
+    assert isinstance(D.build_dataset("mock", 32), D.TextByteDataset)
+    ds = D.build_dataset("sotu", 256)
+    assert isinstance(ds, D.TextByteDataset) and len(ds) > 40_000
+    docs = D.sotu_documents("train")  # every address before 2000, 1790 to 1999
+    assert ds.stats.documents == len(docs)
+    assert ds.total_tokens == sum(len(d["text"].encode("utf-8", "replace")) + 2 for d in docs)
+
+
+@pytest.mark.parametrize("kind", ["shards", "text"])
+def test_accelerate_two_ranks_get_disjoint_windows_covering_the_corpus(random_shards, kind):
+    """What Trainer does in a 2-process run: accelerate's prepare splits the (seeded random) batches of one
+    permutation between the ranks."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import RandomSampler
+
+    ds = _local_dataset(kind, random_shards)
+    every = Counter(rows(DataLoader(ds, batch_size=len(ds))))
     per_rank = []
     for rank in range(2):
-        ds = D.ByteShardDataset(str(d), seq_len, rank=rank, world_size=2, even_shards=False)
-        loader = DataLoader(ds, batch_size=3, num_workers=2)
-        r = rows(loader)
-        per_rank.append(r)
-        got += r
-    assert Counter(got) == Counter(reference)  # every window exactly once, nothing dropped
-    assert all(per_rank)  # one stream, both ranks get work
+        loader = prepare_data_loader(DataLoader(ds, batch_size=3, sampler=RandomSampler(ds)), num_processes=2,
+                                     process_index=rank, put_on_device=False, use_seedable_sampler=True, data_seed=7)
+        per_rank.append(rows(loader))
+    got = Counter(per_rank[0] + per_rank[1])
+    assert set(got) == set(every)  # the whole corpus is covered
+    assert len(per_rank[0]) == len(per_rank[1])
+    # disjoint except for accelerate's even_batches padding (< one batch per rank, taken from the start)
+    assert sum(got.values()) - len(every) < 2 * 3
+    assert len(set(per_rank[0]) & set(per_rank[1])) < 2 * 3
 
 
-def test_text_two_ranks_two_workers_cover_every_window_once(tmp_path):
-    """Dataloader workers iterate a datasets stream: datasets must not re-split it by worker underneath us."""
-    f = tmp_path / "docs.jsonl"
-    texts = [f"document number {i} " * (i % 7 + 1) for i in range(40)]
-    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    seq_len = 9
-    want = Counter((tuple(x), tuple(y)) for x, y in reference_examples(texts, seq_len))
-    got = Counter()
-    for rank in range(2):
-        ds = D.build_dataset(str(f), seq_len, rank=rank, world_size=2, even_shards=False)
-        got += Counter(rows(DataLoader(ds, batch_size=4, num_workers=2)))
-    assert got == want
+def test_distributed_sampler_two_ranks_disjoint(random_shards):
+    from torch.utils.data.distributed import DistributedSampler
+
+    ds = _local_dataset("shards", random_shards)
+    parts = [list(DistributedSampler(ds, num_replicas=2, rank=r, shuffle=True, seed=3)) for r in range(2)]
+    assert len(parts[0]) == len(parts[1]) == math.ceil(len(ds) / 2)
+    assert set(parts[0]) | set(parts[1]) == set(range(len(ds)))
+    assert len(parts[0]) + len(parts[1]) - len(ds) == len(set(parts[0]) & set(parts[1])) <= 1
+
+
+def _trainer_loader(ds, seed, batch_size=4):
+    """Trainer's own train DataLoader for ``ds`` (what SpiderTrainer uses for a local source)."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(output_dir="/tmp/unused-spider-data-test", use_cpu=True, report_to="none", seed=seed,
+                             per_device_train_batch_size=batch_size, remove_unused_columns=False,
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=ds, data_collator=default_data_collator)
+    return trainer.get_train_dataloader()
 
 
 @pytest.mark.parametrize("kind", ["shards", "text"])
-def test_even_shards_equal_counts_and_wraparound(random_shards, kind):
-    d, _ = random_shards
-    seq_len = 15
-    if kind == "shards":
-        make = lambda: D.ByteShardDataset(str(d), seq_len)  # noqa: E731
-    else:
-        make = lambda: D.TextByteDataset(  # noqa: E731
-            D.TextSource.from_texts([f"doc {i} " * 9 for i in range(22)], "t"), seq_len)
-    ds = make()
-    stream = [w.tolist() for w in ds.iter_windows(0, 1)]
-    n = len(stream)
-    num_slots = 5
-    assert n % num_slots  # the interesting case
-    per_slot = [[w.tolist() for w in make().iter_windows(s, num_slots)] for s in range(num_slots)]
-    assert {len(p) for p in per_slot} == {math.ceil(n / num_slots)}
-    for s, p in enumerate(per_slot):
-        for m, w in enumerate(p):
-            assert w == stream[(s + m * num_slots) % n]
-    flat = [tuple(w) for p in per_slot for w in p]
-    assert set(flat) == {tuple(w) for w in stream}  # all covered; only the <num_slots wrap-arounds repeat
-    assert len(flat) - n == math.ceil(n / num_slots) * num_slots - n
+def test_trainer_order_is_shuffled_and_reproducible_per_seed(random_shards, kind):
+    ds = _local_dataset(kind, random_shards)
+    stream = rows(DataLoader(ds, batch_size=4))
+    a, b, c = (rows(_trainer_loader(ds, seed)) for seed in (0, 0, 1))
+    assert a == b  # same seed, same order
+    assert a != stream and a != c  # shuffled; another seed, another order
+    assert Counter(a) == Counter(stream) == Counter(c)  # one epoch = every window once
+    loader = _trainer_loader(ds, 0)
+    loader.set_epoch(1)  # what Trainer calls at each epoch
+    e1 = rows(loader)
+    assert e1 != a and Counter(e1) == Counter(a)
 
 
-def test_two_ranks_share_a_single_file(tmp_path):
-    d = tmp_path / "one"
-    d.mkdir()
-    write_seed_shard(d / "only.bin", np.arange(100) % 259)
-    counts = [sum(1 for _ in D.ByteShardDataset(str(d), 9, rank=r, world_size=2)) for r in range(2)]
-    assert counts == [5, 5]
+@pytest.mark.parametrize("kind", ["shards", "text"])
+def test_resume_with_skip_first_batches_gives_the_same_batches(random_shards, kind):
+    """Trainer resumes a map-style dataset by skipping the consumed batches of the same seeded permutation."""
+    from accelerate import skip_first_batches
+
+    ds = _local_dataset(kind, random_shards)
+    full = [rows([b]) for b in _trainer_loader(ds, 5)]
+    for consumed in (1, 4, 7):
+        resumed = [rows([b]) for b in skip_first_batches(_trainer_loader(ds, 5), consumed)]
+        assert resumed == full[consumed:]
 
 
-def test_rank_validation():
-    src = D.TextSource.from_texts(["a"], "t")
-    with pytest.raises(ValueError, match="rank"):
-        D.TextByteDataset(src, 4, rank=2, world_size=2)
-    with pytest.raises(ValueError, match="seq_len"):
-        D.TextByteDataset(src, 0)
+def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
+    from transformers import TrainingArguments, default_data_collator
+
+    from spider_training.trainer import SpiderTrainer
+    from tests.helpers import tiny_model
+
+    ds = D.build_dataset("mock", 32, num_samples=50)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                             per_device_train_batch_size=4, remove_unused_columns=False)
+    trainer = SpiderTrainer(model=tiny_model(seed=0), args=args, train_dataset=ds, eval_dataset=ds,
+                            data_collator=default_data_collator, precision="fp32", stop_signals=())
+    loader = trainer.get_train_dataloader()
+    from accelerate.data_loader import SeedableRandomSampler, get_sampler
+
+    assert isinstance(get_sampler(loader), SeedableRandomSampler)  # Trainer's RandomSampler, seeded by accelerate
+    assert Counter(rows(loader)) == Counter(rows(DataLoader(ds, batch_size=4)))
+    eval_rows = rows(trainer.get_eval_dataloader(ds))
+    assert eval_rows == rows(DataLoader(ds, batch_size=8))  # eval stays in stream order
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# order, shuffle, epochs, resume
+# Hub sources: streamed, split across ranks with split_dataset_by_node
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_shard_order_deterministic_per_seed_and_epoch(random_shards):
-    d, _ = random_shards
+def _streamed_source(tmp_path, files=2):
+    """A local dataset directory loaded like a Hub id (load_dataset(path, streaming=True)): the Hub stand-in."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    def order(seed, epoch=0, shuffle=True):
-        ds = D.ByteShardDataset(str(d), 15, seed=seed, shuffle=shuffle)
-        ds.set_epoch(epoch)
-        return [tuple(e["input_ids"].tolist()) for e in ds]
-
-    a, b, c, e1 = order(0), order(0), order(1), order(0, epoch=1)
-    assert a == b
-    assert a != c and a != e1
-    assert Counter(a) == Counter(c) == Counter(e1)
-    assert order(0, shuffle=False) == order(5, shuffle=False)
+    repo = tmp_path / "fake_hub_repo" / "data"
+    repo.mkdir(parents=True)
+    texts = [f"streamed document {i} " * (i % 5 + 1) for i in range(24)]
+    per = len(texts) // files
+    parts = [texts[i * per:(i + 1) * per] for i in range(files)]
+    for i, part in enumerate(parts):
+        pq.write_table(pa.table({"text": part}), repo / f"train-{i:05d}-of-{files:05d}.parquet")
+    return D.TextSource.from_hub(str(tmp_path / "fake_hub_repo"), None, split="train"), parts
 
 
-def test_text_shuffle_deterministic_per_seed():
-    texts = [f"doc-{i:03d}" for i in range(60)]
+def test_hub_source_builds_a_streaming_dataset(tmp_path, monkeypatch):
+    import datasets
+
+    source, parts = _streamed_source(tmp_path)
+    monkeypatch.setattr(D.TextSource, "from_hub", classmethod(lambda cls, *a, **k: source))
+    ds = D.build_dataset("owner/name:config", 12)
+    assert isinstance(ds, D.StreamingTextDataset) and isinstance(ds.source.dataset, datasets.IterableDataset)
+    assert as_pairs(ds) == reference_examples(parts[0] + parts[1], 12)
+
+
+@pytest.mark.parametrize("files", [2, 3])
+def test_hub_stream_split_by_node_two_ranks(tmp_path, files):
+    """2 files: one file per rank; 3 files (not divisible): every other document per rank. Either way the ranks
+    share nothing and together hold every document."""
+    source, parts = _streamed_source(tmp_path, files)
+    docs = [t for p in parts for t in p]
+    got_docs = []
+    for rank in range(2):
+        ds = D.StreamingTextDataset(source, 4096, rank=rank, world_size=2)
+        stream = np.concatenate(list(ds.iter_windows()))
+        text = bytes(int(x) for x in stream if x < 256).decode()
+        mine = [t for t in docs if t in text]
+        assert mine and ds.stats.documents == len(mine)
+        got_docs += mine
+    assert sorted(got_docs) == sorted(docs)
+
+
+def test_hub_stream_two_workers_cover_every_window_once(tmp_path):
+    source, parts = _streamed_source(tmp_path, 2)
+    want = Counter((tuple(x), tuple(y)) for p in parts for x, y in reference_examples(p, 9))
+    ds = D.StreamingTextDataset(source, 9)
+    assert Counter(rows(DataLoader(ds, batch_size=4, num_workers=2))) == want  # one file per worker
+    one_file, _ = _streamed_source(tmp_path / "one", 1)
+    ds = D.StreamingTextDataset(one_file, 9)  # fewer files than workers: windows alternate between workers
+    assert Counter(rows(DataLoader(ds, batch_size=4, num_workers=2))) == Counter(rows(DataLoader(ds, batch_size=4)))
+
+
+def test_hub_stream_shuffle_deterministic_per_seed_and_epoch():
+    import datasets
+
+    texts = [f"streamed document {i} " * (i % 5 + 1) for i in range(24)]
+    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=2)
+    source = D.TextSource(stream, "in-memory stream", is_hub=True)  # (a parquet stream's shuffle takes ~5 s)
 
     def order(seed, epoch=0):
-        ds = D.TextByteDataset(D.TextSource.from_texts(texts, "t"), 10, seed=seed, shuffle=True)
-        ds.set_epoch(epoch)
-        return [e["input_ids"].tolist() for e in ds]
+        ds = D.StreamingTextDataset(source, 10, seed=seed, shuffle=True, shuffle_buffer=50)
+        loader = D.make_dataloader(ds, 4)
+        loader.set_epoch(epoch)  # Trainer calls this each epoch: must reach the dataset
+        return rows(loader)
 
     assert order(0) == order(0)
-    assert order(0) != order(1)
-    assert order(0) != order(0, epoch=1)
+    assert order(0) != order(1) and order(0) != order(0, epoch=1)
+    tokens = [Counter(t for x, _ in order(seed) for t in x if t != D.PAD_ID) for seed in (0, 1)]
+    assert tokens[0] == tokens[1]  # the same documents, packed in another order
 
 
-@pytest.mark.parametrize("kind", ["shards", "text"])
-def test_resume_skips_exactly_the_consumed_batches(random_shards, kind):
-    d, _ = random_shards
-    if kind == "shards":
-        ds = D.ByteShardDataset(str(d), 15, shuffle=True, seed=3)
-    else:
-        ds = D.TextByteDataset(D.TextSource.from_texts([f"text {i} " * 5 for i in range(30)], "t"), 15)
-    full = [rows([b]) for b in DataLoader(ds, batch_size=2, num_workers=2)]
-    for consumed in (1, 4, 7):
-        ds.set_resume(consumed, batch_size=2)
-        resumed = [rows([b]) for b in DataLoader(ds, batch_size=2, num_workers=2)]
-        assert resumed == full[consumed:]
-    ds.set_epoch(1)  # the resume point belongs to epoch 0 only
-    assert len(list(DataLoader(ds, batch_size=2, num_workers=2))) == len(full)
-
-
-def test_make_dataloader_batches_and_set_epoch(random_shards):
-    d, _ = random_shards
-    ds = D.ByteShardDataset(str(d), 15, shuffle=True)
-    loader = D.make_dataloader(ds, 4, device="cpu")
-    first = next(iter(loader))
-    assert first["input_ids"].shape == first["labels"].shape == (4, 16)
-    epoch0 = rows(loader)
-    loader.set_epoch(1)  # what Trainer calls each epoch: must reach the dataset
-    assert ds.epoch == 1
-    epoch1 = rows(loader)
-    assert Counter(epoch0) == Counter(epoch1) and epoch0 != epoch1
-
-
-def test_set_epoch_reaches_persistent_workers(random_shards):
-    d, _ = random_shards
-    ds = D.ByteShardDataset(str(d), 15, shuffle=True, seed=11)
-    loader = D.make_dataloader(ds, 4, num_workers=2, persistent_workers=True)
-    epoch0 = rows(loader)
-    loader.set_epoch(1)
-    epoch1 = rows(loader)  # same worker processes as epoch 0
-    fresh = D.make_dataloader(D.ByteShardDataset(str(d), 15, shuffle=True, seed=11), 4, num_workers=2)
-    fresh.set_epoch(1)  # (DataLoaderShard re-applies its own epoch counter on every __iter__)
-    assert epoch1 == rows(fresh)
-    assert epoch0 != epoch1
-
-
-def test_accelerate_default_prepare_would_reshard(random_shards):
-    """Why the trainer must use make_dataloader: accelerate's prepare (dispatch_batches=False) wraps an
-    IterableDataset in IterableDatasetShard and keeps 1/num_processes of what each rank iterates, so our already
-    rank-sharded datasets would lose windows; make_dataloader (num_processes=1) keeps them all."""
+def test_accelerate_default_prepare_would_reshard_a_stream(tmp_path):
+    """Why SpiderTrainer keeps make_dataloader for streams: accelerate's prepare (dispatch_batches=False) wraps an
+    IterableDataset in IterableDatasetShard and keeps 1/num_processes of what each rank iterates, so a stream already
+    split by node would lose windows; make_dataloader (num_processes=1) keeps them all."""
     from accelerate.data_loader import prepare_data_loader
 
-    d, _ = random_shards
-    total = D.ByteShardDataset(str(d), 15, even_shards=False).num_windows
+    source, parts = _streamed_source(tmp_path, 2)
+    want = Counter((tuple(x), tuple(y)) for p in parts for x, y in reference_examples(p, 15))
     resharded, ours = [], []
     for rank in range(2):
-        ds = D.ByteShardDataset(str(d), 15, rank=rank, world_size=2, even_shards=False)
+        ds = D.StreamingTextDataset(source, 15, rank=rank, world_size=2)
         loader = prepare_data_loader(DataLoader(ds, batch_size=2), num_processes=2, process_index=rank,
                                      dispatch_batches=False, put_on_device=False)
         resharded += rows(loader)
         ours += rows(D.make_dataloader(ds, 2))
-    assert len(set(ours)) == len(ours) == total
-    assert len(set(resharded)) < total
+    assert Counter(ours) == want
+    assert len(resharded) < sum(want.values())
+
+
+def test_stream_rank_validation(tmp_path):
+    src = D.TextSource.from_texts(["a"], "t")
+    with pytest.raises(ValueError, match="rank"):
+        D.StreamingTextDataset(src, 4, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="seq_len"):
+        D.StreamingTextDataset(src, 0)
+    with pytest.raises(ValueError, match="seq_len"):
+        D.TextByteDataset(src, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -109,6 +109,15 @@ def test_card_renders_every_section_with_run_facts(release, config):
     assert "1.2M parameters" in text
 
 
+def test_loops_table_marks_the_trained_count_and_is_absent_without_a_sweep(release, config):
+    sweep = {"1": 2.5, str(config["n_loops"]): 2.25, str(2 * config["n_loops"]): 2.2}
+    text = write(release, config, bits_per_byte_by_loops=sweep).read_text()
+    assert "| loops | held-out bits per byte |" in text
+    assert "| 1 | 2.5000 |" in text and f"| {config['n_loops']} (trained) | 2.2500 |" in text
+    assert text.index("| 1 | 2.5000 |") < text.index(f"| {2 * config['n_loops']} | 2.2000 |")  # by loop count
+    assert "| loops | held-out bits per byte |" not in write(release, config).read_text()
+
+
 def test_metadata_round_trips_through_modelcard_load(release, config):
     card = ModelCard.load(write(release, config))
     data = card.data

