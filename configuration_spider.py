@@ -31,10 +31,11 @@ SPIDER_PRESETS: dict[str, dict] = {
         engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=32, engram_table_size=4096,
         n_loops=2, max_loop_iters=8, lora_rank=16, max_position_embeddings=2048,
         # Measured with bench/quality.py (README "Model quality"): local byte attention is the largest single gain
-        # at this budget; without a ponder cost the loops keep their weight instead of halting at loop 1; with hard
-        # boundaries the seed's boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and
-        # the MoE balancing loss both cost held-out bits per byte.
-        sliding_window=16, ponder_loss_coef=0.0, boundary_loss_coef=1.0, router_aux_loss_coef=0.0,
+        # at this budget, and a 4-byte window (about one open segment) beats 8 and 16; without a ponder cost the
+        # loops keep their weight instead of halting at loop 1; with hard boundaries the seed's
+        # boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and the MoE balancing loss
+        # both cost held-out bits per byte.
+        sliding_window=4, ponder_loss_coef=0.0, boundary_loss_coef=1.0, router_aux_loss_coef=0.0,
     ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
@@ -48,7 +49,7 @@ SPIDER_PRESETS: dict[str, dict] = {
 }
 
 MOE_IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
-BOUNDARY_MODES = ("hard", "relaxed")
+BOUNDARY_MODES = ("hard", "relaxed", "fixed")
 UPSAMPLE_MIXINGS = ("residual_proj", "scaled_norm", "add")
 SPIDER_AUTO_MAP = {
     "AutoConfig": "configuration_spider.SpiderConfig",
@@ -100,7 +101,9 @@ class SpiderConfig(PreTrainedConfig):
             boundaries. ``"hard"``: ``p > boundary_threshold`` in training and evaluation alike, with a straight-through
             gradient to ``p`` (H-Net's hard routing), so the model is evaluated on the segmentation it trains on.
             ``"relaxed"``: FlexiTokens' relaxed-Bernoulli samples in training and the threshold at evaluation (the
-            seed's rule; the two segment at different rates once ``p`` sits near the prior).
+            seed's rule; the two segment at different rates once ``p`` sits near the prior). ``"fixed"``: no learned
+            boundaries, a segment closes every ``round(1 / boundary_prior)`` bytes of position (the fixed-stride
+            patching of MegaByte; the ablation that shows what learned boundaries add).
         boundary_temperature (`float`, defaults to 0.5): relaxed-Bernoulli temperature (``boundary_mode="relaxed"``).
         boundary_threshold (`float`, defaults to 0.5): a byte closes a segment when ``sigmoid(logit) > threshold``.
         boundary_prior / boundary_prior_std / boundary_prior_k (`float`): target boundary rate per byte (English 0.333),

@@ -662,7 +662,12 @@ class SpiderBoundaryPredictor(nn.Module):
     training and evaluation alike, with a straight-through gradient to `p` (H-Net's hard routing, Hwang et al. 2025,
     arXiv 2507.07955): one rule, so evaluation segments at the rate training does. `boundary_mode="relaxed"`
     (FlexiTokens / the seed): training samples a relaxed Bernoulli at `boundary_temperature` and takes `soft > 0.5`
-    with a straight-through estimator, evaluation thresholds `p`. Padding never holds a boundary.
+    with a straight-through estimator, evaluation thresholds `p`. `boundary_mode="fixed"` (an ablation): byte
+    position `i` closes a segment when `(i + 1) % round(1 / boundary_prior) == 0`, whatever `p`. Padding never holds
+    a boundary.
+
+    Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)` int64 (needed by
+        `"fixed"` only; `arange(L)` when None).
     Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in value.
     """
 
@@ -674,11 +679,17 @@ class SpiderBoundaryPredictor(nn.Module):
         self.temperature = config.boundary_temperature
         self.threshold = config.boundary_threshold
         self.mode = config.boundary_mode
+        self.stride = max(1, round(1.0 / config.boundary_prior))
 
-    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None):
         logits = self.out_proj(self.act(self.dense(hidden_states))).squeeze(-1).to(torch.float32)
         probs = torch.sigmoid(logits)
-        if self.training and self.mode == "relaxed":
+        if self.mode == "fixed":
+            if position_ids is None:
+                position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).expand_as(probs)
+            boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
+        elif self.training and self.mode == "relaxed":
             soft = torch.distributions.RelaxedBernoulli(torch.tensor(self.temperature), logits=logits).rsample()
             boundaries = (soft > 0.5).to(soft.dtype) + (soft - soft.detach())  # exactly 0/1 in value
         elif self.training:
@@ -1175,7 +1186,7 @@ class SpiderModel(SpiderPreTrainedModel):
                 all_hidden_states += (x,)
 
         # FlexiTokens: bytes -> segments. Engram memory is looked up once, pooled with the same boundaries.
-        boundaries, _ = self.boundary_predictor(x, byte_mask)
+        boundaries, _ = self.boundary_predictor(x, byte_mask, position_ids)
         # One pooling pass (one cumsum, one host sync) over the byte states and their Engram memory side by side.
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
         D, M = x.shape[-1], engram_bytes.shape[-1]
@@ -1337,7 +1348,7 @@ class SpiderModel(SpiderPreTrainedModel):
         for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
             x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
 
-        boundary, _ = self.boundary_predictor(x)
+        boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
         window = torch.cat([cache.hash_context, input_ids], dim=1)
         memory = self.engram_embeddings(window)[:, -1]
         cache.hash_context = window[:, 1:]

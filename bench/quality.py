@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +102,70 @@ def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: 
     return result
 
 
+class _BoundaryRule:
+    """Context manager: the trained boundary predictor of `model` decides at evaluation by another rule.
+
+    ``"sampled"``: a byte closes a segment with probability ``p`` (a Bernoulli draw, seeded); ``"rate-matched"``: the
+    threshold is the quantile of this batch's ``p`` that gives one boundary per `bytes_per_segment` bytes (the training
+    run's rate). The default rule (``p > boundary_threshold``) needs no context manager."""
+
+    def __init__(self, model, rule: str, bytes_per_segment: float | None):
+        self.predictor, self.rule, self.bytes_per_segment = model.model.boundary_predictor, rule, bytes_per_segment
+
+    def __enter__(self):
+        predictor, rule, rate = self.predictor, self.rule, 1.0 / (self.bytes_per_segment or 1.0)
+        generator = torch.Generator().manual_seed(0)
+
+        def decide(hidden_states, token_mask=None, position_ids=None):
+            logits = predictor.out_proj(predictor.act(predictor.dense(hidden_states))).squeeze(-1).float()
+            probs = torch.sigmoid(logits)
+            if rule == "sampled":
+                boundaries = (torch.rand(probs.shape, generator=generator) < probs).float()
+            else:
+                real = probs if token_mask is None else probs[token_mask.bool()]
+                boundaries = (probs > torch.quantile(real.float(), 1.0 - rate)).float()
+            return (boundaries * token_mask if token_mask is not None else boundaries), probs
+
+        predictor.forward = decide
+        return self
+
+    def __exit__(self, *exc):
+        del self.predictor.forward  # back to the class's forward
+
+
+def score_with_boundary_rule(model, windows: torch.Tensor, rule: str, train_bytes_per_segment: float | None) -> dict:
+    """:func:`score` with the boundary decision at evaluation replaced by `rule` ("sampled" or "rate-matched")."""
+    with _BoundaryRule(model, rule, train_bytes_per_segment):
+        return score(model, windows)
+
+
+SAMPLE_PROMPT = "The state of the Union is"
+
+
+def sample_words(model, train_ids: np.ndarray, n_samples: int = 4, new_bytes: int = 200, temperature: float = 0.8,
+                 seed: int = 0) -> dict:
+    """Sample `n_samples` continuations of :data:`SAMPLE_PROMPT` (`new_bytes` bytes each, temperature sampling,
+    seeded) and measure how many of their words are real: the share of alphabetic words (lower-cased, punctuation
+    stripped) that occur in the training addresses. Returns ``{"sample": first continuation (str),
+    "real_word_rate": float in [0, 1]}``."""
+    import re
+
+    text = train_ids[train_ids < 256].astype(np.uint8).tobytes().decode("utf-8", "replace")
+    vocabulary = set(re.findall(r"[a-z]+", text.lower()))
+    prompt = torch.tensor([[257, *SAMPLE_PROMPT.encode()]])
+    torch.manual_seed(seed)
+    model.eval()
+    texts = []
+    with torch.no_grad():
+        for _ in range(n_samples):
+            out = model.generate(prompt, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=new_bytes,
+                                 min_new_tokens=new_bytes, pad_token_id=256, eos_token_id=None)
+            texts.append(bytes(int(i) for i in out[0, prompt.shape[1]:] if i < 256).decode("utf-8", "replace"))
+    words = [w for t in texts for w in re.findall(r"[A-Za-z]+", t)]
+    real = sum(w.lower() in vocabulary for w in words)
+    return {"sample": SAMPLE_PROMPT + texts[0], "real_word_rate": real / max(1, len(words))}
+
+
 def lr_at(step: int, total: int, recipe: Recipe) -> float:
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
@@ -138,7 +201,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(getattr(out, "lm_loss", None) if getattr(out, "lm_loss", None) is not None else out.loss))
+        losses.append(float((out.lm_loss if getattr(out, "lm_loss", None) is not None else out.loss).detach()))
         if getattr(out, "compression_rate", None) is not None:
             rates.append(float(out.compression_rate))
         if recipe.eval_every and eval_windows is not None and (step + 1) % recipe.eval_every == 0:
@@ -216,8 +279,14 @@ def run(kind: str, name: str, overrides: dict, recipe: Recipe, extra_texts: dict
         with torch.no_grad():
             out = model(input_ids=eval_windows[:16])
         row["mean_halting_step"] = float(out.mean_halting_step)
+        if cfg.boundary_mode != "fixed":
+            row["bpb_by_eval_boundary_rule"] = {
+                rule: score_with_boundary_rule(model, eval_windows, rule, stats.get("train_bytes_per_segment"))
+                for rule in ("sampled", "rate-matched")}
     for label, ids in (extra_texts or {}).items():
         row[f"{label}_bits_per_byte"] = score(model, heldout_windows(ids, recipe.seq_len))["bits_per_byte"]
+    if kind in ("spider", "llama"):
+        row.update(sample_words(model, train_ids))
     if save and hasattr(model, "save_pretrained"):
         model.save_pretrained(save)
     return row
@@ -230,18 +299,18 @@ ABLATIONS: list[tuple[str, str, dict]] = [
     ("global path removed (prelude + coda only)", "bytes_only", {}),
     ("n_loops=1", "spider", {"n_loops": 1}),
     ("n_loops=3", "spider", {"n_loops": 3}),
-    ("full attention in the byte layers (no sliding window)", "spider", {"sliding_window": None}),
+    ("16-byte window in the byte layers", "spider", {"sliding_window": 16}),
+    ("global path removed, 16-byte window", "bytes_only", {"sliding_window": 16}),
     ("global path removed, full attention", "bytes_only", {"sliding_window": None}),
     ("dense FFN instead of MoE in the recurrent block", "spider", {"n_routed_experts": 1, "num_experts_per_tok": 1}),
     ("Engram off", "spider", {"engram_layer_ids": []}),
     ("prelude/coda 2 + 2 layers", "spider", {"num_prelude_layers": 2, "num_coda_layers": 2}),
-    ("mixing: global scale initialised to 0.04", "spider", {"upsample_scale_init": 0.04}),
     ("mixing: H-Net residual_proj (zero-init byte skip)", "spider", {"upsample_mixing": "residual_proj"}),
     ("mixing: upsampled + bytes (the seed's)", "spider", {"upsample_mixing": "add"}),
     ("ACT with the seed's ponder_loss_coef=0.01", "spider", {"ponder_loss_coef": 0.01}),
     ("MoE balancing loss on (router_aux_loss_coef=0.01, the seed's)", "spider", {"router_aux_loss_coef": 0.01}),
-    ("boundary_loss_coef=10 (the previous small preset)", "spider", {"boundary_loss_coef": 10.0}),
     ("fixed loop count (halting bias -10)", "spider", {"halt_bias_init": -10.0}),
+    ("segments: a fixed stride of 3 bytes instead of learned boundaries", "spider", {"boundary_mode": "fixed"}),
     ("boundaries: relaxed Bernoulli in training, threshold at evaluation (the seed's)", "spider",
      {"boundary_mode": "relaxed"}),
     ("the seed's rules together (relaxed boundaries, seed mixing, ponder 0.01, full attention)", "spider",
@@ -290,6 +359,9 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3)) -> list[dict]:
     for lr in lrs:
         runs.append(dict(group="baseline equal wall-clock", kind="llama", name=f"llama lr={lr:g}, equal wall-clock",
                          overrides={}, steps=equal_time_steps, lr=lr))
+    for kind, name in (("spider", "spider, 2x the steps"), ("bytes_only", "global path removed, 2x the steps")):
+        runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=2 * recipe.steps,
+                         lr=recipe.lr))
     for r in runs:
         r["step_seconds"] = {"spider": t_spider, "llama": t_llama}
     return runs
@@ -312,7 +384,7 @@ def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
         if r["kind"] != "llama":
             k = min(range(num_shards), key=lambda i: loads[i])
             assigned[k].append(r)
-            loads[k] += _COST[r["kind"]]
+            loads[k] += _COST[r["kind"]] * r["steps"] / Recipe.steps
     return assigned[shard]
 
 
@@ -391,7 +463,69 @@ def render(rows: list[dict]) -> str:
         if r.get("group") == "ablation" and r["name"] != "spider":
             delta = r["sotu_bits_per_byte"] - spider["sotu_bits_per_byte"]
             lines.append(f"| {r['name']} | {_f(r['sotu_bits_per_byte'])} | {delta:+.3f} |")
+    for rule, result in spider.get("bpb_by_eval_boundary_rule", {}).items():
+        delta = result["bits_per_byte"] - spider["sotu_bits_per_byte"]
+        lines.append(f"| boundary decision at evaluation: {rule} (same weights; "
+                     f"{_f(result.get('bytes_per_segment'), 2)} bytes per segment) | {_f(result['bits_per_byte'])} | "
+                     f"{delta:+.3f} |")
+    longer = [r for r in rows if r.get("group") == "longer budget"]
+    if longer:
+        lines += ["", "| longer budget (same recipe, more steps) | steps | held-out bpb |", "|---|---:|---:|"]
+        lines += [f"| {r['name']} | {r['steps']} | {_f(r['sotu_bits_per_byte'])} |" for r in longer]
+    lines += ["", *_targets(spider, by_name, best)]
+    samples = [(label, r) for label, r in (("Spider", spider), ("Llama (equal parameters)", dense)) if r and "sample" in r]
+    if samples:
+        lines += ["", "Samples (temperature 0.8, prompt \"The state of the Union is\"; real words = share of the "
+                  "sampled words that occur in the training addresses, over four 200-byte samples):", ""]
+        for label, r in samples:
+            text = " ".join(r["sample"][:160].split()).replace("`", "'")  # one line of inline code
+            lines.append(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`")
     return "\n".join(lines) + "\n"
+
+
+def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[str]:
+    """The issue's targets as a table: what was measured and whether it was met."""
+    cfg = SpiderConfig.from_preset("small")
+    bpb = spider["sotu_bits_per_byte"]
+    rows = []
+
+    def target(name, measured, met):
+        rows.append(f"| {name} | {measured} | {'yes' if met else '**no**'} |")
+
+    if best_equal_time:
+        ref = best_equal_time["sotu_bits_per_byte"]
+        target("held-out bpb at or below the dense baseline at equal wall-clock", f"{bpb:.3f} vs {ref:.3f}", bpb <= ref)
+        t, tr = spider.get("pydoc_topics_bits_per_byte"), best_equal_time.get("pydoc_topics_bits_per_byte")
+        if t is not None and tr is not None:
+            target("technical text: no worse than the dense baseline by more than 0.05", f"{t:.3f} vs {tr:.3f}",
+                   t <= tr + 0.05)
+    xz = spider.get("xz_bits_per_byte")
+    if xz is not None:
+        target("held-out bpb below `xz -9e`", f"{bpb:.3f} vs {xz:.3f}", bpb < xz)
+    removed = by_name.get("global path removed (prelude + coda only)")
+    if removed:
+        gain = removed["sotu_bits_per_byte"] - bpb
+        target("the global path pays: removing it costs at least 0.10 bpb", f"{gain:+.3f}", gain >= 0.10)
+    loops = {int(k): v for k, v in spider.get("bpb_by_loops", {}).items()}
+    n = spider.get("n_loops")
+    if n in loops and 1 in loops and 2 * n in loops:
+        target("1 loop is worse than the trained count", f"{loops[1]:.4f} vs {loops[n]:.4f}", loops[1] > loops[n])
+        target("twice the trained count no worse than it by more than 0.01", f"{loops[2 * n] - loops[n]:+.4f}",
+               loops[2 * n] <= loops[n] + 0.01)
+    ev, tr = spider.get("eval_bytes_per_segment"), spider.get("train_bytes_per_segment")
+    if ev and tr:
+        low = cfg.boundary_prior - cfg.boundary_prior_k * cfg.boundary_prior_std
+        band = (1 / cfg.boundary_prior, 1 / low)
+        target("evaluation bytes per segment within 25% of training's", f"{ev:.2f} vs {tr:.2f}",
+               abs(ev / tr - 1) <= 0.25)
+        target(f"evaluation bytes per segment inside the prior's band ({band[0]:.2f}-{band[1]:.2f})", f"{ev:.2f}",
+               band[0] <= ev <= band[1])
+    dense = by_name.get("llama")
+    if dense and "real_word_rate" in spider and "real_word_rate" in dense:
+        target("samples are real words at least as often as the dense baseline's",
+               f"{spider['real_word_rate']:.0%} vs {dense['real_word_rate']:.0%}",
+               spider["real_word_rate"] >= dense["real_word_rate"])
+    return ["| target (issue #16) | measured | met |", "|---|---|---|", *rows] if rows else []
 
 
 def plot(rows: list[dict], path: str) -> bool:

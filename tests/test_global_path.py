@@ -53,6 +53,23 @@ def test_hard_boundary_gradient_is_straight_through_to_the_probability():
     assert x.grad is not None and float(x.grad.abs().sum()) > 0
 
 
+def test_fixed_stride_segments_follow_real_byte_positions_and_decode_as_the_full_forward():
+    model = tiny_model(seed=2, boundary_mode="fixed", boundary_prior=0.25).eval()  # stride 4
+    ids = _ids(length=24, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is left-padded: its first real byte is position 0
+    with torch.no_grad():
+        boundaries = model.model(ids, attention_mask=mask).boundaries
+        full = model(ids).logits
+        prefill = model(ids[:, :10], use_cache=True)
+        step = model(ids[:, 10:], past_key_values=prefill.past_key_values)
+    assert boundaries[0].nonzero().flatten().tolist() == [3, 7, 11, 15, 19, 23]
+    assert boundaries[1].nonzero().flatten().tolist() == [8, 12, 16, 20]  # real positions 3, 7, ... ; none in padding
+    # the cached decode closes the same segments one byte at a time
+    tol = dict(rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(full.abs().max()))
+    torch.testing.assert_close(torch.cat([prefill.logits, step.logits], 1), full, **tol)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Down/upsampling
 # ----------------------------------------------------------------------------------------------------------------------
@@ -192,6 +209,9 @@ def test_short_run_learns_and_segments_as_it_trains(short_run):
     # evaluation segments at the rate training did (one rule), inside a factor 1.25
     ratio = result["bytes_per_segment"] / stats["train_bytes_per_segment"]
     assert 0.8 < ratio < 1.25, (result, stats)
+    # and training kept its boundaries near the prior (1 / 0.333 = 3 bytes per segment): the seed's relaxed rule with
+    # boundary_loss_coef=1.0 collapsed to zero boundaries (a segment per window) within ~50 steps
+    assert 2.0 <= stats["train_bytes_per_segment"] <= 8.0, stats
 
 
 @pytest.mark.slow

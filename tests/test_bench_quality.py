@@ -1,0 +1,74 @@
+"""bench/quality.py without training: the README tables and targets rendered from rows, the shard split, the
+evaluation-time boundary rules and the sample measure. (The suite's training runs are the benchmark itself; the slow
+short run in tests/test_global_path.py trains with its loop.)"""
+
+import math
+import re
+
+import pytest
+import torch
+
+from bench import quality
+from tests.helpers import tiny_model
+
+
+def _row(name, bpb, kind="spider", group="ablation", **extra):
+    return {"name": name, "model": kind, "group": group, "steps": 500, "lr": 1e-3, "parameters": 6_000_000,
+            "sotu_bits_per_byte": bpb, **extra}
+
+
+def _rows(removed_bpb):
+    spider = _row("spider", 2.20, xz_bits_per_byte=3.03, n_loops=2, pydoc_topics_bits_per_byte=4.6,
+                  bpb_by_loops={"1": 2.25, "2": 2.20, "4": 2.205}, train_bytes_per_segment=3.4,
+                  eval_bytes_per_segment=3.2, mean_halting_step=2.0, sample="The state of the Union is a",
+                  real_word_rate=0.9)
+    return [spider, _row("global path removed (prelude + coda only)", removed_bpb, kind="bytes_only"),
+            _row("llama", 2.4, kind="llama", group="baseline equal parameters", pydoc_topics_bits_per_byte=4.5,
+                 sample="x", real_word_rate=0.8),
+            _row("llama lr=0.001, equal wall-clock", 2.5, kind="llama", group="baseline equal wall-clock",
+                 pydoc_topics_bits_per_byte=4.58)]
+
+
+@pytest.mark.parametrize("removed_bpb, met", [(2.35, "yes"), (2.21, "**no**")])
+def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
+    text = quality.render(_rows(removed_bpb))
+    line = next(line for line in text.splitlines() if line.startswith("| the global path pays"))
+    assert line.endswith(f"| {met} |") and f"{removed_bpb - 2.20:+.3f}" in line
+    assert "| held-out bpb at or below the dense baseline at equal wall-clock | 2.200 vs 2.500 | yes |" in text
+    assert "| technical text: no worse than the dense baseline by more than 0.05 | 4.600 vs 4.580 | yes |" in text
+    assert "| 1 loop is worse than the trained count | 2.2500 vs 2.2000 | yes |" in text
+    assert "| twice the trained count no worse than it by more than 0.01 | +0.0050 | yes |" in text
+    assert "| samples are real words at least as often as the dense baseline's | 90% vs 80% | yes |" in text
+
+
+def test_shards_keep_the_baselines_together_and_balance_the_rest():
+    runs = [dict(kind=k, name=n, steps=500) for n, k, _ in quality.ABLATIONS]
+    runs += [dict(kind="llama", name=f"llama {i}", steps=250) for i in range(3)]
+    shards = [quality.shard_of(runs, i, 2) for i in range(2)]
+    assert sorted(r["name"] for s in shards for r in s) == sorted(r["name"] for r in runs)
+    assert all(r["kind"] != "llama" for r in shards[0])
+    cost = [sum(quality._COST[r["kind"]] * (r["steps"] if r["kind"] == "llama" else r["steps"] / 500) for r in s)
+            for s in shards]
+    assert max(cost) - min(cost) <= quality._COST["spider"]  # within one run of each other
+
+
+def test_evaluation_boundary_rules_change_only_the_decision_and_are_undone():
+    model = tiny_model(seed=0).eval()
+    ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+    plain = quality.score(model, ids)
+    matched = quality.score_with_boundary_rule(model, ids, "rate-matched", 5.0)
+    assert matched["bytes_per_segment"] == pytest.approx(5.0, rel=0.25)  # the requested rate, up to quantile ties
+    sampled = quality.score_with_boundary_rule(model, ids, "sampled", None)
+    assert math.isfinite(sampled["bits_per_byte"])
+    assert quality.score(model, ids) == plain  # the predictor's own forward is back
+
+
+def test_sample_words_counts_words_of_the_training_text():
+    model = tiny_model(seed=0)
+    train_ids = torch.tensor(list(b"the state of the union is strong ")).numpy()
+    result = quality.sample_words(model, train_ids, n_samples=1, new_bytes=40)
+    assert result["sample"].startswith(quality.SAMPLE_PROMPT)
+    words = re.findall(r"[A-Za-z]+", result["sample"][len(quality.SAMPLE_PROMPT):])
+    vocabulary = {"the", "state", "of", "union", "is", "strong"}
+    expected = sum(w.lower() in vocabulary for w in words) / max(1, len(words))
+    assert result["real_word_rate"] == pytest.approx(expected)
