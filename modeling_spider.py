@@ -681,9 +681,13 @@ class SpiderBoundaryPredictor(nn.Module):
         self.mode = config.boundary_mode
         self.stride = max(1, round(1.0 / config.boundary_prior))
 
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Boundary logits, fp32 `(B, L)`, from byte states `(B, L, D)`."""
+        return self.out_proj(self.act(self.dense(hidden_states))).squeeze(-1).to(torch.float32)
+
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None):
-        logits = self.out_proj(self.act(self.dense(hidden_states))).squeeze(-1).to(torch.float32)
+        logits = self.logits(hidden_states)
         probs = torch.sigmoid(logits)
         if self.mode == "fixed":
             if position_ids is None:

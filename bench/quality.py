@@ -117,8 +117,7 @@ class _BoundaryRule:
         generator = torch.Generator().manual_seed(0)
 
         def decide(hidden_states, token_mask=None, position_ids=None):
-            logits = predictor.out_proj(predictor.act(predictor.dense(hidden_states))).squeeze(-1).float()
-            probs = torch.sigmoid(logits)
+            probs = torch.sigmoid(predictor.logits(hidden_states))
             if rule == "sampled":
                 boundaries = (torch.rand(probs.shape, generator=generator) < probs).float()
             else:
@@ -266,12 +265,12 @@ def run(kind: str, name: str, overrides: dict, recipe: Recipe, extra_texts: dict
     stats = train(model, train_ids, recipe, eval_windows)
     row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr,
            "parameters": sum(p.numel() for p in model.parameters()), **stats}
-    row["sotu_bits_per_byte"] = score(model, eval_windows)["bits_per_byte"]
+    base = score(model, eval_windows)
+    row["sotu_bits_per_byte"] = base["bits_per_byte"]
     row["xz_bits_per_byte"] = xz_bits_per_byte(eval_windows)
     if kind == "spider":
         cfg = model.config
         row["n_loops"] = cfg.n_loops
-        base = score(model, eval_windows)
         row["eval_bytes_per_segment"] = base.get("bytes_per_segment")
         if loops_curve:
             counts = sorted({1, max(1, cfg.n_loops // 2), cfg.n_loops, 2 * cfg.n_loops})
