@@ -433,7 +433,7 @@ class SpiderMoE(nn.Module):
         Returns:
             `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`.
         """
-        router_logits = F.linear(x.to(torch.float32), self.router.weight.to(torch.float32))
+        router_logits = self.route(x)
         scores = router_logits.softmax(dim=-1)
         topk_idx = self.kernels.topk_gate(scores, self.top_k)
         topk_weights = scores.gather(1, topk_idx)
@@ -449,15 +449,40 @@ class SpiderMoE(nn.Module):
         aux_loss = (expert_load * scores.mean(dim=0)).sum()
         return out, router_logits, aux_loss, expert_load
 
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through ``self.router``'s own forward, so whatever wraps
+        or replaces it (a PEFT LoRA, a bitsandbytes or torchao quantised layer) applies. The input is cast to the
+        router's floating-point weight dtype (fp32 routing whenever the router's weights are fp32); a quantised
+        router takes the activations as they are."""
+        weight = getattr(self.router, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != x.dtype:
+            x = x.to(weight.dtype)
+        return self.router(x).to(torch.float32)
+
     @staticmethod
     def run_expert(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`expert(x)` for `(n, D)` rows. An expert that got no token is not called (torchao's Float8Linear cannot
-        scale an empty tensor); it returns `(0, D)` zeros tied to its weights with a zero factor, so every expert
-        still gets a (zero) gradient, as DDP without `find_unused_parameters` requires."""
+        scale an empty tensor); it returns `(0, D)` zeros tied to its trainable weights with a zero factor, so every
+        expert still gets a (zero) gradient, as DDP without `find_unused_parameters` requires. Frozen (for example
+        quantised) weights are not touched: they need no gradient and may not support the reduction."""
         if x.shape[0] > 0:
             return expert(x)
-        tie = sum(p.reshape(-1)[0] for p in expert.parameters()) * 0.0
-        return x.new_zeros(0, x.shape[-1]) + tie.to(x.dtype)
+        out = x.new_zeros(0, x.shape[-1])
+        trainable = [p for p in expert.parameters() if p.requires_grad]
+        if torch.is_grad_enabled() and trainable:
+            out = out + (sum(p.sum() for p in trainable) * 0.0).to(x.dtype)
+        return out
+
+    def grouped_mm_blocker(self) -> str | None:
+        """Why ``moe_implementation="grouped_mm"`` cannot run this layer, or None. It multiplies the experts'
+        stacked ``.weight`` tensors directly, which is only the experts' computation when every projection is a plain
+        ``nn.Linear`` (not a PEFT LoRA, a quantised or an FP8 layer, which it would silently bypass)."""
+        for e, expert in enumerate(self.experts):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                module = getattr(expert, name)
+                if type(module) is not nn.Linear or type(module.weight) is not nn.Parameter:
+                    return f"experts.{e}.{name} is a {type(module).__module__}.{type(module).__qualname__}"
+        return None
 
     def experts_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of the k chosen experts per token: `(T, D)`, int64 `(T, k)`, `(T, k)` -> fp32 `(T, D)`."""
@@ -470,6 +495,14 @@ class SpiderMoE(nn.Module):
                 out.index_add_(0, token_idx, weighted.to(torch.float32))
             return out
 
+        if implementation == "grouped_mm":
+            blocker = self.grouped_mm_blocker()
+            if blocker is not None:
+                logger.warning_once(
+                    f"moe_implementation='grouped_mm' reads the experts' stacked weights and would bypass {blocker}; "
+                    "running the MoE layers that hold such modules with 'sorted' (each expert through its forward)"
+                )
+                implementation = "sorted"
         mapping = self.kernels.get_fused_mapping(topk_idx, self.num_experts, self.kernels.alignment)
         fused = self.kernels.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert)
         if implementation == "grouped_mm":
