@@ -145,9 +145,18 @@ def _run(spider: SpiderArguments, args) -> dict:
         trainer.accelerator.wait_for_everyone()
         return {"steps": trainer.state.global_step, "stopped_by": stop.received, "checkpoint": checkpoint,
                 "train_loss": train_result.training_loss}
-    after = trainer.evaluate(metric_key_prefix="eval_after") if eval_dataset is not None else {}
-    n = spider.n_loops or model.config.n_loops
-    loops = trainer.evaluate_loop_counts(sorted({1, max(1, n // 2), n, 2 * n})) if eval_dataset is not None else {}
+    after, loops = {}, {}
+    if eval_dataset is not None:
+        # The periodic evaluation usually just scored the final step (max_steps is a multiple of eval_steps): reuse
+        # it rather than score the same weights on the same windows again.
+        final = next((e for e in reversed(trainer.state.log_history) if "eval_bits_per_byte" in e), None)
+        if final is not None and final.get("step") == trainer.state.global_step:
+            after = {"eval_after_" + k[len("eval_"):]: v for k, v in final.items() if k.startswith("eval_")}
+        else:
+            after = trainer.evaluate(metric_key_prefix="eval_after")
+        n = spider.n_loops or model.config.n_loops
+        loops = trainer.evaluate_loop_counts(sorted({1, max(1, n // 2), 2 * n} - {n}))
+        loops = dict(sorted({**loops, str(n): after["eval_after_bits_per_byte"]}.items(), key=lambda kv: int(kv[0])))
 
     summary = {
         "steps": trainer.state.global_step,

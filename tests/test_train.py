@@ -62,8 +62,17 @@ def test_bad_flags_are_refused(monkeypatch):
 
 
 @pytest.mark.slow
-def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path):
+def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatch):
+    from spider_training.trainer import SpiderTrainer
+
+    scored = []  # n_loops of every held-out scoring pass
+    original = SpiderTrainer._held_out_bits_per_byte
+    monkeypatch.setattr(SpiderTrainer, "_held_out_bits_per_byte",
+                        lambda self, dataset, n_loops: scored.append(n_loops) or original(self, dataset, n_loops))
     out, summary = run(tmp_path, "fp32", "--max_steps", "6", "--save_steps", "2", "--precision", "fp32")
+    # before training, at each of the 6 steps, then loops 1 and 4 only: the final step's score is reused for
+    # eval_after and the trained loop count, not computed again
+    assert sorted(map(str, scored)) == sorted(["None"] * 7 + ["1", "4"]), scored
     assert summary["steps"] == 6 and summary["precision"] == "fp32"
     assert summary["eval_after_bits_per_byte"] < summary["eval_before_bits_per_byte"]
     # newest two checkpoints kept (Trainer's rotation), no staging debris, plus the release
@@ -146,6 +155,15 @@ def test_release_loads_in_fresh_process(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "10"  # BOS + 5 bytes + EOS + 3 new
+
+    # the model card's Usage snippet, exactly as a reader copies it (it names this folder: no hub id was given)
+    card = (out / "release" / "README.md").read_text()
+    usage = card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert f'repo = "{out / "release"}"' in usage
+    result = subprocess.run([sys.executable, "-c", usage], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("The state of the Union is")
 
 
 def _free_port() -> int:
