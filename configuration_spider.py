@@ -16,6 +16,7 @@ Field names follow transformers' DeepseekV3 / Qwen3-MoE configs wherever a conce
 from __future__ import annotations
 
 import difflib
+import os
 
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
@@ -212,6 +213,12 @@ class SpiderConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         # Every saved folder maps all three Auto classes, whichever class saved it (save_pretrained adds only its own).
         self.auto_map = {**SPIDER_AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
+        # A config built in code names no folder, so `AutoModel*.from_config(config, trust_remote_code=True)` would
+        # fetch `auto_map`'s code from an empty repo id (HFValidationError): name the folder these files are in.
+        # (`_name_or_path` is never written to config.json; from_pretrained sets it to what it loaded.)
+        here = os.path.dirname(os.path.abspath(__file__))
+        if not self._name_or_path and os.path.exists(os.path.join(here, "modeling_spider.py")):
+            self._name_or_path = here
         self.validate_architecture()
 
     @classmethod

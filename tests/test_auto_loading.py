@@ -76,3 +76,34 @@ def test_save_then_load_in_fresh_process_from_another_directory(tmp_path):
                                **float_tol(expected.logits, model_terms(model)))
     hidden = model.model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(torch.tensor(got["hidden"]), hidden, **float_tol(hidden, model_terms(model)))
+
+
+FROM_CONFIG = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from configuration_spider import SpiderConfig
+from transformers import AutoModel, AutoModelForCausalLM
+config = SpiderConfig.from_preset("tiny")
+lm = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+base = AutoModel.from_config(config, trust_remote_code=True)
+logits = lm(torch.tensor([[257, 72, 105]])).logits
+print(json.dumps({"lm": type(lm).__name__, "base": type(base).__name__, "shape": list(logits.shape)}))
+"""
+
+
+def test_from_config_with_a_config_built_in_code(tmp_path):
+    """`AutoModelForCausalLM.from_config(SpiderConfig.from_preset(...), trust_remote_code=True)` builds the model:
+    a config built in code names the folder of its own files for `auto_map` (it raised HFValidationError on an empty
+    repo id), and that name never reaches config.json."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    env["HF_HUB_OFFLINE"] = "1"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", FROM_CONFIG, repo], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"lm": "SpiderForConditionalGeneration", "base": "SpiderModel", "shape": [1, 3, 272]}
+    folder = tmp_path / "saved"
+    SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny")).save_pretrained(folder)
+    assert "_name_or_path" not in json.loads((folder / "config.json").read_text())
