@@ -120,6 +120,16 @@ class SpiderCausalLMOutput(ModelOutput):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x` cast to `module.weight`'s dtype when that is a floating-point dtype other than `x`'s: the modules the model
+    keeps in fp32 (``_keep_in_fp32_modules_strict``: router, boundary and halting predictors) take bf16 activations
+    in a bf16 model. A quantised weight (int8, packed 4-bit) takes the activations as they are."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != x.dtype:
+        return x.to(weight.dtype)
+    return x
+
+
 class SpiderRMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype. Shape-preserving `(..., D)`."""
 
@@ -454,10 +464,7 @@ class SpiderMoE(nn.Module):
         or replaces it (a PEFT LoRA, a bitsandbytes or torchao quantised layer) applies. The input is cast to the
         router's floating-point weight dtype (fp32 routing whenever the router's weights are fp32); a quantised
         router takes the activations as they are."""
-        weight = getattr(self.router, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != x.dtype:
-            x = x.to(weight.dtype)
-        return self.router(x).to(torch.float32)
+        return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
     @staticmethod
     def run_expert(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -716,7 +723,8 @@ class SpiderBoundaryPredictor(nn.Module):
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Boundary logits, fp32 `(B, L)`, from byte states `(B, L, D)`."""
-        return self.out_proj(self.act(self.dense(hidden_states))).squeeze(-1).to(torch.float32)
+        hidden = self.act(self.dense(as_weight_dtype(self.dense, hidden_states)))
+        return self.out_proj(as_weight_dtype(self.out_proj, hidden)).squeeze(-1).to(torch.float32)
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None):
@@ -1094,6 +1102,15 @@ class SpiderModel(SpiderPreTrainedModel):
     `halt_predictor`, `coda_layers`, norms `down_norm`, `loop_norm`, `norm`.
     """
 
+    # Decisions that a low-precision weight would flip (top-k experts, segment boundaries at a threshold, ACT halting)
+    # stay fp32 and unquantised. transformers reads two lists in different places: the quantizers (bitsandbytes,
+    # torchao) and fp16 loads read `_keep_in_fp32_modules`, bf16 loads the strict list, and the two must not share an
+    # entry, so the same modules are spelled twice. Quantizers match names from the start (a regex) or by suffix.
+    # SpiderForConditionalGeneration adds its own prefixed names and lm_head; from_pretrained merges both classes'.
+    _keep_in_fp32_modules = ["halt_predictor", "boundary_predictor", "layers.*.router"]
+    _keep_in_fp32_modules_strict = ["halt_predictor.weight", "halt_predictor.bias", "boundary_predictor.dense",
+                                    "boundary_predictor.out_proj", "mlp.router"]
+
     def __init__(self, config: SpiderConfig):
         super().__init__(config)
         D = config.hidden_size
@@ -1324,7 +1341,8 @@ class SpiderModel(SpiderPreTrainedModel):
             z = z + self.loop_lora(z, t)
             h = self.injection(h, e, z)
 
-            p = torch.sigmoid(self.halt_predictor(h).squeeze(-1).to(torch.float32))
+            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
+            p = torch.sigmoid(halt_logits.to(torch.float32))
             step_weight = act.step(p, is_last=t == n_loops - 1)
             h_out = h_out + step_weight[..., None] * h.to(torch.float32)
         return h_out, act, aux_losses, expert_loads, router_logits
@@ -1430,6 +1448,10 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     a segment; the output equals the no-cache output (tested). `n_loops=` passes through.
     """
 
+    # See SpiderModel: the same modules under this class's names, and the output logits.
+    _keep_in_fp32_modules = ["lm_head", "model.halt_predictor", "model.boundary_predictor", "model.layers.*.router"]
+    _keep_in_fp32_modules_strict = ["lm_head.weight"]
+
     _tied_weights_keys = {}
 
     def __init__(self, config: SpiderConfig):
@@ -1482,7 +1504,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
         )
-        logits = self.lm_head(outputs.last_hidden_state)
+        logits = self.lm_head(as_weight_dtype(self.lm_head, outputs.last_hidden_state))
         loss = lm_loss = None
         shift_labels = kwargs.get("shift_labels")  # pre-shifted targets (sequence/context parallelism)
         if labels is not None or shift_labels is not None:
