@@ -58,6 +58,26 @@ class Recipe:
     max_grad_norm: float = 1.0
     seed: int = 42
     eval_every: int = 0  # also score the held-out slice every N steps (for the bpb-vs-wall-clock plot)
+    global_lr_scale: float = 1.0  # Spider's global path (everything outside BYTE_LAYERS) at this multiple of lr
+
+
+#: Spider's byte layers, by parameter-name prefix; every other parameter belongs to the global path (boundary
+#: predictor, segments, Engram, the recurrent block and its loop machinery, the upsampled stream's scale).
+BYTE_LAYERS = ("model.embed_tokens.", "model.prelude_layers.", "model.coda_layers.", "model.norm.", "lm_head.")
+
+
+def param_groups(model, recipe: Recipe) -> list[dict]:
+    """AdamW parameter groups: weight decay on matrices (`dim >= 2`) only, as the Trainer's default; with
+    `recipe.global_lr_scale`, Spider's global path gets its own learning-rate multiplier (H-Net's per-stage
+    multipliers, arXiv 2507.07955 §3). Each group carries an ``lr_scale`` applied on top of the schedule."""
+    is_spider = isinstance(model, SpiderForConditionalGeneration)
+    groups = {}
+    for name, param in model.named_parameters():
+        scale = recipe.global_lr_scale if is_spider and not name.startswith(BYTE_LAYERS) else 1.0
+        decay = param.dim() >= 2
+        groups.setdefault((scale, decay), []).append(param)
+    return [{"params": params, "weight_decay": recipe.weight_decay if decay else 0.0, "lr_scale": scale}
+            for (scale, decay), params in groups.items()]
 
 
 def corpus_bytes(split: str) -> np.ndarray:
@@ -176,14 +196,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
     """Train `model` with `recipe` on windows drawn uniformly at random from `train_ids`; returns training stats."""
     torch.manual_seed(recipe.seed)
     rng = np.random.default_rng(recipe.seed)
-    optimizer = model.optimizer_groups(recipe.lr, recipe.weight_decay) if hasattr(model, "optimizer_groups") else None
-    if optimizer is None:
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        optimizer = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    for group in optimizer:
-        group.setdefault("lr_scale", 1.0)
-    opt = torch.optim.AdamW(optimizer, lr=recipe.lr, betas=recipe.betas)
+    opt = torch.optim.AdamW(param_groups(model, recipe), lr=recipe.lr, betas=recipe.betas)
     model.train()
     T = recipe.seq_len + 1
     losses, rates, curve = [], [], []
@@ -291,9 +304,9 @@ def run(kind: str, name: str, overrides: dict, recipe: Recipe, extra_texts: dict
     return row
 
 
-#: The ablations of the README table: (name, model kind, Spider config overrides). Each trains with the default
-#: recipe (same steps, data, seed); "spider" is the default run itself.
-ABLATIONS: list[tuple[str, str, dict]] = [
+#: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
+#: with the default recipe (same steps, data, seed) unless it names a recipe change; "spider" is the default run.
+ABLATIONS: list[tuple] = [
     ("spider", "spider", {}),
     ("global path removed (prelude + coda only)", "bytes_only", {}),
     ("n_loops=1", "spider", {"n_loops": 1}),
@@ -301,9 +314,18 @@ ABLATIONS: list[tuple[str, str, dict]] = [
     ("16-byte window in the byte layers", "spider", {"sliding_window": 16}),
     ("global path removed, 16-byte window", "bytes_only", {"sliding_window": 16}),
     ("global path removed, full attention", "bytes_only", {"sliding_window": None}),
+    ("3-byte window in the byte layers", "spider", {"sliding_window": 3}),
+    ("global path removed, 3-byte window", "bytes_only", {"sliding_window": 3}),
+    ("2-byte window in the byte layers", "spider", {"sliding_window": 2}),
+    ("global path removed, 2-byte window", "bytes_only", {"sliding_window": 2}),
+    ("2-byte window, segments a fixed stride of 3 bytes", "spider", {"sliding_window": 2, "boundary_mode": "fixed"}),
+    ("2-byte window, global stream at scale 0.1 from the start (upsample_scale_init=0.1)", "spider",
+     {"sliding_window": 2, "upsample_scale_init": 0.1}),
+    ("global path at 3x the learning rate (H-Net's per-stage multiplier)", "spider", {}, {"global_lr_scale": 3.0}),
     ("dense FFN instead of MoE in the recurrent block", "spider", {"n_routed_experts": 1, "num_experts_per_tok": 1}),
     ("Engram off", "spider", {"engram_layer_ids": []}),
     ("prelude/coda 2 + 2 layers", "spider", {"num_prelude_layers": 2, "num_coda_layers": 2}),
+    ("global path removed, prelude/coda 2 + 2 layers", "bytes_only", {"num_prelude_layers": 2, "num_coda_layers": 2}),
     ("mixing: H-Net residual_proj (zero-init byte skip)", "spider", {"upsample_mixing": "residual_proj"}),
     ("mixing: upsampled + bytes (the seed's)", "spider", {"upsample_mixing": "add"}),
     ("ACT with the seed's ponder_loss_coef=0.01", "spider", {"ponder_loss_coef": 0.01}),
@@ -314,6 +336,23 @@ ABLATIONS: list[tuple[str, str, dict]] = [
      {"boundary_mode": "relaxed"}),
     ("the seed's rules together (relaxed boundaries, seed mixing, ponder 0.01, full attention)", "spider",
      {"boundary_mode": "relaxed", "upsample_mixing": "add", "ponder_loss_coef": 0.01, "sliding_window": None}),
+]
+
+
+#: (byte layers and budget, Spider row, the same byte layers without the global path): the README's "what the
+#: global path adds" table.
+GLOBAL_PATH_PAIRS = [
+    ("2-byte window", "2-byte window in the byte layers", "global path removed, 2-byte window"),
+    ("2-byte window, segments a fixed stride of 3 bytes", "2-byte window, segments a fixed stride of 3 bytes",
+     "global path removed, 2-byte window"),
+    ("3-byte window", "3-byte window in the byte layers", "global path removed, 3-byte window"),
+    ("4-byte window (the default)", "spider", "global path removed (prelude + coda only)"),
+    ("16-byte window", "16-byte window in the byte layers", "global path removed, 16-byte window"),
+    ("4-byte window, prelude/coda 2 + 2 layers", "prelude/coda 2 + 2 layers",
+     "global path removed, prelude/coda 2 + 2 layers"),
+    ("4-byte window, 2x the steps", "spider, 2x the steps", "global path removed, 2x the steps"),
+    ("4-byte window, 4x the steps", "spider, 4x the steps", "global path removed, 4x the steps"),
+    ("4-byte window, 8x the steps", "spider, 8x the steps", "global path removed, 8x the steps"),
 ]
 
 
@@ -351,16 +390,19 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3)) -> list[dict]:
     t_spider = step_seconds("spider", {}, recipe)
     t_llama = step_seconds("llama", {}, recipe)
     equal_time_steps = max(1, round(recipe.steps * t_spider / t_llama))
-    runs = [dict(group="ablation", kind=kind, name=name, overrides=ov, steps=recipe.steps, lr=recipe.lr)
-            for name, kind, ov in ABLATIONS]
+    runs = [dict(group="ablation", kind=kind, name=name, overrides=ov, steps=recipe.steps, lr=recipe.lr,
+                 recipe=recipe_ov[0] if recipe_ov else {})
+            for name, kind, ov, *recipe_ov in ABLATIONS]
     runs.append(dict(group="baseline equal parameters", kind="llama", name="llama", overrides={},
                      steps=recipe.steps, lr=recipe.lr))
     for lr in lrs:
         runs.append(dict(group="baseline equal wall-clock", kind="llama", name=f"llama lr={lr:g}, equal wall-clock",
                          overrides={}, steps=equal_time_steps, lr=lr))
-    for kind, name in (("spider", "spider, 2x the steps"), ("bytes_only", "global path removed, 2x the steps")):
-        runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=2 * recipe.steps,
-                         lr=recipe.lr))
+    for factor in (2, 4, 8):
+        for kind, name in (("spider", f"spider, {factor}x the steps"),
+                           ("bytes_only", f"global path removed, {factor}x the steps")):
+            runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
+                             lr=recipe.lr))
     for r in runs:
         r["step_seconds"] = {"spider": t_spider, "llama": t_llama}
     return runs
@@ -395,10 +437,13 @@ def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, st
     rows = []
     for spec in shard_of(suite_runs(base), shard, num_shards):
         recipe = Recipe(steps=spec["steps"], lr=spec["lr"], warmup_steps=min(200, max(1, spec["steps"] // 10)),
-                        eval_every=max(1, base.steps // 10) if spec["name"] in ("spider", "llama") else 0)
+                        eval_every=max(1, base.steps // 10) if spec["name"] in ("spider", "llama") else 0,
+                        **spec.get("recipe", {}))
         print(f"[quality] {spec['name']} ...", file=log, flush=True)
         row = run(spec["kind"], spec["name"], spec["overrides"], recipe, texts, loops_curve=spec["kind"] == "spider")
         row.update(group=spec["group"], step_seconds=spec["step_seconds"])
+        if spec.get("recipe"):
+            row["recipe"] = spec["recipe"]
         print(json.dumps(row), flush=True)
         rows.append(row)
         if out:
@@ -467,10 +512,12 @@ def render(rows: list[dict]) -> str:
         lines.append(f"| boundary decision at evaluation: {rule} (same weights; "
                      f"{_f(result.get('bytes_per_segment'), 2)} bytes per segment) | {_f(result['bits_per_byte'])} | "
                      f"{delta:+.3f} |")
-    longer = [r for r in rows if r.get("group") == "longer budget"]
-    if longer:
-        lines += ["", "| longer budget (same recipe, more steps) | steps | held-out bpb |", "|---|---:|---:|"]
-        lines += [f"| {r['name']} | {r['steps']} | {_f(r['sotu_bits_per_byte'])} |" for r in longer]
+    pairs = [(label, by_name[a], by_name[b]) for label, a, b in GLOBAL_PATH_PAIRS if a in by_name and b in by_name]
+    if pairs:
+        lines += ["", "| what the global path adds: byte layers, budget | steps | Spider | global path removed | "
+                  "the global path adds |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {label} | {a['steps']} | {_f(a['sotu_bits_per_byte'])} | {_f(b['sotu_bits_per_byte'])} | "
+                  f"{b['sotu_bits_per_byte'] - a['sotu_bits_per_byte']:+.3f} |" for label, a, b in pairs]
     lines += ["", *_targets(spider, by_name, best)]
     samples = [(label, r) for label, r in (("Spider", spider), ("Llama (equal parameters)", dense)) if r and "sample" in r]
     if samples:

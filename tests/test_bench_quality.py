@@ -42,7 +42,7 @@ def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
 
 
 def test_shards_keep_the_baselines_together_and_balance_the_rest():
-    runs = [dict(kind=k, name=n, steps=500) for n, k, _ in quality.ABLATIONS]
+    runs = [dict(kind=k, name=n, steps=500) for n, k, *_ in quality.ABLATIONS]
     runs += [dict(kind="llama", name=f"llama {i}", steps=250) for i in range(3)]
     shards = [quality.shard_of(runs, i, 2) for i in range(2)]
     assert sorted(r["name"] for s in shards for r in s) == sorted(r["name"] for r in runs)
@@ -72,3 +72,29 @@ def test_sample_words_counts_words_of_the_training_text():
     vocabulary = {"the", "state", "of", "union", "is", "strong"}
     expected = sum(w.lower() in vocabulary for w in words) / max(1, len(words))
     assert result["real_word_rate"] == pytest.approx(expected)
+
+
+def test_global_path_table_pairs_each_spider_row_with_its_ablation():
+    rows = _rows(2.21) + [_row("2-byte window in the byte layers", 2.34),
+                          _row("global path removed, 2-byte window", 2.49, kind="bytes_only"),
+                          _row("3-byte window in the byte layers", 2.23)]  # no partner: no line
+    text = quality.render(rows)
+    assert "| 2-byte window | 500 | 2.340 | 2.490 | +0.150 |" in text
+    assert "| 4-byte window (the default) | 500 | 2.200 | 2.210 | +0.010 |" in text
+    assert "| 3-byte window |" not in text
+
+
+def test_global_lr_scale_multiplies_only_the_global_path():
+    model = tiny_model(seed=0)
+    groups = quality.param_groups(model, quality.Recipe(global_lr_scale=3.0))
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert len(scale) == len(named)
+    for name, p in named.items():
+        assert scale[id(p)] == (1.0 if name.startswith(quality.BYTE_LAYERS) else 3.0), name
+        assert decay[id(p)] == (0.1 if p.dim() >= 2 else 0.0), name
+    assert scale[id(named["model.layers.0.mlp.router.weight"])] == 3.0
+    assert scale[id(named["model.prelude_layers.0.mlp.up_proj.weight"])] == 1.0
+    baseline = quality.param_groups(quality.build("llama", {"num_hidden_layers": 1}), quality.Recipe(global_lr_scale=3.0))
+    assert {g["lr_scale"] for g in baseline} == {1.0}
