@@ -10,7 +10,10 @@ Silenced, each at its source:
 * torchao logs a WARNING for every CUDA-only extension (``_C_mxfp8``, ``_C_cutlass_90a``) it cannot load on a machine
   without them, and registers two enums with torch's pytree, which torch 2.13 answers with a deprecation WARNING
   (``torch.utils._pytree``). Both happen once, at the first import of the modules concerned:
-  :func:`import_torchao_quietly` imports them with those two loggers raised to ERROR, for those imports only.
+  :func:`import_libraries_quietly` imports them with those two loggers raised to ERROR, for those imports only.
+* bitsandbytes (imported by peft, hence by transformers and accelerate when peft is installed) logs a WARNING at
+  import on a CPU with AVX512-BF16 when the optional ``kernels`` package is missing ("Failed to load CPU
+  gemm_4bit_forward from kernels-community"): imported the same way.
 * transformers' INFO messages (the ``GenerationConfig`` dump, "Configuration saved in ...") and its shard-writing
   progress bars: :func:`configure_logging` sets transformers to WARNING.
 * accelerate's "The following values were not passed to ``accelerate launch``" block: the repository ships the
@@ -28,7 +31,7 @@ import sys
 #: (``ScaleCalculationMode``): imported once here, quietly
 TORCHAO_MODULES_IMPORTED_LATER = ("torchao.float8", "torchao.prototype.mx_formats.config")
 #: loggers that report on a library's own installation at its import, not on the run
-IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
+IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 @contextlib.contextmanager
@@ -45,9 +48,16 @@ def quiet_loggers(names=IMPORT_TIME_LOGGERS, level: int = logging.ERROR):
             lg.setLevel(old)
 
 
-def import_torchao_quietly() -> None:
-    """Import torchao (if installed) with its import-time warnings silenced (see the module docstring). Call before
-    anything imports it (transformers does, through its quantizers, when ``modeling_spider`` is imported)."""
+def import_libraries_quietly() -> None:
+    """Import torchao and bitsandbytes (those installed) with their import-time warnings silenced (see the module
+    docstring). Call before anything imports them (transformers does, through its quantizers and peft, when
+    ``modeling_spider`` is imported)."""
+    if "bitsandbytes" not in sys.modules and importlib.util.find_spec("bitsandbytes") is not None:
+        with quiet_loggers():
+            try:
+                import bitsandbytes  # noqa: F401  (reports its optional CPU kernels at import)
+            except Exception:  # a broken install says so later, where it is used
+                pass
     if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
         return
     with quiet_loggers():

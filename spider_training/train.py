@@ -16,9 +16,9 @@ import json
 import logging
 import os
 
-from spider_training.console import configure_logging, describe_run, import_torchao_quietly
+from spider_training.console import configure_logging, describe_run, import_libraries_quietly
 
-import_torchao_quietly()  # before transformers imports it: its import-time warnings concern the install, not the run
+import_libraries_quietly()  # before transformers imports them: their import-time warnings concern the install
 
 import torch  # noqa: E402
 from transformers import default_data_collator, set_seed  # noqa: E402
