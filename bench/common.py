@@ -69,10 +69,12 @@ def environment() -> dict[str, Any]:
 
 
 def check(name: str, metric: str, target: float, measured: float | None, higher_is_better: bool = True) -> dict:
-    """One target line: ``met`` is ``measured >= target`` (or ``<=`` when lower is better); None -> not met."""
+    """One target line: ``met`` is ``measured >= target`` (or ``<=`` when lower is better), judged on the recorded
+    (rounded to 4 decimals) value so that the record agrees with itself; None -> not met."""
     if measured is None:
         met = False
     else:
+        measured = float(round(measured, 4))
         met = bool(measured >= target) if higher_is_better else bool(measured <= target)
     return {
         "name": name,

@@ -12,7 +12,10 @@ Usage::
 
     python -m bench.quality --runs spider llama              # the headline pair
     python -m bench.quality --runs spider --overrides '{"n_loops": 3}' --name loops3
-    python -m bench.quality --ablations                       # every ablation of the README table
+    python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the README tables (part 1/2)
+
+``bench.run_all`` runs :func:`run`: the headline rows (Spider, the same byte layers without the global path, the
+dense Llama at equal parameters) judged against issue #16's targets.
 """
 
 from __future__ import annotations
@@ -269,12 +272,16 @@ def build(kind: str, overrides: dict) -> torch.nn.Module:
     return SpiderForConditionalGeneration(SpiderConfig.from_preset("small", **overrides))
 
 
-def run(kind: str, name: str, overrides: dict, recipe: Recipe, extra_texts: dict[str, np.ndarray] | None = None,
-        loops_curve: bool = True, save: str | None = None) -> dict:
+def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
+                    extra_texts: dict[str, np.ndarray] | None = None, loops_curve: bool = True, save: str | None = None,
+                    slice_bytes: int = 32 * 1024, samples: bool = True) -> dict:
+    """Train one variant (`kind` ``"spider"``, ``"bytes_only"`` or ``"llama"``, with Spider config `overrides`) by
+    `recipe` and score it on the held-out slice (`slice_bytes` bytes): one row of the README tables (a dict of
+    floats in bits per byte, bytes per segment, seconds). `save`: a folder for ``save_pretrained``."""
     torch.manual_seed(recipe.seed)
     model = build(kind, overrides)
     train_ids = corpus_bytes("train")
-    eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len)
+    eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len, slice_bytes=slice_bytes)
     stats = train(model, train_ids, recipe, eval_windows)
     row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr,
            "parameters": sum(p.numel() for p in model.parameters()), **stats}
@@ -297,11 +304,49 @@ def run(kind: str, name: str, overrides: dict, recipe: Recipe, extra_texts: dict
                 for rule in ("sampled", "rate-matched")}
     for label, ids in (extra_texts or {}).items():
         row[f"{label}_bits_per_byte"] = score(model, heldout_windows(ids, recipe.seq_len))["bits_per_byte"]
-    if kind in ("spider", "llama"):
+    if samples and kind in ("spider", "llama"):
         row.update(sample_words(model, train_ids))
     if save and hasattr(model, "save_pretrained"):
         model.save_pretrained(save)
     return row
+
+
+def run(quick: bool = False, profile: bool | None = None) -> dict:
+    """``bench.run_all``'s entry (result format of :mod:`bench.common`): Spider's default run, the same byte layers
+    without the global path and the dense Llama at equal parameters and steps, each trained by the default recipe
+    (about 20 minutes on one thread), judged against issue #16's targets. `quick`: 6 steps of 2 x 64 bytes scored
+    on a 4 KB slice, which checks the wiring, not the model. The complete tables (every ablation, the equal
+    wall-clock sweep, longer budgets) are ``--suite``. `profile` is accepted for the runner and unused."""
+    from bench.common import check, finish, info
+
+    start = time.perf_counter()
+    recipe = Recipe(steps=6, batch_size=2, seq_len=64, warmup_steps=2) if quick else Recipe()
+    size = dict(slice_bytes=4096, samples=False) if quick else {}
+    rows = {kind: train_and_score(kind, kind, {}, recipe, loops_curve=kind == "spider", **size)
+            for kind in ("spider", "bytes_only", "llama")}
+    spider, removed, dense = rows["spider"], rows["bytes_only"], rows["llama"]
+    bpb = spider["sotu_bits_per_byte"]
+    loops = {int(k): v for k, v in spider["bpb_by_loops"].items()}
+    n = spider["n_loops"]
+    checks = [
+        check("held-out bpb: dense Llama (equal parameters) minus Spider", "bits per byte", 0.0,
+              dense["sotu_bits_per_byte"] - bpb),
+        check("held-out bpb: global path removed minus Spider", "bits per byte", 0.10,
+              removed["sotu_bits_per_byte"] - bpb),
+        check("held-out bpb: 1 loop minus the trained count", "bits per byte", 0.0, loops[1] - loops[n]),
+        check("held-out bpb: twice the trained loops minus the trained count", "bits per byte", 0.01,
+              loops[2 * n] - loops[n], higher_is_better=False),
+        check("evaluation vs training bytes per segment", "relative difference", 0.25,
+              abs(spider["eval_bytes_per_segment"] / spider["train_bytes_per_segment"] - 1), higher_is_better=False),
+    ]
+    result = {"benchmark": "quality",
+              "description": "held-out bits per byte: Spider, its byte layers alone, a dense Llama (issue #16 targets)",
+              "sizes": {"steps": recipe.steps, "batch": recipe.batch_size, "seq_len": recipe.seq_len},
+              "dtype": "fp32", "checks": checks,
+              "info": [info(f"{kind} held-out bpb", r["sotu_bits_per_byte"], "bits/byte") for kind, r in rows.items()]
+              + [info("xz -9e on the slice", spider["xz_bits_per_byte"], "bits/byte")],
+              "measurements": rows, "notes": [] if not quick else ["quick: 6 steps, not a model measurement"]}
+    return finish(result, start)
 
 
 #: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
@@ -440,7 +485,8 @@ def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, st
                         eval_every=max(1, base.steps // 10) if spec["name"] in ("spider", "llama") else 0,
                         **spec.get("recipe", {}))
         print(f"[quality] {spec['name']} ...", file=log, flush=True)
-        row = run(spec["kind"], spec["name"], spec["overrides"], recipe, texts, loops_curve=spec["kind"] == "spider")
+        row = train_and_score(spec["kind"], spec["name"], spec["overrides"], recipe, texts,
+                              loops_curve=spec["kind"] == "spider")
         row.update(group=spec["group"], step_seconds=spec["step_seconds"])
         if spec.get("recipe"):
             row["recipe"] = spec["recipe"]
@@ -639,8 +685,9 @@ def main(argv=None) -> list[dict]:
                         warmup_steps=min(200, max(1, args.steps // 10)))
         rows = []
         for kind in args.runs:
-            row = run(kind, args.name or kind, json.loads(args.overrides) if kind != "llama" else {}, recipe, texts,
-                      loops_curve=not args.no_loops_curve, save=args.save and f"{args.save}/{kind}")
+            row = train_and_score(kind, args.name or kind, json.loads(args.overrides) if kind != "llama" else {},
+                                  recipe, texts, loops_curve=not args.no_loops_curve,
+                                  save=args.save and f"{args.save}/{kind}")
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:

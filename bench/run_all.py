@@ -24,7 +24,8 @@ if __package__ in (None, ""):  # `python bench/run_all.py` as well as `python -m
 
 from bench.common import environment  # noqa: E402
 
-BENCHMARKS = ("moe", "train_step", "mfu", "generation", "activation_checkpointing", "data_pipeline", "compile")
+BENCHMARKS = ("moe", "train_step", "mfu", "generation", "activation_checkpointing", "data_pipeline", "quality",
+              "compile")
 
 
 def run_all(quick: bool = False, only: list[str] | None = None, profile: bool | None = None,

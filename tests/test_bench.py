@@ -23,8 +23,12 @@ def quick_results(tmp_path_factory):
     return exit_code, results
 
 
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _positive_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    return _finite_number(x) and x > 0
 
 
 @pytest.mark.slow
@@ -41,10 +45,12 @@ def test_quick_run_has_every_benchmark_with_measurements(quick_results):
         assert r["sizes"] and r["dtype"], name
         assert r["checks"], f"{name} has no target checks"
         for c in r["checks"]:
-            assert _positive_number(c["measured"]), (name, c)
-            assert _positive_number(c["target"]), (name, c)
+            # speed checks are positive ratios; quality's are differences in bits per byte (any sign, 0 included)
+            assert (_finite_number if name == "quality" else _positive_number)(c["measured"]), (name, c)
+            assert _finite_number(c["target"]) and (name == "quality" or c["target"] > 0), (name, c)
             assert isinstance(c["met"], bool), (name, c)
-            assert c["met"] == (c["measured"] >= c["target"]), (name, c)  # met agrees with the numbers
+            agrees = c["measured"] >= c["target"] if c["comparison"] == ">=" else c["measured"] <= c["target"]
+            assert c["met"] == agrees, (name, c)  # met agrees with the numbers
         for i in r.get("info", []):
             assert _positive_number(i["measured"]), (name, i)
     assert exit_code == 0
