@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from configuration_spider import SPIDER_PRESETS
+from .data import is_hub_repo_id
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
 DEFAULT_MAX_STEPS = 500
@@ -106,9 +106,6 @@ def _from_env(name: str, cast):
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {cast.__name__}") from None
 
 
-_HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
 def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> None:
     """``--resume`` / ``--init_from`` must name a folder saved with ``save_pretrained`` (``--init_from`` may also be a
     Hub model id ``owner/name``). Checked here, before any model is built or file written.
@@ -126,7 +123,7 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
                          f"model.safetensors){hint}")
     if os.path.isdir(path):
         return
-    if not local_only and _HUB_MODEL_ID.match(value) and not value.startswith((".", "/", "~")):
+    if not local_only and is_hub_repo_id(value):
         return  # a Hub model id: from_pretrained downloads (or fails naming it)
     raise FileNotFoundError(f"{flag} {value}: no such folder")
 

@@ -294,7 +294,21 @@ def sotu_dataset(split: str = "train", eval_from_year: int = DEFAULT_SOTU_EVAL_F
 # Source classification and text sources
 # ---------------------------------------------------------------------------------------------------------------------
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+(:[\w.\-]+)?$")
+def is_hub_repo_id(value: str) -> bool:
+    """True for a Hub repository id of the form ``owner/name`` that ``huggingface_hub.utils.validate_repo_id``
+    accepts (no local-path prefix such as ``./``, ``/`` or ``~``); False for anything else."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if value.count("/") != 1 or value.startswith((".", "/", "~")):
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
 _EVAL_MARK = re.compile(r"(?:^|[^a-z])(val|valid|validation|eval|test|dev)(?:[^a-z]|$)", re.I)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -308,9 +322,9 @@ def split_of_path(relative_path: str) -> str:
 
 def parse_hub_source(source: str) -> tuple[str, str | None]:
     """Split ``"owner/name[:config]"`` into ``(repo_id, config)``. Raises ``ValueError`` for anything else."""
-    if not _HUB_ID.match(source):
+    repo, colon, config = source.partition(":")
+    if not is_hub_repo_id(repo) or (colon and not re.fullmatch(r"[\w.\-]+", config)):
         raise ValueError(f"{source!r} is not a Hub dataset id of the form 'owner/name' or 'owner/name:config'")
-    repo, _, config = source.partition(":")
     return repo, (config or None)
 
 
@@ -358,7 +372,8 @@ def classify_source(source: str) -> tuple[str, list[Path]]:
         files = [path]
     elif _GLOB_CHARS.search(source):
         files = _glob_files(source, "glob")
-    elif _HUB_ID.match(source) and not source.startswith((".", "/", "~")):
+    elif is_hub_repo_id(source.partition(":")[0]):
+        parse_hub_source(source)  # a malformed config suffix names itself here
         return "hub", []
     else:
         raise FileNotFoundError(f"data source {source!r}: no such file or directory (and not a Hub id 'owner/name')")

@@ -291,6 +291,11 @@ def test_hub_source_parsing_and_errors():
         D.parse_hub_source("no-slash")
     with pytest.raises(FileNotFoundError, match="no_such_dir"):
         D.classify_source("./no_such_dir/x")
+    # huggingface_hub's own validation decides (double dots, a leading dash, too long), on top of owner/name
+    for bad in ("owner/na..me", "-owner/name", "owner/" + "n" * 100, "a/b/c", "./owner/name"):
+        assert not D.is_hub_repo_id(bad), bad
+    with pytest.raises(ValueError, match="not a Hub dataset id"):
+        D.parse_hub_source("owner/name:bad config")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
