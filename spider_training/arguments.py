@@ -37,6 +37,10 @@ class SpiderArguments:
         default=None, metadata={"help": "comma-separated config overrides, e.g. 'n_loops=3,lora_rank=8'"}
     )
     init_from: str | None = field(default=None, metadata={"help": "start from the weights of a saved Spider folder"})
+    model_name: str | None = field(
+        default=None, metadata={"help": "the release's name on its model card (default: the hub id's name, else "
+                                        "spider-<preset>-<size>M)"}
+    )
     data: str = field(
         default="sotu",
         metadata={

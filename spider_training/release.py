@@ -14,6 +14,16 @@ from .fp8 import fp8_to_plain_state_dict
 from .model_card import write_model_card
 
 
+def release_model_name(spider, hub_id: str | None, parameters: int | None) -> str:
+    """The name on the release's model card (title and model-index): ``--model_name`` when given, else the name part
+    of the hub id, else ``spider-<preset>-<parameters in millions>M`` (``spider-small-6.0M``)."""
+    if getattr(spider, "model_name", None):
+        return spider.model_name
+    if hub_id:
+        return hub_id.split("/")[-1]
+    return f"spider-{spider.preset}" + (f"-{parameters / 1e6:.1f}M" if parameters else "")
+
+
 def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict, log_history: list[dict]) -> Path:
     """Save `model` (unwrapped; FP8 layers saved as their plain weights) and `tokenizer` with a model card.
 
@@ -42,9 +52,7 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
         metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "parameters"}
         metrics["parameters"] = summary.get("parameters")
         hub_id = getattr(args, "hub_model_id", None)
-        params = summary.get("parameters")
-        model_name = (hub_id.split("/")[-1] if hub_id
-                      else f"spider-{spider.preset}" + (f"-{params / 1e6:.1f}M" if params else ""))
+        model_name = release_model_name(spider, hub_id, summary.get("parameters"))
         write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
                          loss_history=log_history, repo_id=hub_id or str(release_dir), model_name=model_name,
                          bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"))

@@ -243,3 +243,15 @@ def test_key_names_of_release_py_are_understood(release, config):
     assert "| held-out bits per byte, after training | 2.9 |" in text
     (result,) = ModelCard.load(readme).data.eval_results
     assert (result.metric_value, result.dataset_type) == (2.9, "sotu")
+
+
+def test_release_model_name_prefers_the_flag_then_the_hub_id_then_preset_and_size():
+    from types import SimpleNamespace
+
+    from spider_training.release import release_model_name
+
+    assert release_model_name(SimpleNamespace(preset="small", model_name=None), None, 6_045_379) == "spider-small-6.0M"
+    assert release_model_name(SimpleNamespace(preset="small", model_name=None), "me/spider-sotu", 6_045_379) == \
+        "spider-sotu"
+    named = SimpleNamespace(preset="small", model_name="spider-small-sotu-500steps")
+    assert release_model_name(named, "me/spider-sotu", 6_045_379) == "spider-small-sotu-500steps"
