@@ -477,7 +477,7 @@ class SpiderMoE(nn.Module):
         out = x.new_zeros(0, x.shape[-1])
         trainable = [p for p in expert.parameters() if p.requires_grad]
         if torch.is_grad_enabled() and trainable:
-            out = out + (sum(p.sum() for p in trainable) * 0.0).to(x.dtype)
+            out = out + (sum(p.reshape(-1)[0] for p in trainable) * 0.0).to(x.dtype)
         return out
 
     def grouped_mm_blocker(self) -> str | None:

@@ -17,7 +17,7 @@ from .model_card import write_model_card
 def release_model_name(spider, hub_id: str | None, parameters: int | None) -> str:
     """The name on the release's model card (title and model-index): ``--model_name`` when given, else the name part
     of the hub id, else ``spider-<preset>-<parameters in millions>M`` (``spider-small-6.0M``)."""
-    if getattr(spider, "model_name", None):
+    if spider.model_name:
         return spider.model_name
     if hub_id:
         return hub_id.split("/")[-1]

@@ -155,8 +155,9 @@ def _run(spider: SpiderArguments, args) -> dict:
         else:
             after = trainer.evaluate(metric_key_prefix="eval_after")
         n = spider.n_loops or model.config.n_loops
-        loops = trainer.evaluate_loop_counts(sorted({1, max(1, n // 2), 2 * n} - {n}))
-        loops = dict(sorted({**loops, str(n): after["eval_after_bits_per_byte"]}.items(), key=lambda kv: int(kv[0])))
+        counts = sorted({1, max(1, n // 2), n, 2 * n})
+        others = trainer.evaluate_loop_counts([c for c in counts if c != n])
+        loops = {str(c): after["eval_after_bits_per_byte"] if c == n else others[str(c)] for c in counts}
 
     summary = {
         "steps": trainer.state.global_step,
