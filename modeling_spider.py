@@ -4,15 +4,20 @@
 The file reads top-down like the forward pass (SPEC §3)::
 
     x  = embed_tokens(input_ids)                          # (B, L, D) bytes
-    x  = prelude(x)                                       # dense MLA + SwiGLU layers over bytes
-    b  = boundary_predictor(x)                            # FlexiTokens: hard 0/1 boundary per byte
-    e  = down_norm(downsample(b, x, null_group))          # (B, 1+S, D) segments
-    for t in range(n_loops):                              # recurrent block, shared weights
+    x  = prelude(x)                                       # SpiderDecoderLayer: dense MLA + SwiGLU over bytes
+    b, e = flexitokens.chunk(x)                           # SpiderFlexiTokens: hard 0/1 boundary per byte,
+                                                          #   e = down_norm(downsample(b, x, null_group)) (B, 1+S, D)
+    h_out = recurrent_block(e, engram_memory, n_loops)    # SpiderRecurrentBlock, shared weights per loop t:
         z = loop_norm(h + e + loop_embedding[t])
-        z = recurrent_layers(z, engram_memory)            # MLA + MoE (+ Engram at engram_layer_ids)
-        z = z + loop_lora(z, t);  h = A*h + B*e + z       # per-loop LoRA, LTI injection
-        ACT halting: h_out += w_t * h                     # Graves 2016
-    y  = coda(upsample(b, h_out) + x);  logits = lm_head(norm(y))
+        z = layers(z, engram_memory)                      #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
+        z = z + loop_lora(z, t);  h = A*h + B*e + z       #   per-loop LoRA, LTI injection
+        ACT halting: h_out += w_t * h                     #   Graves 2016
+    y  = flexitokens.dechunk(b, h_out, x)                 # causal upsample, mixed into the byte stream
+    logits = lm_head(norm(coda(y)))
+
+The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time
+(:meth:`SpiderFlexiTokens.chunk_step` / :meth:`~SpiderFlexiTokens.dechunk_step`, the recurrent block on closed
+segments only).
 
 Sources: DeepSeek-V2/V3 (MLA, MoE, aux_fi load balancing; transformers ``models/deepseek_v3``), Engram (DeepSeek,
 arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the pooling of Nawrot et al. 2023,
@@ -817,6 +822,100 @@ def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, confi
     return F.relu(rate - config.boundary_prior) + F.relu(lower - rate), rate
 
 
+class SpiderFlexiTokens(nn.Module):
+    """FlexiTokens (arXiv 2507.12720): bytes -> segments on the way into the recurrent block, segments -> bytes on the
+    way out. Both the full forward (:meth:`chunk`, :meth:`dechunk`) and the cached decode step (:meth:`chunk_step`,
+    :meth:`dechunk_step`) go through this module, so the two paths share one set of rules.
+
+    Holds the `boundary_predictor`, the `null_group` vector (segment 0, read by the bytes before the first boundary),
+    `down_norm` over the pooled segments and, per `config.upsample_mixing`, how the global stream joins the bytes
+    (`upsample_norm`, `residual_proj`).
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        D = config.hidden_size
+        self.mixing = config.upsample_mixing
+        self.boundary_predictor = SpiderBoundaryPredictor(config)
+        self.null_group = nn.Parameter(torch.empty(D))
+        self.down_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        if self.mixing in ("residual_proj", "scaled_norm"):
+            self.upsample_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        if self.mixing == "residual_proj":
+            self.residual_proj = nn.Linear(D, D, bias=False)
+
+    def chunk(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor):
+        """Bytes -> segments. `x` `(B, L, D)` byte states, `memory` `(B, L, M)` per-byte Engram memory, `byte_mask`
+        `(B, L)` bool, `position_ids` `(B, L)` int64.
+
+        Returns `(boundaries (B, L) fp32, segments (B, 1+S, D) normed, segment_memory (B, 1+S, M), segment_mask
+        (B, 1+S) bool)`: the byte states and their memory are pooled side by side (one cumsum, one host sync)."""
+        boundaries, _ = self.boundary_predictor(x, byte_mask, position_ids)
+        D, M = x.shape[-1], memory.shape[-1]
+        null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
+        pooled, segment_mask = downsample(boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask)
+        segments, segment_memory = pooled.split([D, M], dim=-1)
+        return boundaries, self.down_norm(segments), segment_memory, segment_mask
+
+    def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
+        """What each segment hands back to the bytes: `upsample_norm(h_out)` (`"residual_proj"`, `"scaled_norm"`: unit
+        RMS times the learned per-channel scale, whatever the loops' magnitude), else `h_out` as is. `(B, S, D)`; it is
+        normalised before :func:`upsample` so that the boundary confidence upsample multiplies in keeps its gradient
+        (a norm after it would cancel the scale)."""
+        return self.upsample_norm(h_out) if self.mixing in ("residual_proj", "scaled_norm") else h_out
+
+    def mix(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The coda's input from the upsampled global stream and the prelude's byte states, both `(B, L, D)`:
+        `upsampled + x` (`"scaled_norm"`, ReZero: the scale starts at `upsample_scale_init`; `"add"`, the seed's), or
+        `upsampled + residual_proj(x)` (`"residual_proj"`, H-Net: the byte skip starts closed)."""
+        if self.mixing == "residual_proj":
+            return upsampled + self.residual_proj(x)
+        return upsampled + x
+
+    def dechunk(self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Segments -> bytes: byte l reads the last segment closed at or before l (:func:`upsample`), mixed with its
+        own state. `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)` -> `(B, L, D)` in `x.dtype`."""
+        return self.mix(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
+
+    def start_cache(self, cache: "SpiderCache", x: torch.Tensor, memory: torch.Tensor, boundaries: torch.Tensor,
+                    byte_mask: torch.Tensor, segment_mask: torch.Tensor, h_out: torch.Tensor) -> None:
+        """After a full forward, store the segment state decoding continues from: closed segments per row, the
+        recurrent output of each row's last one, and the running sums of the open segment (real bytes after the
+        last boundary; fp32, summed in byte order as :func:`downsample` does)."""
+        B = x.shape[0]
+        cache.num_segments = segment_mask.long().sum(-1) - 1
+        cache.segment_slots = segment_mask.shape[1]
+        index = cache.num_segments[:, None, None].expand(B, 1, h_out.shape[-1])
+        cache.last_segment_output = h_out.gather(1, index)[:, 0]
+        open_bytes = ((boundaries.cumsum(1) - boundaries).long() == cache.num_segments[:, None]) & byte_mask
+        weight = open_bytes[..., None].to(torch.float32)
+        cache.open_sum = (x.to(torch.float32) * weight).cumsum(1)[:, -1]
+        cache.open_memory_sum = (memory.to(torch.float32) * weight).cumsum(1)[:, -1]
+        cache.open_count = open_bytes.to(torch.float32).sum(-1)
+
+    def chunk_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
+        """One new byte per row: `x` `(B, 1, D)`, `memory` `(B, M)`. Adds the byte to its row's open segment.
+
+        Returns `(boundary (B, 1) fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B, 1, M))`: the
+        rows whose byte closes a segment, and the segment each of them closes (rows not closing carry their open
+        segment, which nothing reads). Closing rows' running sums restart at zero."""
+        boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
+        open_sum = cache.open_sum + x[:, 0].to(torch.float32)
+        open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
+        open_count = cache.open_count + 1.0
+        closing = boundary[:, 0] > 0
+        segment = self.down_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
+        segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
+        keep = (~closing).to(torch.float32)
+        cache.open_sum, cache.open_memory_sum = open_sum * keep[:, None], open_memory_sum * keep[:, None]
+        cache.open_count = open_count * keep
+        return boundary, closing, segment, segment_memory
+
+    def dechunk_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
+        """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed as :meth:`dechunk`."""
+        return self.mix(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Recurrence: loop LoRA, LTI injection, ACT halting
 # ----------------------------------------------------------------------------------------------------------------------
@@ -900,6 +999,90 @@ class AdaptiveComputationTime:
         self.halting_prob = self.halting_prob + new_halted * self.remainders
         self.n_updates = self.n_updates + running + new_halted
         return p * running + new_halted * self.remainders
+
+
+class SpiderRecurrentBlockOutput(NamedTuple):
+    """What :class:`SpiderRecurrentBlock` returns.
+
+    Attributes:
+        h_out: fp32 `(B, S, D)`, the ACT-weighted sum of every loop's state.
+        act: the :class:`AdaptiveComputationTime` state after the last loop (`n_updates`, `remainders`: `(B, S)`).
+        aux_losses, expert_loads: one MoE balancing loss (scalar) and expert load `(E,)` per (loop, layer).
+        router_logits: one `(N, E)` tensor per (loop, layer) when asked for, else empty.
+    """
+
+    h_out: torch.Tensor
+    act: AdaptiveComputationTime
+    aux_losses: list
+    expert_loads: list
+    router_logits: list
+
+
+class SpiderRecurrentBlock(nn.Module):
+    """The looped block over segments (SPEC §3; Huginn / OpenMythos), weights shared across loops::
+
+        for t in range(n_loops):
+            z = loop_norm(h + e + loop_embedding[t])
+            z = layers(z, engram_memory)          # MLA + MoE (+ Engram)
+            z = z + loop_lora(z, t)
+            h = injection(h, e, z)                # h = A*h + B*e + z
+            h_out += w_t * h                      # ACT halting (Graves 2016) from halt_predictor(h)
+
+    Loops past `max_loop_iters` reuse the last loop embedding and LoRA scale.
+    """
+
+    def __init__(self, config: SpiderConfig, memory_size: int):
+        super().__init__()
+        D = config.hidden_size
+        self.max_loop_iters = config.max_loop_iters
+        self.act_threshold = config.act_threshold
+        self.loop_embedding = nn.Embedding(config.max_loop_iters, D)
+        self.loop_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            SpiderRecurrentLayer(config, i, memory_size) for i in range(config.num_recurrent_layers)
+        )
+        self.loop_lora = SpiderLoopLoRA(config)
+        self.injection = SpiderLTIInjection(config)
+        self.halt_predictor = nn.Linear(D, 1)
+
+    def forward(
+        self,
+        segments: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        segment_mask: torch.Tensor,
+        engram_memory: torch.Tensor,
+        n_loops: int,
+        past_key_values: "SpiderCache | None" = None,
+        output_router_logits: bool = False,
+    ) -> SpiderRecurrentBlockOutput:
+        """Args: `segments` `(B, S, D)` (the normed segments e), `position_embeddings` their RoPE, `attention_mask`
+        bool `(B, 1, S, S_keys)` or None (causal), `segment_mask` `(B, S)` bool (segments to route), `engram_memory`
+        `(B, S, M)`, `past_key_values` a :class:`SpiderCache` whose per-(loop, layer) caches are read and written.
+        """
+        e = segments
+        B, S, D = e.shape
+        h = e
+        act = AdaptiveComputationTime((B, S), self.act_threshold, e.device)
+        h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
+        aux_losses, expert_loads, router_logits = [], [], []
+        for t in range(n_loops):
+            z = self.loop_norm(h + e + self.loop_embedding.weight[min(t, self.max_loop_iters - 1)])
+            for i, layer in enumerate(self.layers):
+                z, logits, aux, load = layer(
+                    z, position_embeddings, attention_mask, segment_mask, engram_memory,
+                    past_key_values=past_key_values.recurrent[t][i] if past_key_values is not None else None,
+                )
+                aux_losses.append(aux)
+                expert_loads.append(load)
+                if output_router_logits:
+                    router_logits.append(logits)
+            z = z + self.loop_lora(z, t)
+            h = self.injection(h, e, z)
+            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
+            step_weight = act.step(torch.sigmoid(halt_logits.to(torch.float32)), is_last=t == n_loops - 1)
+            h_out = h_out + step_weight[..., None] * h.to(torch.float32)
+        return SpiderRecurrentBlockOutput(h_out, act, aux_losses, expert_loads, router_logits)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1085,9 +1268,10 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.zeros_(module.log_A)
             init.constant_(module.log_dt, math.log(math.log(2.0)))  # A = 0.5 at start
             init.constant_(module.B, 0.5)
-        elif isinstance(module, SpiderModel):
-            init.normal_(module.null_group, mean=0.0, std=std)
+        elif isinstance(module, SpiderRecurrentBlock):
             init.constant_(module.halt_predictor.bias, self.config.halt_bias_init)
+        elif isinstance(module, SpiderFlexiTokens):
+            init.normal_(module.null_group, mean=0.0, std=std)
             if self.config.upsample_mixing == "residual_proj":
                 init.zeros_(module.residual_proj.weight)  # H-Net: the byte skip starts closed
             if self.config.upsample_mixing == "scaled_norm":
@@ -1097,9 +1281,10 @@ class SpiderPreTrainedModel(PreTrainedModel):
 class SpiderModel(SpiderPreTrainedModel):
     """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments -> coda.
 
-    Module names are load-bearing (the FP8 filter of the seed selects by them): `embed_tokens`, `prelude_layers`,
-    `boundary_predictor`, `engram_embeddings`, `layers` (recurrent), `loop_embedding`, `loop_lora`, `injection`,
-    `halt_predictor`, `coda_layers`, norms `down_norm`, `loop_norm`, `norm`.
+    Submodules, in forward order: `embed_tokens`, `prelude_layers`, `engram_embeddings`, `flexitokens`
+    (:class:`SpiderFlexiTokens`: `boundary_predictor`, pooling, the global stream's mixing), `recurrent_block`
+    (:class:`SpiderRecurrentBlock`: `loop_embedding`, `layers`, `loop_lora`, `injection`, `halt_predictor`),
+    `coda_layers`, `norm`. The leaf names are load-bearing (SPEC §1: the seed's FP8 filter selects by them).
     """
 
     # Decisions that a low-precision weight would flip (top-k experts, segment boundaries at a threshold, ACT halting)
@@ -1107,7 +1292,8 @@ class SpiderModel(SpiderPreTrainedModel):
     # torchao) and fp16 loads read `_keep_in_fp32_modules`, bf16 loads the strict list, and the two must not share an
     # entry, so the same modules are spelled twice. Quantizers match names from the start (a regex) or by suffix.
     # SpiderForConditionalGeneration adds its own prefixed names and lm_head; from_pretrained merges both classes'.
-    _keep_in_fp32_modules = ["halt_predictor", "boundary_predictor", "layers.*.router"]
+    _keep_in_fp32_modules = ["recurrent_block.halt_predictor", "flexitokens.boundary_predictor",
+                             "recurrent_block.layers.*.router"]
     _keep_in_fp32_modules_strict = ["halt_predictor.weight", "halt_predictor.bias", "boundary_predictor.dense",
                                     "boundary_predictor.out_proj", "mlp.router"]
 
@@ -1117,25 +1303,10 @@ class SpiderModel(SpiderPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, D)
         self.rotary_emb = SpiderRotaryEmbedding(config)
         self.prelude_layers = nn.ModuleList(SpiderDecoderLayer(config, i) for i in range(config.num_prelude_layers))
-        self.boundary_predictor = SpiderBoundaryPredictor(config)
-        self.null_group = nn.Parameter(torch.empty(D))
-        self.down_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         self.engram_embeddings = SpiderEngramEmbeddings(config)
-        self.loop_embedding = nn.Embedding(config.max_loop_iters, D)
-        self.loop_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
-        first = config.num_prelude_layers
-        self.layers = nn.ModuleList(
-            SpiderRecurrentLayer(config, i, self.engram_embeddings.output_size)
-            for i in range(config.num_recurrent_layers)
-        )
-        self.loop_lora = SpiderLoopLoRA(config)
-        self.injection = SpiderLTIInjection(config)
-        self.halt_predictor = nn.Linear(D, 1)
-        if config.upsample_mixing in ("residual_proj", "scaled_norm"):
-            self.upsample_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
-        if config.upsample_mixing == "residual_proj":
-            self.residual_proj = nn.Linear(D, D, bias=False)
-        first += config.num_recurrent_layers
+        self.flexitokens = SpiderFlexiTokens(config)
+        self.recurrent_block = SpiderRecurrentBlock(config, self.engram_embeddings.output_size)
+        first = config.num_prelude_layers + config.num_recurrent_layers
         self.coda_layers = nn.ModuleList(SpiderDecoderLayer(config, first + i) for i in range(config.num_coda_layers))
         self.norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
@@ -1239,15 +1410,9 @@ class SpiderModel(SpiderPreTrainedModel):
             if output_hidden_states:
                 all_hidden_states += (x,)
 
-        # FlexiTokens: bytes -> segments. Engram memory is looked up once, pooled with the same boundaries.
-        boundaries, _ = self.boundary_predictor(x, byte_mask, position_ids)
-        # One pooling pass (one cumsum, one host sync) over the byte states and their Engram memory side by side.
+        # FlexiTokens: bytes -> segments. Engram memory is looked up once per byte and pooled with the same boundaries.
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
-        D, M = x.shape[-1], engram_bytes.shape[-1]
-        null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
-        pooled, segment_mask = downsample(boundaries, torch.cat([x, engram_bytes.to(x.dtype)], -1), null, byte_mask)
-        segments, engram_memory = pooled.split([D, M], dim=-1)
-        e = self.down_norm(segments)
+        boundaries, e, engram_memory, segment_mask = self.flexitokens.chunk(x, engram_bytes, byte_mask, position_ids)
         S1 = e.shape[1]
         segment_rope = self.rotary_emb(e, torch.arange(S1, device=e.device).expand(B, S1))
         padded_segments = not bool(segment_mask.all())
@@ -1258,7 +1423,7 @@ class SpiderModel(SpiderPreTrainedModel):
         )
 
         # Back to bytes (causal upsample, joined with the byte stream), then the coda.
-        y = self.mix_streams(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
+        y = self.flexitokens.dechunk(boundaries, h_out, x)
         if output_hidden_states:
             all_hidden_states += (y,)
         for i, layer in enumerate(self.coda_layers):
@@ -1292,80 +1457,15 @@ class SpiderModel(SpiderPreTrainedModel):
         )
         return output if self._return_dict(return_dict) else output.to_tuple()
 
-    def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
-        """What each segment hands back to the bytes: `upsample_norm(h_out)` with `upsample_mixing="residual_proj"`
-        (unit scale whatever the loops' magnitude), else `h_out` as is. Per segment, `(B, S, D) -> (B, S, D)`; it is
-        normalised before :func:`upsample` so that the boundary confidence upsample multiplies in keeps its
-        gradient (a norm after it would cancel the scale)."""
-        return self.upsample_norm(h_out) if self.config.upsample_mixing in ("residual_proj", "scaled_norm") else h_out
-
-    def mix_streams(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The coda's input from the upsampled global stream and the prelude's byte states, both `(B, L, D)`.
-
-        `upsample_mixing="residual_proj"` (H-Net): `upsampled + residual_proj(x)`; `residual_proj` starts at zero,
-        so at initialisation every prediction reads the global path and the byte skip grows only as far as it helps.
-        `"add"` (the seed): `upsampled + x`."""
-        if self.config.upsample_mixing == "residual_proj":
-            return upsampled + self.residual_proj(x)
-        return upsampled + x
-
-    def recurrent_block(
-        self, e, segment_rope, segment_attention_mask, segment_mask, engram_memory, n_loops, cache=None,
-        output_router_logits=False,
-    ):
-        """The looped block with LTI injection and ACT halting (Graves 2016), weights shared across loops.
-
-        Args: `e` `(B, S, D)` normed segments, `segment_rope` their RoPE, `segment_attention_mask` bool
-            `(B, 1, S, S_keys)` or None, `segment_mask` `(B, S)` bool (segments to route), `engram_memory`
-            `(B, S, M)`, `cache` a :class:`SpiderCache` (its loop/layer caches are read and written) or None.
-        Returns: `(h_out fp32 (B, S, D), act, aux_losses, expert_loads, router_logits)`: the ACT-weighted output,
-            the :class:`AdaptiveComputationTime` state and per-(loop, layer) lists.
-        """
-        B, S, D = e.shape
-        h = e
-        act = AdaptiveComputationTime((B, S), self.config.act_threshold, e.device)
-        h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
-        aux_losses, expert_loads, router_logits = [], [], []
-        for t in range(n_loops):
-            loop_idx = min(t, self.config.max_loop_iters - 1)
-            z = self.loop_norm(h + e + self.loop_embedding.weight[loop_idx])
-            for i, layer in enumerate(self.layers):
-                z, logits, aux, load = layer(
-                    z, segment_rope, segment_attention_mask, segment_mask, engram_memory,
-                    past_key_values=cache.recurrent[t][i] if cache else None,
-                )
-                aux_losses.append(aux)
-                expert_loads.append(load)
-                if output_router_logits:
-                    router_logits.append(logits)
-            z = z + self.loop_lora(z, t)
-            h = self.injection(h, e, z)
-
-            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
-            p = torch.sigmoid(halt_logits.to(torch.float32))
-            step_weight = act.step(p, is_last=t == n_loops - 1)
-            h_out = h_out + step_weight[..., None] * h.to(torch.float32)
-        return h_out, act, aux_losses, expert_loads, router_logits
-
     def fill_cache(self, cache, input_ids, x, engram_bytes, boundaries, byte_mask, token_mask, segment_mask, h_out):
         """After a full forward, store what decoding continues from (see :class:`SpiderCache`)."""
-        B, L = input_ids.shape
-        cache.seen_bytes = L
+        cache.seen_bytes = input_ids.shape[1]
         cache.byte_mask = token_mask
         cache.byte_positions = byte_mask.long().sum(-1)
         context = max(self.engram_embeddings.ngram_sizes) - 1
         ids = input_ids.masked_fill(~byte_mask, self.engram_embeddings.fill_id)
         cache.hash_context = F.pad(ids, (context, 0), value=self.engram_embeddings.fill_id)[:, ids.shape[1] :]
-        cache.num_segments = segment_mask.long().sum(-1) - 1
-        cache.segment_slots = segment_mask.shape[1]
-        index = cache.num_segments[:, None, None].expand(B, 1, h_out.shape[-1])
-        cache.last_segment_output = h_out.gather(1, index)[:, 0]
-        # The open segment: real bytes after the last boundary. cumsum adds in byte order, as downsample's scatter_add.
-        open_bytes = ((boundaries.cumsum(1) - boundaries).long() == cache.num_segments[:, None]) & byte_mask
-        weight = open_bytes[..., None].to(torch.float32)
-        cache.open_sum = (x.to(torch.float32) * weight).cumsum(1)[:, -1]
-        cache.open_memory_sum = (engram_bytes.to(torch.float32) * weight).cumsum(1)[:, -1]
-        cache.open_count = open_bytes.to(torch.float32).sum(-1)
+        self.flexitokens.start_cache(cache, x, engram_bytes, boundaries, byte_mask, segment_mask, h_out)
 
     @torch.no_grad()
     def decode(self, input_ids, cache: SpiderCache, return_dict=None) -> SpiderModelOutput:
@@ -1403,33 +1503,22 @@ class SpiderModel(SpiderPreTrainedModel):
         for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
             x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
 
-        boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
         window = torch.cat([cache.hash_context, input_ids], dim=1)
-        memory = self.engram_embeddings(window)[:, -1]
         cache.hash_context = window[:, 1:]
-        open_sum = cache.open_sum + x[:, 0].to(torch.float32)
-        open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
-        open_count = cache.open_count + 1.0
-        closing = boundary[:, 0] > 0
-        if bool(closing.any()):
+        boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, self.engram_embeddings(window)[:, -1], cache)
+        if bool(closing.any()):  # the block runs on every row; rows that closed no segment keep their last output
             slot = cache.begin_segment_step()
-            segment = (open_sum / open_count[:, None]).to(x.dtype)[:, None]
-            e = self.down_norm(segment)
-            segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
             segment_rope = self.rotary_emb(e, slot[:, None])
             keys = torch.arange(cache.segment_slots, device=e.device)
             segment_attention_mask = (keys[None] <= slot[:, None])[:, None, None, :]
             every_row = torch.ones(B, 1, dtype=torch.bool, device=e.device)
             h_out = self.recurrent_block(
                 e, segment_rope, segment_attention_mask, every_row, segment_memory, cache.n_loops, cache
-            )[0]
+            ).h_out
             cache.last_segment_output = torch.where(closing[:, None], h_out[:, 0], cache.last_segment_output)
             cache.num_segments = cache.num_segments + closing.long()
-            keep = (~closing).to(torch.float32)
-            open_sum, open_memory_sum, open_count = open_sum * keep[:, None], open_memory_sum * keep[:, None], open_count * keep
-        cache.open_sum, cache.open_memory_sum, cache.open_count = open_sum, open_memory_sum, open_count
 
-        y = self.mix_streams(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
+        y = self.flexitokens.dechunk_step(cache, x)
         for layer, layer_cache in zip(self.coda_layers, cache.coda):
             y = layer(y, byte_rope, byte_attention_mask, past_key_values=layer_cache)
         cache.byte_positions = cache.byte_positions + 1
@@ -1449,7 +1538,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     """
 
     # See SpiderModel: the same modules under this class's names, and the output logits.
-    _keep_in_fp32_modules = ["lm_head", "model.halt_predictor", "model.boundary_predictor", "model.layers.*.router"]
+    _keep_in_fp32_modules = ["lm_head", "model.recurrent_block.halt_predictor", "model.flexitokens.boundary_predictor",
+                             "model.recurrent_block.layers.*.router"]
     _keep_in_fp32_modules_strict = ["lm_head.weight"]
 
     _tied_weights_keys = {}

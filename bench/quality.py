@@ -133,7 +133,8 @@ class _BoundaryRule:
     run's rate). The default rule (``p > boundary_threshold``) needs no context manager."""
 
     def __init__(self, model, rule: str, bytes_per_segment: float | None):
-        self.predictor, self.rule, self.bytes_per_segment = model.model.boundary_predictor, rule, bytes_per_segment
+        self.predictor = model.model.flexitokens.boundary_predictor
+        self.rule, self.bytes_per_segment = rule, bytes_per_segment
 
     def __enter__(self):
         predictor, rule, rate = self.predictor, self.rule, 1.0 / (self.bytes_per_segment or 1.0)

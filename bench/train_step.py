@@ -47,8 +47,8 @@ def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
     # probability sigmoid(logit), so logit(prior) gives the rate the boundary loss trains towards.
     at_prior = copy.deepcopy(spider)
     with torch.no_grad():
-        at_prior.model.boundary_predictor.out_proj.weight.zero_()
-        at_prior.model.boundary_predictor.out_proj.bias.fill_(math.log(cfg.boundary_prior / (1 - cfg.boundary_prior)))
+        at_prior.model.flexitokens.boundary_predictor.out_proj.weight.zero_()
+        at_prior.model.flexitokens.boundary_predictor.out_proj.bias.fill_(math.log(cfg.boundary_prior / (1 - cfg.boundary_prior)))
     steps = {
         "spider_n_loops_1": TrainStep(spider, ids, n_loops=1),
         "spider_n_loops_1_at_prior_rate": TrainStep(at_prior, ids, n_loops=1),

@@ -214,11 +214,18 @@ WRAPPER_COMPONENTS: tuple[str, ...] = ("_fsdp_wrapped_module.", "_checkpoint_wra
 #: boundary_predictor, loop_embedding, halt_predictor, engram``, which SPEC §1 made load-bearing for us too).
 SEED_NAME_RULES: tuple[tuple[str, str, str], ...] = (
     ("model.prelude.{i}.", "model.prelude_layers.{i}.", "SPEC §3 forward pass: `x = prelude(x)`"),
-    ("model.recurrent_layers.{i}.", "model.layers.{i}.", "SPEC §3 forward pass: `for layer in recurrent_layers`"),
+    ("model.recurrent_layers.{i}.", "model.recurrent_block.layers.{i}.",
+     "SPEC §3 forward pass: `for layer in recurrent_layers`"),
     ("model.coda.{i}.", "model.coda_layers.{i}.", "SPEC §3 forward pass: `y = coda(y)`"),
     ("model.boundary_predictor.0.", "model.boundary_predictor.dense.",
      "FLEXITOKENS / Nawrot et al. boundary predictor: nn.Sequential(Linear(D, D), GELU, Linear(D, 1))"),
     ("model.boundary_predictor.2.", "model.boundary_predictor.out_proj.", "same nn.Sequential, index 2"),
+    # SPEC §3 names the loop machinery and the FlexiTokens pieces at model level (the seed was one module); Spider
+    # holds them in its recurrent block and FlexiTokens modules.
+    *((f"model.{name}.", f"model.recurrent_block.{name}.", "SPEC §3: a member of the recurrent block")
+      for name in ("loop_embedding", "loop_norm", "loop_lora", "injection", "halt_predictor")),
+    *((f"model.{name}", f"model.flexitokens.{name}", "SPEC §3: a member of FlexiTokens' down/upsampling")
+      for name in ("boundary_predictor.", "null_group", "down_norm.", "upsample_norm.", "residual_proj.")),
 )
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")

@@ -13,6 +13,15 @@ from .checkpointing import save_folder_atomically
 from .fp8 import fp8_to_plain_state_dict
 from .model_card import write_model_card
 
+#: ``from_pretrained(..., key_mapping=LEGACY_KEY_MAPPING)`` loads a release written before the recurrent block and
+#: FlexiTokens became modules of their own (2026-11-23), whose parameters sat flat under ``model.`` (``model.layers.0.``,
+#: ``model.halt_predictor``, ``model.boundary_predictor``, ...). Regex -> replacement, as transformers' ``key_mapping``.
+LEGACY_KEY_MAPPING: dict[str, str] = {
+    r"^model\.layers\.": "model.recurrent_block.layers.",
+    r"^model\.(loop_embedding|loop_norm|loop_lora|injection|halt_predictor)\.": r"model.recurrent_block.\1.",
+    r"^model\.(boundary_predictor|null_group|down_norm|upsample_norm|residual_proj)\b": r"model.flexitokens.\1",
+}
+
 
 def release_model_name(spider, hub_id: str | None, parameters: int | None) -> str:
     """The name on the release's model card (title and model-index): ``--model_name`` when given, else the name part

@@ -94,7 +94,7 @@ def test_global_lr_scale_multiplies_only_the_global_path():
     for name, p in named.items():
         assert scale[id(p)] == (1.0 if name.startswith(quality.BYTE_LAYERS) else 3.0), name
         assert decay[id(p)] == (0.1 if p.dim() >= 2 else 0.0), name
-    assert scale[id(named["model.layers.0.mlp.router.weight"])] == 3.0
+    assert scale[id(named["model.recurrent_block.layers.0.mlp.router.weight"])] == 3.0
     assert scale[id(named["model.prelude_layers.0.mlp.up_proj.weight"])] == 1.0
     baseline = quality.param_groups(quality.build("llama", {"num_hidden_layers": 1}), quality.Recipe(global_lr_scale=3.0))
     assert {g["lr_scale"] for g in baseline} == {1.0}

@@ -330,10 +330,10 @@ def test_engram_identical_after_save_and_load(tmp_path):
 
 
 LOSS_REACHES = {
-    "lm_loss": ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.router.weight"],
-    "aux_loss": ["model.layers.0.mlp.router.weight"],
-    "boundary_loss": ["model.boundary_predictor.out_proj.weight"],
-    "ponder_loss": ["model.halt_predictor.weight"],
+    "lm_loss": ["lm_head.weight", "model.embed_tokens.weight", "model.recurrent_block.layers.0.mlp.router.weight"],
+    "aux_loss": ["model.recurrent_block.layers.0.mlp.router.weight"],
+    "boundary_loss": ["model.flexitokens.boundary_predictor.out_proj.weight"],
+    "ponder_loss": ["model.recurrent_block.halt_predictor.weight"],
 }
 
 

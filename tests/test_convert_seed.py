@@ -131,7 +131,7 @@ print(json.dumps(results))
 '''
 
 UNKNOWN_KEY = "model.rope.inv_freq"  # a buffer the seed may have saved; Spider computes RoPE on the fly
-MISSHAPED_MODEL_KEY = "model.layers.0.mlp.router.weight"
+MISSHAPED_MODEL_KEY = "model.recurrent_block.layers.0.mlp.router.weight"
 
 
 def _clean_env(tmp: Path) -> dict:
@@ -166,6 +166,7 @@ def seed(tmp_path_factory):
 
 def test_name_rules_round_trip_every_spider_key():
     keys = list(tiny_model().state_dict())
+    keys += [k for k in tiny_model(upsample_mixing="residual_proj").state_dict() if k not in keys]  # + residual_proj
     seed_names = [spider_to_seed_name(k) for k in keys]
     assert [seed_to_spider_name(n) for n in seed_names] == keys
     assert [seed_to_spider_name("module._orig_mod." + n) for n in seed_names] == keys
@@ -176,11 +177,13 @@ def test_name_rules_round_trip_every_spider_key():
         stem = seed_fragment.split("{")[0]
         assert any(stem in n for n in renamed), seed_fragment
     # our own names are accepted too (identity), and extra rules apply
-    assert seed_to_spider_name("model.layers.1.engram.key_proj.weight") == "model.layers.1.engram.key_proj.weight"
-    assert seed_to_spider_name("model.halt.weight", ["model.halt.=model.halt_predictor."]) == \
-        "model.halt_predictor.weight"
-    assert seed_to_spider_name("blocks.3.ffn.router.weight", ["blocks.{n}.ffn.=model.layers.{n}.mlp."]) == \
-        "model.layers.3.mlp.router.weight"
+    ours = "model.recurrent_block.layers.1.engram.key_proj.weight"
+    assert seed_to_spider_name(ours) == ours
+    assert seed_to_spider_name("model.halt.weight", ["model.halt.=model.recurrent_block.halt_predictor."]) == \
+        "model.recurrent_block.halt_predictor.weight"
+    assert seed_to_spider_name("blocks.3.ffn.router.weight",
+                               ["blocks.{n}.ffn.=model.recurrent_block.layers.{n}.mlp."]) == \
+        "model.recurrent_block.layers.3.mlp.router.weight"
     for bad in ["no_equals_sign", "a.{i}.=b.", "=model.x."]:
         with pytest.raises(ValueError, match="rename rule"):
             cs.parse_rename(bad)
@@ -209,7 +212,7 @@ def test_convert_maps_tensors_and_reports_the_rest(seed, variant, tmp_path, monk
     assert report["mapped"] == len(seed["ours"]) - 1 == report["model_keys"] - 1
     assert report["complete"] is False
     assert report["renamed"]["%smodel.recurrent_layers.0.self_attn.o_proj.weight" % prefix] == \
-        "model.layers.0.self_attn.o_proj.weight"
+        "model.recurrent_block.layers.0.self_attn.o_proj.weight"
     assert (prefix + "lm_head.weight") not in report["renamed"]  # only wrappers differ: counted, not listed
     assert report["unwrapped"] == (report["mapped"] if prefix else 0)
     # cfg: names and aliases read from the pickled object; fields with no counterpart reported
@@ -438,18 +441,20 @@ def test_map_state_dict_bare_trunk_keys_duplicates_and_non_tensors():
     seed_state = {
         "embed_tokens.weight": torch.zeros(272, 64),                     # trunk saved without `model.`
         "model.recurrent_layers.1.engram.key_proj.weight": torch.ones(64, 64),
-        "model.layers.1.engram.key_proj.weight": torch.full((64, 64), 2.0),  # same target under our own name
-        "model.loop_lora.lora_A": torch.zeros(16, 64),
+        # the same target under our own name
+        "model.recurrent_block.layers.1.engram.key_proj.weight": torch.full((64, 64), 2.0),
+        "model.recurrent_block.loop_lora.lora_A": torch.zeros(16, 64),
         "lm_head.weight": torch.zeros(272, 64),
         "_extra_state": {"fp8": "metadata"},                             # not a tensor
     }
     mapped, details = cs.map_state_dict(seed_state, model_state)
-    assert set(mapped) == {"model.embed_tokens.weight", "model.layers.1.engram.key_proj.weight",
-                           "model.loop_lora.lora_A", "lm_head.weight"}
-    assert torch.equal(mapped["model.layers.1.engram.key_proj.weight"], torch.ones(64, 64))  # first one wins
-    assert details["duplicate_seed_keys"] == ["model.layers.1.engram.key_proj.weight"]
+    assert set(mapped) == {"model.embed_tokens.weight", "model.recurrent_block.layers.1.engram.key_proj.weight",
+                           "model.recurrent_block.loop_lora.lora_A", "lm_head.weight"}
+    first_wins = mapped["model.recurrent_block.layers.1.engram.key_proj.weight"]
+    assert torch.equal(first_wins, torch.ones(64, 64))
+    assert details["duplicate_seed_keys"] == ["model.recurrent_block.layers.1.engram.key_proj.weight"]
     assert details["unmapped_seed_keys"] == ["_extra_state"]
     assert details["renamed"] == {"embed_tokens.weight": "model.embed_tokens.weight",
                                   "model.recurrent_layers.1.engram.key_proj.weight":
-                                      "model.layers.1.engram.key_proj.weight"}
+                                      "model.recurrent_block.layers.1.engram.key_proj.weight"}
     assert set(details["missing_model_keys"]) == set(model_state) - set(mapped)

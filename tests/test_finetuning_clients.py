@@ -72,7 +72,7 @@ def test_grouped_mm_honours_wrapped_experts_like_sorted(kind):
 
 def test_grouped_mm_blocker_names_the_wrapped_module():
     model = tiny_model(seed=0, moe_implementation="grouped_mm")
-    moe = model.model.layers[0].mlp
+    moe = model.model.recurrent_block.layers[0].mlp
     assert isinstance(moe, SpiderMoE) and moe.grouped_mm_blocker() is None
     with_lora(model, TARGETS["routed experts"], seed=2)
     reason = moe.grouped_mm_blocker()
@@ -83,7 +83,7 @@ def test_empty_expert_skips_frozen_weights():
     """An expert that gets no token returns `(0, D)` zeros; only trainable weights are tied into it (a frozen, for
     example quantised, weight may not support the reduction and needs no gradient)."""
     model = tiny_model(seed=0)
-    expert = model.model.layers[0].mlp.experts[0]
+    expert = model.model.recurrent_block.layers[0].mlp.experts[0]
     for p in expert.parameters():
         p.requires_grad_(False)
     x = torch.zeros(0, model.config.hidden_size, requires_grad=True)
@@ -109,7 +109,7 @@ def int8_matmul_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def test_bitsandbytes_int8_router_matches_fp32_within_int8_error():
     bnb = pytest.importorskip("bitsandbytes")
     model = tiny_model(seed=0)
-    moe = model.model.layers[0].mlp
+    moe = model.model.recurrent_block.layers[0].mlp
     reference_router = moe.router
     x = torch.randn(32, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     expected = moe.route(x)
@@ -171,7 +171,7 @@ def test_bitsandbytes_8bit_load_quantises_all_but_the_kept_modules(saved_tiny):
 
     model = load(saved_tiny, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu")
     assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in kept_modules(model).values())
-    expert = model.model.layers[0].mlp.experts[0]
+    expert = model.model.recurrent_block.layers[0].mlp.experts[0]
     assert isinstance(expert.gate_proj, bnb.nn.Linear8bitLt) and expert.gate_proj.weight.dtype == torch.int8
     runs_forward_and_generate(model)
 
@@ -185,7 +185,7 @@ def test_bitsandbytes_4bit_load_generates_and_trains(saved_tiny):
     config = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["kv_a_proj_with_mqa"])
     model = load(saved_tiny, quantization_config=config, device_map="cpu")
     assert all(type(m) is torch.nn.Linear for m in kept_modules(model).values())
-    assert isinstance(model.model.layers[0].mlp.experts[0].up_proj, bnb.nn.Linear4bit)
+    assert isinstance(model.model.recurrent_block.layers[0].mlp.experts[0].up_proj, bnb.nn.Linear4bit)
     runs_forward_and_generate(model)
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=TARGETS["routed experts"]))
     wrapped.train()
@@ -202,7 +202,7 @@ def test_torchao_int8_weight_only_load_generates(saved_tiny):
     from transformers import TorchAoConfig
 
     model = load(saved_tiny, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()), device_map="cpu")
-    expert_weight = model.model.layers[0].mlp.experts[0].gate_proj.weight
+    expert_weight = model.model.recurrent_block.layers[0].mlp.experts[0].gate_proj.weight
     assert type(expert_weight) is not torch.nn.Parameter or type(expert_weight.data) is not torch.Tensor
     for name, module in kept_modules(model).items():
         assert type(module.weight.data) is torch.Tensor and module.weight.dtype == torch.float32, name

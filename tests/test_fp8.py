@@ -33,8 +33,8 @@ SEED_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm"
 def pin_boundaries(model, logit: float = 4.0):
     """Make every byte close a segment with probability sigmoid(`logit`), whatever the prelude computes."""
     with torch.no_grad():
-        model.model.boundary_predictor.out_proj.weight.zero_()
-        model.model.boundary_predictor.out_proj.bias.fill_(logit)
+        model.model.flexitokens.boundary_predictor.out_proj.weight.zero_()
+        model.model.flexitokens.boundary_predictor.out_proj.bias.fill_(logit)
     return model
 
 
@@ -55,14 +55,14 @@ def input_ids():
 
 
 def test_filter_rules():
-    assert fp8_module_filter(nn.Linear(32, 48), "model.layers.0.mlp.experts.3.up_proj")
-    assert not fp8_module_filter(nn.Linear(32, 48), "model.layers.0.post_attention_layernorm.proj")
-    assert not fp8_module_filter(nn.Linear(32, 48), "model.layers.0.mlp.router")
-    assert not fp8_module_filter(nn.Linear(30, 48), "model.layers.0.mlp.experts.3.up_proj")
-    assert not fp8_module_filter(nn.Linear(32, 40), "model.layers.0.mlp.experts.3.up_proj")
-    assert not fp8_module_filter(nn.Conv1d(32, 32, 3), "model.layers.0.conv")
+    assert fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.experts.3.up_proj")
+    assert not fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.post_attention_layernorm.proj")
+    assert not fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.router")
+    assert not fp8_module_filter(nn.Linear(30, 48), "model.recurrent_block.layers.0.mlp.experts.3.up_proj")
+    assert not fp8_module_filter(nn.Linear(32, 40), "model.recurrent_block.layers.0.mlp.experts.3.up_proj")
+    assert not fp8_module_filter(nn.Conv1d(32, 32, 3), "model.recurrent_block.layers.0.conv")
     already = Float8Linear.from_float(nn.Linear(32, 32), config=fp8.build_float8_config("tensorwise", emulate=True))
-    assert not fp8_module_filter(already, "model.layers.0.self_attn.o_proj")
+    assert not fp8_module_filter(already, "model.recurrent_block.layers.0.self_attn.o_proj")
 
 
 def test_converts_exactly_the_intended_modules():
@@ -84,7 +84,7 @@ def test_converts_exactly_the_intended_modules():
 
     cfg = model.config
     for layer in range(cfg.num_recurrent_layers):
-        prefix = f"model.layers.{layer}"
+        prefix = f"model.recurrent_block.layers.{layer}"
         for e in range(cfg.n_routed_experts):  # every routed expert
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 assert f"{prefix}.mlp.experts.{e}.{proj}" in converted
@@ -96,12 +96,13 @@ def test_converts_exactly_the_intended_modules():
     for dense in ("model.prelude_layers.0", "model.coda_layers.0"):  # dense MLPs and their attention
         for proj in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj"):
             assert f"{dense}.{proj}" in converted
-    for kept in ("lm_head", "model.boundary_predictor.dense", "model.boundary_predictor.out_proj", "model.halt_predictor",
-                 "model.layers.1.engram.key_proj", "model.layers.1.engram.value_proj"):
+    for kept in ("lm_head", "model.flexitokens.boundary_predictor.dense", "model.flexitokens.boundary_predictor.out_proj",
+                 "model.recurrent_block.halt_predictor",
+                 "model.recurrent_block.layers.1.engram.key_proj", "model.recurrent_block.layers.1.engram.value_proj"):
         assert kept in linears and kept not in converted
     # 64x64, 16-divisible: skipped by name alone
-    assert report.skipped["model.boundary_predictor.dense"] == "name contains 'boundary_predictor'"
-    assert report.skipped["model.layers.1.engram.key_proj"] == "name contains 'engram'"
+    assert report.skipped["model.flexitokens.boundary_predictor.dense"] == "name contains 'boundary_predictor'"
+    assert report.skipped["model.recurrent_block.layers.1.engram.key_proj"] == "name contains 'engram'"
 
 
 def test_emulate_default_follows_cuda_availability():
@@ -136,7 +137,7 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
     assert loss.item() != ref_loss.item()  # the FP8 path was really taken
     # Gradients point the same way (e4m3 keeps ~2 significant digits per element; cosine of the whole gradient
     # stays near 1 when the segmentation is the same).
-    for name, min_cosine in (("model.layers.0.mlp.experts.0.gate_proj.weight", 0.95),
+    for name, min_cosine in (("model.recurrent_block.layers.0.mlp.experts.0.gate_proj.weight", 0.95),
                              ("model.prelude_layers.0.self_attn.o_proj.weight", 0.95), ("lm_head.weight", 0.95)):
         g, r = grads[name].flatten(), ref_grads[name].flatten()
         assert torch.isfinite(g).all()
@@ -192,7 +193,7 @@ def test_grouped_mm_is_switched_to_sorted_when_experts_are_converted(input_ids):
     report = convert_model_to_fp8(model, emulate=True)
     assert report.moe_implementation_switch == "grouped_mm -> sorted"
     assert model.config.moe_implementation == "sorted"
-    moe_layers = [layer.mlp for layer in model.model.layers]
+    moe_layers = [layer.mlp for layer in model.model.recurrent_block.layers]
     assert all(moe.config.moe_implementation == "sorted" for moe in moe_layers)
     assert "grouped_mm" in report.message
     calls = []

@@ -44,7 +44,7 @@ def test_relaxed_boundaries_sample_in_training():
 
 def test_hard_boundary_gradient_is_straight_through_to_the_probability():
     model = tiny_model(seed=0)
-    predictor = model.model.boundary_predictor.train()
+    predictor = model.model.flexitokens.boundary_predictor.train()
     x = torch.randn(2, 10, model.config.hidden_size, requires_grad=True)
     boundaries, probs = predictor(x)
     assert set(boundaries.detach().unique().tolist()) <= {0.0, 1.0}
@@ -111,25 +111,26 @@ def test_downsample_pools_without_a_boundary_gradient():
 
 def test_scaled_norm_mixing_starts_at_the_configured_scale():
     model = tiny_model(seed=0, upsample_mixing="scaled_norm", upsample_scale_init=0.04)
-    assert torch.equal(model.model.upsample_norm.weight, torch.full_like(model.model.upsample_norm.weight, 0.04))
+    scale = model.model.flexitokens.upsample_norm.weight
+    assert torch.equal(scale, torch.full_like(scale, 0.04))
     h = torch.randn(2, 3, model.config.hidden_size) * 50  # whatever the loops' magnitude ...
-    g = model.model.global_stream(h)
+    g = model.model.flexitokens.global_stream(h)
     rms = g.pow(2).mean(-1).sqrt()
     torch.testing.assert_close(rms, torch.full_like(rms, 0.04), rtol=1e-3, atol=0)  # ... it arrives at scale 0.04
 
 
 def test_residual_proj_mixing_starts_with_the_byte_skip_closed():
     model = tiny_model(seed=0, upsample_mixing="residual_proj")
-    assert float(model.model.residual_proj.weight.detach().abs().sum()) == 0.0
+    assert float(model.model.flexitokens.residual_proj.weight.detach().abs().sum()) == 0.0
     x, up = torch.randn(1, 4, model.config.hidden_size), torch.randn(1, 4, model.config.hidden_size)
-    torch.testing.assert_close(model.model.mix_streams(up, x), up, rtol=0, atol=0)
+    torch.testing.assert_close(model.model.flexitokens.mix(up, x), up, rtol=0, atol=0)
 
 
 def test_language_model_loss_reaches_the_boundary_predictor():
     model = tiny_model(seed=0, upsample_mixing="scaled_norm", upsample_scale_init=0.5).train()
     ids = _ids(length=64)
     model(ids, labels=ids).lm_loss.backward()
-    grad = model.model.boundary_predictor.out_proj.weight.grad
+    grad = model.model.flexitokens.boundary_predictor.out_proj.weight.grad
     assert grad is not None and float(grad.abs().sum()) > 0
 
 

@@ -21,7 +21,7 @@ def test_generation_past_max_position_embeddings_is_refused_with_and_without_cac
 
 def test_bf16_state_update_keeps_a_decay_close_to_one():
     model = tiny_model(seed=0)
-    injection = model.model.injection
+    injection = model.model.recurrent_block.injection
     with torch.no_grad():
         injection.log_A.fill_(-9.0)  # A = exp(-exp(log_dt - 9)) = 1 - 8.6e-5, which bf16 rounds to exactly 1
         injection.B.zero_()

@@ -391,7 +391,7 @@ def test_model_with_fake_tile_kernels_matches_torch_path(fake_cls, implementatio
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():  # backward runs the chain twice
         torch.testing.assert_close(grad, ref_grads[name], **float_tol(ref_grads[name], 2 * terms), msg=name)
-    router = "model.layers.0.mlp.router.weight"
+    router = "model.recurrent_block.layers.0.mlp.router.weight"
     assert ref_grads[router].abs().sum() > 0  # gradients do flow through normalize_weight
 
     used = {"topk_gate", "normalize_weight"}
