@@ -372,8 +372,15 @@ class SpiderMoEKernels:
     @staticmethod
     def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_topk: int) -> torch.Tensor:
         """DeepSeek's f_i: `count_i * E / (T * k)`, fp32 `(E,)`; 1.0 for every expert at perfect balance."""
-        counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts).to(torch.float32)
+        counts = SpiderMoEKernels.expert_counts(topk_idx, num_experts).to(torch.float32)
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
+
+    @staticmethod
+    def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """Token-slots per expert, int64 `(E,)`, by a scatter-add (`torch.bincount` sizes its output from the largest
+        id, a host-device sync on GPUs)."""
+        flat = topk_idx.reshape(-1)
+        return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
     @staticmethod
     def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
@@ -384,7 +391,7 @@ class SpiderMoEKernels:
         T, k = topk_idx.shape
         device = topk_idx.device
         flat = topk_idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = SpiderMoEKernels.expert_counts(flat, num_experts)
         padded = (counts + alignment - 1) // alignment * alignment
         expert_end = padded.cumsum(0)
         expert_start = expert_end - padded
@@ -666,8 +673,9 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
     """One layer of the looped block over segments: (Engram memory) + MLA attention + MoE, pre-norm.
 
     Forward args (positional, so activation checkpointing sees every tensor): `hidden_states` `(B, S, D)`,
-    `position_embeddings` (segment RoPE), `attention_mask` `(B, 1, S, S)` bool or None, `token_mask` `(B, S)` bool
-    (non-padding segments; only these are routed), `engram_memory` `(B, S, M)` or None; keyword `past_key_values`
+    `position_embeddings` (segment RoPE), `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)`
+    (the non-padding segments as flat indices into the `B * S` rows, ascending; only these are routed) or None (every
+    row is routed), `engram_memory` `(B, S, M)` or None; keyword `past_key_values`
     (this loop's and layer's :class:`SpiderLayerCache`, generation only).
     Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`.
     """
@@ -682,7 +690,8 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         self.mlp = SpiderMoE(config)
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask, token_mask, engram_memory=None, past_key_values=None
+        self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
+        past_key_values=None
     ):
         if self.engram is not None:
             hidden_states = hidden_states + self.engram(hidden_states, engram_memory, past_key_values)
@@ -690,8 +699,15 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
         )
         normed = self.post_attention_layernorm(hidden_states)
-        moe_out, router_logits, aux_loss, expert_load = self.mlp(normed[token_mask])
-        hidden_states = hidden_states.index_put((token_mask,), hidden_states[token_mask] + moe_out)
+        # Pack the routed rows by index (gather / scatter-add): no boolean mask, so no host sync and no data-dependent
+        # shape inside the loop; the indices were computed once per forward.
+        rows = normed.reshape(-1, normed.shape[-1])
+        if segment_index is not None:
+            rows = rows.index_select(0, segment_index)
+        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows)
+        if segment_index is not None:
+            moe_out = torch.zeros_like(normed.reshape(-1, normed.shape[-1])).index_add(0, segment_index, moe_out)
+        hidden_states = hidden_states + moe_out.view_as(hidden_states)
         return hidden_states, router_logits, aux_loss, expert_load
 
 
@@ -1050,14 +1066,15 @@ class SpiderRecurrentBlock(nn.Module):
         segments: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        segment_mask: torch.Tensor,
+        segment_index: torch.Tensor | None,
         engram_memory: torch.Tensor,
         n_loops: int,
         past_key_values: "SpiderCache | None" = None,
         output_router_logits: bool = False,
     ) -> SpiderRecurrentBlockOutput:
         """Args: `segments` `(B, S, D)` (the normed segments e), `position_embeddings` their RoPE, `attention_mask`
-        bool `(B, 1, S, S_keys)` or None (causal), `segment_mask` `(B, S)` bool (segments to route), `engram_memory`
+        bool `(B, 1, S, S_keys)` or None (causal), `segment_index` int64 `(N,)` the flat indices of the segments to route
+        (None: all), `engram_memory`
         `(B, S, M)`, `past_key_values` a :class:`SpiderCache` whose per-(loop, layer) caches are read and written.
         """
         e = segments
@@ -1070,7 +1087,7 @@ class SpiderRecurrentBlock(nn.Module):
             z = self.loop_norm(h + e + self.loop_embedding.weight[min(t, self.max_loop_iters - 1)])
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
-                    z, position_embeddings, attention_mask, segment_mask, engram_memory,
+                    z, position_embeddings, attention_mask, segment_index, engram_memory,
                     past_key_values=past_key_values.recurrent[t][i] if past_key_values is not None else None,
                 )
                 aux_losses.append(aux)
@@ -1417,9 +1434,11 @@ class SpiderModel(SpiderPreTrainedModel):
         segment_rope = self.rotary_emb(e, torch.arange(S1, device=e.device).expand(B, S1))
         padded_segments = not bool(segment_mask.all())
         segment_attention_mask = build_attention_mask(segment_mask) if padded_segments else None
+        # The segments the MoE routes, as flat row indices: one host sync here, none per loop and layer.
+        segment_index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded_segments else None
 
         h_out, act, aux_losses, expert_loads, router_logits = self.recurrent_block(
-            e, segment_rope, segment_attention_mask, segment_mask, engram_memory, n_loops, cache, output_router_logits
+            e, segment_rope, segment_attention_mask, segment_index, engram_memory, n_loops, cache, output_router_logits
         )
 
         # Back to bytes (causal upsample, joined with the byte stream), then the coda.
@@ -1511,9 +1530,8 @@ class SpiderModel(SpiderPreTrainedModel):
             segment_rope = self.rotary_emb(e, slot[:, None])
             keys = torch.arange(cache.segment_slots, device=e.device)
             segment_attention_mask = (keys[None] <= slot[:, None])[:, None, None, :]
-            every_row = torch.ones(B, 1, dtype=torch.bool, device=e.device)
             h_out = self.recurrent_block(
-                e, segment_rope, segment_attention_mask, every_row, segment_memory, cache.n_loops, cache
+                e, segment_rope, segment_attention_mask, None, segment_memory, cache.n_loops, cache
             ).h_out
             cache.last_segment_output = torch.where(closing[:, None], h_out[:, 0], cache.last_segment_output)
             cache.num_segments = cache.num_segments + closing.long()
