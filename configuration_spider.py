@@ -13,10 +13,11 @@ Field names follow transformers' DeepseekV3 / Qwen3-MoE configs wherever a conce
 >>> SpiderConfig.from_preset("tiny", n_loops=3)   # for tests; keyword arguments override the preset
 """
 
-from __future__ import annotations
 
 import difflib
 import os
+
+from huggingface_hub.dataclasses import strict
 
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
@@ -59,11 +60,15 @@ SPIDER_AUTO_MAP = {
 }
 
 
+@strict
 class SpiderConfig(PreTrainedConfig):
     r"""Configuration of a Spider model (:class:`SpiderForConditionalGeneration`).
 
-    ``SpiderConfig()`` with no arguments is the seed's ~1B model (about 1.0B parameters). Invalid values raise
-    ``ValueError`` naming the field and the constraint.
+    ``SpiderConfig()`` with no arguments is the seed's ~1B model (about 1.0B parameters). Fields are checked by
+    ``huggingface_hub``'s ``@strict``, as transformers' own configs are: a value of the wrong type (a string for an
+    int, a bool for an int, a non-list for the Engram lists) raises ``StrictDataclassFieldValidationError`` naming the
+    field, at construction and on assignment; a value that breaks a constraint raises ``ValueError`` naming the field
+    and the constraint (:meth:`validate_architecture`).
 
     Args:
         vocab_size (`int`, defaults to 272): bytes 0-255, PAD=256, BOS=257, EOS=258, further specials 259-271.
@@ -157,7 +162,7 @@ class SpiderConfig(PreTrainedConfig):
     n_shared_experts: int = 1
     moe_intermediate_size: int = 512
     norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.01
+    router_aux_loss_coef: float | int = 0.01
     output_router_logits: bool = False
     moe_implementation: str = "sorted"
     engram_layer_ids: list[int] | None = None
@@ -168,26 +173,26 @@ class SpiderConfig(PreTrainedConfig):
     engram_conv_kernel_size: int = 4
     engram_hash_seed: int = 0
     boundary_mode: str = "hard"
-    boundary_temperature: float = 0.5
-    boundary_threshold: float = 0.5
-    boundary_prior: float = 0.333
-    boundary_prior_std: float = 0.023
-    boundary_prior_k: float = 3.0
-    boundary_loss_coef: float = 1.0
+    boundary_temperature: float | int = 0.5
+    boundary_threshold: float | int = 0.5
+    boundary_prior: float | int = 0.333
+    boundary_prior_std: float | int = 0.023
+    boundary_prior_k: float | int = 3.0
+    boundary_loss_coef: float | int = 1.0
     upsample_mixing: str = "scaled_norm"
-    upsample_scale_init: float = 0.0
+    upsample_scale_init: float | int = 0.0
     sliding_window: int | None = None
-    halt_bias_init: float = 0.0
+    halt_bias_init: float | int = 0.0
     n_loops: int = 6
     max_loop_iters: int = 16
-    act_threshold: float = 0.99
-    ponder_loss_coef: float = 0.01
+    act_threshold: float | int = 0.99
+    ponder_loss_coef: float | int = 0.01
     lora_rank: int = 16
-    rms_norm_eps: float = 1e-6
-    initializer_range: float = 0.02
+    rms_norm_eps: float | int = 1e-6
+    initializer_range: float | int = 0.02
     max_position_embeddings: int = 8192
-    rope_theta: float = 10000.0
-    attention_dropout: float = 0.0
+    rope_theta: float | int = 10000.0
+    attention_dropout: float | int = 0.0
     use_cache: bool = True
     tie_word_embeddings: bool = False
     pad_token_id: int | None = 256
@@ -199,9 +204,6 @@ class SpiderConfig(PreTrainedConfig):
             self.engram_layer_ids = [1, 4]
         if self.engram_ngram_sizes is None:
             self.engram_ngram_sizes = [2, 3]
-        self._check_types()
-        self.engram_layer_ids = [int(i) for i in self.engram_layer_ids]
-        self.engram_ngram_sizes = [int(n) for n in self.engram_ngram_sizes]
         derived = self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
         if self.num_hidden_layers is not None and self.num_hidden_layers != derived:
             raise ValueError(
@@ -238,37 +240,6 @@ class SpiderConfig(PreTrainedConfig):
                 raise ValueError(f"unknown SpiderConfig field {key!r} in the overrides of preset {name!r}"
                                  + (f"; did you mean {close[0]!r}?" if close else ""))
         return cls(**{**SPIDER_PRESETS[name], **overrides})
-
-    @classmethod
-    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
-        """As ``PreTrainedConfig.get_config_dict``; raises ``ValueError`` naming the folder when its ``config.json``
-        belongs to another model type (transformers only logs a warning, then the first mismatching field fails)."""
-        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        model_type = config_dict.get("model_type")
-        if model_type is not None and model_type != cls.model_type:
-            raise ValueError(f"{pretrained_model_name_or_path} holds a config.json of model_type {model_type!r}, not "
-                             f"{cls.model_type!r}: not a Spider checkpoint")
-        return config_dict, kwargs
-
-    def _check_types(self):
-        """Raise ``ValueError`` naming the first field whose value does not have its annotated type (checked before
-        any arithmetic on it): ``int`` fields take ints (not bools), ``float`` fields any real number, ``int | None``
-        None or an int, the Engram lists lists of ints."""
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        checks = {
-            "int": (is_int, "an integer"),
-            "int | None": (lambda v: v is None or is_int(v), "None or an integer"),
-            "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-            "list[int] | None": (lambda v: isinstance(v, (list, tuple)) and all(map(is_int, v)), "a list of integers"),
-        }
-        for name, field in self.__dataclass_fields__.items():
-            if field.type in checks:
-                ok, expected = checks[field.type]
-                if not ok(getattr(self, name)):
-                    raise ValueError(f"SpiderConfig.{name}={getattr(self, name)!r} is invalid: must be {expected}")
 
     def validate_architecture(self):
         """Raise ``ValueError`` naming the first field whose value breaks a constraint."""

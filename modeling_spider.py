@@ -24,15 +24,13 @@ arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the
 OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn (arXiv 2502.05171), Relaxed Recursive Transformers
 (arXiv 2410.20672), ACT (Graves 2016, arXiv 1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
 
-This file imports only torch, transformers (and its safetensors), numpy and the standard library: it is what the Hub
-serves.
+This file imports only torch, transformers, numpy and the standard library, and overrides nothing of transformers'
+loading: it is what the Hub serves.
 """
 
 from __future__ import annotations
 
-import glob
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,10 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput, logging
+from transformers.utils import ModelOutput, can_return_tuple, logging
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
     from .configuration_spider import SpiderConfig
@@ -224,13 +223,46 @@ def build_attention_mask(
     return mask[:, None]
 
 
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention written out (transformers' ``"eager"`` implementation for Spider; the attention-interface signature).
+
+    Args: `query` `(B, H, T_q, d_qk)`, `key` `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`; `attention_mask` bool
+        `(B, 1, T_q, T_k)` (True = may attend) or None: causal when the queries are all the keys (`T_q == T_k`), else
+        every key (a decode step), as ``"sdpa"`` reads it with ``module.is_causal``. `scaling` multiplies the scores.
+    Returns: `(attn_output (B, T_q, H, d_v), attn_weights (B, H, T_q, T_k) in query.dtype)`; softmax in fp32.
+    """
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    T_q, T_k = query.shape[2], key.shape[2]
+    if attention_mask is None and T_q == T_k and T_q > 1:
+        attention_mask = torch.ones(T_q, T_k, dtype=torch.bool, device=query.device).tril()
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    weights = F.softmax(scores.to(torch.float32), dim=-1).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 class SpiderAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 §2.1; transformers' `DeepseekV3Attention` names).
 
     Queries go through a low-rank `q_a_proj -> q_a_layernorm -> q_b_proj`; keys and values share one compressed
     latent `kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`, plus one rotary key shared by all heads. RoPE is
-    applied to the rope part only; attention is causal SDPA. Input/output `(B, T, hidden_size)`.
+    applied to the rope part only. The attention itself is the function `config._attn_implementation` names in
+    transformers' attention interface (``"sdpa"`` by default, :func:`eager_attention_forward` for ``"eager"``, or
+    one registered with ``transformers.AttentionInterface``); it receives a bool mask or None for causal (see
+    :func:`eager_attention_forward`). Input/output `(B, T, hidden_size)`.
     """
+
+    is_causal = True  # read by transformers' sdpa_attention_forward when the mask is None
 
     def __init__(self, config: SpiderConfig, layer_idx: int):
         super().__init__()
@@ -286,17 +318,19 @@ class SpiderAttention(nn.Module):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states)
 
-        attn_output = F.scaled_dot_product_attention(
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, _ = attention_interface(
+            self,
             query_states,
             key_states,
             value_states,
-            attn_mask=attention_mask,
-            dropout_p=self.config.attention_dropout if self.training else 0.0,
-            is_causal=attention_mask is None and T == key_states.shape[2],
-            scale=self.scaling,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
         )
-        attn_output = attn_output.transpose(1, 2).reshape(B, T, self.num_heads * self.v_head_dim)
-        return self.o_proj(attn_output)
+        return self.o_proj(attn_output.reshape(B, T, self.num_heads * self.v_head_dim))
 
 
 class SpiderMLP(nn.Module):
@@ -1220,21 +1254,6 @@ class SpiderCache:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _first_unreadable_safetensors(folder) -> str | None:
-    """The first ``*.safetensors`` file of a local ``folder`` whose header safetensors cannot read, else None."""
-    from safetensors import SafetensorError, safe_open
-
-    if not os.path.isdir(str(folder)):
-        return None
-    for path in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
-        try:
-            with safe_open(path, framework="pt"):
-                pass
-        except SafetensorError:
-            return path
-    return None
-
-
 class SpiderPreTrainedModel(PreTrainedModel):
     config: SpiderConfig
     config_class = SpiderConfig
@@ -1244,25 +1263,8 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = False
+    _supports_attention_backend = True  # a function registered with transformers.AttentionInterface is used
     _can_compile_fullgraph = False
-
-    def _return_dict(self, return_dict: bool | None) -> bool:
-        return return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """As ``PreTrainedModel.from_pretrained``. A truncated or corrupt ``.safetensors`` file raises ``OSError``
-        naming the file, instead of safetensors' bare ``SafetensorError`` ("incomplete metadata, file not fully
-        covered"), which names neither the file nor the folder."""
-        from safetensors import SafetensorError
-
-        try:
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        except SafetensorError as err:
-            bad = _first_unreadable_safetensors(pretrained_model_name_or_path)
-            raise OSError(f"cannot load Spider weights from {bad or pretrained_model_name_or_path}: truncated or "
-                          f"corrupt safetensors file ({err})") from err
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -1357,6 +1359,7 @@ class SpiderModel(SpiderPreTrainedModel):
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -1366,7 +1369,6 @@ class SpiderModel(SpiderPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> SpiderModelOutput:
         """Args:
@@ -1393,7 +1395,7 @@ class SpiderModel(SpiderPreTrainedModel):
                     f"{past_key_values.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
                     f"{self.config.max_position_embeddings} bytes in total (prompt included)"
                 )
-            return self.decode(input_ids, past_key_values, return_dict)
+            return self.decode(input_ids, past_key_values)
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
@@ -1461,7 +1463,7 @@ class SpiderModel(SpiderPreTrainedModel):
         aux_loss = torch.stack(aux_losses).mean()
         expert_load = torch.stack(expert_loads).mean(0).detach()
 
-        output = SpiderModelOutput(
+        return SpiderModelOutput(
             last_hidden_state=y,
             past_key_values=cache,
             hidden_states=all_hidden_states,
@@ -1474,7 +1476,6 @@ class SpiderModel(SpiderPreTrainedModel):
             expert_load=expert_load,
             boundaries=boundaries.detach(),
         )
-        return output if self._return_dict(return_dict) else output.to_tuple()
 
     def fill_cache(self, cache, input_ids, x, engram_bytes, boundaries, byte_mask, token_mask, segment_mask, h_out):
         """After a full forward, store what decoding continues from (see :class:`SpiderCache`)."""
@@ -1487,7 +1488,7 @@ class SpiderModel(SpiderPreTrainedModel):
         self.flexitokens.start_cache(cache, x, engram_bytes, boundaries, byte_mask, segment_mask, h_out)
 
     @torch.no_grad()
-    def decode(self, input_ids, cache: SpiderCache, return_dict=None) -> SpiderModelOutput:
+    def decode(self, input_ids, cache: SpiderCache) -> SpiderModelOutput:
         """Continue from `cache` with the new bytes `input_ids` `(B, T)` (all real), one byte at a time: the prelude
         and coda read their byte caches; a byte that closes a segment runs the recurrent block for that segment
         only. Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)` and
@@ -1497,10 +1498,9 @@ class SpiderModel(SpiderPreTrainedModel):
             y, b = self.decode_byte(input_ids[:, j : j + 1], cache)
             states.append(y)
             boundaries.append(b)
-        output = SpiderModelOutput(
+        return SpiderModelOutput(
             last_hidden_state=torch.cat(states, 1), past_key_values=cache, boundaries=torch.cat(boundaries, 1)
         )
-        return output if self._return_dict(return_dict) else output.to_tuple()
 
     def decode_byte(self, input_ids: torch.LongTensor, cache: SpiderCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1) fp32)`."""
@@ -1581,6 +1581,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -1591,7 +1592,6 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
-        return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> SpiderCausalLMOutput:
@@ -1611,6 +1611,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
+            return_dict=True,
         )
         logits = self.lm_head(as_weight_dtype(self.lm_head, outputs.last_hidden_state))
         loss = lm_loss = None
@@ -1635,7 +1636,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
                 + self.config.boundary_loss_coef * outputs.boundary_loss
                 + self.config.ponder_loss_coef * outputs.ponder_loss
             )
-        output = SpiderCausalLMOutput(
+        return SpiderCausalLMOutput(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
@@ -1649,7 +1650,6 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
         )
-        return output if self._return_dict(return_dict) else output.to_tuple()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -17,7 +17,9 @@ def load(model_path: str | None, preset: str = "tiny"):
     if model_path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True)
+        from .release import checked_from_pretrained
+
+        model = checked_from_pretrained(AutoModelForCausalLM.from_pretrained, model_path, trust_remote_code=True)
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
     else:
         from configuration_spider import SpiderConfig

@@ -3,10 +3,12 @@
 Contents: ``model.safetensors`` (plain weights, also after FP8 training), ``config.json`` with ``auto_map``, the three
 module files (``configuration_spider.py``, ``modeling_spider.py``, ``tokenization_spider.py``), the tokenizer files,
 ``README.md`` (the model card rendered from ``hub_card/``) and ``loss_curve.png``. Written atomically.
+:func:`checked_from_pretrained` loads one (or a checkpoint) with errors that name the file at fault.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .checkpointing import save_folder_atomically
@@ -67,3 +69,46 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
                          bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"))
 
     return save_folder_atomically(release_dir, write)
+
+
+def checked_from_pretrained(load, path, *args, **kwargs):
+    """``load(path, *args, **kwargs)`` -- a ``from_pretrained`` (``SpiderForConditionalGeneration``'s, an Auto class's,
+    ``SpiderConfig``'s) -- with clear errors for two failures transformers reports without naming the file.
+
+    Raises:
+        ValueError: `path`'s ``config.json`` is another model's (transformers only warns, then fails later on a
+            mismatching field, or loads a model with missing weights).
+        OSError: a truncated or corrupt ``*.safetensors`` file in `path`, named (safetensors' own ``SafetensorError``
+            says "incomplete metadata" and names neither the file nor the folder).
+    Everything else (a missing folder or file, a config.json that is not JSON) transformers reports well itself.
+    """
+    from safetensors import SafetensorError
+
+    config_file = Path(str(path)) / "config.json"
+    if config_file.is_file():
+        try:
+            model_type = json.loads(config_file.read_text()).get("model_type")
+        except (ValueError, AttributeError):  # not JSON, or not an object: transformers names the file
+            model_type = None
+        if model_type is not None and model_type != "spider":
+            raise ValueError(f"{path} holds a config.json of model_type {model_type!r}, not 'spider': not a Spider "
+                             "checkpoint")
+    try:
+        return load(str(path), *args, **kwargs)
+    except SafetensorError as err:
+        bad = _first_unreadable_safetensors(Path(str(path)))
+        raise OSError(f"cannot load Spider weights from {bad or path}: truncated or corrupt safetensors file "
+                      f"({err})") from err
+
+
+def _first_unreadable_safetensors(folder: Path) -> Path | None:
+    """The first ``*.safetensors`` file of `folder` whose header safetensors cannot read, else None."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError:
+            return file
+    return None

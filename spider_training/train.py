@@ -30,7 +30,7 @@ from spider_training.arguments import SpiderArguments, parse_args
 from spider_training.data import build_dataset
 from spider_training.fp8 import resolve_precision
 from spider_training.generate import sample
-from spider_training.release import write_release
+from spider_training.release import checked_from_pretrained, write_release
 from spider_training.run_lock import RunLock
 from spider_training.trainer import SpiderTrainer
 from tokenization_spider import SpiderTokenizer
@@ -62,7 +62,7 @@ def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
     weights = spider.init_from or (spider.resume if spider.reset_steps else None)
     if weights:
         logger.info("loading weights from %s", weights)
-        return SpiderForConditionalGeneration.from_pretrained(weights, **overrides)
+        return checked_from_pretrained(SpiderForConditionalGeneration.from_pretrained, weights, **overrides)
     return SpiderForConditionalGeneration(SpiderConfig.from_preset(spider.preset, **overrides))
 
 

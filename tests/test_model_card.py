@@ -95,7 +95,7 @@ def test_card_renders_every_section_with_run_facts(release, config):
     for name in REMOTE_FILES:
         digest = hashlib.sha256((release / name).read_bytes()).hexdigest()
         assert f"| `{name}` |" in text and digest in text
-    assert "**numpy, safetensors, torch, transformers**" in text
+    assert "**huggingface_hub, numpy, torch, transformers**" in text
     assert "None of these is a module for network access" in text
     # config, data, training, metrics
     assert f"| hidden size | {config['hidden_size']} |" in text

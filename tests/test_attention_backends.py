@@ -1,0 +1,75 @@
+"""Attention goes through transformers' attention interface: `attn_implementation` picks the function that runs."""
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from tests.helpers import float_tol, model_terms, tiny_model
+
+CALLS = []
+
+
+def counting_attention(module, *args, **kwargs):
+    """A user-registered attention function: records which layer called it, then runs transformers' sdpa."""
+    CALLS.append(module.layer_idx)
+    return sdpa_attention_forward(module, *args, **kwargs)
+
+
+AttentionInterface.register("spider_test_counting", counting_attention)
+
+
+def _inputs():
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding: the masks are real (padding, sliding window) on every path
+    return ids, mask
+
+
+def test_eager_sdpa_and_a_registered_function_give_the_same_logits():
+    model = tiny_model(seed=0, sliding_window=4).eval()
+    ids, mask = _inputs()
+    logits = {}
+    for implementation in ("sdpa", "eager", "spider_test_counting"):
+        model.set_attn_implementation(implementation)
+        assert model.config._attn_implementation == implementation
+        CALLS.clear()
+        with torch.no_grad():
+            logits[implementation] = model(ids, attention_mask=mask).logits
+        if implementation == "spider_test_counting":
+            config = model.config
+            # every attention layer, the recurrent ones once per loop
+            assert len(CALLS) == config.num_prelude_layers + config.num_recurrent_layers * config.n_loops \
+                + config.num_coda_layers
+    tol = float_tol(logits["sdpa"], terms=model_terms(model))
+    torch.testing.assert_close(logits["eager"], logits["sdpa"], **tol)
+    assert torch.equal(logits["spider_test_counting"], logits["sdpa"])
+
+
+def test_cached_generation_is_the_same_with_eager_attention():
+    model = tiny_model(seed=1).eval()
+    prompt = torch.tensor([[257, *b"Four score and"]])
+    greedy = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=256)
+    outputs = {}
+    for implementation in ("sdpa", "eager"):
+        model.set_attn_implementation(implementation)
+        outputs[implementation] = model.generate(prompt, **greedy)
+    assert torch.equal(outputs["eager"], outputs["sdpa"])
+
+
+def test_from_pretrained_uses_the_requested_implementation(tmp_path):
+    tiny_model(seed=2).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True,
+                                                 attn_implementation="spider_test_counting")
+    CALLS.clear()
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 16)))
+    assert model.config._attn_implementation == "spider_test_counting" and CALLS
+
+
+def test_flex_attention_is_refused_clearly():
+    """Spider's masks are bool (or None for causal), which transformers' flex_attention would add to the scores;
+    the model declares `_supports_flex_attn = False`, so transformers refuses it by name instead."""
+    model = tiny_model(seed=0)
+    with pytest.raises(ValueError, match="flex_attention"):
+        model.set_attn_implementation("flex_attention")
