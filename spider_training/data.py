@@ -56,6 +56,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # the vocabulary's one home; re-exported
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -72,10 +74,6 @@ __all__ = [
 # Vocabulary and file-format constants
 # ---------------------------------------------------------------------------------------------------------------------
 
-PAD_ID = 256
-BOS_ID = 257
-EOS_ID = 258
-VOCAB_SIZE = 272
 MAX_TOKEN_ID = VOCAB_SIZE - 1  # 271: highest legal id in a shard
 IGNORE_INDEX = -100  # label value ignored by the loss (torch cross_entropy default)
 

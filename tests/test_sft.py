@@ -48,7 +48,7 @@ def test_sft_loss_is_spiders_own_loss_with_the_same_gradients(tmp_path):
     own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
     own_grads = torch.autograd.grad(own.loss, watched)
     # the comparison is not vacuous: Spider's extra terms move the loss
-    assert float(own.loss - own.lm_loss) > 1e-3
+    assert float((own.loss - own.lm_loss).detach()) > 1e-3
     loss = trainer.compute_loss(model, dict(batch))
     grads = torch.autograd.grad(loss, watched)
 
