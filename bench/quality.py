@@ -13,6 +13,7 @@ Usage::
     python -m bench.quality --runs spider llama              # the headline pair
     python -m bench.quality --runs spider --overrides '{"n_loops": 3}' --name loops3
     python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the README tables (part 1/2)
+    python -m bench.quality --suite --only "n_loops=3" "Engram off" --out q.json   # chosen rows only
 
 ``bench.run_all`` runs :func:`run`: the headline rows (Spider, the same byte layers without the global path, the
 dense Llama at equal parameters) judged against issue #16's targets.
@@ -39,11 +40,12 @@ if str(REPO) not in sys.path:
 from configuration_spider import SpiderConfig  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration, build_attention_mask  # noqa: E402
 from spider_training.data import encode_document, sotu_documents  # noqa: E402
+from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: E402
 
 #: the dense baseline of issue #16: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
-LLAMA_BASELINE = dict(vocab_size=272, hidden_size=256, intermediate_size=768, num_hidden_layers=7,
+LLAMA_BASELINE = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=7,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-                      pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_word_embeddings=False)
+                      pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Recipe:
     seed: int = 42
     eval_every: int = 0  # also score the held-out slice every N steps (for the bpb-vs-wall-clock plot)
     global_lr_scale: float = 1.0  # Spider's global path (everything outside BYTE_LAYERS) at this multiple of lr
+    loop_counts: tuple[int, ...] | None = None  # Spider: each step's n_loops drawn uniformly from these (Huginn)
 
 
 #: Spider's byte layers, by parameter-name prefix; every other parameter belongs to the global path (boundary
@@ -175,14 +178,14 @@ def sample_words(model, train_ids: np.ndarray, n_samples: int = 4, new_bytes: in
 
     text = train_ids[train_ids < 256].astype(np.uint8).tobytes().decode("utf-8", "replace")
     vocabulary = set(re.findall(r"[a-z]+", text.lower()))
-    prompt = torch.tensor([[257, *SAMPLE_PROMPT.encode()]])
+    prompt = torch.tensor([[BOS_ID, *SAMPLE_PROMPT.encode()]])
     torch.manual_seed(seed)
     model.eval()
     texts = []
     with torch.no_grad():
         for _ in range(n_samples):
             out = model.generate(prompt, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=new_bytes,
-                                 min_new_tokens=new_bytes, pad_token_id=256, eos_token_id=None)
+                                 min_new_tokens=new_bytes, pad_token_id=PAD_ID, eos_token_id=None)
             texts.append(bytes(int(i) for i in out[0, prompt.shape[1]:] if i < 256).decode("utf-8", "replace"))
     words = [w for t in texts for w in re.findall(r"[A-Za-z]+", t)]
     real = sum(w.lower() in vocabulary for w in words)
@@ -200,6 +203,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
     """Train `model` with `recipe` on windows drawn uniformly at random from `train_ids`; returns training stats."""
     torch.manual_seed(recipe.seed)
     rng = np.random.default_rng(recipe.seed)
+    loop_rng = np.random.default_rng(recipe.seed + 1)  # its own stream: the data order is the default run's
     opt = torch.optim.AdamW(param_groups(model, recipe), lr=recipe.lr, betas=recipe.betas)
     model.train()
     T = recipe.seq_len + 1
@@ -212,7 +216,8 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
             group["lr"] = lr * group["lr_scale"]
         offsets = rng.integers(0, len(train_ids) - T, size=recipe.batch_size)
         batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets]))
-        out = model(input_ids=batch, labels=batch)
+        loops = {"n_loops": int(loop_rng.choice(recipe.loop_counts))} if recipe.loop_counts else {}
+        out = model(input_ids=batch, labels=batch, **loops)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
         opt.step()
@@ -368,6 +373,11 @@ ABLATIONS: list[tuple] = [
     ("2-byte window, global stream at scale 0.1 from the start (upsample_scale_init=0.1)", "spider",
      {"sliding_window": 2, "upsample_scale_init": 0.1}),
     ("global path at 3x the learning rate (H-Net's per-stage multiplier)", "spider", {}, {"global_lr_scale": 3.0}),
+    ("loop count drawn from {1, 2, 3} each step (Huginn's randomised recurrence)", "spider", {},
+     {"loop_counts": (1, 2, 3)}),
+    ("segments of about 5 bytes (boundary_prior 0.2)", "spider", {"boundary_prior": 0.2, "boundary_prior_std": 0.014}),
+    ("parameters moved to the global path (byte FFN 384, expert FFN 320)", "spider",
+     {"intermediate_size": 384, "moe_intermediate_size": 320}),
     ("dense FFN instead of MoE in the recurrent block", "spider", {"n_routed_experts": 1, "num_experts_per_tok": 1}),
     ("Engram off", "spider", {"engram_layer_ids": []}),
     ("prelude/coda 2 + 2 layers", "spider", {"num_prelude_layers": 2, "num_coda_layers": 2}),
@@ -427,14 +437,14 @@ def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, wa
     return float(np.median(times))
 
 
-def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3)) -> list[dict]:
+def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, float] | None = None) -> list[dict]:
     """Every run of the full benchmark, as keyword arguments of :func:`run` (plus a ``group``).
 
     The dense baseline trains at equal parameter count (the default recipe, 500 steps) and at equal wall-clock: the
     step count Spider's 500 steps take, from both models' measured step times (so the comparison does not depend on
-    what else the machine runs while training); its learning rate is swept over `lrs` at equal wall-clock."""
-    t_spider = step_seconds("spider", {}, recipe)
-    t_llama = step_seconds("llama", {}, recipe)
+    what else the machine runs while training); its learning rate is swept over `lrs` at equal wall-clock.
+    `step_times`: `(Spider, Llama)` seconds per step to use instead of measuring them."""
+    t_spider, t_llama = step_times or (step_seconds("spider", {}, recipe), step_seconds("llama", {}, recipe))
     equal_time_steps = max(1, round(recipe.steps * t_spider / t_llama))
     runs = [dict(group="ablation", kind=kind, name=name, overrides=ov, steps=recipe.steps, lr=recipe.lr,
                  recipe=recipe_ov[0] if recipe_ov else {})
@@ -476,12 +486,17 @@ def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
 
 
 def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, steps: int = Recipe.steps,
-              out: str | None = None, log=sys.stderr) -> list[dict]:
-    """Run this shard's part (:func:`shard_of`) of :func:`suite_runs`; one row per run, rewritten to `out` (JSON)
-    after every run."""
+              out: str | None = None, log=sys.stderr, only: list[str] | None = None) -> list[dict]:
+    """Run this shard's part (:func:`shard_of`) of :func:`suite_runs` -- only the rows named in `only`, if given
+    (unknown names raise ``ValueError``); one row per run, rewritten to `out` (JSON) after every run."""
     base = Recipe(steps=steps)
+    if only:  # checked before the step timing, which trains both models for a few steps
+        unknown = sorted(set(only) - {r["name"] for r in suite_runs(base, step_times=(1.0, 1.0))})
+        if unknown:
+            raise ValueError(f"unknown quality rows {unknown}; see ABLATIONS and suite_runs for the names")
+    runs = [r for r in suite_runs(base) if not only or r["name"] in only]
     rows = []
-    for spec in shard_of(suite_runs(base), shard, num_shards):
+    for spec in shard_of(runs, shard, num_shards):
         recipe = Recipe(steps=spec["steps"], lr=spec["lr"], warmup_steps=min(200, max(1, spec["steps"] // 10)),
                         eval_every=max(1, base.steps // 10) if spec["name"] in ("spider", "llama") else 0,
                         **spec.get("recipe", {}))
@@ -648,6 +663,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--suite", action="store_true", help="every run of the README tables (see ABLATIONS)")
     parser.add_argument("--shard", default="0/1", help="with --suite: run part K of N (K/N), e.g. 0/2 and 1/2 in "
                         "two processes with --threads 1")
+    parser.add_argument("--only", nargs="+", default=None, help="with --suite: only these rows (by name)")
     parser.add_argument("--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "bytes_only"])
     parser.add_argument("--name", default=None)
     parser.add_argument("--overrides", default="{}", help="JSON config overrides (Spider runs)")
@@ -680,7 +696,7 @@ def main(argv=None) -> list[dict]:
     if args.suite:
         shard, num_shards = (int(x) for x in args.shard.split("/"))
         rows = run_suite(shard, num_shards, {"pydoc_topics": technical_text_ids(), **texts}, steps=args.steps,
-                         out=args.out)
+                         out=args.out, only=args.only)
     else:
         recipe = Recipe(steps=args.steps, lr=args.lr, eval_every=args.eval_every,
                         warmup_steps=min(200, max(1, args.steps // 10)))

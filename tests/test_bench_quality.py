@@ -98,3 +98,33 @@ def test_global_lr_scale_multiplies_only_the_global_path():
     assert scale[id(named["model.prelude_layers.0.mlp.up_proj.weight"])] == 1.0
     baseline = quality.param_groups(quality.build("llama", {"num_hidden_layers": 1}), quality.Recipe(global_lr_scale=3.0))
     assert {g["lr_scale"] for g in baseline} == {1.0}
+
+
+def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
+    """`Recipe.loop_counts`: every training step runs a loop count drawn from the set, from its own random stream, so
+    the batches are the default run's."""
+    import numpy as np
+
+    seen = {}
+    for counts in (None, (1, 3)):
+        model = tiny_model(seed=0)
+        calls = []
+        forward = model.forward
+
+        def spy(*args, **kwargs):  # the real forward, recording what the loop passed
+            calls.append((kwargs.get("n_loops"), kwargs["input_ids"].clone()))
+            return forward(*args, **kwargs)
+
+        model.forward = spy
+        ids = np.arange(5000) % 256
+        quality.train(model, ids, quality.Recipe(steps=6, batch_size=2, seq_len=16, warmup_steps=1, loop_counts=counts))
+        seen[counts] = calls
+    assert [n for n, _ in seen[None]] == [None] * 6
+    drawn = [n for n, _ in seen[(1, 3)]]
+    assert set(drawn) <= {1, 3} and len(set(drawn)) == 2
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen[None], seen[(1, 3)]))
+
+
+def test_suite_rows_can_be_chosen_by_name(monkeypatch):
+    with pytest.raises(ValueError, match="no such row"):
+        quality.run_suite(only=["no such row"])
