@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # `python bench/run_all.py` as well as `python -m
 
 from bench.common import environment  # noqa: E402
 
-BENCHMARKS = ("moe", "train_step", "mfu", "generation", "activation_checkpointing", "data_pipeline", "quality",
+BENCHMARKS = ("moe", "train_step", "mfu", "generation", "activation_checkpointing", "data_pipeline", "attention", "quality",
               "compile")
 
 
