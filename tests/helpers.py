@@ -70,3 +70,33 @@ def model_terms(model) -> int:
     layers a byte passes through (prelude, every recurrent layer in every loop, coda)."""
     c = model.config
     return c.hidden_size * (c.num_prelude_layers + c.num_recurrent_layers * c.n_loops + c.num_coda_layers + 1)
+
+
+def run_readme_recipe(marker: str, release: Path, workdir: Path) -> None:
+    """Run the README's Python block after ``<!-- recipe:MARKER -->`` as written, except that its
+    ``release = "runs/spider-small/release"`` line names `release`, in a fresh process (cwd `workdir`, its own
+    remote-code module cache, no PYTHONPATH) that loads the release through trust_remote_code. Fails with the
+    process's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split(f"<!-- recipe:{marker} -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    line = 'release = "runs/spider-small/release"'
+    assert line in block, f"the {marker} recipe no longer names the release folder as {line}"
+    code = block.replace(line, f"release = {str(release)!r}")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(workdir / "modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def assert_lora_adapters_trained(adapter_file: Path) -> None:
+    """Every LoRA B matrix in a saved PEFT adapter is non-zero (peft starts B at zero), the router's included."""
+    from safetensors.torch import load_file
+
+    lora_b = {k: v for k, v in load_file(adapter_file).items() if "lora_B" in k}
+    assert any(k.endswith("mlp.router.lora_B.weight") for k in lora_b)  # the router got an adapter too
+    assert all(v.abs().sum() > 0 for v in lora_b.values())

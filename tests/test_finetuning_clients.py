@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from modeling_spider import SpiderMoE
-from tests.helpers import float_tol, tiny_model
+from tests.helpers import assert_lora_adapters_trained, float_tol, run_readme_recipe, tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -212,29 +212,10 @@ def test_torchao_int8_weight_only_load_generates(saved_tiny):
 def test_readme_peft_trainer_recipe_runs_as_written(tmp_path):
     """The README's "Fine-tuning a release" block, verbatim except for the release folder (a tiny one here), in a
     fresh process that loads the release through trust_remote_code."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
     from tokenization_spider import SpiderTokenizer
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("<!-- recipe:peft-trainer -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     release = tmp_path / "release"
     tiny_model(seed=0).save_pretrained(release)
     SpiderTokenizer().save_pretrained(release)
-    line = 'release = "runs/spider-small/release"'
-    assert line in block
-    code = block.replace(line, f"release = {str(release)!r}")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    adapter = load_file(tmp_path / "runs/spider-lora/adapter/adapter_model.safetensors")
-    lora_b = {k: v for k, v in adapter.items() if "lora_B" in k}
-    assert any(k.endswith("mlp.router.lora_B.weight") for k in lora_b)  # the router got an adapter too
-    assert all(v.abs().sum() > 0 for v in lora_b.values())  # every adapter trained (peft starts B at zero)
+    run_readme_recipe("peft-trainer", release, tmp_path)
+    assert_lora_adapters_trained(tmp_path / "runs/spider-lora/adapter/adapter_model.safetensors")

@@ -12,7 +12,7 @@ from trl import SFTConfig  # noqa: E402
 from configuration_spider import SpiderConfig  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training.sft import SpiderSFTTrainer  # noqa: E402
-from tests.helpers import float_tol  # noqa: E402
+from tests.helpers import assert_lora_adapters_trained, float_tol, run_readme_recipe  # noqa: E402
 from tokenization_spider import SpiderTokenizer  # noqa: E402
 
 TEXTS = ["Four score and seven years ago our fathers brought forth on this continent a new nation.",
@@ -97,25 +97,6 @@ def test_trl_router_coefficient_and_paths_are_refused(tmp_path):
 
 
 def test_readme_peft_trl_recipe_runs_as_written(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("<!-- recipe:peft-trl -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     _release(tmp_path)
-    line = 'release = "runs/spider-small/release"'
-    assert line in block
-    code = block.replace(line, f"release = {str(tmp_path / 'release')!r}")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    adapter = load_file(tmp_path / "runs/spider-sft/adapter/adapter_model.safetensors")
-    lora_b = {k: v for k, v in adapter.items() if "lora_B" in k}
-    assert any(k.endswith("mlp.router.lora_B.weight") for k in lora_b)
-    assert all(v.abs().sum() > 0 for v in lora_b.values())  # every adapter trained (peft starts B at zero)
+    run_readme_recipe("peft-trl", tmp_path / "release", tmp_path)
+    assert_lora_adapters_trained(tmp_path / "runs/spider-sft/adapter/adapter_model.safetensors")
