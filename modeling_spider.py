@@ -735,12 +735,11 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         normed = self.post_attention_layernorm(hidden_states)
         # Pack the routed rows by index (gather / scatter-add): no boolean mask, so no host sync and no data-dependent
         # shape inside the loop; the indices were computed once per forward.
-        rows = normed.reshape(-1, normed.shape[-1])
-        if segment_index is not None:
-            rows = rows.index_select(0, segment_index)
+        flat = normed.reshape(-1, normed.shape[-1])
+        rows = flat if segment_index is None else flat.index_select(0, segment_index)
         moe_out, router_logits, aux_loss, expert_load = self.mlp(rows)
         if segment_index is not None:
-            moe_out = torch.zeros_like(normed.reshape(-1, normed.shape[-1])).index_add(0, segment_index, moe_out)
+            moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
         hidden_states = hidden_states + moe_out.view_as(hidden_states)
         return hidden_states, router_logits, aux_loss, expert_load
 
