@@ -1106,9 +1106,9 @@ class SpiderRecurrentBlock(nn.Module):
         output_router_logits: bool = False,
     ) -> SpiderRecurrentBlockOutput:
         """Args: `segments` `(B, S, D)` (the normed segments e), `position_embeddings` their RoPE, `attention_mask`
-        bool `(B, 1, S, S_keys)` or None (causal), `segment_index` int64 `(N,)` the flat indices of the segments to route
-        (None: all), `engram_memory`
-        `(B, S, M)`, `past_key_values` a :class:`SpiderCache` whose per-(loop, layer) caches are read and written.
+        bool `(B, 1, S, S_keys)` or None (causal), `segment_index` int64 `(N,)` the flat indices of the segments to
+        route (None: all), `engram_memory` `(B, S, M)`, `n_loops` the loop count, `past_key_values` a
+        :class:`SpiderCache` whose per-(loop, layer) caches are read and written, or None.
         """
         e = segments
         B, S, D = e.shape
