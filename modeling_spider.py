@@ -831,7 +831,9 @@ def downsample(
     if token_mask is not None:
         inside = inside & token_mask
     weight = inside.to(torch.float32)
-    pooled = hidden_states.new_zeros(B, S, D)
+    # No closed segment: an empty slice of the bytes, so everything upstream (prelude, Engram tables) still gets a
+    # (zero) gradient. FSDP2 reduce-scatters the gradients that exist, and one rank without them would hang the others.
+    pooled = hidden_states[:, :0]
     if S > 0:
         index = segment_idx.clamp(max=S - 1)
         sums = torch.zeros(B, S, D, dtype=torch.float32, device=hidden_states.device).scatter_add(

@@ -104,6 +104,17 @@ def test_downsample_pools_without_a_boundary_gradient():
     assert probs.grad is None or float(probs.grad.abs().sum()) == 0.0
 
 
+def test_a_batch_without_a_closed_segment_still_gives_every_parameter_a_gradient():
+    """FSDP2 reduce-scatters the gradients that exist: a rank whose batch closes no segment must still hold one for
+    the Engram tables and every other parameter, or the ranks' collectives disagree (found by tests/test_fsdp2.py)."""
+    model = tiny_model(seed=0, boundary_threshold=0.999).train()  # no byte is that sure of a boundary at init
+    ids = _ids(length=24)
+    out = model(ids, labels=ids)
+    assert float(out.compression_rate) == ids.shape[1]  # the batch closed no segment
+    out.loss.backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Mixing the upsampled stream into the bytes
 # ----------------------------------------------------------------------------------------------------------------------

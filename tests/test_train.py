@@ -173,10 +173,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_process_ddp_run(tmp_path):
+@pytest.mark.parametrize("launcher", ["accelerate_config", "torchrun"])
+def test_two_process_ddp_run(tmp_path, launcher):
+    """The README's two CPU DDP commands: the shipped configs/accelerate/ddp_cpu.yaml, and torchrun."""
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(REPO / "train_hf.py"), *TINY, "--ckpt_dir", str(out), "--max_steps", "2", "--save_steps", "2",
+    if launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(_free_port())]
+    else:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(REPO / "configs/accelerate/ddp_cpu.yaml"), "--main_process_port", str(_free_port())]
+    cmd = [*launch, str(REPO / "train_hf.py"), *TINY, "--ckpt_dir", str(out), "--max_steps", "2", "--save_steps", "2",
            "--use_cpu"]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
