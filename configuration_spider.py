@@ -132,8 +132,9 @@ class SpiderConfig(PreTrainedConfig):
             gradient opens it as far as it helps).
         sliding_window (`int` or `None`, defaults to `None`): byte layers (prelude and coda) attend to the last
             ``sliding_window`` bytes only (Mistral's ``sliding_window``, BLT's local encoder/decoder); context beyond it
-            reaches a byte through the global path. `None`: full causal attention. The recurrent block always sees
-            every segment.
+            reaches a byte through the global path. `None`: full causal attention.
+        recurrent_sliding_window (`int` or `None`, defaults to `None`): recurrent layers attend to the last
+            ``recurrent_sliding_window`` segments only (the null group counts as segment 0). `None`: every segment.
         halt_bias_init (`float`, defaults to 0.0): initial bias of ``halt_predictor`` (halting probability
             ``sigmoid(bias)`` per loop at initialisation).
         n_loops (`int`, defaults to 6): recurrent iterations; may exceed ``max_loop_iters`` (loop index clamped).
@@ -187,6 +188,7 @@ class SpiderConfig(PreTrainedConfig):
     upsample_mixing: str = "scaled_norm"
     upsample_scale_init: float | int = 0.0
     sliding_window: int | None = None
+    recurrent_sliding_window: int | None = None
     halt_bias_init: float | int = 0.0
     n_loops: int = 6
     max_loop_iters: int = 16
@@ -286,6 +288,10 @@ class SpiderConfig(PreTrainedConfig):
         require(self.boundary_mode in BOUNDARY_MODES, "boundary_mode", f"must be one of {BOUNDARY_MODES}")
         require(self.upsample_mixing in UPSAMPLE_MIXINGS, "upsample_mixing", f"must be one of {UPSAMPLE_MIXINGS}")
         require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", "must be None or >= 1")
+        require(
+            self.recurrent_sliding_window is None or self.recurrent_sliding_window >= 1,
+            "recurrent_sliding_window", "must be None or >= 1",
+        )
         require(self.upsample_scale_init >= 0, "upsample_scale_init", "must be >= 0")
         require(self.boundary_temperature > 0, "boundary_temperature", "must be > 0")
         require(0 < self.boundary_threshold < 1, "boundary_threshold", "must be in (0, 1)")

@@ -1434,9 +1434,13 @@ class SpiderModel(SpiderPreTrainedModel):
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
         boundaries, e, engram_memory, segment_mask = self.flexitokens.chunk(x, engram_bytes, byte_mask, position_ids)
         S1 = e.shape[1]
-        segment_rope = self.rotary_emb(e, torch.arange(S1, device=e.device).expand(B, S1))
+        segment_positions = torch.arange(S1, device=e.device).expand(B, S1)
+        segment_rope = self.rotary_emb(e, segment_positions)
         padded_segments = not bool(segment_mask.all())
-        segment_attention_mask = build_attention_mask(segment_mask) if padded_segments else None
+        segment_attention_mask = build_attention_mask(
+            segment_mask if padded_segments else None, self.config.recurrent_sliding_window,
+            key_positions=segment_positions,
+        )
         # The segments the MoE routes, as flat row indices: one host sync here, none per loop and layer.
         segment_index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded_segments else None
 
@@ -1530,7 +1534,10 @@ class SpiderModel(SpiderPreTrainedModel):
             slot = cache.begin_segment_step()
             segment_rope = self.rotary_emb(e, slot[:, None])
             keys = torch.arange(cache.segment_slots, device=e.device)
-            segment_attention_mask = (keys[None] <= slot[:, None])[:, None, None, :]
+            visible = keys[None] <= slot[:, None]
+            if self.config.recurrent_sliding_window is not None:
+                visible = visible & (keys[None] > slot[:, None] - self.config.recurrent_sliding_window)
+            segment_attention_mask = visible[:, None, None, :]
             h_out = self.recurrent_block(
                 e, segment_rope, segment_attention_mask, None, segment_memory, cache.n_loops, cache
             ).h_out
