@@ -1,0 +1,57 @@
+"""bench/memory_plan.py (issue #12): what it counts and how it extrapolates, on the tiny preset."""
+
+import pytest
+import torch
+from torch import nn
+
+from bench import memory_plan
+
+
+def test_saved_activations_count_what_autograd_keeps_once_and_no_parameters():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    with memory_plan.SavedActivations(model) as saved:
+        model(x).sum()
+    # the first Linear saves its input (4 x 8 fp32), the second the first's output; the weights are parameters
+    assert saved.by_call == {"other": 2 * 4 * 8 * 4}
+
+
+def test_extrapolation_is_exact_for_linear_and_quadratic_costs():
+    probes = [{"length": n, "a": 5 + 3 * n, "q": 7 * n + 2 * n * n} for n in (128, 256)]
+    assert memory_plan.extrapolate(probes, "a", 2048) == 5 + 3 * 2048
+    assert memory_plan.extrapolate(probes, "q", 2048, quadratic=True) == pytest.approx(7 * 2048 + 2 * 2048**2)
+
+
+def test_static_bytes_shard_over_gpus():
+    static = memory_plan.static_bytes(parameters=1000, largest_group=100, gpus=8)
+    assert static["ddp"] == {"parameters": 4000, "gradients": 4000, "adamw": 8000, "adamw_8bit": 2000 + 2000 / 64}
+    assert static["fsdp2"]["adamw"] == 1000
+    assert static["fsdp2"]["parameters"] == 4000 / 8 + 2 * 4 * 100
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return memory_plan.run(preset="tiny", seq_len=512, gpus=2)
+
+
+def test_plan_of_the_tiny_preset(tiny_plan):
+    r = tiny_plan
+    assert r["parameters"] == sum(r["shard_groups"].values())
+    for p in r["probes"]:
+        assert 0 < p["activations_checkpointed"] < p["activations"] and p["flops"] > 0
+    budget = memory_plan.GPU_MEMORY_GIB * memory_plan.GIB
+    for plan in r["plans"]:
+        n, static, per_seq = plan["largest_micro_batch_80gb"], plan["static_gib"], plan["activations_gib_per_sequence"]
+        assert (static + n * per_seq) * memory_plan.GIB <= budget < (static + (n + 1) * per_seq) * memory_plan.GIB
+
+
+def test_readme_block_is_filled_and_a_missing_block_is_named(tiny_plan, tmp_path):
+    readme = tmp_path / "README.md"
+    start, end = memory_plan.README_MARKERS
+    readme.write_text(f"before\n{start}\nold\n{end}\nafter\n")
+    memory_plan.write_readme(tiny_plan, readme)
+    text = readme.read_text()
+    assert "old" not in text and "| FSDP2 | 8-bit AdamW | checkpointing |" in text and text.endswith("after\n")
+    readme.write_text("no block\n")
+    with pytest.raises(ValueError, match="README.md"):
+        memory_plan.write_readme(tiny_plan, readme)
