@@ -24,13 +24,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +67,7 @@ def shard(model, world: int):
     stand_in = AcceleratorStandIn(
         state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, mixed_precision="no",
         is_main_process=dist.get_rank() == 0, device=torch.device("cpu"), num_processes=world,
-        process_index=dist.get_rank(),
+        process_index=dist.get_rank(), is_fsdp2=True, wait_for_everyone=dist.barrier,
     )
     return fsdp2_prepare_model(stand_in, model), plugin, stand_in
 
@@ -110,6 +104,9 @@ def train_reference(model, data, world: int) -> list[float]:
 
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # accelerate's logging and checkpoint helpers need its state (MULTI_CPU here)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir)
     data = batches(rank, world, STEPS + 2)
@@ -142,17 +139,19 @@ def main(out_dir: str) -> None:
         release.save_pretrained(out / "release")
         torch.save({"input_ids": probe, "logits": logits}, out / "probe.pt")
 
-    # 3. A sharded checkpoint (torch distributed checkpoint, as accelerate writes SHARDED_STATE_DICT) resumes
-    #    the same loss curve: two more steps straight on, and the same two steps after a load into a fresh model.
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(out / "sharded"))
+    # 3. A sharded checkpoint, written and read by accelerate's own save/load_fsdp_model and _optimizer (torch
+    #    distributed checkpoint, SHARDED_STATE_DICT), resumes the same loss curve: two more steps straight on, and
+    #    the same two steps after a load into a freshly initialised sharded model.
+    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+
+    save_fsdp_model(plugin, stand_in, model, str(out / "sharded"))
+    save_fsdp_optimizer(plugin, stand_in, optimizer, model, str(out / "sharded"))
+    result["checkpoint_files"] = sorted(p.name for p in (out / "sharded").iterdir())
     result["continued_losses"] = [sharded_step(model, optimizer, local) for _, local in data[STEPS:]]
     resumed, _, _ = shard(make_model(seed=7), world)
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
-    model_sd, optim_sd = get_state_dict(resumed, resumed_optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(out / "sharded"))
-    set_state_dict(resumed, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    load_fsdp_model(plugin, stand_in, resumed, str(out / "sharded"))
+    load_fsdp_optimizer(plugin, stand_in, resumed_optimizer, resumed, str(out / "sharded"))
     result["resumed_losses"] = [sharded_step(resumed, resumed_optimizer, local) for _, local in data[STEPS:]]
 
     # 4. Activation checkpointing under FSDP2: the same loss curve as without it.

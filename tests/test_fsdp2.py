@@ -70,6 +70,7 @@ def test_fsdp2_activation_checkpointing_gives_the_same_curve(fsdp_run):
 @pytest.mark.slow
 def test_fsdp2_sharded_checkpoint_resumes_the_same_curve(fsdp_run):
     _, r = fsdp_run
+    assert r["checkpoint_files"] == ["optimizer_0", "pytorch_model_fsdp_0"]  # accelerate's SHARDED_STATE_DICT layout
     assert len(r["resumed_losses"]) == len(r["continued_losses"]) == 2
     torch.testing.assert_close(torch.tensor(r["resumed_losses"]), torch.tensor(r["continued_losses"]),
                                **_loss_tol(r["continued_losses"], 1))
