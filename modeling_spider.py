@@ -5,7 +5,7 @@ The file reads top-down like the forward pass (SPEC §3)::
 
     x  = embed_tokens(input_ids)                          # (B, L, D) bytes
     x  = prelude(x)                                       # SpiderDecoderLayer: dense MLA + SwiGLU over bytes
-    b, e = flexitokens.chunk(x)                           # SpiderFlexiTokens: hard 0/1 boundary per byte,
+    b, e = flexitokens(x)                                 # SpiderFlexiTokens: hard 0/1 boundary per byte,
                                                           #   e = down_norm(downsample(b, x, null_group)) (B, 1+S, D)
     h_out = recurrent_block(e, engram_memory, n_loops)    # SpiderRecurrentBlock, shared weights per loop t:
         z = loop_norm(h + e + loop_embedding[t])
@@ -535,6 +535,8 @@ class SpiderMoE(nn.Module):
                 module = getattr(expert, name)
                 if type(module) is not nn.Linear or type(module.weight) is not nn.Parameter:
                     return f"experts.{e}.{name} is a {type(module).__module__}.{type(module).__qualname__}"
+                if module.weight.is_meta:
+                    return f"experts.{e}.{name} is offloaded (its weight is loaded only by its own forward)"
         return None
 
     def experts_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -875,7 +877,7 @@ def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, confi
 
 class SpiderFlexiTokens(nn.Module):
     """FlexiTokens (arXiv 2507.12720): bytes -> segments on the way into the recurrent block, segments -> bytes on the
-    way out. Both the full forward (:meth:`chunk`, :meth:`dechunk`) and the cached decode step (:meth:`chunk_step`,
+    way out. Both the full forward (:meth:`forward`, which chunks, and :meth:`dechunk`) and the cached decode step (:meth:`chunk_step`,
     :meth:`dechunk_step`) go through this module, so the two paths share one set of rules.
 
     Holds the `boundary_predictor`, the `null_group` vector (segment 0, read by the bytes before the first boundary),
@@ -895,8 +897,9 @@ class SpiderFlexiTokens(nn.Module):
         if self.mixing == "residual_proj":
             self.residual_proj = nn.Linear(D, D, bias=False)
 
-    def chunk(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor):
-        """Bytes -> segments. `x` `(B, L, D)` byte states, `memory` `(B, L, M)` per-byte Engram memory, `byte_mask`
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor):
+        """Chunk, bytes -> segments (the module's forward, so that hooks on it, such as accelerate's offloading, see
+        `null_group` read). `x` `(B, L, D)` byte states, `memory` `(B, L, M)` per-byte Engram memory, `byte_mask`
         `(B, L)` bool, `position_ids` `(B, L)` int64.
 
         Returns `(boundaries (B, L) fp32, segments (B, 1+S, D) normed, segment_memory (B, 1+S, M), segment_mask
@@ -1118,8 +1121,11 @@ class SpiderRecurrentBlock(nn.Module):
         act = AdaptiveComputationTime((B, S), self.act_threshold, e.device)
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
         aux_losses, expert_loads, router_logits = [], [], []
+        # through the embedding's forward (hooks such as accelerate's offloading load its weight there), once
+        loop_ids = torch.arange(n_loops, device=e.device).clamp(max=self.max_loop_iters - 1)
+        loop_embeddings = self.loop_embedding(loop_ids)
         for t in range(n_loops):
-            z = self.loop_norm(h + e + self.loop_embedding.weight[min(t, self.max_loop_iters - 1)])
+            z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
                     z, position_embeddings, attention_mask, segment_index, engram_memory,
@@ -1432,7 +1438,7 @@ class SpiderModel(SpiderPreTrainedModel):
 
         # FlexiTokens: bytes -> segments. Engram memory is looked up once per byte and pooled with the same boundaries.
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
-        boundaries, e, engram_memory, segment_mask = self.flexitokens.chunk(x, engram_bytes, byte_mask, position_ids)
+        boundaries, e, engram_memory, segment_mask = self.flexitokens(x, engram_bytes, byte_mask, position_ids)
         S1 = e.shape[1]
         segment_positions = torch.arange(S1, device=e.device).expand(B, S1)
         segment_rope = self.rotary_emb(e, segment_positions)
