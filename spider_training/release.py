@@ -35,6 +35,29 @@ def release_model_name(spider, hub_id: str | None, parameters: int | None) -> st
     return f"spider-{spider.preset}" + (f"-{parameters / 1e6:.1f}M" if parameters else "")
 
 
+def gather_unsharded(model):
+    """The model to write a release from, on every rank: `model` itself unless its parameters are FSDP2 ``DTensor``
+    shards. Sharded, the full state dict is gathered (a collective: every rank must call this) and rank 0 gets a plain
+    model of the same class and config holding it on the CPU (FP8 weight wrappers unwrapped, so the release holds
+    plain weights); the other ranks get None. Sampling from or saving a sharded model on one rank alone would wait
+    forever on the other ranks' all-gathers."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from .fp8 import _plain_tensor
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    plain = type(model)(model.config)  # on the CPU, its buffers (rotary frequencies) built as usual
+    plain.load_state_dict({k: _plain_tensor(v) for k, v in state.items()})
+    return plain.eval()
+
+
 def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict, log_history: list[dict]) -> Path:
     """Save `model` (unwrapped; FP8 layers saved as their plain weights) and `tokenizer` with a model card.
 

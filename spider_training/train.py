@@ -30,7 +30,7 @@ from spider_training.arguments import SpiderArguments, parse_args
 from spider_training.data import build_dataset
 from spider_training.fp8 import resolve_precision
 from spider_training.generate import sample
-from spider_training.release import checked_from_pretrained, write_release
+from spider_training.release import checked_from_pretrained, gather_unsharded, write_release
 from spider_training.run_lock import RunLock
 from spider_training.trainer import SpiderTrainer
 from tokenization_spider import SpiderTokenizer
@@ -171,8 +171,9 @@ def _run(spider: SpiderArguments, args) -> dict:
     }
     if loops:
         summary["bits_per_byte_by_loops"] = loops
+    # FSDP2: the full weights are gathered on every rank (a collective), then only rank 0 samples and writes
+    plain = gather_unsharded(trainer.accelerator.unwrap_model(trainer.model))
     if trainer.is_world_process_zero():
-        plain = trainer.accelerator.unwrap_model(trainer.model)
         if spider.sample_bytes > 0:  # --sample_bytes 0: no sample
             summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
                                        n_loops=spider.n_loops)

@@ -24,7 +24,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from configuration_spider import SpiderConfig  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
+from spider_training.release import gather_unsharded  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH, SEQ_LEN = 4, 48
@@ -126,18 +126,21 @@ def main(out_dir: str) -> None:
     result["fsdp_losses"], optimizer = train_sharded(model, data, STEPS)
     result["reference_losses"] = train_reference(reference, data[:STEPS], world)
 
-    # 2. The full state dict gathered to rank 0 makes a release; its logits are compared in a fresh process.
+    # 2. The full state dict gathered to rank 0 makes a release (spider_training.release.gather_unsharded); its logits
+    #    are compared in a fresh process.
     probe = data[0][0][:2]
     with torch.no_grad():
         model.eval()
         logits = model(input_ids=probe).logits
         model.train()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # what train_hf.py does at the end of a run: every rank gathers, rank 0 gets a plain model and writes
+    release = gather_unsharded(model)
     if rank == 0:
-        release = make_model(seed=99)  # other weights, so the load must come from the gathered state dict
-        release.load_state_dict(full)
+        result["release_has_dtensors"] = any(isinstance(p, DTensor) for p in release.parameters())
         release.save_pretrained(out / "release")
         torch.save({"input_ids": probe, "logits": logits}, out / "probe.pt")
+    else:
+        assert release is None, "gather_unsharded gives the model to rank 0 only"
 
     # 3. A sharded checkpoint, written and read by accelerate's own save/load_fsdp_model and _optimizer (torch
     #    distributed checkpoint, SHARDED_STATE_DICT), resumes the same loss curve: two more steps straight on, and
@@ -172,6 +175,9 @@ def main(out_dir: str) -> None:
     result["fp8_dtensor_weights"] = sum(isinstance(m.weight, DTensor) for m in float8)
     result["fp8_losses"], _ = train_sharded(fp8_model, data, STEPS)
     result["fp8_reference_losses"] = train_reference(fp8_reference, data[:STEPS], world)
+    fp8_release = gather_unsharded(fp8_model)  # strict load of the gathered FP8 weights into a plain model
+    if rank == 0:
+        result["fp8_release_plain"] = not any(type(m).__name__ == "Float8Linear" for m in fp8_release.modules())
 
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps(result, indent=1))

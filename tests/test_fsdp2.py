@@ -91,9 +91,11 @@ def test_fsdp2_emulated_fp8_shards_and_trains(fsdp_run):
 
 @pytest.mark.slow
 def test_fsdp2_gathered_release_loads_with_remote_code(fsdp_run, tmp_path):
-    """The full state dict gathered to rank 0 is a release a fresh process loads with trust_remote_code, giving the
-    sharded model's logits."""
-    out, _ = fsdp_run
+    """spider_training.release.gather_unsharded (what train_hf.py calls on every rank before rank 0 writes the release)
+    gives rank 0 a plain model, also from the FP8 model; its release loads in a fresh process with trust_remote_code
+    and gives the sharded model's logits."""
+    out, r = fsdp_run
+    assert r["release_has_dtensors"] is False and r["fp8_release_plain"] is True
     code = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
