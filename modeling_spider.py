@@ -1272,6 +1272,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = True  # a function registered with transformers.AttentionInterface is used
     _can_compile_fullgraph = False
+    # The cache carries the recurrent block's per-segment state and cannot be cropped back to accepted candidates, so
+    # generate() refuses assisted decoding and prompt lookup with a clear error (transformers reads this flag).
+    _is_stateful = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -1402,7 +1405,10 @@ class SpiderModel(SpiderPreTrainedModel):
                     f"{past_key_values.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
                     f"{self.config.max_position_embeddings} bytes in total (prompt included)"
                 )
-            return self.decode(input_ids, past_key_values)
+            output_hidden_states = (
+                output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+            )
+            return self.decode(input_ids, past_key_values, output_hidden_states=bool(output_hidden_states))
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
@@ -1499,22 +1505,29 @@ class SpiderModel(SpiderPreTrainedModel):
         self.flexitokens.start_cache(cache, x, engram_bytes, boundaries, byte_mask, segment_mask, h_out)
 
     @torch.no_grad()
-    def decode(self, input_ids, cache: SpiderCache) -> SpiderModelOutput:
+    def decode(self, input_ids, cache: SpiderCache, output_hidden_states: bool = False) -> SpiderModelOutput:
         """Continue from `cache` with the new bytes `input_ids` `(B, T)` (all real), one byte at a time: the prelude
         and coda read their byte caches; a byte that closes a segment runs the recurrent block for that segment
-        only. Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)` and
-        the cache; the loss terms are None. It runs the cache's `n_loops` (:meth:`forward` refuses another)."""
-        states, boundaries = [], []
+        only. Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the
+        cache and, with `output_hidden_states`, the new bytes' `hidden_states` in the full forward's layout (each
+        `(B, T, D)`); the loss terms are None. It runs the cache's `n_loops` (:meth:`forward` refuses another)."""
+        states, boundaries, per_byte = [], [], []
         for j in range(input_ids.shape[1]):
-            y, b = self.decode_byte(input_ids[:, j : j + 1], cache)
+            y, b, hidden = self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
             states.append(y)
             boundaries.append(b)
+            per_byte.append(hidden)
+        hidden_states = tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
         return SpiderModelOutput(
-            last_hidden_state=torch.cat(states, 1), past_key_values=cache, boundaries=torch.cat(boundaries, 1)
+            last_hidden_state=torch.cat(states, 1), past_key_values=cache, boundaries=torch.cat(boundaries, 1),
+            hidden_states=hidden_states,
         )
 
-    def decode_byte(self, input_ids: torch.LongTensor, cache: SpiderCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1) fp32)`."""
+    def decode_byte(
+        self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1) fp32, hidden
+        states in the full forward's layout or None)`."""
         B = input_ids.shape[0]
         if cache.byte_mask is not None:
             cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
@@ -1530,8 +1543,10 @@ class SpiderModel(SpiderPreTrainedModel):
         )
         x = self.embed_tokens(input_ids)
         byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
+        hidden = [x]
         for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
             x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+            hidden.append(x)
 
         window = torch.cat([cache.hash_context, input_ids], dim=1)
         cache.hash_context = window[:, 1:]
@@ -1551,11 +1566,13 @@ class SpiderModel(SpiderPreTrainedModel):
             cache.num_segments = cache.num_segments + closing.long()
 
         y = self.flexitokens.dechunk_step(cache, x)
+        hidden.append(y)
         for layer, layer_cache in zip(self.coda_layers, cache.coda):
             y = layer(y, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+            hidden.append(y)
         cache.byte_positions = cache.byte_positions + 1
         cache.seen_bytes += 1
-        return self.norm(y), boundary
+        return self.norm(y), boundary, tuple(hidden) if output_hidden_states else None
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
@@ -1607,16 +1624,22 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> SpiderCausalLMOutput:
         """Args: as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100 = ignore) and
         `num_items_in_batch` (Trainer's count of label tokens across gradient-accumulation steps), and `shift_labels`
         (targets already shifted, as transformers' loss takes them under sequence parallelism).
-        Returns :class:`SpiderCausalLMOutput`; logits are `(B, L, vocab_size)` in the model dtype.
-        Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, mis-shaped labels, or labels
-        with a non-empty cache."""
+        `logits_to_keep` (transformers' convention): an int k > 0 computes the logits of the last k positions only
+        (generation asks for 1), a 1-D index tensor those positions, 0 all of them.
+        Returns :class:`SpiderCausalLMOutput`; logits are `(B, L, vocab_size)` (or the kept positions) in the model
+        dtype. Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, mis-shaped labels,
+        labels with a non-empty cache, or labels with `logits_to_keep` (the loss needs every position)."""
         if labels is not None and past_key_values is not None and past_key_values.seen_bytes > 0:
             raise ValueError("labels cannot be scored against a non-empty past_key_values cache; pass the whole sequence")
+        keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        if (labels is not None or kwargs.get("shift_labels") is not None) and not keep_all:
+            raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the logits of every position")
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -1627,7 +1650,11 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             output_router_logits=output_router_logits,
             return_dict=True,
         )
-        logits = self.lm_head(as_weight_dtype(self.lm_head, outputs.last_hidden_state))
+        hidden_states = outputs.last_hidden_state
+        if not keep_all:
+            kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            hidden_states = hidden_states[:, kept, :]
+        logits = self.lm_head(as_weight_dtype(self.lm_head, hidden_states))
         loss = lm_loss = None
         shift_labels = kwargs.get("shift_labels")  # pre-shifted targets (sequence/context parallelism)
         if labels is not None or shift_labels is not None:
@@ -1672,10 +1699,13 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, attention_mask=None, n_loops=None, use_cache=None, **kwargs
     ):
-        """Feed only the bytes `past_key_values` has not seen (the whole prompt first); `n_loops` passes through."""
+        """Feed only the bytes `past_key_values` has not seen (the whole prompt first); `n_loops` and every other
+        model kwarg generate() holds (`logits_to_keep`, `output_hidden_states`, a caller's own) pass through to
+        :meth:`forward`, as transformers' default does."""
         if past_key_values is not None:
             input_ids = input_ids[:, past_key_values.seen_bytes :]
         return {
+            **{k: v for k, v in kwargs.items() if v is not None},
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "n_loops": n_loops,

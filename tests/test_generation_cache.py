@@ -99,3 +99,47 @@ def test_activation_checkpointing_in_training_refuses_the_cache():
     model.gradient_checkpointing_enable()
     model.train()
     assert model(_prompt(1, 16), use_cache=True).past_key_values is None
+
+
+def test_decode_hidden_states_follow_the_full_forward_layout():
+    """output_hidden_states in a cached step: one `(B, T, D)` tensor per entry of the full forward's tuple (embeddings,
+    each prelude layer, the mixed upsampled stream, each coda layer), equal to the full forward's at those bytes."""
+    model = tiny_model(seed=1).eval()
+    ids = _prompt(2, 48, seed=4)
+    with torch.no_grad():
+        full = model(ids, output_hidden_states=True)
+        prefill = model(ids[:, :30], use_cache=True, output_hidden_states=True)
+        step = model(ids[:, 30:], past_key_values=prefill.past_key_values, output_hidden_states=True)
+    assert len(step.hidden_states) == len(full.hidden_states) == len(prefill.hidden_states)
+    for got, expected in zip(step.hidden_states, full.hidden_states):
+        assert got.shape == (2, 18, model.config.hidden_size)
+        torch.testing.assert_close(got, expected[:, 30:], **float_tol(expected, model_terms(model)))
+    out = model.generate(ids[:, :10], max_new_tokens=3, output_hidden_states=True, return_dict_in_generate=True,
+                         **GREEDY)
+    assert len(out.hidden_states) == 3  # the prompt's step, then one per new byte
+    assert all(len(step) == len(full.hidden_states) for step in out.hidden_states)
+    assert [step[0].shape[1] for step in out.hidden_states] == [10, 1, 1]
+
+
+def test_logits_to_keep_and_extra_generate_kwargs():
+    model = tiny_model(seed=1).eval()
+    ids = _prompt(2, 24, seed=5)
+    with torch.no_grad():
+        full = model(ids).logits
+        tol = float_tol(full, model.config.hidden_size)  # the head's matmul over fewer rows: another BLAS path
+        torch.testing.assert_close(model(ids, logits_to_keep=1).logits, full[:, -1:], **tol)
+        torch.testing.assert_close(model(ids, logits_to_keep=torch.tensor([0, 5])).logits, full[:, [0, 5]], **tol)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, labels=ids, logits_to_keep=1)
+    inputs = model.prepare_inputs_for_generation(ids, attention_mask=None, logits_to_keep=1, my_flag="x")
+    assert inputs["logits_to_keep"] == 1 and inputs["my_flag"] == "x" and inputs["input_ids"] is ids
+
+
+def test_assisted_decoding_is_refused_with_a_clear_error():
+    """Declared, not silently wrong: the cache cannot be cropped back to accepted candidates (_is_stateful)."""
+    model = tiny_model(seed=1).eval()
+    ids = _prompt(1, 12, seed=6)
+    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+        model.generate(ids, max_new_tokens=3, assistant_model=tiny_model(seed=2).eval(), **GREEDY)
+    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+        model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2, **GREEDY)
