@@ -597,6 +597,24 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def card_reference(rows: list[dict]) -> dict:
+    """What a release card of the default recipe shows next to its own figure (``spider_training.model_card.
+    reference_quality``): the default run, the dense baseline at equal parameters and at equal wall-clock (best swept
+    learning rate), and the same byte layers without the global path, in held-out bits per byte (3 decimals)."""
+    by_name = {r["name"]: r for r in rows}
+    spider, llama, bytes_only = by_name["spider"], by_name["llama"], by_name["global path removed (prelude + coda only)"]
+    equal_time = min((r for r in rows if r.get("group") == "baseline equal wall-clock"),
+                     key=lambda r: r["sotu_bits_per_byte"])
+    millions = lambda r: f"{r['parameters'] / 1e6:.2f}M"  # noqa: E731
+    return {
+        "preset": "small", "data": "sotu", "steps": spider["steps"],
+        "spider_parameters": millions(spider), "spider_bits_per_byte": _f(spider["sotu_bits_per_byte"]),
+        "llama_parameters": millions(llama), "llama_bits_per_byte": _f(llama["sotu_bits_per_byte"]),
+        "llama_equal_time_bits_per_byte": _f(equal_time["sotu_bits_per_byte"]),
+        "bytes_only_parameters": millions(bytes_only), "bytes_only_bits_per_byte": _f(bytes_only["sotu_bits_per_byte"]),
+    }
+
+
 def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[str]:
     """The issue's targets as a table: what was measured and whether it was met."""
     cfg = SpiderConfig.from_preset("small")
@@ -684,12 +702,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--report", nargs="+", default=None, help="render the README section from these JSON files")
     parser.add_argument("--write_readme", default=None, help="with --report: replace the quality block of this file")
     parser.add_argument("--plot", default=None, help="with --report: write the bpb-vs-wall-clock plot here")
+    parser.add_argument("--write_card_reference", default=None,
+                        help="with --report: write the default recipe's comparison for the model card here "
+                        "(hub_card/reference_quality.json)")
     args = parser.parse_args(argv)
     if args.report:
         rows = [r for f in args.report for r in json.loads(Path(f).read_text())]
         section = render(rows)
         if args.plot:
             plot(rows, args.plot)
+        if args.write_card_reference:
+            Path(args.write_card_reference).write_text(json.dumps(card_reference(rows), indent=1) + "\n")
         if args.write_readme:
             from bench.report import write_readme
 

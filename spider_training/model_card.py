@@ -373,6 +373,24 @@ def _eval_results(data: dict, metrics: dict):
     ]
 
 
+#: The default recipe's measured comparison with a dense LlamaForCausalLM (``python -m bench.quality --report
+#: bench/quality_results.json --write_card_reference hub_card/reference_quality.json``); ships with the card template.
+REFERENCE_QUALITY = DEFAULT_TEMPLATE.parent / "reference_quality.json"
+
+
+def reference_quality(preset: str | None, data: str | None, path: str | Path | None = None) -> dict | None:
+    """The benchmark's figures for the default recipe (``bench/quality.py``: Spider's default run against the dense
+    baseline at equal parameters and at equal wall-clock, same data and held-out slice), when a run is that recipe's
+    preset on that data; else (or when the file is missing) None. The card shows them as the recipe's reference, not
+    as this run's own measurement."""
+    path = Path(path) if path is not None else REFERENCE_QUALITY
+    try:
+        ref = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return ref if (preset, data) == (ref.get("preset"), ref.get("data")) else None
+
+
 def write_model_card(
     release_dir: str | Path,
     *,
@@ -385,6 +403,8 @@ def write_model_card(
     template_path: str | Path | None = None,
     model_name: str | None = None,
     bits_per_byte_by_loops: dict | None = None,
+    sample: dict | None = None,
+    reference: dict | None = None,
 ) -> Path:
     """Render the model card into ``release_dir/README.md`` and the loss curve into ``release_dir/loss_curve.png``.
 
@@ -399,6 +419,9 @@ def write_model_card(
         model_name: card title and ``model-index`` name (default: the repo name, else ``"Spider"``).
         bits_per_byte_by_loops: ``{loop count (str or int): held-out bits per byte}`` measured after training (the
             recurrent depth's test-time curve; a table on the card), or ``None``.
+        sample: ``{"prompt": str, "text": str}``, a greedy continuation of the prompt by the released weights, or None.
+        reference: the default recipe's measured comparison with the dense baseline (:func:`reference_quality`),
+            shown next to this run's figure; ``None`` when the run is not that recipe.
 
     Returns:
         Path of the written ``README.md``.
@@ -481,6 +504,8 @@ def write_model_card(
         remote_imports=remote_imports,
         fp8=fp8,
         weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
+        sample=sample,
+        reference=reference,
     )
 
     source = template.read_text(encoding="utf-8")

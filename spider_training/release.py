@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .checkpointing import save_folder_atomically
 from .fp8 import fp8_to_plain_state_dict
-from .model_card import write_model_card
+from .model_card import reference_quality, write_model_card
 
 #: ``from_pretrained(..., key_mapping=LEGACY_KEY_MAPPING)`` loads a release written before the recurrent block and
 #: FlexiTokens became modules of their own (2026-11-23), whose parameters sat flat under ``model.`` (``model.layers.0.``,
@@ -87,9 +87,11 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
         metrics["parameters"] = summary.get("parameters")
         hub_id = getattr(args, "hub_model_id", None)
         model_name = release_model_name(spider, hub_id, summary.get("parameters"))
+        sample = {"prompt": spider.sample_prompt, "text": summary["sample"]} if summary.get("sample") else None
         write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
                          loss_history=log_history, repo_id=hub_id or str(release_dir), model_name=model_name,
-                         bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"))
+                         bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"), sample=sample,
+                         reference=reference_quality(spider.preset, spider.data))
 
     return save_folder_atomically(release_dir, write)
 

@@ -4,6 +4,7 @@ YAML front matter survives a ``huggingface_hub.ModelCard.load`` round trip, and 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import shutil
 from pathlib import Path
@@ -255,3 +256,30 @@ def test_release_model_name_prefers_the_flag_then_the_hub_id_then_preset_and_siz
         "spider-sotu"
     named = SimpleNamespace(preset="small", model_name="spider-small-sotu-500steps")
     assert release_model_name(named, "me/spider-sotu", 6_045_379) == "spider-small-sotu-500steps"
+
+
+def test_sample_and_the_recipes_dense_baseline_reference(release, config, tmp_path):
+    """Issue #16 deliverable 6: the card shows a sample and, for the default recipe, the benchmark's dense-baseline
+    comparison (labelled as the recipe's, not this run's measurement)."""
+    from spider_training.model_card import reference_quality
+
+    reference = reference_quality("small", "sotu")
+    assert reference is not None and reference_quality("1b", "sotu") is None
+    assert reference_quality("small", "sotu", path=tmp_path / "missing.json") is None
+    text = write(release, config, sample={"prompt": "The state of", "text": " the Union is"},
+                 reference=reference).read_text()
+    assert "```text\nThe state of the Union is\n```" in text
+    assert f"| `LlamaForCausalLM`, equal parameters and steps | {reference['llama_parameters']} | " \
+           f"{reference['llama_bits_per_byte']} |" in text
+    assert "not by this run" in text
+    plain = write(release, config).read_text()
+    assert "LlamaForCausalLM" not in plain and "```text" not in plain
+
+
+def test_shipped_reference_matches_the_committed_benchmark():
+    """hub_card/reference_quality.json is what bench.quality derives from bench/quality_results.json."""
+    from bench.quality import card_reference
+    from spider_training.model_card import REFERENCE_QUALITY
+
+    rows = json.loads((ROOT / "bench" / "quality_results.json").read_text())
+    assert json.loads(REFERENCE_QUALITY.read_text()) == card_reference(rows)
