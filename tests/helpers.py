@@ -77,20 +77,27 @@ def run_readme_recipe(marker: str, release: Path, workdir: Path) -> None:
     ``release = "runs/spider-small/release"`` line names `release`, in a fresh process (cwd `workdir`, its own
     remote-code module cache, no PYTHONPATH) that loads the release through trust_remote_code. Fails with the
     process's stderr."""
-    import os
-    import subprocess
-    import sys
-
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split(f"<!-- recipe:{marker} -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     line = 'release = "runs/spider-small/release"'
     assert line in block, f"the {marker} recipe no longer names the release folder as {line}"
-    code = block.replace(line, f"release = {str(release)!r}")
+    run_fresh_python(block.replace(line, f"release = {str(release)!r}"), workdir=workdir)
+
+
+def run_fresh_python(code: str, *argv: str, workdir: Path, timeout: int = 600) -> str:
+    """Run `code` (``python -c``) with `argv` in a fresh process, as a user's script would: cwd `workdir`, no
+    PYTHONPATH (so trust_remote_code loads a release's own files, not this checkout's), a remote-code module cache
+    of its own. Fails with the process's stderr; returns its stdout."""
+    import os
+    import subprocess
+    import sys
+
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(workdir / "modules")
-    done = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def assert_lora_adapters_trained(adapter_file: Path) -> None:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import float_tol, model_terms, tiny
+from tests.helpers import float_tol, model_terms, run_fresh_python, tiny
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,12 +105,7 @@ def test_fsdp2_gathered_release_loads_with_remote_code(fsdp_run, tmp_path):
         "    logits = m(input_ids=probe['input_ids']).logits\n"
         "torch.save(logits, sys.argv[3])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    result = subprocess.run([sys.executable, "-c", code, str(out / "release"), str(out / "probe.pt"),
-                             str(tmp_path / "logits.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_fresh_python(code, str(out / "release"), str(out / "probe.pt"), str(tmp_path / "logits.pt"), workdir=tmp_path)
     sharded = torch.load(out / "probe.pt")["logits"]
     loaded = torch.load(tmp_path / "logits.pt")
     torch.testing.assert_close(loaded, sharded, **float_tol(sharded, model_terms(SimpleNamespace(config=tiny()))))

@@ -1,7 +1,6 @@
 """End-to-end tests of train_hf.py: smoke runs, resume equality, release loading, distributed launch."""
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -14,6 +13,7 @@ import torch
 import train_hf
 from spider_training import checkpointing
 from spider_training.arguments import parse_args
+from tests.helpers import run_fresh_python
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--seq_len", "32", "--micro_batch", "2", "--eval_windows", "4", "--sample_bytes", "4",
@@ -149,21 +149,14 @@ def test_release_loads_in_fresh_process(tmp_path):
         "ids = t('Hello', return_tensors='pt')\n"
         "print(m.generate(**ids, max_new_tokens=3, do_sample=False).shape[1])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    result = subprocess.run([sys.executable, "-c", code, str(out / "release")], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "10"  # BOS + 5 bytes + EOS + 3 new
+    stdout = run_fresh_python(code, str(out / "release"), workdir=tmp_path)
+    assert stdout.strip().splitlines()[-1] == "10"  # BOS + 5 bytes + EOS + 3 new
 
     # the model card's Usage snippet, exactly as a reader copies it (it names this folder: no hub id was given)
     card = (out / "release" / "README.md").read_text()
     usage = card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert f'repo = "{out / "release"}"' in usage
-    result = subprocess.run([sys.executable, "-c", usage], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("The state of the Union is")
+    assert run_fresh_python(usage, workdir=tmp_path).startswith("The state of the Union is")
 
 
 def _free_port() -> int:
