@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 from pathlib import Path
 
 STAGING_DIRNAME = ".staging"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 class CheckpointWriteError(OSError):
@@ -145,23 +143,13 @@ def clear_staging(output_dir: str | os.PathLike) -> Path:
     return staging
 
 
-def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """The published ``checkpoint-N`` folders of `output_dir` that hold a trainer state, oldest step first."""
-    folder = Path(output_dir)
-    if not folder.is_dir():
-        return []
-    found = []
-    for child in folder.iterdir():
-        match = _CHECKPOINT_RE.match(child.name)
-        if match and child.is_dir() and (child / "trainer_state.json").is_file():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
-
-
 def latest_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """Newest complete checkpoint folder of `output_dir` (what auto-resume picks), or None."""
-    checkpoints = complete_checkpoints(output_dir)
-    return str(checkpoints[-1]) if checkpoints else None
+    """Newest ``checkpoint-N`` folder of `output_dir` (what auto-resume picks), or None when there is none or the
+    folder does not exist: ``transformers.trainer_utils.get_last_checkpoint``, which is exact here because a
+    ``checkpoint-N`` folder is only ever published complete (see the module docstring)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(output_dir)) if os.path.isdir(output_dir) else None
 
 
 def save_folder_atomically(final: str | os.PathLike, write) -> Path:

@@ -107,3 +107,16 @@ def assert_lora_adapters_trained(adapter_file: Path) -> None:
     lora_b = {k: v for k, v in load_file(adapter_file).items() if "lora_B" in k}
     assert any(k.endswith("mlp.router.lora_B.weight") for k in lora_b)  # the router got an adapter too
     assert all(v.abs().sum() > 0 for v in lora_b.values())
+
+
+def checkpoint_names(output_dir) -> list[str]:
+    """The published ``checkpoint-N`` folders of `output_dir` that hold a trainer state, oldest step first (what the
+    fault-tolerance tests assert survived)."""
+    import re
+
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), child.name) for child in folder.iterdir()
+             if (m := re.fullmatch(r"checkpoint-(\d+)", child.name)) and (child / "trainer_state.json").is_file()]
+    return [name for _, name in sorted(found)]

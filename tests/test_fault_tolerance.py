@@ -28,7 +28,7 @@ from spider_training.nonfinite import NonFiniteGuardCallback, NonFiniteLossError
 from spider_training.preemption import StopOnSignalCallback
 from spider_training.run_lock import RunLock, RunLockedError, lock_path
 from spider_training.trainer import SpiderTrainer
-from tests.helpers import tiny_model
+from tests.helpers import checkpoint_names, tiny_model
 from tokenization_spider import SpiderTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,13 +194,13 @@ def test_disk_full_during_save_names_path_and_keeps_previous_checkpoint(tmp_path
     err = info.value
     assert err.errno == errno.ENOSPC and err.path == str(out / "checkpoint-4")
     assert "disk full" in str(err) and str(out / "checkpoint-4") in str(err) and str(out / "checkpoint-2") in str(err)
-    assert [p.name for p in checkpointing.complete_checkpoints(out)] == ["checkpoint-2"]
+    assert checkpoint_names(out) == ["checkpoint-2"]
     assert tree_bytes(out / "checkpoint-2") == snapshot  # byte-identical
     # staging debris (left on purpose) does not block the next save once space is back
     (out / checkpointing.STAGING_DIRNAME / "checkpoint-4").mkdir(parents=True, exist_ok=True)
     disk.armed = False
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    assert [p.name for p in checkpointing.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not (out / checkpointing.STAGING_DIRNAME).exists()
 
 
@@ -255,14 +255,14 @@ def test_real_full_or_read_only_filesystem(tmpfs, failure):
     assert info.value.errno == expected[0] and expected[1] in str(info.value)
     assert str(out / "checkpoint-4") in str(info.value)
     assert tree_bytes(out / "checkpoint-2") == snapshot
-    assert [p.name for p in checkpointing.complete_checkpoints(out)] == ["checkpoint-2"]
+    assert checkpoint_names(out) == ["checkpoint-2"]
     # space / writability back: the next save goes through despite any debris
     if failure == "disk_full":
         (tmpfs / "filler").unlink()
     else:
         subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    assert [p.name for p in checkpointing.complete_checkpoints(out)][-1] == "checkpoint-6"
+    assert checkpoint_names(out)[-1] == "checkpoint-6"
     assert not (out / checkpointing.STAGING_DIRNAME).exists()
 
 
@@ -303,7 +303,7 @@ def test_second_train_hf_run_on_same_folder_refuses_to_start(tmp_path):
     with RunLock(out, rank=0):
         with pytest.raises(RunLockedError, match="another run is using output directory"):
             train_hf.main(TINY + ["--ckpt_dir", str(out), "--max_steps", "1"])
-    assert not checkpointing.complete_checkpoints(out)
+    assert not checkpoint_names(out)
 
 
 def test_lock_of_a_killed_run_does_not_block_the_restart(tmp_path):
@@ -349,7 +349,7 @@ def test_signal_finishes_step_saves_and_stops(tmp_path, signum):
     # the handler ran during SendSignal's on_step_end; the stop callback (added after it) sees it the same step
     assert stop.received == signal.Signals(signum).name and stop.stopped_at_step == 2
     assert trainer.state.global_step == 2
-    assert [p.name for p in checkpointing.complete_checkpoints(out)] == ["checkpoint-2"]
+    assert checkpoint_names(out) == ["checkpoint-2"]
     assert signal.getsignal(signum) is previous  # handlers restored after train()
 
 
@@ -395,7 +395,7 @@ def test_train_hf_preempted_then_resumed(tmp_path, signum):
     step = int(stopped[0].split(" at step ")[1].split(";")[0])
     assert 1 <= step < 12
     assert f"checkpoint written to {out / f'checkpoint-{step}'}" in stopped[0]
-    assert [p.name for p in checkpointing.complete_checkpoints(out)] == [f"checkpoint-{step}"]
+    assert checkpoint_names(out) == [f"checkpoint-{step}"]
     assert "release written" not in text and not (out / "release").exists()  # post-training work skipped
     # restart with the same command: resumes from `step`, reaches max_steps
     proc = _start(out, *args)
