@@ -877,8 +877,8 @@ def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, confi
 
 class SpiderFlexiTokens(nn.Module):
     """FlexiTokens (arXiv 2507.12720): bytes -> segments on the way into the recurrent block, segments -> bytes on the
-    way out. Both the full forward (:meth:`forward`, which chunks, and :meth:`dechunk`) and the cached decode step (:meth:`chunk_step`,
-    :meth:`dechunk_step`) go through this module, so the two paths share one set of rules.
+    way out. Both the full forward (:meth:`forward`, which chunks, and :meth:`dechunk`) and the cached decode step
+    (:meth:`chunk_step`, :meth:`dechunk_step`) go through this module, so the two paths share one set of rules.
 
     Holds the `boundary_predictor`, the `null_group` vector (segment 0, read by the bytes before the first boundary),
     `down_norm` over the pooled segments and, per `config.upsample_mixing`, how the global stream joins the bytes
