@@ -1397,6 +1397,7 @@ class SpiderModel(SpiderPreTrainedModel):
             raise ValueError(
                 f"n_loops={n_loops} differs from the n_loops={past_key_values.n_loops} this cache was built with"
             )
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         if past_key_values is not None and past_key_values.seen_bytes > 0:
             total = past_key_values.seen_bytes + input_ids.shape[1]
             if total > self.config.max_position_embeddings:
@@ -1405,9 +1406,6 @@ class SpiderModel(SpiderPreTrainedModel):
                     f"{past_key_values.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
                     f"{self.config.max_position_embeddings} bytes in total (prompt included)"
                 )
-            output_hidden_states = (
-                output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-            )
             return self.decode(input_ids, past_key_values, output_hidden_states=bool(output_hidden_states))
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
@@ -1415,7 +1413,6 @@ class SpiderModel(SpiderPreTrainedModel):
             logger.warning_once("use_cache=True is incompatible with activation checkpointing in training; no cache built")
             use_cache = False
         cache = past_key_values if past_key_values is not None else (SpiderCache(self.config, n_loops) if use_cache else None)
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
