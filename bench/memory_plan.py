@@ -132,18 +132,17 @@ def probe(preset: str, length: int, seed: int = 0) -> dict[str, float]:
     torch.manual_seed(seed)
     model = SpiderForConditionalGeneration(cfg).train()
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
-    with SavedActivations(model) as saved:
-        loss = model(input_ids=ids, labels=ids).loss
-    del loss
+    saved = SavedActivations(model)
+
+    def step():  # one forward + backward, counted for FLOPs and for what the forward saves
+        with saved:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    flops = count_flops(step)["total"]
     full = sum(saved.by_call.values())
     largest_call = max((v for k, v in saved.by_call.items() if k != "other"), default=0)
     checkpointed = saved.by_call.get("other", 0) + saved.layer_inputs + largest_call
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    flops = count_flops(step)["total"]
-    model.zero_grad(set_to_none=True)
     return {"length": length, "activations": full, "activations_checkpointed": checkpointed, "flops": flops}
 
 
