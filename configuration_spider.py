@@ -15,7 +15,9 @@ Field names follow transformers' DeepseekV3 / Qwen3-MoE configs wherever a conce
 
 
 import difflib
+import json
 import os
+import re
 
 from huggingface_hub.dataclasses import strict
 
@@ -211,14 +213,7 @@ class SpiderConfig(PreTrainedConfig):
             self.engram_layer_ids = [1, 4]
         if self.engram_ngram_sizes is None:
             self.engram_ngram_sizes = [2, 3]
-        derived = self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
-        if self.num_hidden_layers is not None and self.num_hidden_layers != derived:
-            raise ValueError(
-                f"num_hidden_layers={self.num_hidden_layers} must equal num_prelude_layers + num_recurrent_layers + "
-                f"num_coda_layers = {derived}; leave it unset, it is derived"
-            )
-        self.num_hidden_layers = derived
-        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self._derive_fields()
         super().__post_init__(**kwargs)
         # Every saved folder maps all three Auto classes, whichever class saved it (save_pretrained adds only its own).
         self.auto_map = {**SPIDER_AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
@@ -230,6 +225,63 @@ class SpiderConfig(PreTrainedConfig):
             self._name_or_path = here
         self.validate_architecture()
 
+    def _derive_fields(self, num_hidden_layers_given: bool = True) -> None:
+        """Set the fields derived from others (``num_hidden_layers``, ``qk_head_dim``); a given ``num_hidden_layers``
+        that disagrees raises ``ValueError``."""
+        derived = self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
+        if num_hidden_layers_given and self.num_hidden_layers is not None and self.num_hidden_layers != derived:
+            raise ValueError(
+                f"num_hidden_layers={self.num_hidden_layers} must equal num_prelude_layers + num_recurrent_layers + "
+                f"num_coda_layers = {derived}; leave it unset, it is derived"
+            )
+        self.num_hidden_layers = derived
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def update_from_string(self, update_str: str) -> None:
+        """Apply ``"key=value,key=value"`` overrides: transformers' format (``run_clm.py --config_overrides``), parsed
+        by :meth:`PreTrainedConfig.update_from_string` from each field's current type (int, float, ``true``/``false``,
+        str). Lists and None are JSON: ``engram_layer_ids=[1,3]`` (commas inside brackets belong to the list),
+        ``engram_layer_ids=[]``, ``sliding_window=null``; so is any value of a field that currently holds a list or
+        None (``sliding_window=8`` after ``null``).
+        Derived fields follow, and the whole config is validated again.
+
+        Raises:
+            ValueError: an item that is not ``key=value``, an unknown field (with the closest field name), or a value
+                that does not parse or breaks a constraint; the message names the field.
+            huggingface_hub.errors.StrictDataclassFieldValidationError: a value of the wrong type, naming the field.
+        """
+        for item in filter(None, re.split(r",(?![^\[]*\])", update_str)):
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not key:
+                raise ValueError(f"config override {item!r} is not key=value")
+            self._check_field_names([key], "the config overrides")
+            current = getattr(self, key)
+            if value == "null" or value.startswith("[") or current is None or isinstance(current, (list, tuple)):
+                try:
+                    setattr(self, key, json.loads(value))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"config override {key}={value!r} is not JSON (SpiderConfig.{key} takes a list "
+                                     f"or null here, e.g. [1,3], [] or null): {err}") from None
+                continue
+            try:
+                super().update_from_string(f"{key}={value}")
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"config override {key}={value!r} does not parse as SpiderConfig.{key}'s type "
+                                 f"({type(current).__name__}): {err}") from None
+        self._derive_fields(num_hidden_layers_given="num_hidden_layers" in update_str)
+        self.validate_architecture()
+
+    @classmethod
+    def _check_field_names(cls, keys, where: str) -> None:
+        """Raise ``ValueError`` for the first of `keys` that is not a config field, suggesting the closest one."""
+        known = set(cls.__dataclass_fields__) | set(cls.attribute_map)
+        for key in keys:
+            if key not in known and not key.startswith("_"):
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ValueError(f"unknown SpiderConfig field {key!r} in {where}"
+                                 + (f"; did you mean {close[0]!r}?" if close else ""))
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SpiderConfig":
         """Build a named preset (``"tiny"``, ``"small"``, ``"1b"``), with keyword overrides.
@@ -240,12 +292,7 @@ class SpiderConfig(PreTrainedConfig):
         """
         if name not in SPIDER_PRESETS:
             raise ValueError(f"unknown Spider preset {name!r}; known presets: {sorted(SPIDER_PRESETS)}")
-        known = set(cls.__dataclass_fields__) | set(cls.attribute_map)
-        for key in overrides:
-            if key not in known and not key.startswith("_"):
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                raise ValueError(f"unknown SpiderConfig field {key!r} in the overrides of preset {name!r}"
-                                 + (f"; did you mean {close[0]!r}?" if close else ""))
+        cls._check_field_names(overrides, f"the overrides of preset {name!r}")
         return cls(**{**SPIDER_PRESETS[name], **overrides})
 
     def validate_architecture(self):

@@ -18,9 +18,10 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import HfArgumentParser, TrainingArguments
 
-from configuration_spider import SPIDER_PRESETS
+from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .data import is_hub_repo_id
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
@@ -34,7 +35,8 @@ class SpiderArguments:
 
     preset: str = field(default="small", metadata={"help": "model preset: tiny, small, 1b (SpiderConfig.from_preset)"})
     config_overrides: str | None = field(
-        default=None, metadata={"help": "comma-separated config overrides, e.g. 'n_loops=3,lora_rank=8'"}
+        default=None, metadata={"help": "config overrides in transformers' key=value,... format (SpiderConfig."
+                                        "update_from_string), e.g. 'n_loops=3,lora_rank=8,engram_layer_ids=[1]'"}
     )
     init_from: str | None = field(default=None, metadata={"help": "start from the weights of a saved Spider folder"})
     model_name: str | None = field(
@@ -150,7 +152,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     Raises:
         ValueError: a bad env var value (names the variable), an unknown preset/precision/recipe, a non-positive size
             or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1 other than -1,
-            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a seed ``.pt``).
+            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a seed ``.pt``), a
+            ``--config_overrides`` item that is malformed, names no config field or gives it a bad value.
         FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
         SystemExit: argparse errors (unknown flags, wrong types), with argparse's message on stderr naming the flag.
     """
@@ -183,6 +186,12 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         raise ValueError(f"--max_steps must be >= 1 (or -1: not set), got {max_steps_flag}")
     if spider.preset not in SPIDER_PRESETS:
         raise ValueError(f"--preset must be one of {sorted(SPIDER_PRESETS)}; got {spider.preset!r}")
+    if spider.config_overrides and not (spider.init_from or spider.reset_steps):
+        # checked against the preset before anything runs (with --init_from, against the loaded config at build time)
+        try:
+            SpiderConfig.from_preset(spider.preset).update_from_string(spider.config_overrides)
+        except (ValueError, TypeError, StrictDataclassError) as err:
+            raise ValueError(f"--config_overrides {spider.config_overrides!r}: {err}") from None
     if spider.precision not in ("auto", "fp8", "bf16", "fp32"):
         raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
     if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):

@@ -38,32 +38,21 @@ from tokenization_spider import SpiderTokenizer
 logger = logging.getLogger(__name__)
 
 
-def parse_overrides(text: str | None) -> dict:
-    """``"n_loops=3,lora_rank=8"`` -> ``{"n_loops": 3, "lora_rank": 8}`` (values parsed as JSON when they can be).
-
-    Raises: ValueError naming the malformed item."""
-    overrides = {}
-    for item in filter(None, (text or "").split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--config_overrides item {item!r} is not key=value")
-        try:
-            overrides[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key.strip()] = value
-    return overrides
-
-
 def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
-    """A fresh model from the preset, or the weights of ``--init_from`` / ``--resume --reset_steps``."""
-    overrides = parse_overrides(spider.config_overrides)
-    if spider.n_loops is not None:
-        overrides["n_loops"] = spider.n_loops
+    """A fresh model from the preset, or the weights of ``--init_from`` / ``--resume --reset_steps``; either way with
+    ``--config_overrides`` applied by :meth:`SpiderConfig.update_from_string` (transformers' ``key=value,...``
+    format) and ``--n_loops``."""
     weights = spider.init_from or (spider.resume if spider.reset_steps else None)
+    config = (checked_from_pretrained(SpiderConfig.from_pretrained, weights) if weights
+              else SpiderConfig.from_preset(spider.preset))
+    if spider.config_overrides:
+        config.update_from_string(spider.config_overrides)
+    if spider.n_loops is not None:
+        config.n_loops = spider.n_loops
     if weights:
         logger.info("loading weights from %s", weights)
-        return checked_from_pretrained(SpiderForConditionalGeneration.from_pretrained, weights, **overrides)
-    return SpiderForConditionalGeneration(SpiderConfig.from_preset(spider.preset, **overrides))
+        return checked_from_pretrained(SpiderForConditionalGeneration.from_pretrained, weights, config=config)
+    return SpiderForConditionalGeneration(config)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -62,6 +62,37 @@ def test_bad_flags_are_refused(monkeypatch):
 
 
 @pytest.mark.slow
+def test_config_overrides_use_the_transformers_format(tmp_path):
+    """`--config_overrides` goes through SpiderConfig.update_from_string (transformers' key=value,... format): scalars
+    by the field's type, lists and null as JSON, derived fields follow; with --init_from the overrides apply to the
+    loaded config and the weights are the saved ones."""
+    from configuration_spider import SpiderConfig
+    from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.train import build_model
+
+    spider, _ = parse_args(TINY + ["--ckpt_dir", str(tmp_path / "run"), "--config_overrides",
+                                   "n_loops=3,engram_layer_ids=[0,1],sliding_window=null,norm_topk_prob=false,"
+                                   "boundary_prior=0.25,num_recurrent_layers=3"])
+    config = build_model(spider).config
+    assert (config.n_loops, config.engram_layer_ids, config.sliding_window) == (3, [0, 1], None)
+    assert (config.norm_topk_prob, config.boundary_prior, config.num_recurrent_layers) == (False, 0.25, 3)
+    assert config.num_hidden_layers == config.num_prelude_layers + 3 + config.num_coda_layers
+
+    torch.manual_seed(0)
+    saved = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny"))
+    saved.save_pretrained(tmp_path / "init")
+    spider, _ = parse_args(TINY + ["--ckpt_dir", str(tmp_path / "run2"), "--init_from", str(tmp_path / "init"),
+                                   "--config_overrides", "n_loops=3,sliding_window=8"])
+    loaded = build_model(spider)
+    assert (loaded.config.n_loops, loaded.config.sliding_window) == (3, 8)
+    for name, tensor in saved.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+
+    bad = SpiderConfig.from_preset("tiny")
+    with pytest.raises(ValueError, match=r"SpiderConfig\.n_loops=0 is invalid"):
+        bad.update_from_string("n_loops=0")
+
+
 def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatch):
     from spider_training.trainer import SpiderTrainer
 
