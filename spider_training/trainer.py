@@ -2,13 +2,11 @@
 
 Everything Trainer and accelerate already do (optimizer, cosine schedule, gradient accumulation and clipping, DDP/FSDP,
 checkpoint rotation, resume with RNG state and data skipping, the progress bar, logging) stays theirs. The subclass
-overrides documented hooks only:
+overrides public, documented methods:
 
 - ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and swaps in the
   TileKernels MoE routing (:mod:`spider_training.tile_kernels_moe`) before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
-- ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
-  once, here, with the seed's module filter; accelerate is then told bf16 so it does not convert a second time.
 - ``get_train_dataloader``: only for a streamed Hub source (:class:`spider_training.data.StreamingTextDataset`, which
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
   re-sharded. Local sources are map-style datasets and keep Trainer's own loader (seeded random sampler, accelerate's
@@ -16,8 +14,15 @@ overrides documented hooks only:
 - ``compute_loss`` / ``log``: pass ``n_loops`` and log every loss term, bits-per-byte, compression rate, expert load
   balance, mean halting step, tokens/s and peak memory.
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
-- ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`); a save that fails
-  for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder and the cause.
+
+Three private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
+does their job (the section says why for each):
+
+- ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
+  once, in ``__init__``, with the seed's module filter; accelerate is then told bf16 so it does not convert again.
+- ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
+  a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
+  and the cause.
 
 Two callbacks are added (Trainer's documented ``TrainerCallback`` events):
 
@@ -118,14 +123,7 @@ class SpiderTrainer(Trainer):
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
 
-    # --- accelerate / data ---------------------------------------------------------------------------------------
-
-    def _build_accelerator_args(self, **kwargs):
-        args = super()._build_accelerator_args(**kwargs)
-        if self.fp8_report is not None and args.get("mixed_precision") == "fp8":
-            logger.info("accelerate asked for fp8: converted once by SpiderTrainer (seed filter); accelerate runs bf16")
-            args["mixed_precision"] = "bf16"
-        return args
+    # --- data ---------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> DataLoader:
         """Trainer's loader for a map-style dataset; for a rank-split stream a loader prepared for device placement
@@ -207,7 +205,24 @@ class SpiderTrainer(Trainer):
             reduce=self.accelerator.reduce if self.accelerator.num_processes > 1 else None,
         )
 
-    # --- checkpoints -----------------------------------------------------------------------------------------------
+    # --- private Trainer methods ---------------------------------------------------------------------------------
+    # The only overrides of Trainer's private methods, each because no public hook exists for what it does (checked
+    # against transformers 5.23; re-check them on every transformers upgrade):
+    # - `_build_accelerator_args`: the Accelerator is built inside `Trainer.__init__` from `mixed_precision`; after
+    #   our own FP8 conversion accelerate must not convert again, and no argument or callback reaches that dict.
+    # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
+    #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
+    #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
+    # (`get_train_dataloader` above is public; it appends to `accelerator._dataloaders` for a streamed source, which
+    # is how accelerate's own `prepare_data_loader` registers a loader for gradient-accumulation bookkeeping.)
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        if self.fp8_report is not None and args.get("mixed_precision") == "fp8":
+            logger.info("accelerate asked for fp8: converted once by SpiderTrainer (seed filter); accelerate runs bf16")
+            args["mixed_precision"] = "bf16"
+        return args
+
 
     def _get_output_dir(self, trial) -> str:
         staging = getattr(self, "_staging_root", None)
