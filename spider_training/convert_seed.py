@@ -1,7 +1,7 @@
 """Import a seed checkpoint (``spider-stepN.pt``) as a safetensors release -- the only way a seed pickle gets in.
 
 ``python -m spider_training.convert_seed spider-step50.pt OUTPUT_DIR [--preset NAME] [--dtype seed|float32|...]
-[--rename SEED=OURS ...] [--overwrite] [--strict]`` prints a JSON report on stdout and writes ``OUTPUT_DIR`` with
+[--rename PATTERN=REPLACEMENT ...] [--overwrite] [--strict]`` prints a JSON report on stdout and writes ``OUTPUT_DIR`` with
 ``SpiderForConditionalGeneration.save_pretrained`` (``model.safetensors``, ``config.json`` with ``auto_map``, the
 module files) plus the ``SpiderTokenizer`` files and ``seed_conversion.json`` (the same report), so that
 ``AutoModelForCausalLM.from_pretrained(OUTPUT_DIR, trust_remote_code=True)`` loads it. Everything else in Spider
@@ -15,7 +15,7 @@ torchao's ``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names), usu
 file with ``importlib.import_module("tk-spider")``, so the pickle names the class ``tk-spider.SpiderConfig``
 (``fp8-ready-spider.SpiderConfig`` for ``fp8_train.py``; ``__main__.SpiderConfig`` if the class was defined in the
 script that saved). The seed model file itself is not public, so the seed's exact parameter and config field names
-are not known: :data:`SEED_NAME_RULES` and :data:`SEED_CFG_ALIASES` hold the documented guesses, every key that does not
+are not known: :data:`SEED_KEY_MAPPING` and :data:`SEED_CFG_ALIASES` hold the documented guesses, every key that does not
 map is reported, and ``--rename`` adds rules without editing code.
 
 Safety: the file is read with ``torch.load(..., weights_only=True)`` (torch's restricted unpickler: tensors,
@@ -202,174 +202,97 @@ def load_seed_checkpoint(path: str | os.PathLike) -> dict:
 # Parameter names: seed -> Spider
 # --------------------------------------------------------------------------------------------------------------------
 
-#: Wrapper prefixes dropped from the front of every seed key: DDP (``module.``) and ``torch.compile``
-#: (``_orig_mod.``), both applied by ``tk-train.py`` before ``model.state_dict()`` is saved.
-WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
-#: Wrapper components dropped anywhere in a key: FSDP and torch's activation-checkpoint wrapper.
-WRAPPER_COMPONENTS: tuple[str, ...] = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-#: Explicit renames ``(seed fragment, Spider fragment, source of the seed name)``, applied in order to whole dotted
-#: components; ``{name}`` stands for a layer/expert index. A key that matches none is taken as is (the seed used
+#: Seed state-dict key -> Spider key, as regular expressions applied in order with ``re.sub`` (the format of
+#: transformers' ``from_pretrained(key_mapping=...)``); a key no pattern changes is taken as is (the seed used
 #: transformers-style names: its FP8 filter selects ``embed_tokens, lm_head, layernorm, norm, router,
-#: boundary_predictor, loop_embedding, halt_predictor, engram``, which SPEC §1 made load-bearing for us too).
-SEED_NAME_RULES: tuple[tuple[str, str, str], ...] = (
-    ("model.prelude.{i}.", "model.prelude_layers.{i}.", "SPEC §3 forward pass: `x = prelude(x)`"),
-    ("model.recurrent_layers.{i}.", "model.recurrent_block.layers.{i}.",
-     "SPEC §3 forward pass: `for layer in recurrent_layers`"),
-    ("model.coda.{i}.", "model.coda_layers.{i}.", "SPEC §3 forward pass: `y = coda(y)`"),
-    ("model.boundary_predictor.0.", "model.boundary_predictor.dense.",
-     "FLEXITOKENS / Nawrot et al. boundary predictor: nn.Sequential(Linear(D, D), GELU, Linear(D, 1))"),
-    ("model.boundary_predictor.2.", "model.boundary_predictor.out_proj.", "same nn.Sequential, index 2"),
-    # SPEC §3 names the loop machinery and the FlexiTokens pieces at model level (the seed was one module); Spider
-    # holds them in its recurrent block and FlexiTokens modules.
-    *((f"model.{name}.", f"model.recurrent_block.{name}.", "SPEC §3: a member of the recurrent block")
-      for name in ("loop_embedding", "loop_norm", "loop_lora", "injection", "halt_predictor")),
-    *((f"model.{name}", f"model.flexitokens.{name}", "SPEC §3: a member of FlexiTokens' down/upsampling")
-      for name in ("boundary_predictor.", "null_group", "down_norm.", "upsample_norm.", "residual_proj.")),
-)
-
-_PLACEHOLDER = re.compile(r"\{(\w+)\}")
-
-
-class _Rule:
-    """A reversible fragment substitution on dotted names (``{name}`` matches a decimal index)."""
-
-    def __init__(self, seed: str, ours: str, source: str = ""):
-        for side, text in (("seed", seed), ("Spider", ours)):
-            if not text or text.startswith(".") or ".." in text:
-                raise ValueError(f"rename rule {seed!r}={ours!r}: the {side} fragment must be a dotted name")
-        if sorted(_PLACEHOLDER.findall(seed)) != sorted(_PLACEHOLDER.findall(ours)):
-            raise ValueError(f"rename rule {seed!r}={ours!r}: both sides must use the same {{placeholders}}")
-        self.seed, self.ours, self.source = seed, ours, source
-        self._to_ours = (self._pattern(seed), self._template(ours))
-        self._to_seed = (self._pattern(ours), self._template(seed))
-
-    @staticmethod
-    def _pattern(fragment: str) -> re.Pattern:
-        parts, last = [], 0
-        for match in _PLACEHOLDER.finditer(fragment):
-            parts.append(re.escape(fragment[last:match.start()]))
-            parts.append(f"(?P<{match.group(1)}>\\d+)")
-            last = match.end()
-        parts.append(re.escape(fragment[last:]))
-        tail = "" if fragment.endswith(".") else r"(?=\.|$)"
-        return re.compile(r"(?:^|(?<=\.))" + "".join(parts) + tail)
-
-    @staticmethod
-    def _template(fragment: str) -> str:
-        return _PLACEHOLDER.sub(lambda m: f"\\g<{m.group(1)}>", fragment.replace("\\", "\\\\"))
-
-    def to_ours(self, name: str) -> str:
-        pattern, template = self._to_ours
-        return pattern.sub(template, name)
-
-    def to_seed(self, name: str) -> str:
-        pattern, template = self._to_seed
-        return pattern.sub(template, name)
+#: boundary_predictor, loop_embedding, halt_predictor, engram``). The first two drop wrapper names: DDP (``module.``)
+#: and ``torch.compile`` (``_orig_mod.``), which ``tk-train.py`` applies before ``model.state_dict()`` is saved, and
+#: FSDP / activation-checkpoint wrappers anywhere in a key. The others are where SPEC §3's forward pass names a
+#: piece and Spider's modules hold it (``model.`` optional: a trunk saved without the base-model prefix).
+SEED_KEY_MAPPING: dict[str, str] = {
+    r"^(?:module\.|_orig_mod\.)+": "",
+    r"(?:_fsdp_wrapped_module|_checkpoint_wrapped_module)\.": "",
+    r"^(?:model\.)?prelude\.(\d+)\.": r"model.prelude_layers.\1.",  # `x = prelude(x)`
+    r"^(?:model\.)?recurrent_layers\.(\d+)\.": r"model.recurrent_block.layers.\1.",  # `for layer in recurrent_layers`
+    r"^(?:model\.)?coda\.(\d+)\.": r"model.coda_layers.\1.",  # `y = coda(y)`
+    # the boundary predictor as nn.Sequential(Linear(D, D), GELU, Linear(D, 1)) (FlexiTokens / Nawrot et al.)
+    r"^(?:model\.)?boundary_predictor\.0\.": "model.flexitokens.boundary_predictor.dense.",
+    r"^(?:model\.)?boundary_predictor\.2\.": "model.flexitokens.boundary_predictor.out_proj.",
+    # SPEC §3 names the loop machinery and FlexiTokens' pieces at model level; Spider holds them in two modules
+    r"^(?:model\.)?(loop_embedding|loop_norm|loop_lora|injection|halt_predictor)\.": r"model.recurrent_block.\1.",
+    r"^(?:model\.)?(boundary_predictor\.|null_group$|down_norm\.|upsample_norm\.|residual_proj\.)":
+        r"model.flexitokens.\1",
+}
+#: how many leading entries of :data:`SEED_KEY_MAPPING` only remove wrapper names (counted, not listed, as renames)
+_WRAPPER_PATTERNS = 2
 
 
-def parse_rename(spec: str) -> tuple[str, str, str]:
-    """Parse a ``SEED=OURS`` rename (``--rename``), e.g. ``"model.halt.=model.halt_predictor."``.
+def parse_key_mapping(spec: str) -> tuple[str, str]:
+    """``"PATTERN=REPLACEMENT"`` (``--rename``) -> ``(pattern, replacement)``: a regular expression and its ``re.sub``
+    replacement (``\\1`` for groups), e.g. ``"^model\\.halt\\.=model.recurrent_block.halt_predictor."``.
 
     Raises:
-        ValueError: no ``=``, empty or malformed side, or placeholders that differ between the sides.
+        ValueError: no ``=``, an empty pattern, or a pattern that does not compile (the message names the rule).
     """
-    if spec.count("=") != 1:
-        raise ValueError(f"rename rule {spec!r} must have the form SEED_FRAGMENT=SPIDER_FRAGMENT")
-    seed, ours = (s.strip() for s in spec.split("="))
-    _Rule(seed, ours)  # validates
-    return seed, ours, "--rename"
+    pattern, sep, replacement = spec.partition("=")
+    if not sep or not pattern.strip():
+        raise ValueError(f"rename rule {spec!r} must have the form PATTERN=REPLACEMENT (a regular expression)")
+    try:
+        re.compile(pattern.strip())
+    except re.error as err:
+        raise ValueError(f"rename rule {spec!r}: the pattern is not a regular expression: {err}") from None
+    return pattern.strip(), replacement.strip()
 
 
-def _rules(extra: Iterable[str | tuple] = ()) -> list[_Rule]:
-    rules = [_Rule(*rule) for rule in SEED_NAME_RULES]
-    for spec in extra:
-        rules.append(_Rule(*(parse_rename(spec) if isinstance(spec, str) else spec)))
-    return rules
-
-
-def strip_wrappers(name: str) -> str:
-    """Drop DDP / torch.compile prefixes and FSDP / checkpoint-wrapper components from a state-dict key."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-    for component in WRAPPER_COMPONENTS:
-        name = name.replace(component, "")
-    return name
-
-
-def seed_to_spider_name(name: str, extra_rules: Iterable[str | tuple] = ()) -> str:
-    """The Spider state-dict key a seed key maps to (wrappers stripped, :data:`SEED_NAME_RULES` then extra rules)."""
-    name = strip_wrappers(name)
-    for rule in _rules(extra_rules):
-        name = rule.to_ours(name)
-    return name
-
-
-def spider_to_seed_name(name: str, extra_rules: Iterable[str | tuple] = ()) -> str:
-    """Inverse of :func:`seed_to_spider_name` (without wrappers): the seed's name for a Spider key."""
-    for rule in reversed(_rules(extra_rules)):
-        name = rule.to_seed(name)
+def seed_to_spider_name(name: str, key_mapping: dict[str, str] | None = None) -> str:
+    """The Spider state-dict key a seed key maps to: :data:`SEED_KEY_MAPPING`, then `key_mapping`, in order."""
+    for pattern, replacement in {**SEED_KEY_MAPPING, **(key_mapping or {})}.items():
+        name = re.sub(pattern, replacement, name)
     return name
 
 
 def map_state_dict(
-    seed_state: dict, model_state: dict, extra_rules: Iterable[str | tuple] = ()
+    seed_state: dict, model_state: dict, key_mapping: dict[str, str] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Match seed tensors to the Spider model's state dict by name and shape.
+    """Match seed tensors to the Spider model's state dict by name (:func:`seed_to_spider_name`) and shape.
 
     Args:
         seed_state: the seed's ``model_state_dict`` (names as saved, wrappers included).
         model_state: ``model.state_dict()`` of the target Spider model (only names and shapes are read).
-        extra_rules: additional ``SEED=OURS`` renames.
+        key_mapping: additional ``{pattern: replacement}`` renames.
     Returns:
-        ``(mapped, details)``: ``mapped`` is ``{spider_key: seed_tensor}`` for every name *and* shape match;
-        ``details`` has ``unwrapped`` (how many mapped keys carried DDP / compile / FSDP wrapper names), ``renamed``
+        ``(mapped, details)``: ``mapped`` is ``{spider_key: seed_tensor}`` for every name *and* shape match (the
+        first seed key wins); ``details`` has ``unwrapped`` (how many mapped keys carried wrapper names), ``renamed``
         (``{seed_key: spider_key}`` where the names differ beyond those wrappers), ``unmapped_seed_keys`` (no
-        Spider counterpart, or not a tensor), ``duplicate_seed_keys`` (a second seed key for an already-mapped
-        Spider key), ``shape_mismatches`` (``[{seed_key, model_key, seed_shape, model_shape}]``) and
-        ``missing_model_keys`` (Spider keys that received nothing: they keep their fresh initialisation; this
-        includes the targets of shape mismatches).
+        Spider counterpart, or not a tensor), ``duplicate_seed_keys``, ``shape_mismatches`` (``[{seed_key,
+        model_key, seed_shape, model_shape}]``) and ``missing_model_keys`` (Spider keys that received nothing: they
+        keep their fresh initialisation; this includes the targets of shape mismatches).
     """
-    rules = _rules(extra_rules)
+    wrappers = dict(list(SEED_KEY_MAPPING.items())[:_WRAPPER_PATTERNS])
     mapped: dict[str, torch.Tensor] = {}
     renamed, unmapped, duplicates, mismatches, wrapped = {}, [], [], [], 0
     for seed_key, value in seed_state.items():
-        if not isinstance(value, torch.Tensor):
-            unmapped.append(seed_key)
-            continue
-        target = strip_wrappers(seed_key)
-        for rule in rules:
-            target = rule.to_ours(target)
-        bare = target not in model_state and not target.startswith(("model.", "lm_head."))
-        if bare and f"model.{target}" in model_state:
+        target = seed_to_spider_name(seed_key, key_mapping)
+        if f"model.{target}" in model_state and target not in model_state:
             target = f"model.{target}"  # a seed trunk saved without the `model.` base-model prefix
-        if target not in model_state:
+        if not isinstance(value, torch.Tensor) or target not in model_state:
             unmapped.append(seed_key)
-            continue
-        if target in mapped:
+        elif target in mapped:
             duplicates.append(seed_key)
-            continue
-        if tuple(value.shape) != tuple(model_state[target].shape):
+        elif tuple(value.shape) != tuple(model_state[target].shape):
             mismatches.append({"seed_key": seed_key, "model_key": target, "seed_shape": list(value.shape),
                                "model_shape": list(model_state[target].shape)})
-            continue
-        mapped[target] = value
-        unwrapped = strip_wrappers(seed_key)
-        wrapped += unwrapped != seed_key
-        if target != unwrapped:
-            renamed[seed_key] = target
-    details = {
-        "unwrapped": wrapped,
-        "renamed": renamed,
-        "unmapped_seed_keys": unmapped,
-        "duplicate_seed_keys": duplicates,
-        "shape_mismatches": mismatches,
-        "missing_model_keys": [k for k in model_state if k not in mapped],
-    }
+        else:
+            mapped[target] = value
+            unwrapped = seed_key
+            for pattern, replacement in wrappers.items():
+                unwrapped = re.sub(pattern, replacement, unwrapped)
+            wrapped += unwrapped != seed_key
+            if target != unwrapped:
+                renamed[seed_key] = target
+    details = {"unwrapped": wrapped, "renamed": renamed, "unmapped_seed_keys": unmapped,
+               "duplicate_seed_keys": duplicates, "shape_mismatches": mismatches,
+               "missing_model_keys": [k for k in model_state if k not in mapped]}
     return mapped, details
 
 
@@ -512,7 +435,8 @@ def convert_seed_checkpoint(
             default ``SpiderConfig()`` (the seed's ~1B model). Fields the seed cfg lacks come from here.
         dtype: weights dtype of the release: ``None``/``"seed"`` keeps the seed's (its most common float dtype,
             usually bf16), or ``"float32"``, ``"bfloat16"``, ``"float16"``.
-        renames: extra ``SEED=OURS`` name rules (see :func:`parse_rename`), applied after :data:`SEED_NAME_RULES`.
+        renames: extra ``PATTERN=REPLACEMENT`` rules (see :func:`parse_key_mapping`), applied after
+            :data:`SEED_KEY_MAPPING`.
         overwrite: replace a non-empty `output_dir` (default: refuse).
         strict: refuse (``ValueError``, nothing written) unless every seed tensor maps and every model key is filled.
     Returns:
@@ -538,9 +462,7 @@ def convert_seed_checkpoint(
         raise ValueError(f"unknown Spider preset {preset!r}; known presets: {sorted(SPIDER_PRESETS)}")
     if dtype not in (None, "seed", *DTYPES):
         raise ValueError(f"dtype {dtype!r} is not one of {['seed', *DTYPES]}")
-    renames = list(renames)
-    for spec in renames:
-        parse_rename(spec)
+    key_mapping = dict(parse_key_mapping(spec) for spec in renames)
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"output folder {output_dir} exists and is not empty; pass overwrite=True (--overwrite)")
 
@@ -559,7 +481,7 @@ def convert_seed_checkpoint(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # missing keys get a reproducible fresh initialisation
         model = SpiderForConditionalGeneration(config)
-    mapped, details = map_state_dict(seed_state, model.state_dict(), renames)
+    mapped, details = map_state_dict(seed_state, model.state_dict(), key_mapping)
     target_dtype = _seed_dtype(mapped.values()) if dtype in (None, "seed") else DTYPES[dtype]
     complete = not (details["unmapped_seed_keys"] or details["shape_mismatches"] or details["missing_model_keys"]
                     or details["duplicate_seed_keys"])
@@ -616,8 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SpiderConfig preset under the seed's cfg fields (default: SpiderConfig(), the 1B model)")
     parser.add_argument("--dtype", choices=["seed", *DTYPES], default="seed",
                         help="weights dtype of the release (default: keep the seed's)")
-    parser.add_argument("--rename", action="append", default=[], metavar="SEED=OURS",
-                        help="extra name rule, e.g. 'model.halt.=model.halt_predictor.' ({i} = index); repeatable")
+    parser.add_argument("--rename", action="append", default=[], metavar="PATTERN=REPLACEMENT",
+                        help="extra key rule, a regular expression and its re.sub replacement, e.g. "
+                        "'^model\\.halt\\.=model.recurrent_block.halt_predictor.'; repeatable")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
     parser.add_argument("--strict", action="store_true",
                         help="write nothing unless every seed tensor maps and every model key is filled")
