@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -931,22 +932,6 @@ class SpiderFlexiTokens(nn.Module):
         own state. `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)` -> `(B, L, D)` in `x.dtype`."""
         return self.mix(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
 
-    def start_cache(self, cache: "SpiderCache", x: torch.Tensor, memory: torch.Tensor, boundaries: torch.Tensor,
-                    byte_mask: torch.Tensor, segment_mask: torch.Tensor, h_out: torch.Tensor) -> None:
-        """After a full forward, store the segment state decoding continues from: closed segments per row, the
-        recurrent output of each row's last one, and the running sums of the open segment (real bytes after the
-        last boundary; fp32, summed in byte order as :func:`downsample` does)."""
-        B = x.shape[0]
-        cache.num_segments = segment_mask.long().sum(-1) - 1
-        cache.segment_slots = segment_mask.shape[1]
-        index = cache.num_segments[:, None, None].expand(B, 1, h_out.shape[-1])
-        cache.last_segment_output = h_out.gather(1, index)[:, 0]
-        open_bytes = ((boundaries.cumsum(1) - boundaries).long() == cache.num_segments[:, None]) & byte_mask
-        weight = open_bytes[..., None].to(torch.float32)
-        cache.open_sum = (x.to(torch.float32) * weight).cumsum(1)[:, -1]
-        cache.open_memory_sum = (memory.to(torch.float32) * weight).cumsum(1)[:, -1]
-        cache.open_count = open_bytes.to(torch.float32).sum(-1)
-
     def chunk_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
         """One new byte per row: `x` `(B, 1, D)`, `memory` `(B, M)`. Adds the byte to its row's open segment.
 
@@ -1148,6 +1133,18 @@ class SpiderRecurrentBlock(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def write_segment_slots(cache: "SpiderCache", buffer: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """Write `new` (one segment per row along `dim`) into `buffer` at each row's slot `cache.segment_write_index`
+    `(B,)`, growing `buffer` to `cache.segment_slots` along `dim` first (zeros)."""
+    slots = cache.segment_slots
+    if buffer.shape[dim] < slots:
+        grow = list(buffer.shape)
+        grow[dim] = slots - buffer.shape[dim]
+        buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
+    index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
+    return buffer.scatter(dim, index, new)
+
+
 class SpiderLayerCache:
     """Keys and values of one attention layer (and the inputs of its Engram convolution, for recurrent layers).
 
@@ -1168,13 +1165,7 @@ class SpiderLayerCache:
             return new
         if not self.per_row_slots:
             return torch.cat([buffer, new], dim=dim)
-        slots = self.cache.segment_slots
-        if buffer.shape[dim] < slots:
-            grow = list(buffer.shape)
-            grow[dim] = slots - buffer.shape[dim]
-            buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
-        index = self.cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
-        return buffer.scatter(dim, index, new)
+        return write_segment_slots(self.cache, buffer, new, dim)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's `keys`/`values` `(B, H, T, d)`; return every key/value the queries may attend to."""
@@ -1208,28 +1199,42 @@ def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None
             setattr(holder, name, getattr(holder, name).index_select(0, rows))
 
 
-class SpiderCache:
-    """Incremental-decoding state of :class:`SpiderModel` (what ``generate`` passes back as ``past_key_values``).
+class SpiderCache(Cache):
+    """Incremental-decoding state of :class:`SpiderModel` (what ``generate`` passes back as ``past_key_values``), a
+    transformers :class:`~transformers.Cache` with the interface ``generate`` reads: ``get_seq_length``, ``crop``
+    (assisted decoding and prompt lookup roll back rejected candidates), ``reorder_cache`` /
+    ``batch_select_indices`` / ``batch_repeat_interleave`` (beam search), ``is_compileable`` (False).
 
     Prelude and coda layers cache per byte; the recurrent block keeps one :class:`SpiderLayerCache` per loop and
     layer and runs only when a byte closes a segment (FlexiTokens boundaries are causal: a closed segment never
     changes). Between segments the cache keeps, per row: the running sums of the open segment's byte states and
     Engram memory, the last `max(engram_ngram_sizes) - 1` byte ids (the n-gram hash context), the number of closed
     segments and the ACT-weighted recurrent output of the last one, which every byte up to the next boundary reads.
+    That state is a function of a per-byte record (prelude output, Engram memory, boundary, id) and of the recurrent
+    output of every closed segment, which the cache also keeps: :meth:`crop` cuts the record and recomputes the state
+    from it (:meth:`restore`), so a cropped cache decodes exactly as one that never saw the removed bytes.
 
     Built by the first forward with ``use_cache=True``; valid for the ``n_loops`` it was built with (another value
-    raises ``ValueError``). Shapes use B = batch, D = hidden_size, M = Engram memory width; sums are fp32.
+    raises ``ValueError``). Shapes use B = batch, n = bytes seen, D = hidden_size, M = Engram memory width; sums fp32.
     """
 
     def __init__(self, config: SpiderConfig, n_loops: int):
+        super().__init__(layers=[])  # Spider's layer caches do not follow transformers' one-list-per-layer layout
+        self.config = config
         self.n_loops = n_loops
+        self.hash_context_size = max(config.engram_ngram_sizes) - 1
+        self.fill_id = config.vocab_size  # the Engram hash's id for padding and positions before the start
         self.prelude = [SpiderLayerCache(self, False) for _ in range(config.num_prelude_layers)]
         self.coda = [SpiderLayerCache(self, False) for _ in range(config.num_coda_layers)]
         self.recurrent = [
             [SpiderLayerCache(self, True) for _ in range(config.num_recurrent_layers)] for _ in range(n_loops)
         ]
         self.seen_bytes = 0  # columns of input_ids consumed so far, padding included
-        self.byte_mask = None  # (B, seen_bytes) bool, or None while no column is padding
+        self.byte_mask = None  # (B, n) bool, or None while no column is padding
+        # the per-byte record: ids (B, n) int64, prelude output (B, n, D), Engram memory (B, n, M), boundaries (B, n)
+        self.input_ids = self.byte_states = self.byte_memory = self.boundaries = None
+        self.segment_outputs = None  # (B, slots, D) fp32: recurrent output of each closed segment (slot 0: null group)
+        # derived from the record by restore()
         self.byte_positions = None  # (B,) int64: RoPE position of the next byte (= real bytes so far)
         self.hash_context = None  # (B, max_n - 1) int64: last byte ids, padding as the Engram fill id
         self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
@@ -1238,9 +1243,105 @@ class SpiderCache:
         self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
         self.segment_slots = 0
 
+    # --- what generate() reads -------------------------------------------------------------------------------------
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Bytes (input columns) already consumed."""
         return self.seen_bytes
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # grows per byte and per segment; no static shapes
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` bytes (transformers' convention: 0 or negative), as if never seen.
+
+        Raises: ValueError for a positive value, or one that removes more bytes than the cache holds."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of bytes to remove (0 or negative)")
+        keep = self.seen_bytes + tokens_to_remove
+        if tokens_to_remove == 0 or self.seen_bytes == 0:
+            return
+        if keep < 0:
+            raise ValueError(f"crop({tokens_to_remove}) removes more bytes than the cache holds ({self.seen_bytes})")
+        if keep == 0:
+            self.reset()
+            return
+        for layer in self.prelude + self.coda:
+            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+        self.input_ids, self.byte_states = self.input_ids[:, :keep], self.byte_states[:, :keep]
+        self.byte_memory, self.boundaries = self.byte_memory[:, :keep], self.boundaries[:, :keep]
+        self.byte_mask = None if self.byte_mask is None else self.byte_mask[:, :keep]
+        self.seen_bytes = keep
+        # Recurrent layer caches keep their slots: those past a row's restored segment count are hidden by the
+        # attention mask and overwritten by its next segment, exactly like the slots of rows that did not close one.
+        self.restore()
+
+    def reset(self) -> None:
+        """Empty the cache (the next forward is a prefill)."""
+        self.__init__(self.config, self.n_loops)
+
+    def batch_select_indices(self, indices: torch.LongTensor) -> None:
+        """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
+        for layer in self.prelude + self.coda + [layer for loop in self.recurrent for layer in loop]:
+            layer.select_rows(indices)
+        _select_rows(self, ("byte_mask", "input_ids", "byte_states", "byte_memory", "boundaries", "segment_outputs",
+                            "byte_positions", "hash_context", "open_sum", "open_memory_sum", "open_count",
+                            "num_segments", "last_segment_output"), indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep rows `beam_idx` `(B,)` int64 (beam search)."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place (row b becomes rows b*repeats .. b*repeats + repeats - 1)."""
+        rows = self.num_segments.shape[0] if self.num_segments is not None else 0
+        self.batch_select_indices(torch.arange(rows, device=self.num_segments.device).repeat_interleave(repeats)
+                                  if rows else torch.zeros(0, dtype=torch.long))
+
+    # --- what the model writes ---------------------------------------------------------------------------------------
+
+    def start(self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs) -> None:
+        """After a full forward over `input_ids` `(B, n)`: the record (prelude output `(B, n, D)`, Engram memory
+        `(B, n, M)`, boundaries `(B, n)` 0/1, `byte_mask` `(B, n)` bool or None) and the recurrent output of every
+        segment `(B, 1+S, D)` fp32; then the decoding state (:meth:`restore`)."""
+        self.seen_bytes = input_ids.shape[1]
+        self.byte_mask = byte_mask
+        self.input_ids, self.byte_states, self.byte_memory = input_ids, byte_states, byte_memory
+        self.boundaries = boundaries.detach().to(torch.float32)
+        self.segment_outputs = segment_outputs.detach()
+        self.segment_slots = segment_outputs.shape[1]
+        self.restore()
+
+    def append(self, input_ids, byte_state, memory, boundary) -> None:
+        """Add one decoded byte per row to the record: ids `(B, 1)`, prelude output `(B, 1, D)`, memory `(B, M)`,
+        boundary `(B, 1)`."""
+        self.input_ids = torch.cat([self.input_ids, input_ids], 1)
+        self.byte_states = torch.cat([self.byte_states, byte_state], 1)
+        self.byte_memory = torch.cat([self.byte_memory, memory[:, None].to(self.byte_memory.dtype)], 1)
+        self.boundaries = torch.cat([self.boundaries, boundary.detach().to(torch.float32)], 1)
+
+    def restore(self) -> None:
+        """The decoding state at the end of the record: closed segments per row, the recurrent output of each row's
+        last one, the running sums of the open segment (real bytes after the last boundary; fp32, summed in byte
+        order), the RoPE position of the next byte and the Engram hash context."""
+        byte_mask = self.byte_mask if self.byte_mask is not None else torch.ones_like(self.input_ids, dtype=torch.bool)
+        self.byte_positions = byte_mask.long().sum(-1)
+        ids = self.input_ids.masked_fill(~byte_mask, self.fill_id)
+        context = self.hash_context_size
+        self.hash_context = F.pad(ids, (context, 0), value=self.fill_id)[:, ids.shape[1]:]
+        self.num_segments = self.boundaries.sum(-1).long()
+        index = self.num_segments[:, None, None].expand(-1, 1, self.segment_outputs.shape[-1])
+        self.last_segment_output = self.segment_outputs.gather(1, index)[:, 0]
+        open_bytes = ((self.boundaries.cumsum(1) - self.boundaries).long() == self.num_segments[:, None]) & byte_mask
+        weight = open_bytes[..., None].to(torch.float32)
+        self.open_sum = (self.byte_states.to(torch.float32) * weight).cumsum(1)[:, -1]
+        self.open_memory_sum = (self.byte_memory.to(torch.float32) * weight).cumsum(1)[:, -1]
+        self.open_count = open_bytes.to(torch.float32).sum(-1)
 
     def begin_segment_step(self) -> torch.LongTensor:
         """Point every row at the slot of its next segment (the null group is slot 0); returns it, `(B,)` int64."""
@@ -1248,12 +1349,11 @@ class SpiderCache:
         self.segment_slots = max(self.segment_slots, int(self.segment_write_index.max()) + 1)
         return self.segment_write_index
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep rows `beam_idx` `(B,)` int64 (beam search)."""
-        for layer in self.prelude + self.coda + [layer for loop in self.recurrent for layer in loop]:
-            layer.select_rows(beam_idx)
-        _select_rows(self, ("byte_mask", "byte_positions", "hash_context", "open_sum", "open_memory_sum",
-                            "open_count", "num_segments", "last_segment_output"), beam_idx)
+    def end_segment_step(self, closing: torch.Tensor, h_out: torch.Tensor) -> None:
+        """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out` `(B, 1, D)` fp32."""
+        self.segment_outputs = write_segment_slots(self, self.segment_outputs, h_out, dim=1)
+        self.last_segment_output = torch.where(closing[:, None], h_out[:, 0], self.last_segment_output)
+        self.num_segments = self.num_segments + closing.long()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1272,9 +1372,8 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = True  # a function registered with transformers.AttentionInterface is used
     _can_compile_fullgraph = False
-    # The cache carries the recurrent block's per-segment state and cannot be cropped back to accepted candidates, so
-    # generate() refuses assisted decoding and prompt lookup with a clear error (transformers reads this flag).
-    _is_stateful = True
+    # SpiderCache crops back to accepted candidates: assisted decoding and prompt lookup work (transformers reads this).
+    _is_stateful = False
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -1435,7 +1534,7 @@ class SpiderModel(SpiderPreTrainedModel):
         byte_rope = self.rotary_emb(x, position_ids)
         all_hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.prelude_layers):
-            x = layer(x, byte_rope, byte_attention_mask, past_key_values=cache.prelude[i] if cache else None)
+            x = layer(x, byte_rope, byte_attention_mask, past_key_values=cache.prelude[i] if cache is not None else None)
             if output_hidden_states:
                 all_hidden_states += (x,)
 
@@ -1462,12 +1561,12 @@ class SpiderModel(SpiderPreTrainedModel):
         if output_hidden_states:
             all_hidden_states += (y,)
         for i, layer in enumerate(self.coda_layers):
-            y = layer(y, byte_rope, byte_attention_mask, past_key_values=cache.coda[i] if cache else None)
+            y = layer(y, byte_rope, byte_attention_mask, past_key_values=cache.coda[i] if cache is not None else None)
             if output_hidden_states:
                 all_hidden_states += (y,)
         y = self.norm(y)
         if cache is not None:
-            self.fill_cache(cache, input_ids, x, engram_bytes, boundaries, byte_mask, token_mask, segment_mask, h_out)
+            cache.start(input_ids, x.detach(), engram_bytes.detach(), boundaries, token_mask, h_out)
 
         seg_weight = segment_mask.to(torch.float32)
         ponder_loss = ((act.n_updates + act.remainders) * seg_weight).sum() / seg_weight.sum()
@@ -1490,16 +1589,6 @@ class SpiderModel(SpiderPreTrainedModel):
             expert_load=expert_load,
             boundaries=boundaries.detach(),
         )
-
-    def fill_cache(self, cache, input_ids, x, engram_bytes, boundaries, byte_mask, token_mask, segment_mask, h_out):
-        """After a full forward, store what decoding continues from (see :class:`SpiderCache`)."""
-        cache.seen_bytes = input_ids.shape[1]
-        cache.byte_mask = token_mask
-        cache.byte_positions = byte_mask.long().sum(-1)
-        context = max(self.engram_embeddings.ngram_sizes) - 1
-        ids = input_ids.masked_fill(~byte_mask, self.engram_embeddings.fill_id)
-        cache.hash_context = F.pad(ids, (context, 0), value=self.engram_embeddings.fill_id)[:, ids.shape[1] :]
-        self.flexitokens.start_cache(cache, x, engram_bytes, boundaries, byte_mask, segment_mask, h_out)
 
     @torch.no_grad()
     def decode(self, input_ids, cache: SpiderCache, output_hidden_states: bool = False) -> SpiderModelOutput:
@@ -1547,7 +1636,9 @@ class SpiderModel(SpiderPreTrainedModel):
 
         window = torch.cat([cache.hash_context, input_ids], dim=1)
         cache.hash_context = window[:, 1:]
-        boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, self.engram_embeddings(window)[:, -1], cache)
+        memory = self.engram_embeddings(window)[:, -1]
+        boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, memory, cache)
+        cache.append(input_ids, x, memory, boundary)
         if bool(closing.any()):  # the block runs on every row; rows that closed no segment keep their last output
             slot = cache.begin_segment_step()
             segment_rope = self.rotary_emb(e, slot[:, None])
@@ -1559,8 +1650,7 @@ class SpiderModel(SpiderPreTrainedModel):
             h_out = self.recurrent_block(
                 e, segment_rope, segment_attention_mask, None, segment_memory, cache.n_loops, cache
             ).h_out
-            cache.last_segment_output = torch.where(closing[:, None], h_out[:, 0], cache.last_segment_output)
-            cache.num_segments = cache.num_segments + closing.long()
+            cache.end_segment_step(closing, h_out)
 
         y = self.flexitokens.dechunk_step(cache, x)
         hidden.append(y)
@@ -1689,16 +1779,37 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
         )
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # the model builds its own SpiderCache on the first forward with use_cache=True
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """generate()'s cache: an empty :class:`SpiderCache` for the call's `n_loops` (the first forward fills it),
+        where transformers would build a `DynamicCache` (as transformers' own models with a cache of their own do,
+        e.g. T5Gemma2). A cache the caller passes is used as is.
+
+        Raises: ValueError for a `cache_implementation` (static, quantized, offloaded, ...): Spider has its own."""
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported: Spider decodes "
+                "with its own SpiderCache (per-byte layers plus per-segment recurrent state); leave it unset"
+            )
+        n_loops = model_kwargs.get("n_loops") or self.config.n_loops
+        model_kwargs["past_key_values"] = SpiderCache(self.config, n_loops)
 
     def prepare_inputs_for_generation(
-        self, input_ids, past_key_values=None, attention_mask=None, n_loops=None, use_cache=None, **kwargs
+        self, input_ids, past_key_values=None, attention_mask=None, n_loops=None, use_cache=None, inputs_embeds=None,
+        **kwargs
     ):
         """Feed only the bytes `past_key_values` has not seen (the whole prompt first); `n_loops` and every other
         model kwarg generate() holds (`logits_to_keep`, `output_hidden_states`, a caller's own) pass through to
-        :meth:`forward`, as transformers' default does."""
+        :meth:`forward`, as transformers' default does.
+
+        Raises: ValueError for `inputs_embeds`: Spider reads byte ids (Engram hashes byte n-grams)."""
+        if inputs_embeds is not None:
+            raise ValueError("generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram memory "
+                             "hashes the n-grams of input_ids); pass input_ids")
         if past_key_values is not None:
             input_ids = input_ids[:, past_key_values.seen_bytes :]
         return {

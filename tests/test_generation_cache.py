@@ -135,11 +135,95 @@ def test_logits_to_keep_and_extra_generate_kwargs():
     assert inputs["logits_to_keep"] == 1 and inputs["my_flag"] == "x" and inputs["input_ids"] is ids
 
 
-def test_assisted_decoding_is_refused_with_a_clear_error():
-    """Declared, not silently wrong: the cache cannot be cropped back to accepted candidates (_is_stateful)."""
+def _spy_on_crop(monkeypatch) -> list[int]:
+    """Record every SpiderCache.crop argument (the real crop still runs)."""
+    calls, real = [], SpiderCache.crop
+
+    def crop(self, tokens_to_remove):
+        calls.append(tokens_to_remove)
+        return real(self, tokens_to_remove)
+
+    monkeypatch.setattr(SpiderCache, "crop", crop)
+    return calls
+
+
+def test_spider_cache_is_a_transformers_cache():
+    from transformers import Cache
+
+    model = tiny_model(seed=0).eval()
+    cache = model(_prompt(1, 16), use_cache=True).past_key_values
+    assert isinstance(cache, Cache) and cache.get_seq_length() == 16
+    assert cache.is_croppable and not cache.is_compileable
+    with pytest.raises(ValueError, match=r"crop\(3\): pass minus the number of bytes"):
+        cache.crop(3)
+    with pytest.raises(ValueError, match="removes more bytes than the cache holds"):
+        cache.crop(-17)
+    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
+        model.generate(_prompt(1, 8), max_new_tokens=2, cache_implementation="static", **GREEDY)
+    with pytest.raises(ValueError, match=r"inputs_embeds=\.\.\.\) is not supported: Spider reads byte ids"):
+        model.generate(inputs_embeds=model.get_input_embeddings()(_prompt(1, 8)), max_new_tokens=2, **GREEDY)
+
+
+@pytest.mark.parametrize("keep", [45, 22, 0])
+def test_crop_decodes_as_if_the_removed_bytes_were_never_seen(keep):
+    """Prefill 30 bytes, decode 20, crop back to `keep` (inside the decoded bytes, inside the prompt, or nothing),
+    then decode another continuation: the logits equal a full forward over the kept bytes + the new ones."""
     model = tiny_model(seed=1).eval()
-    ids = _prompt(1, 12, seed=6)
-    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
-        model.generate(ids, max_new_tokens=3, assistant_model=tiny_model(seed=2).eval(), **GREEDY)
-    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
-        model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2, **GREEDY)
+    ids, other = _prompt(2, 50, seed=3), _prompt(2, 25, seed=9)
+    with torch.no_grad():
+        cache = model(ids[:, :30], use_cache=True).past_key_values
+        model(ids[:, 30:], past_key_values=cache)
+        segments_before = cache.num_segments.clone()
+        cache.crop(keep - 50)
+        assert cache.get_seq_length() == keep
+        if keep:
+            step = model(other, past_key_values=cache)
+        else:  # an emptied cache is filled again by a prefill
+            step = model(other, past_key_values=cache, use_cache=True)
+        full = model(torch.cat([ids[:, :keep], other], 1))
+        reference = model.model(ids[:, :keep]).boundaries.sum(1).long() if keep else torch.zeros(2, dtype=torch.long)
+    torch.testing.assert_close(step.logits, full.logits[:, keep:], **float_tol(full.logits, model_terms(model)))
+    assert bool((reference < segments_before).all())  # the crop really removed closed segments
+
+
+def test_assisted_decoding_and_prompt_lookup_give_what_greedy_gives(monkeypatch):
+    """Candidates from a smaller assistant (another Spider) and from prompt lookup are verified and the rejected ones
+    cropped from both caches: the output is greedy's, and rejections happened (crops that removed bytes)."""
+    model = tiny_model(seed=1).eval()
+    assistant = tiny_model(seed=2).eval()
+    crops = _spy_on_crop(monkeypatch)
+    prompt = _prompt(1, 24, seed=6)
+    kwargs = dict(max_new_tokens=30, min_new_tokens=30, **GREEDY)
+    greedy = model.generate(prompt, **kwargs)
+    assisted = model.generate(prompt, assistant_model=assistant, **kwargs)
+    assert torch.equal(assisted, greedy)
+    assert any(c < 0 for c in crops)
+    crops.clear()
+    repetitive = prompt.repeat(1, 3)  # prompt lookup proposes continuations of earlier n-grams
+    greedy = model.generate(repetitive, **kwargs)
+    looked_up = model.generate(repetitive, prompt_lookup_num_tokens=4, **kwargs)
+    assert torch.equal(looked_up, greedy)
+    assert any(c < 0 for c in crops)
+
+
+def test_generation_continues_from_a_returned_cache():
+    model = tiny_model(seed=3).eval()
+    prompt = _prompt(1, 20, seed=2)
+    first = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, return_dict_in_generate=True, **GREEDY)
+    more = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=10,
+                          min_new_tokens=10, **GREEDY)
+    assert torch.equal(more, model.generate(prompt, max_new_tokens=20, min_new_tokens=20, **GREEDY))
+
+
+def test_batch_repeat_interleave_and_select_keep_rows_consistent():
+    model = tiny_model(seed=4).eval()
+    ids = _prompt(2, 30, seed=1)
+    with torch.no_grad():
+        cache = model(ids[:, :20], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+        step = model(ids[:, 20:].repeat_interleave(2, 0), past_key_values=cache)
+        full = model(ids)
+        cache.batch_select_indices(torch.tensor([3]))
+        assert cache.num_segments.shape == (1,) and cache.input_ids.shape == (1, 30)
+    torch.testing.assert_close(step.logits, full.logits[:, 20:].repeat_interleave(2, 0),
+                               **float_tol(full.logits, model_terms(model)))
