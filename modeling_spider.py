@@ -46,6 +46,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, can_return_tuple, logging
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
     from .configuration_spider import SpiderConfig
@@ -78,6 +79,10 @@ class SpiderModelOutput(ModelOutput):
         expert_load (`torch.FloatTensor` of shape `(E,)`): aux_fi load per expert averaged over loops and layers
             (1.0 everywhere at perfect balance).
         boundaries (`torch.FloatTensor` of shape `(B, L)`): the hard 0/1 boundary decisions.
+        attentions (`tuple[torch.FloatTensor]`, *optional*, with `output_attentions=True` and an implementation that
+            computes weights, ``"eager"``): one per attention call in forward order: each prelude layer's
+            `(B, H, L, L)`, each (loop, recurrent layer)'s `(B, H, 1+S, 1+S)` over segments, each coda layer's
+            `(B, H, L, L)`; softmax weights in the model dtype. Other implementations return none (an empty tuple).
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -91,6 +96,7 @@ class SpiderModelOutput(ModelOutput):
     mean_halting_step: torch.FloatTensor | None = None
     expert_load: torch.FloatTensor | None = None
     boundaries: torch.FloatTensor | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
@@ -118,6 +124,7 @@ class SpiderCausalLMOutput(ModelOutput):
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     past_key_values: object | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -294,9 +301,11 @@ class SpiderAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values: SpiderLayerCache | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None (causal when the queries
-        are all the keys, else every cached key); `past_key_values` this layer's cache, updated in place."""
+        are all the keys, else every cached key); `past_key_values` this layer's cache, updated in place.
+        Returns `(output (B, T, D), attention weights (B, H, T, T_keys) or None)`: the weights come from
+        implementations that compute them (``"eager"``); ``output_attentions=True`` collects them."""
         B, T, _ = hidden_states.shape
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -322,7 +331,7 @@ class SpiderAttention(nn.Module):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn_output, _ = attention_interface(
+        attn_output, attn_weights = attention_interface(
             self,
             query_states,
             key_states,
@@ -331,7 +340,7 @@ class SpiderAttention(nn.Module):
             dropout=self.config.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
         )
-        return self.o_proj(attn_output.reshape(B, T, self.num_heads * self.v_head_dim))
+        return self.o_proj(attn_output.reshape(B, T, self.num_heads * self.v_head_dim)), attn_weights
 
 
 class SpiderMLP(nn.Module):
@@ -702,7 +711,7 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None):
         hidden_states = hidden_states + self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
-        )
+        )[0]
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -734,7 +743,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             hidden_states = hidden_states + self.engram(hidden_states, engram_memory, past_key_values)
         hidden_states = hidden_states + self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
-        )
+        )[0]
         normed = self.post_attention_layernorm(hidden_states)
         # Pack the routed rows by index (gather / scatter-add): no boolean mask, so no host sync and no data-dependent
         # shape inside the loop; the indices were computed once per forward.
@@ -1372,6 +1381,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = True  # a function registered with transformers.AttentionInterface is used
     _can_compile_fullgraph = False
+    # output_attentions=True: transformers' capture_outputs hooks every attention call (prelude, each loop of each
+    # recurrent layer, coda) and collects the weights of implementations that return them (eager).
+    _can_record_outputs = {"attentions": OutputRecorder(SpiderAttention, index=1)}
     # SpiderCache crops back to accepted candidates: assisted decoding and prompt lookup work (transformers reads this).
     _is_stateful = False
 
@@ -1468,7 +1480,7 @@ class SpiderModel(SpiderPreTrainedModel):
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
 
-    @can_return_tuple
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -1736,6 +1748,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
             return_dict=True,
+            **({"output_attentions": kwargs["output_attentions"]} if "output_attentions" in kwargs else {}),
         )
         hidden_states = outputs.last_hidden_state
         if not keep_all:
@@ -1777,6 +1790,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             expert_load=outputs.expert_load,
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
+            attentions=outputs.attentions,
         )
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,

@@ -73,3 +73,37 @@ def test_flex_attention_is_refused_clearly():
     model = tiny_model(seed=0)
     with pytest.raises(ValueError, match="flex_attention"):
         model.set_attn_implementation("flex_attention")
+
+
+def test_output_attentions_returns_the_eager_weights():
+    """eager: one weight tensor per attention call (prelude, each loop of each recurrent layer, coda), softmax rows
+    that sum to 1 over the keys a query may see (causal, inside the 4-byte window, never a padded byte); the logits
+    are those of a call without output_attentions. sdpa computes no weights and returns none."""
+    model = tiny_model(seed=0, sliding_window=4).eval()
+    model.set_attn_implementation("eager")
+    ids, mask = _inputs()
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+        plain = model(ids, attention_mask=mask)
+        segments = model.model(ids, attention_mask=mask).boundaries.sum(1).max().int().item() + 1
+    torch.testing.assert_close(out.logits, plain.logits, rtol=0, atol=0)
+    config = model.config
+    byte_calls = config.num_prelude_layers + config.num_coda_layers
+    assert len(out.attentions) == byte_calls + config.num_recurrent_layers * config.n_loops
+    byte_weights = [out.attentions[0], out.attentions[-1]]  # a prelude and a coda layer
+    recurrent_weights = out.attentions[1:-1]
+    H, L = config.num_attention_heads, ids.shape[1]
+    tol = float_tol(out.attentions[0], terms=L)
+    for weights in byte_weights:
+        assert weights.shape == (2, H, L, L)
+        query, key = torch.arange(L)[:, None], torch.arange(L)[None]
+        outside = (key > query) | (key <= query - 4)  # causal 4-byte window (row 0 has no padding)
+        assert bool((weights[0][:, outside] == 0).all())
+        assert bool((weights[1][:, :, :7] == 0)[:, 7:].all())  # row 1's real bytes never attend its left padding
+        torch.testing.assert_close(weights[0].sum(-1), torch.ones(H, L), **tol)
+    for weights in recurrent_weights:
+        assert weights.shape == (2, H, segments, segments)
+        assert bool((weights.triu(1) == 0).all())  # causal over segments
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        assert model(ids, attention_mask=mask, output_attentions=True).attentions == ()

@@ -79,7 +79,7 @@ def test_packed_moe_rows_match_boolean_mask_routing():
     out, logits, aux, load = layer(hidden, rope, attention_mask, index)
 
     def reference(h):
-        h = h + layer.self_attn(layer.input_layernorm(h), rope, attention_mask)
+        h = h + layer.self_attn(layer.input_layernorm(h), rope, attention_mask)[0]
         moe_out, ref_logits, ref_aux, ref_load = layer.mlp(layer.post_attention_layernorm(h)[mask])
         return h.index_put((mask,), h[mask] + moe_out), ref_logits, ref_aux, ref_load
 

@@ -61,7 +61,7 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
     all_model_classes = (SpiderModel, SpiderForConditionalGeneration)
     all_generative_model_classes = (SpiderForConditionalGeneration,)
     pipeline_model_mapping = {}
-    has_attentions = False  # SDPA only; attention weights are never materialised
+    has_attentions = True
     test_resize_embeddings = False  # the 272-id byte vocabulary is fixed (SPEC §2)
     test_all_params_have_gradient = True
 
@@ -108,6 +108,34 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
                     torch.testing.assert_close(batched[key][:1], row[key], **float_tol(row[key], model_terms(model)))
             for b, r in zip(batched.hidden_states, row.hidden_states, strict=True):
                 torch.testing.assert_close(b[:1], r, **float_tol(r, model_terms(model)))
+
+    def test_attention_outputs(self):
+        """The common test's checks, for Spider's layout: one weight tensor per attention call -- each prelude
+        layer `(B, H, L, L)`, each (loop, recurrent layer) `(B, H, 1+S, 1+S)` over segments, each coda layer -- so
+        `num_prelude_layers + num_recurrent_layers * n_loops + num_coda_layers` of them (not `num_hidden_layers`);
+        asked for by argument or by config, as a tuple with `return_dict=False`."""
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        B, L = inputs["input_ids"].shape
+        calls = config.num_prelude_layers + config.num_recurrent_layers * config.n_loops + config.num_coda_layers
+        for model_class in self.all_model_classes:
+            model = model_class._from_config(config, attn_implementation="eager").eval()
+            base = model if model_class is SpiderModel else model.model
+            with torch.no_grad():
+                segments = int(base(**inputs).boundaries.sum(1).max()) + 1
+                by_argument = model(**inputs, output_attentions=True).attentions
+                model.config.output_attentions = True
+                by_config = model(**inputs).attentions
+                as_tuple = model(**inputs, return_dict=False)
+            model.config.output_attentions = False
+            for attentions in (by_argument, by_config):
+                self.assertEqual(len(attentions), calls)
+                byte_calls = list(attentions[: config.num_prelude_layers])
+                byte_calls += list(attentions[len(attentions) - config.num_coda_layers:])
+                for weights in byte_calls:
+                    self.assertEqual(weights.shape, (B, config.num_attention_heads, L, L))
+                for weights in attentions[config.num_prelude_layers: len(attentions) - config.num_coda_layers]:
+                    self.assertEqual(weights.shape, (B, config.num_attention_heads, segments, segments))
+            self.assertTrue(any(isinstance(x, tuple) and len(x) == calls for x in as_tuple))
 
     @unittest.skip("Engram memory hashes the byte ids, so Spider needs input_ids; inputs_embeds alone cannot work")
     def test_inputs_embeds(self):
