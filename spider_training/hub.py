@@ -58,6 +58,15 @@ Trainer integration (``train_hf.py``)::
 
 Only the process with ``state.is_world_process_zero`` pushes. Modelled on ``transformers.Trainer._push_from_checkpoint``
 (``hub_strategy``, "skip a push while the previous one is in flight unless ``hub_always_push``").
+
+Why not Trainer's own pushing (``push_to_hub=True``, ``hub_strategy``) or ``HfApi.upload_folder(run_as_future=True)``
+(checked against transformers 5.23 / huggingface_hub 2.4): ``Trainer.init_hf_repo`` calls ``create_repo`` while the
+Trainer is built, so an unreachable Hub stops the run before step 1; ``_push_from_checkpoint`` uploads the checkpoint
+folder in place, which Spider's atomic save publishes by renaming and ``save_total_limit`` may delete mid-upload, with
+no retry and no time bound; ``Trainer.push_to_hub`` writes Trainer's generated model card over the release's.
+``run_as_future`` runs on a ``ThreadPoolExecutor``, whose worker threads the interpreter joins at exit: one hung
+request would keep a finished run from exiting. This module keeps to huggingface_hub's public pieces
+(``create_repo``, ``create_branch``, ``upload_folder``, ``set_client_factory``, ``validate_repo_id``) in daemon threads.
 """
 
 from __future__ import annotations
