@@ -64,8 +64,8 @@ Why not Trainer's own pushing (``push_to_hub=True``, ``hub_strategy``) or ``HfAp
 Trainer is built, so an unreachable Hub stops the run before step 1; ``_push_from_checkpoint`` uploads the checkpoint
 folder in place, which Spider's atomic save publishes by renaming and ``save_total_limit`` may delete mid-upload, with
 no retry and no time bound; ``Trainer.push_to_hub`` writes Trainer's generated model card over the release's.
-``run_as_future`` runs on a ``ThreadPoolExecutor``, whose worker threads the interpreter joins at exit: one hung
-request would keep a finished run from exiting. This module keeps to huggingface_hub's public pieces
+``run_as_future`` runs on a ``ThreadPoolExecutor``, whose worker threads the interpreter joins at exit: a request in
+flight to a silent server would hold a finished run's exit until its HTTP timeout, then the queued pushes would run. This module keeps to huggingface_hub's public pieces
 (``create_repo``, ``create_branch``, ``upload_folder``, ``set_client_factory``, ``validate_repo_id``) in daemon threads.
 """
 
