@@ -12,6 +12,7 @@ Usage::
 
     python -m bench.quality --runs spider llama              # the headline pair
     python -m bench.quality --runs spider --overrides '{"n_loops": 3}' --name loops3
+    python -m bench.quality --runs spider bytes_only --seed 43 --name seed43   # seed noise: the same recipe again
     python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the README tables (part 1/2)
     python -m bench.quality --suite --only "n_loops=3" "Engram off" --out q.json   # chosen rows only
 
@@ -289,7 +290,7 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
     train_ids = corpus_bytes("train")
     eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len, slice_bytes=slice_bytes)
     stats = train(model, train_ids, recipe, eval_windows)
-    row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr,
+    row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr, "seed": recipe.seed,
            "parameters": sum(p.numel() for p in model.parameters()), **stats}
     base = score(model, eval_windows)
     row["sotu_bits_per_byte"] = base["bits_per_byte"]
@@ -694,6 +695,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=Recipe.steps)
     parser.add_argument("--lr", type=float, default=Recipe.lr)
     parser.add_argument("--eval_every", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=Recipe.seed,
+                        help="seed of the initialisation and the window order (a seed-noise row: the same recipe again)")
     parser.add_argument("--text", action="append", default=[], help="extra text file to score (repeatable)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no_loops_curve", action="store_true")
@@ -727,7 +730,7 @@ def main(argv=None) -> list[dict]:
         rows = run_suite(shard, num_shards, {"pydoc_topics": technical_text_ids(), **texts}, steps=args.steps,
                          out=args.out, only=args.only)
     else:
-        recipe = Recipe(steps=args.steps, lr=args.lr, eval_every=args.eval_every,
+        recipe = Recipe(steps=args.steps, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
                         warmup_steps=min(200, max(1, args.steps // 10)))
         rows = []
         for kind in args.runs:
