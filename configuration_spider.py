@@ -142,6 +142,10 @@ class SpiderConfig(PreTrainedConfig):
         n_loops (`int`, defaults to 6): recurrent iterations; may exceed ``max_loop_iters`` (loop index clamped).
         max_loop_iters (`int`, defaults to 16): rows of ``loop_embedding`` and of the per-loop LoRA scales.
         act_threshold (`float`, defaults to 0.99): ACT halting threshold (Graves 2016).
+        act_early_exit (`bool`, defaults to `False`): at inference (eval mode), a segment whose ACT halting has
+            finished skips the rest of the loops: its state is frozen and the MoE no longer routes it (it still
+            provides keys and values to the segments that go on). Cached and uncached decoding follow the same rule.
+            Training always runs every loop.
         ponder_loss_coef (`float`, defaults to 0.01).
         lora_rank (`int`, defaults to 16): rank of the per-loop LoRA adapter.
         rms_norm_eps, initializer_range, max_position_embeddings, rope_theta, attention_dropout: as in Llama.
@@ -195,6 +199,7 @@ class SpiderConfig(PreTrainedConfig):
     n_loops: int = 6
     max_loop_iters: int = 16
     act_threshold: float | int = 0.99
+    act_early_exit: bool = False
     ponder_loss_coef: float | int = 0.01
     lora_rank: int = 16
     rms_norm_eps: float | int = 1e-6

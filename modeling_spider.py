@@ -749,6 +749,10 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         # shape inside the loop; the indices were computed once per forward.
         flat = normed.reshape(-1, normed.shape[-1])
         rows = flat if segment_index is None else flat.index_select(0, segment_index)
+        if rows.shape[0] == 0:  # nothing to route (every segment has exited, SpiderConfig.act_early_exit)
+            E = self.mlp.num_experts
+            return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), rows.new_zeros((), dtype=torch.float32), \
+                rows.new_zeros(E, dtype=torch.float32)
         moe_out, router_logits, aux_loss, expert_load = self.mlp(rows)
         if segment_index is not None:
             moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
@@ -1083,6 +1087,7 @@ class SpiderRecurrentBlock(nn.Module):
         super().__init__()
         D = config.hidden_size
         self.max_loop_iters = config.max_loop_iters
+        self.config = config  # act_early_exit is read at each forward (model.config.act_early_exit = True works)
         self.act_threshold = config.act_threshold
         self.loop_embedding = nn.Embedding(config.max_loop_iters, D)
         self.loop_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
@@ -1118,11 +1123,24 @@ class SpiderRecurrentBlock(nn.Module):
         # through the embedding's forward (hooks such as accelerate's offloading load its weight there), once
         loop_ids = torch.arange(n_loops, device=e.device).clamp(max=self.max_loop_iters - 1)
         loop_embeddings = self.loop_embedding(loop_ids)
+        early_exit = self.config.act_early_exit and not self.training
+        routed, running = segment_index, None
         for t in range(n_loops):
+            if early_exit and t > 0:
+                # ACT exit: halted segments keep their state and leave the MoE (their output weights are 0 from now
+                # on); they still run attention, so the segments that go on read their keys and values. Without a
+                # cache, once every segment has halted the remaining loops change nothing and are skipped.
+                running = act.halting_prob < self.act_threshold
+                if past_key_values is None and not bool(running.any()):
+                    break
+                keep = running.reshape(-1)
+                if segment_index is not None:  # and not padding
+                    keep = keep & torch.zeros_like(keep).index_fill(0, segment_index, True)
+                routed = keep.nonzero().squeeze(1)
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
-                    z, position_embeddings, attention_mask, segment_index, engram_memory,
+                    z, position_embeddings, attention_mask, routed, engram_memory,
                     past_key_values=past_key_values.recurrent[t][i] if past_key_values is not None else None,
                 )
                 aux_losses.append(aux)
@@ -1130,7 +1148,7 @@ class SpiderRecurrentBlock(nn.Module):
                 if output_router_logits:
                     router_logits.append(logits)
             z = z + self.loop_lora(z, t)
-            h = self.injection(h, e, z)
+            h = self.injection(h, e, z) if running is None else torch.where(running[..., None], self.injection(h, e, z), h)
             halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
             step_weight = act.step(torch.sigmoid(halt_logits.to(torch.float32)), is_last=t == n_loops - 1)
             h_out = h_out + step_weight[..., None] * h.to(torch.float32)

@@ -305,6 +305,13 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
         with torch.no_grad():
             out = model(input_ids=eval_windows[:16])
         row["mean_halting_step"] = float(out.mean_halting_step)
+        # ACT early exit at inference (SpiderConfig.act_early_exit): halted segments skip the remaining loops
+        model.config.act_early_exit = True
+        with torch.no_grad():
+            exit_steps = float(model(input_ids=eval_windows[:16]).mean_halting_step)
+        row["act_early_exit"] = {"bits_per_byte": score(model, eval_windows)["bits_per_byte"],
+                                 "mean_halting_step": exit_steps, "loops_saved_per_segment": cfg.n_loops - exit_steps}
+        model.config.act_early_exit = False
         if cfg.boundary_mode != "fixed":
             row["bpb_by_eval_boundary_rule"] = {
                 rule: score_with_boundary_rule(model, eval_windows, rule, stats.get("train_bytes_per_segment"))
@@ -568,6 +575,10 @@ def render(rows: list[dict]) -> str:
         f"| training bytes per segment | {_f(spider.get('train_bytes_per_segment'), 2)} |",
         f"| evaluation bytes per segment | {_f(spider.get('eval_bytes_per_segment'), 2)} |",
         f"| mean ACT halting step | {_f(spider.get('mean_halting_step'), 2)} |",
+        *([f"| with ACT early exit at inference (`act_early_exit=True`): held-out bpb | "
+           f"{_f(spider['act_early_exit']['bits_per_byte'], 4)} |",
+           f"| with ACT early exit: loops saved per segment (of {spider.get('n_loops')}) | "
+           f"{_f(spider['act_early_exit']['loops_saved_per_segment'], 3)} |"] if "act_early_exit" in spider else []),
         "",
         "| ablation (one change to the default, same recipe and budget) | held-out bpb | vs default |",
         "|---|---:|---:|",
