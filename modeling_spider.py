@@ -1097,6 +1097,9 @@ class SpiderRecurrentBlock(nn.Module):
         self.loop_lora = SpiderLoopLoRA(config)
         self.injection = SpiderLTIInjection(config)
         self.halt_predictor = nn.Linear(D, 1)
+        # read by SpiderPreTrainedModel._init_weights on the Linear itself: transformers initialises only modules
+        # that hold parameters of their own, which this block does not
+        self.halt_predictor.bias_init = config.halt_bias_init
 
     def forward(
         self,
@@ -1411,7 +1414,7 @@ class SpiderPreTrainedModel(PreTrainedModel):
         if isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
-                init.zeros_(module.bias)
+                init.constant_(module.bias, getattr(module, "bias_init", 0.0))  # the halt predictor's halt_bias_init
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Conv1d):
@@ -1426,8 +1429,6 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.zeros_(module.log_A)
             init.constant_(module.log_dt, math.log(math.log(2.0)))  # A = 0.5 at start
             init.constant_(module.B, 0.5)
-        elif isinstance(module, SpiderRecurrentBlock):
-            init.constant_(module.halt_predictor.bias, self.config.halt_bias_init)
         elif isinstance(module, SpiderFlexiTokens):
             init.normal_(module.null_group, mean=0.0, std=std)
             if self.config.upsample_mixing == "residual_proj":

@@ -86,3 +86,14 @@ def test_cached_decoding_follows_the_same_exit_rule():
     prompt = ids[:1, :24]
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, **GREEDY)
     assert torch.equal(model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
+
+
+def test_halt_bias_init_reaches_the_halt_predictor():
+    """`halt_bias_init` sets the halt predictor's bias at initialisation (transformers initialises only modules with
+    parameters of their own, which the recurrent block is not), so a large negative value gives a fixed loop count."""
+    for bias in (-10.0, 0.0, 2.5):
+        model = tiny_model(seed=0, halt_bias_init=bias)
+        assert torch.equal(model.model.recurrent_block.halt_predictor.bias, torch.full((1,), bias))
+    with torch.no_grad():
+        out = tiny_model(seed=0, halt_bias_init=-10.0, n_loops=3).eval()(_ids())
+    assert float(out.mean_halting_step) == 3.0
