@@ -128,3 +128,15 @@ def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
 def test_suite_rows_can_be_chosen_by_name(monkeypatch):
     with pytest.raises(ValueError, match="no such row"):
         quality.run_suite(only=["no such row"])
+
+
+def test_same_init_gives_a_variant_the_default_models_initial_weights():
+    """Removing Engram shifts the random stream for every later parameter (another seed for the byte layers);
+    with same_init the shared parameters start from the default model's values, and only they."""
+    default = quality.initial_model("spider", {}, seed=5).state_dict()
+    shifted = quality.initial_model("spider", {"engram_layer_ids": []}, seed=5).state_dict()
+    same = quality.initial_model("spider", {"engram_layer_ids": []}, seed=5, same_init=True).state_dict()
+    assert not torch.equal(shifted["lm_head.weight"], default["lm_head.weight"])
+    assert set(same) < set(default)
+    for name, tensor in same.items():
+        assert torch.equal(tensor, default[name]), name
