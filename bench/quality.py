@@ -66,6 +66,7 @@ class Recipe:
     eval_every: int = 0  # also score the held-out slice every N steps (for the bpb-vs-wall-clock plot)
     global_lr_scale: float = 1.0  # Spider's global path (everything outside BYTE_LAYERS) at this multiple of lr
     loop_counts: tuple[int, ...] | None = None  # Spider: each step's n_loops drawn uniformly from these (Huginn)
+    same_init: bool = False  # a Spider variant starts the parameters it shares with the default from its values
 
 
 #: Spider's byte layers, by parameter-name prefix; every other parameter belongs to the global path (boundary
@@ -295,21 +296,22 @@ def initial_model(kind: str, overrides: dict, seed: int, same_init: bool = False
 
 def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
                     extra_texts: dict[str, np.ndarray] | None = None, loops_curve: bool = True, save: str | None = None,
-                    slice_bytes: int = 32 * 1024, samples: bool = True, same_init: bool = False) -> dict:
+                    slice_bytes: int = 32 * 1024, samples: bool = True) -> dict:
     """Train one variant (`kind` ``"spider"``, ``"bytes_only"`` or ``"llama"``, with Spider config `overrides`) by
     `recipe` and score it on the held-out slice (`slice_bytes` bytes): one row of the README tables (a dict of
     floats in bits per byte, bytes per segment, seconds). `save`: a folder for ``save_pretrained``.
 
-    `same_init`: a Spider variant starts every parameter it shares with the default model (same name and shape) from
+    `recipe.same_init`: a Spider variant starts every parameter it shares with the default model (same name and shape) from
     the default model's initial values under the same seed. Without it, a variant that adds or removes a module
     draws every later parameter from another point of the random stream, which is a different seed for the byte
     layers too (seed-to-seed differences are about 0.015 bpb at 500 steps)."""
+    same_init = recipe.same_init and kind == "spider" and bool(overrides)
     model = initial_model(kind, overrides, recipe.seed, same_init)
     train_ids = corpus_bytes("train")
     eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len, slice_bytes=slice_bytes)
     stats = train(model, train_ids, recipe, eval_windows)
     row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr, "seed": recipe.seed,
-           **({"same_init": True} if same_init and kind == "spider" and overrides else {}),
+           **({"same_init": True} if same_init else {}),
            "parameters": sum(p.numel() for p in model.parameters()), **stats}
     base = score(model, eval_windows)
     row["sotu_bits_per_byte"] = base["bits_per_byte"]
@@ -407,6 +409,10 @@ ABLATIONS: list[tuple] = [
      {"intermediate_size": 384, "moe_intermediate_size": 320}),
     ("dense FFN instead of MoE in the recurrent block", "spider", {"n_routed_experts": 1, "num_experts_per_tok": 1}),
     ("Engram off", "spider", {"engram_layer_ids": []}),
+    ("Engram off, every shared parameter from the default's initial values (same_init)", "spider",
+     {"engram_layer_ids": []}, {"same_init": True}),
+    ("spider, seed 43 (seed noise)", "spider", {}, {"seed": 43}),
+    ("global path removed, seed 43 (seed noise)", "bytes_only", {}, {"seed": 43}),
     ("recurrent block attends to the last 2 segments (recurrent_sliding_window=2)", "spider",
      {"recurrent_sliding_window": 2}),
     ("recurrent block attends to the last 4 segments (recurrent_sliding_window=4)", "spider",
@@ -436,6 +442,7 @@ GLOBAL_PATH_PAIRS = [
      "global path removed, 2-byte window"),
     ("3-byte window", "3-byte window in the byte layers", "global path removed, 3-byte window"),
     ("4-byte window (the default)", "spider", "global path removed (prelude + coda only)"),
+    ("4-byte window (the default), seed 43", "spider, seed 43 (seed noise)", "global path removed, seed 43 (seed noise)"),
     ("16-byte window", "16-byte window in the byte layers", "global path removed, 16-byte window"),
     ("4-byte window, prelude/coda 2 + 2 layers", "prelude/coda 2 + 2 layers",
      "global path removed, prelude/coda 2 + 2 layers"),
@@ -763,12 +770,13 @@ def main(argv=None) -> list[dict]:
                          out=args.out, only=args.only)
     else:
         recipe = Recipe(steps=args.steps, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
+                        same_init=args.same_init,
                         warmup_steps=min(200, max(1, args.steps // 10)))
         rows = []
         for kind in args.runs:
             row = train_and_score(kind, args.name or kind, json.loads(args.overrides) if kind != "llama" else {},
                                   recipe, texts, loops_curve=not args.no_loops_curve,
-                                  save=args.save and f"{args.save}/{kind}", same_init=args.same_init)
+                                  save=args.save and f"{args.save}/{kind}")
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:
