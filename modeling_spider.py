@@ -1151,7 +1151,8 @@ class SpiderRecurrentBlock(nn.Module):
                 if output_router_logits:
                     router_logits.append(logits)
             z = z + self.loop_lora(z, t)
-            h = self.injection(h, e, z) if running is None else torch.where(running[..., None], self.injection(h, e, z), h)
+            h_next = self.injection(h, e, z)
+            h = h_next if running is None else torch.where(running[..., None], h_next, h)  # exited segments stay
             halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
             step_weight = act.step(torch.sigmoid(halt_logits.to(torch.float32)), is_last=t == n_loops - 1)
             h_out = h_out + step_weight[..., None] * h.to(torch.float32)
@@ -1242,7 +1243,8 @@ class SpiderCache(Cache):
     segments and the ACT-weighted recurrent output of the last one, which every byte up to the next boundary reads.
     That state is a function of a per-byte record (prelude output, Engram memory, boundary, id) and of the recurrent
     output of every closed segment, which the cache also keeps: :meth:`crop` cuts the record and recomputes the state
-    from it (:meth:`restore`), so a cropped cache decodes exactly as one that never saw the removed bytes.
+    from it (:meth:`restore`), so a cropped cache decodes exactly as one that never saw the removed bytes. The
+    record costs one `D`-vector (model dtype) and one `M`-vector per row and byte, about one byte layer's keys.
 
     Built by the first forward with ``use_cache=True``; valid for the ``n_loops`` it was built with (another value
     raises ``ValueError``). Shapes use B = batch, n = bytes seen, D = hidden_size, M = Engram memory width; sums fp32.
@@ -1565,7 +1567,8 @@ class SpiderModel(SpiderPreTrainedModel):
         byte_rope = self.rotary_emb(x, position_ids)
         all_hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.prelude_layers):
-            x = layer(x, byte_rope, byte_attention_mask, past_key_values=cache.prelude[i] if cache is not None else None)
+            layer_cache = cache.prelude[i] if cache is not None else None
+            x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
             if output_hidden_states:
                 all_hidden_states += (x,)
 
@@ -1592,7 +1595,8 @@ class SpiderModel(SpiderPreTrainedModel):
         if output_hidden_states:
             all_hidden_states += (y,)
         for i, layer in enumerate(self.coda_layers):
-            y = layer(y, byte_rope, byte_attention_mask, past_key_values=cache.coda[i] if cache is not None else None)
+            layer_cache = cache.coda[i] if cache is not None else None
+            y = layer(y, byte_rope, byte_attention_mask, past_key_values=layer_cache)
             if output_hidden_states:
                 all_hidden_states += (y,)
         y = self.norm(y)
