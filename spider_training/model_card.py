@@ -405,6 +405,7 @@ def write_model_card(
     bits_per_byte_by_loops: dict | None = None,
     sample: dict | None = None,
     reference: dict | None = None,
+    act_early_exit: dict | None = None,
 ) -> Path:
     """Render the model card into ``release_dir/README.md`` and the loss curve into ``release_dir/loss_curve.png``.
 
@@ -422,6 +423,8 @@ def write_model_card(
         sample: ``{"prompt": str, "text": str}``, a greedy continuation of the prompt by the released weights, or None.
         reference: the default recipe's measured comparison with the dense baseline (:func:`reference_quality`),
             shown next to this run's figure; ``None`` when the run is not that recipe.
+        act_early_exit: ``{"bits_per_byte", "loops_saved_per_segment", ...}``: held-out bits per byte with ACT early
+            exit at inference and the loops it saves per segment (``SpiderTrainer.evaluate_act_early_exit``), or None.
 
     Returns:
         Path of the written ``README.md``.
@@ -486,6 +489,9 @@ def write_model_card(
     kwargs = dict(
         model_name=model_name,
         loops_rows=loops_rows,
+        early_exit=None if not act_early_exit else {
+            "bits_per_byte": f"{float(act_early_exit['bits_per_byte']):.4f}",
+            "loops_saved": f"{float(act_early_exit['loops_saved_per_segment']):.3f}"},
         repo_id=repo_id,
         model_ref=repo_id or str(release_dir),
         arch_summary=_arch_summary(config, _first(PARAMETER_KEYS, training, metrics)),

@@ -91,6 +91,7 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
         write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
                          loss_history=log_history, repo_id=hub_id or str(release_dir), model_name=model_name,
                          bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"), sample=sample,
+                         act_early_exit=summary.get("act_early_exit"),
                          reference=reference_quality(spider.preset, spider.data))
 
     return save_folder_atomically(release_dir, write)

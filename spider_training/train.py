@@ -134,7 +134,7 @@ def _run(spider: SpiderArguments, args) -> dict:
         trainer.accelerator.wait_for_everyone()
         return {"steps": trainer.state.global_step, "stopped_by": stop.received, "checkpoint": checkpoint,
                 "train_loss": train_result.training_loss}
-    after, loops = {}, {}
+    after, loops, early_exit = {}, {}, {}
     if eval_dataset is not None:
         # The periodic evaluation usually just scored the final step (max_steps is a multiple of eval_steps): reuse
         # it rather than score the same weights on the same windows again.
@@ -147,6 +147,7 @@ def _run(spider: SpiderArguments, args) -> dict:
         counts = sorted({1, max(1, n // 2), n, 2 * n})
         others = trainer.evaluate_loop_counts([c for c in counts if c != n])
         loops = {str(c): after["eval_after_bits_per_byte"] if c == n else others[str(c)] for c in counts}
+        early_exit = trainer.evaluate_act_early_exit()
 
     summary = {
         "steps": trainer.state.global_step,
@@ -160,6 +161,7 @@ def _run(spider: SpiderArguments, args) -> dict:
     }
     if loops:
         summary["bits_per_byte_by_loops"] = loops
+        summary["act_early_exit"] = early_exit
     # FSDP2: the full weights are gathered on every rank (a collective), then only rank 0 samples and writes
     plain = gather_unsharded(trainer.accelerator.unwrap_model(trainer.model))
     if trainer.is_world_process_zero():

@@ -193,6 +193,24 @@ class SpiderTrainer(Trainer):
             return {}
         return {str(n): self._held_out_bits_per_byte(dataset, n)["bits_per_byte"] for n in counts}
 
+    def evaluate_act_early_exit(self, eval_dataset=None) -> dict[str, float]:
+        """Held-out bits per byte with ACT early exit at inference (``config.act_early_exit``, restored after), and
+        the loops it saves per segment (the configured count minus the mean halting step): ``{"bits_per_byte",
+        "mean_halting_step", "loops_saved_per_segment"}``, scored like :meth:`evaluate` (not logged)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            return {}
+        config = self.accelerator.unwrap_model(self.model).config
+        before = config.act_early_exit
+        config.act_early_exit = True
+        try:
+            result = self._held_out_bits_per_byte(dataset, self.n_loops)
+        finally:
+            config.act_early_exit = before
+        n_loops = self.n_loops or config.n_loops
+        return {"bits_per_byte": result["bits_per_byte"], "mean_halting_step": result["mean_halting_step"],
+                "loops_saved_per_segment": n_loops - result["mean_halting_step"]}
+
     def _held_out_bits_per_byte(self, dataset, n_loops: int | None) -> dict[str, float]:
         """:func:`~spider_training.metrics.bits_per_byte` over the first `eval_windows` windows of `dataset`."""
         if isinstance(dataset, StreamingTextDataset):

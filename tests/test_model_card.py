@@ -119,6 +119,16 @@ def test_loops_table_marks_the_trained_count_and_is_absent_without_a_sweep(relea
     assert "| loops | held-out bits per byte |" not in write(release, config).read_text()
 
 
+def test_act_early_exit_is_reported_under_the_loops_table(release, config):
+    sweep = {"1": 2.5, str(config["n_loops"]): 2.25}
+    exit_result = {"bits_per_byte": 2.2513, "mean_halting_step": config["n_loops"] - 0.375,
+                   "loops_saved_per_segment": 0.375}
+    text = write(release, config, bits_per_byte_by_loops=sweep, act_early_exit=exit_result).read_text()
+    assert "held-out bits per byte are 2.2513 at" in text and "saves 0.375 loops on average" in text
+    assert text.index("| 1 | 2.5000 |") < text.index("saves 0.375 loops")
+    assert "ACT early exit" not in write(release, config, bits_per_byte_by_loops=sweep).read_text()
+
+
 def test_metadata_round_trips_through_modelcard_load(release, config):
     card = ModelCard.load(write(release, config))
     data = card.data

@@ -1,6 +1,7 @@
 """End-to-end tests of train_hf.py: smoke runs, resume equality, release loading, distributed launch."""
 
 import json
+import math
 import shutil
 import socket
 import subprocess
@@ -101,9 +102,9 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
     monkeypatch.setattr(SpiderTrainer, "_held_out_bits_per_byte",
                         lambda self, dataset, n_loops: scored.append(n_loops) or original(self, dataset, n_loops))
     out, summary = run(tmp_path, "fp32", "--max_steps", "6", "--save_steps", "2", "--precision", "fp32")
-    # before training, at each of the 6 steps, then loops 1 and 4 only: the final step's score is reused for
-    # eval_after and the trained loop count, not computed again
-    assert sorted(map(str, scored)) == sorted(["None"] * 7 + ["1", "4"]), scored
+    # before training, at each of the 6 steps, then loops 1 and 4 only (the final step's score is reused for
+    # eval_after and the trained loop count, not computed again), and once with ACT early exit (the configured count)
+    assert sorted(map(str, scored)) == sorted(["None"] * 8 + ["1", "4"]), scored
     assert summary["steps"] == 6 and summary["precision"] == "fp32"
     assert summary["eval_after_bits_per_byte"] < summary["eval_before_bits_per_byte"]
     # newest two checkpoints kept (Trainer's rotation), no staging debris, plus the release
@@ -124,6 +125,10 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
     assert f"# spider-tiny-{params:.1f}M" in card and f"- name: spider-tiny-{params:.1f}M" in card
     assert "# release" not in card and "SPEC.md" not in card
     assert "| 2 (trained) |" in card and set(summary["bits_per_byte_by_loops"]) == {"1", "2", "4"}
+    exit_result = summary["act_early_exit"]  # measured with ACT early exit, then switched back off
+    assert 0 <= exit_result["loops_saved_per_segment"] <= 1 and math.isfinite(exit_result["bits_per_byte"])
+    assert f"saves {exit_result['loops_saved_per_segment']:.3f} loops" in card
+    assert json.loads((release / "config.json").read_text())["act_early_exit"] is False
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [1, 2, 3, 4, 5, 6]  # max_steps // 10 -> 1
     logged = [e for e in state["log_history"] if "loss" in e][-1]
