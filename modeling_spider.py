@@ -1128,6 +1128,8 @@ class SpiderRecurrentBlock(nn.Module):
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
         routed, running = segment_index, None
+        if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
+            real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
             if early_exit and t > 0:
                 # ACT exit: halted segments keep their state and leave the MoE (their output weights are 0 from now
@@ -1136,9 +1138,7 @@ class SpiderRecurrentBlock(nn.Module):
                 running = act.halting_prob < self.act_threshold
                 if past_key_values is None and not bool(running.any()):
                     break
-                keep = running.reshape(-1)
-                if segment_index is not None:  # and not padding
-                    keep = keep & torch.zeros_like(keep).index_fill(0, segment_index, True)
+                keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
                 routed = keep.nonzero().squeeze(1)
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):

@@ -66,7 +66,7 @@ class Recipe:
     eval_every: int = 0  # also score the held-out slice every N steps (for the bpb-vs-wall-clock plot)
     global_lr_scale: float = 1.0  # Spider's global path (everything outside BYTE_LAYERS) at this multiple of lr
     loop_counts: tuple[int, ...] | None = None  # Spider: each step's n_loops drawn uniformly from these (Huginn)
-    same_init: bool = False  # a Spider variant starts the parameters it shares with the default from its values
+    same_init: bool = False  # a variant starts the parameters it shares with the default model from its values
 
 
 #: Spider's byte layers, by parameter-name prefix; every other parameter belongs to the global path (boundary
@@ -281,11 +281,11 @@ def build(kind: str, overrides: dict) -> torch.nn.Module:
 
 
 def initial_model(kind: str, overrides: dict, seed: int, same_init: bool = False) -> torch.nn.Module:
-    """:func:`build` under `seed`; with `same_init`, a Spider variant's parameters that the default model also has
-    (same name and shape) take the default model's initial values under that seed."""
+    """:func:`build` under `seed`; with `same_init`, a variant's parameters that the model without `overrides` also
+    has (same name and shape) take that model's initial values under that seed."""
     torch.manual_seed(seed)
     model = build(kind, overrides)
-    if same_init and kind == "spider" and overrides:
+    if same_init and overrides:
         torch.manual_seed(seed)
         reference = build(kind, {}).state_dict()
         own = model.state_dict()
@@ -301,11 +301,11 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
     `recipe` and score it on the held-out slice (`slice_bytes` bytes): one row of the README tables (a dict of
     floats in bits per byte, bytes per segment, seconds). `save`: a folder for ``save_pretrained``.
 
-    `recipe.same_init`: a Spider variant starts every parameter it shares with the default model (same name and shape) from
+    `recipe.same_init`: a variant starts every parameter it shares with the default model (same name and shape) from
     the default model's initial values under the same seed. Without it, a variant that adds or removes a module
     draws every later parameter from another point of the random stream, which is a different seed for the byte
     layers too (seed-to-seed differences are about 0.015 bpb at 500 steps)."""
-    same_init = recipe.same_init and kind == "spider" and bool(overrides)
+    same_init = recipe.same_init and bool(overrides)
     model = initial_model(kind, overrides, recipe.seed, same_init)
     train_ids = corpus_bytes("train")
     eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len, slice_bytes=slice_bytes)

@@ -123,7 +123,7 @@ class SpiderTrainer(Trainer):
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
 
-    # --- data ---------------------------------------------------------------------------------------
+    # --- data ----------------------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> DataLoader:
         """Trainer's loader for a map-style dataset; for a rank-split stream a loader prepared for device placement
