@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +42,7 @@ from torch import nn
 
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.masking_utils import and_masks, causal_mask_function, or_masks, padding_mask_function, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -190,45 +192,94 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def positional_sliding_window_overlay(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int
+) -> Callable:
+    """A `transformers.masking_utils` mask function: query `q` of row `b` sees key `kv` when
+    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``, i.e. masking_utils' `sliding_window_overlay`
+    on positions that count real tokens only (a padded row's window covers as many real tokens as an unpadded one's).
+    `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)` int64."""
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx] < sliding_window
+
+    return inner_mask
+
+
+def positional_causal_mask_function(query_positions: torch.Tensor, key_positions: torch.Tensor) -> Callable:
+    """A `transformers.masking_utils` mask function for a decode step whose queries are not the last keys of every
+    row (rows close segments at different bytes): query `q` of row `b` sees key `kv` when
+    ``key_positions[b, kv] <= query_positions[b, q]``. `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)`."""
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return key_positions[batch_idx, kv_idx] <= query_positions[batch_idx, q_idx]
+
+    return inner_mask
+
+
+def _self_mask_function(batch_idx, head_idx, q_idx, kv_idx):
+    """A padding query attends to itself, so no row of the mask is empty (SDPA and softmax give NaN for one)."""
+    return q_idx == kv_idx
+
+
 def build_attention_mask(
     token_mask: torch.Tensor | None,
     sliding_window: int | None = None,
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Causal + key-padding (+ sliding-window) boolean mask for SDPA.
+    """Causal + key-padding (+ sliding-window) boolean mask, built by `transformers.masking_utils.sdpa_mask` from its
+    mask functions (`causal_mask_function`, `padding_mask_function`, `and_masks`/`or_masks`) and the two above. Both
+    ``"sdpa"`` and ``"eager"`` read it (True = may attend).
 
     Args:
-        token_mask: `(B, T)` bool, True for real tokens, or None (no padding).
+        token_mask: `(B, T_k)` bool, True for real tokens, or None (no padding).
         sliding_window: a query at position p sees keys at positions `p - sliding_window < k <= p` (positions count
             real tokens only), or None (every earlier key). Mistral's `sliding_window`.
-        query_positions, key_positions: `(B, T_q)` / `(B, T_k)` int64 positions, for a decode step whose queries are
-            not all the keys (then `token_mask` is `(B, T_k)` and may be None). Default: the cumulative count of real
-            tokens of `token_mask`.
+        query_positions, key_positions: for a decode step, `(B, T_q)` / `(B, T_k)` int64 positions: a query sees the
+            keys at its own or earlier positions (`key_positions` may be None when every cached key is earlier). For
+            the full forward (`query_positions` None) the queries are the keys, causal by index; `key_positions`
+            then only serve the window, defaulting to the cumulative count of real tokens of `token_mask`.
     Returns:
-        `(B, 1, T_q, T_k)` bool (True = may attend), or None where SDPA's `is_causal` (full forward without padding
-        or window) or no mask at all (decode step without padding or window) is exact. A padding query attends to
-        itself, so no row is empty (an all-masked row would give NaN); its output is never read.
+        `(B, 1, T_q, T_k)` bool, or None where SDPA's `is_causal` (full forward without padding or window) or no mask
+        at all (decode step over earlier keys without padding or window) is exact. In the full forward a padding query
+        attends to itself, so no row is empty; its output is never read.
+    Raises:
+        ValueError: `sliding_window` without any positions to measure it by.
     """
-    if query_positions is not None:  # decode step: the queries are the last len(query_positions) keys
-        if sliding_window is None:
-            return None if token_mask is None else token_mask[:, None, None, :]
-        mask = (query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window
+    if query_positions is not None:  # decode step
+        functions = []
+        if key_positions is not None:
+            functions.append(positional_causal_mask_function(query_positions, key_positions))
+            if sliding_window is not None:
+                functions.append(positional_sliding_window_overlay(query_positions, key_positions, sliding_window))
+        elif sliding_window is not None:
+            raise ValueError("a decode step with sliding_window needs key_positions")
         if token_mask is not None:
-            mask = mask & token_mask[:, None, :]
-        return mask[:, None]
+            functions.append(padding_mask_function(token_mask))
+        if not functions:
+            return None
+        B, T_q = query_positions.shape
+        T_k = key_positions.shape[1] if key_positions is not None else token_mask.shape[1]
+        return sdpa_mask(
+            B, T_q, T_k, mask_function=and_masks(*functions), allow_is_causal_skip=False,
+            device=query_positions.device,
+        )
     if token_mask is None and sliding_window is None:
         return None
-    T = token_mask.shape[-1] if token_mask is not None else key_positions.shape[-1]
-    device = token_mask.device if token_mask is not None else key_positions.device
-    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]
     if token_mask is not None:
-        mask = mask & token_mask[:, None, :]
+        key_positions = token_mask.long().cumsum(-1)
+    elif key_positions is None:
+        raise ValueError("a sliding_window mask without token_mask needs key_positions")
+    B, T = key_positions.shape
+    mask_function = causal_mask_function
     if sliding_window is not None:
-        positions = key_positions if token_mask is None else token_mask.long().cumsum(-1)
-        mask = mask & ((positions[:, :, None] - positions[:, None, :]) < sliding_window)
-    mask = mask | torch.eye(T, dtype=torch.bool, device=device)[None]
-    return mask[:, None]
+        mask_function = and_masks(
+            mask_function, positional_sliding_window_overlay(key_positions, key_positions, sliding_window)
+        )
+    if token_mask is not None:
+        mask_function = or_masks(and_masks(mask_function, padding_mask_function(token_mask)), _self_mask_function)
+    return sdpa_mask(B, T, T, mask_function=mask_function, allow_is_causal_skip=False, device=key_positions.device)
 
 
 def eager_attention_forward(
@@ -266,8 +317,8 @@ class SpiderAttention(nn.Module):
     latent `kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`, plus one rotary key shared by all heads. RoPE is
     applied to the rope part only. The attention itself is the function `config._attn_implementation` names in
     transformers' attention interface (``"sdpa"`` by default, :func:`eager_attention_forward` for ``"eager"``, or
-    one registered with ``transformers.AttentionInterface``); it receives a bool mask or None for causal (see
-    :func:`eager_attention_forward`). Input/output `(B, T, hidden_size)`.
+    one registered with ``transformers.AttentionInterface``); it receives a bool mask from
+    :func:`build_attention_mask` or None for causal (see :func:`eager_attention_forward`). Input/output `(B, T, hidden_size)`.
     """
 
     is_causal = True  # read by transformers' sdpa_attention_forward when the mask is None
@@ -1677,11 +1728,10 @@ class SpiderModel(SpiderPreTrainedModel):
         if bool(closing.any()):  # the block runs on every row; rows that closed no segment keep their last output
             slot = cache.begin_segment_step()
             segment_rope = self.rotary_emb(e, slot[:, None])
-            keys = torch.arange(cache.segment_slots, device=e.device)
-            visible = keys[None] <= slot[:, None]
-            if self.config.recurrent_sliding_window is not None:
-                visible = visible & (keys[None] > slot[:, None] - self.config.recurrent_sliding_window)
-            segment_attention_mask = visible[:, None, None, :]
+            slots = torch.arange(cache.segment_slots, device=e.device).expand(B, -1)
+            segment_attention_mask = build_attention_mask(
+                None, self.config.recurrent_sliding_window, query_positions=slot[:, None], key_positions=slots
+            )
             h_out = self.recurrent_block(
                 e, segment_rope, segment_attention_mask, None, segment_memory, cache.n_loops, cache
             ).h_out

@@ -167,6 +167,50 @@ def test_sliding_window_mask_counts_real_bytes():
     assert padded[2].nonzero().flatten().tolist() == [2]  # the first real byte sees itself only
 
 
+def _reference_mask(token_mask, window, query_positions, key_positions, full_forward):
+    """The mask's definition, one (row, query, key) at a time."""
+    B, T_k = key_positions.shape
+    T_q = query_positions.shape[1]
+    mask = torch.zeros(B, 1, T_q, T_k, dtype=torch.bool)
+    for b in range(B):
+        for q in range(T_q):
+            for k in range(T_k):
+                real_key = token_mask is None or bool(token_mask[b, k])
+                earlier = k <= q if full_forward else key_positions[b, k] <= query_positions[b, q]
+                near = window is None or query_positions[b, q] - key_positions[b, k] < window
+                mask[b, 0, q, k] = (real_key and earlier and near) or (
+                    full_forward and token_mask is not None and q == k
+                )
+    return mask
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("padding", ["none", "left", "right", "both"])
+def test_attention_mask_equals_its_definition(window, padding):
+    """`build_attention_mask` (built by transformers.masking_utils) against the definition written out: causal, real
+    keys only, a window counted in real tokens, a padding query seeing itself; and a decode step's per-row queries."""
+    T = 7
+    token_mask = torch.ones(3, T, dtype=torch.bool)
+    if padding in ("left", "both"):
+        token_mask[0, :2] = token_mask[2, :1] = False
+    if padding in ("right", "both"):
+        token_mask[1, -3:] = token_mask[2, -1:] = False
+    token_mask = None if padding == "none" else token_mask
+    positions = torch.arange(T).expand(3, T) if token_mask is None else token_mask.long().cumsum(-1)
+    built = build_attention_mask(token_mask, window, key_positions=positions)
+    expected = _reference_mask(token_mask, window, positions, positions, full_forward=True)
+    if built is None:  # SDPA's is_causal stands for the plain causal mask
+        assert token_mask is None and window is None
+        built = torch.ones(T, T, dtype=torch.bool).tril().expand(3, 1, T, T)
+    assert torch.equal(built, expected)
+
+    # A decode step: each row's one query at its own slot, keys at slots 0..T-1 (later slots hold stale data).
+    slots = torch.tensor([[2], [6], [0]])
+    key_slots = torch.arange(T).expand(3, T)
+    decoded = build_attention_mask(token_mask, window, query_positions=slots, key_positions=key_slots)
+    assert torch.equal(decoded, _reference_mask(token_mask, window, slots, key_slots, full_forward=False))
+
+
 @pytest.mark.parametrize("window", [{"sliding_window": 8}, {"recurrent_sliding_window": 2}])
 def test_sliding_window_cache_decoding_equals_full_forward_and_padding_is_invisible(window):
     """Byte layers over the last 8 bytes, or recurrent layers over the last 2 segments: cached decoding equals the full
