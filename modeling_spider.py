@@ -318,7 +318,8 @@ class SpiderAttention(nn.Module):
     applied to the rope part only. The attention itself is the function `config._attn_implementation` names in
     transformers' attention interface (``"sdpa"`` by default, :func:`eager_attention_forward` for ``"eager"``, or
     one registered with ``transformers.AttentionInterface``); it receives a bool mask from
-    :func:`build_attention_mask` or None for causal (see :func:`eager_attention_forward`). Input/output `(B, T, hidden_size)`.
+    :func:`build_attention_mask` or None for causal (see :func:`eager_attention_forward`).
+    Input/output `(B, T, hidden_size)`.
     """
 
     is_causal = True  # read by transformers' sdpa_attention_forward when the mask is None
