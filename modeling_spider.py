@@ -703,6 +703,17 @@ class SpiderEngramEmbeddings(nn.Module):
         offsets = torch.tensor(self.offsets, dtype=torch.long, device=ids.device)
         return hashed % moduli + offsets
 
+    def step(self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None, input_ids: torch.LongTensor):
+        """Memory of one new byte per row after `past_ids` `(B, n)` (`past_mask` `(B, n)` bool or None): the
+        cached decode step's lookup, equal to this module's output at that byte in a full forward. `input_ids`
+        `(B, 1)` -> `(B, M)`. Reads only the last `max(ngram_sizes) - 1` past ids."""
+        context = max(self.ngram_sizes) - 1
+        past_ids, past_mask = past_ids[:, past_ids.shape[1] - context:], past_mask
+        if past_mask is not None:
+            past_ids = past_ids.masked_fill(~past_mask[:, past_mask.shape[1] - past_ids.shape[1]:], self.fill_id)
+        window = torch.cat([past_ids, input_ids], dim=1)
+        return self(window)[:, -1]
+
     def forward(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         rows = self.hash_ids(input_ids, token_mask)
         B, L, n_tables = rows.shape
@@ -1291,7 +1302,7 @@ class SpiderCache(Cache):
     Prelude and coda layers cache per byte; the recurrent block keeps one :class:`SpiderLayerCache` per loop and
     layer and runs only when a byte closes a segment (FlexiTokens boundaries are causal: a closed segment never
     changes). Between segments the cache keeps, per row: the running sums of the open segment's byte states and
-    Engram memory, the last `max(engram_ngram_sizes) - 1` byte ids (the n-gram hash context), the number of closed
+    Engram memory, the number of closed
     segments and the ACT-weighted recurrent output of the last one, which every byte up to the next boundary reads.
     That state is a function of a per-byte record (prelude output, Engram memory, boundary, id) and of the recurrent
     output of every closed segment, which the cache also keeps: :meth:`crop` cuts the record and recomputes the state
@@ -1306,8 +1317,6 @@ class SpiderCache(Cache):
         super().__init__(layers=[])  # Spider's layer caches do not follow transformers' one-list-per-layer layout
         self.config = config
         self.n_loops = n_loops
-        self.hash_context_size = max(config.engram_ngram_sizes) - 1
-        self.fill_id = config.vocab_size  # the Engram hash's id for padding and positions before the start
         self.prelude = [SpiderLayerCache(self, False) for _ in range(config.num_prelude_layers)]
         self.coda = [SpiderLayerCache(self, False) for _ in range(config.num_coda_layers)]
         self.recurrent = [
@@ -1316,16 +1325,28 @@ class SpiderCache(Cache):
         self.seen_bytes = 0  # columns of input_ids consumed so far, padding included
         self.byte_mask = None  # (B, n) bool, or None while no column is padding
         # the per-byte record: ids (B, n) int64, prelude output (B, n, D), Engram memory (B, n, M), boundaries (B, n)
-        self.input_ids = self.byte_states = self.byte_memory = self.boundaries = None
+        # fp32, each the first `record_length` columns of a buffer that grows by doubling (appending a byte is not a
+        # copy of the record)
+        self.record = dict.fromkeys(self.RECORD)
+        self.record_length = 0
         self.segment_outputs = None  # (B, slots, D) fp32: recurrent output of each closed segment (slot 0: null group)
         # derived from the record by restore()
         self.byte_positions = None  # (B,) int64: RoPE position of the next byte (= real bytes so far)
-        self.hash_context = None  # (B, max_n - 1) int64: last byte ids, padding as the Engram fill id
         self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
         self.num_segments = None  # (B,) int64: closed segments (the null group excluded)
         self.last_segment_output = None  # (B, D) fp32: recurrent output of the last closed segment
         self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
         self.segment_slots = 0
+
+    RECORD = ("input_ids", "byte_states", "byte_memory", "boundaries")
+
+    def _recorded(name: str):  # noqa: N805 (a property factory used in the class body)
+        return property(lambda self: None if self.record[name] is None else self.record[name][:, : self.record_length],
+                        doc=f"The record's {name}: the first `record_length` columns of its buffer (read-only).")
+
+    input_ids, byte_states = _recorded("input_ids"), _recorded("byte_states")
+    byte_memory, boundaries = _recorded("byte_memory"), _recorded("boundaries")
+    del _recorded
 
     # --- what generate() reads -------------------------------------------------------------------------------------
 
@@ -1357,8 +1378,7 @@ class SpiderCache(Cache):
             return
         for layer in self.prelude + self.coda:
             layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
-        self.input_ids, self.byte_states = self.input_ids[:, :keep], self.byte_states[:, :keep]
-        self.byte_memory, self.boundaries = self.byte_memory[:, :keep], self.boundaries[:, :keep]
+        self.record_length = keep
         self.byte_mask = None if self.byte_mask is None else self.byte_mask[:, :keep]
         self.seen_bytes = keep
         # Recurrent layer caches keep their slots: those past a row's restored segment count are hidden by the
@@ -1373,9 +1393,9 @@ class SpiderCache(Cache):
         """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
         for layer in self.prelude + self.coda + [layer for loop in self.recurrent for layer in loop]:
             layer.select_rows(indices)
-        _select_rows(self, ("byte_mask", "input_ids", "byte_states", "byte_memory", "boundaries", "segment_outputs",
-                            "byte_positions", "hash_context", "open_sum", "open_memory_sum", "open_count",
-                            "num_segments", "last_segment_output"), indices)
+        _select_rows(self, ("byte_mask", "segment_outputs", "byte_positions", "open_sum", "open_memory_sum",
+                            "open_count", "num_segments", "last_segment_output"), indices)
+        self.record = {name: None if t is None else t.index_select(0, indices) for name, t in self.record.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep rows `beam_idx` `(B,)` int64 (beam search)."""
@@ -1395,8 +1415,8 @@ class SpiderCache(Cache):
         segment `(B, 1+S, D)` fp32; then the decoding state (:meth:`restore`)."""
         self.seen_bytes = input_ids.shape[1]
         self.byte_mask = byte_mask
-        self.input_ids, self.byte_states, self.byte_memory = input_ids, byte_states, byte_memory
-        self.boundaries = boundaries.detach().to(torch.float32)
+        self.record = dict(zip(self.RECORD, (input_ids, byte_states, byte_memory, boundaries.detach().float())))
+        self.record_length = input_ids.shape[1]
         self.segment_outputs = segment_outputs.detach()
         self.segment_slots = segment_outputs.shape[1]
         self.restore()
@@ -1404,20 +1424,20 @@ class SpiderCache(Cache):
     def append(self, input_ids, byte_state, memory, boundary) -> None:
         """Add one decoded byte per row to the record: ids `(B, 1)`, prelude output `(B, 1, D)`, memory `(B, M)`,
         boundary `(B, 1)`."""
-        self.input_ids = torch.cat([self.input_ids, input_ids], 1)
-        self.byte_states = torch.cat([self.byte_states, byte_state], 1)
-        self.byte_memory = torch.cat([self.byte_memory, memory[:, None].to(self.byte_memory.dtype)], 1)
-        self.boundaries = torch.cat([self.boundaries, boundary.detach().to(torch.float32)], 1)
+        n = self.record_length
+        for name, column in zip(self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())):
+            buffer = self.record[name]
+            if buffer.shape[1] == n:  # full: double the capacity
+                buffer = self.record[name] = torch.cat([buffer, buffer.new_empty(buffer[:, : max(n, 16)].shape)], 1)
+            buffer[:, n : n + 1] = column
+        self.record_length = n + 1
 
     def restore(self) -> None:
         """The decoding state at the end of the record: closed segments per row, the recurrent output of each row's
         last one, the running sums of the open segment (real bytes after the last boundary; fp32, summed in byte
-        order), the RoPE position of the next byte and the Engram hash context."""
+        order) and the RoPE position of the next byte."""
         byte_mask = self.byte_mask if self.byte_mask is not None else torch.ones_like(self.input_ids, dtype=torch.bool)
         self.byte_positions = byte_mask.long().sum(-1)
-        ids = self.input_ids.masked_fill(~byte_mask, self.fill_id)
-        context = self.hash_context_size
-        self.hash_context = F.pad(ids, (context, 0), value=self.fill_id)[:, ids.shape[1]:]
         self.num_segments = self.boundaries.sum(-1).long()
         index = self.num_segments[:, None, None].expand(-1, 1, self.segment_outputs.shape[-1])
         self.last_segment_output = self.segment_outputs.gather(1, index)[:, 0]
@@ -1721,9 +1741,8 @@ class SpiderModel(SpiderPreTrainedModel):
             x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
             hidden.append(x)
 
-        window = torch.cat([cache.hash_context, input_ids], dim=1)
-        cache.hash_context = window[:, 1:]
-        memory = self.engram_embeddings(window)[:, -1]
+        past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
+        memory = self.engram_embeddings.step(cache.input_ids, past_mask, input_ids)
         boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, memory, cache)
         cache.append(input_ids, x, memory, boundary)
         if bool(closing.any()):  # the block runs on every row; rows that closed no segment keep their last output
