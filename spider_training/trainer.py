@@ -175,10 +175,9 @@ class SpiderTrainer(Trainer):
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Held-out bits-per-byte over up to `eval_windows` windows (all ranks; sums gathered across processes)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
+        result = self._held_out_bits_per_byte(eval_dataset, self.n_loops)
+        if result is None:
             return {}
-        result = self._held_out_bits_per_byte(dataset, self.n_loops)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in result.items()}
         metrics[f"{metric_key_prefix}_loss"] = result["lm_loss"]  # Trainer's name for the held-out loss (nats/byte)
         self.log(metrics)
@@ -188,31 +187,32 @@ class SpiderTrainer(Trainer):
     def evaluate_loop_counts(self, counts, eval_dataset=None) -> dict[str, float]:
         """Held-out bits per byte at each inference loop count in `counts` (the recurrent depth's test-time curve):
         ``{str(n_loops): bits_per_byte}``, scored like :meth:`evaluate` (not logged)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            return {}
-        return {str(n): self._held_out_bits_per_byte(dataset, n)["bits_per_byte"] for n in counts}
+        results = {str(n): self._held_out_bits_per_byte(eval_dataset, n) for n in counts}
+        return {n: result["bits_per_byte"] for n, result in results.items() if result is not None}
 
     def evaluate_act_early_exit(self, eval_dataset=None) -> dict[str, float]:
         """Held-out bits per byte with ACT early exit at inference (``config.act_early_exit``, restored after), and
         the loops it saves per segment (the configured count minus the mean halting step): ``{"bits_per_byte",
         "mean_halting_step", "loops_saved_per_segment"}``, scored like :meth:`evaluate` (not logged)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            return {}
         config = self.accelerator.unwrap_model(self.model).config
         before = config.act_early_exit
         config.act_early_exit = True
         try:
-            result = self._held_out_bits_per_byte(dataset, self.n_loops)
+            result = self._held_out_bits_per_byte(eval_dataset, self.n_loops)
         finally:
             config.act_early_exit = before
+        if result is None:
+            return {}
         n_loops = self.n_loops or config.n_loops
         return {"bits_per_byte": result["bits_per_byte"], "mean_halting_step": result["mean_halting_step"],
                 "loops_saved_per_segment": n_loops - result["mean_halting_step"]}
 
-    def _held_out_bits_per_byte(self, dataset, n_loops: int | None) -> dict[str, float]:
-        """:func:`~spider_training.metrics.bits_per_byte` over the first `eval_windows` windows of `dataset`."""
+    def _held_out_bits_per_byte(self, eval_dataset, n_loops: int | None) -> dict[str, float] | None:
+        """:func:`~spider_training.metrics.bits_per_byte` over the first `eval_windows` windows of `eval_dataset`
+        (default: the Trainer's `eval_dataset`); None when there is none."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            return None
         if isinstance(dataset, StreamingTextDataset):
             loader = make_dataloader(dataset, self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
         else:  # sequential, split across processes by accelerate
