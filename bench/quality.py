@@ -449,6 +449,7 @@ GLOBAL_PATH_PAIRS = [
     ("4-byte window, 2x the steps", "spider, 2x the steps", "global path removed, 2x the steps"),
     ("4-byte window, 4x the steps", "spider, 4x the steps", "global path removed, 4x the steps"),
     ("4-byte window, 8x the steps", "spider, 8x the steps", "global path removed, 8x the steps"),
+    ("4-byte window, 12x the steps", "spider, 12x the steps", "global path removed, 12x the steps"),
 ]
 
 
@@ -494,7 +495,7 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
     for lr in lrs:
         runs.append(dict(group="baseline equal wall-clock", kind="llama", name=f"llama lr={lr:g}, equal wall-clock",
                          overrides={}, steps=equal_time_steps, lr=lr))
-    for factor in (2, 4, 8):
+    for factor in (2, 4, 8, 12):
         for kind, name in (("spider", f"spider, {factor}x the steps"),
                            ("bytes_only", f"global path removed, {factor}x the steps")):
             runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
