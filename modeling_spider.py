@@ -31,8 +31,8 @@ loading: it is what the Hub serves.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -708,7 +708,7 @@ class SpiderEngramEmbeddings(nn.Module):
         cached decode step's lookup, equal to this module's output at that byte in a full forward. `input_ids`
         `(B, 1)` -> `(B, M)`. Reads only the last `max(ngram_sizes) - 1` past ids."""
         context = max(self.ngram_sizes) - 1
-        past_ids, past_mask = past_ids[:, past_ids.shape[1] - context:], past_mask
+        past_ids = past_ids[:, past_ids.shape[1] - context:]
         if past_mask is not None:
             past_ids = past_ids.masked_fill(~past_mask[:, past_mask.shape[1] - past_ids.shape[1]:], self.fill_id)
         window = torch.cat([past_ids, input_ids], dim=1)
@@ -1302,8 +1302,8 @@ class SpiderCache(Cache):
     Prelude and coda layers cache per byte; the recurrent block keeps one :class:`SpiderLayerCache` per loop and
     layer and runs only when a byte closes a segment (FlexiTokens boundaries are causal: a closed segment never
     changes). Between segments the cache keeps, per row: the running sums of the open segment's byte states and
-    Engram memory, the number of closed
-    segments and the ACT-weighted recurrent output of the last one, which every byte up to the next boundary reads.
+    Engram memory, the number of closed segments and the ACT-weighted recurrent output of the last one, which every
+    byte up to the next boundary reads.
     That state is a function of a per-byte record (prelude output, Engram memory, boundary, id) and of the recurrent
     output of every closed segment, which the cache also keeps: :meth:`crop` cuts the record and recomputes the state
     from it (:meth:`restore`), so a cropped cache decodes exactly as one that never saw the removed bytes. The
