@@ -193,6 +193,19 @@ def _rows(values: dict, labels: dict[str, str], *, skip: set[str] = frozenset())
     return rows
 
 
+def loading_requirements(distribution: str = "spider-lm") -> list[str]:
+    """What loading a release needs: the installed `distribution`'s requirements outside its extras, as written in
+    its metadata (e.g. ``["torch>=2.8", "transformers>=5.4", ...]``); ``[]`` when it is not installed (a card
+    rendered from a bare checkout then says nothing about versions rather than something stale)."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires(distribution) or []
+    except metadata.PackageNotFoundError:
+        return []
+    return [req for req in requires if "extra ==" not in req]
+
+
 def _check_dict(name: str, value: Any) -> dict:
     if value is None:
         return {}
@@ -508,6 +521,7 @@ def write_model_card(
         has_bpb_curve=has_curve and bool(_series(loss_history, "eval_bits_per_byte")[0]),
         remote_code=remote_code,
         remote_imports=remote_imports,
+        requirements=loading_requirements(),
         fp8=fp8,
         weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         sample=sample,

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from huggingface_hub import ModelCard
 
-from spider_training.model_card import LOSS_CURVE_NAME, inspect_remote_code, plot_loss_curve, write_model_card
+from spider_training.model_card import (
+    LOSS_CURVE_NAME, inspect_remote_code, loading_requirements, plot_loss_curve, write_model_card,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REMOTE_FILES = ("configuration_spider.py", "modeling_spider.py", "tokenization_spider.py")
@@ -108,6 +110,20 @@ def test_card_renders_every_section_with_run_facts(release, config):
     assert "| training throughput (bytes/s) | 4,321 |" in text
     assert f"![Training and held-out loss by step]({LOSS_CURVE_NAME})" in text
     assert "1.2M parameters" in text
+
+
+def test_usage_names_the_versions_loading_needs(release, config):
+    """The usage section names the package's own requirements outside its extras (read from the installed metadata:
+    the README's set-up installs the package), torch and transformers among them."""
+    requirements = loading_requirements()
+    names = {r.split(">")[0].split("=")[0].split("<")[0].strip() for r in requirements}
+    assert {"torch", "transformers"} <= names and not any("extra ==" in r for r in requirements)
+    text = write(release, config).read_text()
+    start = text.index("## Usage")
+    usage = text[start:text.index("```python", start)]
+    for requirement in requirements:
+        assert f'"{requirement}"' in usage
+    assert loading_requirements("no-such-distribution-spider") == []
 
 
 def test_loops_table_marks_the_trained_count_and_is_absent_without_a_sweep(release, config):
