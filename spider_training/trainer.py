@@ -130,10 +130,10 @@ class SpiderTrainer(Trainer):
         only (accelerate would otherwise dispatch from rank 0 or re-shard it)."""
         if not isinstance(self.train_dataset, StreamingTextDataset):
             return super().get_train_dataloader()
-        loader = make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
-                                 num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator)
-        self.accelerator._dataloaders.append(loader)  # accelerate's gradient-accumulation bookkeeping sees it
-        return loader
+        # An accelerate DataLoaderShard: iterating it registers it with the accelerator's GradientState (end of data
+        # inside an accumulation window), as a loader from `accelerator.prepare` would.
+        return make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
+                               num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator)
 
     # --- loss and logging ----------------------------------------------------------------------------------------
 
@@ -231,8 +231,6 @@ class SpiderTrainer(Trainer):
     # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
     #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
-    # (`get_train_dataloader` above is public; it appends to `accelerator._dataloaders` for a streamed source, which
-    # is how accelerate's own `prepare_data_loader` registers a loader for gradient-accumulation bookkeeping.)
 
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)

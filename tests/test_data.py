@@ -492,6 +492,41 @@ def test_hub_source_builds_a_streaming_dataset(tmp_path, monkeypatch):
     assert as_pairs(ds) == reference_examples(parts[0] + parts[1], 12)
 
 
+def test_spider_trainer_trains_on_a_stream_with_gradient_accumulation(tmp_path):
+    """A streamed (Hub) source through SpiderTrainer's own loader: with gradient accumulation every optimizer step
+    consumes `gradient_accumulation_steps` batches in stream order, and the accelerator's GradientState tracks the
+    loader (it syncs gradients on the last micro-batch of each step only)."""
+    from transformers import TrainerCallback, TrainingArguments, default_data_collator
+
+    from spider_training.trainer import SpiderTrainer
+    from tests.helpers import tiny_model
+
+    source, _ = _streamed_source(tmp_path)
+    ds = D.StreamingTextDataset(source, 12)
+    seen, syncs = [], []
+
+    def collate(examples):
+        seen.append(len(examples))
+        return default_data_collator(examples)
+
+    class RecordSync(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            syncs.append((len(seen), trainer.accelerator.gradient_state.sync_gradients,
+                          trainer.accelerator.gradient_state.active_dataloader is not None))
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=3,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             remove_unused_columns=False, save_strategy="no", logging_steps=100)
+    trainer = SpiderTrainer(model=tiny_model(seed=0), args=args, train_dataset=ds, data_collator=collate,
+                            precision="fp32", stop_signals=(), callbacks=[RecordSync()])
+    trainer.train()
+    assert trainer.state.global_step == 3 and set(seen) == {2}
+    # batches collated by each optimizer step: 2 more per step (accelerate reads one batch ahead to spot the end)
+    consumed = [n for n, _, _ in syncs]
+    assert [b - a for a, b in zip(consumed, consumed[1:])] == [2, 2] and consumed[0] in (2, 3)
+    assert all(synced and tracked for _, synced, tracked in syncs)
+
+
 @pytest.mark.parametrize("files", [2, 3])
 def test_hub_stream_split_by_node_two_ranks(tmp_path, files):
     """2 files: one file per rank; 3 files (not divisible): every other document per rank. Either way the ranks
