@@ -478,14 +478,17 @@ def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, wa
     return float(np.median(times))
 
 
-def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, float] | None = None) -> list[dict]:
+def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, ...] | None = None) -> list[dict]:
     """Every run of the full benchmark, as keyword arguments of :func:`run` (plus a ``group``).
 
     The dense baseline trains at equal parameter count (the default recipe, 500 steps) and at equal wall-clock: the
     step count Spider's 500 steps take, from both models' measured step times (so the comparison does not depend on
     what else the machine runs while training); its learning rate is swept over `lrs` at equal wall-clock.
-    `step_times`: `(Spider, Llama)` seconds per step to use instead of measuring them."""
-    t_spider, t_llama = step_times or (step_seconds("spider", {}, recipe), step_seconds("llama", {}, recipe))
+    Spider's byte layers alone (the "global path removed" model) also train for Spider's wall-clock: the plain model
+    with the same local attention at equal compute.
+    `step_times`: `(Spider, Llama, byte layers alone)` seconds per step to use instead of measuring them."""
+    t_spider, t_llama, t_bytes = step_times or tuple(step_seconds(kind, {}, recipe)
+                                                     for kind in ("spider", "llama", "bytes_only"))
     equal_time_steps = max(1, round(recipe.steps * t_spider / t_llama))
     runs = [dict(group="ablation", kind=kind, name=name, overrides=ov, steps=recipe.steps, lr=recipe.lr,
                  recipe=recipe_ov[0] if recipe_ov else {})
@@ -495,13 +498,16 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
     for lr in lrs:
         runs.append(dict(group="baseline equal wall-clock", kind="llama", name=f"llama lr={lr:g}, equal wall-clock",
                          overrides={}, steps=equal_time_steps, lr=lr))
+    runs.append(dict(group="byte layers equal wall-clock", kind="bytes_only",
+                     name="global path removed, equal wall-clock", overrides={},
+                     steps=max(1, round(recipe.steps * t_spider / t_bytes)), lr=recipe.lr))
     for factor in (2, 4, 8, 12):
         for kind, name in (("spider", f"spider, {factor}x the steps"),
                            ("bytes_only", f"global path removed, {factor}x the steps")):
             runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
                              lr=recipe.lr))
     for r in runs:
-        r["step_seconds"] = {"spider": t_spider, "llama": t_llama}
+        r["step_seconds"] = {"spider": t_spider, "llama": t_llama, "bytes_only": t_bytes}
     return runs
 
 
@@ -532,7 +538,7 @@ def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, st
     (unknown names raise ``ValueError``); one row per run, rewritten to `out` (JSON) after every run."""
     base = Recipe(steps=steps)
     if only:  # checked before the step timing, which trains both models for a few steps
-        unknown = sorted(set(only) - {r["name"] for r in suite_runs(base, step_times=(1.0, 1.0))})
+        unknown = sorted(set(only) - {r["name"] for r in suite_runs(base, step_times=(1.0, 1.0, 1.0))})
         if unknown:
             raise ValueError(f"unknown quality rows {unknown}; see ABLATIONS and suite_runs for the names")
     runs = [r for r in suite_runs(base) if not only or r["name"] in only]
@@ -590,6 +596,10 @@ def render(rows: list[dict]) -> str:
         lines.append(f"| `LlamaForCausalLM`, equal wall-clock (best lr {best['lr']:g}; sweep {sweep}) | "
                      f"{best['steps']} | {best['parameters'] / 1e6:.2f}M | {_f(best['sotu_bits_per_byte'])} | "
                      f"{_f(best.get(tech))} |")
+    for r in rows:
+        if r.get("group") == "byte layers equal wall-clock":
+            lines.append(f"| Spider's byte layers alone (global path removed), equal wall-clock | {r['steps']} | "
+                         f"{r['parameters'] / 1e6:.2f}M | {_f(r['sotu_bits_per_byte'])} | {_f(r.get(tech))} |")
     if xz is not None:
         lines.append(f"| `xz -9e` on the same slice | - | - | {_f(xz)} | - |")
     loops = spider.get("bpb_by_loops", {})

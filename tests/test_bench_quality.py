@@ -41,6 +41,19 @@ def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
     assert "| samples are real words at least as often as the dense baseline's | 90% vs 80% | yes |" in text
 
 
+def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
+    """The plain model with Spider's local attention at equal compute: its step count comes from both step times,
+    and its row stands in the first table beside the dense baselines."""
+    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25))}
+    equal = runs["global path removed, equal wall-clock"]
+    assert (equal["kind"], equal["steps"], equal["overrides"]) == ("bytes_only", 1200, {})
+    assert runs["llama lr=0.001, equal wall-clock"]["steps"] == 250
+    rows = _rows(2.21) + [_row("global path removed, equal wall-clock", 2.1, kind="bytes_only",
+                               group="byte layers equal wall-clock", pydoc_topics_bits_per_byte=4.4, steps=1200)]
+    table = quality.render(rows).split("\n\n")[0]
+    assert "| Spider's byte layers alone (global path removed), equal wall-clock | 1200 | 6.00M | 2.100 | 4.400 |" in table
+
+
 def test_shards_keep_the_baselines_together_and_balance_the_rest():
     runs = [dict(kind=k, name=n, steps=500) for n, k, *_ in quality.ABLATIONS]
     runs += [dict(kind="llama", name=f"llama {i}", steps=250) for i in range(3)]
