@@ -152,7 +152,7 @@ class SpiderConfig(PreTrainedConfig):
     """
 
     model_type = "spider"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     attribute_map = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts"}
 
     vocab_size: int = VOCAB_SIZE

@@ -48,6 +48,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
@@ -69,7 +70,7 @@ class SpiderModelOutput(ModelOutput):
 
     Attributes:
         last_hidden_state (`torch.FloatTensor` of shape `(B, L, D)`): byte states after the coda and the final norm.
-        past_key_values (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
+        cache (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
         hidden_states (`tuple[torch.FloatTensor]`, *optional*): byte states `(B, L, D)`: the embeddings, each prelude
             layer's output, the upsampled recurrent output (plus the residual), each coda layer's output.
         router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer), `(N, E)` fp32 logits of
@@ -88,7 +89,7 @@ class SpiderModelOutput(ModelOutput):
     """
 
     last_hidden_state: torch.FloatTensor | None = None
-    past_key_values: object | None = None
+    cache: object | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
@@ -125,7 +126,7 @@ class SpiderCausalLMOutput(ModelOutput):
     expert_load: torch.FloatTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
-    past_key_values: object | None = None
+    cache: object | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
@@ -352,10 +353,10 @@ class SpiderAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: SpiderLayerCache | None = None,
+        cache: SpiderLayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None (causal when the queries
-        are all the keys, else every cached key); `past_key_values` this layer's cache, updated in place.
+        are all the keys, else every cached key); `cache` this layer's cache, updated in place.
         Returns `(output (B, T, D), attention weights (B, H, T, T_keys) or None)`: the weights come from
         implementations that compute them (``"eager"``); ``output_attentions=True`` collects them."""
         B, T, _ = hidden_states.shape
@@ -377,8 +378,8 @@ class SpiderAttention(nn.Module):
         q_pe, k_pe = apply_rotary_pos_emb(q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim), cos, sin)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
         key_states = torch.cat((k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -538,7 +539,7 @@ class SpiderMoE(nn.Module):
         self.config = config
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False)
+        self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False, dtype=torch.float32)
         self.experts = nn.ModuleList(SpiderMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
         if config.n_shared_experts > 0:
             self.shared_experts = SpiderMLP(config, config.moe_intermediate_size * config.n_shared_experts)
@@ -740,7 +741,7 @@ class SpiderEngram(nn.Module):
         self.short_conv = nn.Conv1d(D, D, self.kernel_size, groups=D, bias=False)
 
     def forward(
-        self, hidden_states: torch.Tensor, memory: torch.Tensor, past_key_values: SpiderLayerCache | None = None
+        self, hidden_states: torch.Tensor, memory: torch.Tensor, cache: SpiderLayerCache | None = None
     ) -> torch.Tensor:
         memory = memory.to(hidden_states.dtype)
         key = self.key_norm(self.key_proj(memory))
@@ -749,10 +750,10 @@ class SpiderEngram(nn.Module):
         gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt()).to(hidden_states.dtype)
         value = gate * self.value_proj(memory)
         conv_in = self.conv_norm(value)
-        if past_key_values is None:
+        if cache is None:
             window = F.pad(conv_in, (0, 0, self.kernel_size - 1, 0))
         else:
-            window = past_key_values.conv_window(conv_in, self.kernel_size)
+            window = cache.conv_window(conv_in, self.kernel_size)
         return value + F.silu(self.short_conv(window.transpose(1, 2)).transpose(1, 2))
 
 
@@ -771,9 +772,9 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SpiderMLP(config, config.intermediate_size)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None):
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None):
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache
         )[0]
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -784,7 +785,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
     Forward args (positional, so activation checkpointing sees every tensor): `hidden_states` `(B, S, D)`,
     `position_embeddings` (segment RoPE), `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)`
     (the non-padding segments as flat indices into the `B * S` rows, ascending; only these are routed) or None (every
-    row is routed), `engram_memory` `(B, S, M)` or None; keyword `past_key_values`
+    row is routed), `engram_memory` `(B, S, M)` or None; keyword `cache`
     (this loop's and layer's :class:`SpiderLayerCache`, generation only).
     Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`.
     """
@@ -800,12 +801,12 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
-        past_key_values=None
+        cache=None
     ):
         if self.engram is not None:
-            hidden_states = hidden_states + self.engram(hidden_states, engram_memory, past_key_values)
+            hidden_states = hidden_states + self.engram(hidden_states, engram_memory, cache)
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache
         )[0]
         normed = self.post_attention_layernorm(hidden_states)
         # Pack the routed rows by index (gather / scatter-add): no boolean mask, so no host sync and no data-dependent
@@ -846,9 +847,9 @@ class SpiderBoundaryPredictor(nn.Module):
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, dtype=torch.float32)
         self.act = nn.GELU()
-        self.out_proj = nn.Linear(config.hidden_size, 1)
+        self.out_proj = nn.Linear(config.hidden_size, 1, dtype=torch.float32)
         self.temperature = config.boundary_temperature
         self.threshold = config.boundary_threshold
         self.mode = config.boundary_mode
@@ -1159,7 +1160,7 @@ class SpiderRecurrentBlock(nn.Module):
         )
         self.loop_lora = SpiderLoopLoRA(config)
         self.injection = SpiderLTIInjection(config)
-        self.halt_predictor = nn.Linear(D, 1)
+        self.halt_predictor = nn.Linear(D, 1, dtype=torch.float32)
         # read by SpiderPreTrainedModel._init_weights on the Linear itself: transformers initialises only modules
         # that hold parameters of their own, which this block does not
         self.halt_predictor.bias_init = config.halt_bias_init
@@ -1172,12 +1173,12 @@ class SpiderRecurrentBlock(nn.Module):
         segment_index: torch.Tensor | None,
         engram_memory: torch.Tensor,
         n_loops: int,
-        past_key_values: "SpiderCache | None" = None,
+        cache: "SpiderCache | None" = None,
         output_router_logits: bool = False,
     ) -> SpiderRecurrentBlockOutput:
         """Args: `segments` `(B, S, D)` (the normed segments e), `position_embeddings` their RoPE, `attention_mask`
         bool `(B, 1, S, S_keys)` or None (causal), `segment_index` int64 `(N,)` the flat indices of the segments to
-        route (None: all), `engram_memory` `(B, S, M)`, `n_loops` the loop count, `past_key_values` a
+        route (None: all), `engram_memory` `(B, S, M)`, `n_loops` the loop count, `cache` a
         :class:`SpiderCache` whose per-(loop, layer) caches are read and written, or None.
         """
         e = segments
@@ -1199,7 +1200,7 @@ class SpiderRecurrentBlock(nn.Module):
                 # on); they still run attention, so the segments that go on read their keys and values. Without a
                 # cache, once every segment has halted the remaining loops change nothing and are skipped.
                 running = act.halting_prob < self.act_threshold
-                if past_key_values is None and not bool(running.any()):
+                if cache is None and not bool(running.any()):
                     break
                 keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
                 routed = keep.nonzero().squeeze(1)
@@ -1207,7 +1208,7 @@ class SpiderRecurrentBlock(nn.Module):
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
                     z, position_embeddings, attention_mask, routed, engram_memory,
-                    past_key_values=past_key_values.recurrent[t][i] if past_key_values is not None else None,
+                    cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 aux_losses.append(aux)
                 expert_loads.append(load)
@@ -1294,7 +1295,7 @@ def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None
 
 
 class SpiderCache(Cache):
-    """Incremental-decoding state of :class:`SpiderModel` (what ``generate`` passes back as ``past_key_values``), a
+    """Incremental-decoding state of :class:`SpiderModel` (what ``generate`` passes back as ``cache``), a
     transformers :class:`~transformers.Cache` with the interface ``generate`` reads: ``get_seq_length``, ``crop``
     (assisted decoding and prompt lookup roll back rejected candidates), ``reorder_cache`` /
     ``batch_select_indices`` / ``batch_repeat_interleave`` (beam search), ``is_compileable`` (False).
@@ -1525,6 +1526,8 @@ class SpiderModel(SpiderPreTrainedModel):
     # torchao) and fp16 loads read `_keep_in_fp32_modules`, bf16 loads the strict list, and the two must not share an
     # entry, so the same modules are spelled twice. Quantizers match names from the start (a regex) or by suffix.
     # SpiderForConditionalGeneration adds its own prefixed names and lm_head; from_pretrained merges both classes'.
+    # The strict modules are also built with `dtype=torch.float32`, so a model made under another default dtype
+    # (`from_config(..., dtype=torch.bfloat16)`) keeps them fp32 too (transformers' common suite checks it).
     _keep_in_fp32_modules = ["recurrent_block.halt_predictor", "flexitokens.boundary_predictor",
                              "recurrent_block.layers.*.router"]
     _keep_in_fp32_modules_strict = ["halt_predictor.weight", "halt_predictor.bias", "boundary_predictor.dense",
@@ -1573,50 +1576,51 @@ class SpiderModel(SpiderPreTrainedModel):
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers 5.24's rename
     @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         n_loops: int | None = None,
-        past_key_values: SpiderCache | None = None,
+        cache: SpiderCache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
         **kwargs,
     ) -> SpiderModelOutput:
         """Args:
-            input_ids: int64 `(B, L)`, ids in `[0, vocab_size)`. With a non-empty `past_key_values`, only the bytes
+            input_ids: int64 `(B, L)`, ids in `[0, vocab_size)`. With a non-empty `cache`, only the bytes
                 the cache has not seen (all real bytes, no padding).
             attention_mask: `(B, L)`, 1 for real bytes, 0 for padding (left or right), or None.
             n_loops: recurrent iterations (default `config.n_loops`).
-            past_key_values: a :class:`SpiderCache` from an earlier call, or None.
+            cache: a :class:`SpiderCache` from an earlier call, or None.
             use_cache: build and return a :class:`SpiderCache` (default: `config.use_cache` in eval mode).
         Raises:
             ValueError: see :meth:`check_inputs`; a cache built with another `n_loops`.
         """
         n_loops = self.config.n_loops if n_loops is None else n_loops
         self.check_inputs(input_ids, n_loops)
-        if past_key_values is not None and n_loops != past_key_values.n_loops:
+        if cache is not None and n_loops != cache.n_loops:
             raise ValueError(
-                f"n_loops={n_loops} differs from the n_loops={past_key_values.n_loops} this cache was built with"
+                f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with"
             )
         output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        if past_key_values is not None and past_key_values.seen_bytes > 0:
-            total = past_key_values.seen_bytes + input_ids.shape[1]
+        if cache is not None and cache.seen_bytes > 0:
+            total = cache.seen_bytes + input_ids.shape[1]
             if total > self.config.max_position_embeddings:
                 raise ValueError(
                     f"decoding past max_position_embeddings={self.config.max_position_embeddings}: the cache holds "
-                    f"{past_key_values.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
+                    f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
                     f"{self.config.max_position_embeddings} bytes in total (prompt included)"
                 )
-            return self.decode(input_ids, past_key_values, output_hidden_states=bool(output_hidden_states))
+            return self.decode(input_ids, cache, output_hidden_states=bool(output_hidden_states))
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
             logger.warning_once("use_cache=True is incompatible with activation checkpointing in training; no cache built")
             use_cache = False
-        cache = past_key_values if past_key_values is not None else (SpiderCache(self.config, n_loops) if use_cache else None)
+        cache = cache if cache is not None else (SpiderCache(self.config, n_loops) if use_cache else None)
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
@@ -1640,7 +1644,7 @@ class SpiderModel(SpiderPreTrainedModel):
         all_hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.prelude_layers):
             layer_cache = cache.prelude[i] if cache is not None else None
-            x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+            x = layer(x, byte_rope, byte_attention_mask, cache=layer_cache)
             if output_hidden_states:
                 all_hidden_states += (x,)
 
@@ -1668,7 +1672,7 @@ class SpiderModel(SpiderPreTrainedModel):
             all_hidden_states += (y,)
         for i, layer in enumerate(self.coda_layers):
             layer_cache = cache.coda[i] if cache is not None else None
-            y = layer(y, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+            y = layer(y, byte_rope, byte_attention_mask, cache=layer_cache)
             if output_hidden_states:
                 all_hidden_states += (y,)
         y = self.norm(y)
@@ -1685,7 +1689,7 @@ class SpiderModel(SpiderPreTrainedModel):
 
         return SpiderModelOutput(
             last_hidden_state=y,
-            past_key_values=cache,
+            cache=cache,
             hidden_states=all_hidden_states,
             router_logits=tuple(router_logits) if output_router_logits else None,
             aux_loss=aux_loss,
@@ -1712,7 +1716,7 @@ class SpiderModel(SpiderPreTrainedModel):
             per_byte.append(hidden)
         hidden_states = tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
         return SpiderModelOutput(
-            last_hidden_state=torch.cat(states, 1), past_key_values=cache, boundaries=torch.cat(boundaries, 1),
+            last_hidden_state=torch.cat(states, 1), cache=cache, boundaries=torch.cat(boundaries, 1),
             hidden_states=hidden_states,
         )
 
@@ -1738,7 +1742,7 @@ class SpiderModel(SpiderPreTrainedModel):
         byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
         hidden = [x]
         for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
-            x = layer(x, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+            x = layer(x, byte_rope, byte_attention_mask, cache=layer_cache)
             hidden.append(x)
 
         past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
@@ -1760,7 +1764,7 @@ class SpiderModel(SpiderPreTrainedModel):
         y = self.flexitokens.dechunk_step(cache, x)
         hidden.append(y)
         for layer, layer_cache in zip(self.coda_layers, cache.coda):
-            y = layer(y, byte_rope, byte_attention_mask, past_key_values=layer_cache)
+            y = layer(y, byte_rope, byte_attention_mask, cache=layer_cache)
             hidden.append(y)
         cache.byte_positions = cache.byte_positions + 1
         cache.seen_bytes += 1
@@ -1789,7 +1793,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = SpiderModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -1804,6 +1808,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
@@ -1811,7 +1816,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         n_loops: int | None = None,
-        past_key_values: SpiderCache | None = None,
+        cache: SpiderCache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
@@ -1827,8 +1832,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         Returns :class:`SpiderCausalLMOutput`; logits are `(B, L, vocab_size)` (or the kept positions) in the model
         dtype. Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, mis-shaped labels,
         labels with a non-empty cache, or labels with `logits_to_keep` (the loss needs every position)."""
-        if labels is not None and past_key_values is not None and past_key_values.seen_bytes > 0:
-            raise ValueError("labels cannot be scored against a non-empty past_key_values cache; pass the whole sequence")
+        if labels is not None and cache is not None and cache.seen_bytes > 0:
+            raise ValueError("labels cannot be scored against a non-empty cache cache; pass the whole sequence")
         keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
         if (labels is not None or kwargs.get("shift_labels") is not None) and not keep_all:
             raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the logits of every position")
@@ -1836,7 +1841,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             input_ids,
             attention_mask=attention_mask,
             n_loops=n_loops,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
@@ -1873,7 +1878,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         return SpiderCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            cache=outputs.cache,
             lm_loss=lm_loss,
             aux_loss=outputs.aux_loss,
             boundary_loss=outputs.boundary_loss,
@@ -1893,7 +1898,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         e.g. T5Gemma2). A cache the caller passes is used as is.
 
         Raises: ValueError for a `cache_implementation` (static, quantized, offloaded, ...): Spider has its own."""
-        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
@@ -1903,13 +1908,13 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
                 "with its own SpiderCache (per-byte layers plus per-segment recurrent state); leave it unset"
             )
         n_loops = model_kwargs.get("n_loops") or self.config.n_loops
-        model_kwargs["past_key_values"] = SpiderCache(self.config, n_loops)
+        model_kwargs["cache"] = SpiderCache(self.config, n_loops)
 
     def prepare_inputs_for_generation(
-        self, input_ids, past_key_values=None, attention_mask=None, n_loops=None, use_cache=None, inputs_embeds=None,
+        self, input_ids, cache=None, attention_mask=None, n_loops=None, use_cache=None, inputs_embeds=None,
         **kwargs
     ):
-        """Feed only the bytes `past_key_values` has not seen (the whole prompt first); `n_loops` and every other
+        """Feed only the bytes `cache` has not seen (the whole prompt first); `n_loops` and every other
         model kwarg generate() holds (`logits_to_keep`, `output_hidden_states`, a caller's own) pass through to
         :meth:`forward`, as transformers' default does.
 
@@ -1917,14 +1922,14 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         if inputs_embeds is not None:
             raise ValueError("generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram memory "
                              "hashes the n-grams of input_ids); pass input_ids")
-        if past_key_values is not None:
-            input_ids = input_ids[:, past_key_values.seen_bytes :]
+        if cache is not None:
+            input_ids = input_ids[:, cache.seen_bytes :]
         return {
             **{k: v for k, v in kwargs.items() if v is not None},
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "n_loops": n_loops,
-            "past_key_values": past_key_values,
+            "cache": cache,
             "use_cache": use_cache,
         }
 

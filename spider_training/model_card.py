@@ -195,7 +195,7 @@ def _rows(values: dict, labels: dict[str, str], *, skip: set[str] = frozenset())
 
 def loading_requirements(distribution: str = "spider-lm") -> list[str]:
     """What loading a release needs: the installed `distribution`'s requirements outside its extras, as written in
-    its metadata (e.g. ``["torch>=2.8", "transformers>=5.4", ...]``); ``[]`` when it is not installed (a card
+    its metadata (e.g. ``["torch>=2.8", "transformers>=5.24", ...]``); ``[]`` when it is not installed (a card
     rendered from a bare checkout then says nothing about versions rather than something stale)."""
     from importlib import metadata
 

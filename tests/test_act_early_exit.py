@@ -75,7 +75,7 @@ def test_cached_decoding_follows_the_same_exit_rule():
     with torch.no_grad():
         full = model(ids)
         prefill = model(ids[:, :30], use_cache=True)
-        step = model(ids[:, 30:], past_key_values=prefill.past_key_values)
+        step = model(ids[:, 30:], cache=prefill.cache)
     steps = float(full.mean_halting_step)
     assert 1.0 < steps < 4.0
     per_loop = rows[: 4 * model.config.num_recurrent_layers : model.config.num_recurrent_layers]

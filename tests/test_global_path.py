@@ -62,7 +62,7 @@ def test_fixed_stride_segments_follow_real_byte_positions_and_decode_as_the_full
         boundaries = model.model(ids, attention_mask=mask).boundaries
         full = model(ids).logits
         prefill = model(ids[:, :10], use_cache=True)
-        step = model(ids[:, 10:], past_key_values=prefill.past_key_values)
+        step = model(ids[:, 10:], cache=prefill.cache)
     assert boundaries[0].nonzero().flatten().tolist() == [3, 7, 11, 15, 19, 23]
     assert boundaries[1].nonzero().flatten().tolist() == [8, 12, 16, 20]  # real positions 3, 7, ... ; none in padding
     # the cached decode closes the same segments one byte at a time
@@ -220,7 +220,7 @@ def test_sliding_window_cache_decoding_equals_full_forward_and_padding_is_invisi
     with torch.no_grad():
         full = model(ids)
         prefill = model(ids[:, :40], use_cache=True)
-        step = model(ids[:, 40:], past_key_values=prefill.past_key_values)
+        step = model(ids[:, 40:], cache=prefill.cache)
     scale = float(full.logits.abs().max())
     tol = dict(rtol=0, atol=64 * torch.finfo(torch.float32).eps * scale)
     torch.testing.assert_close(prefill.logits, full.logits[:, :40], **tol)
