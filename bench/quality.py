@@ -1,8 +1,9 @@
 """Model quality: held-out bits per byte of Spider against a dense byte ``LlamaForCausalLM``, plus ablations.
 
-``python -m bench.quality`` trains each variant with one recipe -- the default run's (batch 8 x 256 bytes, AdamW
-betas (0.9, 0.95), weight decay 0.1, clipping 1.0, linear warmup then cosine to 0.1x; windows drawn uniformly at
-random from every pre-2000 address) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
+``python -m bench.quality`` trains each variant with one recipe -- the default run's (batch 8 x 256 bytes, Muon for
+the hidden matrices at peak lr 0.01 and AdamW for the rest at 1e-3, betas (0.9, 0.95), weight decay 0.1, clipping 1.0,
+linear warmup then cosine to 0.1x; windows drawn uniformly at random from every pre-2000 address; the ablations use
+the same recipe with AdamW for every parameter, the default before 2026-11-24) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
 starting a third of the way in, context 256, the slice issue #16 measures) and on any ``--text`` file given.
 
 For Spider it also reports bits per byte at 1, half, the trained and twice the trained loop count, training and
@@ -41,6 +42,7 @@ if str(REPO) not in sys.path:
 from configuration_spider import SpiderConfig  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration, build_attention_mask  # noqa: E402
 from spider_training.data import encode_document, sotu_documents  # noqa: E402
+from spider_training.optim import DEFAULT_MUON_LR, Muon, is_hidden_matrix  # noqa: E402
 from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: E402
 
 #: the dense baseline of issue #16: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
@@ -67,6 +69,8 @@ class Recipe:
     global_lr_scale: float = 1.0  # Spider's global path (everything outside BYTE_LAYERS) at this multiple of lr
     loop_counts: tuple[int, ...] | None = None  # Spider: each step's n_loops drawn uniformly from these (Huginn)
     same_init: bool = False  # a variant starts the parameters it shares with the default model from its values
+    muon_lr: float | None = DEFAULT_MUON_LR  # hidden matrices by torch.optim.Muon at this peak lr, the rest AdamW;
+    # None: AdamW for every parameter (the recipe before 2026-11-24, on which the ablation table was measured)
 
 
 #: Spider's byte layers, by parameter-name prefix; every other parameter belongs to the global path (boundary
@@ -74,18 +78,35 @@ class Recipe:
 BYTE_LAYERS = ("model.embed_tokens.", "model.prelude_layers.", "model.coda_layers.", "model.norm.", "lm_head.")
 
 
-def param_groups(model, recipe: Recipe) -> list[dict]:
-    """AdamW parameter groups: weight decay on matrices (`dim >= 2`) only, as the Trainer's default; with
+def param_groups(model, recipe: Recipe, muon: bool = False) -> list[dict]:
+    """Parameter groups: weight decay on matrices (`dim >= 2`) only, as the Trainer's default; with
     `recipe.global_lr_scale`, Spider's global path gets its own learning-rate multiplier (H-Net's per-stage
-    multipliers, arXiv 2507.07955 §3). Each group carries an ``lr_scale`` applied on top of the schedule."""
+    multipliers, arXiv 2507.07955 §3). Each group carries an ``lr_scale`` applied on top of the schedule. With
+    `recipe.muon_lr`, `muon` selects the hidden matrices (:func:`is_hidden_matrix`, for Muon) and
+    ``muon=False`` everything else (for AdamW)."""
     is_spider = isinstance(model, SpiderForConditionalGeneration)
     groups = {}
     for name, param in model.named_parameters():
+        if recipe.muon_lr is not None and is_hidden_matrix(name, param) != muon:
+            continue
         scale = recipe.global_lr_scale if is_spider and not name.startswith(BYTE_LAYERS) else 1.0
         decay = param.dim() >= 2
         groups.setdefault((scale, decay), []).append(param)
+    if muon:  # Muon's decoupled decay is lr * weight_decay per step: keep AdamW's per-step decay
+        return [{"params": params, "weight_decay": recipe.weight_decay * recipe.lr / recipe.muon_lr,
+                 "lr_scale": scale * recipe.muon_lr / recipe.lr} for (scale, _), params in groups.items()]
     return [{"params": params, "weight_decay": recipe.weight_decay if decay else 0.0, "lr_scale": scale}
             for (scale, decay), params in groups.items()]
+
+
+def optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
+    """AdamW over every parameter, or with `recipe.muon_lr` Muon (:class:`spider_training.optim.Muon`, torch's
+    with its bf16 Newton-Schulz products at fp32 speed on CPUs without native bf16; Nesterov momentum 0.95, 5
+    Newton-Schulz steps, torch's defaults) over the hidden matrices and AdamW over the rest."""
+    opts = [torch.optim.AdamW(param_groups(model, recipe), lr=recipe.lr, betas=recipe.betas)]
+    if recipe.muon_lr is not None:
+        opts.append(Muon(param_groups(model, recipe, muon=True), lr=recipe.muon_lr))
+    return opts
 
 
 def corpus_bytes(split: str) -> np.ndarray:
@@ -206,7 +227,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
     torch.manual_seed(recipe.seed)
     rng = np.random.default_rng(recipe.seed)
     loop_rng = np.random.default_rng(recipe.seed + 1)  # its own stream: the data order is the default run's
-    opt = torch.optim.AdamW(param_groups(model, recipe), lr=recipe.lr, betas=recipe.betas)
+    opts = optimizers(model, recipe)
     model.train()
     T = recipe.seq_len + 1
     losses, rates, curve = [], [], []
@@ -214,7 +235,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
     total = recipe.steps
     for step in range(total):
         lr = lr_at(step, total, recipe)
-        for group in opt.param_groups:
+        for group in (g for opt in opts for g in opt.param_groups):
             group["lr"] = lr * group["lr_scale"]
         offsets = rng.integers(0, len(train_ids) - T, size=recipe.batch_size)
         batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets]))
@@ -222,8 +243,9 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
         out = model(input_ids=batch, labels=batch, **loops)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         losses.append(float((out.lm_loss if getattr(out, "lm_loss", None) is not None else out.loss).detach()))
         if getattr(out, "compression_rate", None) is not None:
             rates.append(float(out.compression_rate))
@@ -312,6 +334,7 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
     stats = train(model, train_ids, recipe, eval_windows)
     row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr, "seed": recipe.seed,
            **({"same_init": True} if same_init else {}),
+           **({"muon_lr": recipe.muon_lr} if recipe.muon_lr is not None else {}),
            "parameters": sum(p.numel() for p in model.parameters()), **stats}
     base = score(model, eval_windows)
     row["sotu_bits_per_byte"] = base["bits_per_byte"]
@@ -384,11 +407,17 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
     return finish(result, start)
 
 
+#: The recipe the ablations below were measured with: AdamW for every parameter (the default before Muon).
+ADAMW = {"muon_lr": None}
+#: The AdamW recipe's default run, the reference of every AdamW ablation row.
+ADAMW_DEFAULT = "spider, AdamW for every parameter"
+
 #: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
-#: with the default recipe (same steps, data, seed) unless it names a recipe change; "spider" is the default run.
+#: with the AdamW recipe (:data:`ADAMW`; same steps, data, seed) unless it names another recipe change and is compared
+#: with :data:`ADAMW_DEFAULT`; rows that set ``muon_lr`` are compared with the default run ("spider").
 ABLATIONS: list[tuple] = [
-    ("spider", "spider", {}),
-    ("global path removed (prelude + coda only)", "bytes_only", {}),
+    (ADAMW_DEFAULT, "spider", {}),
+    ("global path removed, AdamW", "bytes_only", {}),
     ("n_loops=1", "spider", {"n_loops": 1}),
     ("n_loops=3", "spider", {"n_loops": 3}),
     ("16-byte window in the byte layers", "spider", {"sliding_window": 16}),
@@ -431,6 +460,11 @@ ABLATIONS: list[tuple] = [
      {"boundary_mode": "relaxed"}),
     ("the seed's rules together (relaxed boundaries, seed mixing, ponder 0.01, full attention)", "spider",
      {"boundary_mode": "relaxed", "upsample_mixing": "add", "ponder_loss_coef": 0.01, "sliding_window": None}),
+    ("Muon at lr 0.005", "spider", {}, {"muon_lr": 0.005}),
+    ("Muon at lr 0.02", "spider", {}, {"muon_lr": 0.02}),
+    ("Muon at lr 0.05", "spider", {}, {"muon_lr": 0.05}),
+    ("global path removed, Muon at lr 0.02", "bytes_only", {}, {"muon_lr": 0.02}),
+    ("dense Llama (equal parameters), Muon at lr 0.02", "llama", {}, {"muon_lr": 0.02}),
 ]
 
 
@@ -441,11 +475,13 @@ GLOBAL_PATH_PAIRS = [
     ("2-byte window, segments a fixed stride of 3 bytes", "2-byte window, segments a fixed stride of 3 bytes",
      "global path removed, 2-byte window"),
     ("3-byte window", "3-byte window in the byte layers", "global path removed, 3-byte window"),
-    ("4-byte window (the default)", "spider", "global path removed (prelude + coda only)"),
-    ("4-byte window (the default), seed 43", "spider, seed 43 (seed noise)", "global path removed, seed 43 (seed noise)"),
+    ("4-byte window (AdamW)", ADAMW_DEFAULT, "global path removed, AdamW"),
+    ("4-byte window (AdamW), seed 43", "spider, seed 43 (seed noise)", "global path removed, seed 43 (seed noise)"),
     ("16-byte window", "16-byte window in the byte layers", "global path removed, 16-byte window"),
     ("4-byte window, prelude/coda 2 + 2 layers", "prelude/coda 2 + 2 layers",
      "global path removed, prelude/coda 2 + 2 layers"),
+    ("4-byte window, Muon at lr 0.01 (the default run)", "spider", "global path removed (prelude + coda only)"),
+    ("4-byte window, Muon at lr 0.02", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
     ("4-byte window, 2x the steps", "spider, 2x the steps", "global path removed, 2x the steps"),
     ("4-byte window, 4x the steps", "spider, 4x the steps", "global path removed, 4x the steps"),
     ("4-byte window, 8x the steps", "spider, 8x the steps", "global path removed, 8x the steps"),
@@ -463,51 +499,71 @@ def technical_text_ids() -> np.ndarray:
 
 
 def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warmup: int = 3) -> float:
-    """Median wall-clock of one training step (forward, backward, AdamW) of a fresh model, in seconds."""
+    """Median wall-clock of one training step (forward, backward, the recipe's :func:`optimizers`) of a fresh model,
+    in seconds."""
     model = build(kind, overrides)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    opts = optimizers(model, recipe)
     ids = torch.randint(0, 256, (recipe.batch_size, recipe.seq_len + 1))
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
 
-def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, ...] | None = None) -> list[dict]:
+def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, ...] | None = None,
+               adamw_step_times: tuple[float, ...] | None = None) -> list[dict]:
     """Every run of the full benchmark, as keyword arguments of :func:`run` (plus a ``group``).
 
-    The dense baseline trains at equal parameter count (the default recipe, 500 steps) and at equal wall-clock: the
-    step count Spider's 500 steps take, from both models' measured step times (so the comparison does not depend on
-    what else the machine runs while training); its learning rate is swept over `lrs` at equal wall-clock.
-    Spider's byte layers alone (the "global path removed" model) also train for Spider's wall-clock: the plain model
-    with the same local attention at equal compute.
-    `step_times`: `(Spider, Llama, byte layers alone)` seconds per step to use instead of measuring them."""
-    t_spider, t_llama, t_bytes = step_times or tuple(step_seconds(kind, {}, recipe)
-                                                     for kind in ("spider", "llama", "bytes_only"))
-    equal_time_steps = max(1, round(recipe.steps * t_spider / t_llama))
+    The default run and its baselines train with the default recipe (Muon for the hidden matrices) and again with
+    the AdamW recipe the ablations use (names and groups end in ", AdamW"). The dense baseline trains at equal
+    parameter count (500 steps) and at equal wall-clock: the step count Spider's 500 steps take, from both models'
+    measured step times under that recipe (so the comparison does not depend on what else the machine runs while
+    training); its learning rates (AdamW's and Muon's together) are swept over `lrs` at equal wall-clock. Spider's
+    byte layers alone (the "global path removed" model) also train for Spider's wall-clock: the plain model with the
+    same local attention at equal compute.
+    `step_times` / `adamw_step_times`: `(Spider, Llama, byte layers alone)` seconds per step under the default / the
+    AdamW recipe to use instead of measuring them."""
+    adamw = Recipe(**{**recipe.__dict__, **ADAMW})
+    times = {}
+    for suffix, rec, given in (("", recipe, step_times), (", AdamW", adamw, adamw_step_times)):
+        times[suffix] = given or tuple(step_seconds(kind, {}, rec) for kind in ("spider", "llama", "bytes_only"))
     runs = [dict(group="ablation", kind=kind, name=name, overrides=ov, steps=recipe.steps, lr=recipe.lr,
-                 recipe=recipe_ov[0] if recipe_ov else {})
+                 recipe={**ADAMW, **(recipe_ov[0] if recipe_ov else {})}, times=", AdamW")
             for name, kind, ov, *recipe_ov in ABLATIONS]
-    runs.append(dict(group="baseline equal parameters", kind="llama", name="llama", overrides={},
-                     steps=recipe.steps, lr=recipe.lr))
-    for lr in lrs:
-        runs.append(dict(group="baseline equal wall-clock", kind="llama", name=f"llama lr={lr:g}, equal wall-clock",
-                         overrides={}, steps=equal_time_steps, lr=lr))
-    runs.append(dict(group="byte layers equal wall-clock", kind="bytes_only",
-                     name="global path removed, equal wall-clock", overrides={},
-                     steps=max(1, round(recipe.steps * t_spider / t_bytes)), lr=recipe.lr))
+    runs.insert(0, dict(group="default", kind="spider", name="spider", overrides={}, steps=recipe.steps,
+                        lr=recipe.lr, times=""))
+    runs.insert(1, dict(group="default", kind="bytes_only", name="global path removed (prelude + coda only)",
+                        overrides={}, steps=recipe.steps, lr=recipe.lr, times=""))
+    for suffix, rec in (("", {}), (", AdamW", ADAMW)):
+        t_spider, t_llama, t_bytes = times[suffix]
+        runs.append(dict(group=f"baseline equal parameters{suffix}", kind="llama", name=f"llama{suffix}",
+                         overrides={}, steps=recipe.steps, lr=recipe.lr, recipe=rec, times=suffix))
+        for lr in lrs:
+            muon = rec or {"muon_lr": recipe.muon_lr * lr / recipe.lr}  # Muon's rate moves with AdamW's
+            runs.append(dict(group=f"baseline equal wall-clock{suffix}", kind="llama",
+                             name=f"llama lr={lr:g}, equal wall-clock{suffix}", overrides={},
+                             steps=max(1, round(recipe.steps * t_spider / t_llama)), lr=lr, recipe=muon, times=suffix))
+        if suffix:  # Spider with AdamW for as long as the default (Muon) run takes: the optimizer at equal compute
+            runs.append(dict(group="spider equal wall-clock, AdamW", kind="spider", name="spider, AdamW, equal wall-clock",
+                             overrides={}, steps=max(1, round(recipe.steps * times[""][0] / t_spider)), lr=recipe.lr,
+                             recipe=rec, times=suffix))
+        runs.append(dict(group=f"byte layers equal wall-clock{suffix}", kind="bytes_only",
+                         name=f"global path removed, equal wall-clock{suffix}", overrides={},
+                         steps=max(1, round(recipe.steps * t_spider / t_bytes)), lr=recipe.lr, recipe=rec,
+                         times=suffix))
     for factor in (2, 4, 8, 12):
         for kind, name in (("spider", f"spider, {factor}x the steps"),
                            ("bytes_only", f"global path removed, {factor}x the steps")):
             runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
-                             lr=recipe.lr))
+                             lr=recipe.lr, recipe=ADAMW, times=", AdamW"))
     for r in runs:
-        r["step_seconds"] = {"spider": t_spider, "llama": t_llama, "bytes_only": t_bytes}
+        r["step_seconds"] = dict(zip(("spider", "llama", "bytes_only"), times[r.pop("times")]))
     return runs
 
 
@@ -533,15 +589,21 @@ def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
 
 
 def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, steps: int = Recipe.steps,
-              out: str | None = None, log=sys.stderr, only: list[str] | None = None) -> list[dict]:
+              out: str | None = None, log=sys.stderr, only: list[str] | None = None,
+              step_times: dict[str, tuple[float, ...]] | None = None) -> list[dict]:
     """Run this shard's part (:func:`shard_of`) of :func:`suite_runs` -- only the rows named in `only`, if given
-    (unknown names raise ``ValueError``); one row per run, rewritten to `out` (JSON) after every run."""
+    (unknown names raise ``ValueError``); one row per run, rewritten to `out` (JSON) after every run. `step_times`:
+    ``{"default": (Spider, Llama, bytes), "adamw": (...)}`` seconds per step measured beforehand on an otherwise idle
+    machine (``--step_times``), so that shards running side by side share one measurement."""
     base = Recipe(steps=steps)
     if only:  # checked before the step timing, which trains both models for a few steps
-        unknown = sorted(set(only) - {r["name"] for r in suite_runs(base, step_times=(1.0, 1.0, 1.0))})
+        unknown = sorted(set(only) - {r["name"] for r in suite_runs(base, step_times=(1.0, 1.0, 1.0),
+                                                                     adamw_step_times=(1.0, 1.0, 1.0))})
         if unknown:
             raise ValueError(f"unknown quality rows {unknown}; see ABLATIONS and suite_runs for the names")
-    runs = [r for r in suite_runs(base) if not only or r["name"] in only]
+    times = step_times or {}
+    runs = [r for r in suite_runs(base, step_times=times.get("default"), adamw_step_times=times.get("adamw"))
+            if not only or r["name"] in only]
     rows = []
     for spec in shard_of(runs, shard, num_shards):
         recipe = Recipe(steps=spec["steps"], lr=spec["lr"], warmup_steps=min(200, max(1, spec["steps"] // 10)),
@@ -573,35 +635,56 @@ def _f(x, digits=3):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _headline_rows(rows: list[dict], by_name: dict, suffix: str, optimizer: str) -> list[str]:
+    """The first table's rows for one recipe: Spider, the dense Llama at equal parameters and at equal wall-clock
+    (best of the learning-rate sweep), the byte layers alone at equal wall-clock; `suffix` ends their names."""
+    tech = "pydoc_topics_bits_per_byte"
+    spider = by_name.get("spider" if not suffix else ADAMW_DEFAULT)
+    dense = by_name.get(f"llama{suffix}")
+    equal_time = [r for r in rows if r.get("group") == f"baseline equal wall-clock{suffix}"]
+    best = min(equal_time, key=lambda r: r["sotu_bits_per_byte"]) if equal_time else None
+    lines = []
+
+    def line(label, r, bold=False):
+        bpb = f"**{_f(r['sotu_bits_per_byte'])}**" if bold else _f(r["sotu_bits_per_byte"])
+        muon_lr = (r.get("recipe") or {}).get("muon_lr")  # a swept row's own Muon rate
+        label_optimizer = f"Muon (lr {muon_lr:g}) + AdamW" if muon_lr and not suffix else optimizer
+        lines.append(f"| {label} | {label_optimizer} | {r['steps']} | {r['parameters'] / 1e6:.2f}M | {bpb} | "
+                     f"{_f(r.get(tech))} |")
+
+    if spider:
+        line("Spider `small`" + (" (the default run)" if not suffix else ""), spider, bold=not suffix)
+    if dense:
+        line(f"`LlamaForCausalLM`, equal parameters and steps (lr {dense['lr']:g})", dense)
+    if best:
+        sweep = ", ".join(f"{r['lr']:g}: {_f(r['sotu_bits_per_byte'])}" for r in equal_time)
+        line(f"`LlamaForCausalLM`, equal wall-clock (best lr {best['lr']:g}; sweep {sweep})", best)
+    for r in rows:
+        if suffix and r.get("group") == f"spider equal wall-clock{suffix}":
+            line("Spider `small`, for the default run's wall-clock", r)
+    for r in rows:
+        if r.get("group") == f"byte layers equal wall-clock{suffix}":
+            line("Spider's byte layers alone (global path removed), equal wall-clock", r)
+    return lines
+
+
 def render(rows: list[dict]) -> str:
     """The README's "Model quality" section (Markdown) from the suite's rows."""
     by_name = {r["name"]: r for r in rows}
     spider = by_name["spider"]
+    adamw_default = by_name.get(ADAMW_DEFAULT, spider)
     equal_time = [r for r in rows if r.get("group") == "baseline equal wall-clock"]
     best = min(equal_time, key=lambda r: r["sotu_bits_per_byte"]) if equal_time else None
     dense = by_name.get("llama")
-    tech = "pydoc_topics_bits_per_byte"
     xz = spider.get("xz_bits_per_byte")
     lines = [
-        "| model | steps | parameters | held-out bpb (SOTU 2000+) | technical text bpb (Python reference) |",
-        "|---|---:|---:|---:|---:|",
-        f"| Spider `small` (the default run) | {spider['steps']} | {spider['parameters'] / 1e6:.2f}M | "
-        f"**{_f(spider['sotu_bits_per_byte'])}** | {_f(spider.get(tech))} |",
+        "| model | optimizer | steps | parameters | held-out bpb (SOTU 2000+) | technical text bpb (Python reference) |",
+        "|---|---|---:|---:|---:|---:|",
+        *_headline_rows(rows, by_name, "", f"Muon (lr {spider.get('muon_lr', DEFAULT_MUON_LR):g}) + AdamW"),
+        *_headline_rows(rows, by_name, ", AdamW", "AdamW"),
     ]
-    if dense:
-        lines.append(f"| `LlamaForCausalLM`, equal parameters and steps (lr {dense['lr']:g}) | {dense['steps']} | "
-                     f"{dense['parameters'] / 1e6:.2f}M | {_f(dense['sotu_bits_per_byte'])} | {_f(dense.get(tech))} |")
-    if best:
-        sweep = ", ".join(f"{r['lr']:g}: {_f(r['sotu_bits_per_byte'])}" for r in equal_time)
-        lines.append(f"| `LlamaForCausalLM`, equal wall-clock (best lr {best['lr']:g}; sweep {sweep}) | "
-                     f"{best['steps']} | {best['parameters'] / 1e6:.2f}M | {_f(best['sotu_bits_per_byte'])} | "
-                     f"{_f(best.get(tech))} |")
-    for r in rows:
-        if r.get("group") == "byte layers equal wall-clock":
-            lines.append(f"| Spider's byte layers alone (global path removed), equal wall-clock | {r['steps']} | "
-                         f"{r['parameters'] / 1e6:.2f}M | {_f(r['sotu_bits_per_byte'])} | {_f(r.get(tech))} |")
     if xz is not None:
-        lines.append(f"| `xz -9e` on the same slice | - | - | {_f(xz)} | - |")
+        lines.append(f"| `xz -9e` on the same slice | - | - | - | {_f(xz)} | - |")
     loops = spider.get("bpb_by_loops", {})
     lines += [
         "",
@@ -617,12 +700,15 @@ def render(rows: list[dict]) -> str:
            f"| with ACT early exit: loops saved per segment (of {spider.get('n_loops')}) | "
            f"{_f(spider['act_early_exit']['loops_saved_per_segment'], 3)} |"] if "act_early_exit" in spider else []),
         "",
-        "| ablation (one change to the default, same recipe and budget) | held-out bpb | vs default |",
+        f"| ablation (one change, same budget; the AdamW recipe unless Muon is named, compared with the AdamW "
+        f"default run, {_f(adamw_default['sotu_bits_per_byte'])}; Muon rows with the default run) | held-out bpb | "
+        "vs its default |",
         "|---|---:|---:|",
     ]
     for r in rows:
-        if r.get("group") == "ablation" and r["name"] != "spider":
-            delta = r["sotu_bits_per_byte"] - spider["sotu_bits_per_byte"]
+        if r.get("group") == "ablation":
+            ref = spider if r.get("muon_lr") is not None or r["name"] == ADAMW_DEFAULT else adamw_default
+            delta = r["sotu_bits_per_byte"] - ref["sotu_bits_per_byte"]
             lines.append(f"| {r['name']} | {_f(r['sotu_bits_per_byte'])} | {delta:+.3f} |")
     for rule, result in spider.get("bpb_by_eval_boundary_rule", {}).items():
         delta = result["bits_per_byte"] - spider["sotu_bits_per_byte"]
@@ -631,8 +717,8 @@ def render(rows: list[dict]) -> str:
                      f"{delta:+.3f} |")
     pairs = [(label, by_name[a], by_name[b]) for label, a, b in GLOBAL_PATH_PAIRS if a in by_name and b in by_name]
     if pairs:
-        lines += ["", "| what the global path adds: byte layers, budget | steps | Spider | global path removed | "
-                  "the global path adds |", "|---|---:|---:|---:|---:|"]
+        lines += ["", "| what the global path adds: byte layers, budget (AdamW unless Muon is named) | steps | Spider | "
+                  "global path removed | the global path adds |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {label} | {a['steps']} | {_f(a['sotu_bits_per_byte'])} | {_f(b['sotu_bits_per_byte'])} | "
                   f"{b['sotu_bits_per_byte'] - a['sotu_bits_per_byte']:+.3f} |" for label, a, b in pairs]
     lines += ["", *_targets(spider, by_name, best)]
@@ -719,7 +805,8 @@ def plot(rows: list[dict], path: str) -> bool:
     fig = Figure(figsize=(6, 3.6))
     ax = fig.subplots()
     for name, curve in curves:
-        label = "Spider small" if name == "spider" else "LlamaForCausalLM (equal parameters)"
+        model = "Spider small" if name.startswith("spider") else "LlamaForCausalLM (equal parameters)"
+        label = f"{model}, {'AdamW' if 'AdamW' in name else 'Muon + AdamW'}"
         ax.plot([c["seconds"] for c in curve], [c["bits_per_byte"] for c in curve], marker="o", markersize=3,
                 label=label)
     ax.set_xlabel("training wall-clock (s, one thread)")
@@ -737,11 +824,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--shard", default="0/1", help="with --suite: run part K of N (K/N), e.g. 0/2 and 1/2 in "
                         "two processes with --threads 1")
     parser.add_argument("--only", nargs="+", default=None, help="with --suite: only these rows (by name)")
+    parser.add_argument("--step_times", default=None,
+                        help="with --suite: JSON {\"default\": [spider, llama, bytes_only], \"adamw\": [...]}, seconds "
+                        "per step measured on an idle machine (default: measured by each shard)")
     parser.add_argument("--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "bytes_only"])
     parser.add_argument("--name", default=None)
     parser.add_argument("--overrides", default="{}", help="JSON config overrides (Spider runs)")
     parser.add_argument("--steps", type=int, default=Recipe.steps)
     parser.add_argument("--lr", type=float, default=Recipe.lr)
+    parser.add_argument("--muon_lr", type=float, default=DEFAULT_MUON_LR,
+                        help="peak learning rate of torch.optim.Muon for the hidden matrices (0: AdamW for every "
+                        "parameter, the recipe of the ablation table)")
     parser.add_argument("--eval_every", type=int, default=0)
     parser.add_argument("--same_init", action="store_true", help="a Spider variant starts the parameters it shares "
                         "with the default model from the default model's initial values (see train_and_score)")
@@ -778,10 +871,11 @@ def main(argv=None) -> list[dict]:
     if args.suite:
         shard, num_shards = (int(x) for x in args.shard.split("/"))
         rows = run_suite(shard, num_shards, {"pydoc_topics": technical_text_ids(), **texts}, steps=args.steps,
-                         out=args.out, only=args.only)
+                         out=args.out, only=args.only,
+                         step_times=json.loads(args.step_times) if args.step_times else None)
     else:
         recipe = Recipe(steps=args.steps, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
-                        same_init=args.same_init,
+                        same_init=args.same_init, muon_lr=args.muon_lr or None,
                         warmup_steps=min(200, max(1, args.steps // 10)))
         rows = []
         for kind in args.runs:

@@ -23,6 +23,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .data import is_hub_repo_id
+from .optim import DEFAULT_MUON_LR
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
 DEFAULT_MAX_STEPS = 500
@@ -83,7 +84,15 @@ class SpiderArguments:
     data_dir: str | None = field(default=None, metadata={"help": "folder of byte shards (seed flag; same as --data DIR)"})
     mock_data: bool = field(default=False, metadata={"help": "train on the seed's few fixed sentences (same as --data mock)"})
     no_gradient_checkpointing: bool = field(default=False, metadata={"help": "disable activation checkpointing"})
-    adamw_8bit: bool = field(default=False, metadata={"help": "bitsandbytes 8-bit AdamW (sets optim=adamw_bnb_8bit)"})
+    adamw_8bit: bool = field(
+        default=False, metadata={"help": "bitsandbytes 8-bit AdamW for every parameter (sets optim=adamw_bnb_8bit; "
+                                         "Muon off)"}
+    )
+    muon_lr: float | None = field(
+        default=None, metadata={"help": f"peak learning rate of Muon (torch.optim.Muon) for the hidden matrices, "
+                                        f"AdamW at --lr for the rest (default {DEFAULT_MUON_LR}; 0: AdamW for every "
+                                        "parameter, the default with --adamw_8bit or FSDP)"}
+    )
     ckpt_every: int | None = field(default=None, metadata={"help": "steps between checkpoints (env CKPT_EVERY; sets save_steps)"})
     target_tokens: int | None = field(default=None, metadata={"help": "total training tokens (env TARGET_TOKENS)"})
     release_dir: str | None = field(default=None, metadata={"help": "final release folder (default: OUTPUT_DIR/release)"})
@@ -132,6 +141,27 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
     if not local_only and is_hub_repo_id(value):
         return  # a Hub model id: from_pretrained downloads (or fails naming it)
     raise FileNotFoundError(f"{flag} {value}: no such folder")
+
+
+def _resolve_muon_lr(spider: SpiderArguments, training: dict) -> float:
+    """``--muon_lr``, or its default: :data:`DEFAULT_MUON_LR`, but 0 (AdamW everywhere) with ``--adamw_8bit``, a
+    non-default ``--optim`` or FSDP (``--fsdp`` or accelerate's ``ACCELERATE_USE_FSDP``), which Muon does not
+    combine with here (FSDP's sharded optimizer checkpoints expect one torch optimizer's state dict).
+
+    Raises: ValueError for a negative or non-finite value, or an explicit one combined with any of those."""
+    fsdp = bool(training.get("fsdp")) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    other_optimizer = training.get("optim") not in (None, "adamw_torch")
+    conflict = ("--adamw_8bit" if spider.adamw_8bit else f"--optim {training.get('optim')}" if other_optimizer
+                else "FSDP" if fsdp else None)
+    if spider.muon_lr is None:
+        return 0.0 if conflict else DEFAULT_MUON_LR
+    if not (math.isfinite(spider.muon_lr) and spider.muon_lr >= 0):
+        raise ValueError(f"--muon_lr must be a finite number >= 0 (0: AdamW for every parameter), got {spider.muon_lr}")
+    if spider.muon_lr > 0 and conflict:
+        raise ValueError(f"--muon_lr {spider.muon_lr} cannot be combined with {conflict}: Muon trains the hidden "
+                         "matrices with its own optimizer state; pass --muon_lr 0 to train every parameter with "
+                         f"{'the chosen optimizer' if conflict != 'FSDP' else 'AdamW'}")
+    return spider.muon_lr
 
 
 def build_parser() -> HfArgumentParser:
@@ -215,6 +245,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         training["torch_compile"] = True
     if spider.adamw_8bit:
         training["optim"] = "adamw_bnb_8bit"
+    spider.muon_lr = _resolve_muon_lr(spider, training)
     if spider.no_gradient_checkpointing:
         training["activation_checkpointing"] = False
         training["gradient_checkpointing"] = False

@@ -83,7 +83,7 @@ def configure_logging(process_index: int = 0) -> None:
 
 def describe_run(*, preset: str, parameters: int, data: str, train_windows: int | None, window_bytes: int,
                  eval_data: str | None, precision: str, moe_backend: str, devices: str, output_dir: str,
-                 max_steps: int, batch_windows: int, eval_steps: int | None) -> str:
+                 max_steps: int, batch_windows: int, eval_steps: int | None, optimizer: str | None = None) -> str:
     """The start-up summary: one ``key: value`` line per fact, under a title line. `parameters` is a count,
     `window_bytes` the bytes per window, `batch_windows` windows per optimizer step (all processes)."""
     seen = max_steps * batch_windows
@@ -98,6 +98,7 @@ def describe_run(*, preset: str, parameters: int, data: str, train_windows: int 
         + (f", scored every {eval_steps} steps and after training" if eval_data and eval_steps else ""),
         f"  precision:  {precision}",
         f"  MoE:        {moe_backend}",
+        *([f"  optimizer:  {optimizer}"] if optimizer else []),
         f"  devices:    {devices}",
         f"  output:     {output_dir}",
     ]

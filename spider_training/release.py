@@ -14,6 +14,7 @@ from pathlib import Path
 from .checkpointing import save_folder_atomically
 from .fp8 import fp8_to_plain_state_dict
 from .model_card import reference_quality, write_model_card
+from .optim import describe_optimizer
 
 #: ``from_pretrained(..., key_mapping=LEGACY_KEY_MAPPING)`` loads a release written before the recurrent block and
 #: FlexiTokens became modules of their own (2026-11-23), whose parameters sat flat under ``model.`` (``model.layers.0.``,
@@ -77,7 +78,7 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
             "steps": summary.get("steps"), "precision": summary.get("precision"), "moe_backend": summary.get("moe_backend"),
             "seq_len": spider.seq_len, "micro_batch": args.per_device_train_batch_size,
             "grad_accum": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
-            "optimizer": getattr(args.optim, "value", str(args.optim)),
+            "optimizer": describe_optimizer(spider.muon_lr, args.optim),
             "lr_scheduler": getattr(args.lr_scheduler_type, "value", str(args.lr_scheduler_type)), "n_loops": model.config.n_loops,
             "world_size": args.world_size,
         }

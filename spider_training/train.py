@@ -30,6 +30,7 @@ from spider_training.arguments import SpiderArguments, parse_args
 from spider_training.data import build_dataset
 from spider_training.fp8 import resolve_precision
 from spider_training.generate import sample
+from spider_training.optim import describe_optimizer
 from spider_training.release import checked_from_pretrained, gather_unsharded, write_release
 from spider_training.run_lock import RunLock
 from spider_training.trainer import SpiderTrainer
@@ -100,7 +101,7 @@ def _run(spider: SpiderArguments, args) -> dict:
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=default_data_collator, callbacks=callbacks,
         n_loops=spider.n_loops, precision=precision, fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
-        max_consecutive_nonfinite=spider.max_consecutive_nonfinite,
+        max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
     )
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():
@@ -114,6 +115,7 @@ def _run(spider: SpiderArguments, args) -> dict:
             output_dir=args.output_dir, max_steps=args.max_steps,
             batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
             eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
+            optimizer=describe_optimizer(spider.muon_lr, args.optim),
         ), flush=True)
 
     before = trainer.evaluate(metric_key_prefix="eval_before") if eval_dataset is not None else {}

@@ -14,6 +14,8 @@ overrides public, documented methods:
 - ``compute_loss`` / ``log``: pass ``n_loops`` and log every loss term, bits-per-byte, compression rate, expert load
   balance, mean halting step, tokens/s and peak memory.
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
+- ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
+  (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
 
 Three private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
 does their job (the section says why for each):
@@ -50,6 +52,7 @@ from .data import StreamingTextDataset, make_dataloader
 from .fp8 import convert_model_to_fp8
 from .metrics import bits_per_byte
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
+from .optim import muon_with_adamw
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
 from .tile_kernels_moe import swap_in_tile_kernels
 
@@ -81,6 +84,9 @@ class SpiderTrainer(Trainer):
             stops with ``NonFiniteLossError`` (default :data:`spider_training.nonfinite.DEFAULT_MAX_CONSECUTIVE_NONFINITE`).
         stop_signals: signals that stop training gracefully (save, then stop); default SIGTERM and SIGINT;
             ``()`` leaves signal handling alone.
+        muon_lr: peak learning rate of Muon for the hidden matrices (:mod:`spider_training.optim`); AdamW at
+            ``args.learning_rate`` trains the rest, both on ``args``' schedule. 0 (default): Trainer's own optimizer
+            (``args.optim``) for every parameter.
 
     Attributes:
         nonfinite_guard: the :class:`NonFiniteGuardCallback` (``skipped_steps``, ``skipped_at``).
@@ -89,12 +95,15 @@ class SpiderTrainer(Trainer):
     Raises:
         LaunchMismatchError: ``WORLD_SIZE > 1`` in the environment but accelerate runs a single process (on CPU,
             ``accelerate launch --multi_gpu`` needs ``--use_cpu``).
+        ValueError: ``muon_lr > 0`` with FSDP (its sharded optimizer checkpoints expect one torch optimizer).
     """
 
     def __init__(self, model=None, args=None, *, n_loops=None, precision="fp32", fp8_recipe="tensorwise",
                  eval_windows=64, tile_kernels_module=None,
-                 max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS, **kwargs):
+                 max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
+                 muon_lr=0.0, **kwargs):
         self.n_loops = n_loops
+        self.muon_lr = muon_lr
         self.precision = precision
         self.eval_windows = eval_windows
         self.fp8_report = None
@@ -113,6 +122,9 @@ class SpiderTrainer(Trainer):
                 "train alone on the same data and overwrite the same checkpoints. On CPU pass --use_cpu (Trainer) so "
                 "accelerate uses the gloo backend, or launch with torchrun."
             )
+        if self.muon_lr and self.is_fsdp_enabled:
+            raise ValueError(f"muon_lr={self.muon_lr} with FSDP: FSDP's sharded optimizer checkpoints expect one "
+                             "torch optimizer's state; train with muon_lr=0 (--muon_lr 0)")
         self.nonfinite_guard = NonFiniteGuardCallback(max_consecutive_nonfinite)
         self.add_callback(self.nonfinite_guard)
         self.stop_callback = StopOnSignalCallback(stop_signals) if stop_signals else None
@@ -122,6 +134,21 @@ class SpiderTrainer(Trainer):
         self._metric_count = 0
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
+
+    # --- optimizer -----------------------------------------------------------------------------------------------
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """Trainer's optimizer, or with `muon_lr` Muon for the hidden matrices and AdamW (``args``' learning rate,
+        betas, epsilon, and weight decay on Trainer's decay parameters) for the rest."""
+        if not self.muon_lr or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        self.optimizer = muon_with_adamw(
+            opt_model, self.muon_lr, self.args.learning_rate, self.args.weight_decay,
+            betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
+            decay_parameter_names=set(self.get_decay_parameter_names(opt_model)),
+        )
+        return self.optimizer
 
     # --- data ----------------------------------------------------------------------------------------------------
 

@@ -3,12 +3,14 @@ evaluation-time boundary rules and the sample measure. (The suite's training run
 short run in tests/test_global_path.py trains with its loop.)"""
 
 import math
+import os
 import re
 
 import pytest
 import torch
 
 from bench import quality
+from spider_training.optim import DEFAULT_MUON_LR
 from tests.helpers import tiny_model
 
 
@@ -42,16 +44,43 @@ def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
 
 
 def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
-    """The plain model with Spider's local attention at equal compute: its step count comes from both step times,
-    and its row stands in the first table beside the dense baselines."""
-    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25))}
+    """The plain model with Spider's local attention at equal compute: its step count comes from both step times
+    under each recipe, and its row stands in the first table beside the dense baselines."""
+    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
+                                                      adamw_step_times=(0.5, 1.25, 0.2))}
     equal = runs["global path removed, equal wall-clock"]
-    assert (equal["kind"], equal["steps"], equal["overrides"]) == ("bytes_only", 1200, {})
+    assert (equal["kind"], equal["steps"], equal["overrides"], equal.get("recipe")) == ("bytes_only", 1200, {}, {})
     assert runs["llama lr=0.001, equal wall-clock"]["steps"] == 250
+    assert runs["llama lr=0.002, equal wall-clock"]["recipe"] == {"muon_lr": pytest.approx(0.02)}
+    adamw = runs["global path removed, equal wall-clock, AdamW"]
+    assert (adamw["steps"], adamw["recipe"]) == (1250, {"muon_lr": None})
+    assert runs["llama lr=0.001, equal wall-clock, AdamW"]["steps"] == 200
+    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == {"muon_lr": None}
+    optimizer_at_equal_time = runs["spider, AdamW, equal wall-clock"]  # AdamW for as long as the Muon run takes
+    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == (600, {"muon_lr": None})
     rows = _rows(2.21) + [_row("global path removed, equal wall-clock", 2.1, kind="bytes_only",
-                               group="byte layers equal wall-clock", pydoc_topics_bits_per_byte=4.4, steps=1200)]
+                               group="byte layers equal wall-clock", pydoc_topics_bits_per_byte=4.4, steps=1200),
+                          _row("global path removed, equal wall-clock, AdamW", 2.2, kind="bytes_only",
+                               group="byte layers equal wall-clock, AdamW", steps=1250),
+                          _row("spider, AdamW, equal wall-clock", 2.25, group="spider equal wall-clock, AdamW",
+                               steps=600)]
     table = quality.render(rows).split("\n\n")[0]
-    assert "| Spider's byte layers alone (global path removed), equal wall-clock | 1200 | 6.00M | 2.100 | 4.400 |" in table
+    assert ("| Spider's byte layers alone (global path removed), equal wall-clock | Muon (lr 0.01) + AdamW | 1200 | "
+            "6.00M | 2.100 | 4.400 |") in table
+    assert "| Spider's byte layers alone (global path removed), equal wall-clock | AdamW | 1250 | 6.00M | 2.200 | - |" \
+        in table
+    assert "| Spider `small`, for the default run's wall-clock | AdamW | 600 | 6.00M | 2.250 | - |" in table
+
+
+def test_ablations_compare_with_the_default_of_their_own_recipe():
+    """AdamW rows are measured against the AdamW default run, Muon rows (and the AdamW default itself) against the
+    default run."""
+    rows = _rows(2.21) + [_row(quality.ADAMW_DEFAULT, 2.30), _row("n_loops=1", 2.35),
+                          _row("Muon at lr 0.02", 2.25, muon_lr=0.02)]
+    text = quality.render(rows)
+    assert f"| {quality.ADAMW_DEFAULT} | 2.300 | +0.100 |" in text
+    assert "| n_loops=1 | 2.350 | +0.050 |" in text
+    assert "| Muon at lr 0.02 | 2.250 | +0.050 |" in text
 
 
 def test_shards_keep_the_baselines_together_and_balance_the_rest():
@@ -93,13 +122,13 @@ def test_global_path_table_pairs_each_spider_row_with_its_ablation():
                           _row("3-byte window in the byte layers", 2.23)]  # no partner: no line
     text = quality.render(rows)
     assert "| 2-byte window | 500 | 2.340 | 2.490 | +0.150 |" in text
-    assert "| 4-byte window (the default) | 500 | 2.200 | 2.210 | +0.010 |" in text
+    assert "| 4-byte window, Muon at lr 0.01 (the default run) | 500 | 2.200 | 2.210 | +0.010 |" in text
     assert "| 3-byte window |" not in text
 
 
 def test_global_lr_scale_multiplies_only_the_global_path():
     model = tiny_model(seed=0)
-    groups = quality.param_groups(model, quality.Recipe(global_lr_scale=3.0))
+    groups = quality.param_groups(model, quality.Recipe(global_lr_scale=3.0, muon_lr=None))
     scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
     decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     named = dict(model.named_parameters())
@@ -109,8 +138,40 @@ def test_global_lr_scale_multiplies_only_the_global_path():
         assert decay[id(p)] == (0.1 if p.dim() >= 2 else 0.0), name
     assert scale[id(named["model.recurrent_block.layers.0.mlp.router.weight"])] == 3.0
     assert scale[id(named["model.prelude_layers.0.mlp.up_proj.weight"])] == 1.0
-    baseline = quality.param_groups(quality.build("llama", {"num_hidden_layers": 1}), quality.Recipe(global_lr_scale=3.0))
+    baseline = quality.param_groups(quality.build("llama", {"num_hidden_layers": 1}),
+                                    quality.Recipe(global_lr_scale=3.0, muon_lr=None))
     assert {g["lr_scale"] for g in baseline} == {1.0}
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    """`Recipe.muon_lr`: every parameter is in exactly one optimizer; Muon holds the 2-D weights inside the layers
+    (experts included, routers not), AdamW the embeddings, head, norms and vectors; Muon's groups keep AdamW's
+    per-step decay (lr x weight decay) and the schedule's ratio muon_lr / lr."""
+    model = tiny_model(seed=0)
+    recipe = quality.Recipe(muon_lr=0.02)
+    adamw, muon = quality.optimizers(model, recipe)
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    in_adamw = {id(p) for g in adamw.param_groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert not in_muon & in_adamw and in_muon | in_adamw == {id(p) for p in named.values()}
+    for name in ("model.prelude_layers.0.self_attn.q_a_proj.weight", "model.coda_layers.0.mlp.down_proj.weight",
+                 "model.recurrent_block.layers.0.mlp.experts.0.up_proj.weight",
+                 "model.flexitokens.boundary_predictor.dense.weight"):
+        assert id(named[name]) in in_muon, name
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.recurrent_block.layers.0.mlp.router.weight",
+                 "model.prelude_layers.0.input_layernorm.weight", "model.recurrent_block.loop_lora.lora_A"):
+        assert id(named[name]) in in_adamw, name
+    for group in muon.param_groups:
+        assert math.isclose(group["lr_scale"] * recipe.lr, recipe.muon_lr)
+        assert math.isclose(group["weight_decay"] * recipe.muon_lr, recipe.weight_decay * recipe.lr)
+    dense = quality.build("llama", {"num_hidden_layers": 1})
+    _, dense_muon = quality.optimizers(dense, recipe)
+    assert {n for n, p in dense.named_parameters() if id(p) in {id(q) for g in dense_muon.param_groups
+                                                               for q in g["params"]}} == {
+        n for n, p in dense.named_parameters() if n.startswith("model.layers.0.") and p.dim() == 2}
+    assert len(quality.optimizers(model, quality.Recipe(muon_lr=None))) == 1  # the AdamW recipe
+    assert quality.Recipe().muon_lr == DEFAULT_MUON_LR  # the default run's
 
 
 def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
@@ -141,6 +202,19 @@ def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
 def test_suite_rows_can_be_chosen_by_name(monkeypatch):
     with pytest.raises(ValueError, match="no such row"):
         quality.run_suite(only=["no such row"])
+
+
+def test_step_times_given_to_the_suite_set_the_equal_wall_clock_steps(monkeypatch):
+    """Shards started side by side share one step-time measurement (`--step_times`) instead of each timing the
+    models while the others train; nothing is timed then."""
+    monkeypatch.setattr(quality, "step_seconds", lambda *a, **k: pytest.fail("timed although times were given"))
+    trained = []
+    monkeypatch.setattr(quality, "train_and_score", lambda kind, name, overrides, recipe, *a, **k:
+                        trained.append((name, recipe.steps, recipe.muon_lr)) or {"name": name})
+    quality.run_suite(only=["global path removed, equal wall-clock", "spider, AdamW, equal wall-clock"],
+                      step_times={"default": (0.8, 1.6, 0.4), "adamw": (0.5, 1.0, 0.25)}, log=open(os.devnull, "w"))
+    assert sorted(trained) == [("global path removed, equal wall-clock", 1000, quality.DEFAULT_MUON_LR),
+                               ("spider, AdamW, equal wall-clock", 800, None)]
 
 
 def test_same_init_gives_a_variant_the_default_models_initial_weights():

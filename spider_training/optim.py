@@ -1,0 +1,195 @@
+"""Muon for the hidden matrices, AdamW for everything else, as one optimizer that Trainer and accelerate can drive.
+
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/; used by modded-nanogpt and the parameter-golf seed
+``seeds/param-golf-train_gpt.py``) replaces each 2-D weight's momentum update by its nearest semi-orthogonal matrix
+(5 Newton-Schulz steps). It applies to the matrices inside the transformer layers; embeddings, the LM head, routers,
+norms and other vectors stay with AdamW, as in those recipes. Both halves are torch's own optimizers
+(``torch.optim.Muon``, ``torch.optim.AdamW``): :class:`MuonWithAdamW` only presents them to ``transformers.Trainer`` as
+the single ``torch.optim.Optimizer`` it schedules, clips, checkpoints and steps. :class:`Muon` is torch's with one
+change of speed, not of result: torch runs the Newton-Schulz products in bf16, which an AVX2 CPU (CI's) computes ~20x
+slower than fp32; there they run in fp32 on bf16-rounded values (:func:`zeropower_via_newtonschulz`).
+
+``bench.quality`` measures it (README "Model quality"); ``train_hf.py`` uses it by default (``--muon_lr``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+
+#: peak learning rate of Muon for the hidden matrices in the default run (README "Model quality": 0.005 and 0.01 give
+#: the same held-out bpb at 500 steps, 0.02 is 0.02 worse, 0.05 0.15 worse)
+DEFAULT_MUON_LR = 0.01
+
+_LAYER_STACK = re.compile(r"(^|\.)\w*layers\.\d+\.")
+
+
+def _bf16_matmul_is_native(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products run at full speed on `device`: CUDA, and CPUs with AVX512-BF16 or AMX
+    (``torch.backends.cpu.get_cpu_capability()``); on an AVX2 CPU a bf16 product is ~20x slower than fp32."""
+    return device.type != "cpu" or torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
+
+
+def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                               eps: float) -> torch.Tensor:
+    """The semi-orthogonal matrix nearest `grad` (about ``U V^T`` of its SVD), by torch.optim.Muon's quintic
+    Newton-Schulz iteration in bfloat16 (Keller Jordan's, https://kellerjordan.github.io/posts/muon/).
+
+    Same steps and rounding as ``torch.optim._muon._zeropower_via_newtonschulz``: every product's inputs and output are
+    bfloat16. Where bf16 products are not native (:func:`_bf16_matmul_is_native`: an AVX2 CPU like CI's) each product
+    runs in fp32 on the bf16-rounded inputs and is rounded to bf16 after, which is what a bf16 kernel with fp32
+    accumulation computes, up to summation order, at fp32 speed.
+
+    Args:
+        grad: ``(m, n)`` tensor, any float dtype. Returns: ``(m, n)`` bfloat16 tensor.
+    Raises:
+        ValueError: `grad` is not 2-D."""
+    if grad.dim() != 2:
+        raise ValueError(f"Muon orthogonalises 2-D matrices, got a gradient of shape {tuple(grad.shape)}")
+    a, b, c = ns_coefficients
+    compute = torch.bfloat16 if _bf16_matmul_is_native(grad.device) else torch.float32
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:  # round to bf16, keep computing in `compute`
+        return t.to(torch.bfloat16).to(compute)
+
+    x = bf16(grad)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = bf16(x / bf16(x.norm()).clamp(min=eps))  # spectral norm <= 1 (the norm rounded as torch's bf16 one)
+    for _ in range(ns_steps):
+        gram = bf16(x @ x.T)
+        gram_update = bf16(torch.addmm(gram, gram, gram, beta=b, alpha=c))
+        x = bf16(torch.addmm(x, gram_update, x, beta=a))
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x.to(torch.bfloat16)
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` (same arguments, parameter groups and state dict, so checkpoints move between the two)
+    whose Newton-Schulz step is :func:`zeropower_via_newtonschulz`: torch's bf16 iteration, at fp32 speed on CPUs
+    without native bf16 products (torch's own takes ~20x longer there, 19 s instead of 1.4 s per step of the dense
+    baseline in ``bench.quality``). The update per 2-D parameter ``W`` with gradient ``G`` and momentum buffer ``B``
+    (torch's ``_single_tensor_muon``)::
+
+        B <- lerp(B, G, 1 - momentum);  U <- lerp(G, B, momentum) if nesterov else B
+        W <- W * (1 - lr * weight_decay) - lr * adjust(W.shape) * NS(U)
+
+    with ``adjust`` = ``sqrt(max(1, rows / cols))`` (``adjust_lr_fn`` None or "original") or ``0.2 * sqrt(max(rows,
+    cols))`` ("match_rms_adamw")."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            lr, momentum = float(group["lr"]), group["momentum"]
+            for param, grad, buf in zip(params, grads, bufs):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                rows, cols = param.shape[:2]
+                scale = (0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw"
+                         else math.sqrt(max(1, rows / cols)))
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-lr * scale)
+        return loss
+
+
+def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
+    """Whether Muon updates the parameter `name`: a 2-D weight inside a layer stack (``layers.N.``,
+    ``prelude_layers.N.``, ``recurrent_block.layers.N.``, ``coda_layers.N.``: attention, FFN and expert projections) or
+    the boundary predictor's hidden layer; not embeddings, the LM head, MoE routers, norms, biases or the loop LoRA."""
+    return (param.dim() == 2 and ".router." not in name
+            and (_LAYER_STACK.search(name) is not None or "boundary_predictor.dense" in name))
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """:class:`Muon` (torch's) over `muon_groups` and ``torch.optim.AdamW`` over `adamw_groups`, as one optimizer.
+
+    The two children share their parameter-group dicts with this optimizer's ``param_groups`` (AdamW's first, so
+    the learning rate Trainer logs, the first group's, is ``--lr``'s schedule as with AdamW alone), so a
+    learning-rate scheduler that sets ``group["lr"]`` sets it for the child that steps the group; every group keeps its
+    own ``initial_lr`` ratio, so Muon's peak learning rate follows the same schedule shape as AdamW's. ``step()`` steps
+    both; parameters whose ``.grad`` is None are skipped by both (the non-finite guard relies on that).
+    ``state_dict()`` is ``{"muon": ..., "adamw": ...}``, the two children's own state dicts.
+
+    Args:
+        muon_groups: parameter groups (dicts with ``params``, optionally ``lr``, ``weight_decay``) of 2-D tensors.
+        adamw_groups: parameter groups for AdamW.
+        muon_kwargs: defaults for ``torch.optim.Muon`` (``lr`` required; ``momentum``, ``weight_decay``, ...).
+        adamw_kwargs: defaults for ``torch.optim.AdamW`` (``lr`` required; ``betas``, ``weight_decay``, ...).
+    Raises:
+        ValueError: a Muon parameter that is not 2-D (torch's Muon message names its shape), a parameter in both
+            halves, or an empty half.
+    """
+
+    def __init__(self, muon_groups: Iterable[dict], adamw_groups: Iterable[dict], muon_kwargs: dict,
+                 adamw_kwargs: dict):
+        self.muon = Muon(list(muon_groups), **muon_kwargs)
+        self.adamw = torch.optim.AdamW(list(adamw_groups), **adamw_kwargs)
+        super().__init__(self.adamw.param_groups + self.muon.param_groups, defaults={})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if set(state_dict) != {"muon", "adamw"}:
+            raise ValueError(f"MuonWithAdamW state dict needs keys 'muon' and 'adamw', got {sorted(state_dict)}: "
+                             "was the checkpoint written by another optimizer (--muon_lr changed)?")
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.param_groups = self.adamw.param_groups + self.muon.param_groups  # the children made new group dicts
+
+
+def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_decay: float,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    decay_parameter_names: set[str] | None = None) -> MuonWithAdamW:
+    """:class:`MuonWithAdamW` over `model`'s trainable parameters: the hidden matrices (:func:`is_hidden_matrix`) by
+    Muon at `muon_lr`, the rest by AdamW at `lr`, with weight decay on `decay_parameter_names` (Trainer's
+    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). Muon's decoupled decay per step is
+    ``lr * weight_decay``: its weight decay is scaled by ``lr / muon_lr`` so that a matrix decays per step as AdamW
+    would decay it.
+
+    Raises: ValueError for a non-positive `muon_lr` or `lr`."""
+    if not (muon_lr > 0 and lr > 0):
+        raise ValueError(f"muon_lr and lr must be > 0, got muon_lr={muon_lr}, lr={lr}")
+    muon, decay, no_decay = [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if is_hidden_matrix(name, param):
+            muon.append(param)
+        else:
+            decays = param.dim() >= 2 if decay_parameter_names is None else name in decay_parameter_names
+            (decay if decays else no_decay).append(param)
+    adamw_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return MuonWithAdamW(
+        [{"params": muon}], [group for group in adamw_groups if group["params"]],
+        muon_kwargs={"lr": muon_lr, "weight_decay": weight_decay * lr / muon_lr},
+        adamw_kwargs={"lr": lr, "betas": betas, "eps": eps},
+    )
+
+
+def describe_optimizer(muon_lr: float, optim) -> str:
+    """The run's optimizer in words, for the start-up summary and the model card: ``"Muon (hidden matrices, peak lr
+    0.01) + adamw_torch"``, or Trainer's ``optim`` name (an ``OptimizerNames`` or str) when `muon_lr` is 0."""
+    name = getattr(optim, "value", str(optim))
+    return f"Muon (hidden matrices, peak lr {muon_lr:g}) + {name}" if muon_lr else name
