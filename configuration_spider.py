@@ -45,6 +45,10 @@ SPIDER_PRESETS: dict[str, dict] = {
         # boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and the MoE balancing loss
         # both cost held-out bits per byte.
         sliding_window=4, ponder_loss_coef=0.0, boundary_loss_coef=1.0, router_aux_loss_coef=0.0,
+        # Segments: end-to-end learned boundaries land on arbitrary bytes at this budget and the global path then adds
+        # nothing; the predictor supervised by SpaceByte's word rule (Nawrot et al. 2023's supervised predictor) learns
+        # it to ~99% and gives word-sized segments (about 5.7 bytes, so the prior's band moves to 5-7.6 bytes).
+        boundary_teacher="spacelike", boundary_prior=0.2,
     ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
@@ -59,6 +63,7 @@ SPIDER_PRESETS: dict[str, dict] = {
 
 MOE_IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
 BOUNDARY_MODES = ("hard", "relaxed", "fixed")
+BOUNDARY_TEACHERS = ("spacelike",)
 UPSAMPLE_MIXINGS = ("residual_proj", "scaled_norm", "add")
 SPIDER_AUTO_MAP = {
     "AutoConfig": "configuration_spider.SpiderConfig",
@@ -122,6 +127,18 @@ class SpiderConfig(PreTrainedConfig):
         boundary_prior / boundary_prior_std / boundary_prior_k (`float`): target boundary rate per byte (English 0.333),
             its std (0.023) and the lower-hinge width k (3): loss ``relu(r - prior) + relu(prior - k*std - r)``.
         boundary_loss_coef (`float`, defaults to 1.0).
+        boundary_teacher (`str` or `None`, defaults to `None`): a segmentation the boundary predictor learns from in
+            training, as the supervised boundary predictors of Nawrot et al. 2023 (arXiv 2211.09761): a binary
+            cross-entropy between the predictor's probabilities and the teacher's boundaries joins ``boundary_loss``,
+            and it is the predictor's only training signal: the predictor reads detached byte states and passes no
+            straight-through gradient (so the rate hinge, computed on its hard decisions, only reports the rate).
+            The predictor still decides alone (its own threshold, in training and evaluation), so cached decoding and
+            fine-tuning without a teacher work as before. ``"spacelike"``: SpaceByte's rule (Slagle 2024, arXiv
+            2404.14408): a byte that is not an ASCII letter or digit nor a UTF-8 continuation byte closes a segment
+            when the byte before it is one of those (the space after a word, the comma after it; about 5.6 bytes
+            per segment in English). `None`: boundaries learned end to end (FlexiTokens' rate loss only).
+        boundary_teacher_coef (`float`, defaults to 1.0): weight of the teacher's cross-entropy inside
+            ``boundary_loss`` (which ``boundary_loss_coef`` weighs again).
         upsample_mixing (`str`, defaults to ``"scaled_norm"``): how the coda's input joins the upsampled recurrent
             output `h` and the prelude's byte states `x`. ``"scaled_norm"``: ``x + upsample_norm(h)``, an RMSNorm whose
             per-channel weight (the global path's scale, initialised to ``upsample_scale_init``) sets how loud the
@@ -191,6 +208,8 @@ class SpiderConfig(PreTrainedConfig):
     boundary_prior_std: float | int = 0.023
     boundary_prior_k: float | int = 3.0
     boundary_loss_coef: float | int = 1.0
+    boundary_teacher: str | None = None
+    boundary_teacher_coef: float | int = 1.0
     upsample_mixing: str = "scaled_norm"
     upsample_scale_init: float | int = 0.0
     sliding_window: int | None = None
@@ -338,6 +357,8 @@ class SpiderConfig(PreTrainedConfig):
             "engram_ngram_sizes", "must be a non-empty list of n-gram orders >= 1",
         )
         require(self.boundary_mode in BOUNDARY_MODES, "boundary_mode", f"must be one of {BOUNDARY_MODES}")
+        require(self.boundary_teacher is None or self.boundary_teacher in BOUNDARY_TEACHERS, "boundary_teacher",
+                f"must be None or one of {BOUNDARY_TEACHERS}")
         require(self.upsample_mixing in UPSAMPLE_MIXINGS, "upsample_mixing", f"must be one of {UPSAMPLE_MIXINGS}")
         require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", "must be None or >= 1")
         require(
@@ -350,7 +371,8 @@ class SpiderConfig(PreTrainedConfig):
         require(0 < self.boundary_prior < 1, "boundary_prior", "must be in (0, 1)")
         require(self.boundary_prior_std >= 0, "boundary_prior_std", "must be >= 0")
         require(0 < self.act_threshold <= 1, "act_threshold", "must be in (0, 1]")
-        for field in ("router_aux_loss_coef", "boundary_loss_coef", "ponder_loss_coef", "boundary_prior_k"):
+        for field in ("router_aux_loss_coef", "boundary_loss_coef", "boundary_teacher_coef", "ponder_loss_coef",
+                      "boundary_prior_k"):
             require(getattr(self, field) >= 0, field, "must be >= 0")
         require(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         require(self.initializer_range >= 0, "initializer_range", "must be >= 0")

@@ -76,7 +76,8 @@ class SpiderModelOutput(ModelOutput):
         router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer), `(N, E)` fp32 logits of
             the N routed (non-padding) segments.
         aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms (see
-            :class:`SpiderForConditionalGeneration`).
+            :class:`SpiderForConditionalGeneration`); `boundary_loss` is the rate hinge plus, with a
+            `boundary_teacher`, `boundary_teacher_coef` times the teacher's cross-entropy.
         compression_rate (`torch.FloatTensor` scalar): bytes per closed segment (FlexiTokens' compression rate).
         mean_halting_step (`torch.FloatTensor` scalar): mean number of loops a segment runs before ACT halts it.
         expert_load (`torch.FloatTensor` of shape `(E,)`): aux_fi load per expert averaged over loops and layers
@@ -838,7 +839,10 @@ class SpiderBoundaryPredictor(nn.Module):
     (FlexiTokens / the seed): training samples a relaxed Bernoulli at `boundary_temperature` and takes `soft > 0.5`
     with a straight-through estimator, evaluation thresholds `p`. `boundary_mode="fixed"` (an ablation): byte
     position `i` closes a segment when `(i + 1) % round(1 / boundary_prior) == 0`, whatever `p`. Padding never holds
-    a boundary.
+    a boundary. With a `boundary_teacher` the predictor is supervised instead (Nawrot et al. 2023, arXiv 2211.09761):
+    it reads detached byte states, its decisions carry no straight-through gradient, and the teacher's cross-entropy
+    (:func:`boundary_teacher_loss`) is what trains it; it still decides alone, by the same rule in training and
+    evaluation.
 
     Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)` int64 (needed by
         `"fixed"` only; `arange(L)` when None).
@@ -854,6 +858,7 @@ class SpiderBoundaryPredictor(nn.Module):
         self.threshold = config.boundary_threshold
         self.mode = config.boundary_mode
         self.stride = max(1, round(1.0 / config.boundary_prior))
+        self.config = config  # boundary_teacher is read at each forward
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Boundary logits, fp32 `(B, L)`, from byte states `(B, L, D)`."""
@@ -862,7 +867,11 @@ class SpiderBoundaryPredictor(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None):
-        logits = self.logits(hidden_states)
+        # With a teacher the predictor is a supervised classifier (Nawrot et al. 2023): it reads detached byte states
+        # and its decisions carry no straight-through gradient, so only the teacher's loss trains it and nothing of
+        # it reaches the prelude.
+        supervised = self.config.boundary_teacher is not None
+        logits = self.logits(hidden_states.detach() if supervised else hidden_states)
         probs = torch.sigmoid(logits)
         if self.mode == "fixed":
             if position_ids is None:
@@ -870,8 +879,9 @@ class SpiderBoundaryPredictor(nn.Module):
             boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
         elif self.training and self.mode == "relaxed":
             soft = torch.distributions.RelaxedBernoulli(torch.tensor(self.temperature), logits=logits).rsample()
-            boundaries = (soft > 0.5).to(soft.dtype) + (soft - soft.detach())  # exactly 0/1 in value
-        elif self.training:
+            boundaries = (soft > 0.5).to(soft.dtype)
+            boundaries = boundaries if supervised else boundaries + (soft - soft.detach())  # exactly 0/1 in value
+        elif self.training and not supervised:
             boundaries = (probs > self.threshold).to(torch.float32) + (probs - probs.detach())
         else:
             boundaries = (probs > self.threshold).to(torch.float32)
@@ -953,6 +963,36 @@ def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, confi
     return F.relu(rate - config.boundary_prior) + F.relu(lower - rate), rate
 
 
+def spacelike_boundaries(input_ids: torch.LongTensor) -> torch.Tensor:
+    """SpaceByte's word boundaries (Slagle 2024, arXiv 2404.14408 §2), the ``boundary_teacher="spacelike"`` rule: a
+    byte is *spacelike* unless it is an ASCII letter or digit or a UTF-8 continuation byte (0x80-0xBF); special ids
+    (>= 256) count as spacelike. Byte l closes a segment when it is spacelike and byte l - 1 is not (the space or
+    punctuation right after a word; no boundary at position 0). Depends on bytes <= l only, like the predictor.
+
+    Args: `input_ids` int64 `(B, L)`. Returns fp32 `(B, L)`, exactly 0/1."""
+    ids = input_ids
+    word_byte = (((ids >= 48) & (ids <= 57)) | ((ids >= 65) & (ids <= 90)) | ((ids >= 97) & (ids <= 122))
+                 | ((ids >= 0x80) & (ids <= 0xBF)))
+    previous = F.pad(word_byte[:, :-1], (1, 0), value=False)
+    return (~word_byte & previous).to(torch.float32)
+
+
+def boundary_teacher_loss(boundary_probs: torch.Tensor, input_ids: torch.LongTensor, token_mask: torch.Tensor,
+                          teacher: str) -> torch.Tensor:
+    """Binary cross-entropy of the boundary predictor's probabilities against a teacher segmentation (the supervised
+    boundary predictor of Nawrot et al. 2023, arXiv 2211.09761 §3.2), averaged over real bytes.
+
+    Args: `boundary_probs` fp32 `(B, L)`, `input_ids` int64 `(B, L)`, `token_mask` bool `(B, L)`, `teacher` a name of
+    ``configuration_spider.BOUNDARY_TEACHERS`` (``"spacelike"``: :func:`spacelike_boundaries`).
+    Returns an fp32 scalar. Raises: ValueError for an unknown teacher."""
+    if teacher != "spacelike":
+        raise ValueError(f"unknown boundary_teacher {teacher!r}; known: 'spacelike'")
+    target = spacelike_boundaries(input_ids)
+    weight = token_mask.to(torch.float32)
+    bce = F.binary_cross_entropy(boundary_probs.clamp(1e-6, 1 - 1e-6), target, reduction="none")
+    return (bce * weight).sum() / weight.sum().clamp_min(1.0)
+
+
 class SpiderFlexiTokens(nn.Module):
     """FlexiTokens (arXiv 2507.12720): bytes -> segments on the way into the recurrent block, segments -> bytes on the
     way out. Both the full forward (:meth:`forward`, which chunks, and :meth:`dechunk`) and the cached decode step
@@ -980,14 +1020,15 @@ class SpiderFlexiTokens(nn.Module):
         `null_group` read). `x` `(B, L, D)` byte states, `memory` `(B, L, M)` per-byte Engram memory, `byte_mask`
         `(B, L)` bool, `position_ids` `(B, L)` int64.
 
-        Returns `(boundaries (B, L) fp32, segments (B, 1+S, D) normed, segment_memory (B, 1+S, M), segment_mask
-        (B, 1+S) bool)`: the byte states and their memory are pooled side by side (one cumsum, one host sync)."""
-        boundaries, _ = self.boundary_predictor(x, byte_mask, position_ids)
+        Returns `(boundaries (B, L) fp32, boundary_probs (B, L) fp32, segments (B, 1+S, D) normed, segment_memory
+        (B, 1+S, M), segment_mask (B, 1+S) bool)`: the byte states and their memory are pooled side by side (one
+        cumsum, one host sync)."""
+        boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
         pooled, segment_mask = downsample(boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask)
         segments, segment_memory = pooled.split([D, M], dim=-1)
-        return boundaries, self.down_norm(segments), segment_memory, segment_mask
+        return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
         """What each segment hands back to the bytes: `upsample_norm(h_out)` (`"residual_proj"`, `"scaled_norm"`: unit
@@ -1650,7 +1691,9 @@ class SpiderModel(SpiderPreTrainedModel):
 
         # FlexiTokens: bytes -> segments. Engram memory is looked up once per byte and pooled with the same boundaries.
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
-        boundaries, e, engram_memory, segment_mask = self.flexitokens(x, engram_bytes, byte_mask, position_ids)
+        boundaries, boundary_probs, e, engram_memory, segment_mask = self.flexitokens(
+            x, engram_bytes, byte_mask, position_ids
+        )
         S1 = e.shape[1]
         segment_positions = torch.arange(S1, device=e.device).expand(B, S1)
         segment_rope = self.rotary_emb(e, segment_positions)
@@ -1683,6 +1726,10 @@ class SpiderModel(SpiderPreTrainedModel):
         ponder_loss = ((act.n_updates + act.remainders) * seg_weight).sum() / seg_weight.sum()
         mean_halting_step = ((act.n_updates * seg_weight).sum() / seg_weight.sum()).detach()
         boundary_loss, rate = boundary_rate_loss(boundaries, byte_mask, self.config)
+        if self.config.boundary_teacher is not None:
+            boundary_loss = boundary_loss + self.config.boundary_teacher_coef * boundary_teacher_loss(
+                boundary_probs, input_ids, byte_mask, self.config.boundary_teacher
+            )
         compression_rate = (1.0 / rate.clamp_min(1.0 / max(L, 1))).detach()
         aux_loss = torch.stack(aux_losses).mean()
         expert_load = torch.stack(expert_loads).mean(0).detach()
@@ -1833,7 +1880,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         dtype. Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, mis-shaped labels,
         labels with a non-empty cache, or labels with `logits_to_keep` (the loss needs every position)."""
         if labels is not None and cache is not None and cache.seen_bytes > 0:
-            raise ValueError("labels cannot be scored against a non-empty cache cache; pass the whole sequence")
+            raise ValueError("labels cannot be scored against a non-empty cache; pass the whole sequence")
         keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
         if (labels is not None or kwargs.get("shift_labels") is not None) and not keep_all:
             raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the logits of every position")

@@ -293,6 +293,15 @@ class BytePathOnly(torch.nn.Module):
 
 
 def build(kind: str, overrides: dict) -> torch.nn.Module:
+    """A fresh model of `kind`: ``"spider"`` (the small preset with `overrides`), ``"bytes_only"`` (its byte layers,
+    :class:`BytePathOnly`), ``"llama"`` (:data:`LLAMA_BASELINE`) or ``"llama_local"`` (the same dense model with
+    Spider's byte-layer window, ``sliding_window`` 4: transformers' ``MistralForCausalLM``, which is Llama with
+    sliding-window attention)."""
+    if kind == "llama_local":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        window = SpiderConfig.from_preset("small").sliding_window
+        return MistralForCausalLM(MistralConfig(**{**LLAMA_BASELINE, "sliding_window": window, **overrides}))
     if kind == "bytes_only":
         return BytePathOnly(SpiderForConditionalGeneration(SpiderConfig.from_preset("small", **overrides)))
     if kind == "llama":
@@ -407,10 +416,19 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
     return finish(result, start)
 
 
+#: the dense baseline with Spider's byte-layer window (kind ``"llama_local"``)
+LOCAL_DENSE = "dense, 4-byte local attention"
+
 #: The recipe the ablations below were measured with: AdamW for every parameter (the default before Muon).
 ADAMW = {"muon_lr": None}
 #: The AdamW recipe's default run, the reference of every AdamW ablation row.
 ADAMW_DEFAULT = "spider, AdamW for every parameter"
+#: The segmentation of every row measured before the boundary teacher (2026-11-24): boundaries learned end to end at
+#: the seed's 3-byte prior. The AdamW rows, the longer-budget pairs and the Muon learning-rate rows run with it, so that
+#: a rerun reproduces them; each is compared with the default run of its own segmentation and optimizer.
+END_TO_END_SEGMENTS = {"boundary_teacher": None, "boundary_prior": 0.333}
+#: The default run with END_TO_END_SEGMENTS (the default before the teacher), the reference of the Muon rows with it.
+END_TO_END_DEFAULT = "boundaries learned end to end (no teacher, prior 0.333: the default before 2026-11-24)"
 
 #: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
 #: with the AdamW recipe (:data:`ADAMW`; same steps, data, seed) unless it names another recipe change and is compared
@@ -460,9 +478,16 @@ ABLATIONS: list[tuple] = [
      {"boundary_mode": "relaxed"}),
     ("the seed's rules together (relaxed boundaries, seed mixing, ponder 0.01, full attention)", "spider",
      {"boundary_mode": "relaxed", "upsample_mixing": "add", "ponder_loss_coef": 0.01, "sliding_window": None}),
-    ("Muon at lr 0.005", "spider", {}, {"muon_lr": 0.005}),
-    ("Muon at lr 0.02", "spider", {}, {"muon_lr": 0.02}),
-    ("Muon at lr 0.05", "spider", {}, {"muon_lr": 0.05}),
+    (END_TO_END_DEFAULT, "spider", END_TO_END_SEGMENTS, {"muon_lr": DEFAULT_MUON_LR}),
+    ("boundaries learned end to end at the teacher's rate (prior 1/6)", "spider",
+     {"boundary_teacher": None, "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
+    ("segments: a fixed stride of 6 bytes instead of the teacher's", "spider",
+     {"boundary_mode": "fixed", "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
+    ("the default run, seed 43 (seed noise)", "spider", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
+    ("global path removed, seed 43 (seed noise), Muon", "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
+    ("Muon at lr 0.005", "spider", END_TO_END_SEGMENTS, {"muon_lr": 0.005}),
+    ("Muon at lr 0.02", "spider", END_TO_END_SEGMENTS, {"muon_lr": 0.02}),
+    ("Muon at lr 0.05", "spider", END_TO_END_SEGMENTS, {"muon_lr": 0.05}),
     ("global path removed, Muon at lr 0.02", "bytes_only", {}, {"muon_lr": 0.02}),
     ("dense Llama (equal parameters), Muon at lr 0.02", "llama", {}, {"muon_lr": 0.02}),
 ]
@@ -480,8 +505,15 @@ GLOBAL_PATH_PAIRS = [
     ("16-byte window", "16-byte window in the byte layers", "global path removed, 16-byte window"),
     ("4-byte window, prelude/coda 2 + 2 layers", "prelude/coda 2 + 2 layers",
      "global path removed, prelude/coda 2 + 2 layers"),
-    ("4-byte window, Muon at lr 0.01 (the default run)", "spider", "global path removed (prelude + coda only)"),
-    ("4-byte window, Muon at lr 0.02", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
+    ("4-byte window, Muon, the teacher's word segments (the default run)", "spider",
+     "global path removed (prelude + coda only)"),
+    ("4-byte window, Muon, the teacher's word segments, seed 43", "the default run, seed 43 (seed noise)",
+     "global path removed, seed 43 (seed noise), Muon"),
+    ("4-byte window, Muon, a fixed stride of 6 bytes", "segments: a fixed stride of 6 bytes instead of the teacher's",
+     "global path removed (prelude + coda only)"),
+    ("4-byte window, Muon, end-to-end boundaries (the default before 2026-11-24)", END_TO_END_DEFAULT,
+     "global path removed (prelude + coda only)"),
+    ("4-byte window, Muon at lr 0.02, end-to-end boundaries", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
     ("4-byte window, 2x the steps", "spider, 2x the steps", "global path removed, 2x the steps"),
     ("4-byte window, 4x the steps", "spider, 4x the steps", "global path removed, 4x the steps"),
     ("4-byte window, 8x the steps", "spider, 8x the steps", "global path removed, 8x the steps"),
@@ -533,9 +565,13 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
     times = {}
     for suffix, rec, given in (("", recipe, step_times), (", AdamW", adamw, adamw_step_times)):
         times[suffix] = given or tuple(step_seconds(kind, {}, rec) for kind in ("spider", "llama", "bytes_only"))
-    runs = [dict(group="ablation", kind=kind, name=name, overrides=ov, steps=recipe.steps, lr=recipe.lr,
-                 recipe={**ADAMW, **(recipe_ov[0] if recipe_ov else {})}, times=", AdamW")
-            for name, kind, ov, *recipe_ov in ABLATIONS]
+    def segments(kind: str, recipe_overrides: dict, ov: dict) -> dict:  # AdamW rows: the segmentation they ran with
+        old = kind == "spider" and recipe_overrides.get("muon_lr", None) is None
+        return {**END_TO_END_SEGMENTS, **ov} if old else ov
+
+    runs = [dict(group="ablation", kind=kind, name=name, overrides=segments(kind, {**ADAMW, **rov}, ov),
+                 steps=recipe.steps, lr=recipe.lr, recipe={**ADAMW, **rov}, times=", AdamW")
+            for name, kind, ov, *recipe_ov in ABLATIONS for rov in [recipe_ov[0] if recipe_ov else {}]]
     runs.insert(0, dict(group="default", kind="spider", name="spider", overrides={}, steps=recipe.steps,
                         lr=recipe.lr, times=""))
     runs.insert(1, dict(group="default", kind="bytes_only", name="global path removed (prelude + coda only)",
@@ -544,6 +580,14 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
         t_spider, t_llama, t_bytes = times[suffix]
         runs.append(dict(group=f"baseline equal parameters{suffix}", kind="llama", name=f"llama{suffix}",
                          overrides={}, steps=recipe.steps, lr=recipe.lr, recipe=rec, times=suffix))
+        if not suffix:  # the dense model with Spider's local attention: the same FLOPs as the Llama (its step time),
+            # at the learning rate that was the Llama's best at equal wall-clock
+            runs.append(dict(group="local baseline equal parameters", kind="llama_local", name=LOCAL_DENSE,
+                             overrides={}, steps=recipe.steps, lr=recipe.lr, times=suffix))
+            runs.append(dict(group="local baseline equal wall-clock", kind="llama_local",
+                             name=f"{LOCAL_DENSE}, equal wall-clock", overrides={},
+                             steps=max(1, round(recipe.steps * t_spider / t_llama)), lr=2 * recipe.lr,
+                             recipe={"muon_lr": 2 * recipe.muon_lr}, times=suffix))
         for lr in lrs:
             muon = rec or {"muon_lr": recipe.muon_lr * lr / recipe.lr}  # Muon's rate moves with AdamW's
             runs.append(dict(group=f"baseline equal wall-clock{suffix}", kind="llama",
@@ -560,15 +604,15 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
     for factor in (2, 4, 8, 12):
         for kind, name in (("spider", f"spider, {factor}x the steps"),
                            ("bytes_only", f"global path removed, {factor}x the steps")):
-            runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
-                             lr=recipe.lr, recipe=ADAMW, times=", AdamW"))
+            runs.append(dict(group="longer budget", kind=kind, name=name, overrides=segments(kind, ADAMW, {}),
+                             steps=factor * recipe.steps, lr=recipe.lr, recipe=ADAMW, times=", AdamW"))
     for r in runs:
         r["step_seconds"] = dict(zip(("spider", "llama", "bytes_only"), times[r.pop("times")]))
     return runs
 
 
 #: rough single-thread cost of one run, seconds (only used to balance the shards)
-_COST = {"spider": 290, "bytes_only": 145, "llama": 1.15}
+_COST = {"spider": 290, "bytes_only": 145, "llama": 1.15, "llama_local": 1.15}
 
 
 def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
@@ -577,11 +621,11 @@ def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
     loads = [0.0] * num_shards
     assigned: list[list[dict]] = [[] for _ in range(num_shards)]
     for r in runs:
-        if r["kind"] == "llama":
+        if r["kind"] in ("llama", "llama_local"):
             assigned[-1].append(r)
-            loads[-1] += _COST["llama"] * r["steps"]
+            loads[-1] += _COST[r["kind"]] * r["steps"]
     for r in runs:
-        if r["kind"] != "llama":
+        if r["kind"] not in ("llama", "llama_local"):
             k = min(range(num_shards), key=lambda i: loads[i])
             assigned[k].append(r)
             loads[k] += _COST[r["kind"]] * r["steps"] / Recipe.steps
@@ -659,6 +703,12 @@ def _headline_rows(rows: list[dict], by_name: dict, suffix: str, optimizer: str)
     if best:
         sweep = ", ".join(f"{r['lr']:g}: {_f(r['sotu_bits_per_byte'])}" for r in equal_time)
         line(f"`LlamaForCausalLM`, equal wall-clock (best lr {best['lr']:g}; sweep {sweep})", best)
+    for group, label in (("local baseline equal parameters", "equal parameters and steps"),
+                         ("local baseline equal wall-clock", "equal wall-clock")):
+        for r in rows:
+            if not suffix and r.get("group") == group:
+                line(f"the same dense model with Spider's 4-byte local attention (`MistralForCausalLM`), {label} "
+                     f"(lr {r['lr']:g})", r)
     for r in rows:
         if suffix and r.get("group") == f"spider equal wall-clock{suffix}":
             line("Spider `small`, for the default run's wall-clock", r)
@@ -673,6 +723,7 @@ def render(rows: list[dict]) -> str:
     by_name = {r["name"]: r for r in rows}
     spider = by_name["spider"]
     adamw_default = by_name.get(ADAMW_DEFAULT, spider)
+    end_to_end = by_name.get(END_TO_END_DEFAULT, spider)
     equal_time = [r for r in rows if r.get("group") == "baseline equal wall-clock"]
     best = min(equal_time, key=lambda r: r["sotu_bits_per_byte"]) if equal_time else None
     dense = by_name.get("llama")
@@ -700,14 +751,23 @@ def render(rows: list[dict]) -> str:
            f"| with ACT early exit: loops saved per segment (of {spider.get('n_loops')}) | "
            f"{_f(spider['act_early_exit']['loops_saved_per_segment'], 3)} |"] if "act_early_exit" in spider else []),
         "",
-        f"| ablation (one change, same budget; the AdamW recipe unless Muon is named, compared with the AdamW "
-        f"default run, {_f(adamw_default['sotu_bits_per_byte'])}; Muon rows with the default run) | held-out bpb | "
-        "vs its default |",
+        f"| ablation (one change, same budget; the AdamW recipe and end-to-end boundaries unless Muon is named, "
+        f"compared with the AdamW default run of then, {_f(adamw_default['sotu_bits_per_byte'])}; Muon rows with "
+        f"end-to-end boundaries with that default under Muon, {_f(end_to_end['sotu_bits_per_byte'])}; the other Muon "
+        "rows with the default run) | held-out bpb | vs its default |",
         "|---|---:|---:|",
     ]
+    def reference(r: dict) -> dict:  # the default run of the row's own optimizer and segmentation
+        if r["name"] == ADAMW_DEFAULT:
+            return end_to_end  # the optimizer alone
+        if r.get("muon_lr") is None:
+            return adamw_default
+        old_segments = (r.get("overrides") or {}).get("boundary_teacher", "spacelike") is None and r["model"] == "spider"
+        return end_to_end if old_segments and r["name"] != END_TO_END_DEFAULT else spider
+
     for r in rows:
         if r.get("group") == "ablation":
-            ref = spider if r.get("muon_lr") is not None or r["name"] == ADAMW_DEFAULT else adamw_default
+            ref = reference(r)
             delta = r["sotu_bits_per_byte"] - ref["sotu_bits_per_byte"]
             lines.append(f"| {r['name']} | {_f(r['sotu_bits_per_byte'])} | {delta:+.3f} |")
     for rule, result in spider.get("bpb_by_eval_boundary_rule", {}).items():
@@ -717,7 +777,8 @@ def render(rows: list[dict]) -> str:
                      f"{delta:+.3f} |")
     pairs = [(label, by_name[a], by_name[b]) for label, a, b in GLOBAL_PATH_PAIRS if a in by_name and b in by_name]
     if pairs:
-        lines += ["", "| what the global path adds: byte layers, budget (AdamW unless Muon is named) | steps | Spider | "
+        lines += ["", "| what the global path adds: byte layers, budget (AdamW and end-to-end boundaries unless named) "
+                  "| steps | Spider | "
                   "global path removed | the global path adds |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {label} | {a['steps']} | {_f(a['sotu_bits_per_byte'])} | {_f(b['sotu_bits_per_byte'])} | "
                   f"{b['sotu_bits_per_byte'] - a['sotu_bits_per_byte']:+.3f} |" for label, a, b in pairs]
@@ -804,9 +865,13 @@ def plot(rows: list[dict], path: str) -> bool:
         return False
     fig = Figure(figsize=(6, 3.6))
     ax = fig.subplots()
+    labels = {"spider": "Spider small (the default run), Muon + AdamW",
+              ADAMW_DEFAULT: "Spider small, end-to-end boundaries, AdamW",
+              END_TO_END_DEFAULT: "Spider small, end-to-end boundaries, Muon + AdamW",
+              "llama": "LlamaForCausalLM (equal parameters), Muon + AdamW",
+              "llama, AdamW": "LlamaForCausalLM (equal parameters), AdamW"}
     for name, curve in curves:
-        model = "Spider small" if name.startswith("spider") else "LlamaForCausalLM (equal parameters)"
-        label = f"{model}, {'AdamW' if 'AdamW' in name else 'Muon + AdamW'}"
+        label = labels.get(name, name)
         ax.plot([c["seconds"] for c in curve], [c["bits_per_byte"] for c in curve], marker="o", markersize=3,
                 label=label)
     ax.set_xlabel("training wall-clock (s, one thread)")
@@ -827,7 +892,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--step_times", default=None,
                         help="with --suite: JSON {\"default\": [spider, llama, bytes_only], \"adamw\": [...]}, seconds "
                         "per step measured on an idle machine (default: measured by each shard)")
-    parser.add_argument("--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "bytes_only"])
+    parser.add_argument("--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "llama_local", "bytes_only"])
     parser.add_argument("--name", default=None)
     parser.add_argument("--overrides", default="{}", help="JSON config overrides (Spider runs)")
     parser.add_argument("--steps", type=int, default=Recipe.steps)

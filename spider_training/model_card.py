@@ -87,6 +87,7 @@ CONFIG_LABELS = {
     "act_threshold": "ACT halting threshold",
     "lora_rank": "per-loop LoRA rank",
     "boundary_prior": "target boundaries per byte",
+    "boundary_teacher": "boundary teacher",
     "vocab_size": "vocabulary",
     "max_position_embeddings": "max positions (bytes)",
     "moe_implementation": "expert compute path",

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from modeling_spider import build_attention_mask, downsample, upsample
+from modeling_spider import boundary_teacher_loss, build_attention_mask, downsample, spacelike_boundaries, upsample
 from tests.helpers import tiny, tiny_model
 
 
@@ -239,6 +239,65 @@ def test_sliding_window_cache_decoding_equals_full_forward_and_padding_is_invisi
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# The boundary teacher (boundary_teacher="spacelike")
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_spacelike_teacher_closes_a_segment_on_the_byte_after_each_word():
+    text = "The United States, of 1790.\n"
+    ids = torch.tensor([[257, *text.encode(), 258]])  # BOS, bytes, EOS
+    # by hand, in the text: ' ' after The (3), ' ' after United (10), ',' after States (17; the space after it follows
+    # a spacelike byte), ' ' after of (21), '.' after 1790 (26); +1 for the BOS, which opens no segment
+    assert spacelike_boundaries(ids)[0].nonzero().flatten().tolist() == [4, 11, 18, 22, 27]
+    # UTF-8: continuation bytes belong to the word, a leading byte after a word byte cuts (SpaceByte's rule)
+    assert spacelike_boundaries(torch.tensor([list("aé b".encode())]))[0].tolist() == [0, 1, 0, 1, 0]
+
+
+def test_teacher_loss_is_the_cross_entropy_over_real_bytes_and_joins_the_boundary_loss():
+    model = tiny_model(seed=2, boundary_teacher="spacelike", boundary_teacher_coef=0.5)
+    rows = [b"We hold these truths, to be self-evident; that", b"xxxxxxAll men are created equal, or they"]
+    ids = torch.tensor([list(row[:40]) for row in rows])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :6] = False  # left padding
+    captured = {}
+    model.model.flexitokens.boundary_predictor.register_forward_hook(lambda m, a, out: captured.update(probs=out[1]))
+    with torch.no_grad():
+        with_teacher = model.model(ids, attention_mask=mask).boundary_loss
+        model.config.boundary_teacher = None
+        rate_only = model.model(ids, attention_mask=mask).boundary_loss
+    p, target = captured["probs"].double(), spacelike_boundaries(ids).double()
+    bce = -(target * p.log() + (1 - target) * (1 - p).log())[mask].mean()  # real bytes only, by definition
+    tol = 64 * torch.finfo(torch.float32).eps * (1 + float(bce))  # fp32 terms summed over ~90 bytes
+    assert abs(float(with_teacher - rate_only) - 0.5 * float(bce)) < tol
+    with pytest.raises(ValueError, match="unknown boundary_teacher 'words'"):
+        boundary_teacher_loss(captured["probs"], ids, mask, "words")
+
+
+def test_with_a_teacher_the_predictor_learns_from_the_teacher_alone():
+    """Supervised (Nawrot et al. 2023): the language-model loss no longer reaches the predictor (no straight-through
+    term, detached input), the teacher's loss does and reaches nothing upstream of it. Without a teacher the predictor
+    learns end to end from the language-model loss (the tiny preset's global stream is on from the start)."""
+    ids = torch.tensor([list(b"The state of the Union is strong, and the Congress")])
+    predictor = lambda m: m.model.flexitokens.boundary_predictor  # noqa: E731
+    prelude = lambda m: [p for p in m.model.prelude_layers.parameters()]  # noqa: E731
+
+    end_to_end = tiny_model(seed=0).train()
+    end_to_end(ids, labels=ids).lm_loss.backward()
+    assert float(predictor(end_to_end).dense.weight.grad.abs().sum()) > 0
+
+    model = tiny_model(seed=0, boundary_teacher="spacelike").train()
+    out = model(ids, labels=ids)
+    out.lm_loss.backward(retain_graph=True)
+    assert all(p.grad is None for p in predictor(model).parameters())
+    model.zero_grad(set_to_none=True)
+    out.boundary_loss.backward()
+    assert float(predictor(model).dense.weight.grad.abs().sum()) > 0
+    assert all(p.grad is None for p in prelude(model))
+    with torch.no_grad():  # one rule for training and evaluation still
+        assert torch.equal(model.train().model(ids).boundaries, model.eval().model(ids).boundaries)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # A short training run (slow)
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -265,12 +324,32 @@ def test_short_run_learns_and_segments_as_it_trains(short_run):
     # 150 steps of the default recipe: far below a uniform byte model (8 bits) and below an order-0 byte model
     # of English (~4.5 bits)
     assert result["bits_per_byte"] < 3.5, result
-    # evaluation segments at the rate training did (one rule), inside a factor 1.25
+    # evaluation segments at the rate training did (one rule; the seed's relaxed rule was 20x apart). The two rates
+    # are counts on different text: held-out boundaries are few early in training (the teacher-supervised predictor
+    # starts conservative), so the bound is 4 standard deviations of the held-out count's Poisson noise, plus the 25%
+    # the issue allows for text differences.
     ratio = result["bytes_per_segment"] / stats["train_bytes_per_segment"]
-    assert 0.8 < ratio < 1.25, (result, stats)
-    # and training kept its boundaries near the prior (1 / 0.333 = 3 bytes per segment): the seed's relaxed rule with
-    # boundary_loss_coef=1.0 collapsed to zero boundaries (a segment per window) within ~50 steps
-    assert 2.0 <= stats["train_bytes_per_segment"] <= 8.0, stats
+    boundaries = windows.numel() / result["bytes_per_segment"]
+    slack = 1.25 * (1 + 4 / math.sqrt(boundaries))
+    assert 1 / slack < ratio < slack, (result, stats, slack)
+    # and training did not collapse to no boundaries (the seed's relaxed rule with boundary_loss_coef=1.0 reached a
+    # segment per 256-byte window within ~50 steps). The teacher-supervised predictor starts conservative: after 150
+    # steps it closes only the segments it is sure of (about 50 bytes each; 5.7 by the end of the 500-step run)
+    assert 2.0 <= stats["train_bytes_per_segment"] <= 100.0, stats
+
+
+@pytest.mark.slow
+def test_short_run_learns_the_teachers_segmentation(short_run):
+    """The small preset's boundary predictor, supervised by the spacelike teacher, closes segments on unseen text only
+    where the teacher does: an untrained predictor closes a segment at ~43% of the bytes (precision ~0.1). It learns
+    the teacher gradually: about 10% recall after these 150 steps, 97.5% (precision 99.7%) after the 500-step run."""
+    model, _, windows = short_run
+    with torch.no_grad():
+        predicted = model.eval().model(windows).boundaries
+    teacher = spacelike_boundaries(windows)
+    hits = float((predicted * teacher).sum())
+    precision, recall = hits / float(predicted.sum()), hits / float(teacher.sum())
+    assert precision > 0.9 and recall > 0.03, (precision, recall)
 
 
 @pytest.mark.slow
