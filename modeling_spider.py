@@ -989,7 +989,9 @@ def boundary_teacher_loss(boundary_probs: torch.Tensor, input_ids: torch.LongTen
         raise ValueError(f"unknown boundary_teacher {teacher!r}; known: 'spacelike'")
     target = spacelike_boundaries(input_ids)
     weight = token_mask.to(torch.float32)
-    bce = F.binary_cross_entropy(boundary_probs.clamp(1e-6, 1 - 1e-6), target, reduction="none")
+    # written out in fp32 rather than F.binary_cross_entropy, which CUDA autocast (bf16 training) refuses to run
+    p = boundary_probs.to(torch.float32).clamp(1e-6, 1 - 1e-6)
+    bce = -(target * p.log() + (1.0 - target) * (1.0 - p).log())
     return (bce * weight).sum() / weight.sum().clamp_min(1.0)
 
 
