@@ -977,6 +977,11 @@ def spacelike_boundaries(input_ids: torch.LongTensor) -> torch.Tensor:
     return (~word_byte & previous).to(torch.float32)
 
 
+#: `boundary_teacher` name -> its rule, `input_ids (B, L) -> fp32 0/1 boundaries (B, L)` (the names
+#: ``configuration_spider.BOUNDARY_TEACHERS`` accepts)
+BOUNDARY_TEACHER_RULES = {"spacelike": spacelike_boundaries}
+
+
 def boundary_teacher_loss(boundary_probs: torch.Tensor, input_ids: torch.LongTensor, token_mask: torch.Tensor,
                           teacher: str) -> torch.Tensor:
     """Binary cross-entropy of the boundary predictor's probabilities against a teacher segmentation (the supervised
@@ -985,9 +990,9 @@ def boundary_teacher_loss(boundary_probs: torch.Tensor, input_ids: torch.LongTen
     Args: `boundary_probs` fp32 `(B, L)`, `input_ids` int64 `(B, L)`, `token_mask` bool `(B, L)`, `teacher` a name of
     ``configuration_spider.BOUNDARY_TEACHERS`` (``"spacelike"``: :func:`spacelike_boundaries`).
     Returns an fp32 scalar. Raises: ValueError for an unknown teacher."""
-    if teacher != "spacelike":
-        raise ValueError(f"unknown boundary_teacher {teacher!r}; known: 'spacelike'")
-    target = spacelike_boundaries(input_ids)
+    if teacher not in BOUNDARY_TEACHER_RULES:
+        raise ValueError(f"unknown boundary_teacher {teacher!r}; known: {sorted(BOUNDARY_TEACHER_RULES)}")
+    target = BOUNDARY_TEACHER_RULES[teacher](input_ids)
     weight = token_mask.to(torch.float32)
     # written out in fp32 rather than F.binary_cross_entropy, which CUDA autocast (bf16 training) refuses to run
     p = boundary_probs.to(torch.float32).clamp(1e-6, 1 - 1e-6)

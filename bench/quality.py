@@ -431,8 +431,9 @@ END_TO_END_SEGMENTS = {"boundary_teacher": None, "boundary_prior": 0.333}
 END_TO_END_DEFAULT = "boundaries learned end to end (no teacher, prior 0.333: the default before 2026-11-24)"
 
 #: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
-#: with the AdamW recipe (:data:`ADAMW`; same steps, data, seed) unless it names another recipe change and is compared
-#: with :data:`ADAMW_DEFAULT`; rows that set ``muon_lr`` are compared with the default run ("spider").
+#: with the AdamW recipe (:data:`ADAMW`; same steps, data, seed) and end-to-end boundaries unless it names another
+#: recipe change, and is compared with :data:`ADAMW_DEFAULT`; rows that set ``muon_lr`` are compared with the default
+#: run ("spider"), or with :data:`END_TO_END_DEFAULT` when they keep :data:`END_TO_END_SEGMENTS`.
 ABLATIONS: list[tuple] = [
     (ADAMW_DEFAULT, "spider", {}),
     ("global path removed, AdamW", "bytes_only", {}),
@@ -578,6 +579,7 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
                         overrides={}, steps=recipe.steps, lr=recipe.lr, times=""))
     for suffix, rec in (("", {}), (", AdamW", ADAMW)):
         t_spider, t_llama, t_bytes = times[suffix]
+        dense_equal_time_steps = max(1, round(recipe.steps * t_spider / t_llama))
         runs.append(dict(group=f"baseline equal parameters{suffix}", kind="llama", name=f"llama{suffix}",
                          overrides={}, steps=recipe.steps, lr=recipe.lr, recipe=rec, times=suffix))
         if not suffix:  # the dense model with Spider's local attention: the same FLOPs as the Llama (its step time),
@@ -586,13 +588,13 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
                              overrides={}, steps=recipe.steps, lr=recipe.lr, times=suffix))
             runs.append(dict(group="local baseline equal wall-clock", kind="llama_local",
                              name=f"{LOCAL_DENSE}, equal wall-clock", overrides={},
-                             steps=max(1, round(recipe.steps * t_spider / t_llama)), lr=2 * recipe.lr,
+                             steps=dense_equal_time_steps, lr=2 * recipe.lr,
                              recipe={"muon_lr": 2 * recipe.muon_lr}, times=suffix))
         for lr in lrs:
             muon = rec or {"muon_lr": recipe.muon_lr * lr / recipe.lr}  # Muon's rate moves with AdamW's
             runs.append(dict(group=f"baseline equal wall-clock{suffix}", kind="llama",
                              name=f"llama lr={lr:g}, equal wall-clock{suffix}", overrides={},
-                             steps=max(1, round(recipe.steps * t_spider / t_llama)), lr=lr, recipe=muon, times=suffix))
+                             steps=dense_equal_time_steps, lr=lr, recipe=muon, times=suffix))
         if suffix:  # Spider with AdamW for as long as the default (Muon) run takes: the optimizer at equal compute
             runs.append(dict(group="spider equal wall-clock, AdamW", kind="spider", name="spider, AdamW, equal wall-clock",
                              overrides={}, steps=max(1, round(recipe.steps * times[""][0] / t_spider)), lr=recipe.lr,
@@ -613,6 +615,8 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
 
 #: rough single-thread cost of one run, seconds (only used to balance the shards)
 _COST = {"spider": 290, "bytes_only": 145, "llama": 1.15, "llama_local": 1.15}
+#: the dense baselines' kinds: their equal-wall-clock step counts come from one process's timing, so one shard
+DENSE_KINDS = ("llama", "llama_local")
 
 
 def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
@@ -621,11 +625,11 @@ def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
     loads = [0.0] * num_shards
     assigned: list[list[dict]] = [[] for _ in range(num_shards)]
     for r in runs:
-        if r["kind"] in ("llama", "llama_local"):
+        if r["kind"] in DENSE_KINDS:
             assigned[-1].append(r)
             loads[-1] += _COST[r["kind"]] * r["steps"]
     for r in runs:
-        if r["kind"] not in ("llama", "llama_local"):
+        if r["kind"] not in DENSE_KINDS:
             k = min(range(num_shards), key=lambda i: loads[i])
             assigned[k].append(r)
             loads[k] += _COST[r["kind"]] * r["steps"] / Recipe.steps

@@ -8,7 +8,10 @@ import math
 import pytest
 import torch
 
-from modeling_spider import boundary_teacher_loss, build_attention_mask, downsample, spacelike_boundaries, upsample
+from configuration_spider import BOUNDARY_TEACHERS
+from modeling_spider import (
+    BOUNDARY_TEACHER_RULES, boundary_teacher_loss, build_attention_mask, downsample, spacelike_boundaries, upsample,
+)
 from tests.helpers import tiny, tiny_model
 
 
@@ -271,6 +274,7 @@ def test_teacher_loss_is_the_cross_entropy_over_real_bytes_and_joins_the_boundar
     assert abs(float(with_teacher - rate_only) - 0.5 * float(bce)) < tol
     with pytest.raises(ValueError, match="unknown boundary_teacher 'words'"):
         boundary_teacher_loss(captured["probs"], ids, mask, "words")
+    assert set(BOUNDARY_TEACHER_RULES) == set(BOUNDARY_TEACHERS)  # every name the config accepts has a rule
 
 
 def test_with_a_teacher_the_predictor_learns_from_the_teacher_alone():
