@@ -49,6 +49,9 @@ SPIDER_PRESETS: dict[str, dict] = {
         # nothing; the predictor supervised by SpaceByte's word rule (Nawrot et al. 2023's supervised predictor) learns
         # it to ~99% and gives word-sized segments (about 5.7 bytes, so the prior's band moves to 5-7.6 bytes).
         boundary_teacher="spacelike", boundary_prior=0.2,
+        # Mixing: behind a learned gate that starts shut (scaled_norm) the model kept the global stream at ~10% of the
+        # bytes' RMS; held at half of it (no gate to close), the loops and the global path carry more (README).
+        upsample_mixing="rms_matched", upsample_rms_ratio=0.5,
     ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
@@ -64,7 +67,7 @@ SPIDER_PRESETS: dict[str, dict] = {
 MOE_IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
 BOUNDARY_MODES = ("hard", "relaxed", "fixed")
 BOUNDARY_TEACHERS = ("spacelike",)
-UPSAMPLE_MIXINGS = ("residual_proj", "scaled_norm", "add")
+UPSAMPLE_MIXINGS = ("rms_matched", "residual_proj", "scaled_norm", "add")
 SPIDER_AUTO_MAP = {
     "AutoConfig": "configuration_spider.SpiderConfig",
     "AutoModel": "modeling_spider.SpiderModel",
@@ -142,13 +145,18 @@ class SpiderConfig(PreTrainedConfig):
         upsample_mixing (`str`, defaults to ``"scaled_norm"``): how the coda's input joins the upsampled recurrent
             output `h` and the prelude's byte states `x`. ``"scaled_norm"``: ``x + upsample_norm(h)``, an RMSNorm whose
             per-channel weight (the global path's scale, initialised to ``upsample_scale_init``) sets how loud the
-            global stream is, whatever the loops' magnitude. ``"residual_proj"`` (H-Net):
+            global stream is, whatever the loops' magnitude (a gate the model can keep nearly shut).
+            ``"rms_matched"``: ``x + upsample_rms_ratio * rms(x) * RMSNorm(h)`` (no weight, ``rms(x)`` per byte and
+            held constant in the gradient): the global stream reaches every byte at a fixed share of the byte
+            stream's own RMS, so the path can neither drown the bytes nor be switched off. ``"residual_proj"`` (H-Net):
             ``RMSNorm(h) + residual_proj(x)`` with ``residual_proj`` initialised to zero, so at initialisation every
             prediction must go through the global path. ``"add"`` (the seed): ``h + x``, where the unnormalised
             loop output drowns the byte stream at initialisation.
         upsample_scale_init (`float`, defaults to 0.0): initial per-channel scale of the global stream with
             ``upsample_mixing="scaled_norm"`` (ReZero-style: the byte layers start unperturbed and the global path's
             gradient opens it as far as it helps).
+        upsample_rms_ratio (`float`, defaults to 0.5): with ``upsample_mixing="rms_matched"``, the global stream's
+            RMS at the coda's input as a fraction of the byte stream's (fixed, not learned).
         sliding_window (`int` or `None`, defaults to `None`): byte layers (prelude and coda) attend to the last
             ``sliding_window`` bytes only (Mistral's ``sliding_window``, BLT's local encoder/decoder); context beyond it
             reaches a byte through the global path. `None`: full causal attention.
@@ -212,6 +220,7 @@ class SpiderConfig(PreTrainedConfig):
     boundary_teacher_coef: float | int = 1.0
     upsample_mixing: str = "scaled_norm"
     upsample_scale_init: float | int = 0.0
+    upsample_rms_ratio: float | int = 0.5
     sliding_window: int | None = None
     recurrent_sliding_window: int | None = None
     halt_bias_init: float | int = 0.0
@@ -366,6 +375,7 @@ class SpiderConfig(PreTrainedConfig):
             "recurrent_sliding_window", "must be None or >= 1",
         )
         require(self.upsample_scale_init >= 0, "upsample_scale_init", "must be >= 0")
+        require(self.upsample_rms_ratio > 0, "upsample_rms_ratio", "must be > 0")
         require(self.boundary_temperature > 0, "boundary_temperature", "must be > 0")
         require(0 < self.boundary_threshold < 1, "boundary_threshold", "must be in (0, 1)")
         require(0 < self.boundary_prior < 1, "boundary_prior", "must be in (0, 1)")

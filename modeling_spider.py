@@ -1007,13 +1007,15 @@ class SpiderFlexiTokens(nn.Module):
 
     Holds the `boundary_predictor`, the `null_group` vector (segment 0, read by the bytes before the first boundary),
     `down_norm` over the pooled segments and, per `config.upsample_mixing`, how the global stream joins the bytes
-    (`upsample_norm`, `residual_proj`).
+    (`upsample_norm`, `residual_proj`; ``"rms_matched"`` has no parameters).
     """
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
         D = config.hidden_size
         self.mixing = config.upsample_mixing
+        self.rms_ratio = config.upsample_rms_ratio
+        self.eps = config.rms_norm_eps
         self.boundary_predictor = SpiderBoundaryPredictor(config)
         self.null_group = nn.Parameter(torch.empty(D))
         self.down_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
@@ -1039,15 +1041,23 @@ class SpiderFlexiTokens(nn.Module):
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
         """What each segment hands back to the bytes: `upsample_norm(h_out)` (`"residual_proj"`, `"scaled_norm"`: unit
-        RMS times the learned per-channel scale, whatever the loops' magnitude), else `h_out` as is. `(B, S, D)`; it is
-        normalised before :func:`upsample` so that the boundary confidence upsample multiplies in keeps its gradient
-        (a norm after it would cancel the scale)."""
+        RMS times the learned per-channel scale, whatever the loops' magnitude), `RMSNorm(h_out)` without a weight
+        (`"rms_matched"`: unit RMS), else `h_out` as is. `(B, S, D)`; it is normalised before :func:`upsample` so
+        that the boundary confidence upsample multiplies in keeps its gradient (a norm after it would cancel it)."""
+        if self.mixing == "rms_matched":
+            return F.rms_norm(h_out, (h_out.shape[-1],), eps=self.eps)
         return self.upsample_norm(h_out) if self.mixing in ("residual_proj", "scaled_norm") else h_out
 
     def mix(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The coda's input from the upsampled global stream and the prelude's byte states, both `(B, L, D)`:
-        `upsampled + x` (`"scaled_norm"`, ReZero: the scale starts at `upsample_scale_init`; `"add"`, the seed's), or
-        `upsampled + residual_proj(x)` (`"residual_proj"`, H-Net: the byte skip starts closed)."""
+        `x + upsample_rms_ratio * rms(x) * upsampled` (`"rms_matched"`: per byte, `rms(x)` over the hidden size in
+        fp32 and held constant in the gradient, so the global stream arrives at a fixed share of the byte stream's
+        RMS: it neither drowns the bytes nor can be turned down), `upsampled + x` (`"scaled_norm"`, ReZero: the
+        scale starts at `upsample_scale_init`; `"add"`, the seed's), or `upsampled + residual_proj(x)`
+        (`"residual_proj"`, H-Net: the byte skip starts closed)."""
+        if self.mixing == "rms_matched":
+            rms = x.detach().to(torch.float32).pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
+            return x + (self.rms_ratio * rms).to(x.dtype) * upsampled
         if self.mixing == "residual_proj":
             return upsampled + self.residual_proj(x)
         return upsampled + x

@@ -429,11 +429,16 @@ ADAMW_DEFAULT = "spider, AdamW for every parameter"
 END_TO_END_SEGMENTS = {"boundary_teacher": None, "boundary_prior": 0.333}
 #: The default run with END_TO_END_SEGMENTS (the default before the teacher), the reference of the Muon rows with it.
 END_TO_END_DEFAULT = "boundaries learned end to end (no teacher, prior 0.333: the default before 2026-11-24)"
+#: The mixing of every row measured before 2026-11-25: the global stream behind a learned per-channel gate that starts
+#: shut (ReZero). Those rows carry it in their overrides, so that a rerun reproduces them.
+GATED_MIXING = {"upsample_mixing": "scaled_norm"}
+#: The default run with GATED_MIXING (the default of 2026-11-24), the row the gate's ablation names.
+GATED_DEFAULT = "mixing: a learned gate that starts shut (scaled_norm, ReZero; the default before 2026-11-25)"
 
 #: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
-#: with the AdamW recipe (:data:`ADAMW`; same steps, data, seed) and end-to-end boundaries unless it names another
-#: recipe change, and is compared with :data:`ADAMW_DEFAULT`; rows that set ``muon_lr`` are compared with the default
-#: run ("spider"), or with :data:`END_TO_END_DEFAULT` when they keep :data:`END_TO_END_SEGMENTS`.
+#: with the AdamW recipe (:data:`ADAMW`; same steps, data, seed), end-to-end boundaries and the gated mixing unless it
+#: names another recipe change, and is compared with :data:`ADAMW_DEFAULT`; rows that set ``muon_lr`` are compared
+#: with the default run ("spider"), or with :data:`END_TO_END_DEFAULT` when they keep :data:`END_TO_END_SEGMENTS`.
 ABLATIONS: list[tuple] = [
     (ADAMW_DEFAULT, "spider", {}),
     ("global path removed, AdamW", "bytes_only", {}),
@@ -479,16 +484,22 @@ ABLATIONS: list[tuple] = [
      {"boundary_mode": "relaxed"}),
     ("the seed's rules together (relaxed boundaries, seed mixing, ponder 0.01, full attention)", "spider",
      {"boundary_mode": "relaxed", "upsample_mixing": "add", "ponder_loss_coef": 0.01, "sliding_window": None}),
-    (END_TO_END_DEFAULT, "spider", END_TO_END_SEGMENTS, {"muon_lr": DEFAULT_MUON_LR}),
+    (END_TO_END_DEFAULT, "spider", {**END_TO_END_SEGMENTS, **GATED_MIXING}, {"muon_lr": DEFAULT_MUON_LR}),
     ("boundaries learned end to end at the teacher's rate (prior 1/6)", "spider",
      {"boundary_teacher": None, "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
     ("segments: a fixed stride of 6 bytes instead of the teacher's", "spider",
      {"boundary_mode": "fixed", "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
     ("the default run, seed 43 (seed noise)", "spider", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
     ("global path removed, seed 43 (seed noise), Muon", "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
-    ("Muon at lr 0.005", "spider", END_TO_END_SEGMENTS, {"muon_lr": 0.005}),
-    ("Muon at lr 0.02", "spider", END_TO_END_SEGMENTS, {"muon_lr": 0.02}),
-    ("Muon at lr 0.05", "spider", END_TO_END_SEGMENTS, {"muon_lr": 0.05}),
+    (GATED_DEFAULT, "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR}),
+    (f"{GATED_DEFAULT}, seed 43", "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
+    ("global stream at 0.25 of the bytes' RMS (upsample_rms_ratio=0.25)", "spider", {"upsample_rms_ratio": 0.25},
+     {"muon_lr": DEFAULT_MUON_LR}),
+    ("global stream at the bytes' RMS (upsample_rms_ratio=1)", "spider", {"upsample_rms_ratio": 1.0},
+     {"muon_lr": DEFAULT_MUON_LR}),
+    ("Muon at lr 0.005", "spider", {**END_TO_END_SEGMENTS, **GATED_MIXING}, {"muon_lr": 0.005}),
+    ("Muon at lr 0.02", "spider", {**END_TO_END_SEGMENTS, **GATED_MIXING}, {"muon_lr": 0.02}),
+    ("Muon at lr 0.05", "spider", {**END_TO_END_SEGMENTS, **GATED_MIXING}, {"muon_lr": 0.05}),
     ("global path removed, Muon at lr 0.02", "bytes_only", {}, {"muon_lr": 0.02}),
     ("dense Llama (equal parameters), Muon at lr 0.02", "llama", {}, {"muon_lr": 0.02}),
 ]
@@ -512,6 +523,10 @@ GLOBAL_PATH_PAIRS = [
      "global path removed, seed 43 (seed noise), Muon"),
     ("4-byte window, Muon, a fixed stride of 6 bytes", "segments: a fixed stride of 6 bytes instead of the teacher's",
      "global path removed (prelude + coda only)"),
+    ("4-byte window, Muon, the teacher's word segments, the gated mixing (the default before 2026-11-25)",
+     GATED_DEFAULT, "global path removed (prelude + coda only)"),
+    ("4-byte window, Muon, the teacher's word segments, the gated mixing, seed 43", f"{GATED_DEFAULT}, seed 43",
+     "global path removed, seed 43 (seed noise), Muon"),
     ("4-byte window, Muon, end-to-end boundaries (the default before 2026-11-24)", END_TO_END_DEFAULT,
      "global path removed (prelude + coda only)"),
     ("4-byte window, Muon at lr 0.02, end-to-end boundaries", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
@@ -566,9 +581,9 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
     times = {}
     for suffix, rec, given in (("", recipe, step_times), (", AdamW", adamw, adamw_step_times)):
         times[suffix] = given or tuple(step_seconds(kind, {}, rec) for kind in ("spider", "llama", "bytes_only"))
-    def segments(kind: str, recipe_overrides: dict, ov: dict) -> dict:  # AdamW rows: the segmentation they ran with
-        old = kind == "spider" and recipe_overrides.get("muon_lr", None) is None
-        return {**END_TO_END_SEGMENTS, **ov} if old else ov
+    def segments(kind: str, recipe_overrides: dict, ov: dict) -> dict:  # AdamW rows: the segmentation and mixing
+        old = kind == "spider" and recipe_overrides.get("muon_lr", None) is None  # they ran with
+        return {**END_TO_END_SEGMENTS, **GATED_MIXING, **ov} if old else ov
 
     runs = [dict(group="ablation", kind=kind, name=name, overrides=segments(kind, {**ADAMW, **rov}, ov),
                  steps=recipe.steps, lr=recipe.lr, recipe={**ADAMW, **rov}, times=", AdamW")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench import quality
+from configuration_spider import SpiderConfig
 from spider_training.optim import DEFAULT_MUON_LR
 from tests.helpers import tiny_model
 
@@ -86,14 +87,20 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert "| Muon at lr 0.02 | 2.250 | +0.010 |" in text  # end-to-end boundaries: that default under Muon
     assert f"| {quality.END_TO_END_DEFAULT} | 2.240 | +0.040 |" in text  # against today's default run
     assert "| segments: a fixed stride of 6 bytes instead of the teacher's | 2.230 | +0.030 |" in text
-    # a rerun reproduces the stored rows: the AdamW and longer-budget Spider rows run with end-to-end boundaries
+    # a rerun reproduces the stored rows: the AdamW and longer-budget Spider rows run with end-to-end boundaries and
+    # the gated mixing of their day
     runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
                                                       adamw_step_times=(0.5, 1.25, 0.2))}
-    assert runs["n_loops=1"]["overrides"] == {**quality.END_TO_END_SEGMENTS, "n_loops": 1}
+    then = {**quality.END_TO_END_SEGMENTS, **quality.GATED_MIXING}
+    assert runs["n_loops=1"]["overrides"] == {**then, "n_loops": 1}
     assert runs["segments of about 5 bytes (boundary_prior 0.2)"]["overrides"]["boundary_prior"] == 0.2
-    assert runs["spider, 4x the steps"]["overrides"] == quality.END_TO_END_SEGMENTS
+    assert runs["spider, 4x the steps"]["overrides"] == then
+    assert runs["Muon at lr 0.02"]["overrides"] == runs[quality.END_TO_END_DEFAULT]["overrides"] == then
     assert runs["global path removed, 4x the steps"]["overrides"] == {}
     assert runs["spider"]["overrides"] == {} and runs["the default run, seed 43 (seed noise)"]["overrides"] == {}
+    assert runs[quality.GATED_DEFAULT]["overrides"] == quality.GATED_MIXING
+    # ... and the gated mixing is not the default any more: the rows that name it differ from the default run
+    assert SpiderConfig.from_preset("small").upsample_mixing != quality.GATED_MIXING["upsample_mixing"]
 
 
 def test_shards_keep_the_baselines_together_and_balance_the_rest():

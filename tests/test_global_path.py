@@ -140,6 +140,46 @@ def test_residual_proj_mixing_starts_with_the_byte_skip_closed():
     torch.testing.assert_close(model.model.flexitokens.mix(up, x), up, rtol=0, atol=0)
 
 
+def test_rms_matched_mixing_holds_the_global_stream_at_a_fixed_share_of_the_bytes():
+    model = tiny_model(seed=0, upsample_mixing="rms_matched", upsample_rms_ratio=0.3)
+    flexitokens = model.model.flexitokens
+    # no gate to close: the mixing owns no parameter
+    own = [n for n, _ in flexitokens.named_parameters() if not n.startswith("boundary_predictor.")]
+    assert own == ["null_group", "down_norm.weight"]
+    D = model.config.hidden_size
+    x = torch.randn(2, 5, D) * torch.tensor([0.01, 0.1, 1.0, 10.0, 100.0])[:, None]  # bytes of any magnitude ...
+    h = torch.randn(2, 5, D) * 50  # ... and loop outputs of any magnitude
+    x.requires_grad_(True)
+    y = flexitokens.mix(flexitokens.global_stream(h), x)
+    mean_square = x.detach().pow(2).mean(-1)
+    share = (y - x).detach().pow(2).mean(-1).sqrt() / mean_square.sqrt()
+    expected = 0.3 * ((mean_square + model.config.rms_norm_eps) / mean_square).sqrt()  # 0.3, up to the norm's eps
+    # fp32 sums of D squares, a square root and a division; y - x loses log2(1 / 0.3) bits to cancellation
+    torch.testing.assert_close(share, expected, rtol=8 * D * torch.finfo(torch.float32).eps, atol=0)
+    assert float((expected - 0.3).abs().max()) < 0.3 * 1e-2
+    # rms(x) is held constant in the gradient: the bytes' gradient is the byte skip's alone
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_rms_matched_mixing_decodes_as_the_full_forward_and_ignores_padding():
+    model = tiny_model(seed=1, upsample_mixing="rms_matched").eval()
+    ids = _ids(length=80, seed=3)
+    with torch.no_grad():
+        full = model(ids)
+        prefill = model(ids[:, :40], use_cache=True)
+        step = model(ids[:, 40:], cache=prefill.cache)
+    assert int(prefill.cache.num_segments.min()) > 0  # the global stream was read
+    tol = dict(rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(full.logits.abs().max()))
+    torch.testing.assert_close(prefill.logits, full.logits[:, :40], **tol)
+    torch.testing.assert_close(step.logits, full.logits[:, 40:], **tol)
+    padded = torch.cat([torch.full((1, 7), 256), ids[:1]], 1)
+    mask = torch.cat([torch.zeros(1, 7), torch.ones(1, 80)], 1).long()
+    with torch.no_grad():
+        left = model(padded, attention_mask=mask).logits[:, 7:]
+    torch.testing.assert_close(left, full.logits[:1], **tol)
+
+
 def test_language_model_loss_reaches_the_boundary_predictor():
     model = tiny_model(seed=0, upsample_mixing="scaled_norm", upsample_scale_init=0.5).train()
     ids = _ids(length=64)
@@ -150,7 +190,7 @@ def test_language_model_loss_reaches_the_boundary_predictor():
 
 @pytest.mark.parametrize("field, value", [("boundary_mode", "soft"), ("upsample_mixing", "concat"),
                                           ("sliding_window", 0), ("recurrent_sliding_window", 0),
-                                          ("upsample_scale_init", -1.0)])
+                                          ("upsample_scale_init", -1.0), ("upsample_rms_ratio", 0.0)])
 def test_invalid_global_path_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         tiny(**{field: value})
