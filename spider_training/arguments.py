@@ -172,6 +172,7 @@ def build_parser() -> HfArgumentParser:
         lr_scheduler_type="cosine_with_min_lr", logging_steps=10, save_total_limit=2, report_to="none",
         remove_unused_columns=False, optim="adamw_torch", save_steps=None, max_steps=None, logging_first_step=True,
         per_device_train_batch_size=None, gradient_accumulation_steps=None, eval_strategy="steps", eval_steps=None,
+        hub_strategy="checkpoint",  # with --push_to_hub, each checkpoint also goes to last-checkpoint/ (resumable)
     )
     return parser
 

@@ -1,14 +1,14 @@
 """Push Spider checkpoints and the final release folder to the Hugging Face Hub without ever stalling training.
 
-``transformers.Trainer``'s own ``push_to_hub=True`` calls ``create_repo`` when the Trainer is built (it raises when
-the Hub is unreachable) and its pushes have no time limit. Spider's trainer keeps ``args.push_to_hub=False`` and uses
-this module instead:
+Checkpoints go through ``transformers.Trainer``'s own Hub pushing (``--push_to_hub``, ``--hub_model_id``,
+``--hub_strategy``, ``--hub_always_push``, ``--hub_revision``, ``--hub_private_repo``, ``--hub_token``), with the two
+overrides an offline-tolerant run needs (:class:`HubPushMixin`); the uploads themselves are this module's:
 
 * :func:`push_folder` -- one bounded, never-raising upload of a local folder (``create_repo(exist_ok=True)`` +
   ``HfApi.upload_folder``) with retries and exponential back-off; returns a :class:`PushResult`.
-* :class:`HubPushCallback` -- a ``TrainerCallback`` whose ``on_save`` pushes the newest ``checkpoint-N`` folder in a
-  background thread (Trainer's ``hub_strategy="checkpoint"`` layout: ``last-checkpoint/`` in the repo, or
-  ``"all_checkpoints"``: ``checkpoint-N/``), so training goes on while it uploads; ``wait()`` joins at the end.
+* :class:`HubPushMixin` -- mixed into ``SpiderTrainer``: ``init_hf_repo`` sends nothing (Trainer's would stop an
+  offline run before step 1), and each checkpoint Trainer pushes is uploaded from a hard-linked snapshot with
+  :func:`push_folder` in a background thread, so training goes on while it uploads.
 * :func:`push_release` -- the final release folder (weights, config with ``auto_map``, remote-code ``.py`` files,
   tokenizer files, README model card, loss curve) to the repo root, blocking but bounded.
 
@@ -46,41 +46,38 @@ one HTTP ``PUT`` per file (multipart above the Hub's part size), a ``verify`` ca
 against the real Hub; the local test double ``tests/hub_server.py`` speaks only the plain path. This module does not
 toggle the switch (it is process-wide); Xet's own transfers are bounded by ``timeout_s`` like everything else.
 
-Trainer integration (``train_hf.py``)::
+Trainer integration (``spider_training/train.py``)::
 
-    callback = HubPushCallback(args.hub_model_id, token=args.hub_token, private=args.hub_private_repo)
-    trainer = SpiderTrainer(..., callbacks=[callback])      # args.push_to_hub stays False
-    trainer.train()
-    callback.wait(timeout_s=600)
+    trainer = SpiderTrainer(..., args=args, hub_endpoint=...)   # args.push_to_hub=True, hub_model_id=...
+    trainer.train()                                             # checkpoints pushed in the background
     write release folder ...
-    result = push_release(release_dir, args.hub_model_id, token=args.hub_token)
+    result = push_release(release_dir, trainer.hub_model_id, token=args.hub_token)
     # result.ok is False offline; the release is on disk either way
 
-Only the process with ``state.is_world_process_zero`` pushes. Modelled on ``transformers.Trainer._push_from_checkpoint``
-(``hub_strategy``, "skip a push while the previous one is in flight unless ``hub_always_push``").
+Only the process with ``is_world_process_zero()`` pushes.
 
-Why not Trainer's own pushing (``push_to_hub=True``, ``hub_strategy``) or ``HfApi.upload_folder(run_as_future=True)``
-(checked against transformers 5.23 / huggingface_hub 2.4): ``Trainer.init_hf_repo`` calls ``create_repo`` while the
-Trainer is built, so an unreachable Hub stops the run before step 1; ``_push_from_checkpoint`` uploads the checkpoint
-folder in place, which Spider's atomic save publishes by renaming and ``save_total_limit`` may delete mid-upload, with
-no retry and no time bound; ``Trainer.push_to_hub`` writes Trainer's generated model card over the release's.
-``run_as_future`` runs on a ``ThreadPoolExecutor``, whose worker threads the interpreter joins at exit: a request in
-flight to a silent server would hold a finished run's exit until its HTTP timeout, then the queued pushes would run. This module keeps to huggingface_hub's public pieces
-(``create_repo``, ``create_branch``, ``upload_folder``, ``set_client_factory``, ``validate_repo_id``) in daemon threads.
+What of Trainer's pushing is replaced, and why (checked against transformers 5.24 / huggingface_hub 2.4):
+``Trainer.init_hf_repo`` calls ``create_repo`` while the Trainer is built, so an unreachable Hub would stop the run
+before step 1. ``_push_from_checkpoint`` uploads with ``HfApi.upload_folder(run_as_future=True)`` from the
+checkpoint folder itself, which ``save_total_limit`` may delete mid-upload, with no retry and no time bound, and a
+failed future is never reported. ``Trainer.push_to_hub`` would write Trainer's generated model card over the
+release's, so the release goes up with :func:`push_release`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import TrainerCallback
+from transformers.trainer_utils import HubStrategy
+from transformers.utils.hub import PushInProgress
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +85,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_HTTP_TIMEOUT_S = 60.0
 #: Connect timeout (seconds).
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
-#: Trainer's hub_strategy names this module supports, and where each puts checkpoint N in the repo.
-HUB_STRATEGIES = ("checkpoint", "all_checkpoints")
 #: 4xx statuses that may succeed on retry (timeout, conflict during concurrent commit, rate limit).
 _RETRYABLE_4XX = (408, 409, 429)
 #: Folder (under ``args.output_dir``) holding hard-linked snapshots of checkpoints while they upload.
@@ -426,14 +421,23 @@ def push_release(
     )
 
 
-# ----------------------------------------------------------------------------------------------------------- callback
+# ----------------------------------------------------------------------------------------------------------- Trainer
 
 
-def _snapshot(src: Path, dst: Path) -> None:
-    """Hard-link (copy where linking fails) every file of ``src`` into ``dst``: the upload then survives Trainer's
-    checkpoint rotation (``save_total_limit``) deleting ``src`` mid-upload, at no disk cost on one filesystem."""
+#: Files of a checkpoint that only resuming needs. Trainer pushes a checkpoint's model files (weights, config,
+#: tokenizer, code, ``training_args.bin``) to the repo root; these go only into ``last-checkpoint/`` (``checkpoint-N/``).
+RESUME_STATE_PATTERNS = ("optimizer*", "scheduler*", "scaler*", "rng_state*", "trainer_state.json")
+
+
+def _snapshot(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """Hard-link (copy where linking fails) every file of ``src`` into ``dst``, except top-level names matching a
+    pattern of ``skip``: the upload then survives Trainer's checkpoint rotation (``save_total_limit``) deleting ``src``
+    mid-upload, at no disk cost on one filesystem."""
     for item in src.rglob("*"):
-        target = dst / item.relative_to(src)
+        relative = item.relative_to(src)
+        if any(fnmatch.fnmatch(relative.parts[0], pattern) for pattern in skip):
+            continue
+        target = dst / relative
         if item.is_dir():
             target.mkdir(parents=True, exist_ok=True)
         elif item.is_file():
@@ -444,172 +448,119 @@ def _snapshot(src: Path, dst: Path) -> None:
                 shutil.copy2(item, target)
 
 
-class HubPushCallback(TrainerCallback):
-    """``TrainerCallback`` that pushes each saved checkpoint to the Hub in the background, never stopping training.
+class AbandonablePushInProgress(PushInProgress):
+    """Trainer's record of the checkpoint pushes in flight (``Trainer.push_in_progress``, which ``train()`` waits for
+    at its end), except that it does not wait once ``abandon()`` says so: a run stopped by SIGTERM must exit within
+    its grace period. Every job finishes on its own within the push's time bound (:func:`push_folder`)."""
 
-    On ``on_save`` (world process zero only) the folder ``args.output_dir/checkpoint-{state.global_step}`` is
-    snapshotted (hard links under ``args.output_dir/.hub_push_staging/``) and queued; one daemon worker thread
-    uploads queued checkpoints in order with :func:`push_folder` and removes each snapshot afterwards. Where it goes
-    (Trainer's ``hub_strategy`` names):
+    def __init__(self, jobs: list[futures.Future], abandon) -> None:
+        super().__init__(jobs)
+        self.abandon = abandon
 
-    * ``"checkpoint"`` (default): ``last-checkpoint/`` in the repo, overwritten by every push -- resume with
-      ``snapshot_download(repo, allow_patterns="last-checkpoint/*")`` then ``trainer.train(resume_from_checkpoint=
-      ".../last-checkpoint")``, exactly as with Trainer's own push.
-    * ``"all_checkpoints"``: ``checkpoint-N/`` per save.
+    def wait_until_done(self) -> None:
+        if self.abandon():
+            pending = sum(not job.done() for job in self.jobs)
+            if pending:
+                logger.warning("%d Hub push(es) still running; not waiting for them (the run was stopped)", pending)
+            return
+        super().wait_until_done()
 
-    While a push is queued or running, a new save is skipped (logged, step recorded in ``skipped_steps``) unless
-    ``always_push=True`` (Trainer's ``hub_always_push``) -- slow uploads never pile up behind a fast save interval.
 
-    Args:
-        repo_id: ``"namespace/name"`` of the model repo (validated now, so a typo fails before training starts).
-        token / endpoint / private / revision: as :func:`push_folder`.
-        hub_strategy: ``"checkpoint"`` or ``"all_checkpoints"``.
-        always_push: queue every save even while a push is in flight.
-        timeout_s / retries / backoff_s: per checkpoint push, as :func:`push_folder` (the worker thread, not the
-            training loop, waits this long).
-        ignore_patterns: files of the checkpoint not to upload (e.g. ``["optimizer.pt"]`` to save bandwidth when you
-            do not need to resume from the Hub).
+class HubPushMixin:
+    """Trainer's own Hub pushing, made safe for a run whose Hub is unreachable. Mix it in before ``Trainer``
+    (``class MyTrainer(HubPushMixin, Trainer)``).
 
-    Attributes:
-        results: one :class:`PushResult` per finished push, in order.
-        skipped_steps: global steps whose save was not pushed because a push was in flight.
+    Trainer's machinery drives it: ``args.push_to_hub`` switches it on; ``hub_model_id``, ``hub_token``,
+    ``hub_private_repo``, ``hub_revision``, ``hub_strategy`` and ``hub_always_push`` mean what Trainer's docs say;
+    the ``on_push_begin`` callback event fires; Trainer skips nothing it would not skip; ``train()`` waits at its end
+    for the pushes in flight (``push_in_progress``). Two of Trainer's methods change:
 
-    Raises:
-        ValueError: malformed ``repo_id``, unknown ``hub_strategy``, non-positive ``timeout_s``, negative ``retries``.
+    * ``init_hf_repo`` (public; Trainer calls it while it is built): checks the repo id
+      (``huggingface_hub.utils.validate_repo_id``, ``ValueError`` when malformed) and sends nothing, so an
+      unreachable Hub cannot stop the run before step 1; every push creates the repo if it is missing.
+    * ``_push_from_checkpoint`` (private: Trainer calls it from ``_save_checkpoint`` after each save, and no public
+      hook runs there): the same files to the same places as Trainer -- the checkpoint's model files (all but
+      :data:`RESUME_STATE_PATTERNS`) to the repo root, and with ``hub_strategy="checkpoint"`` the whole checkpoint to
+      ``last-checkpoint/`` (``"all_checkpoints"``: ``checkpoint-N/``; ``"end"``: nothing during training) -- but in
+      one commit ("Training in progress, step N"; Trainer makes two), uploaded from a hard-linked snapshot under ``OUTPUT_DIR/.hub_push_staging/`` (checkpoint rotation cannot pull
+      files from under an upload) by :func:`push_folder` in a daemon thread: retried with back-off, bounded in time,
+      failures logged as warnings, never raised into training.
+
+    Settings (attributes; set them before ``Trainer.__init__`` runs, e.g. in the subclass's ``__init__``):
+    ``hub_endpoint`` (None: ``HF_ENDPOINT`` or huggingface.co), ``hub_push_timeout_s`` (per checkpoint push, seconds),
+    ``hub_push_retries``, ``hub_push_backoff_s``. Results: ``hub_push_results`` (one :class:`PushResult` per finished
+    checkpoint push, in order), ``hub_skipped_steps`` (saves not pushed because a push was still in flight).
     """
 
-    def __init__(
-        self,
-        repo_id: str,
-        *,
-        token: str | bool | None = None,
-        endpoint: str | None = None,
-        private: bool | None = None,
-        revision: str | None = None,
-        hub_strategy: str = "checkpoint",
-        always_push: bool = False,
-        timeout_s: float = 1800.0,
-        retries: int = 3,
-        backoff_s: float = 2.0,
-        ignore_patterns: list[str] | None = None,
-    ):
+    hub_endpoint: str | None = None
+    hub_push_timeout_s: float = 1800.0
+    hub_push_retries: int = 3
+    hub_push_backoff_s: float = 2.0
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Set ``hub_model_id`` (``args.hub_model_id``, else the output folder's name, as Trainer) without contacting
+        the Hub. Raises ``ValueError`` for a malformed repo id."""
+        self.hub_push_results: list[PushResult] = []
+        self.hub_skipped_steps: list[int] = []
+        self.push_in_progress = None
+        repo_id = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
         _validate_repo_id(repo_id)
-        if hub_strategy not in HUB_STRATEGIES:
-            raise ValueError(f"hub_strategy must be one of {HUB_STRATEGIES}, got {hub_strategy!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+        self.hub_model_id = repo_id
         share_tqdm_lock()
-        self.repo_id = repo_id
-        self.token = token
-        self.endpoint = endpoint
-        self.private = private
-        self.revision = revision
-        self.hub_strategy = hub_strategy
-        self.always_push = always_push
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.ignore_patterns = ignore_patterns
-        self.results: list[PushResult] = []
-        self.skipped_steps: list[int] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._worker: threading.Thread | None = None
 
-    # -- Trainer events --------------------------------------------------------------------------------------------
-    def on_save(self, args, state, control, **kwargs):
-        """Queue ``args.output_dir/checkpoint-{state.global_step}`` for upload; returns immediately."""
-        if not state.is_world_process_zero:
+    def hub_pushes_abandoned(self) -> bool:
+        """Whether the end of ``train()`` should leave pushes in flight to their threads (default: never)."""
+        return False
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
             return
-        step = state.global_step
-        checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
-        if not checkpoint.is_dir():
-            logger.warning("HubPushCallback: no checkpoint folder %s after save at step %d; nothing pushed", checkpoint, step)
+        step = self.state.global_step
+        busy = self.push_in_progress is not None and not self.push_in_progress.is_done()
+        if busy and not self.args.hub_always_push:
+            self.hub_skipped_steps.append(step)
+            logger.info("previous Hub push still running; checkpoint of step %d not pushed", step)
             return
-        with self._cond:
-            if self._pending and not self.always_push:
-                self.skipped_steps.append(step)
-                logger.info("HubPushCallback: previous push still running; step %d not pushed", step)
-                return
-            self._pending += 1
-        staging = Path(args.output_dir) / STAGING_DIR_NAME / checkpoint.name
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        # The repo's layout after this commit, as Trainer's two commits leave it: the model files at the root and,
+        # with hub_strategy "checkpoint" / "all_checkpoints", the whole checkpoint in last-checkpoint/ / checkpoint-N/.
+        checkpoint = Path(checkpoint_folder)
+        snapshot = Path(self.args.output_dir) / STAGING_DIR_NAME / checkpoint.name
+        shutil.rmtree(snapshot, ignore_errors=True)
         try:
-            if staging.exists():
-                shutil.rmtree(staging)
-            _snapshot(checkpoint, staging)
-            source = staging
-        except OSError as err:  # snapshot is an optimisation: fall back to the live folder
-            logger.warning("HubPushCallback: could not snapshot %s (%s); uploading it in place", checkpoint, err)
-            shutil.rmtree(staging, ignore_errors=True)
-            source = checkpoint
-        path_in_repo = "last-checkpoint" if self.hub_strategy == "checkpoint" else checkpoint.name
-        self._queue.put((step, source, path_in_repo, source if source == staging else None))
-        self._ensure_worker()
+            _snapshot(checkpoint, snapshot, skip=RESUME_STATE_PATTERNS)
+            if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+                folder = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else checkpoint.name
+                _snapshot(checkpoint, snapshot / folder)
+        except OSError as err:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            self.hub_push_results.append(PushResult(ok=False, repo_id=self.hub_model_id, folder=str(checkpoint),
+                                                    error=_describe(err)))
+            logger.warning("checkpoint of step %d not pushed: could not snapshot %s (%s)", step, checkpoint, err)
+            return
+        job: futures.Future = futures.Future()
+        previous = self.push_in_progress.jobs[-1] if busy else None  # pushes land in order: the newest model last
+        threading.Thread(target=self._push_snapshot, args=(job, snapshot, step, previous),
+                         name=f"spider-hub-push:{step}", daemon=True).start()
+        if busy:
+            self.push_in_progress.jobs.append(job)
+        else:
+            self.push_in_progress = AbandonablePushInProgress([job], self.hub_pushes_abandoned)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        """Does not block: logs how many pushes are still running (call :meth:`wait` to join them)."""
-        with self._cond:
-            pending = self._pending
-        if pending and state.is_world_process_zero:
-            logger.info("HubPushCallback: %d checkpoint push(es) still running; call wait() before exiting", pending)
-
-    # -- worker ----------------------------------------------------------------------------------------------------
-    def _ensure_worker(self) -> None:
-        with self._cond:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._run, name="spider-hub-push-callback", daemon=True)
-                self._worker.start()
-
-    def _run(self) -> None:
-        while True:
-            step, source, path_in_repo, staging = self._queue.get()
-            try:
-                result = push_folder(
-                    source, self.repo_id, token=self.token, endpoint=self.endpoint,
-                    commit_message=f"Training in progress, step {step}, checkpoint", revision=self.revision,
-                    private=self.private, path_in_repo=path_in_repo, ignore_patterns=self.ignore_patterns,
-                    timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
-                )
-            except Exception as err:  # noqa: BLE001 -- e.g. the folder vanished; never kill the worker
-                result = PushResult(ok=False, repo_id=self.repo_id, folder=str(source), path_in_repo=path_in_repo,
-                                    revision=self.revision, error=_describe(err))
-                logger.warning("HubPushCallback: push of step %d failed: %s", step, result.error)
-            if staging is not None and not result.timed_out:  # a timed-out upload may still be reading the files
-                shutil.rmtree(staging, ignore_errors=True)
-            with self._cond:
-                self.results.append(result)
-                self._pending -= 1
-                self._cond.notify_all()
-
-    # -- public ----------------------------------------------------------------------------------------------------
-    @property
-    def pending(self) -> int:
-        """Pushes queued or running."""
-        with self._cond:
-            return self._pending
-
-    def wait(self, timeout_s: float | None = None) -> list[PushResult]:
-        """Block until every queued push finished, or ``timeout_s`` seconds passed (``None``: the per-push
-        ``timeout_s`` times the number of pending pushes, plus 5 s -- still bounded).
-
-        Returns:
-            a copy of :attr:`results`. Pushes still running at the deadline are left to their daemon thread and
-            logged as a warning.
-        """
-        with self._cond:
-            if timeout_s is None:
-                timeout_s = self.timeout_s * max(self._pending, 1) + 5.0
-            deadline = time.monotonic() + timeout_s
-            while self._pending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    logger.warning(
-                        "HubPushCallback.wait: %d push(es) to %r still running after %.1fs; not waiting longer",
-                        self._pending, self.repo_id, timeout_s,
-                    )
-                    break
-                self._cond.wait(remaining)
-            return list(self.results)
+    def _push_snapshot(self, job: futures.Future, snapshot: Path, step: int, previous: futures.Future | None) -> None:
+        if previous is not None:
+            futures.wait([previous])  # bounded: every push ends within its own time limit
+        try:
+            result = push_folder(
+                snapshot, self.hub_model_id, token=self.args.hub_token, endpoint=self.hub_endpoint,
+                commit_message=f"Training in progress, step {step}", revision=self.args.hub_revision,
+                private=self.args.hub_private_repo, timeout_s=self.hub_push_timeout_s, retries=self.hub_push_retries,
+                backoff_s=self.hub_push_backoff_s,
+            )
+        except Exception as err:  # noqa: BLE001 -- e.g. the snapshot vanished; a push never raises into training
+            result = PushResult(ok=False, repo_id=self.hub_model_id, folder=str(snapshot), error=_describe(err))
+            logger.warning("Hub push of the checkpoint of step %d failed: %s", step, result.error)
+        if not result.timed_out:  # a timed-out upload may still be reading the files
+            shutil.rmtree(snapshot, ignore_errors=True)
+        self.hub_push_results.append(result)
+        job.set_result(result)

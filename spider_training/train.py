@@ -86,20 +86,12 @@ def _run(spider: SpiderArguments, args) -> dict:
 
     if eval_dataset is None:
         args = dataclasses.replace(args, eval_strategy="no")
-    callbacks = []
-    push = args.push_to_hub
-    if push:
-        from spider_training.hub import HubPushCallback
-
-        if not args.hub_model_id:
-            raise ValueError("--push_to_hub needs --hub_model_id OWNER/NAME")
-        callbacks.append(HubPushCallback(args.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
-                                         endpoint=spider.hub_endpoint))
-        args = dataclasses.replace(args, push_to_hub=False)  # Trainer's own push would crash offline at init
+    if args.push_to_hub and not args.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id OWNER/NAME")
 
     trainer = SpiderTrainer(
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, data_collator=default_data_collator, callbacks=callbacks,
+        processing_class=tokenizer, data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
         n_loops=spider.n_loops, precision=precision, fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
     )
@@ -179,11 +171,11 @@ def _run(spider: SpiderArguments, args) -> dict:
                       log_history=trainer.state.log_history)
         summary["release_dir"] = release_dir
         print(f"release written to {release_dir}")
-        if push:
+        if args.push_to_hub:  # the checkpoint pushes are done: Trainer waited for them at the end of train()
             from spider_training.hub import push_release
 
-            callbacks[0].wait()
-            result = push_release(release_dir, args.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
+            result = push_release(release_dir, trainer.hub_model_id, token=args.hub_token,
+                                  private=args.hub_private_repo, revision=args.hub_revision,
                                   endpoint=spider.hub_endpoint)
             summary["pushed"] = result.ok
         print(json.dumps({k: v for k, v in summary.items() if k != "sample"}, indent=2, default=str))

@@ -17,7 +17,7 @@ overrides public, documented methods:
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
 
-Three private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
+Four private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
 does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
@@ -25,6 +25,10 @@ does their job (the section says why for each):
 - ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
   and the cause.
+- ``_push_from_checkpoint``: Trainer calls it inside the save, while the folder is still staged; it runs once the
+  checkpoint is published. Hub pushing (``args.push_to_hub``) is otherwise Trainer's own, made offline-tolerant by
+  :class:`spider_training.hub.HubPushMixin`; a run stopped by a signal does not wait for the pushes in flight
+  (``hub_pushes_abandoned``).
 
 Two callbacks are added (Trainer's documented ``TrainerCallback`` events):
 
@@ -50,6 +54,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from . import checkpointing
 from .data import StreamingTextDataset, make_dataloader
 from .fp8 import convert_model_to_fp8
+from .hub import HubPushMixin
 from .metrics import bits_per_byte
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
 from .optim import muon_with_adamw
@@ -70,7 +75,7 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class SpiderTrainer(Trainer):
+class SpiderTrainer(HubPushMixin, Trainer):
     """Trainer for :class:`SpiderForConditionalGeneration`.
 
     Args (beyond ``Trainer``'s):
@@ -87,6 +92,8 @@ class SpiderTrainer(Trainer):
         muon_lr: peak learning rate of Muon for the hidden matrices (:mod:`spider_training.optim`); AdamW at
             ``args.learning_rate`` trains the rest, both on ``args``' schedule. 0 (default): Trainer's own optimizer
             (``args.optim``) for every parameter.
+        hub_endpoint: Hub URL for ``args.push_to_hub`` (None: ``HF_ENDPOINT`` or huggingface.co); pushing is
+            Trainer's, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`.
 
     Attributes:
         nonfinite_guard: the :class:`NonFiniteGuardCallback` (``skipped_steps``, ``skipped_at``).
@@ -101,7 +108,8 @@ class SpiderTrainer(Trainer):
     def __init__(self, model=None, args=None, *, n_loops=None, precision="fp32", fp8_recipe="tensorwise",
                  eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
-                 muon_lr=0.0, **kwargs):
+                 muon_lr=0.0, hub_endpoint=None, **kwargs):
+        self.hub_endpoint = hub_endpoint
         self.n_loops = n_loops
         self.muon_lr = muon_lr
         self.precision = precision
@@ -250,6 +258,13 @@ class SpiderTrainer(Trainer):
             reduce=self.accelerator.reduce if self.accelerator.num_processes > 1 else None,
         )
 
+    # --- Hub ----------------------------------------------------------------------------------------------------
+
+    def hub_pushes_abandoned(self) -> bool:
+        """A run stopped by SIGTERM/SIGINT exits without waiting for Hub pushes in flight (its grace period is short;
+        the restart pushes again)."""
+        return self.stop_callback is not None and self.stop_callback.stopped
+
     # --- private Trainer methods ---------------------------------------------------------------------------------
     # The only overrides of Trainer's private methods, each because no public hook exists for what it does (checked
     # against transformers 5.23; re-check them on every transformers upgrade):
@@ -258,6 +273,8 @@ class SpiderTrainer(Trainer):
     # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
     #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
+    # - `_push_from_checkpoint` (HubPushMixin's, see spider_training/hub.py): Trainer calls it from `_save_checkpoint` on
+    #   the staged folder; the push waits for the publishing rename.
 
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
@@ -266,6 +283,10 @@ class SpiderTrainer(Trainer):
             args["mixed_precision"] = "bf16"
         return args
 
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if getattr(self, "_staging_root", None) is not None:
+            return  # called by Trainer inside the save, on the staged folder: pushed after the publishing rename
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def _get_output_dir(self, trial) -> str:
         staging = getattr(self, "_staging_root", None)
@@ -308,6 +329,8 @@ class SpiderTrainer(Trainer):
             name = f"checkpoint-{self.state.global_step}"
             checkpointing.publish(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), os.path.join(run_dir, name))
             checkpointing.clear_staging(run_dir)
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(os.path.join(run_dir, name))
             rotate_checkpoints(
                 output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                 best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False,

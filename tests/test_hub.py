@@ -12,15 +12,19 @@ import json
 import logging
 import shutil
 import socket
+import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from huggingface_hub import constants
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from spider_training import hub
-from spider_training.hub import HubPushCallback, PushResult, configure_http_timeouts, push_folder, push_release
+from spider_training.hub import HubPushMixin, PushResult, configure_http_timeouts, push_folder, push_release
 from tests.hub_server import FakeHubServer
 
 TOKEN = "hf_fake_test_token"
@@ -270,10 +274,8 @@ def test_bad_local_input_raises_clear_errors(tmp_path):
         push_folder(tmp_path, REPO, commit_message="x", timeout_s=0)
     with pytest.raises(ValueError, match="retries"):
         push_folder(tmp_path, REPO, commit_message="x", retries=-1)
-    with pytest.raises(ValueError, match="hub_strategy"):
-        HubPushCallback(REPO, hub_strategy="every_save")
     with pytest.raises(ValueError, match="repo_id"):
-        HubPushCallback("not a repo id!")
+        _trainer(tmp_path / "run", hub_model_id="not a repo id!")  # while the Trainer is built, before training
 
 
 def test_release_with_model_card_reaches_the_hub(server, tmp_path):
@@ -306,109 +308,130 @@ def test_invalid_readme_metadata_fails_without_retry(server, tmp_path):
     assert server.commits == []
 
 
-# ------------------------------------------------------------------------------------------------ callback
+# ------------------------------------------------------------------------------------------------ Trainer
 
 
-def _trainer_objects(output_dir: Path, step: int, main: bool = True):
-    from transformers import TrainerControl, TrainerState, TrainingArguments
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
 
-    args = TrainingArguments(output_dir=str(output_dir), report_to="none", use_cpu=True)
-    state = TrainerState(global_step=step, is_world_process_zero=main, is_local_process_zero=main)
-    return args, state, TrainerControl()
-
-
-def _fake_checkpoint(output_dir: Path, step: int) -> dict[str, bytes]:
-    folder = output_dir / f"checkpoint-{step}"
-    folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(np.full(4096, step, dtype=np.float32).tobytes())
-    (folder / "optimizer.pt").write_bytes(bytes([step % 256]) * 2048)
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    return {p.name: p.read_bytes() for p in folder.iterdir()}
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
 
 
-def test_callback_pushes_checkpoint_to_last_checkpoint(server, tmp_path):
-    out = tmp_path / "out"
-    expected = _fake_checkpoint(out, 5)
-    callback = HubPushCallback(REPO, token=TOKEN, endpoint=server.url, private=True, timeout_s=20)
-    args, state, control = _trainer_objects(out, 5)
+class TinyData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
 
-    callback.on_save(args, state, control)
-    results = callback.wait(timeout_s=20)
+    def __getitem__(self, i):
+        return {"x": torch.full((4,), float(i)), "labels": torch.tensor(float(i % 3))}
 
-    assert len(results) == 1 and results[0].ok, results[0].error
-    assert results[0].path_in_repo == "last-checkpoint"
-    assert server.files(REPO) == {f"last-checkpoint/{name}": data for name, data in expected.items()}
-    assert server.commits[0].summary == "Training in progress, step 5, checkpoint"
+
+class PushingTrainer(HubPushMixin, Trainer):
+    """A plain ``transformers.Trainer`` with the mixin, as ``SpiderTrainer`` has it."""
+
+    def __init__(self, *args, hub_endpoint=None, hub_push_timeout_s=20.0, hub_push_retries=3, **kwargs):
+        self.hub_endpoint = hub_endpoint
+        self.hub_push_timeout_s = hub_push_timeout_s
+        self.hub_push_retries = hub_push_retries
+        self.hub_push_backoff_s = 0.01
+        super().__init__(*args, **kwargs)
+
+
+def _trainer(output_dir: Path, endpoint: str | None = None, timeout_s: float = 20.0, retries: int = 3,
+             **training_args) -> PushingTrainer:
+    settings = dict(push_to_hub=True, hub_model_id=REPO, hub_token=TOKEN, max_steps=2, save_steps=2,
+                    per_device_train_batch_size=2, report_to="none", use_cpu=True, disable_tqdm=True)
+    args = TrainingArguments(output_dir=str(output_dir), **{**settings, **training_args})
+    return PushingTrainer(model=TinyModel(), args=args, train_dataset=TinyData(), hub_endpoint=endpoint,
+                          hub_push_timeout_s=timeout_s, hub_push_retries=retries)
+
+
+def test_trainer_builds_and_trains_without_contacting_the_hub(tmp_path):
+    """Trainer's own init_hf_repo calls create_repo while it is built; with the mixin nothing is sent until a save."""
+    with FakeHubServer(token=TOKEN) as srv:
+        trainer = _trainer(tmp_path / "run", srv.url, hub_strategy="end")
+        trainer.train()
+        assert trainer.hub_model_id == REPO
+        assert srv.requests == []  # hub_strategy="end": nothing during training either
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
+
+
+def test_trainer_pushes_model_files_to_root_and_checkpoint_to_last_checkpoint(server, tmp_path):
+    out = tmp_path / "run"
+    pushes = []
+
+    class Recorder(TrainerCallback):
+        def on_push_begin(self, args, state, control, **kwargs):
+            pushes.append(state.global_step)
+
+    trainer = _trainer(out, server.url, hub_strategy="checkpoint", hub_private_repo=True)
+    trainer.add_callback(Recorder())
+    trainer.train()  # Trainer waits for the push in flight at the end of train()
+
+    assert [r.ok for r in trainer.hub_push_results] == [True], [r.error for r in trainer.hub_push_results]
+    assert pushes == [2]  # Trainer's on_push_begin event
+    local = {p.relative_to(out / "checkpoint-2").as_posix(): p.read_bytes()
+             for p in (out / "checkpoint-2").rglob("*") if p.is_file()}
+    remote = server.files(REPO)
+    resume_state = {name for name in local if name.startswith(("optimizer", "scheduler", "rng_state", "trainer_state"))}
+    assert resume_state and "model.safetensors" in local
+    assert {k: v for k, v in remote.items() if not k.startswith("last-checkpoint/")} == {
+        name: data for name, data in local.items() if name not in resume_state}  # model files at the root
+    assert {k[len("last-checkpoint/"):]: v for k, v in remote.items() if k.startswith("last-checkpoint/")} == local
+    assert [c.summary for c in server.commits] == ["Training in progress, step 2"]  # one commit
     assert server.repos[REPO].private is True
-    assert not (out / hub.STAGING_DIR_NAME / "checkpoint-5").exists()  # snapshot cleaned up
-    assert (out / "checkpoint-5").is_dir()  # the checkpoint itself is untouched
+    assert not (out / hub.STAGING_DIR_NAME / "checkpoint-2").exists()  # snapshot cleaned up
 
 
-def test_callback_does_not_block_training_and_skips_while_busy(tmp_path):
-    out = tmp_path / "out"
-    _fake_checkpoint(out, 5)
-    _fake_checkpoint(out, 10)
+def test_trainer_push_does_not_block_training_and_skips_while_busy(tmp_path):
     with FakeHubServer(mode="hang", hang_s=30) as srv:
-        callback = HubPushCallback(REPO, token=TOKEN, endpoint=srv.url, timeout_s=1.0, retries=0)
-        args, state, control = _trainer_objects(out, 5)
+        trainer = _trainer(tmp_path / "run", srv.url, timeout_s=3.0, retries=0, max_steps=3, save_steps=1)
         start = time.monotonic()
-        callback.on_save(args, state, control)
-        assert time.monotonic() - start < 0.5  # the save returns while the push hangs
-        state.global_step = 10
-        callback.on_save(args, state, control)
-        assert callback.skipped_steps == [10]
-        results = callback.wait(timeout_s=5)
-    assert len(results) == 1 and not results[0].ok and results[0].timed_out
-    assert callback.pending == 0
+        trainer.train()
+        elapsed = time.monotonic() - start
+    # the pushes of steps 2 and 3 were skipped while the first hung; train() waited only for that one's time bound
+    assert trainer.hub_skipped_steps == [2, 3]
+    assert len(trainer.hub_push_results) == 1 and trainer.hub_push_results[0].timed_out
+    assert elapsed < 3.0 + 15.0
+    assert all((tmp_path / "run" / f"checkpoint-{s}").is_dir() for s in (2, 3))
 
 
-def test_callback_only_on_main_process(server, tmp_path):
-    out = tmp_path / "out"
-    _fake_checkpoint(out, 3)
-    callback = HubPushCallback(REPO, token=TOKEN, endpoint=server.url)
-    callback.on_save(*_trainer_objects(out, 3, main=False))
-    assert callback.wait(timeout_s=1) == []
+def test_abandoned_pushes_are_not_waited_for():
+    """A run stopped by a signal leaves pushes in flight to their threads; otherwise train()'s end waits for them."""
+    hung = futures.Future()
+    hub.AbandonablePushInProgress([hung], abandon=lambda: True).wait_until_done()  # returns at once
+    waiter = threading.Thread(target=hub.AbandonablePushInProgress([hung], abandon=lambda: False).wait_until_done)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # still waiting for the push
+    hung.set_result(None)
+    waiter.join(5)
+    assert not waiter.is_alive()
+
+
+def test_trainer_push_only_on_main_process(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(PushingTrainer, "is_world_process_zero", lambda self: False)
+    trainer = _trainer(tmp_path / "run", server.url)
+    trainer.train()
     assert server.requests == []
 
 
-def test_callback_in_a_real_trainer_run_with_checkpoint_rotation(server, tmp_path):
-    """A tiny Trainer run (plain torch module, 4 steps, save every 2, keep 1 checkpoint): both checkpoints reach the
-    Hub under checkpoint-N/, although Trainer deletes checkpoint-2 while it may still be uploading."""
-    import torch
-    from transformers import Trainer, TrainingArguments
-
-    class TinyModel(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 1)
-
-        def forward(self, x, labels):
-            return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
-
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 16
-
-        def __getitem__(self, i):
-            return {"x": torch.full((4,), float(i)), "labels": torch.tensor(float(i % 3))}
-
+def test_trainer_all_checkpoints_survive_checkpoint_rotation(server, tmp_path):
+    """4 steps, save every 2, keep 1 checkpoint, push every save: both checkpoints reach the Hub under checkpoint-N/,
+    although Trainer deletes checkpoint-2 while it may still be uploading (the upload reads a hard-linked snapshot)."""
     out = tmp_path / "run"
-    callback = HubPushCallback(REPO, token=TOKEN, endpoint=server.url, hub_strategy="all_checkpoints",
-                               always_push=True, timeout_s=20)
-    args = TrainingArguments(output_dir=str(out), max_steps=4, save_steps=2, save_total_limit=1,
-                             per_device_train_batch_size=2, report_to="none", use_cpu=True, logging_steps=1,
-                             save_only_model=False, disable_tqdm=True)
-    trainer = Trainer(model=TinyModel(), args=args, train_dataset=Data(), callbacks=[callback])
+    trainer = _trainer(out, server.url, hub_strategy="all_checkpoints", hub_always_push=True, max_steps=4,
+                       save_total_limit=1)
     trainer.train()
-    results = callback.wait(timeout_s=30)
 
-    assert [r.ok for r in results] == [True, True], [r.error for r in results]
+    assert [r.ok for r in trainer.hub_push_results] == [True, True], [r.error for r in trainer.hub_push_results]
     assert not (out / "checkpoint-2").exists()  # rotated away by Trainer
     remote = server.files(REPO)
     for step in (2, 4):
         assert f"checkpoint-{step}/model.safetensors" in remote
-        state = json.loads(remote[f"checkpoint-{step}/trainer_state.json"])
-        assert state["global_step"] == step
+        assert json.loads(remote[f"checkpoint-{step}/trainer_state.json"])["global_step"] == step
     local = {p.name: p.read_bytes() for p in (out / "checkpoint-4").iterdir() if p.is_file()}
     assert {k.split("/", 1)[1]: v for k, v in remote.items() if k.startswith("checkpoint-4/")} == local
-    shutil.rmtree(out)
+    assert remote["model.safetensors"] == local["model.safetensors"]  # the root holds the newest model
