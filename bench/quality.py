@@ -519,6 +519,10 @@ ABLATIONS: list[tuple] = [
 ]
 
 
+#: Budgets (multiples of the default's steps) at which the default recipe (Muon, the teacher's segments, the RMS-matched
+#: mixing) is also measured with and without the global path; the AdamW recipe's budgets are 2, 4, 8 and 12.
+DEFAULT_RECIPE_BUDGETS = (4, 8)
+
 #: (byte layers and budget, Spider row, the same byte layers without the global path): the README's "what the
 #: global path adds" table.
 GLOBAL_PATH_PAIRS = [
@@ -551,6 +555,10 @@ GLOBAL_PATH_PAIRS = [
     ("4-byte window, Muon, end-to-end boundaries (the default before 2026-11-24)", END_TO_END_DEFAULT,
      "global path removed (prelude + coda only)"),
     ("4-byte window, Muon at lr 0.02, end-to-end boundaries", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
+    ("4-byte window, Muon, the teacher's word segments, 4x the steps", "the default run, 4x the steps",
+     "global path removed, 4x the steps, Muon"),
+    ("4-byte window, Muon, the teacher's word segments, 8x the steps", "the default run, 8x the steps",
+     "global path removed, 8x the steps, Muon"),
     ("4-byte window, 2x the steps", "spider, 2x the steps", "global path removed, 2x the steps"),
     ("4-byte window, 4x the steps", "spider, 4x the steps", "global path removed, 4x the steps"),
     ("4-byte window, 8x the steps", "spider, 8x the steps", "global path removed, 8x the steps"),
@@ -644,6 +652,11 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
                            ("bytes_only", f"global path removed, {factor}x the steps")):
             runs.append(dict(group="longer budget", kind=kind, name=name, overrides=segments(kind, ADAMW, {}),
                              steps=factor * recipe.steps, lr=recipe.lr, recipe=ADAMW, times=", AdamW"))
+    for factor in DEFAULT_RECIPE_BUDGETS:  # what the global path adds with budget, on the default recipe
+        for kind, name in (("spider", f"the default run, {factor}x the steps"),
+                           ("bytes_only", f"global path removed, {factor}x the steps, Muon")):
+            runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
+                             lr=recipe.lr, recipe={}, times=""))
     for r in runs:
         r["step_seconds"] = dict(zip(("spider", "llama", "bytes_only"), times[r.pop("times")]))
     return runs
