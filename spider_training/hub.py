@@ -425,7 +425,8 @@ def push_release(
 
 
 #: Files of a checkpoint that only resuming needs. Trainer pushes a checkpoint's model files (weights, config,
-#: tokenizer, code, ``training_args.bin``) to the repo root; these go only into ``last-checkpoint/`` (``checkpoint-N/``).
+#: tokenizer, code, ``training_args.bin``) to the repo root; these go only into ``last-checkpoint/``
+#: (``checkpoint-N/``).
 RESUME_STATE_PATTERNS = ("optimizer*", "scheduler*", "scaler*", "rng_state*", "trainer_state.json")
 
 
@@ -482,9 +483,10 @@ class HubPushMixin:
       hook runs there): the same files to the same places as Trainer -- the checkpoint's model files (all but
       :data:`RESUME_STATE_PATTERNS`) to the repo root, and with ``hub_strategy="checkpoint"`` the whole checkpoint to
       ``last-checkpoint/`` (``"all_checkpoints"``: ``checkpoint-N/``; ``"end"``: nothing during training) -- but in
-      one commit ("Training in progress, step N"; Trainer makes two), uploaded from a hard-linked snapshot under ``OUTPUT_DIR/.hub_push_staging/`` (checkpoint rotation cannot pull
-      files from under an upload) by :func:`push_folder` in a daemon thread: retried with back-off, bounded in time,
-      failures logged as warnings, never raised into training.
+      one commit ("Training in progress, step N"; Trainer makes two), uploaded from a hard-linked snapshot under
+      ``OUTPUT_DIR/.hub_push_staging/`` (checkpoint rotation cannot pull files from under an upload) by
+      :func:`push_folder` in a daemon thread: retried with back-off, bounded in time, failures logged as warnings,
+      never raised into training. With ``hub_always_push`` the pushes land in order (the newest model last).
 
     Settings (attributes; set them before ``Trainer.__init__`` runs, e.g. in the subclass's ``__init__``):
     ``hub_endpoint`` (None: ``HF_ENDPOINT`` or huggingface.co), ``hub_push_timeout_s`` (per checkpoint push, seconds),

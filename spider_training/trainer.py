@@ -26,9 +26,9 @@ does their job (the section says why for each):
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
   and the cause.
 - ``_push_from_checkpoint``: Trainer calls it inside the save, on rank 0, while other ranks may still be writing
-  into the staged folder; it runs once the checkpoint is published, complete. Hub pushing (``args.push_to_hub``) is otherwise Trainer's own, made offline-tolerant by
-  :class:`spider_training.hub.HubPushMixin`; a run stopped by a signal does not wait for the pushes in flight
-  (``hub_pushes_abandoned``).
+  into the staged folder; it runs once the checkpoint is published, complete. Hub pushing (``args.push_to_hub``) is
+  otherwise Trainer's own, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`; a run stopped by a
+  signal does not wait for the pushes in flight (``hub_pushes_abandoned``).
 
 Two callbacks are added (Trainer's documented ``TrainerCallback`` events):
 
@@ -273,8 +273,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
     #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
-    # - `_push_from_checkpoint` (HubPushMixin's, see spider_training/hub.py): Trainer calls it from `_save_checkpoint` on
-    #   rank 0 as soon as its own files are written; the push waits until every rank has written its part and the
+    # - `_push_from_checkpoint` (HubPushMixin's, see spider_training/hub.py): Trainer calls it from `_save_checkpoint`
+    #   on rank 0 as soon as its own files are written; the push waits until every rank has written its part and the
     #   folder is published.
 
     def _build_accelerator_args(self, **kwargs):
