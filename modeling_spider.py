@@ -1699,6 +1699,9 @@ class SpiderModel(SpiderPreTrainedModel):
         # Prelude over bytes.
         x = self.embed_tokens(input_ids)
         byte_rope = self.rotary_emb(x, position_ids)
+        # hidden_states are collected here, not by capture_outputs hooks: the layout holds the mixed upsampled stream
+        # (no layer's output), and the cached decode runs the byte layers a byte at a time, so hooks would interleave
+        # the bytes of a multi-byte continuation. (attentions are recorded by capture_outputs.)
         all_hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.prelude_layers):
             layer_cache = cache.prelude[i] if cache is not None else None
