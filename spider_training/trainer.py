@@ -11,8 +11,8 @@ overrides public, documented methods:
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
   re-sharded. Local sources are map-style datasets and keep Trainer's own loader (seeded random sampler, accelerate's
   split across processes, ``skip_first_batches`` on resume).
-- ``compute_loss`` / ``log``: pass ``n_loops`` and log every loss term, bits-per-byte, compression rate, expert load
-  balance, mean halting step, tokens/s and peak memory.
+- ``compute_loss`` / ``log``: pass ``n_loops`` (in training drawn per step with ``extra_train_loops``) and log every
+  loss term, bits-per-byte, compression rate, expert load balance, mean halting step, tokens/s and peak memory.
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
@@ -75,11 +75,27 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def training_loop_count(n_loops: int, extra_train_loops: int, seed: int, step: int) -> int:
+    """The loop count of training step `step`: uniform over ``n_loops .. n_loops + extra_train_loops``, a function of
+    `(seed, step)` alone (its own generator, so Trainer's RNG streams and their checkpointed state are untouched).
+    Returns an int; ``n_loops`` when ``extra_train_loops`` is 0."""
+    if not extra_train_loops:
+        return n_loops
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return n_loops + int(torch.randint(0, extra_train_loops + 1, (), generator=generator))
+
+
 class SpiderTrainer(HubPushMixin, Trainer):
     """Trainer for :class:`SpiderForConditionalGeneration`.
 
     Args (beyond ``Trainer``'s):
         n_loops: recurrent iterations per forward (None: the model config's).
+        extra_train_loops: each training step draws its loop count uniformly from ``n_loops`` to ``n_loops +
+            extra_train_loops`` (Huginn's randomised recurrence, Geiping et al. 2025, arXiv 2502.05171, narrowed to the
+            trained count and above), so that the state learns to hold still past the count it is evaluated at;
+            evaluation always runs ``n_loops``. The draw is a function of ``args.seed`` and the global step
+            (:func:`training_loop_count`): every rank and every micro-batch of a step run the same count, and a
+            resumed run draws what the uninterrupted one would. 0 (default): always ``n_loops``.
         precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see :func:`spider_training.fp8.resolve_precision`).
         fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``.
         eval_windows: held-out windows scored by :meth:`evaluate`.
@@ -105,12 +121,15 @@ class SpiderTrainer(HubPushMixin, Trainer):
         ValueError: ``muon_lr > 0`` with FSDP (its sharded optimizer checkpoints expect one torch optimizer).
     """
 
-    def __init__(self, model=None, args=None, *, n_loops=None, precision="fp32", fp8_recipe="tensorwise",
+    def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
                  eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
                  muon_lr=0.0, hub_endpoint=None, **kwargs):
         self.hub_endpoint = hub_endpoint
+        if extra_train_loops < 0:
+            raise ValueError(f"extra_train_loops must be >= 0, got {extra_train_loops}")
         self.n_loops = n_loops
+        self.extra_train_loops = extra_train_loops
         self.muon_lr = muon_lr
         self.precision = precision
         self.eval_windows = eval_windows
@@ -173,7 +192,11 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # --- loss and logging ----------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.n_loops is not None:
+        if model.training and self.extra_train_loops:
+            n_loops = self.n_loops or self.accelerator.unwrap_model(model).config.n_loops
+            inputs = {**inputs, "n_loops": training_loop_count(n_loops, self.extra_train_loops, self.args.seed,
+                                                               self.state.global_step)}
+        elif self.n_loops is not None:
             inputs = {**inputs, "n_loops": self.n_loops}
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training and self.nonfinite_guard.observe_loss(loss):  # a skipped step's terms are not averaged in

@@ -45,6 +45,16 @@ def test_plan_of_the_tiny_preset(tiny_plan):
         assert (static + n * per_seq) * memory_plan.GIB <= budget < (static + (n + 1) * per_seq) * memory_plan.GIB
 
 
+def test_the_plan_runs_the_most_loops_a_training_step_draws(tiny_plan):
+    from configuration_spider import SpiderConfig
+    from spider_training.arguments import SpiderArguments
+
+    assert tiny_plan["n_loops"] == SpiderConfig.from_preset("tiny").n_loops + SpiderArguments().extra_train_loops
+    fewer = memory_plan.probe("tiny", memory_plan.PROBE_LENGTHS[0], n_loops=tiny_plan["n_loops"] - 1)
+    peak = tiny_plan["probes"][0]
+    assert fewer["activations"] < peak["activations"] and fewer["flops"] < peak["flops"]
+
+
 def test_readme_block_is_filled_and_a_missing_block_is_named(tiny_plan, tmp_path):
     readme = tmp_path / "README.md"
     start, end = memory_plan.README_MARKERS

@@ -60,6 +60,8 @@ def test_bad_flags_are_refused(monkeypatch):
         parse_args(["--reset_steps"])
     with pytest.raises(SystemExit):
         parse_args(["--seq_len", "abc"])
+    with pytest.raises(ValueError, match="--extra_train_loops must be >= 0"):
+        parse_args(["--extra_train_loops", "-1"])
 
 
 @pytest.mark.slow
@@ -252,6 +254,43 @@ def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
     float8 = [name for name, m in trainer.model.named_modules() if type(m).__name__ == "Float8Linear"]
     assert len(float8) == trainer.fp8_report.converted
     assert set(float8) == set(trainer.fp8_report.converted_fqns)
+
+
+def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_path):
+    """extra_train_loops=1: each training step runs n_loops or n_loops + 1, the same count for both micro-batches of
+    a step, drawn from (seed, step) alone (so a resumed run draws what the uninterrupted one did); evaluation runs
+    the configured n_loops."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from configuration_spider import SpiderConfig
+    from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.data import build_dataset
+    from spider_training.trainer import SpiderTrainer, training_loop_count
+
+    torch.manual_seed(0)
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", n_loops=2))
+    seen = []  # (training mode, the n_loops passed) per forward
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m.training, kwargs.get("n_loops"))),
+                                    with_kwargs=True)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=8, seed=3,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             remove_unused_columns=False, save_strategy="no", eval_strategy="no")
+    data = build_dataset("mock", 32)
+    trainer = SpiderTrainer(model=model, args=args, train_dataset=data, eval_dataset=data,
+                            data_collator=default_data_collator, extra_train_loops=1, eval_windows=2)
+    trainer.train()
+    counts = [n for training, n in seen if training]
+    assert len(counts) == 16
+    per_step = counts[::2]
+    assert counts[1::2] == per_step
+    assert per_step == [training_loop_count(2, 1, 3, step) for step in range(8)]
+    assert set(per_step) == {2, 3}
+    seen.clear()
+    trainer.evaluate()
+    assert seen and all(not training and n is None for training, n in seen)  # the config's n_loops
+    with pytest.raises(ValueError, match="extra_train_loops must be >= 0"):
+        SpiderTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                      extra_train_loops=-1)
 
 
 @pytest.mark.slow
