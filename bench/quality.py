@@ -16,6 +16,7 @@ Usage::
     python -m bench.quality --runs spider bytes_only --seed 43 --name seed43   # seed noise: the same recipe again
     python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the README tables (part 1/2)
     python -m bench.quality --suite --only "n_loops=3" "Engram off" --out q.json   # chosen rows only
+    python -m bench.quality --time_steps --threads 1   # step times (forward + backward, optimizer) for --step_times
 
 ``bench.run_all`` runs :func:`run`: the headline rows (Spider, the same byte layers without the global path, the
 dense Llama at equal parameters) judged against issue #16's targets.
@@ -67,7 +68,9 @@ class Recipe:
     seed: int = 42
     eval_every: int = 0  # also score the held-out slice every N steps (for the bpb-vs-wall-clock plot)
     global_lr_scale: float = 1.0  # Spider's global path (everything outside BYTE_LAYERS) at this multiple of lr
-    loop_counts: tuple[int, ...] | None = None  # Spider: each step's n_loops drawn uniformly from these (Huginn)
+    extra_train_loops: int = 0  # Spider: each step's n_loops drawn uniformly from n_loops .. n_loops + this (0: fixed)
+    loop_counts: tuple[int, ...] | None = None  # Spider: each step's n_loops drawn uniformly from these (Huginn);
+    # overrides extra_train_loops
     same_init: bool = False  # a variant starts the parameters it shares with the default model from its values
     muon_lr: float | None = DEFAULT_MUON_LR  # hidden matrices by torch.optim.Muon at this peak lr, the rest AdamW;
     # None: AdamW for every parameter (the recipe before 2026-11-24, on which the ablation table was measured)
@@ -191,12 +194,13 @@ def score_with_boundary_rule(model, windows: torch.Tensor, rule: str, train_byte
 SAMPLE_PROMPT = "The state of the Union is"
 
 
-def sample_words(model, train_ids: np.ndarray, n_samples: int = 4, new_bytes: int = 200, temperature: float = 0.8,
+def sample_words(model, train_ids: np.ndarray, n_samples: int = 16, new_bytes: int = 200, temperature: float = 0.8,
                  seed: int = 0) -> dict:
     """Sample `n_samples` continuations of :data:`SAMPLE_PROMPT` (`new_bytes` bytes each, temperature sampling,
     seeded) and measure how many of their words are real: the share of alphabetic words (lower-cased, punctuation
     stripped) that occur in the training addresses. Returns ``{"sample": first continuation (str),
-    "real_word_rate": float in [0, 1]}``."""
+    "real_word_rate": float in [0, 1], "real_word_samples": n_samples}`` (rows before 2026-11-25 used 4 samples, whose
+    rate moved by about 0.02 from one sampling seed to the next)."""
     import re
 
     text = train_ids[train_ids < 256].astype(np.uint8).tobytes().decode("utf-8", "replace")
@@ -212,7 +216,8 @@ def sample_words(model, train_ids: np.ndarray, n_samples: int = 4, new_bytes: in
             texts.append(bytes(int(i) for i in out[0, prompt.shape[1]:] if i < 256).decode("utf-8", "replace"))
     words = [w for t in texts for w in re.findall(r"[A-Za-z]+", t)]
     real = sum(w.lower() in vocabulary for w in words)
-    return {"sample": SAMPLE_PROMPT + texts[0], "real_word_rate": real / max(1, len(words))}
+    return {"sample": SAMPLE_PROMPT + texts[0], "real_word_rate": real / max(1, len(words)),
+            "real_word_samples": n_samples}
 
 
 def lr_at(step: int, total: int, recipe: Recipe) -> float:
@@ -220,6 +225,18 @@ def lr_at(step: int, total: int, recipe: Recipe) -> float:
         return recipe.lr * (step + 1) / recipe.warmup_steps
     progress = min(1.0, (step - recipe.warmup_steps) / max(1, total - recipe.warmup_steps))
     return recipe.lr * (recipe.min_lr_rate + (1 - recipe.min_lr_rate) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def training_loop_counts(model, recipe: Recipe) -> tuple[int, ...] | None:
+    """The loop counts a Spider training step draws from (uniformly, one per step): `recipe.loop_counts`, else the
+    configured ``n_loops`` up to ``n_loops + recipe.extra_train_loops`` (``train_hf.py --extra_train_loops``'s rule);
+    None for a fixed count or another model."""
+    if not isinstance(model, SpiderForConditionalGeneration):
+        return None
+    if recipe.loop_counts:
+        return tuple(recipe.loop_counts)
+    n = model.config.n_loops
+    return tuple(range(n, n + recipe.extra_train_loops + 1)) if recipe.extra_train_loops else None
 
 
 def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tensor | None = None) -> dict:
@@ -230,6 +247,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
     opts = optimizers(model, recipe)
     model.train()
     T = recipe.seq_len + 1
+    loop_counts = training_loop_counts(model, recipe)
     losses, rates, curve = [], [], []
     start = time.perf_counter()
     total = recipe.steps
@@ -239,7 +257,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
             group["lr"] = lr * group["lr_scale"]
         offsets = rng.integers(0, len(train_ids) - T, size=recipe.batch_size)
         batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets]))
-        loops = {"n_loops": int(loop_rng.choice(recipe.loop_counts))} if recipe.loop_counts else {}
+        loops = {"n_loops": int(loop_rng.choice(loop_counts))} if loop_counts else {}
         out = model(input_ids=batch, labels=batch, **loops)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
@@ -421,6 +439,9 @@ LOCAL_DENSE = "dense, 4-byte local attention"
 
 #: The recipe the ablations below were measured with: AdamW for every parameter (the default before Muon).
 ADAMW = {"muon_lr": None}
+#: Each training step's loop count drawn from {n_loops, n_loops + 1} (``train_hf.py --extra_train_loops 1``).
+DRAWN_LOOPS = {"extra_train_loops": 1}
+DRAWN_LOOPS_NAME = "loop count drawn from {2, 3} each step (extra_train_loops=1)"
 #: The AdamW recipe's default run, the reference of every AdamW ablation row.
 ADAMW_DEFAULT = "spider, AdamW for every parameter"
 #: The segmentation of every row measured before the boundary teacher (2026-11-24): boundaries learned end to end at
@@ -490,6 +511,8 @@ ABLATIONS: list[tuple] = [
     ("segments: a fixed stride of 6 bytes instead of the teacher's", "spider",
      {"boundary_mode": "fixed", "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
     ("the default run, seed 43 (seed noise)", "spider", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
+    (DRAWN_LOOPS_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **DRAWN_LOOPS}),
+    (f"{DRAWN_LOOPS_NAME}, seed 43", "spider", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43, **DRAWN_LOOPS}),
     ("global path removed, seed 43 (seed noise), Muon", "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
     (GATED_DEFAULT, "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR}),
     (f"{GATED_DEFAULT}, seed 43", "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
@@ -522,6 +545,8 @@ ABLATIONS: list[tuple] = [
 #: Budgets (multiples of the default's steps) at which the default recipe (Muon, the teacher's segments, the RMS-matched
 #: mixing) is also measured with and without the global path; the AdamW recipe's budgets are 2, 4, 8 and 12.
 DEFAULT_RECIPE_BUDGETS = (4, 8)
+#: Budgets at which the default recipe is also measured at seed 43 and with :data:`DRAWN_LOOPS` (seeds 42 and 43).
+DRAWN_LOOPS_BUDGETS = (4,)
 
 #: (byte layers and budget, Spider row, the same byte layers without the global path): the README's "what the
 #: global path adds" table.
@@ -539,6 +564,10 @@ GLOBAL_PATH_PAIRS = [
      "global path removed (prelude + coda only)"),
     ("4-byte window, Muon, the teacher's word segments, seed 43", "the default run, seed 43 (seed noise)",
      "global path removed, seed 43 (seed noise), Muon"),
+    ("4-byte window, Muon, the teacher's word segments, loop count drawn from {2, 3}", DRAWN_LOOPS_NAME,
+     "global path removed (prelude + coda only)"),
+    ("4-byte window, Muon, the teacher's word segments, loop count drawn from {2, 3}, seed 43",
+     f"{DRAWN_LOOPS_NAME}, seed 43", "global path removed, seed 43 (seed noise), Muon"),
     ("4-byte window, Muon, a fixed stride of 6 bytes", "segments: a fixed stride of 6 bytes instead of the teacher's",
      "global path removed (prelude + coda only)"),
     ("4-byte window, Muon, the teacher's word segments, the gated mixing (the default before 2026-11-25)",
@@ -557,6 +586,8 @@ GLOBAL_PATH_PAIRS = [
     ("4-byte window, Muon at lr 0.02, end-to-end boundaries", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
     ("4-byte window, Muon, the teacher's word segments, 4x the steps", "the default run, 4x the steps",
      "global path removed, 4x the steps, Muon"),
+    ("4-byte window, Muon, the teacher's word segments, 4x the steps, loop count drawn from {2, 3}",
+     "the default run, 4x the steps, loop count drawn from {2, 3}", "global path removed, 4x the steps, Muon"),
     ("4-byte window, Muon, the teacher's word segments, 8x the steps", "the default run, 8x the steps",
      "global path removed, 8x the steps, Muon"),
     ("4-byte window, 2x the steps", "spider, 2x the steps", "global path removed, 2x the steps"),
@@ -575,22 +606,35 @@ def technical_text_ids() -> np.ndarray:
     return encode_document("\n\n".join(topics[k] for k in sorted(topics))).astype(np.int64)
 
 
-def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warmup: int = 3) -> float:
-    """Median wall-clock of one training step (forward, backward, the recipe's :func:`optimizers`) of a fresh model,
-    in seconds."""
+def step_split(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warmup: int = 3) -> dict[str, float]:
+    """Median wall-clock of one training step of a fresh model and of its two parts, in seconds:
+    ``{"step": ..., "forward_backward": ..., "optimizer": ...}`` (the optimizer part: the recipe's :func:`optimizers`
+    stepping and zeroing; for Muon its Newton-Schulz iterations, whose cost grows with the parameters, not the batch).
+    A Spider model runs the loop counts its training draws (:func:`training_loop_counts`) in turn."""
     model = build(kind, overrides)
     opts = optimizers(model, recipe)
     ids = torch.randint(0, 256, (recipe.batch_size, recipe.seq_len + 1))
-    times = []
+    counts = training_loop_counts(model, recipe)  # every count in turn: the median is the mean draw's for two counts
+    parts = {"step": [], "forward_backward": [], "optimizer": []}
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        loops = {"n_loops": counts[i % len(counts)]} if counts else {}
+        model(input_ids=ids, labels=ids, **loops).loss.backward()
+        t1 = time.perf_counter()
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+            for key, seconds in (("step", t2 - t0), ("forward_backward", t1 - t0), ("optimizer", t2 - t1)):
+                parts[key].append(seconds)
+    return {key: float(np.median(v)) for key, v in parts.items()}
+
+
+def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warmup: int = 3) -> float:
+    """Median wall-clock of one training step (forward, backward, the recipe's :func:`optimizers`) of a fresh model,
+    in seconds (:func:`step_split`'s ``"step"``)."""
+    return step_split(kind, overrides, recipe, steps, warmup)["step"]
 
 
 def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, ...] | None = None,
@@ -657,6 +701,13 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
                            ("bytes_only", f"global path removed, {factor}x the steps, Muon")):
             runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
                              lr=recipe.lr, recipe={}, times=""))
+    for factor in DRAWN_LOOPS_BUDGETS:  # does the loop-count draw still cost nothing with budget? (two seeds)
+        for name, rec in ((f"the default run, {factor}x the steps, seed 43", {"seed": 43}),
+                          (f"the default run, {factor}x the steps, loop count drawn from {{2, 3}}", DRAWN_LOOPS),
+                          (f"the default run, {factor}x the steps, loop count drawn from {{2, 3}}, seed 43",
+                           {**DRAWN_LOOPS, "seed": 43})):
+            runs.append(dict(group="longer budget", kind="spider", name=name, overrides={},
+                             steps=factor * recipe.steps, lr=recipe.lr, recipe=rec, times=""))
     for r in runs:
         r["step_seconds"] = dict(zip(("spider", "llama", "bytes_only"), times[r.pop("times")]))
     return runs
@@ -839,7 +890,8 @@ def render(rows: list[dict]) -> str:
     samples = [(label, r) for label, r in (("Spider", spider), ("Llama (equal parameters)", dense)) if r and "sample" in r]
     if samples:
         lines += ["", "Samples (temperature 0.8, prompt \"The state of the Union is\"; real words = share of the "
-                  "sampled words that occur in the training addresses, over four 200-byte samples):", ""]
+                  f"sampled words that occur in the training addresses, over {samples[0][1].get('real_word_samples', 4)} "
+                  "200-byte samples):", ""]
         for label, r in samples:
             text = " ".join(r["sample"][:160].split()).replace("`", "'")  # one line of inline code
             lines.append(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`")
@@ -910,21 +962,22 @@ def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[
 
 
 def plot(rows: list[dict], path: str) -> bool:
-    """Held-out bpb against training wall-clock, Spider and the dense baseline (rows with a ``curve``)."""
+    """Held-out bpb against training wall-clock, Spider and the dense baseline: the default runs of each recipe and
+    their Llama baselines, where their rows have a ``curve``. Returns False when none has."""
     from matplotlib.figure import Figure
 
-    curves = [(r["name"], r["curve"]) for r in rows if r.get("curve")]
-    if not curves:
-        return False
-    fig = Figure(figsize=(6, 3.6))
-    ax = fig.subplots()
     labels = {"spider": "Spider small (the default run), Muon + AdamW",
               ADAMW_DEFAULT: "Spider small, end-to-end boundaries, AdamW",
               END_TO_END_DEFAULT: "Spider small, end-to-end boundaries, Muon + AdamW",
               "llama": "LlamaForCausalLM (equal parameters), Muon + AdamW",
               "llama, AdamW": "LlamaForCausalLM (equal parameters), AdamW"}
+    curves = [(r["name"], r["curve"]) for r in rows if r.get("curve") and r["name"] in labels]
+    if not curves:
+        return False
+    fig = Figure(figsize=(6, 3.6))
+    ax = fig.subplots()
     for name, curve in curves:
-        label = labels.get(name, name)
+        label = labels[name]
         ax.plot([c["seconds"] for c in curve], [c["bits_per_byte"] for c in curve], marker="o", markersize=3,
                 label=label)
     ax.set_xlabel("training wall-clock (s, one thread)")
@@ -945,6 +998,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--step_times", default=None,
                         help="with --suite: JSON {\"default\": [spider, llama, bytes_only], \"adamw\": [...]}, seconds "
                         "per step measured on an idle machine (default: measured by each shard)")
+    parser.add_argument("--time_steps", action="store_true",
+                        help="print the median step time of Spider, the dense Llama and the byte layers alone under "
+                        "the default recipe, split into forward + backward and the optimizer (JSON; the values "
+                        "--step_times takes), and exit")
     parser.add_argument("--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "llama_local", "bytes_only"])
     parser.add_argument("--name", default=None)
     parser.add_argument("--overrides", default="{}", help="JSON config overrides (Spider runs)")
@@ -985,6 +1042,10 @@ def main(argv=None) -> list[dict]:
         return rows
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.time_steps:
+        split = {kind: step_split(kind, {}, Recipe()) for kind in ("spider", "llama", "bytes_only")}
+        print(json.dumps({"threads": torch.get_num_threads(), "seconds_per_step": split}))
+        return [split]
     texts = {Path(t).stem: text_file_ids(t) for t in args.text}
     if args.suite:
         shard, num_shards = (int(x) for x in args.shard.split("/"))

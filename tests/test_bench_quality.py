@@ -56,9 +56,9 @@ def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
     adamw = runs["global path removed, equal wall-clock, AdamW"]
     assert (adamw["steps"], adamw["recipe"]) == (1250, {"muon_lr": None})
     assert runs["llama lr=0.001, equal wall-clock, AdamW"]["steps"] == 200
-    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == {"muon_lr": None}
+    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == quality.ADAMW
     optimizer_at_equal_time = runs["spider, AdamW, equal wall-clock"]  # AdamW for as long as the Muon run takes
-    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == (600, {"muon_lr": None})
+    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == (600, quality.ADAMW)
     rows = _rows(2.21) + [_row("global path removed, equal wall-clock", 2.1, kind="bytes_only",
                                group="byte layers equal wall-clock", pydoc_topics_bits_per_byte=4.4, steps=1200),
                           _row("global path removed, equal wall-clock, AdamW", 2.2, kind="bytes_only",
@@ -87,6 +87,9 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert "| Muon at lr 0.02 | 2.250 | +0.010 |" in text  # end-to-end boundaries: that default under Muon
     assert f"| {quality.END_TO_END_DEFAULT} | 2.240 | +0.040 |" in text  # against today's default run
     assert "| segments: a fixed stride of 6 bytes instead of the teacher's | 2.230 | +0.030 |" in text
+    drawn = dict(muon_lr=0.01, recipe={"muon_lr": 0.01, **quality.DRAWN_LOOPS})
+    text = quality.render(rows + [_row(quality.DRAWN_LOOPS_NAME, 2.19, **drawn)])
+    assert f"| {quality.DRAWN_LOOPS_NAME} | 2.190 | -0.010 |" in text  # against the default run
     # a rerun reproduces the stored rows: the AdamW and longer-budget Spider rows run with end-to-end boundaries and
     # the gated mixing of their day
     runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
@@ -99,6 +102,12 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert runs["global path removed, 4x the steps"]["overrides"] == {}
     assert runs["spider"]["overrides"] == {} and runs["the default run, seed 43 (seed noise)"]["overrides"] == {}
     assert runs[quality.GATED_DEFAULT]["overrides"] == quality.GATED_MIXING
+    # the default run trains with a fixed loop count; only the rows that name the draw draw
+    assert quality.Recipe().extra_train_loops == 0
+    drawn_rows = {name for name, r in runs.items() if (r.get("recipe") or {}).get("extra_train_loops")}
+    assert drawn_rows == {quality.DRAWN_LOOPS_NAME, f"{quality.DRAWN_LOOPS_NAME}, seed 43",
+                          "the default run, 4x the steps, loop count drawn from {2, 3}",
+                          "the default run, 4x the steps, loop count drawn from {2, 3}, seed 43"}
     # ... and the gated mixing is not the default any more: the rows that name it differ from the default run
     assert SpiderConfig.from_preset("small").upsample_mixing != quality.GATED_MIXING["upsample_mixing"]
 
@@ -195,12 +204,13 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 
 
 def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
-    """`Recipe.loop_counts`: every training step runs a loop count drawn from the set, from its own random stream, so
-    the batches are the default run's."""
+    """`Recipe.extra_train_loops` (n_loops or one more) and `Recipe.loop_counts` (a given set): every training step runs
+    a loop count drawn from its own random stream, so the batches are the fixed-count run's (the default)."""
     import numpy as np
 
     seen = {}
-    for counts in (None, (1, 3)):
+    variants = {"fixed": {}, "drawn": dict(extra_train_loops=1), (1, 3): dict(loop_counts=(1, 3))}
+    for key, recipe in variants.items():
         model = tiny_model(seed=0)
         calls = []
         forward = model.forward
@@ -211,12 +221,14 @@ def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
 
         model.forward = spy
         ids = np.arange(5000) % 256
-        quality.train(model, ids, quality.Recipe(steps=6, batch_size=2, seq_len=16, warmup_steps=1, loop_counts=counts))
-        seen[counts] = calls
-    assert [n for n, _ in seen[None]] == [None] * 6
-    drawn = [n for n, _ in seen[(1, 3)]]
-    assert set(drawn) <= {1, 3} and len(set(drawn)) == 2
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen[None], seen[(1, 3)]))
+        quality.train(model, ids, quality.Recipe(steps=6, batch_size=2, seq_len=16, warmup_steps=1, **recipe))
+        seen[key] = calls
+    assert [n for n, _ in seen["fixed"]] == [None] * 6
+    n = tiny_model(seed=0).config.n_loops
+    for key, allowed in (("drawn", {n, n + 1}), ((1, 3), {1, 3})):
+        drawn = [n for n, _ in seen[key]]
+        assert set(drawn) == allowed, key
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen["fixed"], seen[key]))
 
 
 def test_suite_rows_can_be_chosen_by_name(monkeypatch):
@@ -235,6 +247,30 @@ def test_step_times_given_to_the_suite_set_the_equal_wall_clock_steps(monkeypatc
                       step_times={"default": (0.8, 1.6, 0.4), "adamw": (0.5, 1.0, 0.25)}, log=open(os.devnull, "w"))
     assert sorted(trained) == [("global path removed, equal wall-clock", 1000, quality.DEFAULT_MUON_LR),
                                ("spider, AdamW, equal wall-clock", 800, None)]
+
+
+def test_step_split_times_the_forward_backward_and_the_optimizer_apart():
+    split = quality.step_split("bytes_only", {}, quality.Recipe(batch_size=1, seq_len=16), steps=1, warmup=0)
+    assert set(split) == {"step", "forward_backward", "optimizer"}
+    assert split["forward_backward"] > 0 and split["optimizer"] > 0
+    # one timed step: the two parts are the step's two intervals
+    assert split["step"] == pytest.approx(split["forward_backward"] + split["optimizer"], rel=1e-9)
+
+
+def test_plot_draws_the_default_runs_and_their_baselines_only(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    curve = [{"step": 1, "seconds": 1.0, "bits_per_byte": 3.0}, {"step": 2, "seconds": 2.0, "bits_per_byte": 2.5}]
+    drawn = []
+    plot_line = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, label=None, **k: (drawn.append(label), plot_line(ax, *a, **k))[1])
+    ablation = _row("n_loops=3, Muon", 2.2, curve=curve)
+    assert not quality.plot([ablation], str(tmp_path / "none.png"))  # no default run or baseline: nothing to draw
+    assert quality.plot([_row("spider", 2.1, curve=curve), ablation, _row("llama", 2.2, kind="llama", curve=curve)],
+                        str(tmp_path / "q.png"))
+    assert (tmp_path / "q.png").stat().st_size > 0
+    assert drawn == ["Spider small (the default run), Muon + AdamW", "LlamaForCausalLM (equal parameters), Muon + AdamW"]
 
 
 def test_same_init_gives_a_variant_the_default_models_initial_weights():
