@@ -963,16 +963,24 @@ def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, confi
     return F.relu(rate - config.boundary_prior) + F.relu(lower - rate), rate
 
 
+def word_bytes(input_ids: torch.LongTensor) -> torch.Tensor:
+    """SpaceByte's word bytes (Slagle 2024, arXiv 2404.14408 §2): ASCII letters and digits and UTF-8 continuation
+    bytes (0x80-0xBF); every other byte, and every special id (>= 256), is *spacelike*.
+
+    Args: `input_ids` int64 `(B, L)`. Returns bool `(B, L)`."""
+    ids = input_ids
+    return (((ids >= 48) & (ids <= 57)) | ((ids >= 65) & (ids <= 90)) | ((ids >= 97) & (ids <= 122))
+            | ((ids >= 0x80) & (ids <= 0xBF)))
+
+
 def spacelike_boundaries(input_ids: torch.LongTensor) -> torch.Tensor:
     """SpaceByte's word boundaries (Slagle 2024, arXiv 2404.14408 §2), the ``boundary_teacher="spacelike"`` rule: a
-    byte is *spacelike* unless it is an ASCII letter or digit or a UTF-8 continuation byte (0x80-0xBF); special ids
-    (>= 256) count as spacelike. Byte l closes a segment when it is spacelike and byte l - 1 is not (the space or
-    punctuation right after a word; no boundary at position 0). Depends on bytes <= l only, like the predictor.
+    byte closes a segment when it is spacelike (not one of :func:`word_bytes`) and byte l - 1 is a word byte (the
+    space or punctuation right after a word; no boundary at position 0). Depends on bytes <= l only, like the
+    predictor.
 
     Args: `input_ids` int64 `(B, L)`. Returns fp32 `(B, L)`, exactly 0/1."""
-    ids = input_ids
-    word_byte = (((ids >= 48) & (ids <= 57)) | ((ids >= 65) & (ids <= 90)) | ((ids >= 97) & (ids <= 122))
-                 | ((ids >= 0x80) & (ids <= 0xBF)))
+    word_byte = word_bytes(input_ids)
     previous = F.pad(word_byte[:, :-1], (1, 0), value=False)
     return (~word_byte & previous).to(torch.float32)
 

@@ -6,8 +6,11 @@ linear warmup then cosine to 0.1x; windows drawn uniformly at random from every 
 the same recipe with AdamW for every parameter, the default before 2026-11-24) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
 starting a third of the way in, context 256, the slice issue #16 measures) and on any ``--text`` file given.
 
-For Spider it also reports bits per byte at 1, half, the trained and twice the trained loop count, training and
-evaluation bytes per segment, and the mean ACT halting step. Every row is one JSON object; ``--out`` writes them all.
+Every row splits its held-out bits per byte by the kind of byte predicted (:data:`BYTE_KINDS`: space or punctuation,
+the 1st, 2nd, ... byte of a word). For Spider it also reports bits per byte at 1, half, the trained and twice the
+trained loop count, training and evaluation bytes per segment, the mean ACT halting step, and the same weights scored
+with the global stream replaced at evaluation (:data:`GLOBAL_STREAM_PROBES`). Every row is one JSON object; ``--out``
+writes them all.
 
 Usage::
 
@@ -41,7 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from configuration_spider import SpiderConfig  # noqa: E402
-from modeling_spider import SpiderForConditionalGeneration, build_attention_mask  # noqa: E402
+from modeling_spider import SpiderForConditionalGeneration, build_attention_mask, word_bytes  # noqa: E402
 from spider_training.data import encode_document, sotu_documents  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR, Muon, is_hidden_matrix  # noqa: E402
 from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: E402
@@ -133,25 +136,82 @@ def text_file_ids(path: str) -> np.ndarray:
     return encode_document(Path(path).read_text(encoding="utf-8", errors="replace")).astype(np.int64)
 
 
+#: What a predicted byte is, by its place in the text (SpaceByte's word bytes, :func:`modeling_spider.word_bytes`):
+#: the keys of :func:`score`'s ``bits_per_byte_by_byte_kind``, in the order of :func:`byte_kinds`' indices.
+BYTE_KINDS = ("space or punctuation", "1st byte of a word", "2nd byte of a word", "3rd byte of a word",
+              "4th byte of a word", "5th byte of a word or later")
+
+
+def byte_kinds(windows: torch.Tensor) -> torch.LongTensor:
+    """The kind (:data:`BYTE_KINDS` index) of every predicted byte of `windows` `(N, T)` int64: `(N, T - 1)` int64
+    for `windows[:, 1:]`. 0: not a word byte; k >= 1: the k-th byte of its word (5 and later share index 5). The first
+    word of a window counts from the window's start (its earlier bytes are not in the window)."""
+    word = word_bytes(windows)
+    position = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
+    last_spacelike = torch.where(word, -1, position).cummax(dim=1).values
+    return torch.where(word, position - last_spacelike, 0).clamp(max=len(BYTE_KINDS) - 1)[:, 1:]
+
+
 @torch.no_grad()
-def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: int = 16) -> dict:
-    """Bits per predicted byte of `model` over `windows` `(N, T)`, in eval mode; Spider's bytes per segment too."""
+def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: int = 16,
+          by_byte_kind: bool = False) -> dict:
+    """Bits per predicted byte of `model` over `windows` `(N, T)`, in eval mode; Spider's bytes per segment too.
+    `by_byte_kind`: also ``bits_per_byte_by_byte_kind`` (bits per byte of the bytes of each :data:`BYTE_KINDS` kind)
+    and ``byte_kind_shares`` (each kind's share of the predicted bytes)."""
     model.eval()
     nll, count, seg_bytes, segs = 0.0, 0, 0.0, 0.0
+    kinds = byte_kinds(windows) if by_byte_kind else None
+    kind_nll = torch.zeros(len(BYTE_KINDS), dtype=torch.float64)
     for i in range(0, len(windows), batch_size):
         batch = windows[i : i + batch_size]
         kwargs = {"n_loops": n_loops} if n_loops is not None else {}
         out = model(input_ids=batch, **kwargs)
         logits = out.logits[:, :-1].float()
-        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum").item()
+        flat_logits, targets = logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+        nll += F.cross_entropy(flat_logits, targets, reduction="sum").item()
         count += batch[:, 1:].numel()
+        if kinds is not None:
+            per_byte = F.cross_entropy(flat_logits, targets, reduction="none").double()
+            kind_nll.index_add_(0, kinds[i : i + batch_size].reshape(-1), per_byte)
         if getattr(out, "compression_rate", None) is not None:
             segs += batch.numel() / float(out.compression_rate)
             seg_bytes += batch.numel()
     result = {"bits_per_byte": nll / count / math.log(2)}
     if segs:
         result["bytes_per_segment"] = seg_bytes / segs
+    if kinds is not None:
+        counts = torch.bincount(kinds.reshape(-1), minlength=len(BYTE_KINDS)).double()
+        bits = kind_nll / counts.clamp_min(1) / math.log(2)
+        result["bits_per_byte_by_byte_kind"] = dict(zip(BYTE_KINDS, bits.tolist()))
+        result["byte_kind_shares"] = dict(zip(BYTE_KINDS, (counts / counts.sum()).tolist()))
     return result
+
+
+#: What :class:`_GlobalStreamProbe` hands the bytes instead of the trained global stream, `(B, 1+S, D) -> (B, 1+S, D)`:
+#: nothing; the same content-free vector everywhere (the null group's, segment 0, which the bytes before the first
+#: boundary read); or every segment's stream one segment late (each byte reads the segment before its own).
+GLOBAL_STREAM_PROBES = {
+    "removed": torch.zeros_like,
+    "the null group's for every byte": lambda stream: stream[:, :1].expand_as(stream),
+    "one segment late": lambda stream: torch.cat([stream[:, :1], stream[:, :-1]], dim=1),
+}
+
+
+class _GlobalStreamProbe:
+    """Context manager: a trained Spider's global stream (``SpiderFlexiTokens.global_stream``, what each segment
+    hands back to the bytes) replaced at evaluation by one of :data:`GLOBAL_STREAM_PROBES`, the same weights
+    otherwise: how much of the trained model's prediction rests on what the path carries."""
+
+    def __init__(self, model, probe: str):
+        self.flexitokens, self.probe = model.model.flexitokens, GLOBAL_STREAM_PROBES[probe]
+
+    def __enter__(self):
+        flexitokens, probe, trained = self.flexitokens, self.probe, type(self.flexitokens).global_stream
+        flexitokens.global_stream = lambda h_out: probe(trained(flexitokens, h_out))
+        return self
+
+    def __exit__(self, *exc):
+        del self.flexitokens.global_stream  # back to the class's method
 
 
 class _BoundaryRule:
@@ -363,8 +423,9 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
            **({"same_init": True} if same_init else {}),
            **({"muon_lr": recipe.muon_lr} if recipe.muon_lr is not None else {}),
            "parameters": sum(p.numel() for p in model.parameters()), **stats}
-    base = score(model, eval_windows)
+    base = score(model, eval_windows, by_byte_kind=True)
     row["sotu_bits_per_byte"] = base["bits_per_byte"]
+    row["bpb_by_byte_kind"], row["byte_kind_shares"] = base["bits_per_byte_by_byte_kind"], base["byte_kind_shares"]
     row["xz_bits_per_byte"] = xz_bits_per_byte(eval_windows)
     if kind == "spider":
         cfg = model.config
@@ -383,6 +444,12 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
         row["act_early_exit"] = {"bits_per_byte": score(model, eval_windows)["bits_per_byte"],
                                  "mean_halting_step": exit_steps, "loops_saved_per_segment": cfg.n_loops - exit_steps}
         model.config.act_early_exit = False
+        row["bpb_by_global_stream_probe"] = {}
+        for probe in GLOBAL_STREAM_PROBES:
+            with _GlobalStreamProbe(model, probe):
+                probed = score(model, eval_windows, by_byte_kind=True)
+            row["bpb_by_global_stream_probe"][probe] = {"bits_per_byte": probed["bits_per_byte"],
+                                                        "by_byte_kind": probed["bits_per_byte_by_byte_kind"]}
         if cfg.boundary_mode != "fixed":
             row["bpb_by_eval_boundary_rule"] = {
                 rule: score_with_boundary_rule(model, eval_windows, rule, stats.get("train_bytes_per_segment"))
@@ -886,6 +953,7 @@ def render(rows: list[dict]) -> str:
                   "global path removed | the global path adds |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {label} | {a['steps']} | {_f(a['sotu_bits_per_byte'])} | {_f(b['sotu_bits_per_byte'])} | "
                   f"{b['sotu_bits_per_byte'] - a['sotu_bits_per_byte']:+.3f} |" for label, a, b in pairs]
+    lines += _gain_by_byte_kind(spider, by_name)
     lines += ["", *_targets(spider, by_name, best)]
     samples = [(label, r) for label, r in (("Spider", spider), ("Llama (equal parameters)", dense)) if r and "sample" in r]
     if samples:
@@ -896,6 +964,54 @@ def render(rows: list[dict]) -> str:
             text = " ".join(r["sample"][:160].split()).replace("`", "'")  # one line of inline code
             lines.append(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`")
     return "\n".join(lines) + "\n"
+
+
+#: (column label, row name) of the "where the global path's gain sits" table, after the default run's column
+BYTE_KIND_COLUMNS = [("byte layers alone", "global path removed (prelude + coda only)"),
+                     ("dense Llama, equal parameters", "llama"),
+                     ("Spider, 4x the steps", "the default run, 4x the steps"),
+                     ("byte layers alone, 4x the steps", "global path removed, 4x the steps, Muon")]
+
+
+def _gain_by_byte_kind(spider: dict, by_name: dict) -> list[str]:
+    """Two tables, where the rows carry them: held-out bits per byte by the kind of byte predicted
+    (:data:`BYTE_KINDS`) for the default run, its byte layers alone and the dense Llama, and at 4x the steps; and the
+    default run scored with its global stream replaced at evaluation (:data:`GLOBAL_STREAM_PROBES`)."""
+    if "bpb_by_byte_kind" not in spider:
+        return []
+    columns = [(label, by_name[name]) for label, name in BYTE_KIND_COLUMNS
+               if "bpb_by_byte_kind" in by_name.get(name, {})]
+    gains = [("the global path adds", spider, by_name.get("global path removed (prelude + coda only)")), (
+        "the global path adds, 4x the steps", by_name.get("the default run, 4x the steps"),
+        by_name.get("global path removed, 4x the steps, Muon"))]
+    gains = [(label, a, b) for label, a, b in gains
+             if a and b and "bpb_by_byte_kind" in a and "bpb_by_byte_kind" in b]
+    header = ["byte predicted", "share of the bytes", "Spider (the default run)", *(c for c, _ in columns)]
+    header += [label for label, _, _ in gains]
+    lines = ["", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for kind in (*BYTE_KINDS, None):
+        def bpb(r):  # noqa: E306
+            return r["sotu_bits_per_byte"] if kind is None else r["bpb_by_byte_kind"][kind]
+        share = 1.0 if kind is None else spider["byte_kind_shares"][kind]
+        cells = [kind or "**every byte**", f"{share:.1%}", _f(bpb(spider)), *(_f(bpb(r)) for _, r in columns),
+                 *(f"{bpb(b) - bpb(a):+.3f}" for _, a, b in gains)]
+        lines.append("| " + " | ".join(cells) + " |")
+    probed = [(label, r) for label, r in (("the default run", spider),
+                                          ("4x the steps", by_name.get("the default run, 4x the steps")))
+              if r and r.get("bpb_by_global_stream_probe")]
+    if probed:
+        first = BYTE_KINDS[1]
+        header = ["Spider's global stream at evaluation (same weights), held-out bpb against the trained stream's"]
+        header += [f"{label}: {part}" for label, _ in probed for part in ("every byte", first)]
+        lines += ["", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+        for probe in (p for p in GLOBAL_STREAM_PROBES if all(p in r["bpb_by_global_stream_probe"] for _, r in probed)):
+            cells = [probe]
+            for _, r in probed:
+                result = r["bpb_by_global_stream_probe"][probe]
+                cells += [f"{result['bits_per_byte'] - r['sotu_bits_per_byte']:+.3f}",
+                          f"{result['by_byte_kind'][first] - r['bpb_by_byte_kind'][first]:+.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def card_reference(rows: list[dict]) -> dict:

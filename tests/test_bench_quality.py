@@ -311,3 +311,57 @@ def test_dense_baseline_with_spiders_local_attention():
     table = quality.render(rows).split("\n\n")[0]
     assert "4-byte local attention (`MistralForCausalLM`), equal parameters and steps (lr 0.001) |" in table
     assert "equal wall-clock (lr 0.002) | Muon (lr 0.01) + AdamW | 250 | 6.00M | 2.120 |" in table
+
+
+def test_byte_kinds_place_every_predicted_byte_in_its_word():
+    windows = torch.tensor([list(b"xx, a word!  ok")])
+    kinds = quality.byte_kinds(windows)[0].tolist()  # predicted bytes: windows[:, 1:] = "x, a word!  ok"
+    #       x  ,  ' ' a  ' ' w  o  r  d  !  ' ' ' ' o  k
+    assert kinds == [2, 0, 0, 1, 0, 1, 2, 3, 4, 0, 0, 0, 1, 2]
+    long_word = torch.tensor([list(b" abcdefg")])
+    assert quality.byte_kinds(long_word)[0].tolist() == [1, 2, 3, 4, 5, 5, 5]  # the 5th byte on share one kind
+
+
+def test_score_by_byte_kind_splits_the_same_total():
+    model = tiny_model(seed=0).eval()
+    ids = torch.tensor([list(b"the state of the union is strong, and we are here. ")] * 3)
+    plain = quality.score(model, ids)
+    split = quality.score(model, ids, by_byte_kind=True)
+    assert split["bits_per_byte"] == plain["bits_per_byte"]  # the headline number is computed as before
+    shares, bpb = split["byte_kind_shares"], split["bits_per_byte_by_byte_kind"]
+    assert set(shares) == set(bpb) == set(quality.BYTE_KINDS) and sum(shares.values()) == pytest.approx(1.0)
+    # the kinds' bits, weighted by their shares, add up to the total (fp64 sums of fp32 per-byte losses over
+    # ids.numel() bytes: a relative tolerance of fp32's epsilon times the count)
+    total = sum(shares[k] * bpb[k] for k in quality.BYTE_KINDS)
+    assert total == pytest.approx(plain["bits_per_byte"], rel=torch.finfo(torch.float32).eps * ids.numel())
+
+
+@pytest.mark.parametrize("probe", list(quality.GLOBAL_STREAM_PROBES))
+def test_global_stream_probes_change_only_what_the_bytes_read_and_are_undone(probe):
+    # a segment closes every 4 bytes (at positions 3, 7, ...); the tiny preset's global stream reaches the output at
+    # initialisation
+    model = tiny_model(seed=0, boundary_mode="fixed", boundary_prior=0.25).eval()
+    ids = torch.tensor([list(b"the state of the union is strong, and we are here. ")] * 2)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with quality._GlobalStreamProbe(model, probe):
+            probed = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert torch.equal(after, plain)  # the class's global_stream is back
+    assert not torch.equal(probed, plain)
+    if probe != "removed":  # bytes 0-2, before the first boundary, read the null group's stream in both: no change
+        assert torch.equal(probed[:, :3], plain[:, :3]) and not torch.equal(probed[:, 3:], plain[:, 3:])
+
+
+def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
+    kinds = dict.fromkeys(quality.BYTE_KINDS, 2.0)
+    shares = dict.fromkeys(quality.BYTE_KINDS, 1 / len(quality.BYTE_KINDS))
+    rows = _rows(2.21)
+    rows[0].update(bpb_by_byte_kind={**kinds, "1st byte of a word": 4.0}, byte_kind_shares=shares,
+                   bpb_by_global_stream_probe={"removed": {"bits_per_byte": 2.3,
+                                                           "by_byte_kind": {**kinds, "1st byte of a word": 4.5}}})
+    rows[1].update(bpb_by_byte_kind={**kinds, "1st byte of a word": 4.25}, byte_kind_shares=shares)
+    text = quality.render(rows)
+    assert "| 1st byte of a word | 16.7% | 4.000 | 4.250 | +0.250 |" in text
+    assert "| **every byte** | 100.0% | 2.200 | 2.210 | +0.010 |" in text
+    assert "| removed | +0.100 | +0.500 |" in text
