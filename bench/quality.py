@@ -504,6 +504,11 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
 #: the dense baseline with Spider's byte-layer window (kind ``"llama_local"``)
 LOCAL_DENSE = "dense, 4-byte local attention"
 
+#: Twice the default run's bytes per step (16 x 256), the same 500 steps: Muon's per-step cost (which grows with the
+#: parameters, not the batch) is then spread over twice the data.
+LARGER_BATCH = {"batch_size": 16}
+LARGER_BATCH_NAME = "the default run, batch 16 x 256 (twice the bytes per step)"
+
 #: The recipe the ablations below were measured with: AdamW for every parameter (the default before Muon).
 ADAMW = {"muon_lr": None}
 #: Each training step's loop count drawn from {n_loops, n_loops + 1} (``train_hf.py --extra_train_loops 1``).
@@ -606,6 +611,8 @@ ABLATIONS: list[tuple] = [
     ("Muon at lr 0.05", "spider", {**END_TO_END_SEGMENTS, **GATED_MIXING}, {"muon_lr": 0.05}),
     ("global path removed, Muon at lr 0.02", "bytes_only", {}, {"muon_lr": 0.02}),
     ("dense Llama (equal parameters), Muon at lr 0.02", "llama", {}, {"muon_lr": 0.02}),
+    (LARGER_BATCH_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **LARGER_BATCH}),
+    ("global path removed, batch 16 x 256, Muon", "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, **LARGER_BATCH}),
 ]
 
 
@@ -651,6 +658,8 @@ GLOBAL_PATH_PAIRS = [
     ("4-byte window, Muon, end-to-end boundaries (the default before 2026-11-24)", END_TO_END_DEFAULT,
      "global path removed (prelude + coda only)"),
     ("4-byte window, Muon at lr 0.02, end-to-end boundaries", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
+    ("4-byte window, Muon, the teacher's word segments, batch 16 x 256", LARGER_BATCH_NAME,
+     "global path removed, batch 16 x 256, Muon"),
     ("4-byte window, Muon, the teacher's word segments, 4x the steps", "the default run, 4x the steps",
      "global path removed, 4x the steps, Muon"),
     ("4-byte window, Muon, the teacher's word segments, 4x the steps, loop count drawn from {2, 3}",
@@ -1122,6 +1131,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--name", default=None)
     parser.add_argument("--overrides", default="{}", help="JSON config overrides (Spider runs)")
     parser.add_argument("--steps", type=int, default=Recipe.steps)
+    parser.add_argument("--batch_size", type=int, default=Recipe.batch_size,
+                        help="sequences per step (single runs and --time_steps; the suite's rows set their own)")
     parser.add_argument("--lr", type=float, default=Recipe.lr)
     parser.add_argument("--muon_lr", type=float, default=DEFAULT_MUON_LR,
                         help="peak learning rate of torch.optim.Muon for the hidden matrices (0: AdamW for every "
@@ -1159,7 +1170,8 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.time_steps:
-        split = {kind: step_split(kind, {}, Recipe()) for kind in ("spider", "llama", "bytes_only")}
+        split = {kind: step_split(kind, {}, Recipe(batch_size=args.batch_size))
+                 for kind in ("spider", "llama", "bytes_only")}
         print(json.dumps({"threads": torch.get_num_threads(), "seconds_per_step": split}))
         return [split]
     texts = {Path(t).stem: text_file_ids(t) for t in args.text}
@@ -1169,7 +1181,8 @@ def main(argv=None) -> list[dict]:
                          out=args.out, only=args.only,
                          step_times=json.loads(args.step_times) if args.step_times else None)
     else:
-        recipe = Recipe(steps=args.steps, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
+        recipe = Recipe(steps=args.steps, lr=args.lr, batch_size=args.batch_size, eval_every=args.eval_every,
+                        seed=args.seed,
                         same_init=args.same_init, muon_lr=args.muon_lr or None,
                         warmup_steps=min(200, max(1, args.steps // 10)))
         rows = []

@@ -365,3 +365,15 @@ def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
     assert "| 1st byte of a word | 16.7% | 4.000 | 4.250 | +0.250 |" in text
     assert "| **every byte** | 100.0% | 2.200 | 2.210 | +0.010 |" in text
     assert "| removed | +0.100 | +0.500 |" in text
+
+
+def test_larger_batch_pair_trains_both_models_with_twice_the_bytes_per_step():
+    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
+                                                      adamw_step_times=(0.5, 1.25, 0.2))}
+    spider, removed = runs[quality.LARGER_BATCH_NAME], runs["global path removed, batch 16 x 256, Muon"]
+    assert (spider["kind"], spider["overrides"], spider["steps"]) == ("spider", {}, quality.Recipe.steps)
+    assert spider["recipe"] == removed["recipe"] == {"muon_lr": DEFAULT_MUON_LR, "batch_size": 16}
+    assert removed["kind"] == "bytes_only"
+    rows = _rows(2.21) + [_row(quality.LARGER_BATCH_NAME, 2.0), _row(removed["name"], 2.07, kind="bytes_only")]
+    assert "| 4-byte window, Muon, the teacher's word segments, batch 16 x 256 | 500 | 2.000 | 2.070 | +0.070 |" in \
+        quality.render(rows)
