@@ -170,7 +170,8 @@ def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: 
         flat_logits, targets = logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
         nll += F.cross_entropy(flat_logits, targets, reduction="sum").item()
         count += batch[:, 1:].numel()
-        if kinds is not None:
+        if kinds is not None:  # a second, unreduced pass: the sum above keeps the headline bit-identical to rows
+            # measured before the split (a sum of the unreduced losses differs in the last bits)
             per_byte = F.cross_entropy(flat_logits, targets, reduction="none").double()
             kind_nll.index_add_(0, kinds[i : i + batch_size].reshape(-1), per_byte)
         if getattr(out, "compression_rate", None) is not None:
@@ -975,38 +976,41 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: (column label, row name) of the "where the global path's gain sits" table, after the default run's column
-BYTE_KIND_COLUMNS = [("byte layers alone", "global path removed (prelude + coda only)"),
-                     ("dense Llama, equal parameters", "llama"),
-                     ("Spider, 4x the steps", "the default run, 4x the steps"),
-                     ("byte layers alone, 4x the steps", "global path removed, 4x the steps, Muon")]
+#: The default run's row and its byte layers alone, at the default budget and at 4x the steps: the pairs of the
+#: "where the global path's gain sits" tables.
+DEFAULT_PAIR = ("spider", "global path removed (prelude + coda only)")
+FOUR_X_PAIR = ("the default run, 4x the steps", "global path removed, 4x the steps, Muon")
+#: (column label, row name) of the by-kind table, after the default run's column
+BYTE_KIND_COLUMNS = [("byte layers alone", DEFAULT_PAIR[1]), ("dense Llama, equal parameters", "llama"),
+                     ("Spider, 4x the steps", FOUR_X_PAIR[0]), ("byte layers alone, 4x the steps", FOUR_X_PAIR[1])]
+
+
+def _bpb_of_kind(row: dict, kind: str | None) -> float:
+    """A row's held-out bits per byte on the bytes of one :data:`BYTE_KINDS` kind, or on every byte (None)."""
+    return row["sotu_bits_per_byte"] if kind is None else row["bpb_by_byte_kind"][kind]
 
 
 def _gain_by_byte_kind(spider: dict, by_name: dict) -> list[str]:
     """Two tables, where the rows carry them: held-out bits per byte by the kind of byte predicted
     (:data:`BYTE_KINDS`) for the default run, its byte layers alone and the dense Llama, and at 4x the steps; and the
-    default run scored with its global stream replaced at evaluation (:data:`GLOBAL_STREAM_PROBES`)."""
+    default run (and its 4x) scored with its global stream replaced at evaluation (:data:`GLOBAL_STREAM_PROBES`)."""
     if "bpb_by_byte_kind" not in spider:
         return []
-    columns = [(label, by_name[name]) for label, name in BYTE_KIND_COLUMNS
-               if "bpb_by_byte_kind" in by_name.get(name, {})]
-    gains = [("the global path adds", spider, by_name.get("global path removed (prelude + coda only)")), (
-        "the global path adds, 4x the steps", by_name.get("the default run, 4x the steps"),
-        by_name.get("global path removed, 4x the steps, Muon"))]
-    gains = [(label, a, b) for label, a, b in gains
-             if a and b and "bpb_by_byte_kind" in a and "bpb_by_byte_kind" in b]
+    has_kinds = lambda r: r is not None and "bpb_by_byte_kind" in r  # noqa: E731
+    columns = [(label, by_name[name]) for label, name in BYTE_KIND_COLUMNS if has_kinds(by_name.get(name))]
+    gains = [(label, by_name.get(a), by_name.get(b)) for label, (a, b) in
+             (("the global path adds", DEFAULT_PAIR), ("the global path adds, 4x the steps", FOUR_X_PAIR))]
+    gains = [(label, a, b) for label, a, b in gains if has_kinds(a) and has_kinds(b)]
     header = ["byte predicted", "share of the bytes", "Spider (the default run)", *(c for c, _ in columns)]
     header += [label for label, _, _ in gains]
     lines = ["", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for kind in (*BYTE_KINDS, None):
-        def bpb(r):  # noqa: E306
-            return r["sotu_bits_per_byte"] if kind is None else r["bpb_by_byte_kind"][kind]
         share = 1.0 if kind is None else spider["byte_kind_shares"][kind]
-        cells = [kind or "**every byte**", f"{share:.1%}", _f(bpb(spider)), *(_f(bpb(r)) for _, r in columns),
-                 *(f"{bpb(b) - bpb(a):+.3f}" for _, a, b in gains)]
+        cells = [kind or "**every byte**", f"{share:.1%}", _f(_bpb_of_kind(spider, kind)),
+                 *(_f(_bpb_of_kind(r, kind)) for _, r in columns),
+                 *(f"{_bpb_of_kind(b, kind) - _bpb_of_kind(a, kind):+.3f}" for _, a, b in gains)]
         lines.append("| " + " | ".join(cells) + " |")
-    probed = [(label, r) for label, r in (("the default run", spider),
-                                          ("4x the steps", by_name.get("the default run, 4x the steps")))
+    probed = [(label, r) for label, r in (("the default run", spider), ("4x the steps", by_name.get(FOUR_X_PAIR[0])))
               if r and r.get("bpb_by_global_stream_probe")]
     if probed:
         first = BYTE_KINDS[1]
