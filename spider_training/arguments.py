@@ -99,6 +99,11 @@ class SpiderArguments:
                                         f"AdamW at --lr for the rest (default {DEFAULT_MUON_LR}; 0: AdamW for every "
                                         "parameter, the default with --adamw_8bit or FSDP)"}
     )
+    muon_experts: bool = field(
+        default=True, metadata={"help": "with Muon: Muon also for the routed MoE experts' matrices (default); "
+                                        "--no_muon_experts trains them with AdamW at --lr, a cheaper optimizer step on "
+                                        "small batches (README 'Model quality': the MoE experts on AdamW)"}
+    )
     ckpt_every: int | None = field(default=None, metadata={"help": "steps between checkpoints (env CKPT_EVERY; sets save_steps)"})
     target_tokens: int | None = field(default=None, metadata={"help": "total training tokens (env TARGET_TOKENS)"})
     release_dir: str | None = field(default=None, metadata={"help": "final release folder (default: OUTPUT_DIR/release)"})

@@ -103,11 +103,14 @@ class Muon(torch.optim.Muon):
         return loss
 
 
-def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
+def is_hidden_matrix(name: str, param: torch.Tensor, experts: bool = True) -> bool:
     """Whether Muon updates the parameter `name`: a 2-D weight inside a layer stack (``layers.N.``,
     ``prelude_layers.N.``, ``recurrent_block.layers.N.``, ``coda_layers.N.``: attention, FFN and expert projections) or
-    the boundary predictor's hidden layer; not embeddings, the LM head, MoE routers, norms, biases or the loop LoRA."""
-    return (param.dim() == 2 and ".router." not in name
+    the boundary predictor's hidden layer; not embeddings, the LM head, MoE routers, norms, biases or the loop LoRA.
+    `experts=False`: not the routed MoE experts' projections either (``.mlp.experts.``; the shared experts stay), which
+    then train with AdamW: on a small batch Muon's Newton-Schulz iterations on every expert matrix dominate the step
+    (README "Model quality", the MoE experts on AdamW)."""
+    return (param.dim() == 2 and ".router." not in name and (experts or ".mlp.experts." not in name)
             and (_LAYER_STACK.search(name) is not None or "boundary_predictor.dense" in name))
 
 
@@ -161,10 +164,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    decay_parameter_names: set[str] | None = None) -> MuonWithAdamW:
+                    decay_parameter_names: set[str] | None = None, muon_experts: bool = True) -> MuonWithAdamW:
     """:class:`MuonWithAdamW` over `model`'s trainable parameters: the hidden matrices (:func:`is_hidden_matrix`) by
     Muon at `muon_lr`, the rest by AdamW at `lr`, with weight decay on `decay_parameter_names` (Trainer's
-    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). Muon's decoupled decay per step is
+    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``); `muon_experts=False` moves the routed MoE
+    experts' matrices to AdamW (:func:`is_hidden_matrix`'s `experts`). Muon's decoupled decay per step is
     ``lr * weight_decay``: its weight decay is scaled by ``lr / muon_lr`` so that a matrix decays per step as AdamW
     would decay it.
 
@@ -175,7 +179,7 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if is_hidden_matrix(name, param):
+        if is_hidden_matrix(name, param, experts=muon_experts):
             muon.append(param)
         else:
             decays = param.dim() >= 2 if decay_parameter_names is None else name in decay_parameter_names
@@ -188,8 +192,10 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
     )
 
 
-def describe_optimizer(muon_lr: float, optim) -> str:
+def describe_optimizer(muon_lr: float, optim, muon_experts: bool = True) -> str:
     """The run's optimizer in words, for the start-up summary and the model card: ``"Muon (hidden matrices, peak lr
-    0.01) + adamw_torch"``, or Trainer's ``optim`` name (an ``OptimizerNames`` or str) when `muon_lr` is 0."""
+    0.01) + adamw_torch"`` (``"hidden matrices but the routed experts"`` when `muon_experts` is False), or Trainer's
+    ``optim`` name (an ``OptimizerNames`` or str) when `muon_lr` is 0."""
     name = getattr(optim, "value", str(optim))
-    return f"Muon (hidden matrices, peak lr {muon_lr:g}) + {name}" if muon_lr else name
+    which = "hidden matrices" if muon_experts else "hidden matrices but the routed experts"
+    return f"Muon ({which}, peak lr {muon_lr:g}) + {name}" if muon_lr else name

@@ -95,6 +95,7 @@ def _run(spider: SpiderArguments, args) -> dict:
         n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
         fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
+        muon_experts=spider.muon_experts,
     )
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():
@@ -108,7 +109,7 @@ def _run(spider: SpiderArguments, args) -> dict:
             output_dir=args.output_dir, max_steps=args.max_steps,
             batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
             eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
-            optimizer=describe_optimizer(spider.muon_lr, args.optim),
+            optimizer=describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
         ), flush=True)
 
     before = trainer.evaluate(metric_key_prefix="eval_before") if eval_dataset is not None else {}

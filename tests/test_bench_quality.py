@@ -203,6 +203,25 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert quality.Recipe().muon_lr == DEFAULT_MUON_LR  # the default run's
 
 
+def test_experts_on_adamw_moves_only_the_routed_experts_matrices_to_adamw():
+    """`Recipe.muon_experts=False`: the routed experts' matrices leave Muon for AdamW's decayed group; every other
+    hidden matrix (the shared expert's included) stays with Muon."""
+    model = tiny_model(seed=0)
+    named = dict(model.named_parameters())
+
+    def muon_names(recipe):
+        _, muon = quality.optimizers(model, recipe)
+        return {n for n, p in named.items() if id(p) in {id(q) for g in muon.param_groups for q in g["params"]}}
+
+    default, moved = muon_names(quality.Recipe()), muon_names(quality.Recipe(muon_experts=False))
+    experts = {n for n in default if ".mlp.experts." in n}
+    assert experts and default - moved == experts and moved < default
+    assert any(".shared_experts." in n for n in moved)
+    adamw, _ = quality.optimizers(model, quality.Recipe(muon_experts=False))
+    decayed = next(g for g in adamw.param_groups if g["weight_decay"] > 0)
+    assert {id(named[n]) for n in experts} <= {id(p) for p in decayed["params"]}
+
+
 def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
     """`Recipe.extra_train_loops` (n_loops or one more) and `Recipe.loop_counts` (a given set): every training step runs
     a loop count drawn from its own random stream, so the batches are the fixed-count run's (the default)."""
@@ -367,13 +386,17 @@ def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
     assert "| removed | +0.100 | +0.500 |" in text
 
 
-def test_larger_batch_pair_trains_both_models_with_twice_the_bytes_per_step():
+@pytest.mark.parametrize("spider_name, removed_name, batch_size", [
+    (quality.LARGER_BATCH_NAME, "global path removed, batch 16 x 256, Muon", 16),
+    (quality.LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon", 32),
+])
+def test_larger_batch_pairs_train_both_models_with_more_bytes_per_step(spider_name, removed_name, batch_size):
     runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
                                                       adamw_step_times=(0.5, 1.25, 0.2))}
-    spider, removed = runs[quality.LARGER_BATCH_NAME], runs["global path removed, batch 16 x 256, Muon"]
+    spider, removed = runs[spider_name], runs[removed_name]
     assert (spider["kind"], spider["overrides"], spider["steps"]) == ("spider", {}, quality.Recipe.steps)
-    assert spider["recipe"] == removed["recipe"] == {"muon_lr": DEFAULT_MUON_LR, "batch_size": 16}
+    assert spider["recipe"] == removed["recipe"] == {"muon_lr": DEFAULT_MUON_LR, "batch_size": batch_size}
     assert removed["kind"] == "bytes_only"
-    rows = _rows(2.21) + [_row(quality.LARGER_BATCH_NAME, 2.0), _row(removed["name"], 2.07, kind="bytes_only")]
-    assert "| 4-byte window, Muon, the teacher's word segments, batch 16 x 256 | 500 | 2.000 | 2.070 | +0.070 |" in \
-        quality.render(rows)
+    rows = _rows(2.21) + [_row(spider_name, 2.0), _row(removed_name, 2.07, kind="bytes_only")]
+    label = f"4-byte window, Muon, the teacher's word segments, batch {batch_size} x 256"
+    assert f"| {label} | 500 | 2.000 | 2.070 | +0.070 |" in quality.render(rows)

@@ -199,3 +199,39 @@ def test_the_optimizer_is_named_on_the_console_and_the_card():
 
     assert describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH) == "Muon (hidden matrices, peak lr 0.01) + adamw_torch"
     assert describe_optimizer(0.0, OptimizerNames.ADAMW_BNB) == "adamw_bnb_8bit"
+
+
+def test_routed_experts_can_train_with_adamw_instead_of_muon(monkeypatch, tmp_path):
+    """`experts=False` / ``--no_muon_experts``: only the routed experts' matrices leave Muon (the shared expert and
+    the attention stay) and join AdamW's decayed group; the flag reaches the optimizer Trainer builds and its name."""
+    from transformers import TrainingArguments
+    from transformers.training_args import OptimizerNames
+
+    from spider_training.optim import describe_optimizer
+    from spider_training.trainer import SpiderTrainer
+
+    model = tiny_model(seed=0)
+    named = dict(model.named_parameters())
+    everything = {n for n, p in named.items() if is_hidden_matrix(n, p)}
+    no_experts = {n for n, p in named.items() if is_hidden_matrix(n, p, experts=False)}
+    routed = {n for n in everything if ".mlp.experts." in n}
+    assert routed and everything - no_experts == routed
+    assert any(".mlp.shared_experts." in n for n in no_experts) and any(".self_attn." in n for n in no_experts)
+
+    def muon_and_decayed(opt):
+        muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+        decayed = {id(p) for g in opt.adamw.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+        return muon, decayed
+
+    muon, decayed = muon_and_decayed(muon_with_adamw(model, muon_lr=0.02, lr=1e-3, weight_decay=0.1,
+                                                     muon_experts=False))
+    assert muon == {id(named[n]) for n in no_experts} and {id(named[n]) for n in routed} <= decayed
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert parse_args([])[0].muon_experts is True
+    assert parse_args(["--no_muon_experts"])[0].muon_experts is False
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
+    trainer = SpiderTrainer(model=model, args=args, muon_lr=0.02, muon_experts=False)
+    assert muon_and_decayed(trainer.create_optimizer())[0] == muon
+    assert describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=False) == \
+        "Muon (hidden matrices but the routed experts, peak lr 0.01) + adamw_torch"
