@@ -1,7 +1,7 @@
 """The main job's console (issue #13): the README's command starts with what the run will do, not library noise.
 
-Runs the README's main command (``accelerate launch --config_file configs/accelerate/single_process.yaml
-train_hf.py``) for one step in a subprocess and checks its output for every line of noise a fresh machine printed
+Runs the README's main command (``accelerate launch --num_cpu_threads_per_process $(nproc) --config_file
+configs/accelerate/single_process.yaml train_hf.py``) for one step in a subprocess and checks its output for every line of noise a fresh machine printed
 before, and for the start-up summary. Slow: one short training run in a fresh process (~30 s).
 """
 
@@ -50,7 +50,8 @@ def test_describe_run_says_how_much_of_the_corpus_a_run_sees():
 
 @pytest.mark.slow
 def test_main_command_starts_with_the_run_summary_and_no_library_noise(tmp_path):
-    cmd = ["accelerate", "launch", "--config_file", str(REPO / "configs/accelerate/single_process.yaml"),
+    cmd = ["accelerate", "launch", "--num_cpu_threads_per_process", str(os.cpu_count()),
+           "--config_file", str(REPO / "configs/accelerate/single_process.yaml"),
            str(REPO / "train_hf.py"), "--max_steps", "1", "--eval_windows", "1", "--sample_bytes", "2",
            "--ckpt_dir", str(tmp_path / "run")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
