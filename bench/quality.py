@@ -1,9 +1,11 @@
 """Model quality: held-out bits per byte of Spider against a dense byte ``LlamaForCausalLM``, plus ablations.
 
-``python -m bench.quality`` trains each variant with one recipe -- the default run's (batch 8 x 256 bytes, Muon for
-the hidden matrices at peak lr 0.01 and AdamW for the rest at 1e-3, betas (0.9, 0.95), weight decay 0.1, clipping 1.0,
-linear warmup then cosine to 0.1x; windows drawn uniformly at random from every pre-2000 address; the ablations use
-the same recipe with AdamW for every parameter, the default before 2026-11-24) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
+``python -m bench.quality`` trains each variant with one recipe -- the default run's (batch 16 x 256 bytes, Muon for
+the hidden matrices but the routed experts' at peak lr 0.01 and AdamW for the rest at 1e-3, betas (0.9, 0.95), weight
+decay 0.1, clipping 1.0, linear warmup then cosine to 0.1x; windows drawn uniformly at random from every pre-2000
+address; the ablation and longer-budget rows use the recipe of their day, batch 8 x 256 with Muon for every hidden
+matrix (:data:`BATCH8_RECIPE`, the default until 2026-11-25) or AdamW for every parameter, the default before
+2026-11-24) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
 starting a third of the way in, context 256, the slice issue #16 measures) and on any ``--text`` file given.
 
 Every row splits its held-out bits per byte by the kind of byte predicted (:data:`BYTE_KINDS`: space or punctuation,
@@ -57,10 +59,11 @@ LLAMA_BASELINE = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=
 
 @dataclass
 class Recipe:
-    """The default run's training recipe (``train_hf.py`` with no arguments)."""
+    """The default run's training recipe (``train_hf.py`` with no arguments; tests/test_bench_quality.py checks that
+    they agree)."""
 
     steps: int = 500
-    batch_size: int = 8
+    batch_size: int = 16
     seq_len: int = 256
     lr: float = 1e-3
     warmup_steps: int = 50
@@ -77,8 +80,8 @@ class Recipe:
     same_init: bool = False  # a variant starts the parameters it shares with the default model from its values
     muon_lr: float | None = DEFAULT_MUON_LR  # hidden matrices by torch.optim.Muon at this peak lr, the rest AdamW;
     # None: AdamW for every parameter (the recipe before 2026-11-24, on which the ablation table was measured)
-    muon_experts: bool = True  # with muon_lr: False moves the routed MoE experts' matrices (".mlp.experts.") to AdamW,
-    # whose step costs a fraction of Muon's Newton-Schulz iterations on their 48 matrices (small preset)
+    muon_experts: bool = False  # with muon_lr: the routed MoE experts' matrices (".mlp.experts.") by AdamW, whose step
+    # costs a fraction of Muon's Newton-Schulz iterations on their 48 matrices (small preset); True: by Muon too
 
 
 #: Spider's byte layers, by parameter-name prefix; every other parameter belongs to the global path (boundary
@@ -469,7 +472,7 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
 def run(quick: bool = False, profile: bool | None = None) -> dict:
     """``bench.run_all``'s entry (result format of :mod:`bench.common`): Spider's default run, the same byte layers
     without the global path and the dense Llama at equal parameters and steps, each trained by the default recipe
-    (about 20 minutes on one thread), judged against issue #16's targets. `quick`: 6 steps of 2 x 64 bytes scored
+    (about 35 minutes on one thread), judged against issue #16's targets. `quick`: 6 steps of 2 x 64 bytes scored
     on a 4 KB slice, which checks the wiring, not the model. The complete tables (every ablation, the equal
     wall-clock sweep, longer budgets) are ``--suite``. `profile` is accepted for the runner and unused."""
     from bench.common import check, finish, info
@@ -507,20 +510,34 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
 #: the dense baseline with Spider's byte-layer window (kind ``"llama_local"``)
 LOCAL_DENSE = "dense, 4-byte local attention"
 
-#: Twice the default run's bytes per step (16 x 256), the same 500 steps: Muon's per-step cost (which grows with the
+#: The recipe of every row measured before 2026-11-26, when the default run moved to batch 16 x 256 with the MoE
+#: experts on AdamW: batch 8 x 256 and Muon for every hidden matrix. :func:`suite_runs` pins it under each ablation and
+#: longer-budget row's own recipe changes, so that a rerun reproduces them; the Muon rows among them are compared with
+#: :data:`BATCH8_DEFAULT`, the default run of that recipe.
+BATCH8_RECIPE = {"batch_size": 8, "muon_experts": True}
+BATCH8_DEFAULT = "the default run until 2026-11-25 (batch 8 x 256, Muon for every hidden matrix)"
+BATCH8_REMOVED = "global path removed, batch 8 x 256, Muon"
+BATCH8_SEED43 = "the default run until 2026-11-25, seed 43 (seed noise)"
+BATCH8_REMOVED_SEED43 = "global path removed, batch 8 x 256, seed 43 (seed noise), Muon"
+#: The default run's byte layers alone (the "global path removed" row of the headline pair)
+DEFAULT_REMOVED = "global path removed (prelude + coda only)"
+DEFAULT_REMOVED_SEED43 = "global path removed, seed 43 (seed noise), the default run's recipe"
+
+#: Twice the batch-8 recipe's bytes per step (16 x 256), the same 500 steps: Muon's per-step cost (which grows with the
 #: parameters, not the batch) is then spread over twice the data.
 LARGER_BATCH = {"batch_size": 16}
 LARGER_BATCH_NAME = "the default run, batch 16 x 256 (twice the bytes per step)"
-#: Four times the default run's bytes per step (32 x 256), the same 500 steps: the bytes of the 4x-the-steps run in a
+#: Four times the batch-8 recipe's bytes per step (32 x 256), the same 500 steps: the bytes of the 4x-the-steps run in a
 #: quarter of its steps (does the global path need the text, or the optimizer steps?).
 LARGEST_BATCH = {"batch_size": 32}
 LARGEST_BATCH_NAME = "the default run, batch 32 x 256 (four times the bytes per step)"
 
-#: The routed MoE experts' matrices trained by AdamW instead of Muon (:func:`is_hidden_matrix`): on this CPU a step of the
-#: small preset then takes 0.46 s instead of 0.74 s on one thread (``--time_steps --no_muon_experts``).
+#: The routed MoE experts' matrices trained by AdamW instead of Muon (:func:`is_hidden_matrix`; the default since
+#: 2026-11-26): on this CPU a step of the small preset at batch 8 then takes 0.46 s instead of 0.74 s on one thread.
 EXPERTS_ON_ADAMW = {"muon_experts": False}
 EXPERTS_ON_ADAMW_NAME = "MoE experts on AdamW (Muon for the other hidden matrices)"
-EXPERTS_ON_ADAMW_B16_NAME = "MoE experts on AdamW, batch 16 x 256"
+#: The default run's recipe spelled out, for rows that change something else in it (their seed)
+DEFAULT_RECIPE = {"muon_lr": DEFAULT_MUON_LR, "batch_size": Recipe.batch_size, "muon_experts": Recipe.muon_experts}
 
 #: The recipe the ablations below were measured with: AdamW for every parameter (the default before Muon).
 ADAMW = {"muon_lr": None}
@@ -542,9 +559,10 @@ GATED_MIXING = {"upsample_mixing": "scaled_norm"}
 GATED_DEFAULT = "mixing: a learned gate that starts shut (scaled_norm, ReZero; the default before 2026-11-25)"
 
 #: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
-#: with the AdamW recipe (:data:`ADAMW`; same steps, data, seed), end-to-end boundaries and the gated mixing unless it
-#: names another recipe change, and is compared with :data:`ADAMW_DEFAULT`; rows that set ``muon_lr`` are compared
-#: with the default run ("spider"), or with :data:`END_TO_END_DEFAULT` when they keep :data:`END_TO_END_SEGMENTS`.
+#: with the batch-8 recipe (:data:`BATCH8_RECIPE`) and AdamW (:data:`ADAMW`; same steps, data, seed), end-to-end
+#: boundaries and the gated mixing unless it names another recipe change, and is compared with :data:`ADAMW_DEFAULT`;
+#: rows that set ``muon_lr`` are compared with :data:`BATCH8_DEFAULT`, or with :data:`END_TO_END_DEFAULT` when they keep
+#: :data:`END_TO_END_SEGMENTS`, and rows of the default run's recipe (:data:`DEFAULT_RECIPE`) with the default run.
 ABLATIONS: list[tuple] = [
     (ADAMW_DEFAULT, "spider", {}),
     ("global path removed, AdamW", "bytes_only", {}),
@@ -595,10 +613,13 @@ ABLATIONS: list[tuple] = [
      {"boundary_teacher": None, "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
     ("segments: a fixed stride of 6 bytes instead of the teacher's", "spider",
      {"boundary_mode": "fixed", "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
-    ("the default run, seed 43 (seed noise)", "spider", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
+    (BATCH8_DEFAULT, "spider", {}, {"muon_lr": DEFAULT_MUON_LR}),
+    (BATCH8_REMOVED, "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR}),
+    ("dense Llama (equal parameters), batch 8 x 256", "llama", {}, {"muon_lr": DEFAULT_MUON_LR}),
+    (BATCH8_SEED43, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
     (DRAWN_LOOPS_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **DRAWN_LOOPS}),
     (f"{DRAWN_LOOPS_NAME}, seed 43", "spider", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43, **DRAWN_LOOPS}),
-    ("global path removed, seed 43 (seed noise), Muon", "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
+    (BATCH8_REMOVED_SEED43, "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
     (GATED_DEFAULT, "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR}),
     (f"{GATED_DEFAULT}, seed 43", "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
     ("global stream at 0.25 of the bytes' RMS (upsample_rms_ratio=0.25)", "spider", {"upsample_rms_ratio": 0.25},
@@ -625,11 +646,11 @@ ABLATIONS: list[tuple] = [
     ("global path removed, Muon at lr 0.02", "bytes_only", {}, {"muon_lr": 0.02}),
     ("dense Llama (equal parameters), Muon at lr 0.02", "llama", {}, {"muon_lr": 0.02}),
     (LARGER_BATCH_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **LARGER_BATCH}),
-    ("global path removed, batch 16 x 256, Muon", "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, **LARGER_BATCH}),
     (LARGEST_BATCH_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **LARGEST_BATCH}),
     ("global path removed, batch 32 x 256, Muon", "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, **LARGEST_BATCH}),
     (EXPERTS_ON_ADAMW_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **EXPERTS_ON_ADAMW}),
-    (EXPERTS_ON_ADAMW_B16_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **EXPERTS_ON_ADAMW, **LARGER_BATCH}),
+    ("the default run, seed 43 (seed noise)", "spider", {}, {**DEFAULT_RECIPE, "seed": 43}),
+    (DEFAULT_REMOVED_SEED43, "bytes_only", {}, {**DEFAULT_RECIPE, "seed": 43}),
 ]
 
 
@@ -651,36 +672,36 @@ GLOBAL_PATH_PAIRS = [
     ("16-byte window", "16-byte window in the byte layers", "global path removed, 16-byte window"),
     ("4-byte window, prelude/coda 2 + 2 layers", "prelude/coda 2 + 2 layers",
      "global path removed, prelude/coda 2 + 2 layers"),
-    ("4-byte window, Muon, the teacher's word segments (the default run)", "spider",
-     "global path removed (prelude + coda only)"),
-    ("4-byte window, Muon, the teacher's word segments, seed 43", "the default run, seed 43 (seed noise)",
-     "global path removed, seed 43 (seed noise), Muon"),
+    ("4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256 (the default run)",
+     "spider", DEFAULT_REMOVED),
+    ("4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256, seed 43",
+     "the default run, seed 43 (seed noise)", DEFAULT_REMOVED_SEED43),
+    ("4-byte window, Muon, the teacher's word segments (the default until 2026-11-25)", BATCH8_DEFAULT,
+     BATCH8_REMOVED),
+    ("4-byte window, Muon, the teacher's word segments, seed 43", BATCH8_SEED43, BATCH8_REMOVED_SEED43),
     ("4-byte window, Muon, the teacher's word segments, loop count drawn from {2, 3}", DRAWN_LOOPS_NAME,
-     "global path removed (prelude + coda only)"),
+     BATCH8_REMOVED),
     ("4-byte window, Muon, the teacher's word segments, loop count drawn from {2, 3}, seed 43",
-     f"{DRAWN_LOOPS_NAME}, seed 43", "global path removed, seed 43 (seed noise), Muon"),
+     f"{DRAWN_LOOPS_NAME}, seed 43", BATCH8_REMOVED_SEED43),
     ("4-byte window, Muon, a fixed stride of 6 bytes", "segments: a fixed stride of 6 bytes instead of the teacher's",
-     "global path removed (prelude + coda only)"),
+     BATCH8_REMOVED),
     ("4-byte window, Muon, the teacher's word segments, the gated mixing (the default before 2026-11-25)",
-     GATED_DEFAULT, "global path removed (prelude + coda only)"),
+     GATED_DEFAULT, BATCH8_REMOVED),
     ("4-byte window, Muon, the teacher's word segments, the gated mixing, seed 43", f"{GATED_DEFAULT}, seed 43",
-     "global path removed, seed 43 (seed noise), Muon"),
+     BATCH8_REMOVED_SEED43),
     ("4-byte window, Muon, the teacher's word segments, prelude/coda 1 + 2 layers",
      "a second coda layer (num_coda_layers=2), Muon", "global path removed, a second coda layer, Muon"),
     ("4-byte window, Muon, the teacher's word segments, 3 recurrent layers",
-     "3 recurrent layers (num_recurrent_layers=3), Muon", "global path removed (prelude + coda only)"),
+     "3 recurrent layers (num_recurrent_layers=3), Muon", BATCH8_REMOVED),
     ("4-byte window, Muon, the teacher's word segments, Engram over 2- to 6-grams",
      "Engram over byte 2-, 3-, 4- and 6-grams (engram_ngram_sizes=[2, 3, 4, 6]), Muon",
-     "global path removed (prelude + coda only)"),
+     BATCH8_REMOVED),
     ("4-byte window, Muon, end-to-end boundaries (the default before 2026-11-24)", END_TO_END_DEFAULT,
-     "global path removed (prelude + coda only)"),
+     BATCH8_REMOVED),
     ("4-byte window, Muon at lr 0.02, end-to-end boundaries", "Muon at lr 0.02", "global path removed, Muon at lr 0.02"),
-    ("4-byte window, Muon, the teacher's word segments, batch 16 x 256", LARGER_BATCH_NAME,
-     "global path removed, batch 16 x 256, Muon"),
+    ("4-byte window, Muon, the teacher's word segments, batch 16 x 256", LARGER_BATCH_NAME, DEFAULT_REMOVED),
     ("4-byte window, Muon, the teacher's word segments, batch 32 x 256", LARGEST_BATCH_NAME,
      "global path removed, batch 32 x 256, Muon"),
-    ("4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256",
-     EXPERTS_ON_ADAMW_B16_NAME, "global path removed, batch 16 x 256, Muon"),
     ("4-byte window, Muon, the teacher's word segments, 4x the steps", "the default run, 4x the steps",
      "global path removed, 4x the steps, Muon"),
     ("4-byte window, Muon, the teacher's word segments, 4x the steps, loop count drawn from {2, 3}",
@@ -738,8 +759,10 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
                adamw_step_times: tuple[float, ...] | None = None) -> list[dict]:
     """Every run of the full benchmark, as keyword arguments of :func:`run` (plus a ``group``).
 
-    The default run and its baselines train with the default recipe (Muon for the hidden matrices) and again with
-    the AdamW recipe the ablations use (names and groups end in ", AdamW"). The dense baseline trains at equal
+    The default run and its baselines train with the default recipe (batch 16 x 256; Muon for the hidden matrices but
+    the routed experts') and again with the AdamW recipe the ablations use (batch 8 x 256, :data:`BATCH8_RECIPE`;
+    names and groups end in ", AdamW"). Every ablation and longer-budget row runs with :data:`BATCH8_RECIPE` under its
+    own recipe changes. The dense baseline trains at equal
     parameter count (500 steps) and at equal wall-clock: the step count Spider's 500 steps take, from both models'
     measured step times under that recipe (so the comparison does not depend on what else the machine runs while
     training); its learning rates (AdamW's and Muon's together) are swept over `lrs` at equal wall-clock. Spider's
@@ -747,7 +770,7 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
     same local attention at equal compute.
     `step_times` / `adamw_step_times`: `(Spider, Llama, byte layers alone)` seconds per step under the default / the
     AdamW recipe to use instead of measuring them."""
-    adamw = Recipe(**{**recipe.__dict__, **ADAMW})
+    adamw = Recipe(**{**recipe.__dict__, **BATCH8_RECIPE, **ADAMW})
     times = {}
     for suffix, rec, given in (("", recipe, step_times), (", AdamW", adamw, adamw_step_times)):
         times[suffix] = given or tuple(step_seconds(kind, {}, rec) for kind in ("spider", "llama", "bytes_only"))
@@ -755,14 +778,17 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
         old = kind == "spider" and recipe_overrides.get("muon_lr", None) is None  # they ran with
         return {**END_TO_END_SEGMENTS, **GATED_MIXING, **ov} if old else ov
 
+    def pinned(recipe_overrides: dict) -> dict:  # the batch-8 recipe under the row's own changes
+        return {**BATCH8_RECIPE, **recipe_overrides}
+
     runs = [dict(group="ablation", kind=kind, name=name, overrides=segments(kind, {**ADAMW, **rov}, ov),
-                 steps=recipe.steps, lr=recipe.lr, recipe={**ADAMW, **rov}, times=", AdamW")
+                 steps=recipe.steps, lr=recipe.lr, recipe=pinned({**ADAMW, **rov}), times=", AdamW")
             for name, kind, ov, *recipe_ov in ABLATIONS for rov in [recipe_ov[0] if recipe_ov else {}]]
     runs.insert(0, dict(group="default", kind="spider", name="spider", overrides={}, steps=recipe.steps,
                         lr=recipe.lr, times=""))
-    runs.insert(1, dict(group="default", kind="bytes_only", name="global path removed (prelude + coda only)",
+    runs.insert(1, dict(group="default", kind="bytes_only", name=DEFAULT_REMOVED,
                         overrides={}, steps=recipe.steps, lr=recipe.lr, times=""))
-    for suffix, rec in (("", {}), (", AdamW", ADAMW)):
+    for suffix, rec in (("", {}), (", AdamW", pinned(ADAMW))):
         t_spider, t_llama, t_bytes = times[suffix]
         dense_equal_time_steps = max(1, round(recipe.steps * t_spider / t_llama))
         runs.append(dict(group=f"baseline equal parameters{suffix}", kind="llama", name=f"llama{suffix}",
@@ -792,19 +818,19 @@ def suite_runs(recipe: Recipe, lrs=(5e-4, 1e-3, 2e-3), step_times: tuple[float, 
         for kind, name in (("spider", f"spider, {factor}x the steps"),
                            ("bytes_only", f"global path removed, {factor}x the steps")):
             runs.append(dict(group="longer budget", kind=kind, name=name, overrides=segments(kind, ADAMW, {}),
-                             steps=factor * recipe.steps, lr=recipe.lr, recipe=ADAMW, times=", AdamW"))
+                             steps=factor * recipe.steps, lr=recipe.lr, recipe=pinned(ADAMW), times=", AdamW"))
     for factor in DEFAULT_RECIPE_BUDGETS:  # what the global path adds with budget, on the default recipe
         for kind, name in (("spider", f"the default run, {factor}x the steps"),
                            ("bytes_only", f"global path removed, {factor}x the steps, Muon")):
             runs.append(dict(group="longer budget", kind=kind, name=name, overrides={}, steps=factor * recipe.steps,
-                             lr=recipe.lr, recipe={}, times=""))
+                             lr=recipe.lr, recipe=pinned({}), times=""))
     for factor in DRAWN_LOOPS_BUDGETS:  # does the loop-count draw still cost nothing with budget? (two seeds)
         for name, rec in ((f"the default run, {factor}x the steps, seed 43", {"seed": 43}),
                           (f"the default run, {factor}x the steps, loop count drawn from {{2, 3}}", DRAWN_LOOPS),
                           (f"the default run, {factor}x the steps, loop count drawn from {{2, 3}}, seed 43",
                            {**DRAWN_LOOPS, "seed": 43})):
             runs.append(dict(group="longer budget", kind="spider", name=name, overrides={},
-                             steps=factor * recipe.steps, lr=recipe.lr, recipe=rec, times=""))
+                             steps=factor * recipe.steps, lr=recipe.lr, recipe=pinned(rec), times=""))
     for r in runs:
         r["step_seconds"] = dict(zip(("spider", "llama", "bytes_only"), times[r.pop("times")]))
     return runs
@@ -919,21 +945,30 @@ def _headline_rows(rows: list[dict], by_name: dict, suffix: str, optimizer: str)
     return lines
 
 
+def of_default_recipe(row: dict) -> bool:
+    """Whether a row trained with the default run's batch size and optimizer split (:data:`DEFAULT_RECIPE`; rows that
+    do not record them in their ``recipe`` trained with :data:`BATCH8_RECIPE`)."""
+    recipe = {**BATCH8_RECIPE, **(row.get("recipe") or {})}
+    return all(recipe[key] == DEFAULT_RECIPE[key] for key in ("batch_size", "muon_experts"))
+
+
 def render(rows: list[dict]) -> str:
     """The README's "Model quality" section (Markdown) from the suite's rows."""
     by_name = {r["name"]: r for r in rows}
     spider = by_name["spider"]
-    adamw_default = by_name.get(ADAMW_DEFAULT, spider)
-    end_to_end = by_name.get(END_TO_END_DEFAULT, spider)
+    batch8 = by_name.get(BATCH8_DEFAULT, spider)
+    adamw_default = by_name.get(ADAMW_DEFAULT, batch8)
+    end_to_end = by_name.get(END_TO_END_DEFAULT, batch8)
     equal_time = [r for r in rows if r.get("group") == "baseline equal wall-clock"]
     best = min(equal_time, key=lambda r: r["sotu_bits_per_byte"]) if equal_time else None
     dense = by_name.get("llama")
     xz = spider.get("xz_bits_per_byte")
     lines = [
-        "| model | optimizer | steps | parameters | held-out bpb (SOTU 2000+) | technical text bpb (Python reference) |",
+        "| model | optimizer (batch 16 x 256 unless named) | steps | parameters | held-out bpb (SOTU 2000+) | "
+        "technical text bpb (Python reference) |",
         "|---|---|---:|---:|---:|---:|",
         *_headline_rows(rows, by_name, "", f"Muon (lr {spider.get('muon_lr', DEFAULT_MUON_LR):g}) + AdamW"),
-        *_headline_rows(rows, by_name, ", AdamW", "AdamW"),
+        *_headline_rows(rows, by_name, ", AdamW", "AdamW, batch 8 x 256"),
     ]
     if xz is not None:
         lines.append(f"| `xz -9e` on the same slice | - | - | - | {_f(xz)} | - |")
@@ -952,19 +987,22 @@ def render(rows: list[dict]) -> str:
            f"| with ACT early exit: loops saved per segment (of {spider.get('n_loops')}) | "
            f"{_f(spider['act_early_exit']['loops_saved_per_segment'], 3)} |"] if "act_early_exit" in spider else []),
         "",
-        f"| ablation (one change, same budget; the AdamW recipe and end-to-end boundaries unless Muon is named, "
-        f"compared with the AdamW default run of then, {_f(adamw_default['sotu_bits_per_byte'])}; Muon rows with "
-        f"end-to-end boundaries with that default under Muon, {_f(end_to_end['sotu_bits_per_byte'])}; the other Muon "
-        "rows with the default run) | held-out bpb | vs its default |",
+        f"| ablation (one change, same budget; batch 8 x 256 unless named; the AdamW recipe and end-to-end boundaries "
+        f"unless Muon is named, compared with the AdamW default run of then, {_f(adamw_default['sotu_bits_per_byte'])}; "
+        f"Muon rows with end-to-end boundaries with that default under Muon, {_f(end_to_end['sotu_bits_per_byte'])}; "
+        f"the other Muon rows with the default run until 2026-11-25, {_f(batch8['sotu_bits_per_byte'])}, and the rows "
+        "of today's recipe with the default run) | held-out bpb | vs its default |",
         "|---|---:|---:|",
     ]
-    def reference(r: dict) -> dict:  # the default run of the row's own optimizer and segmentation
+    def reference(r: dict) -> dict:  # the default run of the row's own optimizer, batch and segmentation
         if r["name"] == ADAMW_DEFAULT:
             return end_to_end  # the optimizer alone
         if r.get("muon_lr") is None:
             return adamw_default
+        if r["name"] == BATCH8_DEFAULT or of_default_recipe(r):
+            return spider
         old_segments = (r.get("overrides") or {}).get("boundary_teacher", "spacelike") is None and r["model"] == "spider"
-        return end_to_end if old_segments and r["name"] != END_TO_END_DEFAULT else spider
+        return end_to_end if old_segments and r["name"] != END_TO_END_DEFAULT else batch8
 
     for r in rows:
         if r.get("group") == "ablation":
@@ -978,7 +1016,8 @@ def render(rows: list[dict]) -> str:
                      f"{delta:+.3f} |")
     pairs = [(label, by_name[a], by_name[b]) for label, a, b in GLOBAL_PATH_PAIRS if a in by_name and b in by_name]
     if pairs:
-        lines += ["", "| what the global path adds: byte layers, budget (AdamW and end-to-end boundaries unless named) "
+        lines += ["", "| what the global path adds: byte layers, budget (batch 8 x 256, AdamW and end-to-end boundaries "
+                  "unless named) "
                   "| steps | Spider | "
                   "global path removed | the global path adds |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {label} | {a['steps']} | {_f(a['sotu_bits_per_byte'])} | {_f(b['sotu_bits_per_byte'])} | "
@@ -998,11 +1037,12 @@ def render(rows: list[dict]) -> str:
 
 #: The default run's row and its byte layers alone, at the default budget and at 4x the steps: the pairs of the
 #: "where the global path's gain sits" tables.
-DEFAULT_PAIR = ("spider", "global path removed (prelude + coda only)")
+DEFAULT_PAIR = ("spider", DEFAULT_REMOVED)
 FOUR_X_PAIR = ("the default run, 4x the steps", "global path removed, 4x the steps, Muon")
 #: (column label, row name) of the by-kind table, after the default run's column
 BYTE_KIND_COLUMNS = [("byte layers alone", DEFAULT_PAIR[1]), ("dense Llama, equal parameters", "llama"),
-                     ("Spider, 4x the steps", FOUR_X_PAIR[0]), ("byte layers alone, 4x the steps", FOUR_X_PAIR[1])]
+                     ("Spider, batch 8, 4x the steps", FOUR_X_PAIR[0]),
+                     ("byte layers alone, batch 8, 4x the steps", FOUR_X_PAIR[1])]
 
 
 def _bpb_of_kind(row: dict, kind: str | None) -> float:
@@ -1019,7 +1059,7 @@ def _gain_by_byte_kind(spider: dict, by_name: dict) -> list[str]:
     has_kinds = lambda r: r is not None and "bpb_by_byte_kind" in r  # noqa: E731
     columns = [(label, by_name[name]) for label, name in BYTE_KIND_COLUMNS if has_kinds(by_name.get(name))]
     gains = [(label, by_name.get(a), by_name.get(b)) for label, (a, b) in
-             (("the global path adds", DEFAULT_PAIR), ("the global path adds, 4x the steps", FOUR_X_PAIR))]
+             (("the global path adds", DEFAULT_PAIR), ("the global path adds, batch 8, 4x the steps", FOUR_X_PAIR))]
     gains = [(label, a, b) for label, a, b in gains if has_kinds(a) and has_kinds(b)]
     header = ["byte predicted", "share of the bytes", "Spider (the default run)", *(c for c, _ in columns)]
     header += [label for label, _, _ in gains]
@@ -1030,7 +1070,8 @@ def _gain_by_byte_kind(spider: dict, by_name: dict) -> list[str]:
                  *(_f(_bpb_of_kind(r, kind)) for _, r in columns),
                  *(f"{_bpb_of_kind(b, kind) - _bpb_of_kind(a, kind):+.3f}" for _, a, b in gains)]
         lines.append("| " + " | ".join(cells) + " |")
-    probed = [(label, r) for label, r in (("the default run", spider), ("4x the steps", by_name.get(FOUR_X_PAIR[0])))
+    probed = [(label, r) for label, r in (("the default run", spider),
+                                          ("batch 8, 4x the steps", by_name.get(FOUR_X_PAIR[0])))
               if r and r.get("bpb_by_global_stream_probe")]
     if probed:
         first = BYTE_KINDS[1]
@@ -1052,7 +1093,7 @@ def card_reference(rows: list[dict]) -> dict:
     reference_quality``): the default run, the dense baseline at equal parameters and at equal wall-clock (best swept
     learning rate), and the same byte layers without the global path, in held-out bits per byte (3 decimals)."""
     by_name = {r["name"]: r for r in rows}
-    spider, llama, bytes_only = by_name["spider"], by_name["llama"], by_name["global path removed (prelude + coda only)"]
+    spider, llama, bytes_only = by_name["spider"], by_name["llama"], by_name[DEFAULT_REMOVED]
     equal_time = min((r for r in rows if r.get("group") == "baseline equal wall-clock"),
                      key=lambda r: r["sotu_bits_per_byte"])
     millions = lambda r: f"{r['parameters'] / 1e6:.2f}M"  # noqa: E731
@@ -1084,7 +1125,7 @@ def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[
     xz = spider.get("xz_bits_per_byte")
     if xz is not None:
         target("held-out bpb below `xz -9e`", f"{bpb:.3f} vs {xz:.3f}", bpb < xz)
-    removed = by_name.get("global path removed (prelude + coda only)")
+    removed = by_name.get(DEFAULT_REMOVED)
     if removed:
         gain = removed["sotu_bits_per_byte"] - bpb
         target("the global path pays: removing it costs at least 0.10 bpb", f"{gain:+.3f}", gain >= 0.10)
@@ -1115,10 +1156,11 @@ def plot(rows: list[dict], path: str) -> bool:
     their Llama baselines, where their rows have a ``curve``. Returns False when none has."""
     from matplotlib.figure import Figure
 
-    labels = {"spider": "Spider small (the default run), Muon + AdamW",
+    labels = {"spider": "Spider small (the default run), batch 16, Muon + AdamW",
+              BATCH8_DEFAULT: "Spider small, batch 8, Muon + AdamW (until 2026-11-25)",
               ADAMW_DEFAULT: "Spider small, end-to-end boundaries, AdamW",
               END_TO_END_DEFAULT: "Spider small, end-to-end boundaries, Muon + AdamW",
-              "llama": "LlamaForCausalLM (equal parameters), Muon + AdamW",
+              "llama": "LlamaForCausalLM (equal parameters), batch 16, Muon + AdamW",
               "llama, AdamW": "LlamaForCausalLM (equal parameters), AdamW"}
     curves = [(r["name"], r["curve"]) for r in rows if r.get("curve") and r["name"] in labels]
     if not curves:
@@ -1157,9 +1199,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=Recipe.steps)
     parser.add_argument("--batch_size", type=int, default=Recipe.batch_size,
                         help="sequences per step (single runs and --time_steps; the suite's rows set their own)")
-    parser.add_argument("--no_muon_experts", dest="muon_experts", action="store_false",
-                        help="the routed MoE experts' matrices by AdamW instead of Muon (single runs and --time_steps; "
-                        "Recipe.muon_experts, train_hf.py's flag of the same name)")
+    parser.add_argument("--muon_experts", action="store_true",
+                        help="the routed MoE experts' matrices by Muon too, not AdamW (single runs and --time_steps; "
+                        "Recipe.muon_experts, train_hf.py's flag of the same name; the recipe before 2026-11-26)")
     parser.add_argument("--lr", type=float, default=Recipe.lr)
     parser.add_argument("--muon_lr", type=float, default=DEFAULT_MUON_LR,
                         help="peak learning rate of torch.optim.Muon for the hidden matrices (0: AdamW for every "

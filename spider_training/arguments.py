@@ -62,7 +62,8 @@ class SpiderArguments:
     )
     seq_len: int | None = field(default=None, metadata={"help": "bytes per training window (env SEQ_LEN; default 256)"})
     micro_batch: int | None = field(
-        default=None, metadata={"help": "windows per device per step (env MICRO_BATCH; sets per_device_train_batch_size)"}
+        default=None, metadata={"help": "windows per device per step (env MICRO_BATCH; sets per_device_train_batch_size; "
+                                        "default 16)"}
     )
     grad_accum: int | None = field(
         default=None, metadata={"help": "gradient accumulation steps (env GRAD_ACCUM; sets gradient_accumulation_steps)"}
@@ -100,9 +101,9 @@ class SpiderArguments:
                                         "parameter, the default with --adamw_8bit or FSDP)"}
     )
     muon_experts: bool = field(
-        default=True, metadata={"help": "with Muon: Muon also for the routed MoE experts' matrices (default); "
-                                        "--no_muon_experts trains them with AdamW at --lr, a cheaper optimizer step on "
-                                        "small batches (README 'Model quality': the MoE experts on AdamW)"}
+        default=False, metadata={"help": "with Muon: Muon also for the routed MoE experts' matrices. Default: AdamW at "
+                                         "--lr for them, a cheaper optimizer step on small batches (README 'Model "
+                                         "quality': the MoE experts on AdamW)"}
     )
     ckpt_every: int | None = field(default=None, metadata={"help": "steps between checkpoints (env CKPT_EVERY; sets save_steps)"})
     target_tokens: int | None = field(default=None, metadata={"help": "total training tokens (env TARGET_TOKENS)"})
@@ -251,7 +252,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
     training = {k: v for k, v in values.items() if k not in spider_fields}
     training["output_dir"] = spider.ckpt_dir or training.get("output_dir") or DEFAULT_OUTPUT_DIR
-    training["per_device_train_batch_size"] = spider.micro_batch or training.get("per_device_train_batch_size") or 8
+    training["per_device_train_batch_size"] = spider.micro_batch or training.get("per_device_train_batch_size") or 16
     training["gradient_accumulation_steps"] = spider.grad_accum or training.get("gradient_accumulation_steps") or 1
     training["learning_rate"] = spider.lr or training.get("learning_rate") or 1e-3  # validated > 0 above
     training["save_steps"] = spider.ckpt_every or training.get("save_steps") or 200

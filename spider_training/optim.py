@@ -164,11 +164,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    decay_parameter_names: set[str] | None = None, muon_experts: bool = True) -> MuonWithAdamW:
+                    decay_parameter_names: set[str] | None = None, muon_experts: bool = False) -> MuonWithAdamW:
     """:class:`MuonWithAdamW` over `model`'s trainable parameters: the hidden matrices (:func:`is_hidden_matrix`) by
     Muon at `muon_lr`, the rest by AdamW at `lr`, with weight decay on `decay_parameter_names` (Trainer's
-    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``); `muon_experts=False` moves the routed MoE
-    experts' matrices to AdamW (:func:`is_hidden_matrix`'s `experts`). Muon's decoupled decay per step is
+    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). The routed MoE experts' matrices go to AdamW
+    unless `muon_experts` (:func:`is_hidden_matrix`'s `experts`; the default since 2026-11-26, README "Model
+    quality"). Muon's decoupled decay per step is
     ``lr * weight_decay``: its weight decay is scaled by ``lr / muon_lr`` so that a matrix decays per step as AdamW
     would decay it.
 
@@ -192,9 +193,9 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
     )
 
 
-def describe_optimizer(muon_lr: float, optim, muon_experts: bool = True) -> str:
+def describe_optimizer(muon_lr: float, optim, muon_experts: bool = False) -> str:
     """The run's optimizer in words, for the start-up summary and the model card: ``"Muon (hidden matrices, peak lr
-    0.01) + adamw_torch"`` (``"hidden matrices but the routed experts"`` when `muon_experts` is False), or Trainer's
+    0.01) + adamw_torch"`` when `muon_experts`, else ``"hidden matrices but the routed experts"``), or Trainer's
     ``optim`` name (an ``OptimizerNames`` or str) when `muon_lr` is 0."""
     name = getattr(optim, "value", str(optim))
     which = "hidden matrices" if muon_experts else "hidden matrices but the routed experts"

@@ -108,7 +108,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         muon_lr: peak learning rate of Muon for the hidden matrices (:mod:`spider_training.optim`); AdamW at
             ``args.learning_rate`` trains the rest, both on ``args``' schedule. 0 (default): Trainer's own optimizer
             (``args.optim``) for every parameter.
-        muon_experts: with `muon_lr`, Muon for the routed MoE experts' matrices too (default); False: AdamW for them.
+        muon_experts: with `muon_lr`, Muon for the routed MoE experts' matrices too; False (default): AdamW for them.
         hub_endpoint: Hub URL for ``args.push_to_hub`` (None: ``HF_ENDPOINT`` or huggingface.co); pushing is
             Trainer's, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`.
 
@@ -125,7 +125,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
     def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
                  eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
-                 muon_lr=0.0, muon_experts=True, hub_endpoint=None, **kwargs):
+                 muon_lr=0.0, muon_experts=False, hub_endpoint=None, **kwargs):
         self.hub_endpoint = hub_endpoint
         if extra_train_loops < 0:
             raise ValueError(f"extra_train_loops must be >= 0, got {extra_train_loops}")

@@ -54,11 +54,13 @@ def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
     assert runs["llama lr=0.001, equal wall-clock"]["steps"] == 250
     assert runs["llama lr=0.002, equal wall-clock"]["recipe"] == {"muon_lr": pytest.approx(0.02)}
     adamw = runs["global path removed, equal wall-clock, AdamW"]
-    assert (adamw["steps"], adamw["recipe"]) == (1250, {"muon_lr": None})
+    assert (adamw["steps"], adamw["recipe"]) == (1250, {**quality.BATCH8_RECIPE, "muon_lr": None})
     assert runs["llama lr=0.001, equal wall-clock, AdamW"]["steps"] == 200
-    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == quality.ADAMW
+    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == {**quality.BATCH8_RECIPE,
+                                                                                        **quality.ADAMW}
     optimizer_at_equal_time = runs["spider, AdamW, equal wall-clock"]  # AdamW for as long as the Muon run takes
-    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == (600, quality.ADAMW)
+    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == \
+        (600, {**quality.BATCH8_RECIPE, **quality.ADAMW})
     rows = _rows(2.21) + [_row("global path removed, equal wall-clock", 2.1, kind="bytes_only",
                                group="byte layers equal wall-clock", pydoc_topics_bits_per_byte=4.4, steps=1200),
                           _row("global path removed, equal wall-clock, AdamW", 2.2, kind="bytes_only",
@@ -68,16 +70,19 @@ def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
     table = quality.render(rows).split("\n\n")[0]
     assert ("| Spider's byte layers alone (global path removed), equal wall-clock | Muon (lr 0.01) + AdamW | 1200 | "
             "6.00M | 2.100 | 4.400 |") in table
-    assert "| Spider's byte layers alone (global path removed), equal wall-clock | AdamW | 1250 | 6.00M | 2.200 | - |" \
-        in table
-    assert "| Spider `small`, for the default run's wall-clock | AdamW | 600 | 6.00M | 2.250 | - |" in table
+    assert ("| Spider's byte layers alone (global path removed), equal wall-clock | AdamW, batch 8 x 256 | 1250 | 6.00M | "
+            "2.200 | - |") in table
+    assert "| Spider `small`, for the default run's wall-clock | AdamW, batch 8 x 256 | 600 | 6.00M | 2.250 | - |" in table
 
 
 def test_ablations_compare_with_the_default_of_their_own_recipe():
-    """AdamW rows are measured against the AdamW default run, Muon rows (and the AdamW default itself) against the
-    default run."""
+    """AdamW rows are measured against the AdamW default run, Muon rows of the batch-8 recipe (and the AdamW default
+    itself) against that recipe's default run, rows of today's recipe and the batch-8 default against the default
+    run."""
     old = dict(overrides=quality.END_TO_END_SEGMENTS, muon_lr=0.01)
-    rows = _rows(2.21) + [_row(quality.ADAMW_DEFAULT, 2.30), _row("n_loops=1", 2.35),
+    rows = _rows(2.21) + [_row(quality.BATCH8_DEFAULT, 2.21, muon_lr=0.01,
+                               recipe={**quality.BATCH8_RECIPE, "muon_lr": 0.01}),
+                          _row(quality.ADAMW_DEFAULT, 2.30), _row("n_loops=1", 2.35),
                           _row(quality.END_TO_END_DEFAULT, 2.24, **old),
                           _row("Muon at lr 0.02", 2.25, **{**old, "muon_lr": 0.02}),
                           _row("segments: a fixed stride of 6 bytes instead of the teacher's", 2.23, muon_lr=0.01)]
@@ -85,11 +90,15 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert f"| {quality.ADAMW_DEFAULT} | 2.300 | +0.060 |" in text  # the optimizer alone: same segmentation
     assert "| n_loops=1 | 2.350 | +0.050 |" in text  # AdamW rows: the AdamW default
     assert "| Muon at lr 0.02 | 2.250 | +0.010 |" in text  # end-to-end boundaries: that default under Muon
-    assert f"| {quality.END_TO_END_DEFAULT} | 2.240 | +0.040 |" in text  # against today's default run
-    assert "| segments: a fixed stride of 6 bytes instead of the teacher's | 2.230 | +0.030 |" in text
+    assert f"| {quality.END_TO_END_DEFAULT} | 2.240 | +0.030 |" in text  # against the batch-8 default run
+    assert "| segments: a fixed stride of 6 bytes instead of the teacher's | 2.230 | +0.020 |" in text
+    assert f"| {quality.BATCH8_DEFAULT} | 2.210 | +0.010 |" in text  # the old default against today's
     drawn = dict(muon_lr=0.01, recipe={"muon_lr": 0.01, **quality.DRAWN_LOOPS})
-    text = quality.render(rows + [_row(quality.DRAWN_LOOPS_NAME, 2.19, **drawn)])
-    assert f"| {quality.DRAWN_LOOPS_NAME} | 2.190 | -0.010 |" in text  # against the default run
+    seed = dict(muon_lr=0.01, recipe={**quality.DEFAULT_RECIPE, "seed": 43})
+    text = quality.render(rows + [_row(quality.DRAWN_LOOPS_NAME, 2.19, **drawn),
+                                  _row("the default run, seed 43 (seed noise)", 2.18, **seed)])
+    assert f"| {quality.DRAWN_LOOPS_NAME} | 2.190 | -0.020 |" in text  # against the batch-8 default run
+    assert "| the default run, seed 43 (seed noise) | 2.180 | -0.020 |" in text  # against the default run
     # a rerun reproduces the stored rows: the AdamW and longer-budget Spider rows run with end-to-end boundaries and
     # the gated mixing of their day
     runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
@@ -151,7 +160,8 @@ def test_global_path_table_pairs_each_spider_row_with_its_ablation():
                           _row("3-byte window in the byte layers", 2.23)]  # no partner: no line
     text = quality.render(rows)
     assert "| 2-byte window | 500 | 2.340 | 2.490 | +0.150 |" in text
-    assert "| 4-byte window, Muon, the teacher's word segments (the default run) | 500 | 2.200 | 2.210 | +0.010 |" in text
+    assert ("| 4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256 (the "
+            "default run) | 500 | 2.200 | 2.210 | +0.010 |") in text
     assert "| 3-byte window |" not in text
 
 
@@ -177,7 +187,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     (experts included, routers not), AdamW the embeddings, head, norms and vectors; Muon's groups keep AdamW's
     per-step decay (lr x weight decay) and the schedule's ratio muon_lr / lr."""
     model = tiny_model(seed=0)
-    recipe = quality.Recipe(muon_lr=0.02)
+    recipe = quality.Recipe(muon_lr=0.02, muon_experts=True)
     adamw, muon = quality.optimizers(model, recipe)
     assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
@@ -204,8 +214,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 
 
 def test_experts_on_adamw_moves_only_the_routed_experts_matrices_to_adamw():
-    """`Recipe.muon_experts=False`: the routed experts' matrices leave Muon for AdamW's decayed group; every other
-    hidden matrix (the shared expert's included) stays with Muon."""
+    """`Recipe.muon_experts=False` (the default run's): the routed experts' matrices leave Muon for AdamW's decayed
+    group; every other hidden matrix (the shared expert's included) stays with Muon."""
     model = tiny_model(seed=0)
     named = dict(model.named_parameters())
 
@@ -213,11 +223,11 @@ def test_experts_on_adamw_moves_only_the_routed_experts_matrices_to_adamw():
         _, muon = quality.optimizers(model, recipe)
         return {n for n, p in named.items() if id(p) in {id(q) for g in muon.param_groups for q in g["params"]}}
 
-    default, moved = muon_names(quality.Recipe()), muon_names(quality.Recipe(muon_experts=False))
-    experts = {n for n in default if ".mlp.experts." in n}
-    assert experts and default - moved == experts and moved < default
+    everywhere, moved = muon_names(quality.Recipe(muon_experts=True)), muon_names(quality.Recipe())
+    experts = {n for n in everywhere if ".mlp.experts." in n}
+    assert experts and everywhere - moved == experts and moved < everywhere
     assert any(".shared_experts." in n for n in moved)
-    adamw, _ = quality.optimizers(model, quality.Recipe(muon_experts=False))
+    adamw, _ = quality.optimizers(model, quality.Recipe())
     decayed = next(g for g in adamw.param_groups if g["weight_decay"] > 0)
     assert {id(named[n]) for n in experts} <= {id(p) for p in decayed["params"]}
 
@@ -289,7 +299,8 @@ def test_plot_draws_the_default_runs_and_their_baselines_only(tmp_path, monkeypa
     assert quality.plot([_row("spider", 2.1, curve=curve), ablation, _row("llama", 2.2, kind="llama", curve=curve)],
                         str(tmp_path / "q.png"))
     assert (tmp_path / "q.png").stat().st_size > 0
-    assert drawn == ["Spider small (the default run), Muon + AdamW", "LlamaForCausalLM (equal parameters), Muon + AdamW"]
+    assert drawn == ["Spider small (the default run), batch 16, Muon + AdamW",
+                     "LlamaForCausalLM (equal parameters), batch 16, Muon + AdamW"]
 
 
 def test_same_init_gives_a_variant_the_default_models_initial_weights():
@@ -387,7 +398,7 @@ def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
 
 
 @pytest.mark.parametrize("spider_name, removed_name, batch_size", [
-    (quality.LARGER_BATCH_NAME, "global path removed, batch 16 x 256, Muon", 16),
+    (quality.LARGER_BATCH_NAME, quality.DEFAULT_REMOVED, 16),
     (quality.LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon", 32),
 ])
 def test_larger_batch_pairs_train_both_models_with_more_bytes_per_step(spider_name, removed_name, batch_size):
@@ -395,8 +406,29 @@ def test_larger_batch_pairs_train_both_models_with_more_bytes_per_step(spider_na
                                                       adamw_step_times=(0.5, 1.25, 0.2))}
     spider, removed = runs[spider_name], runs[removed_name]
     assert (spider["kind"], spider["overrides"], spider["steps"]) == ("spider", {}, quality.Recipe.steps)
-    assert spider["recipe"] == removed["recipe"] == {"muon_lr": DEFAULT_MUON_LR, "batch_size": batch_size}
-    assert removed["kind"] == "bytes_only"
+    trained = {name: quality.Recipe(**(r.get("recipe") or {})) for name, r in (("spider", spider), ("removed", removed))}
+    assert trained["spider"].batch_size == trained["removed"].batch_size == batch_size
+    assert trained["spider"].muon_lr == DEFAULT_MUON_LR and trained["spider"].muon_experts  # Muon everywhere
+    assert removed["kind"] == "bytes_only"  # (no experts: the default run's split leaves it on the same optimizers)
     rows = _rows(2.21) + [_row(spider_name, 2.0), _row(removed_name, 2.07, kind="bytes_only")]
     label = f"4-byte window, Muon, the teacher's word segments, batch {batch_size} x 256"
     assert f"| {label} | 500 | 2.000 | 2.070 | +0.070 |" in quality.render(rows)
+
+
+def test_the_recipe_is_train_hf_defaults(monkeypatch):
+    """The benchmark's default run is `train_hf.py` with no arguments: the same steps, batch, learning rates,
+    schedule, clipping, seed and optimizer split."""
+    from spider_training.arguments import parse_args
+
+    for var in ("ACCELERATE_USE_FSDP", "MICRO_BATCH", "LR", "SEQ_LEN", "N_LOOPS", "TARGET_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    spider, args = parse_args([])
+    recipe = quality.Recipe()
+    assert (args.max_steps, args.per_device_train_batch_size, spider.seq_len) == \
+        (recipe.steps, recipe.batch_size, recipe.seq_len)
+    assert (args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.max_grad_norm) == \
+        (recipe.lr, recipe.weight_decay, recipe.betas, recipe.max_grad_norm)
+    assert (args.warmup_steps, args.lr_scheduler_kwargs["min_lr_rate"], args.seed) == \
+        (recipe.warmup_steps, recipe.min_lr_rate, recipe.seed)
+    assert (spider.muon_lr, spider.muon_experts, spider.extra_train_loops) == \
+        (recipe.muon_lr, recipe.muon_experts, recipe.extra_train_loops)

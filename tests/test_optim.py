@@ -40,7 +40,7 @@ def test_one_optimizer_steps_as_muon_and_adamw_side_by_side():
     (the same operations on the same tensors, so bit for bit)."""
     model = tiny_model(seed=0)
     twin = copy.deepcopy(model)
-    combined = muon_with_adamw(model, muon_lr=0.02, lr=1e-3, weight_decay=0.1)
+    combined = muon_with_adamw(model, muon_lr=0.02, lr=1e-3, weight_decay=0.1, muon_experts=True)
     named = dict(twin.named_parameters())
     hidden = [p for n, p in named.items() if is_hidden_matrix(n, p)]
     rest = [p for n, p in named.items() if not is_hidden_matrix(n, p)]
@@ -197,13 +197,15 @@ def test_the_optimizer_is_named_on_the_console_and_the_card():
 
     from spider_training.optim import describe_optimizer
 
-    assert describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH) == "Muon (hidden matrices, peak lr 0.01) + adamw_torch"
+    assert describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=True) == \
+        "Muon (hidden matrices, peak lr 0.01) + adamw_torch"
     assert describe_optimizer(0.0, OptimizerNames.ADAMW_BNB) == "adamw_bnb_8bit"
 
 
 def test_routed_experts_can_train_with_adamw_instead_of_muon(monkeypatch, tmp_path):
-    """`experts=False` / ``--no_muon_experts``: only the routed experts' matrices leave Muon (the shared expert and
-    the attention stay) and join AdamW's decayed group; the flag reaches the optimizer Trainer builds and its name."""
+    """`experts=False` (the default run's; ``--muon_experts`` keeps them on Muon): only the routed experts' matrices
+    leave Muon (the shared expert and the attention stay) and join AdamW's decayed group; the flag reaches the
+    optimizer Trainer builds and its name."""
     from transformers import TrainingArguments
     from transformers.training_args import OptimizerNames
 
@@ -223,15 +225,17 @@ def test_routed_experts_can_train_with_adamw_instead_of_muon(monkeypatch, tmp_pa
         decayed = {id(p) for g in opt.adamw.param_groups if g["weight_decay"] > 0 for p in g["params"]}
         return muon, decayed
 
-    muon, decayed = muon_and_decayed(muon_with_adamw(model, muon_lr=0.02, lr=1e-3, weight_decay=0.1,
-                                                     muon_experts=False))
+    muon, decayed = muon_and_decayed(muon_with_adamw(model, muon_lr=0.02, lr=1e-3, weight_decay=0.1))
     assert muon == {id(named[n]) for n in no_experts} and {id(named[n]) for n in routed} <= decayed
+    all_muon, _ = muon_and_decayed(muon_with_adamw(model, muon_lr=0.02, lr=1e-3, weight_decay=0.1, muon_experts=True))
+    assert all_muon == {id(named[n]) for n in everything}
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert parse_args([])[0].muon_experts is True
-    assert parse_args(["--no_muon_experts"])[0].muon_experts is False
+    assert parse_args([])[0].muon_experts is False
+    assert parse_args(["--muon_experts"])[0].muon_experts is True
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
-    trainer = SpiderTrainer(model=model, args=args, muon_lr=0.02, muon_experts=False)
-    assert muon_and_decayed(trainer.create_optimizer())[0] == muon
+    assert muon_and_decayed(SpiderTrainer(model=model, args=args, muon_lr=0.02).create_optimizer())[0] == muon
+    trainer = SpiderTrainer(model=model, args=args, muon_lr=0.02, muon_experts=True)
+    assert muon_and_decayed(trainer.create_optimizer())[0] == all_muon
     assert describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=False) == \
         "Muon (hidden matrices but the routed experts, peak lr 0.01) + adamw_torch"
