@@ -651,6 +651,13 @@ ABLATIONS: list[tuple] = [
     (EXPERTS_ON_ADAMW_NAME, "spider", {}, {"muon_lr": DEFAULT_MUON_LR, **EXPERTS_ON_ADAMW}),
     ("the default run, seed 43 (seed noise)", "spider", {}, {**DEFAULT_RECIPE, "seed": 43}),
     (DEFAULT_REMOVED_SEED43, "bytes_only", {}, {**DEFAULT_RECIPE, "seed": 43}),
+    (f"{DRAWN_LOOPS_NAME}, the default run's recipe", "spider", {}, {**DEFAULT_RECIPE, **DRAWN_LOOPS}),
+    ("a second coda layer (num_coda_layers=2), the default run's recipe", "spider", {"num_coda_layers": 2},
+     DEFAULT_RECIPE),
+    ("a second coda layer (num_coda_layers=2), the default run's recipe, seed 43", "spider", {"num_coda_layers": 2},
+     {**DEFAULT_RECIPE, "seed": 43}),
+    ("global path removed, a second coda layer, the default run's recipe", "bytes_only", {"num_coda_layers": 2},
+     DEFAULT_RECIPE),
 ]
 
 
@@ -691,6 +698,9 @@ GLOBAL_PATH_PAIRS = [
      BATCH8_REMOVED_SEED43),
     ("4-byte window, Muon, the teacher's word segments, prelude/coda 1 + 2 layers",
      "a second coda layer (num_coda_layers=2), Muon", "global path removed, a second coda layer, Muon"),
+    ("4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256, prelude/coda 1 + 2 "
+     "layers", "a second coda layer (num_coda_layers=2), the default run's recipe",
+     "global path removed, a second coda layer, the default run's recipe"),
     ("4-byte window, Muon, the teacher's word segments, 3 recurrent layers",
      "3 recurrent layers (num_recurrent_layers=3), Muon", BATCH8_REMOVED),
     ("4-byte window, Muon, the teacher's word segments, Engram over 2- to 6-grams",

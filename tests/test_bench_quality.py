@@ -115,6 +115,7 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert quality.Recipe().extra_train_loops == 0
     drawn_rows = {name for name, r in runs.items() if (r.get("recipe") or {}).get("extra_train_loops")}
     assert drawn_rows == {quality.DRAWN_LOOPS_NAME, f"{quality.DRAWN_LOOPS_NAME}, seed 43",
+                          f"{quality.DRAWN_LOOPS_NAME}, the default run's recipe",
                           "the default run, 4x the steps, loop count drawn from {2, 3}",
                           "the default run, 4x the steps, loop count drawn from {2, 3}, seed 43"}
     # ... and the gated mixing is not the default any more: the rows that name it differ from the default run
