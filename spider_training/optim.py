@@ -194,8 +194,8 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
 
 
 def describe_optimizer(muon_lr: float, optim, muon_experts: bool = False) -> str:
-    """The run's optimizer in words, for the start-up summary and the model card: ``"Muon (hidden matrices, peak lr
-    0.01) + adamw_torch"`` when `muon_experts`, else ``"hidden matrices but the routed experts"``), or Trainer's
+    """The run's optimizer in words, for the start-up summary and the model card: ``"Muon (hidden matrices but the
+    routed experts, peak lr 0.01) + adamw_torch"`` (``"hidden matrices"`` when `muon_experts`), or Trainer's
     ``optim`` name (an ``OptimizerNames`` or str) when `muon_lr` is 0."""
     name = getattr(optim, "value", str(optim))
     which = "hidden matrices" if muon_experts else "hidden matrices but the routed experts"
