@@ -526,11 +526,11 @@ DEFAULT_REMOVED_SEED43 = "global path removed, seed 43 (seed noise), the default
 #: Twice the batch-8 recipe's bytes per step (16 x 256), the same 500 steps: Muon's per-step cost (which grows with the
 #: parameters, not the batch) is then spread over twice the data.
 LARGER_BATCH = {"batch_size": 16}
-LARGER_BATCH_NAME = "the default run, batch 16 x 256 (twice the bytes per step)"
+LARGER_BATCH_NAME = "the batch-8 default at batch 16 x 256 (twice the bytes per step, Muon for every hidden matrix)"
 #: Four times the batch-8 recipe's bytes per step (32 x 256), the same 500 steps: the bytes of the 4x-the-steps run in a
 #: quarter of its steps (does the global path need the text, or the optimizer steps?).
 LARGEST_BATCH = {"batch_size": 32}
-LARGEST_BATCH_NAME = "the default run, batch 32 x 256 (four times the bytes per step)"
+LARGEST_BATCH_NAME = "the batch-8 default at batch 32 x 256 (four times the bytes per step, Muon for every hidden matrix)"
 
 #: The routed MoE experts' matrices trained by AdamW instead of Muon (:func:`is_hidden_matrix`; the default since
 #: 2026-11-26): on this CPU a step of the small preset at batch 8 then takes 0.46 s instead of 0.74 s on one thread.
