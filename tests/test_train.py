@@ -45,12 +45,22 @@ def test_seed_flags_and_env_vars(monkeypatch):
     assert args.max_steps == 10_000 // (3 * 1 * 48)
     spider, args = parse_args(["--max_steps", "5"])  # TARGET_TOKENS capped by --max_steps
     assert args.max_steps == 5
-    spider, args = parse_args(["--mock_data", "--no_gradient_checkpointing", "--compile", "--ckpt_dir", "x"])
+    spider, args = parse_args(["--mock_data", "--preset", "1b", "--no_gradient_checkpointing", "--compile",
+                               "--ckpt_dir", "x"])
     assert spider.data == "mock" and args.activation_checkpointing is False and args.torch_compile
     assert args.output_dir == "x"
     monkeypatch.setenv("N_LOOPS", "many")
     with pytest.raises(ValueError, match="N_LOOPS"):
         parse_args([])
+
+
+def test_activation_checkpointing_default_follows_the_preset():
+    """On for the seed's 1B model (as the seed trains it), off for the CPU presets; either flag overrides."""
+    assert parse_args(["--preset", "1b"])[1].activation_checkpointing is True
+    assert parse_args([])[1].activation_checkpointing is False
+    assert parse_args(["--preset", "tiny"])[1].activation_checkpointing is False
+    assert parse_args(["--activation_checkpointing", "true"])[1].activation_checkpointing is True
+    assert parse_args(["--preset", "1b", "--no_gradient_checkpointing"])[1].activation_checkpointing is False
 
 
 def test_bad_flags_are_refused(monkeypatch):
