@@ -131,8 +131,9 @@ class SpiderConfig(PreTrainedConfig):
             its std (0.023) and the lower-hinge width k (3): loss ``relu(r - prior) + relu(prior - k*std - r)``.
         boundary_loss_coef (`float`, defaults to 1.0).
         boundary_teacher (`str` or `None`, defaults to `None`): a segmentation the boundary predictor learns from in
-            training, as the supervised boundary predictors of Nawrot et al. 2023 (arXiv 2211.09761): a binary
-            cross-entropy between the predictor's probabilities and the teacher's boundaries joins ``boundary_loss``,
+            training, as the supervised boundary predictors of Nawrot et al. 2023 (arXiv 2211.09761): a class-balanced
+            binary cross-entropy between the predictor's probabilities and the teacher's boundaries (each class weighs
+            half; ``modeling_spider.boundary_teacher_loss``) joins ``boundary_loss``,
             and it is the predictor's only training signal: the predictor reads detached byte states and passes no
             straight-through gradient (so the rate hinge, computed on its hard decisions, only reports the rate).
             The predictor still decides alone (its own threshold, in training and evaluation), so cached decoding and

@@ -296,7 +296,7 @@ def test_spacelike_teacher_closes_a_segment_on_the_byte_after_each_word():
     assert spacelike_boundaries(torch.tensor([list("aé b".encode())]))[0].tolist() == [0, 1, 0, 1, 0]
 
 
-def test_teacher_loss_is_the_cross_entropy_over_real_bytes_and_joins_the_boundary_loss():
+def test_teacher_loss_is_the_class_balanced_cross_entropy_over_real_bytes_and_joins_the_boundary_loss():
     model = tiny_model(seed=2, boundary_teacher="spacelike", boundary_teacher_coef=0.5)
     rows = [b"We hold these truths, to be self-evident; that", b"xxxxxxAll men are created equal, or they"]
     ids = torch.tensor([list(row[:40]) for row in rows])
@@ -309,12 +309,29 @@ def test_teacher_loss_is_the_cross_entropy_over_real_bytes_and_joins_the_boundar
         model.config.boundary_teacher = None
         rate_only = model.model(ids, attention_mask=mask).boundary_loss
     p, target = captured["probs"].double(), spacelike_boundaries(ids).double()
-    bce = -(target * p.log() + (1 - target) * (1 - p).log())[mask].mean()  # real bytes only, by definition
+    # class-balanced, real bytes only, by definition: half the mean over the teacher's boundaries, half over the rest
+    closes, other = (target > 0) & mask, (target == 0) & mask
+    assert 0 < int(closes.sum()) < int(other.sum())  # the classes are unbalanced, so the two means differ from one
+    bce = 0.5 * (-p[closes].log().mean() - (1 - p[other]).log().mean())
     tol = 64 * torch.finfo(torch.float32).eps * (1 + float(bce))  # fp32 terms summed over ~90 bytes
     assert abs(float(with_teacher - rate_only) - 0.5 * float(bce)) < tol
     with pytest.raises(ValueError, match="unknown boundary_teacher 'words'"):
         boundary_teacher_loss(captured["probs"], ids, mask, "words")
     assert set(BOUNDARY_TEACHER_RULES) == set(BOUNDARY_TEACHERS)  # every name the config accepts has a rule
+
+
+def test_teacher_loss_puts_a_constant_predictor_at_the_threshold_not_at_the_base_rate():
+    """Balanced, the best constant probability is 0.5 whatever the boundary rate, so an untrained predictor is not
+    pulled below the 0.5 threshold everywhere (under the plain mean it went to the base rate, about 1/6, and closed no
+    segment for the first fifth of the default run)."""
+    ids = torch.tensor([list(b"We hold these truths to be self-evident, that all men are created equal")])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    rate = float(spacelike_boundaries(ids).mean())
+    assert 0.1 < rate < 0.25
+    loss = {c: float(boundary_teacher_loss(torch.full(ids.shape, c), ids, mask, "spacelike"))
+            for c in (rate, 0.4, 0.5, 0.6, 1 - rate)}
+    assert min(loss, key=loss.get) == 0.5
+    assert loss[0.4] > loss[0.5] < loss[0.6]
 
 
 def test_with_a_teacher_the_predictor_learns_from_the_teacher_alone():
@@ -369,31 +386,32 @@ def test_short_run_learns_and_segments_as_it_trains(short_run):
     # of English (~4.5 bits)
     assert result["bits_per_byte"] < 3.5, result
     # evaluation segments at the rate training did (one rule; the seed's relaxed rule was 20x apart). The two rates
-    # are counts on different text: held-out boundaries are few early in training (the teacher-supervised predictor
-    # starts conservative), so the bound is 4 standard deviations of the held-out count's Poisson noise, plus the 25%
-    # the issue allows for text differences.
+    # are counts on different text, so the bound is 4 standard deviations of the held-out count's Poisson noise, plus
+    # the 25% the issue allows for text differences.
     ratio = result["bytes_per_segment"] / stats["train_bytes_per_segment"]
     boundaries = windows.numel() / result["bytes_per_segment"]
     slack = 1.25 * (1 + 4 / math.sqrt(boundaries))
     assert 1 / slack < ratio < slack, (result, stats, slack)
     # and training did not collapse to no boundaries (the seed's relaxed rule with boundary_loss_coef=1.0 reached a
-    # segment per 256-byte window within ~50 steps). The teacher-supervised predictor starts conservative: after 150
-    # steps it closes only the segments it is sure of (about 50 bytes each; 5.7 by the end of the 500-step run)
+    # segment per 256-byte window within ~50 steps). Under the plain teacher cross-entropy the predictor closed none
+    # from about step 20 to step 100; the class-balanced one segments all along (about 6 bytes each from step 70)
     assert 2.0 <= stats["train_bytes_per_segment"] <= 100.0, stats
 
 
 @pytest.mark.slow
 def test_short_run_learns_the_teachers_segmentation(short_run):
-    """The small preset's boundary predictor, supervised by the spacelike teacher, closes segments on unseen text only
-    where the teacher does: an untrained predictor closes a segment at ~43% of the bytes (precision ~0.1). It learns
-    the teacher gradually: about 10% recall after these 150 steps, 97.5% (precision 99.7%) after the 500-step run."""
+    """The small preset's boundary predictor, supervised by the spacelike teacher, closes segments on unseen text
+    where the teacher does: an untrained predictor closes a segment at ~43% of the bytes (precision ~0.1). With the
+    class-balanced teacher loss it finds most of the teacher's boundaries early (precision 0.87, recall 0.83 after
+    these 150 steps; under the plain cross-entropy recall was about 0.1, the predictor closing only the segments it was
+    sure of) and agrees with the rule on 99.8% of held-out bytes after the 500-step run."""
     model, _, windows = short_run
     with torch.no_grad():
         predicted = model.eval().model(windows).boundaries
     teacher = spacelike_boundaries(windows)
     hits = float((predicted * teacher).sum())
     precision, recall = hits / float(predicted.sum()), hits / float(teacher.sum())
-    assert precision > 0.9 and recall > 0.03, (precision, recall)
+    assert precision > 0.75 and recall > 0.6, (precision, recall)
 
 
 @pytest.mark.slow
