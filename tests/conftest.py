@@ -63,6 +63,17 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files that hold an end-to-end (``slow``) test run first, the others after them, each group in collection order.
+
+    pytest-xdist's ``--dist loadfile`` hands whole files to the two workers in this order (``--no-loadscope-reorder``
+    in setup.cfg; its default order, most tests first, started the one-test 20-kill file, minutes long, last, and the
+    run waited on it alone). Minutes-long files first and the many short ones after them fill both workers to the end.
+    """
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: collection order within each group
+
+
 def pytest_report_header(config):
     return f"SPIDER_TEST_SEED={SEED_BASE} (per-test seed = base * 1_000_003 + crc32(test id))"
 
