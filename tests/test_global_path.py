@@ -405,8 +405,8 @@ def test_short_run_learns_the_teachers_segmentation(short_run):
     """The small preset's boundary predictor, supervised by the spacelike teacher, closes segments on unseen text
     where the teacher does: an untrained predictor closes a segment at ~43% of the bytes (precision ~0.1). With the
     class-balanced teacher loss it finds most of the teacher's boundaries early (precision 0.87, recall 0.84 after
-    these 100 steps of 8 windows; under the plain cross-entropy recall was about 0.1, the predictor closing only the segments it was
-    sure of) and agrees with the rule on 99.8% of held-out bytes after the 500-step run."""
+    these 100 steps of 8 windows; under the plain cross-entropy recall was about 0.1, the predictor closing only the
+    segments it was sure of) and agrees with the rule on 99.8% of held-out bytes after the 500-step run."""
     model, _, windows = short_run
     with torch.no_grad():
         predicted = model.eval().model(windows).boundaries
