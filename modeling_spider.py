@@ -878,7 +878,7 @@ class SpiderBoundaryPredictor(nn.Module):
                 position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).expand_as(probs)
             boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
         elif self.training and self.mode == "relaxed":
-            soft = torch.distributions.RelaxedBernoulli(torch.tensor(self.temperature), logits=logits).rsample()
+            soft = torch.distributions.RelaxedBernoulli(torch.tensor(self.temperature, device=logits.device), logits=logits).rsample()
             boundaries = (soft > 0.5).to(soft.dtype)
             boundaries = boundaries if supervised else boundaries + (soft - soft.detach())  # exactly 0/1 in value
         elif self.training and not supervised:
@@ -1631,8 +1631,9 @@ class SpiderModel(SpiderPreTrainedModel):
 
     def check_inputs(self, input_ids: torch.LongTensor, n_loops: int) -> None:
         """Raise ``TypeError`` for `input_ids` that is not an integer tensor, ``ValueError`` for a shape other than
-        `(batch >= 1, length >= 1)`, ids outside `[0, vocab_size)`, sequences longer than `max_position_embeddings`,
-        or `n_loops` not an int >= 1 (a bool is refused) -- before any indexing."""
+        `(batch >= 1, length >= 1)`, ids on another device than the embeddings (unless those are offloaded), ids
+        outside `[0, vocab_size)`, sequences longer than `max_position_embeddings`, or `n_loops` not an int >= 1 (a
+        bool is refused) -- before any indexing."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -1644,6 +1645,10 @@ class SpiderModel(SpiderPreTrainedModel):
                 f"input length {input_ids.shape[1]} exceeds max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
             )
+        weight_device = self.embed_tokens.weight.device
+        if weight_device.type != "meta" and input_ids.device != weight_device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model's embeddings are on {weight_device}: "
+                             "build the inputs on model.device (or move them with .to(model.device))")
         out_of_vocabulary = (input_ids < 0) | (input_ids >= self.config.vocab_size)
         if bool(out_of_vocabulary.any()):  # one host sync; the offending id is looked up only on the error path
             bad = int(input_ids[out_of_vocabulary][0])

@@ -42,6 +42,7 @@ def prompt_ids(length: int) -> torch.LongTensor:
 
 def generate(model, ids: torch.LongTensor, new_tokens: int, use_cache: bool) -> torch.LongTensor:
     """Greedy ``new_tokens`` bytes after ``ids``, EOS disabled; returns ``(1, len(ids) + new_tokens)`` ids."""
+    ids = ids.to(model.device)
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID,

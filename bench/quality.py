@@ -164,11 +164,12 @@ def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: 
     `by_byte_kind`: also ``bits_per_byte_by_byte_kind`` (bits per byte of the bytes of each :data:`BYTE_KINDS` kind)
     and ``byte_kind_shares`` (each kind's share of the predicted bytes)."""
     model.eval()
+    device = next(model.parameters()).device  # the windows are built on the CPU; the model may sit on a GPU
     nll, count, seg_bytes, segs = 0.0, 0, 0.0, 0.0
     kinds = byte_kinds(windows) if by_byte_kind else None
     kind_nll = torch.zeros(len(BYTE_KINDS), dtype=torch.float64)
     for i in range(0, len(windows), batch_size):
-        batch = windows[i : i + batch_size]
+        batch = windows[i : i + batch_size].to(device)
         kwargs = {"n_loops": n_loops} if n_loops is not None else {}
         out = model(input_ids=batch, **kwargs)
         logits = out.logits[:, :-1].float()
@@ -177,7 +178,7 @@ def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: 
         count += batch[:, 1:].numel()
         if kinds is not None:  # a second, unreduced pass: the sum above keeps the headline bit-identical to rows
             # measured before the split (a sum of the unreduced losses differs in the last bits)
-            per_byte = F.cross_entropy(flat_logits, targets, reduction="none").double()
+            per_byte = F.cross_entropy(flat_logits, targets, reduction="none").double().cpu()
             kind_nll.index_add_(0, kinds[i : i + batch_size].reshape(-1), per_byte)
         if getattr(out, "compression_rate", None) is not None:
             segs += batch.numel() / float(out.compression_rate)
@@ -271,7 +272,7 @@ def sample_words(model, train_ids: np.ndarray, n_samples: int = 16, new_bytes: i
 
     text = train_ids[train_ids < 256].astype(np.uint8).tobytes().decode("utf-8", "replace")
     vocabulary = set(re.findall(r"[a-z]+", text.lower()))
-    prompt = torch.tensor([[BOS_ID, *SAMPLE_PROMPT.encode()]])
+    prompt = torch.tensor([[BOS_ID, *SAMPLE_PROMPT.encode()]], device=next(model.parameters()).device)
     torch.manual_seed(seed)
     model.eval()
     texts = []
@@ -322,7 +323,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
         for group in (g for opt in opts for g in opt.param_groups):
             group["lr"] = lr * group["lr_scale"]
         offsets = rng.integers(0, len(train_ids) - T, size=recipe.batch_size)
-        batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets]))
+        batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets])).to(next(model.parameters()).device)
         loops = {"n_loops": int(loop_rng.choice(loop_counts))} if loop_counts else {}
         out = model(input_ids=batch, labels=batch, **loops)
         out.loss.backward()

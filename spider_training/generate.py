@@ -35,9 +35,10 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64, n_loops: int
            do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None) -> str:
     """Continue `prompt` by up to `max_new_tokens` bytes and return the decoded continuation (EOS stops early).
 
-    The model generates in eval mode (deterministic boundaries, the KV cache) and is put back in its former mode."""
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
+    The model generates in eval mode (deterministic boundaries, the KV cache) and is put back in its former mode.
+    The prompt's ids are built on the model's device (``model.device``: CUDA when the model was trained there)."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([[tokenizer.bos_token_id, *prompt_ids]], dtype=torch.long, device=model.device)
     was_training = model.training
     model.eval()
     try:
