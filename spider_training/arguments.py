@@ -78,10 +78,15 @@ class SpiderArguments:
     lr: float | None = field(default=None, metadata={"help": "peak learning rate (env LR; sets learning_rate; default 1e-3)"})
     precision: str = field(
         default="auto",
-        metadata={"help": "auto | fp8 | bf16 | fp32. auto: fp8 on CUDA with compute capability >= 8.9, bf16 on other "
-                  "CUDA, fp32 on CPU (as the seed's detect_precision_mode, plus the CPU case)"},
+        metadata={"help": "auto | fp8 | bf16 | fp32. auto: bf16 on CUDA unless an FP8 step of the preset measured "
+                  "faster on that GPU class (spider_training.fp8.FP8_MEASURED; none has yet), fp32 on CPU"},
     )
     fp8_recipe: str = field(default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"})
+    fp8_layers: str = field(
+        default="auto",
+        metadata={"help": "with fp8: auto (the layers where torchao's auto filter expects FP8 to gain; routed experts "
+                  "stay bf16) | seed (every layer the seed converted)"},
+    )
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (sets torch_compile)"})
     resume: str | None = field(
         default=None, metadata={"help": "checkpoint folder to resume from (default: the newest complete one in ckpt_dir)"}
@@ -244,6 +249,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
     if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
+    if spider.fp8_layers not in ("auto", "seed"):
+        raise ValueError(f"--fp8_layers must be auto or seed; got {spider.fp8_layers!r}")
     if spider.reset_steps and not spider.resume:
         raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
     _check_weights_path("--resume", spider.resume, local_only=True)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(spider: SpiderArguments, args) -> dict:
-    precision = resolve_precision(spider.precision)
+    precision = resolve_precision(spider.precision, spider.preset)
     if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
         # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
         args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
@@ -93,7 +93,7 @@ def _run(spider: SpiderArguments, args) -> dict:
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
         n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
-        fp8_recipe=spider.fp8_recipe, eval_windows=spider.eval_windows,
+        fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
         muon_experts=spider.muon_experts,
     )

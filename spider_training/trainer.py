@@ -98,6 +98,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
             resumed run draws what the uninterrupted one would. 0 (default): always ``n_loops``.
         precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see :func:`spider_training.fp8.resolve_precision`).
         fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``.
+        fp8_layers: which linear layers ``precision="fp8"`` converts: ``"auto"`` (default; where torchao's filter
+            expects a gain) or ``"seed"`` (every layer the seed converted); see :mod:`spider_training.fp8`.
         eval_windows: held-out windows scored by :meth:`evaluate`.
         tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
             ``tile_kernels`` when CUDA is available.
@@ -123,7 +125,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
     """
 
     def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
-                 eval_windows=64, tile_kernels_module=None,
+                 fp8_layers="auto", eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
                  muon_lr=0.0, muon_experts=False, hub_endpoint=None, **kwargs):
         self.hub_endpoint = hub_endpoint
@@ -137,7 +139,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.eval_windows = eval_windows
         self.fp8_report = None
         if precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":
-            self.fp8_report = convert_model_to_fp8(model, recipe=fp8_recipe)
+            self.fp8_report = convert_model_to_fp8(model, recipe=fp8_recipe, layers=fp8_layers)
             self.precision = "fp8"
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)

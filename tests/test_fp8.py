@@ -72,13 +72,19 @@ def test_converts_exactly_the_intended_modules():
         fqn for fqn, m in linears.items()
         if not any(word in fqn for word in SEED_SKIP_WORDS) and m.in_features % 16 == 0 and m.out_features % 16 == 0
     }
-    report = convert_model_to_fp8(model, recipe="tensorwise", emulate=True)
+    report = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="seed")
     converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    skipped_words = {}  # first seed word in each skipped layer's name (the tiny preset's dims all divide by 16)
+    for fqn in set(linears) - expected:
+        word = next(w for w in SEED_SKIP_WORDS if w in fqn)
+        skipped_words[word] = skipped_words.get(word, 0) + 1
     assert converted == expected == set(report.converted_fqns)
     assert report.converted == len(expected) and report.linear_total == len(linears)
     assert not report.already_converted and report.recipe == "tensorwise" and report.emulate is True
     assert report.message == (
-        f"FP8: converted {len(expected)} of {len(linears)} linear layers (recipe=tensorwise, emulate=True)"
+        f"FP8: converted {len(expected)} of {len(linears)} linear layers (recipe=tensorwise, emulate=True, "
+        f"layers=seed); left in high precision: " + ", ".join(
+            f"{n} name contains {w!r}" for w, n in sorted(skipped_words.items(), key=lambda kv: f"name contains {kv[0]!r}"))
     )
     assert set(report.skipped) == set(linears) - expected
 
@@ -107,12 +113,12 @@ def test_converts_exactly_the_intended_modules():
 
 def test_emulate_default_follows_cuda_availability():
     model = tiny_model()
-    report = convert_model_to_fp8(model)
+    report = convert_model_to_fp8(model, layers="seed")
     assert report.emulate is (not torch.cuda.is_available())
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
     assert layers and all(m.config.emulate is report.emulate and m.config.pad_inner_dim for m in layers)
     with pytest.raises(ValueError, match="unknown FP8 recipe"):
-        convert_model_to_fp8(tiny_model(), recipe="axiswise")
+        convert_model_to_fp8(tiny_model(), recipe="axiswise", layers="seed")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -127,7 +133,7 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
     reference = pin_boundaries(tiny_model())
     ref_loss, ref_grads = loss_and_grads(reference, input_ids)
     model = pin_boundaries(tiny_model())
-    report = convert_model_to_fp8(model, recipe=recipe, emulate=True)
+    report = convert_model_to_fp8(model, recipe=recipe, emulate=True, layers="seed")
     assert report.recipe == recipe and report.converted > 0
     loss, grads = loss_and_grads(model, input_ids)
     assert torch.isfinite(loss)
@@ -146,9 +152,9 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
 
 def test_double_conversion_is_a_noop(input_ids):
     model = tiny_model()
-    first = convert_model_to_fp8(model, recipe="rowwise", emulate=True)
+    first = convert_model_to_fp8(model, recipe="rowwise", emulate=True, layers="seed")
     modules_before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    second = convert_model_to_fp8(model, recipe="tensorwise", emulate=True)
+    second = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="seed")
     modules_after = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert second.already_converted and second.converted == first.converted
     assert second.recipe == "rowwise"  # recovered from the existing layers' config
@@ -166,13 +172,13 @@ def test_accelerate_ao_path_and_ours_do_not_convert_twice():
     model = tiny_model()
     convert_model_to_fp8_ao(model, config=Float8LinearConfig(emulate=True, pad_inner_dim=True))
     converted = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    report = convert_model_to_fp8(model, emulate=True)
+    report = convert_model_to_fp8(model, emulate=True, layers="seed")
     assert report.already_converted and set(report.converted_fqns) == set(converted)
     assert all(m is converted[fqn] for fqn, m in model.named_modules() if isinstance(m, Float8Linear))
 
     # ours first, then accelerate's pass with ao_recipe_kwargs: the filter rejects Float8Linear, nothing changes
     model = tiny_model()
-    ours = convert_model_to_fp8(model, emulate=True)
+    ours = convert_model_to_fp8(model, emulate=True, layers="seed")
     before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     kwargs = ao_recipe_kwargs("tensorwise", emulate=True)
     assert kwargs.config.emulate is True and kwargs.config.pad_inner_dim is True
@@ -190,7 +196,7 @@ def test_accelerate_ao_path_and_ours_do_not_convert_twice():
 
 def test_grouped_mm_is_switched_to_sorted_when_experts_are_converted(input_ids):
     model = tiny_model(moe_implementation="grouped_mm")
-    report = convert_model_to_fp8(model, emulate=True)
+    report = convert_model_to_fp8(model, emulate=True, layers="seed")
     assert report.moe_implementation_switch == "grouped_mm -> sorted"
     assert model.config.moe_implementation == "sorted"
     moe_layers = [layer.mlp for layer in model.model.recurrent_block.layers]
@@ -207,7 +213,7 @@ def test_grouped_mm_is_switched_to_sorted_when_experts_are_converted(input_ids):
 
 def test_grouped_mm_kept_when_no_expert_is_converted():
     model = tiny_model(moe_implementation="grouped_mm", moe_intermediate_size=24)  # 24 % 16 != 0: experts stay
-    report = convert_model_to_fp8(model, emulate=True)
+    report = convert_model_to_fp8(model, emulate=True, layers="seed")
     assert not any(".experts." in fqn for fqn in report.converted_fqns)
     assert report.moe_implementation_switch is None and model.config.moe_implementation == "grouped_mm"
 
@@ -220,7 +226,7 @@ def test_grouped_mm_kept_when_no_expert_is_converted():
 def test_converted_checkpoint_loads_into_plain_model(tmp_path, input_ids):
     plain_reference = tiny_model()
     model = tiny_model()
-    convert_model_to_fp8(model, emulate=True)
+    convert_model_to_fp8(model, emulate=True, layers="seed")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_and_grads(model, input_ids)
     optimizer.step()  # weights now differ from the initialisation
@@ -275,23 +281,82 @@ def _fake_cuda(monkeypatch, capability):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
 
 
+#: A made-up measurement in which FP8 wins: what `auto` needs before it picks FP8 (none of the real ones does yet).
+FP8_WINS = {"gpu": "test double", "batch": "-", "bf16_seconds": 1.0, "fp8_seconds": 0.5, "fp8": "-", "versions": "-"}
+
+
 @pytest.mark.parametrize(
-    "capability, torchao_ok, expected",
+    "capability, torchao_ok, measured, preset, expected",
     [
-        (None, True, "fp32"),       # CPU
-        ((8, 0), True, "bf16"),     # A100: no FP8 matmuls
-        ((8, 6), True, "bf16"),
-        ((8, 9), True, "fp8"),      # Ada
-        ((9, 0), True, "fp8"),      # H100
-        ((10, 0), True, "fp8"),     # B200
-        ((12, 0), True, "fp8"),     # sm_120
-        ((9, 0), False, "bf16"),    # no torchao
+        (None, True, {}, "small", "fp32"),                          # CPU
+        ((9, 0), True, None, "1b", "bf16"),                         # H100/H200, the real table: FP8 measured slower
+        ((9, 0), True, None, "small", "bf16"),                      # no measurement for the preset: bf16
+        ((10, 0), True, None, "1b", "bf16"),                        # B200: nothing measured there yet
+        ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, "1b", "fp8"),    # FP8 measured faster for this class and preset
+        ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, "small", "bf16"),  # ... but not for another preset
+        ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, None, "bf16"),   # a custom config has no measurement
+        ((10, 0), True, {((9, 0), "1b"): FP8_WINS}, "1b", "bf16"),  # ... nor another GPU class
+        ((8, 0), True, {((8, 0), "1b"): FP8_WINS}, "1b", "bf16"),   # A100: no FP8 matmuls, whatever the table says
+        ((9, 0), False, {((9, 0), "1b"): FP8_WINS}, "1b", "bf16"),  # no torchao
     ],
 )
-def test_resolve_precision_auto(monkeypatch, capability, torchao_ok, expected):
+def test_resolve_precision_auto_follows_the_measurements(monkeypatch, capability, torchao_ok, measured, preset,
+                                                          expected):
     _fake_cuda(monkeypatch, capability)
     monkeypatch.setattr(fp8, "torchao_fp8_available", lambda: torchao_ok)
-    assert resolve_precision("auto") == expected
+    if measured is not None:
+        monkeypatch.setattr(fp8, "FP8_MEASURED", measured)
+    assert resolve_precision("auto", preset) == expected
+
+
+def test_the_recorded_h200_measurement_keeps_bf16():
+    entry = fp8.FP8_MEASURED[((9, 0), "1b")]
+    assert entry["fp8_seconds"] > entry["bf16_seconds"]
+    assert not fp8.fp8_measured_faster("1b", (9, 0)) and not fp8.fp8_measured_faster("1b", (10, 0))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --fp8_layers auto: torchao's own filter, routed experts left out
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_auto_layers_follow_torchaos_filter_on_the_1b_preset():
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    from configuration_spider import SpiderConfig
+
+    with torch.device("meta"):  # the 1b shapes without the memory
+        model = SpiderForConditionalGeneration(SpiderConfig.from_preset("1b"))
+    for recipe in ("tensorwise", "rowwise"):
+        torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=SEED_SKIP_WORDS)
+        chosen = fp8.fp8_layer_filter("auto", recipe)
+        converted = {fqn for fqn, m in model.named_modules() if chosen(m, fqn)}
+        expected = {fqn for fqn, m in model.named_modules()
+                    if torchao_filter(m, fqn) and ".experts." not in fqn}
+        assert converted == expected and converted, recipe
+        assert not any(".experts." in fqn for fqn in converted)
+    # tensorwise, by hand: a 2048 -> 512 expert projection is below the size where FP8 pays (K <= 4096 and N <= 1024);
+    # the 2048 -> 11008 dense SwiGLU projection is above it
+    gate = model.model.recurrent_block.layers[0].mlp.shared_experts.gate_proj
+    reason = fp8.fp8_skip_reason(gate, "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj", "auto")
+    assert reason is not None and reason.startswith(fp8.AUTO_SKIP_SIZE) and "in_features=2048" in reason
+    expert = "model.recurrent_block.layers.0.mlp.experts.0.down_proj"
+    assert fp8.fp8_skip_reason(model.get_submodule(expert), expert, "auto").startswith(fp8.AUTO_SKIP_ROUTED_EXPERT)
+    assert fp8.fp8_skip_reason(model.model.prelude_layers[0].mlp.up_proj, "model.prelude_layers.0.mlp.up_proj",
+                               "auto") is None
+
+
+def test_auto_layers_convert_nothing_on_the_tiny_preset_and_say_why():
+    model = tiny_model()
+    report = convert_model_to_fp8(model, emulate=True)  # layers="auto" is the default
+    assert report.layers == "auto" and report.converted == 0
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+    kinds = report.skipped_by_reason()
+    assert kinds[fp8.AUTO_SKIP_ROUTED_EXPERT] == model.config.num_recurrent_layers * model.config.n_routed_experts * 3
+    assert kinds[fp8.AUTO_SKIP_SIZE] > 0 and sum(kinds.values()) == report.linear_total
+    assert f"{kinds[fp8.AUTO_SKIP_SIZE]} {fp8.AUTO_SKIP_SIZE}" in report.message
+    with pytest.raises(ValueError, match="--fp8_layers must be one of"):
+        convert_model_to_fp8(tiny_model(), layers="most")
 
 
 def test_resolve_precision_explicit_and_invalid(monkeypatch):
