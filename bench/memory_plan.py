@@ -1,4 +1,4 @@
-"""Memory and throughput plan for training a Spider preset on 8 GPUs (issue #12, deliverable 4), on paper.
+"""Memory plan for training a Spider preset on 8 GPUs, on paper.
 
 Nothing here runs on a GPU. Each figure comes from the model itself:
 
@@ -20,10 +20,9 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   activations while it is recomputed in the backward pass (the largest, measured per layer call). Activations are
   measured in fp32 (the CPU run) and reported for bf16 autocast at half that (FP8 saves its inputs in bf16 too).
 - **FLOPs per training step** of one sequence: counted by ``FlopCounterMode`` (:func:`bench.common.count_flops`) for a
-  forward and backward at the same two lengths, extrapolated with ``a L + b L^2`` (attention), and the tokens/s this
-  implies at ``H100`` peak (989 TFLOP/s dense bf16, 1979 FP8) times the MFU measured on this machine by
-  ``bench.mfu`` (its recorded Spider figure in ``bench/results.json``): an upper bound, since a GPU run's MFU is
-  its own (``bench/gpu_check.py`` measures it on a GPU).
+  forward and backward at the same two lengths, extrapolated with ``a L + b L^2`` (attention). No throughput is
+  derived from them: a CPU's MFU says nothing of a GPU's, and ``python -m bench.gpu_check`` measures the step on a
+  GPU.
 
 Usage: ``python -m bench.memory_plan [--preset 1b] [--seq_len 2048] [--gpus 8] [--out F.json]
 [--write_readme README.md]`` (about 3 minutes for the 1b preset on 2 cores; prints one JSON result).
@@ -39,11 +38,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO_ROOT, count_flops, environment, spider_config
+from bench.common import count_flops, environment, spider_config
 
 GIB = 1024**3
 GPU_MEMORY_GIB = 80  # H100 / A100 80 GB (B200: 180 GB)
-H100_PEAK_TFLOPS = {"bf16": 989.4, "fp8": 1978.9}  # dense, SXM
 PROBE_LENGTHS = (128, 256)
 README_MARKERS = ("<!-- memory_plan:start -->", "<!-- memory_plan:end -->")
 
@@ -167,14 +165,6 @@ def extrapolate(probes: list[dict], key: str, length: int, quadratic: bool = Fal
     return y1 + slope * (length - l1)
 
 
-def measured_mfu() -> float | None:
-    path = REPO_ROOT / "bench" / "results.json"
-    try:
-        return float(json.loads(path.read_text())["benchmarks"]["mfu"]["measurements"]["mfu"]["spider_default"])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
     start = time.perf_counter()
     model = meta_model(preset)
@@ -197,17 +187,11 @@ def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
                 plans.append({"strategy": strategy, "optimizer": optimizer, "activation_checkpointing": ckpt,
                               "static_gib": fixed / GIB, "activations_gib_per_sequence": per_seq / GIB,
                               "largest_micro_batch_80gb": fits})
-    mfu = measured_mfu()
-    throughput = {
-        precision: (mfu * peak * 1e12 / flops_per_sequence * seq_len) if mfu else None
-        for precision, peak in H100_PEAK_TFLOPS.items()
-    }
     return {
         "benchmark": "memory_plan", "preset": preset, "seq_len": seq_len, "gpus": gpus,
         "parameters": parameters, "n_loops": loops, "shard_groups": groups, "static_bytes": static,
         "probes": probes, "activation_bytes_per_sequence_bf16": act,
-        "train_flops_per_sequence": flops_per_sequence, "mfu_measured_here": mfu,
-        "tokens_per_s_per_gpu_at_measured_mfu": throughput, "plans": plans,
+        "train_flops_per_sequence": flops_per_sequence, "plans": plans,
         "environment": environment(), "seconds": time.perf_counter() - start,
     }
 
@@ -229,15 +213,10 @@ def render(result: dict) -> str:
                      f"{'8-bit AdamW' if p['optimizer'] == 'adamw_8bit' else 'AdamW'} | {p['activation_checkpointing']} | "
                      f"{p['static_gib']:.1f} GiB | {p['activations_gib_per_sequence']:.2f} GiB | "
                      f"{p['largest_micro_batch_80gb']} |")
-    tput = r["tokens_per_s_per_gpu_at_measured_mfu"]
-    if r["mfu_measured_here"]:
-        lines += ["", f"One training step of one {r['seq_len']}-byte sequence at {r['n_loops']} loops costs "
-                  f"{r['train_flops_per_sequence'] / 1e12:.2f} TFLOP; at the MFU `bench.mfu` measured here "
-                  f"({r['mfu_measured_here']:.2f}, CPU fp32) an H100 would train {tput['bf16']:,.0f} bytes/s in bf16 "
-                  f"and {tput['fp8']:,.0f} in FP8 (peak {H100_PEAK_TFLOPS['bf16']:.0f} / "
-                  f"{H100_PEAK_TFLOPS['fp8']:.0f} TFLOP/s): upper bounds, a GPU's own MFU is lower. The micro-batch "
-                  "column leaves nothing for the CUDA context, allocator fragmentation or NCCL buffers: keep 10-20% "
-                  "free."]
+    lines += ["", f"One training step of one {r['seq_len']}-byte sequence at {r['n_loops']} loops costs "
+              f"{r['train_flops_per_sequence'] / 1e12:.2f} TFLOP (measured GPU step times: `python -m bench.gpu_check`). "
+              "The micro-batch column leaves nothing for the CUDA context, allocator fragmentation or NCCL buffers: "
+              "keep 10-20% free."]
     return "\n".join(lines) + "\n"
 
 
