@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -333,3 +334,206 @@ def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Device-to-host syncs, GPU matmul peak (bench/gpu_check.py, tests/test_host_syncs.py)
+# ----------------------------------------------------------------------------------------------------------------------
+
+#: aten ops whose output size or value has to reach the host before the next op can be launched
+SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "bincount", "unique_consecutive", "_unique2",
+            "unique_dim", "equal"}
+_INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
+_SKIPPED_SOURCE_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}contextlib.py", f"{os.sep}bench{os.sep}common.py")
+
+
+def _calling_line() -> str | None:
+    """``path:line`` of the innermost Python frame outside torch, contextlib and this file (the model or trainer line
+    that asked for the value), relative to the repository root when inside it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not any(part in filename for part in _SKIPPED_SOURCE_PARTS):
+            try:
+                filename = str(Path(filename).resolve().relative_to(REPO_ROOT))
+            except ValueError:
+                pass
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _to_host(func_name: str, args, kwargs) -> bool:
+    """A copy from an accelerator tensor into host memory (``.cpu()``, ``.to("cpu")``, ``cpu_tensor.copy_(gpu)``)."""
+    if func_name == "_to_copy" and args and isinstance(args[0], torch.Tensor):
+        target = (kwargs or {}).get("device")
+        return args[0].device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
+    if func_name in ("copy_", "copy") and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    return False
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts the device-to-host synchronisations run inside the context, on any device.
+
+    A ``TorchDispatchMode`` sees every aten op (backward included: the autograd engine carries the mode to its
+    threads): it counts :data:`SYNC_OPS` (``.item()``, ``bool(tensor)`` and ``int(tensor)`` arrive as
+    ``_local_scalar_dense``), ``index`` / ``index_put`` with a boolean index (a ``nonzero`` on the device),
+    ``repeat_interleave`` without ``output_size`` and copies from a device tensor into host memory. On CPU
+    ``Tensor.tolist`` reads the data without dispatching any op, so with ``count_tolist`` (default) the context also
+    wraps ``torch.Tensor.tolist`` and counts its calls as ``"tolist"`` (on a GPU the same call is one device-to-host
+    copy, counted once, as ``"tolist"``).
+
+    ``counts`` maps op name to calls; ``sources`` maps ``path:line`` (the innermost frame outside torch: the model's
+    line that asked for the value) to calls; ``total`` is their sum. ``ops`` counts every aten op dispatched except
+    views, ``detach`` and ``empty*`` (a CPU proxy for the kernels a GPU would launch).
+    """
+
+    def __init__(self, count_tolist: bool = True, record_sources: bool = True):
+        super().__init__()
+        import collections
+
+        self.counts = collections.Counter()
+        self.sources = collections.Counter()
+        self.count_tolist = count_tolist
+        self.record_sources = record_sources
+        self.ops = 0
+        self._original_tolist = None
+        self._inside_tolist = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def _count(self, name: str) -> None:
+        self.counts[name] += 1
+        if self.record_sources:
+            self.sources[_calling_line() or "?"] += 1
+
+    def __enter__(self):
+        if self.count_tolist:
+            original = self._original_tolist = torch.Tensor.tolist
+            counter = self
+
+            def tolist(tensor, *args, **kwargs):
+                counter._count("tolist")
+                counter._inside_tolist += 1
+                try:
+                    return original(tensor, *args, **kwargs)
+                finally:
+                    counter._inside_tolist -= 1
+
+            torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._original_tolist is not None:
+                torch.Tensor.tolist = self._original_tolist
+                self._original_tolist = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not (func.is_view or name in ("detach", "empty", "empty_like", "empty_strided")):
+            self.ops += 1
+        if self._inside_tolist:  # the copy a GPU tensor's .tolist() makes was counted as "tolist"
+            pass
+        elif name in SYNC_OPS:
+            self._count(name)
+        elif name in _INDEX_OPS:
+            if len(args) > 1 and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
+                self._count(f"{name} (boolean)")
+        elif name == "repeat_interleave":
+            if (kwargs or {}).get("output_size") is None and any(isinstance(a, torch.Tensor) for a in args[:2]):
+                self._count(name)
+        elif _to_host(name, args, kwargs):
+            self._count("copy to host")
+        return func(*args, **(kwargs or {}))
+
+
+class CudaSyncWarnings:
+    """``torch.cuda.set_sync_debug_mode("warn")`` inside the context, every warning recorded
+    (``warnings.catch_warnings(record=True)`` with ``simplefilter("always")``): ``count`` is the number of
+    synchronising CUDA calls, ``sources`` maps the ``path:line`` each warning points at to its count (warnings raised
+    during backward are replayed by autograd at the ``.backward()`` call). CUDA only."""
+
+    MESSAGE = "synchroniz"  # "called a synchronizing CUDA operation"
+
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self._records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        self._previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        import collections
+
+        torch.cuda.set_sync_debug_mode(self._previous)
+        self._catch.__exit__(*exc)
+        syncs = [w for w in self._records if self.MESSAGE in str(w.message)]
+        self.count = len(syncs)
+        self.sources = collections.Counter()
+        for w in syncs:
+            filename = w.filename
+            try:
+                filename = str(Path(filename).resolve().relative_to(REPO_ROOT))
+            except ValueError:
+                pass
+            self.sources[f"{filename}:{w.lineno}"] += 1
+        return False
+
+
+def device_peak_matmul_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, n: int | None = None,
+                             warmup: int = 2, repeats: int = 5) -> dict[str, float]:
+    """:func:`peak_matmul_flops` on `device`: the median of `repeats` timed ``n x n @ n x n`` matmuls, each timed
+    between two device synchronisations. ``n`` defaults to 8192 on CUDA (what the GPU figures of
+    ``/work/shared/NOTES.md`` used) and 1024 on CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return peak_matmul_flops(dtype, n=n or 1024, warmup=warmup, repeats=repeats)
+    n = n or 8192
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    synchronize = getattr(torch, device.type).synchronize
+    for _ in range(warmup):
+        torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    del a, b
+    return {"n": n, "median_s": median, "flops_per_s": 2 * n**3 / median}
+
+
+def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):
+    """transformers' ``LlamaConfig`` of a dense byte model with about the parameter count of a Spider model built from
+    `spider_cfg`: Spider's vocab, width, heads and dense-MLP width; the layer count is the one that brings the
+    parameter count nearest to Spider's (untied embeddings, full multi-head attention, SDPA)."""
+    from transformers import LlamaConfig
+
+    from modeling_spider import SpiderForConditionalGeneration
+
+    with torch.device("meta"):
+        target = num_params(SpiderForConditionalGeneration(spider_cfg))
+    c = spider_cfg
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    per_layer = 4 * h * h + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
+    layers = max(1, round((target - 2 * v * h - h) / per_layer))
+    return LlamaConfig(
+        vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_attention_heads,
+        max_position_embeddings=max(max_position_embeddings, c.max_position_embeddings), tie_word_embeddings=False,
+        rms_norm_eps=c.rms_norm_eps, initializer_range=c.initializer_range, pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, use_cache=False, attn_implementation="sdpa",
+    )

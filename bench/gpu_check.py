@@ -1,15 +1,66 @@
-"""GPU check (issue #12, deliverable 3): what a user with CUDA runs to see that Spider's GPU-only paths work there.
+"""GPU check (issue #12 deliverable 3, issue #38 deliverable 4): the one command a user with a GPU runs.
 
-    python -m bench.gpu_check [--presets small 1b] [--out gpu_check.json]          # one GPU
+    python -m bench.gpu_check [--out gpu_check.json]                               # one GPU, under 8 minutes
+    python -m bench.gpu_check --only fp8 tile_kernels_moe --budget_s 300           # a subset, another budget
     torchrun --nproc_per_node 2 -m bench.gpu_check --only fsdp2_fp8_all_gather     # FSDP2 over NCCL (>= 2 GPUs)
 
-Checks (each one JSON entry with ``status`` ``"passed"``, ``"failed"`` or ``"skipped"`` and the reason):
+It prints one JSON result (``--out FILE`` also writes it; everything the parts print, the trainer's progress
+included, goes to stderr). ``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or
+``"skipped"``, a ``reason`` (empty when passed) and its figures; ``passed`` is true when no check failed; ``parts``
+records each part's time allowance and wall time.
 
+Parts, in the order they run (most important first; see "Time budget"):
+
+- ``main_job``: the README's main job end to end, :func:`spider_training.train.main` with its defaults (the
+  ``small`` preset on the embedded SOTU corpus, 500 steps, held-out scoring before, during and after, a sample, a
+  release folder) in a temporary output folder; then the release is loaded with
+  ``AutoModelForCausalLM.from_pretrained(release, trust_remote_code=True)`` onto the device and generates a few bytes
+  there (``--main_job_steps``, ``--main_job_preset`` and ``--main_job_args`` change the run). Figures: steps,
+  seconds, held-out bits per byte before / after and by loop count, the sample, the reload's device and bytes.
+  Passes when the run finishes, held-out bits per byte fell, and the reloaded release generates on the device.
+  (500 steps took 151 s on an H200 on 2026-11-26.)
+- ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
+  of Spider ``1b`` (its default config, and with ``moe_implementation="grouped_mm"``), transformers'
+  ``DeepseekV3ForCausalLM`` of the same shape (:func:`bench.common.peer_config`) and a dense ``LlamaForCausalLM`` of
+  about the same parameter count (:func:`bench.common.dense_llama_config`), at 32 x 256 and 8 x 2048 bytes. Per
+  row: step seconds (median of ``--step_repeats`` after a warm-up step), bytes/s, peak memory
+  (``torch.cuda.max_memory_allocated`` over the timed steps, weights and optimizer state included; null on CPU),
+  FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul peak measured in-process
+  (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten ops dispatched per step,
+  host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the
+  ``set_sync_debug_mode`` warnings; torch's CPU AdamW reads each parameter's step count on the host, the fused CUDA
+  one does not), and on CUDA, at the first shape (the profiler's post-processing of ~40k kernels takes seconds, and
+  the launch count hardly depends on the shape), the kernels launched in one profiled step, the host's launch calls
+  and the GPU busy time (``torch.profiler`` with CUDA activity; ``gpu_busy_fraction`` = busy time / median step
+  time). The rows run shape by shape, so a budget that runs out leaves the comparison at 32 x 256 complete. A
+  measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is
+  given.
+- ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
+  default MoE path and with ``grouped_mm``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
+  recorded (:class:`bench.common.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
+  dispatch-level count by op and source line (:class:`bench.common.HostSyncCounter`: ``.item()``, ``nonzero``,
+  boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset runs at the
+  ``tiny`` preset's widths with the ``1b`` depth, loops and experts (the sync count depends on the structure, not
+  the width; the full ``1b`` takes minutes per step there). A measurement: passes when it ran.
+- ``run_1b``: ``--run_1b_steps`` (300) training steps of ``--preset 1b`` on the embedded corpus through
+  :func:`spider_training.train.main` (bf16, 32 x 256 bytes per step, no activation checkpointing, the
+  ``grouped_mm`` experts: the fastest MoE path measured on an H200, numerically the sorted one's), held-out bits per
+  byte scored 6 times along the way and the compression rate (bytes per segment) logged every few steps. Passes when
+  the boundary rate of the last logged steps (``1 / compression_rate``) lies inside the prior's band, where the
+  hinge ``relu(r - prior) + relu(prior - k*std - r)`` is zero (``boundary_prior``, ``boundary_prior_std``,
+  ``boundary_prior_k`` of the trained config), and held-out bits per byte fell (last < first). Skipped without CUDA
+  unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_moe`` and
+  ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
+  and the entry says how many.
 - ``fp8_<recipe>_<preset>``: torchao ``Float8Linear`` (real ``torch._scaled_mm`` on a GPU; emulated on CPU) against
   the same model in bf16 autocast, one training step on the same batch: the losses agree within ``FP8_LOSS_RTOL`` and
-  the gradients point the same way (cosine >= ``FP8_GRAD_COSINE``), and the step-time ratio bf16 / FP8 is reported
-  (a speed-up above 1 is what FP8 is for; on CPU emulation the ratio means nothing and is labelled so).
-  Recipes ``tensorwise`` and ``rowwise``; presets ``small`` and ``1b`` (``1b`` needs CUDA).
+  the gradients point the same way (cosine >= ``FP8_GRAD_COSINE``); both step times and their ratio are reported
+  (medians of ``--step_repeats`` steps after a warm-up; a speed-up above 1 is what FP8 is for; on CPU emulation the
+  times mean nothing and are labelled so). Recipes
+  ``tensorwise`` and ``rowwise``; presets ``small`` and ``1b`` (``1b`` needs CUDA); ``--fp8_layers`` by default ``auto`` for ``1b``
+  (the layers ``--precision fp8`` converts there, so the step times are what ``--precision auto`` chooses by:
+  ``spider_training.fp8.FP8_MEASURED``) and ``seed`` for the smaller presets (every layer kind the seed converted;
+  ``auto`` converts none of their layers).
 - ``tile_kernels_moe``: the TileKernels MoE routing (:func:`spider_training.tile_kernels_moe.swap_in_tile_kernels`)
   against the torch path on one MoE layer in fp32: outputs and gradients (input, expert weights) equal within
   fp32 summation-order roundoff; and the training-step speed ratio of the whole model (bf16 autocast).
@@ -19,35 +70,75 @@ Checks (each one JSON entry with ``status`` ``"passed"``, ``"failed"`` or ``"ski
   accelerate's ``AORecipeKwargs`` passes) trains 3 steps to the loss curve of the same FP8 model without float8
   all-gather.
 
-Everything that can run on CPU does (``tests/test_gpu_check.py``: the FP8 comparison in emulation on the tiny preset,
-the TileKernels comparison with a CPU test double of ``tile_kernels``); the GPU parts report ``"skipped"`` with
-"needs CUDA" on a machine without one. Prints one JSON result.
+Time budget: ``--budget_s`` (default 460 s, so that the command with its imports stays under 8 minutes) is shared
+by the parts in the order above; each part gets at most its own cap (:data:`PART_CAPS_S`) and at most what is left,
+and is skipped with the reason "time budget" when less than :data:`MIN_PART_S` is left. Inside its allowance a part
+stops itself (the training runs stop early, keeping time for their final scoring and release; tables skip the rows
+that no longer fit), and a hard limit (``SIGALRM``, main thread) cuts off a part still running at the end of its
+allowance, reported as skipped for the time budget. The order: the main job is what every user runs; the step table
+and the host syncs are the GPU figures the project's performance work is judged by; the 1b run is the only check of
+the 1b preset's training dynamics on a GPU; FP8 and TileKernels come last because their GPU figures are recorded
+(FP8 5.8 s per 1b step against 0.85 s in bf16, TileKernels 0.98x, H200, 2026-11-26) and neither is on the default
+training path (``--precision auto`` picks bf16 on every CUDA device). With the caps as set, a default run on one
+H100/H200 is expected to spend most of its budget on the first four parts, and FP8 / TileKernels get what they
+leave; ``--only fp8 tile_kernels_moe`` runs them alone. (The caps are estimates from the H200 figures above; no GPU
+was at hand when they were set.)
+
+Everything that can run on CPU does (``tests/test_gpu_check.py``, toy sizes through the size/steps flags: the main
+job and the run on the ``tiny`` preset for a few steps, the step table and host syncs on ``tiny``, the FP8
+comparison in emulation, the TileKernels comparison with a CPU test double of ``tile_kernels``); the GPU-only parts
+report ``"skipped"`` with "needs CUDA" on a machine without one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import gc
 import importlib
+import inspect
 import json
+import math
 import os
+import shlex
+import signal
 import statistics
+import sys
+import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import environment, random_bytes, spider_model
+from bench.common import (CudaSyncWarnings, HostSyncCounter, count_flops, dense_llama_config, device_peak_matmul_flops,
+                          environment, num_params, peer_model, random_bytes, spider_config, spider_model)
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 #: FP8 (e4m3, 3 mantissa bits) against bf16 (7 bits) at initialisation: the loss is a mean over every byte, so the
 #: per-element rounding (up to 2^-4 relative) averages out far below this; a broken scale is off by orders more.
 FP8_LOSS_RTOL = 0.02
 FP8_GRAD_COSINE = 0.9
-SHAPES = {"tiny": (2, 128), "small": (8, 256), "1b": (1, 2048)}  # (batch, bytes) of the compared step
-CHECKS = ("fp8", "tile_kernels_moe", "fsdp2_fp8_all_gather")
+SHAPES = {"tiny": (2, 128), "small": (8, 256), "1b": (1, 2048)}  # (batch, bytes) of the compared FP8 step
+PARTS = ("main_job", "step_table", "host_syncs", "run_1b", "fp8", "tile_kernels_moe", "fsdp2_fp8_all_gather")
+CHECKS = PARTS  # the name earlier versions used
+#: each part's largest time allowance in seconds (see "Time budget" in the module docstring)
+PART_CAPS_S = {"main_job": 200, "step_table": 110, "host_syncs": 30, "run_1b": 120, "fp8": 90,
+               "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
+#: a part that would get less than this is skipped ("time budget")
+MIN_PART_S = 5.0
+DEFAULT_BUDGET_S = 460.0
+STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
+STEP_TABLE_MODELS = ("spider", "spider_grouped_mm", "deepseek_v3", "llama_dense")
+#: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
+_WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
+                 "engram_head_dim", "engram_table_size", "lora_rank", "max_position_embeddings")
+TIME_BUDGET = "time budget"
 
 
 def _entry(name: str, status: str, reason: str = "", **figures) -> dict:
@@ -61,6 +152,576 @@ def _device() -> torch.device:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _error(exc: BaseException) -> str:
+    """``Type: message`` and the innermost frame, for a JSON reason."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"[:2000]
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"32x256"`` -> ``(32, 256)`` (batch, bytes)."""
+    try:
+        batch, length = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxBYTES such as 32x256, got {text!r}") from None
+    if batch < 1 or length < 2:
+        raise argparse.ArgumentTypeError(f"batch must be >= 1 and bytes >= 2, got {text!r}")
+    return batch, length
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Time budget
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Deadline:
+    """A point in time (``time.monotonic``); ``Deadline(None)`` never expires."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float:
+        return math.inf if self.end is None else self.end - time.monotonic()
+
+    def expired(self, needed: float = 0.0) -> bool:
+        return self.left() <= needed
+
+    def at_fraction(self, fraction: float, keep_s: float = 0.0) -> float | None:
+        """The monotonic time at which a part should stop its main work: `fraction` of what is left from now, and at
+        least `keep_s` before the end. None when unlimited."""
+        if self.end is None:
+            return None
+        left = self.left()
+        return time.monotonic() + max(0.0, min(fraction * left, left - keep_s))
+
+
+class PartTimeout(BaseException):
+    """Raised inside a part by the hard limit of its allowance (a ``BaseException``, like ``KeyboardInterrupt``, so
+    that library code catching ``Exception`` does not swallow it)."""
+
+
+@contextlib.contextmanager
+def _hard_limit(seconds: float | None):
+    """Raise :class:`PartTimeout` in the main thread after `seconds` (``SIGALRM``); no limit elsewhere."""
+    usable = (seconds is not None and math.isfinite(seconds) and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise PartTimeout(f"cut off after its allowance of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _trainer_hook_class():
+    from transformers import TrainerCallback
+
+    class TrainerHook(TrainerCallback):
+        """A ``TrainerCallback`` handed to :func:`spider_training.train.main` (``callbacks=``): keeps the run's
+        ``state`` (``log_history``) and the trained model's config and, with `stop_at` (``time.monotonic``), stops
+        training at the first step that ends after it (``control.should_training_stop``: the run then scores, samples
+        and writes its release as after its last step)."""
+
+        def __init__(self, stop_at: float | None):
+            self.stop_at = stop_at
+            self.state = None
+            self.config = None
+            self.stopped_at_step = None
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.state = state
+            self.config = getattr(model, "config", None)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
+                control.should_training_stop = True
+                self.stopped_at_step = state.global_step
+            return control
+
+    return TrainerHook
+
+
+def _train_main(argv: list[str], stop_at: float | None):
+    """``spider_training.train.main(argv)`` with a trainer hook (:func:`_trainer_hook_class`); returns (summary, hook,
+    seconds)."""
+    from spider_training import train as train_module
+
+    hook = _trainer_hook_class()(stop_at)
+    start = time.perf_counter()
+    summary = train_module.main(argv, callbacks=[hook])
+    return summary, hook, time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# main_job
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main_job_check(steps: int = 500, preset: str = "small", device: torch.device | None = None,
+                   deadline: Deadline | None = None, extra_args: tuple[str, ...] = (),
+                   prompt: str = "The state of the union is", new_bytes: int = 16) -> dict:
+    """The README's main job in a temporary folder, then its release reloaded onto `device` to generate (see the
+    module docstring). `extra_args` are appended to the training command line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or _device()
+    deadline = deadline or Deadline(None)
+    name = "main_job"
+    figures = {"device": str(device), "preset": preset, "steps_requested": steps}
+    with tempfile.TemporaryDirectory(prefix="spider_gpu_check_main_") as tmp:
+        argv = ["--preset", preset, "--max_steps", str(steps), "--output_dir", os.path.join(tmp, "run"), *extra_args]
+        # training stops early enough to keep 15% of the allowance (at least 20 s) for the final scoring, the sample,
+        # the release and its reload
+        stop_at = deadline.at_fraction(0.85, keep_s=max(20.0, 0.15 * min(deadline.left(), 1e9)))
+        try:
+            summary, hook, seconds = _train_main(argv, stop_at)
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the check reports what broke
+            return _entry(name, "failed", f"spider_training.train.main raised {_error(exc)}",
+                          command=["spider_training.train.main", *argv], **figures)
+        before = summary.get("eval_before_bits_per_byte")
+        after = summary.get("eval_after_bits_per_byte")
+        figures.update(steps=summary.get("steps"), seconds=round(seconds, 2),
+                       train_runtime_s=_train_runtime(hook), precision=summary.get("precision"),
+                       moe_backend=summary.get("moe_backend"), parameters=summary.get("parameters"),
+                       bits_per_byte_before=before, bits_per_byte_after=after,
+                       bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
+                       compression_rate_after=summary.get("eval_after_compression_rate"),
+                       sample=summary.get("sample"), stopped_by_time_budget_at_step=hook.stopped_at_step)
+        hook.state = hook.config = None  # nothing of the trained run outlives the part
+        _free_memory()
+        problems = []
+        if hook.stopped_at_step is not None:
+            figures["note"] = f"training stopped by the time budget at step {hook.stopped_at_step} of {steps}"
+        if before is None or after is None:
+            problems.append("no held-out bits per byte before/after in the run's summary")
+        elif not after < before:
+            problems.append(f"held-out bits per byte did not fall ({before:.4f} -> {after:.4f})")
+        release = summary.get("release_dir")
+        figures["release_written"] = bool(release) and Path(release, "config.json").is_file()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(release, trust_remote_code=True).to(device).eval()
+            tokenizer = AutoTokenizer.from_pretrained(release, trust_remote_code=True)
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1).to(device)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_bytes,
+                                     min_new_tokens=new_bytes, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            generated = out[0, ids.shape[1]:]
+            reload_ok = out.device.type == device.type and generated.numel() == new_bytes
+            figures.update(release_reload_ok=reload_ok, reload_device=str(out.device),
+                           reload_class=type(model).__name__, generated_bytes=int(generated.numel()),
+                           generated_text=tokenizer.decode(generated, skip_special_tokens=True))
+            if not reload_ok:
+                problems.append(f"the reloaded release generated {generated.numel()} of {new_bytes} bytes on "
+                                f"{out.device}")
+            del model
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            figures["release_reload_ok"] = False
+            problems.append(f"reloading the release and generating on {device} raised {_error(exc)}")
+    if problems and "note" in figures:
+        problems.append(figures["note"])
+    return _entry(name, "failed" if problems else "passed", "; ".join(problems), **figures)
+
+
+def _train_runtime(hook) -> float | None:
+    history = hook.state.log_history if hook.state is not None else []
+    runtime = next((e["train_runtime"] for e in reversed(history) if "train_runtime" in e), None)
+    return None if runtime is None else round(float(runtime), 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# run_1b
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def held_out_curve(log_history: list[dict]) -> list[tuple[int, float]]:
+    """``[(step, bits_per_byte)]`` of every held-out scoring in a trainer's ``log_history`` (``eval_before_``,
+    ``eval_``, ``eval_after_`` prefixes), in logging order."""
+    curve = []
+    for entry in log_history:
+        for key, value in entry.items():
+            if key.startswith("eval") and key.endswith("_bits_per_byte") and isinstance(value, (int, float)):
+                curve.append((int(entry.get("step", 0)), float(value)))
+    return curve
+
+
+def compression_curve(log_history: list[dict]) -> list[tuple[int, float]]:
+    """``[(step, compression_rate)]`` of the training logs (bytes per segment, averaged over each logging window)."""
+    return [(int(e.get("step", 0)), float(e["compression_rate"])) for e in log_history
+            if "compression_rate" in e and isinstance(e["compression_rate"], (int, float))]
+
+
+def judge_1b_run(held_out: list[tuple[int, float]], compression: list[tuple[int, float]], boundary_prior: float,
+                 boundary_prior_std: float, boundary_prior_k: float) -> tuple[str, str, dict]:
+    """The ``run_1b`` checks on a run's curves: the last logged boundary rate ``1 / compression_rate`` inside
+    ``[prior - k*std, prior]`` (where the rate hinge is zero) and held-out bits per byte falling (last < first).
+    Returns ``(status, reason, figures)``."""
+    low, high = boundary_prior - boundary_prior_k * boundary_prior_std, boundary_prior
+    figures = {"boundary_rate_band": [low, high], "bytes_per_segment_band": [1 / high, 1 / low if low > 0 else None]}
+    problems = []
+    if not compression:
+        problems.append("no compression_rate in the training logs")
+    else:
+        rate = 1.0 / compression[-1][1]
+        figures.update(boundary_rate_end=rate, compression_rate_end=compression[-1][1])
+        if not low <= rate <= high:
+            problems.append(f"boundary rate {rate:.4f} at step {compression[-1][0]} is outside the prior's band "
+                            f"[{low:.4f}, {high:.4f}]")
+    if len(held_out) < 2:
+        problems.append(f"{len(held_out)} held-out scoring(s) logged, need 2 to see a trend")
+    else:
+        first, last = held_out[0][1], held_out[-1][1]
+        figures.update(bits_per_byte_first=first, bits_per_byte_last=last)
+        if not last < first:
+            problems.append(f"held-out bits per byte did not fall ({first:.4f} at step {held_out[0][0]} -> "
+                            f"{last:.4f} at step {held_out[-1][0]})")
+    return ("failed" if problems else "passed"), "; ".join(problems), figures
+
+
+def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len: int = 256,
+                 device: torch.device | None = None, deadline: Deadline | None = None,
+                 moe_implementation: str | None = "grouped_mm", extra_args: tuple[str, ...] = ()) -> dict:
+    """`steps` training steps of `preset` on the embedded corpus, judged by :func:`judge_1b_run` (see the module
+    docstring). Skipped without CUDA for the ``1b`` preset."""
+    device = device or _device()
+    deadline = deadline or Deadline(None)
+    name = "run_1b"
+    if preset == "1b" and device.type != "cuda":
+        return _entry(name, "skipped", "needs CUDA (300 steps of the 1b preset take days on a CPU)")
+    figures = {"device": str(device), "preset": preset, "steps_requested": steps, "micro_batch": batch,
+               "seq_len": seq_len, "moe_implementation": moe_implementation}
+    with tempfile.TemporaryDirectory(prefix="spider_gpu_check_1b_") as tmp:
+        argv = ["--preset", preset, "--max_steps", str(steps), "--micro_batch", str(batch), "--seq_len", str(seq_len),
+                "--output_dir", os.path.join(tmp, "run"), "--eval_steps", str(max(1, steps // 6)),
+                "--logging_steps", str(max(1, min(10, steps // 10))), "--save_strategy", "no", "--sample_bytes", "0",
+                "--no_gradient_checkpointing"]
+        if device.type == "cuda":
+            argv += ["--precision", "bf16"]
+        if moe_implementation:
+            argv += ["--config_overrides", f"moe_implementation={moe_implementation}"]
+        argv += list(extra_args)
+        stop_at = deadline.at_fraction(0.8, keep_s=max(20.0, 0.2 * min(deadline.left(), 1e9)))
+        try:
+            summary, hook, seconds = _train_main(argv, stop_at)
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return _entry(name, "failed", f"spider_training.train.main raised {_error(exc)}",
+                          command=["spider_training.train.main", *argv], **figures)
+        history = hook.state.log_history
+        config = hook.config
+        held_out, compression = held_out_curve(history), compression_curve(history)
+        status, reason, judged = judge_1b_run(held_out, compression, config.boundary_prior,
+                                              config.boundary_prior_std, config.boundary_prior_k)
+        figures.update(steps=summary.get("steps"), seconds=round(seconds, 2), train_runtime_s=_train_runtime(hook),
+                       precision=summary.get("precision"), parameters=summary.get("parameters"),
+                       held_out_bits_per_byte=held_out, compression_rate=_thin(compression, 40),
+                       eval_compression_rate_after=summary.get("eval_after_compression_rate"),
+                       boundary_prior=config.boundary_prior, boundary_prior_std=config.boundary_prior_std,
+                       boundary_prior_k=config.boundary_prior_k, **judged)
+        if hook.stopped_at_step is not None:
+            figures["note"] = f"training stopped by the time budget at step {hook.stopped_at_step} of {steps}"
+            if status == "failed":
+                reason = f"{reason}; {figures['note']}"
+        peak = [e["peak_memory_mb"] for e in history if "peak_memory_mb" in e]
+        figures["peak_memory_mb"] = max(peak) if peak else None
+        hook.state = hook.config = config = None
+    return _entry(name, status, reason, **figures)
+
+
+def _thin(points: list, at_most: int) -> list:
+    """At most `at_most` of `points`, evenly spaced, the last one kept."""
+    if len(points) <= at_most:
+        return list(points)
+    stride = math.ceil(len(points) / at_most)
+    kept = points[::stride]
+    return kept if kept[-1] == points[-1] else kept + [points[-1]]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# step_table
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _build(fn, device: torch.device):
+    """`fn()` built on `device` directly (fast for 1B parameters on a GPU), else on CPU and moved."""
+    if device.type != "cpu":
+        try:
+            with torch.device(device):
+                return fn()
+        except Exception:  # noqa: BLE001 - a constructor that insists on CPU tensors
+            _free_memory()
+    return fn().to(device)
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class _Step:
+    """One training step as a user trains: forward with labels (bf16 autocast on CUDA, fp32 on CPU), backward, AdamW
+    (fused on CUDA), ``zero_grad``."""
+
+    def __init__(self, model, ids: torch.Tensor, device: torch.device):
+        self.model, self.ids, self.device = model.train(), ids, device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def forward_backward(self):
+        with _autocast(self.device):
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        return loss
+
+    def optimizer_step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def __call__(self):
+        loss = self.forward_backward()
+        self.optimizer_step()
+        return loss
+
+
+def _profile_kernels(step, device: torch.device) -> dict:
+    """Kernels launched by one `step` and the GPU's busy time (``torch.profiler`` with CUDA activity): device-side
+    events (kernels, memcpy, memset), the host-side launch calls, the summed device time and the profiled wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - start
+    events = prof.events()
+    device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in device_events if not e.name.lower().startswith(("memcpy", "memset"))]
+    launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                   "cuLaunchKernelEx")]
+    busy_us = sum(e.time_range.elapsed_us() for e in device_events)
+    return {"kernel_launches": len(kernels), "device_events": len(device_events), "launch_calls": len(launches),
+            "gpu_busy_s": busy_us / 1e6, "profiled_step_s": wall}
+
+
+def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, repeats: int,
+              peak_flops: float | None, profile: bool = True) -> dict:
+    batch, length = shape
+    row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
+    ids = random_bytes(batch, length).to(device)
+    step = _Step(model, ids, device)
+    step()  # warm-up: optimizer state, kernels' plans
+    _sync(device)
+    # One instrumented step: FLOPs, aten ops and host syncs, those of forward+backward and of the optimizer apart
+    # (torch's CPU AdamW reads each parameter's step count on the host; the fused CUDA one does not).
+    flops = 0
+    counted = {}
+    for phase, call in (("forward_backward", step.forward_backward), ("optimizer", step.optimizer_step)):
+        cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
+        with HostSyncCounter() as syncs, cuda_syncs:
+            flops += count_flops(call)["total"]
+        _sync(device)  # outside: an explicit synchronize is not one of the step's syncs
+        counted[phase] = (syncs, cuda_syncs)
+    fwd_bwd, optimizer = counted["forward_backward"][0], counted["optimizer"][0]
+    row.update(flops_per_step=flops, aten_ops_per_step=fwd_bwd.ops + optimizer.ops,
+               host_syncs=fwd_bwd.total + optimizer.total, host_syncs_forward_backward=fwd_bwd.total,
+               host_syncs_optimizer=optimizer.total, host_syncs_by_op=dict((fwd_bwd.counts + optimizer.counts)
+                                                                           .most_common()))
+    if device.type == "cuda":
+        row["cuda_sync_warnings"] = sum(cuda.count for _, cuda in counted.values())
+        row["cuda_sync_warnings_forward_backward"] = counted["forward_backward"][1].count
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    row.update(step_s=median, step_times_s=[round(t, 5) for t in times], bytes_per_s=batch * length / median,
+               peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+               mfu=flops / median / peak_flops if peak_flops else None)
+    if device.type == "cuda" and profile:
+        try:
+            profiled = _profile_kernels(step, device)
+            row.update(profiled, gpu_busy_fraction=profiled["gpu_busy_s"] / median)
+        except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
+            row["profile_error"] = _error(exc)
+    del step
+    return row
+
+
+def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
+                     deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS) -> dict:
+    """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
+    :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`."""
+    from transformers import LlamaForCausalLM
+
+    device = device or _device()
+    deadline = deadline or Deadline(None)
+    name = "step_table"
+    if preset == "1b" and device.type != "cuda" and shapes is None:
+        return _entry(name, "skipped", "needs CUDA for the 1b rows (pass --step_table_shapes, or --step_table_preset "
+                                       "tiny, to run the table on CPU)")
+    shapes = [tuple(s) for s in (shapes or STEP_TABLE_SHAPES)]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    peak = device_peak_matmul_flops(device, dtype)
+    config = spider_config(preset)
+    llama_config = dense_llama_config(config)
+    default_moe = config.moe_implementation
+    builders = {
+        "spider": lambda: spider_model(preset),
+        "deepseek_v3": lambda: peer_model(config),
+        "llama_dense": lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1],
+    }
+    rows, params = [], {}
+    needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
+    # Shapes outer, models inner: when the budget runs out, the comparison at the first shape is complete.
+    for batch, length in shapes:
+        spider = None
+        for label in models:
+            row_name = {"model": label, "shape": f"{batch}x{length}"}
+            if deadline.expired(needed):
+                rows.append({**row_name, "status": "skipped", "reason": TIME_BUDGET})
+                continue
+            row_start = time.monotonic()
+            model = None
+            try:
+                if label in ("spider", "spider_grouped_mm"):
+                    spider = spider if spider is not None else _build(builders["spider"], device)
+                    spider.config.moe_implementation = "grouped_mm" if label == "spider_grouped_mm" else default_moe
+                    model = spider
+                else:
+                    spider = None
+                    _free_memory()
+                    model = _build(builders[label], device)
+                params[label] = num_params(model)
+                rows.append(_step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
+                                      profile=(batch, length) == shapes[0]))
+            except PartTimeout as exc:  # the hard limit: keep the rows measured so far
+                rows.append({**row_name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"})
+                deadline.end = time.monotonic()  # every later row is skipped
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the other rows still run
+                rows.append({**row_name, "status": "failed", "reason": _error(exc)})
+            if model is not None:
+                model.zero_grad(set_to_none=True)
+            del model
+            _free_memory()
+            needed = max(needed, 1.5 * (time.monotonic() - row_start))
+        spider = None
+        _free_memory()
+    failed = [f"{r['model']} {r['shape']}: {r['reason']}" for r in rows if r["status"] == "failed"]
+    ran = [r for r in rows if r["status"] == "passed"]
+    if failed:
+        status, reason = "failed", "; ".join(failed)
+    elif not ran:
+        status, reason = "skipped", TIME_BUDGET
+    else:
+        status = "passed"
+        reason = TIME_BUDGET + ": some rows skipped" if len(ran) < len(rows) else ""
+    return _entry(name, status, reason, device=str(device), preset=preset, dtype=str(dtype).replace("torch.", ""),
+                  peak_matmul=peak, parameters=params, repeats=repeats,
+                  llama_dense_layers=llama_config.num_hidden_layers,
+                  llama_params_over_spider=(params["llama_dense"] / params["spider"]
+                                            if {"llama_dense", "spider"} <= params.keys() else None),
+                  rows=rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# host_syncs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _forward_backward(model, ids: torch.Tensor, device: torch.device) -> None:
+    model.zero_grad(set_to_none=True)
+    with _autocast(device):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+
+
+def proxy_1b_config(**overrides):
+    """The ``1b`` preset's structure (layers, loops, experts, Engram layers, boundaries) at the ``tiny`` preset's
+    widths: a CPU stand-in for counting host syncs, which depend on the structure and not the width."""
+    tiny = spider_config("tiny")
+    return spider_config("1b", **{**{k: getattr(tiny, k) for k in _WIDTH_FIELDS}, **overrides})
+
+
+def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, device: torch.device | None = None,
+                     deadline: Deadline | None = None, variants: tuple[str | None, ...] = (None, "grouped_mm"),
+                     top: int = 10) -> dict:
+    """Device-to-host syncs of one training forward+backward of `preset` (see the module docstring). `variants`:
+    MoE implementations (None: the preset's own)."""
+    from modeling_spider import SpiderForConditionalGeneration
+
+    device = device or _device()
+    deadline = deadline or Deadline(None)
+    name = "host_syncs"
+    shape = shape or ((32, 256) if device.type == "cuda" else (2, 256))
+    proxy = preset == "1b" and device.type != "cuda"
+    config = proxy_1b_config() if proxy else spider_config(preset)
+    torch.manual_seed(0)
+    model = _build(lambda: SpiderForConditionalGeneration(config), device).train()
+    ids = random_bytes(*shape).to(device)
+    results = {}
+    for variant in variants:
+        label = variant or config.moe_implementation
+        if deadline.expired(MIN_PART_S):
+            results[label] = {"status": "skipped", "reason": TIME_BUDGET}
+            continue
+        model.config.moe_implementation = variant or config.moe_implementation
+        _forward_backward(model, ids, device)  # warm-up: first-call plans and allocations are not the steady state
+        _sync(device)
+        cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
+        with cuda_syncs, HostSyncCounter() as counter:
+            _forward_backward(model, ids, device)
+        _sync(device)  # outside the count: an explicit synchronize is not one of the step's syncs
+        result = {"status": "passed", "dispatch_count": counter.total,
+                  "dispatch_by_op": dict(counter.counts.most_common()),
+                  "dispatch_top_sources": dict(counter.sources.most_common(top))}
+        if device.type == "cuda":
+            result.update(cuda_sync_warnings=cuda_syncs.count,
+                          cuda_top_sources=dict(cuda_syncs.sources.most_common(top)))
+        results[label] = result
+    del model
+    _free_memory()
+    ran = [r for r in results.values() if r["status"] == "passed"]
+    return _entry(name, "passed" if ran else "skipped", "" if len(ran) == len(results) else TIME_BUDGET,
+                  device=str(device), preset=preset + (" structure at tiny widths (CPU proxy)" if proxy else ""),
+                  shape=f"{shape[0]}x{shape[1]}", method=("torch.cuda.set_sync_debug_mode('warn') warnings and "
+                                                          "HostSyncCounter" if device.type == "cuda"
+                                                          else "HostSyncCounter (TorchDispatchMode + Tensor.tolist)"),
+                  variants=results)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# fp8, tile_kernels_moe, fsdp2_fp8_all_gather
+# ----------------------------------------------------------------------------------------------------------------------
 
 
 def _train_step(model, ids: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
@@ -84,7 +745,8 @@ def _median_step_seconds(model, ids, device, repeats: int = 5) -> float:
     return statistics.median(times[1:])  # the first call warms up
 
 
-def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repeats: int = 5) -> dict:
+def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repeats: int = 5,
+              layers: str = "seed") -> dict:
     """torchao FP8 against bf16 autocast on one training step of `preset` (see the module docstring)."""
     from spider_training.fp8 import convert_model_to_fp8
 
@@ -93,23 +755,33 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     if preset == "1b" and device.type != "cuda":
         return _entry(name, "skipped", "needs CUDA (the 1b preset on CPU emulation takes hours)")
     batch, length = SHAPES[preset]
-    reference = spider_model(preset).to(device)
+    reference = _build(lambda: spider_model(preset), device)
     fp8 = copy.deepcopy(reference)
-    report = convert_model_to_fp8(fp8, recipe=recipe, emulate=device.type != "cuda")
+    kwargs = {"layers": layers} if "layers" in inspect.signature(convert_model_to_fp8).parameters else {}
+    report = convert_model_to_fp8(fp8, recipe=recipe, emulate=device.type != "cuda", **kwargs)
     ids = random_bytes(batch, length).to(device)
     loss_ref, grad_ref = _train_step(reference, ids, device)
     loss_fp8, grad_fp8 = _train_step(fp8, ids, device)
     rel = abs(loss_fp8 - loss_ref) / abs(loss_ref)
     cosine = float(F.cosine_similarity(grad_fp8, grad_ref, dim=0))
-    speedup = _median_step_seconds(reference, ids, device, repeats) / _median_step_seconds(fp8, ids, device, repeats)
-    ok = rel <= FP8_LOSS_RTOL and cosine >= FP8_GRAD_COSINE
-    return _entry(name, "passed" if ok else "failed",
-                  "" if ok else f"loss rel. difference {rel:.4f} (max {FP8_LOSS_RTOL}) or gradient cosine "
-                                f"{cosine:.3f} (min {FP8_GRAD_COSINE})",
-                  device=str(device), emulated=device.type != "cuda", converted_layers=report.converted,
+    del grad_ref, grad_fp8
+    step_bf16 = _median_step_seconds(reference, ids, device, repeats)
+    step_fp8 = _median_step_seconds(fp8, ids, device, repeats)
+    ok = report.converted > 0 and rel <= FP8_LOSS_RTOL and cosine >= FP8_GRAD_COSINE
+    reason = ""
+    if report.converted == 0:
+        reason = f"no layer converted (--fp8_layers {layers}): nothing compared"
+    elif not ok:
+        reason = (f"loss rel. difference {rel:.4f} (max {FP8_LOSS_RTOL}) or gradient cosine {cosine:.3f} "
+                  f"(min {FP8_GRAD_COSINE})")
+    del reference, fp8
+    _free_memory()
+    return _entry(name, "passed" if ok else "failed", reason,
+                  device=str(device), emulated=device.type != "cuda", layers=kwargs.get("layers", "seed"),
+                  converted_layers=report.converted, shape=f"{batch}x{length}",
                   loss_bf16=loss_ref, loss_fp8=loss_fp8, loss_rel_difference=rel, gradient_cosine=cosine,
-                  speedup_bf16_over_fp8=speedup,
-                  note="CPU emulation: the speed ratio is not FP8's" if device.type != "cuda" else "")
+                  step_s_bf16=step_bf16, step_s_fp8=step_fp8, speedup_bf16_over_fp8=step_bf16 / step_fp8,
+                  note="CPU emulation: the step times are not FP8's" if device.type != "cuda" else "")
 
 
 def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: torch.device | None = None,
@@ -152,12 +824,12 @@ def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: 
         diffs[key] = float((got - ref).abs().max())
         ok = ok and diffs[key] <= tol
     ids = random_bytes(batch, length).to(device)
-    speedup = (_median_step_seconds(reference, ids, device, repeats)
-               / _median_step_seconds(swapped, ids, device, repeats))
+    step_torch = _median_step_seconds(reference, ids, device, repeats)
+    step_tile = _median_step_seconds(swapped, ids, device, repeats)
     return _entry("tile_kernels_moe", "passed" if ok else "failed",
                   "" if ok else f"the MoE layer's outputs or gradients differ: {diffs}",
-                  backend=str(backend), device=str(device), max_difference=diffs,
-                  speedup_torch_over_tile_kernels=speedup)
+                  backend=str(backend), device=str(device), max_difference=diffs, step_s_torch=step_torch,
+                  step_s_tile_kernels=step_tile, speedup_torch_over_tile_kernels=step_torch / step_tile)
 
 
 def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
@@ -212,34 +884,137 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
                   world_size=world, losses_fp8_all_gather=curves[True], losses_bf16_all_gather=curves[False])
 
 
-def run(presets=("small", "1b"), only: tuple[str, ...] = CHECKS) -> dict:
+# ----------------------------------------------------------------------------------------------------------------------
+# The parts, the budget, the command
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _fp8_part(options, deadline: Deadline) -> list[dict]:
+    entries = []
+    for preset in options.presets:
+        for recipe in FP8_RECIPES:
+            name = f"fp8_{recipe}_{preset}"
+            if deadline.expired(MIN_PART_S):
+                entries.append(_entry(name, "skipped", TIME_BUDGET))
+                continue
+            try:
+                entries.append(fp8_check(preset, recipe, repeats=options.step_repeats, layers=options.fp8_layers or ("auto" if preset == "1b" else "seed")))
+            except PartTimeout as exc:  # the hard limit: keep the entries measured so far
+                entries.append(_entry(name, "skipped", f"{TIME_BUDGET}: {exc}"))
+                deadline.end = time.monotonic()
+            except Exception as exc:  # noqa: BLE001
+                entries.append(_entry(name, "failed", _error(exc)))
+            _free_memory()
+    return entries
+
+
+def _part_functions(options) -> dict:
+    return {
+        "main_job": lambda d: [main_job_check(options.main_job_steps, options.main_job_preset, deadline=d,
+                                                extra_args=tuple(options.main_job_args))],
+        "step_table": lambda d: [step_table_check(options.step_table_preset, options.step_table_shapes,
+                                                  options.step_repeats, deadline=d)],
+        "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
+        "run_1b": lambda d: [run_1b_check(options.run_1b_steps, options.run_1b_preset, *options.run_1b_batch,
+                                          deadline=d, moe_implementation=options.run_1b_moe or None,
+                                          extra_args=tuple(options.run_1b_args))],
+        "fp8": lambda d: _fp8_part(options, d),
+        "tile_kernels_moe": lambda d: [tile_kernels_check()],
+        "fsdp2_fp8_all_gather": lambda d: [fsdp2_fp8_all_gather_check()],
+    }
+
+
+def _placeholder_names(part: str, options) -> list[str]:
+    if part == "fp8":
+        return [f"fp8_{recipe}_{preset}" for preset in options.presets for recipe in FP8_RECIPES]
+    return [part]
+
+
+def run(presets=("small", "1b"), only: tuple[str, ...] = PARTS, budget_s: float | None = DEFAULT_BUDGET_S,
+        caps: dict | None = None, **options) -> dict:
+    """Run the selected parts in :data:`PARTS` order under the time budget; returns the JSON-ready result. Keyword
+    `options` are the command's size/steps flags (see :func:`build_parser`)."""
+    namespace = build_parser().parse_args([])
+    vars(namespace).update(presets=list(presets), **options)
+    caps = {**PART_CAPS_S, **(caps or {})}
     start = time.perf_counter()
-    checks = []
-    if "fp8" in only:
-        checks += [fp8_check(preset, recipe) for preset in presets for recipe in FP8_RECIPES]
-    if "tile_kernels_moe" in only:
-        checks.append(tile_kernels_check())
-    if "fsdp2_fp8_all_gather" in only:
-        checks.append(fsdp2_fp8_all_gather_check())
+    total = Deadline(budget_s)
+    checks, parts = [], []
+    functions = _part_functions(namespace)
+    for part in PARTS:
+        if part not in only:
+            continue
+        allowed = None if budget_s is None else min(caps[part], total.left())  # no budget: no caps either
+        if allowed is not None and allowed < MIN_PART_S:
+            left = max(0.0, total.left())
+            checks += [_entry(name, "skipped", f"{TIME_BUDGET}: {left:.0f} s of --budget_s {budget_s:g} left")
+                       for name in _placeholder_names(part, namespace)]
+            parts.append({"name": part, "allowed_s": round(left, 1), "seconds": 0.0, "ran": False})
+            continue
+        part_start = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(sys.stderr), _hard_limit(allowed):
+                entries = functions[part](Deadline(allowed))
+        except PartTimeout as exc:
+            entries = [_entry(name, "skipped", f"{TIME_BUDGET}: {exc}") for name in _placeholder_names(part, namespace)]
+        except Exception as exc:  # noqa: BLE001 - one broken part does not hide the others
+            entries = [_entry(name, "failed", _error(exc)) for name in _placeholder_names(part, namespace)]
+        _free_memory()
+        checks += entries
+        parts.append({"name": part, "allowed_s": None if allowed is None else round(allowed, 1),
+                      "seconds": round(time.perf_counter() - part_start, 2), "ran": True})
     env = environment()
     env.update(cuda=torch.cuda.is_available(),
-               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-    return {"benchmark": "gpu_check", "environment": env, "checks": checks,
+               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+               device=str(_device()))
+    return {"benchmark": "gpu_check", "environment": env, "budget_s": budget_s, "parts": parts, "checks": checks,
             "passed": all(c["status"] != "failed" for c in checks), "seconds": time.perf_counter() - start}
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES))
-    parser.add_argument("--only", nargs="+", default=list(CHECKS), choices=CHECKS)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run (default: all)")
     parser.add_argument("--out", help="also write the JSON result here")
-    args = parser.parse_args(argv)
-    result = run(tuple(args.presets), tuple(args.only))
-    text = json.dumps(result, indent=1)
+    parser.add_argument("--budget_s", type=float, default=DEFAULT_BUDGET_S,
+                        help="seconds shared by all parts (each also capped by PART_CAPS_S); 0 or less: no budget")
+    parser.add_argument("--main_job_steps", type=int, default=500, help="training steps of the main job")
+    parser.add_argument("--main_job_preset", default="small", help="preset of the main job (the README's: small)")
+    parser.add_argument("--main_job_args", type=shlex.split, default=[],
+                        help="more flags for the main job's command line as one string, e.g. "
+                             "--main_job_args='--eval_windows 16'")
+    parser.add_argument("--step_table_preset", default="1b", help="preset of the step table's Spider (and peers)")
+    parser.add_argument("--step_table_shapes", nargs="+", type=parse_shape, default=None,
+                        help="BATCHxBYTES shapes of the step table (default 32x256 8x2048; on CPU the 1b rows run "
+                             "only when given)")
+    parser.add_argument("--step_repeats", type=int, default=3,
+                        help="timed steps (after a warm-up) per step-table row and per FP8 variant; the median is used")
+    parser.add_argument("--host_syncs_preset", default="1b")
+    parser.add_argument("--host_syncs_shape", type=parse_shape, default=None,
+                        help="BATCHxBYTES (default 32x256 on CUDA, 2x256 on CPU)")
+    parser.add_argument("--run_1b_steps", type=int, default=300)
+    parser.add_argument("--run_1b_preset", default="1b", help="preset of the run (smaller presets also run on CPU)")
+    parser.add_argument("--run_1b_batch", type=parse_shape, default=(32, 256), help="BATCHxBYTES per step")
+    parser.add_argument("--run_1b_moe", default="grouped_mm",
+                        help="moe_implementation of the run ('' keeps the preset's)")
+    parser.add_argument("--run_1b_args", type=shlex.split, default=[],
+                        help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'")
+    parser.add_argument("--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES),
+                        help="presets of the FP8 comparison")
+    parser.add_argument("--fp8_layers", default=None, choices=("seed", "auto"),
+                        help="FP8 layer selection (spider_training.fp8); default: auto for 1b, seed for smaller presets")
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    options = {k: v for k, v in vars(args).items() if k not in ("only", "out", "budget_s", "presets")}
+    result = run(tuple(args.presets), tuple(args.only), args.budget_s if args.budget_s > 0 else None, **options)
+    text = json.dumps(result, indent=1, default=str)
     if args.out:
-        Path(args.out).write_text(text)
+        Path(args.out).write_text(text + "\n")
     print(text)
-    return result
+    return json.loads(text)
 
 
 if __name__ == "__main__":

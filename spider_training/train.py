@@ -56,8 +56,9 @@ def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
     return SpiderForConditionalGeneration(config)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Train, evaluate, sample and write the release; returns the run summary.
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
+    """Train, evaluate, sample and write the release; returns the run summary. `callbacks`: extra
+    ``transformers.TrainerCallback``s for the trainer (as ``Trainer(callbacks=...)``).
 
     The output directory is locked for the whole run (:class:`spider_training.run_lock.RunLock`, one lock per rank):
     a second run on the same folder fails at once with ``RunLockedError``. SIGTERM/SIGINT during training save a
@@ -65,10 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     abandoned) with ``summary["stopped_by"]`` set, and the same command resumes from that checkpoint."""
     spider, args = parse_args(argv)
     with RunLock(args.output_dir, rank=args.process_index):
-        return _run(spider, args)
+        return _run(spider, args, callbacks)
 
 
-def _run(spider: SpiderArguments, args) -> dict:
+def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
     precision = resolve_precision(spider.precision, spider.preset)
     if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
         # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
@@ -95,7 +96,7 @@ def _run(spider: SpiderArguments, args) -> dict:
         n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
         fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
-        muon_experts=spider.muon_experts,
+        muon_experts=spider.muon_experts, callbacks=callbacks,
     )
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():

@@ -1,29 +1,176 @@
-"""bench/gpu_check.py (issue #12): its CPU-runnable parts run here; its GPU parts say they need CUDA and skip."""
+"""bench/gpu_check.py (issues #12 and #38): every part that can run on CPU runs here at toy sizes; the GPU-only parts
+say they need CUDA and skip."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
 
 from bench import gpu_check
+from bench.common import HostSyncCounter, spider_config
 from tests.test_tile_kernels_moe import FakeTileKernels1x
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
 
 
-def test_cpu_run_emulates_fp8_and_skips_what_needs_cuda(tmp_path, capsys):
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread (as under pytest-xdist): with more threads than free cores every aten op of these
+    many-small-op models waits on the others, and the toy runs take many times longer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TOY_ARGS = [
+    "--presets", "tiny", "1b",
+    "--main_job_preset", "tiny", "--main_job_steps", "3", "--main_job_args", "--eval_windows 8",
+    "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1",
+    "--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64",
+    "--run_1b_preset", "tiny", "--run_1b_steps", "4", "--run_1b_batch", "2x64", "--run_1b_args", "--eval_windows 8",
+]
+
+
+@pytest.mark.slow
+def test_cpu_run_of_every_part(tmp_path, capsys):
     out = tmp_path / "gpu_check.json"
-    result = gpu_check.main(["--presets", "tiny", "1b", "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == result
+    result = gpu_check.main([*TOY_ARGS, "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == result  # stdout holds the JSON only
     by_name = {c["name"]: c for c in result["checks"]}
+    assert [p["name"] for p in result["parts"]] == list(gpu_check.PARTS) and all(p["ran"] for p in result["parts"])
+
+    main_job = by_name["main_job"]
+    assert main_job["status"] == "passed", main_job
+    assert main_job["steps"] == 3 and main_job["release_written"] and main_job["release_reload_ok"]
+    assert main_job["bits_per_byte_after"] < main_job["bits_per_byte_before"]
+    assert main_job["generated_bytes"] == 16 and main_job["reload_device"] == "cpu"
+
+    table = by_name["step_table"]
+    assert table["status"] == "passed", table
+    assert {row["model"] for row in table["rows"]} == set(gpu_check.STEP_TABLE_MODELS)
+    for row in table["rows"]:
+        assert row["status"] == "passed" and row["shape"] == "2x32", row
+        assert row["bytes_per_s"] > 0 and row["step_s"] > 0 and row["flops_per_step"] > 0 and 0 < row["mfu"]
+        assert row["aten_ops_per_step"] > 0 and row["peak_memory_bytes"] is None  # no CUDA allocator on CPU
+        assert row["host_syncs"] == row["host_syncs_forward_backward"] + row["host_syncs_optimizer"]
+    assert 0.9 <= table["llama_params_over_spider"] <= 1.1  # the dense baseline has about Spider's size
+
+    syncs = by_name["host_syncs"]
+    assert syncs["status"] == "passed" and set(syncs["variants"]) == {"sorted", "grouped_mm"}
+    for variant in syncs["variants"].values():
+        assert variant["dispatch_count"] == sum(variant["dispatch_by_op"].values())
+
+    run = by_name["run_1b"]
+    assert run["steps"] == 4 and run["preset"] == "tiny"
+    assert len(run["held_out_bits_per_byte"]) >= 3 and run["compression_rate"]  # scored before, during and after
+    config = spider_config("tiny")
+    status, reason, _ = gpu_check.judge_1b_run(run["held_out_bits_per_byte"], run["compression_rate"],
+                                               config.boundary_prior, config.boundary_prior_std,
+                                               config.boundary_prior_k)
+    assert (run["status"], run["reason"]) == (status, reason)  # the entry is the judgement of its own curves
+
     for recipe in gpu_check.FP8_RECIPES:
         tiny = by_name[f"fp8_{recipe}_tiny"]
-        assert tiny["status"] == "passed" and tiny["emulated"] and tiny["converted_layers"] > 0
+        assert tiny["status"] == "passed" and tiny["emulated"] and tiny["converted_layers"] > 0, tiny
         assert tiny["loss_rel_difference"] <= gpu_check.FP8_LOSS_RTOL and "not FP8's" in tiny["note"]
+        assert tiny["step_s_bf16"] > 0 and tiny["step_s_fp8"] > 0
         assert by_name[f"fp8_{recipe}_1b"]["status"] == "skipped"
     for name in ("fp8_tensorwise_1b", "tile_kernels_moe", "fsdp2_fp8_all_gather"):
         assert "needs CUDA" in by_name[name]["reason"], name
-    assert result["passed"] and result["environment"]["cuda"] is False
+    assert result["environment"]["cuda"] is False
+    assert result["passed"] == all(c["status"] != "failed" for c in result["checks"])
+
+
+def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
+    """Without size flags the 1b run and the 1b step table say they need CUDA (they would take hours on a CPU)."""
+    table = gpu_check.step_table_check("1b")
+    run = gpu_check.run_1b_check()
+    assert table["status"] == run["status"] == "skipped"
+    assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
+
+
+def test_host_sync_counter_counts_deliberate_syncs():
+    x = torch.arange(6.0)
+    original_tolist = torch.Tensor.tolist
+    with HostSyncCounter() as counter:
+        y = (x * 2 + 1).sum()  # no sync
+        y.item()  # line A
+        x.tolist()  # line B
+        x[x > 2]  # boolean index: a nonzero on the device
+        torch.nonzero(x)
+    assert torch.Tensor.tolist is original_tolist  # the wrapper is gone after the context
+    assert counter.counts == {"_local_scalar_dense": 1, "tolist": 1, "index (boolean)": 1, "nonzero": 1}
+    assert counter.total == 4 and counter.ops > 4
+    assert sum(counter.sources.values()) == 4
+    assert all(source.startswith("tests/test_gpu_check.py:") for source in counter.sources), counter.sources
+    x.tolist()  # outside: not counted
+    assert counter.counts["tolist"] == 1
+
+
+def test_1b_run_judgement():
+    band = dict(boundary_prior=0.2, boundary_prior_std=0.023, boundary_prior_k=3.0)  # rate in [0.131, 0.2]
+    falling, rising = [(0, 3.1), (50, 2.6), (100, 2.3)], [(0, 2.3), (50, 2.6), (100, 2.9)]
+    in_band, too_few = [(10, 9.0), (100, 6.0)], [(10, 9.0), (100, 12.0)]  # bytes per segment: rate 1/6, 1/12
+    assert gpu_check.judge_1b_run(falling, in_band, **band)[:2] == ("passed", "")
+    status, reason, figures = gpu_check.judge_1b_run(rising, in_band, **band)
+    assert status == "failed" and "did not fall" in reason and figures["bits_per_byte_last"] == 2.9
+    status, reason, figures = gpu_check.judge_1b_run(falling, too_few, **band)
+    assert status == "failed" and "outside the prior's band" in reason
+    assert figures["boundary_rate_end"] == pytest.approx(1 / 12)
+    assert figures["boundary_rate_band"] == pytest.approx([0.2 - 3 * 0.023, 0.2])
+    assert gpu_check.judge_1b_run(falling[:1], in_band, **band)[0] == "failed"  # one scoring shows no trend
+
+
+def test_held_out_and_compression_curves_from_a_log_history():
+    history = [{"eval_before_bits_per_byte": 8.0, "step": 0}, {"loss": 5.0, "compression_rate": 2.0,
+                                                                "bits_per_byte": 7.5, "step": 10},
+               {"eval_bits_per_byte": 7.0, "eval_compression_rate": 3.0, "step": 10},
+               {"eval_after_bits_per_byte": 6.5, "step": 12}]
+    assert gpu_check.held_out_curve(history) == [(0, 8.0), (10, 7.0), (12, 6.5)]  # training's bpb is not held-out
+    assert gpu_check.compression_curve(history) == [(10, 2.0)]
+
+
+def test_budget_skips_parts_that_do_not_fit():
+    result = gpu_check.main(["--budget_s", "3", "--only", "main_job", "host_syncs"])
+    assert [c["name"] for c in result["checks"]] == ["main_job", "host_syncs"]
+    assert all(c["status"] == "skipped" and c["reason"].startswith("time budget") for c in result["checks"])
+    assert result["passed"] and result["seconds"] < 3
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="SIGALRM needs the main thread")
+def test_a_part_running_past_its_allowance_is_cut_off(monkeypatch):
+    seen = {}
+
+    def slow_part(deadline):
+        seen["allowed"] = deadline.seconds
+        time.sleep(30)
+        return [gpu_check._entry("host_syncs", "passed")]
+
+    monkeypatch.setattr(gpu_check, "MIN_PART_S", 0.1)
+    monkeypatch.setattr(gpu_check, "_part_functions", lambda options: {"host_syncs": slow_part})
+    start = time.monotonic()
+    result = gpu_check.run(only=("host_syncs",), caps={"host_syncs": 0.5})
+    assert time.monotonic() - start < 10 and seen["allowed"] == 0.5
+    (entry,) = result["checks"]
+    assert entry["status"] == "skipped" and entry["reason"].startswith("time budget"), entry
+
+
+def test_main_job_stops_training_at_its_deadline():
+    """A deadline that leaves no time for training: the trainer stops after its first step, and the run still
+    scores, writes and reloads its release (the time kept for them is not the training's)."""
+    entry = gpu_check.main_job_check(steps=50, preset="tiny", deadline=gpu_check.Deadline(1.0),
+                                     extra_args=("--eval_windows", "4", "--save_strategy", "no"))
+    assert entry["steps"] == 1 and entry["stopped_by_time_budget_at_step"] == 1, entry
+    assert "time budget at step 1 of 50" in entry["note"] and entry["release_reload_ok"]
+
+
+def test_profile_kernels_on_cpu_sees_no_device_events():
+    model = torch.nn.Linear(8, 8)
+    entry = gpu_check._profile_kernels(lambda: model(torch.randn(4, 8)).sum().backward(), torch.device("cpu"))
+    assert entry["kernel_launches"] == entry["device_events"] == 0 and entry["profiled_step_s"] > 0
 
 
 class BrokenTileKernels(FakeTileKernels1x):
@@ -38,3 +185,24 @@ def test_tile_kernels_comparison_with_a_cpu_double(double, status):
     entry = gpu_check.tile_kernels_check(double(), preset="tiny", repeats=1)
     assert entry["status"] == status, entry
     assert entry["backend"] == "tile_kernels 1.x fused"
+    assert entry["step_s_torch"] > 0 and entry["step_s_tile_kernels"] > 0
+
+
+def test_cuda_sync_warnings_counts_the_sync_debug_warnings(monkeypatch):
+    """The parsing half of CudaSyncWarnings (the warnings themselves need a GPU): the debug mode is set to "warn"
+    inside the context and restored after it; only the synchronisation warnings count, by source line."""
+    import warnings
+
+    from bench.common import CudaSyncWarnings
+
+    modes = ["default"]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with CudaSyncWarnings() as syncs:
+        assert modes[-1] == "warn"
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation")  # as TORCH_WARN reaches Python
+        warnings.warn("something else")
+    assert modes[-1] == "default"
+    assert syncs.count == 2 and len(syncs.sources) == 1
+    assert next(iter(syncs.sources)).startswith("tests/test_gpu_check.py:")

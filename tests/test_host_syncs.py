@@ -9,32 +9,10 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.common import HostSyncCounter
 from modeling_spider import SpiderRecurrentLayer
 from tests.helpers import float_tol, tiny, tiny_model
-
-#: aten ops whose output size or value has to reach the host before the next op can be launched
-SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "bincount", "unique_consecutive", "_unique2",
-            "unique_dim"}
-
-
-class HostSyncCounter(TorchDispatchMode):
-    """Counts the synchronising aten ops run inside the context: :data:`SYNC_OPS`, and `index` / `index_put` with a
-    boolean index (a `nonzero` on the device). ``counts`` maps op name to calls."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNC_OPS:
-            self.counts[name] += 1
-        elif name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-            if any(i is not None and i.dtype == torch.bool for i in args[1]):
-                self.counts[f"{name} (boolean)"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _training_step_syncs(layers: int, loops: int, padded: bool) -> collections.Counter:
