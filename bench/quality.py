@@ -19,7 +19,7 @@ Usage::
     python -m bench.quality --runs spider llama              # the headline pair
     python -m bench.quality --runs spider --overrides '{"n_loops": 3}' --name loops3
     python -m bench.quality --runs spider bytes_only --seed 43 --name seed43   # seed noise: the same recipe again
-    python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the README tables (part 1/2)
+    python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the results tables (part 1/2)
     python -m bench.quality --suite --only "n_loops=3" "Engram off" --out q.json   # chosen rows only
     python -m bench.quality --time_steps --threads 1   # step times (forward + backward, optimizer) for --step_times
 
@@ -414,7 +414,7 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
                     extra_texts: dict[str, np.ndarray] | None = None, loops_curve: bool = True, save: str | None = None,
                     slice_bytes: int = 32 * 1024, samples: bool = True) -> dict:
     """Train one variant (`kind` ``"spider"``, ``"bytes_only"`` or ``"llama"``, with Spider config `overrides`) by
-    `recipe` and score it on the held-out slice (`slice_bytes` bytes): one row of the README tables (a dict of
+    `recipe` and score it on the held-out slice (`slice_bytes` bytes): one row of the docs/results.md tables (a dict of
     floats in bits per byte, bytes per segment, seconds). `save`: a folder for ``save_pretrained``.
 
     `recipe.same_init`: a variant starts every parameter it shares with the default model (same name and shape) from
@@ -559,7 +559,7 @@ GATED_MIXING = {"upsample_mixing": "scaled_norm"}
 #: The default run with GATED_MIXING (the default of 2026-11-24), the row the gate's ablation names.
 GATED_DEFAULT = "mixing: a learned gate that starts shut (scaled_norm, ReZero; the default before 2026-11-25)"
 
-#: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
+#: The ablations of the results table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
 #: with the batch-8 recipe (:data:`BATCH8_RECIPE`) and AdamW (:data:`ADAMW`; same steps, data, seed), end-to-end
 #: boundaries and the gated mixing unless it names another recipe change, and is compared with :data:`ADAMW_DEFAULT`;
 #: rows that set ``muon_lr`` are compared with :data:`BATCH8_DEFAULT`, or with :data:`END_TO_END_DEFAULT` when they keep
@@ -668,7 +668,7 @@ DEFAULT_RECIPE_BUDGETS = (4, 8)
 #: Budgets at which the default recipe is also measured at seed 43 and with :data:`DRAWN_LOOPS` (seeds 42 and 43).
 DRAWN_LOOPS_BUDGETS = (4,)
 
-#: (byte layers and budget, Spider row, the same byte layers without the global path): the README's "what the
+#: (byte layers and budget, Spider row, the same byte layers without the global path): the docs/results.md "what the
 #: global path adds" table.
 GLOBAL_PATH_PAIRS = [
     ("2-byte window", "2-byte window in the byte layers", "global path removed, 2-byte window"),
@@ -964,7 +964,7 @@ def of_default_recipe(row: dict) -> bool:
 
 
 def render(rows: list[dict]) -> str:
-    """The README's "Model quality" section (Markdown) from the suite's rows."""
+    """The "Model quality" section of docs/results.md (Markdown) from the suite's rows."""
     by_name = {r["name"]: r for r in rows}
     spider = by_name["spider"]
     batch8 = by_name.get(BATCH8_DEFAULT, spider)
@@ -1193,7 +1193,7 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", action="store_true", help="every run of the README tables (see ABLATIONS)")
+    parser.add_argument("--suite", action="store_true", help="every run of the results tables (see ABLATIONS)")
     parser.add_argument("--shard", default="0/1", help="with --suite: run part K of N (K/N), e.g. 0/2 and 1/2 in "
                         "two processes with --threads 1")
     parser.add_argument("--only", nargs="+", default=None, help="with --suite: only these rows (by name)")
@@ -1227,8 +1227,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--no_loops_curve", action="store_true")
     parser.add_argument("--out", default=None, help="write the rows as a JSON list")
     parser.add_argument("--save", default=None, help="save the trained model (save_pretrained) under this folder")
-    parser.add_argument("--report", nargs="+", default=None, help="render the README section from these JSON files")
-    parser.add_argument("--write_readme", default=None, help="with --report: replace the quality block of this file")
+    parser.add_argument("--report", nargs="+", default=None,
+                        help="render the Model quality section of docs/results.md from these JSON files")
+    parser.add_argument("--write_results", default=None,
+                        help="with --report: replace the quality block of this file (docs/results.md)")
     parser.add_argument("--plot", default=None, help="with --report: write the bpb-vs-wall-clock plot here")
     parser.add_argument("--write_card_reference", default=None,
                         help="with --report: write the default recipe's comparison for the model card here "
@@ -1241,10 +1243,10 @@ def main(argv=None) -> list[dict]:
             plot(rows, args.plot)
         if args.write_card_reference:
             Path(args.write_card_reference).write_text(json.dumps(card_reference(rows), indent=1) + "\n")
-        if args.write_readme:
-            from bench.report import write_readme
+        if args.write_results:
+            from bench.report import write_block
 
-            write_readme(args.write_readme, section, start="<!-- quality:start -->", end="<!-- quality:end -->")
+            write_block(args.write_results, section, start="<!-- quality:start -->", end="<!-- quality:end -->")
         print(section)
         return rows
     if args.threads:
