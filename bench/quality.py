@@ -6,7 +6,8 @@ decay 0.1, clipping 1.0, linear warmup then cosine to 0.1x; windows drawn unifor
 address; the ablation and longer-budget rows use the recipe of their day, batch 8 x 256 with Muon for every hidden
 matrix (:data:`BATCH8_RECIPE`, the default until 2026-11-25) or AdamW for every parameter, the default before
 2026-11-24) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
-starting a third of the way in, context 256, the slice issue #16 measures) and on any ``--text`` file given.
+starting a third of the way in, context 256, the slice the quality targets are judged on) and on any ``--text``
+file given.
 
 Every row splits its held-out bits per byte by the kind of byte predicted (:data:`BYTE_KINDS`: space or punctuation,
 the 1st, 2nd, ... byte of a word). For Spider it also reports bits per byte at 1, half, the trained and twice the
@@ -24,7 +25,7 @@ Usage::
     python -m bench.quality --time_steps --threads 1   # step times (forward + backward, optimizer) for --step_times
 
 ``bench.run_all`` runs :func:`run`: the headline rows (Spider, the same byte layers without the global path, the
-dense Llama at equal parameters) judged against issue #16's targets.
+dense Llama at equal parameters) judged against the quality targets (:func:`_targets`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from spider_training.data import encode_document, sotu_documents  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR, Muon, is_hidden_matrix  # noqa: E402
 from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: E402
 
-#: the dense baseline of issue #16: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
+#: the dense baseline: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
 LLAMA_BASELINE = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=7,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
                       pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False)
@@ -473,7 +474,7 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
 def run(quick: bool = False, profile: bool | None = None) -> dict:
     """``bench.run_all``'s entry (result format of :mod:`bench.common`): Spider's default run, the same byte layers
     without the global path and the dense Llama at equal parameters and steps, each trained by the default recipe
-    (about 35 minutes on one thread), judged against issue #16's targets. `quick`: 6 steps of 2 x 64 bytes scored
+    (about 35 minutes on one thread), judged against the quality targets. `quick`: 6 steps of 2 x 64 bytes scored
     on a 4 KB slice, which checks the wiring, not the model. The complete tables (every ablation, the equal
     wall-clock sweep, longer budgets) are ``--suite``. `profile` is accepted for the runner and unused."""
     from bench.common import check, finish, info
@@ -499,7 +500,7 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
               abs(spider["eval_bytes_per_segment"] / spider["train_bytes_per_segment"] - 1), higher_is_better=False),
     ]
     result = {"benchmark": "quality",
-              "description": "held-out bits per byte: Spider, its byte layers alone, a dense Llama (issue #16 targets)",
+              "description": "held-out bits per byte: Spider, its byte layers alone, a dense Llama (quality targets)",
               "sizes": {"steps": recipe.steps, "batch": recipe.batch_size, "seq_len": recipe.seq_len},
               "dtype": "fp32", "checks": checks,
               "info": [info(f"{kind} held-out bpb", r["sotu_bits_per_byte"], "bits/byte") for kind, r in rows.items()]
@@ -1118,7 +1119,7 @@ def card_reference(rows: list[dict]) -> dict:
 
 
 def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[str]:
-    """The issue's targets as a table: what was measured and whether it was met."""
+    """The quality targets as a table: what was measured and whether it was met."""
     cfg = SpiderConfig.from_preset("small")
     bpb = spider["sotu_bits_per_byte"]
     rows = []
@@ -1159,7 +1160,7 @@ def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[
         target("samples are real words at least as often as the dense baseline's",
                f"{spider['real_word_rate']:.0%} vs {dense['real_word_rate']:.0%}",
                spider["real_word_rate"] >= dense["real_word_rate"])
-    return ["| target (issue #16) | measured | met |", "|---|---|---|", *rows] if rows else []
+    return ["| target | measured | met |", "|---|---|---|", *rows] if rows else []
 
 
 def plot(rows: list[dict], path: str) -> bool:

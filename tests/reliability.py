@@ -1,4 +1,4 @@
-"""The reliability table of issue #5: ``python -m tests.reliability [--kills N] [--json PATH]``.
+"""The README's reliability table: ``python -m tests.reliability [--kills N] [--json PATH]``.
 
 Runs every entry of the bad-input registry (:data:`tests.bad_inputs.REGISTRY`) directly -- not through pytest -- each
 in a fresh temporary folder, and prints a Markdown table: bad inputs tried, clear errors, handled by design (no error,

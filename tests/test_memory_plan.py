@@ -1,4 +1,4 @@
-"""bench/memory_plan.py (issue #12): what it counts and how it extrapolates, on the tiny preset."""
+"""bench/memory_plan.py: what it counts and how it extrapolates, on the tiny preset."""
 
 import pytest
 import torch
