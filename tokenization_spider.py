@@ -13,7 +13,7 @@
 # limitations under the License.
 """Byte-level tokenizer for Spider (``SpiderTokenizer``) and the seed's ``SENTINEL_TOKENS`` table.
 
-Spider reads raw UTF-8 bytes. The vocabulary has 272 ids (SPEC §2, seed ``hub-README.md``):
+Spider reads raw UTF-8 bytes. The vocabulary has 272 ids (docs/design.md, "Vocabulary"; the seed's ``hub-README.md``):
 
 ========  ==================  =====================================================
 ids       token strings       meaning
@@ -111,7 +111,7 @@ SENTINEL_TOKEN_STRINGS: dict[str, str] = {
 PAD_ID = SENTINEL_TOKENS["PAD"]
 BOS_ID = SENTINEL_TOKENS["BOS"]
 EOS_ID = SENTINEL_TOKENS["EOS"]
-#: Size of the fixed vocabulary: 256 bytes + 16 reserved ids (SPEC §2).
+#: Size of the fixed vocabulary: 256 bytes + 16 reserved ids (docs/design.md, "Vocabulary").
 VOCAB_SIZE = NUM_BYTES + len(SENTINEL_TOKENS)
 
 # Reserved ids after PAD/BOS/EOS, in id order: their strings are fixed and they are registered as

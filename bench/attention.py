@@ -1,10 +1,10 @@
 """Benchmark 9 -- attention backends: the training step with each ``attn_implementation``.
 
-Spider routes every MLA layer through transformers' attention interface (README "Attention backends"); this times one
-training step (forward with labels, backward, AdamW) of the same model with ``"sdpa"`` (the default) and ``"eager"``
-(``modeling_spider.eager_attention_forward``), interleaved in one process, and records whether both give the same loss
-within fp32 tolerance. Target: the default, ``"sdpa"``, is at least as fast as ``"eager"`` (``eager time / sdpa time
->= 1``). ``flex_attention`` is not supported (README), so it is not timed.
+Spider routes every MLA layer through transformers' attention interface (docs/design.md, "Attention backends"); this
+times one training step (forward with labels, backward, AdamW) of the same model with ``"sdpa"`` (the default) and
+``"eager"`` (``modeling_spider.eager_attention_forward``), interleaved in one process, and records whether both give
+the same loss within fp32 tolerance. Target: the default, ``"sdpa"``, is at least as fast as ``"eager"`` (``eager
+time / sdpa time >= 1``). ``flex_attention`` is not supported (docs/design.md), so it is not timed.
 
 Run alone: ``python -m bench.attention [--quick]``.
 """

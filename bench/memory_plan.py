@@ -25,7 +25,7 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   GPU.
 
 Usage: ``python -m bench.memory_plan [--preset 1b] [--seq_len 2048] [--gpus 8] [--out F.json]
-[--write_readme README.md]`` (about 3 minutes for the 1b preset on 2 cores; prints one JSON result).
+[--write_results docs/results.md]`` (about 3 minutes for the 1b preset on 2 cores; prints one JSON result).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from bench.common import count_flops, environment, spider_config
 GIB = 1024**3
 GPU_MEMORY_GIB = 80  # H100 / A100 80 GB (B200: 180 GB)
 PROBE_LENGTHS = (128, 256)
-README_MARKERS = ("<!-- memory_plan:start -->", "<!-- memory_plan:end -->")
+MARKERS = ("<!-- memory_plan:start -->", "<!-- memory_plan:end -->")  # the block in docs/results.md
 
 
 def meta_model(preset: str, **overrides):
@@ -197,7 +197,7 @@ def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
 
 
 def render(result: dict) -> str:
-    """The README table (Markdown) from a :func:`run` result."""
+    """The docs/results.md table (Markdown) from a :func:`run` result."""
     r = result
     lines = [
         f"`{r['preset']}` preset, {r['parameters'] / 1e6:.0f}M parameters, sequences of {r['seq_len']} bytes, "
@@ -220,13 +220,15 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme(result: dict, readme: Path) -> None:
-    text = readme.read_text()
-    start, end = README_MARKERS
+def write_results(result: dict, path: Path) -> None:
+    """Replace the memory-plan block (:data:`MARKERS`) of ``path`` (docs/results.md) with :func:`render`'s table.
+    Raises ``ValueError`` naming the file if it has no such block."""
+    text = path.read_text()
+    start, end = MARKERS
     if start not in text or end not in text:
-        raise ValueError(f"{readme} has no {start} ... {end} block to fill")
+        raise ValueError(f"{path} has no {start} ... {end} block to fill")
     block = f"{start}\n{render(result)}{end}"
-    readme.write_text(re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S))
+    path.write_text(re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S))
 
 
 def main(argv=None) -> dict:
@@ -236,13 +238,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--out", help="write the JSON result here")
     parser.add_argument("--report", help="render a saved result instead of measuring")
-    parser.add_argument("--write_readme", help="fill the README's memory-plan block")
+    parser.add_argument("--write_results", help="fill the memory-plan block of this file (docs/results.md)")
     args = parser.parse_args(argv)
     result = json.loads(Path(args.report).read_text()) if args.report else run(args.preset, args.seq_len, args.gpus)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.write_readme:
-        write_readme(result, Path(args.write_readme))
+    if args.write_results:
+        write_results(result, Path(args.write_results))
     print(json.dumps({k: v for k, v in result.items() if k not in ("probes", "environment")}, indent=1))
     return result
 

@@ -6,7 +6,8 @@ decay 0.1, clipping 1.0, linear warmup then cosine to 0.1x; windows drawn unifor
 address; the ablation and longer-budget rows use the recipe of their day, batch 8 x 256 with Muon for every hidden
 matrix (:data:`BATCH8_RECIPE`, the default until 2026-11-25) or AdamW for every parameter, the default before
 2026-11-24) -- and scores it on the held-out SOTU addresses from 2000 on (a 32 KB slice
-starting a third of the way in, context 256, the slice issue #16 measures) and on any ``--text`` file given.
+starting a third of the way in, context 256, the slice the quality targets are judged on) and on any ``--text``
+file given.
 
 Every row splits its held-out bits per byte by the kind of byte predicted (:data:`BYTE_KINDS`: space or punctuation,
 the 1st, 2nd, ... byte of a word). For Spider it also reports bits per byte at 1, half, the trained and twice the
@@ -19,12 +20,12 @@ Usage::
     python -m bench.quality --runs spider llama              # the headline pair
     python -m bench.quality --runs spider --overrides '{"n_loops": 3}' --name loops3
     python -m bench.quality --runs spider bytes_only --seed 43 --name seed43   # seed noise: the same recipe again
-    python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the README tables (part 1/2)
+    python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the results tables (part 1/2)
     python -m bench.quality --suite --only "n_loops=3" "Engram off" --out q.json   # chosen rows only
     python -m bench.quality --time_steps --threads 1   # step times (forward + backward, optimizer) for --step_times
 
 ``bench.run_all`` runs :func:`run`: the headline rows (Spider, the same byte layers without the global path, the
-dense Llama at equal parameters) judged against issue #16's targets.
+dense Llama at equal parameters) judged against the quality targets (:func:`_targets`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from spider_training.data import encode_document, sotu_documents  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR, Muon, is_hidden_matrix  # noqa: E402
 from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: E402
 
-#: the dense baseline of issue #16: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
+#: the dense baseline: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
 LLAMA_BASELINE = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=7,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
                       pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False)
@@ -414,7 +415,7 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
                     extra_texts: dict[str, np.ndarray] | None = None, loops_curve: bool = True, save: str | None = None,
                     slice_bytes: int = 32 * 1024, samples: bool = True) -> dict:
     """Train one variant (`kind` ``"spider"``, ``"bytes_only"`` or ``"llama"``, with Spider config `overrides`) by
-    `recipe` and score it on the held-out slice (`slice_bytes` bytes): one row of the README tables (a dict of
+    `recipe` and score it on the held-out slice (`slice_bytes` bytes): one row of the docs/results.md tables (a dict of
     floats in bits per byte, bytes per segment, seconds). `save`: a folder for ``save_pretrained``.
 
     `recipe.same_init`: a variant starts every parameter it shares with the default model (same name and shape) from
@@ -473,7 +474,7 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
 def run(quick: bool = False, profile: bool | None = None) -> dict:
     """``bench.run_all``'s entry (result format of :mod:`bench.common`): Spider's default run, the same byte layers
     without the global path and the dense Llama at equal parameters and steps, each trained by the default recipe
-    (about 35 minutes on one thread), judged against issue #16's targets. `quick`: 6 steps of 2 x 64 bytes scored
+    (about 35 minutes on one thread), judged against the quality targets. `quick`: 6 steps of 2 x 64 bytes scored
     on a 4 KB slice, which checks the wiring, not the model. The complete tables (every ablation, the equal
     wall-clock sweep, longer budgets) are ``--suite``. `profile` is accepted for the runner and unused."""
     from bench.common import check, finish, info
@@ -499,7 +500,7 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
               abs(spider["eval_bytes_per_segment"] / spider["train_bytes_per_segment"] - 1), higher_is_better=False),
     ]
     result = {"benchmark": "quality",
-              "description": "held-out bits per byte: Spider, its byte layers alone, a dense Llama (issue #16 targets)",
+              "description": "held-out bits per byte: Spider, its byte layers alone, a dense Llama (quality targets)",
               "sizes": {"steps": recipe.steps, "batch": recipe.batch_size, "seq_len": recipe.seq_len},
               "dtype": "fp32", "checks": checks,
               "info": [info(f"{kind} held-out bpb", r["sotu_bits_per_byte"], "bits/byte") for kind, r in rows.items()]
@@ -559,7 +560,7 @@ GATED_MIXING = {"upsample_mixing": "scaled_norm"}
 #: The default run with GATED_MIXING (the default of 2026-11-24), the row the gate's ablation names.
 GATED_DEFAULT = "mixing: a learned gate that starts shut (scaled_norm, ReZero; the default before 2026-11-25)"
 
-#: The ablations of the README table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
+#: The ablations of the results table: (name, model kind, Spider config overrides[, Recipe overrides]). Each trains
 #: with the batch-8 recipe (:data:`BATCH8_RECIPE`) and AdamW (:data:`ADAMW`; same steps, data, seed), end-to-end
 #: boundaries and the gated mixing unless it names another recipe change, and is compared with :data:`ADAMW_DEFAULT`;
 #: rows that set ``muon_lr`` are compared with :data:`BATCH8_DEFAULT`, or with :data:`END_TO_END_DEFAULT` when they keep
@@ -668,7 +669,7 @@ DEFAULT_RECIPE_BUDGETS = (4, 8)
 #: Budgets at which the default recipe is also measured at seed 43 and with :data:`DRAWN_LOOPS` (seeds 42 and 43).
 DRAWN_LOOPS_BUDGETS = (4,)
 
-#: (byte layers and budget, Spider row, the same byte layers without the global path): the README's "what the
+#: (byte layers and budget, Spider row, the same byte layers without the global path): the docs/results.md "what the
 #: global path adds" table.
 GLOBAL_PATH_PAIRS = [
     ("2-byte window", "2-byte window in the byte layers", "global path removed, 2-byte window"),
@@ -964,7 +965,7 @@ def of_default_recipe(row: dict) -> bool:
 
 
 def render(rows: list[dict]) -> str:
-    """The README's "Model quality" section (Markdown) from the suite's rows."""
+    """The "Model quality" section of docs/results.md (Markdown) from the suite's rows."""
     by_name = {r["name"]: r for r in rows}
     spider = by_name["spider"]
     batch8 = by_name.get(BATCH8_DEFAULT, spider)
@@ -1118,7 +1119,7 @@ def card_reference(rows: list[dict]) -> dict:
 
 
 def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[str]:
-    """The issue's targets as a table: what was measured and whether it was met."""
+    """The quality targets as a table: what was measured and whether it was met."""
     cfg = SpiderConfig.from_preset("small")
     bpb = spider["sotu_bits_per_byte"]
     rows = []
@@ -1159,7 +1160,7 @@ def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[
         target("samples are real words at least as often as the dense baseline's",
                f"{spider['real_word_rate']:.0%} vs {dense['real_word_rate']:.0%}",
                spider["real_word_rate"] >= dense["real_word_rate"])
-    return ["| target (issue #16) | measured | met |", "|---|---|---|", *rows] if rows else []
+    return ["| target | measured | met |", "|---|---|---|", *rows] if rows else []
 
 
 def plot(rows: list[dict], path: str) -> bool:
@@ -1193,7 +1194,7 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", action="store_true", help="every run of the README tables (see ABLATIONS)")
+    parser.add_argument("--suite", action="store_true", help="every run of the results tables (see ABLATIONS)")
     parser.add_argument("--shard", default="0/1", help="with --suite: run part K of N (K/N), e.g. 0/2 and 1/2 in "
                         "two processes with --threads 1")
     parser.add_argument("--only", nargs="+", default=None, help="with --suite: only these rows (by name)")
@@ -1227,8 +1228,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--no_loops_curve", action="store_true")
     parser.add_argument("--out", default=None, help="write the rows as a JSON list")
     parser.add_argument("--save", default=None, help="save the trained model (save_pretrained) under this folder")
-    parser.add_argument("--report", nargs="+", default=None, help="render the README section from these JSON files")
-    parser.add_argument("--write_readme", default=None, help="with --report: replace the quality block of this file")
+    parser.add_argument("--report", nargs="+", default=None,
+                        help="render the Model quality section of docs/results.md from these JSON files")
+    parser.add_argument("--write_results", default=None,
+                        help="with --report: replace the quality block of this file (docs/results.md)")
     parser.add_argument("--plot", default=None, help="with --report: write the bpb-vs-wall-clock plot here")
     parser.add_argument("--write_card_reference", default=None,
                         help="with --report: write the default recipe's comparison for the model card here "
@@ -1241,10 +1244,10 @@ def main(argv=None) -> list[dict]:
             plot(rows, args.plot)
         if args.write_card_reference:
             Path(args.write_card_reference).write_text(json.dumps(card_reference(rows), indent=1) + "\n")
-        if args.write_readme:
-            from bench.report import write_readme
+        if args.write_results:
+            from bench.report import write_block
 
-            write_readme(args.write_readme, section, start="<!-- quality:start -->", end="<!-- quality:end -->")
+            write_block(args.write_results, section, start="<!-- quality:start -->", end="<!-- quality:end -->")
         print(section)
         return rows
     if args.threads:

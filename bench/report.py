@@ -1,6 +1,6 @@
-"""Markdown "Performance" section from a ``bench.run_all`` JSON file.
+"""Markdown "Performance on CPU" section of ``docs/results.md`` from a ``bench.run_all`` JSON file.
 
-``python -m bench.report bench/results.json`` prints the section; ``--write-readme README.md`` replaces the text
+``python -m bench.report bench/results.json`` prints the section; ``--write-results docs/results.md`` replaces the text
 between the markers ``<!-- bench:start -->`` and ``<!-- bench:end -->`` in that file (the markers stay; everything
 else is untouched). The section: a line with the environment (torch, threads, CPU, quick or full sizes), a table
 ``| Benchmark | Target | Measured | Met |`` with one row per check (and per reported figure without target), the
@@ -34,7 +34,7 @@ def render(results: dict) -> str:
         raise ValueError("not a bench.run_all result: no 'benchmarks' key")
     env = results.get("environment", {})
     lines = [
-        "## Performance",
+        "## Performance on CPU",
         "",
         f"Measured with `python -m bench.run_all{' --quick' if results.get('quick') else ''}` "
         f"(torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
@@ -71,7 +71,7 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme(path: str | Path, section: str, start: str = START, end: str = END) -> None:
+def write_block(path: str | Path, section: str, start: str = START, end: str = END) -> None:
     """Replace the text between the markers `start` and `end` (default :data:`START`, :data:`END`) in ``path``
     with ``section``.
 
@@ -88,13 +88,13 @@ def write_readme(path: str | Path, section: str, start: str = START, end: str = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     parser.add_argument("results", nargs="?", default="bench/results.json", help="run_all JSON file")
-    parser.add_argument("--write-readme", metavar="README", default=None,
-                        help="replace the text between the bench markers in this file")
+    parser.add_argument("--write-results", metavar="RESULTS_MD", default=None,
+                        help="replace the text between the bench markers in this file (docs/results.md)")
     args = parser.parse_args(argv)
     try:
         section = render(json.loads(Path(args.results).read_text(encoding="utf-8")))
-        if args.write_readme:
-            write_readme(args.write_readme, section)
+        if args.write_results:
+            write_block(args.write_results, section)
     except (OSError, ValueError) as e:
         print(f"bench.report: error: {e}", file=sys.stderr)
         return 2

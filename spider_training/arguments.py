@@ -73,7 +73,7 @@ class SpiderArguments:
         default=0, metadata={"help": "each training step draws its loop count uniformly from n_loops to n_loops + this "
                                      "(Huginn's randomised recurrence; evaluation runs n_loops). 0 (default): always "
                                      "n_loops; 1: the state learns to hold still past the trained count, which costs "
-                                     "held-out bpb with budget (README 'Loop count drawn per training step')"}
+                                     "held-out bpb with budget (docs/research_log.md, 'Do more loops help?')"}
     )
     lr: float | None = field(default=None, metadata={"help": "peak learning rate (env LR; sets learning_rate; default 1e-3)"})
     precision: str = field(
@@ -110,8 +110,8 @@ class SpiderArguments:
     )
     muon_experts: bool = field(
         default=False, metadata={"help": "with Muon: Muon also for the routed MoE experts' matrices. Default: AdamW at "
-                                         "--lr for them, a cheaper optimizer step on small batches (README 'Model "
-                                         "quality': the MoE experts on AdamW)"}
+                                         "--lr for them, a cheaper optimizer step on small batches "
+                                         "(docs/research_log.md, 'Which optimizer and batch?')"}
     )
     ckpt_every: int | None = field(default=None, metadata={"help": "steps between checkpoints (env CKPT_EVERY; sets save_steps)"})
     target_tokens: int | None = field(default=None, metadata={"help": "total training tokens (env TARGET_TOKENS)"})

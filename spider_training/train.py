@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 
 
 def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
+    """The run inside the lock, step by step: build, train, evaluate (and sweep the loop count), sample and release,
+    push. `callbacks` go to the trainer."""
     precision = resolve_precision(spider.precision, spider.preset)
     if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
         # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
@@ -100,51 +102,19 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
     )
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():
-        print(describe_run(
-            preset=spider.preset, parameters=n_params, data=spider.data,
-            train_windows=len(train_dataset) if hasattr(train_dataset, "__len__") else None,
-            window_bytes=spider.seq_len + 1, eval_data=eval_source, precision=trainer.precision,
-            moe_backend=trainer.moe_backend,
-            devices=f"{args.world_size} process(es) on {args.device} (accelerate distributed type "
-                    f"{getattr(trainer.accelerator.distributed_type, 'value', trainer.accelerator.distributed_type)})",
-            output_dir=args.output_dir, max_steps=args.max_steps,
-            batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
-            eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
-            optimizer=describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
-        ), flush=True)
+        _print_start_summary(spider, args, trainer, train_dataset, eval_source, n_params)
 
     before = trainer.evaluate(metric_key_prefix="eval_before") if eval_dataset is not None else {}
-    resume = None
-    if spider.resume and not spider.reset_steps:
-        resume = spider.resume
-    elif not spider.reset_steps:
-        resume = checkpointing.latest_checkpoint(args.output_dir)
+    resume = _resume_checkpoint(spider, args)
     if resume:
         logger.info("resuming from %s", resume)
     train_result = trainer.train(resume_from_checkpoint=resume)
     stop = trainer.stop_callback
     if stop is not None and stop.stopped:
-        checkpoint = os.path.join(args.output_dir, f"checkpoint-{stop.stopped_at_step}")
-        if trainer.is_world_process_zero():
-            print(f"stopped by {stop.received} at step {stop.stopped_at_step}; checkpoint written to {checkpoint}; "
-                  "run the same command to resume", flush=True)
-        trainer.accelerator.wait_for_everyone()
-        return {"steps": trainer.state.global_step, "stopped_by": stop.received, "checkpoint": checkpoint,
-                "train_loss": train_result.training_loss}
+        return _stopped(trainer, stop, args, train_result)
     after, loops, early_exit = {}, {}, {}
     if eval_dataset is not None:
-        # The periodic evaluation usually just scored the final step (max_steps is a multiple of eval_steps): reuse
-        # it rather than score the same weights on the same windows again.
-        final = next((e for e in reversed(trainer.state.log_history) if "eval_bits_per_byte" in e), None)
-        if final is not None and final.get("step") == trainer.state.global_step:
-            after = {"eval_after_" + k[len("eval_"):]: v for k, v in final.items() if k.startswith("eval_")}
-        else:
-            after = trainer.evaluate(metric_key_prefix="eval_after")
-        n = spider.n_loops or model.config.n_loops
-        counts = sorted({1, max(1, n // 2), n, 2 * n})
-        others = trainer.evaluate_loop_counts([c for c in counts if c != n])
-        loops = {str(c): after["eval_after_bits_per_byte"] if c == n else others[str(c)] for c in counts}
-        early_exit = trainer.evaluate_act_early_exit()
+        after, loops, early_exit = _evaluate_after_training(trainer, spider, model)
 
     summary = {
         "steps": trainer.state.global_step,
@@ -162,28 +132,94 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
     # FSDP2: the full weights are gathered on every rank (a collective), then only rank 0 samples and writes
     plain = gather_unsharded(trainer.accelerator.unwrap_model(trainer.model))
     if trainer.is_world_process_zero():
-        if spider.sample_bytes > 0:  # --sample_bytes 0: no sample
-            summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
-                                       n_loops=spider.n_loops)
-            print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
-        if before:
-            print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
-                  f"after {after['eval_after_bits_per_byte']:.4f}")
-        release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
-        write_release(release_dir, plain, tokenizer, spider=spider, args=args, summary=summary,
-                      log_history=trainer.state.log_history)
-        summary["release_dir"] = release_dir
-        print(f"release written to {release_dir}")
+        _sample_and_release(spider, args, trainer, plain, tokenizer, summary, before, after)
         if args.push_to_hub:  # the checkpoint pushes are done: Trainer waited for them at the end of train()
-            from spider_training.hub import push_release
-
-            result = push_release(release_dir, trainer.hub_model_id, token=args.hub_token,
-                                  private=args.hub_private_repo, revision=args.hub_revision,
-                                  endpoint=spider.hub_endpoint)
-            summary["pushed"] = result.ok
+            summary["pushed"] = _push(spider, args, trainer, summary["release_dir"])
         print(json.dumps({k: v for k, v in summary.items() if k != "sample"}, indent=2, default=str))
     trainer.accelerator.wait_for_everyone()
     return summary
+
+
+def _print_start_summary(spider: SpiderArguments, args, trainer: SpiderTrainer, train_dataset, eval_source,
+                         n_params: int) -> None:
+    """The console's start-up summary (rank 0): :func:`spider_training.console.describe_run`."""
+    print(describe_run(
+        preset=spider.preset, parameters=n_params, data=spider.data,
+        train_windows=len(train_dataset) if hasattr(train_dataset, "__len__") else None,
+        window_bytes=spider.seq_len + 1, eval_data=eval_source, precision=trainer.precision,
+        moe_backend=trainer.moe_backend,
+        devices=f"{args.world_size} process(es) on {args.device} (accelerate distributed type "
+                f"{getattr(trainer.accelerator.distributed_type, 'value', trainer.accelerator.distributed_type)})",
+        output_dir=args.output_dir, max_steps=args.max_steps,
+        batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
+        optimizer=describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
+    ), flush=True)
+
+
+def _resume_checkpoint(spider: SpiderArguments, args) -> str | None:
+    """``--resume PATH`` as given; otherwise the newest complete checkpoint of the output folder; ``None`` with
+    ``--reset_steps`` (weights only, loaded by :func:`build_model`)."""
+    if spider.reset_steps:
+        return None
+    return spider.resume or checkpointing.latest_checkpoint(args.output_dir)
+
+
+def _stopped(trainer: SpiderTrainer, stop, args, train_result) -> dict:
+    """The summary of a run stopped by SIGTERM / SIGINT: its checkpoint is written; no evaluation, sample or
+    release."""
+    checkpoint = os.path.join(args.output_dir, f"checkpoint-{stop.stopped_at_step}")
+    if trainer.is_world_process_zero():
+        print(f"stopped by {stop.received} at step {stop.stopped_at_step}; checkpoint written to {checkpoint}; "
+              "run the same command to resume", flush=True)
+    trainer.accelerator.wait_for_everyone()
+    return {"steps": trainer.state.global_step, "stopped_by": stop.received, "checkpoint": checkpoint,
+            "train_loss": train_result.training_loss}
+
+
+def _evaluate_after_training(trainer: SpiderTrainer, spider: SpiderArguments, model) -> tuple[dict, dict, dict]:
+    """The held-out scores of the trained model: the final evaluation, the loop sweep (1, half, the trained and twice
+    the trained count; ``{str(count): bits_per_byte}``) and ACT early exit."""
+    # The periodic evaluation usually just scored the final step (max_steps is a multiple of eval_steps): reuse
+    # it rather than score the same weights on the same windows again.
+    final = next((e for e in reversed(trainer.state.log_history) if "eval_bits_per_byte" in e), None)
+    if final is not None and final.get("step") == trainer.state.global_step:
+        after = {"eval_after_" + k[len("eval_"):]: v for k, v in final.items() if k.startswith("eval_")}
+    else:
+        after = trainer.evaluate(metric_key_prefix="eval_after")
+    n = spider.n_loops or model.config.n_loops
+    counts = sorted({1, max(1, n // 2), n, 2 * n})
+    others = trainer.evaluate_loop_counts([c for c in counts if c != n])
+    loops = {str(c): after["eval_after_bits_per_byte"] if c == n else others[str(c)] for c in counts}
+    return after, loops, trainer.evaluate_act_early_exit()
+
+
+def _sample_and_release(spider: SpiderArguments, args, trainer: SpiderTrainer, plain, tokenizer, summary: dict,
+                        before: dict, after: dict) -> None:
+    """Rank 0: print a sample and the held-out scores, write the release folder; adds ``sample`` and
+    ``release_dir`` to ``summary``."""
+    if spider.sample_bytes > 0:  # --sample_bytes 0: no sample
+        summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
+                                   n_loops=spider.n_loops)
+        print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
+    if before:
+        print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
+              f"after {after['eval_after_bits_per_byte']:.4f}")
+    release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
+    write_release(release_dir, plain, tokenizer, spider=spider, args=args, summary=summary,
+                  log_history=trainer.state.log_history)
+    summary["release_dir"] = release_dir
+    print(f"release written to {release_dir}")
+
+
+def _push(spider: SpiderArguments, args, trainer: SpiderTrainer, release_dir: str) -> bool:
+    """Push the release folder to the Hub (:func:`spider_training.hub.push_release`: bounded and retried, a failed
+    push logged): whether it arrived."""
+    from spider_training.hub import push_release
+
+    result = push_release(release_dir, trainer.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
+                          revision=args.hub_revision, endpoint=spider.hub_endpoint)
+    return result.ok
 
 
 def cli() -> int:

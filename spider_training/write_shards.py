@@ -6,9 +6,9 @@ document becomes ``[BOS] + utf8 + [EOS]`` (``spider_training.data.encode_documen
 documents are skipped and counted); documents are concatenated and cut into shards of ``--tokens_per_shard`` tokens
 (a document may continue in the next shard: readers treat the shards as one stream).
 
-Formats (SPEC §5): ``--format seed`` (default) writes little-endian ``uint16`` tokens without header, the seed's
-format; ``--format header`` writes the parameter-golf / modded-nanogpt layout (256 ``int32`` header: magic
-20240520, version 1, token count at ``[2]``; then ``uint16`` tokens). Shards are named
+Formats (docs/design.md, "Data formats"): ``--format seed`` (default) writes little-endian ``uint16`` tokens without
+header, the seed's format; ``--format header`` writes the parameter-golf / modded-nanogpt layout (256 ``int32``
+header: magic 20240520, version 1, token count at ``[2]``; then ``uint16`` tokens). Shards are named
 ``<prefix>_<split>_<NNNNNN>.bin`` so that :func:`spider_training.data.split_of_path` finds their split, written to a
 temporary file in ``DIR`` and moved into place with ``os.replace`` (atomic). ``DIR/metadata.json`` lists every shard
 (name, split, format, tokens, bytes), the vocabulary ids and, per split, the source description and document counts;

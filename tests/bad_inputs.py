@@ -1,4 +1,4 @@
-"""One registry of bad inputs (issue #5, "Reliability"): every entry must give a clear error that names the problem.
+"""One registry of bad inputs (README, "Reliability"): every entry must give a clear error that names the problem.
 
 Each :class:`BadInput` builds its input in a fresh temporary folder (``make(tmp) -> thunk``) and calling the thunk
 must either

@@ -1,6 +1,6 @@
 """FSDP2 on CPU: one worker of ``torchrun --nproc_per_node 2 tests/fsdp2_worker.py OUT_DIR`` (gloo backend).
 
-Run by ``tests/test_fsdp2.py`` (issue #12) as ``accelerate launch --config_file configs/accelerate/fsdp2.yaml
+Run by ``tests/test_fsdp2.py`` as ``accelerate launch --config_file configs/accelerate/fsdp2.yaml
 --num_processes 2 tests/fsdp2_worker.py OUT_DIR``: the ``FSDP_*`` environment is the shipped config's. accelerate does not switch to FSDP on CPU (its ``AcceleratorState`` stays
 ``MULTI_CPU``), so the worker calls accelerate's own ``fsdp2_prepare_model`` with :class:`AcceleratorStandIn` (a test
 double for the :class:`~accelerate.Accelerator`, exposing the attributes that function reads) and the real

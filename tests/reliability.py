@@ -1,4 +1,4 @@
-"""The reliability table of issue #5: ``python -m tests.reliability [--kills N] [--json PATH]``.
+"""The README's reliability table: ``python -m tests.reliability [--kills N] [--json PATH]``.
 
 Runs every entry of the bad-input registry (:data:`tests.bad_inputs.REGISTRY`) directly -- not through pytest -- each
 in a fresh temporary folder, and prints a Markdown table: bad inputs tried, clear errors, handled by design (no error,
@@ -212,9 +212,9 @@ def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = N
     table = format_table(summary, faults, kills, kills_wanted)
     print(table)
     if args.write_readme:
-        from bench.report import write_readme
+        from bench.report import write_block
 
-        write_readme(args.write_readme, table + "\n", README_START, README_END)
+        write_block(args.write_readme, table + "\n", README_START, README_END)
     details = summary["crash_details"] if args.verbose else [d for d in summary["crash_details"] if not d["fix_proposed"]]
     for d in details:
         print(f"\ncrash: [{d['category']}] {d['name']}: {d['detail']}" + (f"\n  fix: {d['fix_proposed']}"

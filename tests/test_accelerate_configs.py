@@ -1,4 +1,4 @@
-"""The accelerate launch configs in configs/accelerate/ (issue #12), read by accelerate's own loaders."""
+"""The accelerate launch configs in configs/accelerate/, read by accelerate's own loaders."""
 
 from pathlib import Path
 

@@ -2,7 +2,7 @@
 
 No timing assertions (timings on a shared 2-core machine are noise): the test checks that every benchmark ran, that
 every measured figure is a finite positive number and every ``met`` a bool, and that the report renders and
-replaces exactly the text between the README markers. The whole quick run takes ~1.5 min on an idle 2-core CPU
+replaces exactly the text between the markers. The whole quick run takes ~1.5 min on an idle 2-core CPU
 (more under load), hence ``slow``.
 """
 
@@ -67,25 +67,25 @@ def test_report_renders_every_check_and_replaces_only_the_marked_block(quick_res
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Benchmark")]
     assert sum(line.endswith("| yes |") or line.endswith("| no |") for line in rows) == n_checks
 
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "results.md"
     readme.write_text(f"# Spider\n\nintro\n\n{report.START}\nold table\n{report.END}\n\n## Next\nrest\n")
     results_file = tmp_path / "results.json"
     results_file.write_text(json.dumps(results))
-    assert report.main([str(results_file), "--write-readme", str(readme)]) == 0
+    assert report.main([str(results_file), "--write-results", str(readme)]) == 0
     text = readme.read_text()
     assert "old table" not in text
     assert text.startswith("# Spider\n\nintro\n\n" + report.START + "\n## Performance")
     assert text.endswith(report.END + "\n\n## Next\nrest\n")
     # idempotent: a second write gives the same file
-    assert report.main([str(results_file), "--write-readme", str(readme)]) == 0
+    assert report.main([str(results_file), "--write-results", str(readme)]) == 0
     assert readme.read_text() == text
 
 
-def test_write_readme_rejects_a_file_without_markers(tmp_path):
-    readme = tmp_path / "README.md"
+def test_write_block_rejects_a_file_without_markers(tmp_path):
+    readme = tmp_path / "results.md"
     readme.write_text("# Spider\nno markers here\n")
     with pytest.raises(ValueError, match="bench:start"):
-        report.write_readme(readme, "## Performance\n")
+        report.write_block(readme, "## Performance\n")
     assert readme.read_text() == "# Spider\nno markers here\n"
 
 

@@ -1,4 +1,4 @@
-"""bench/quality.py without training: the README tables and targets rendered from rows, the shard split, the
+"""bench/quality.py without training: the results tables and targets rendered from rows, the shard split, the
 evaluation-time boundary rules and the sample measure. (The suite's training runs are the benchmark itself; the slow
 short run in tests/test_global_path.py trains with its loop.)"""
 

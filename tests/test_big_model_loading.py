@@ -1,4 +1,4 @@
-"""Big-model loading (issue #11, deliverable 3): ``device_map="auto"`` with CPU + disk offload, and bf16 loads.
+"""Big-model loading: ``device_map="auto"`` with CPU + disk offload, and bf16 loads.
 
 accelerate's offload hooks load a module's weights when *that module's* forward runs, so the model may read no
 parameter outside the module that owns it (the loop embedding, the FlexiTokens null group and the stacked

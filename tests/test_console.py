@@ -1,4 +1,4 @@
-"""The main job's console (issue #13): the README's command starts with what the run will do, not library noise.
+"""The main job's console: the README's command starts with what the run will do, not library noise.
 
 Runs the README's main command (``accelerate launch --num_cpu_threads_per_process $(nproc) --config_file
 configs/accelerate/single_process.yaml train_hf.py``) for one step in a subprocess and checks its output for every line of noise a fresh machine printed

@@ -1,4 +1,4 @@
-"""Clients that load a release from its folder (issue #11, deliverable 4): transformers' pipeline and
+"""Clients that load a release from its folder: transformers' pipeline and
 lm-evaluation-harness, whose bits per byte must agree with our own held-out evaluation of the same text."""
 
 import json

@@ -1,4 +1,4 @@
-"""Fault tolerance of training (issue #5): preemption signals, full/read-only disk, one run per folder, NaN/inf steps.
+"""Fault tolerance of training: preemption signals, full/read-only disk, one run per folder, NaN/inf steps.
 
 The fast tests drive a real ``SpiderTrainer`` (tiny preset, mock data, CPU) in-process; the ``slow`` ones start
 ``train_hf.py`` in a subprocess and send it real signals. Test doubles, named as such: ``NaNLossAtSteps`` (a forward

@@ -1,4 +1,4 @@
-"""FSDP2 on CPU (issue #12): the shipped accelerate config's sharding, trained by two gloo processes.
+"""FSDP2 on CPU: the shipped accelerate config's sharding, trained by two gloo processes.
 
 One ``accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2`` runs
 ``tests/fsdp2_worker.py`` (what each process does is described there); this file checks what it wrote.

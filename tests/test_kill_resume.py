@@ -1,4 +1,4 @@
-"""kill -9 reliability (issue #5): 20 SIGKILLs of a training run with checkpoint pushes, each followed by a restart.
+"""kill -9 reliability: 20 SIGKILLs of a training run with checkpoint pushes, each followed by a restart.
 
 See :mod:`tests.kill_harness` for what is killed when and what is checked. Writes
 ``<tmp>/kills/reliability_kills.json`` and prints ``kills survived: S / N``.

@@ -1,4 +1,4 @@
-"""bench/memory_plan.py (issue #12): what it counts and how it extrapolates, on the tiny preset."""
+"""bench/memory_plan.py: what it counts and how it extrapolates, on the tiny preset."""
 
 import pytest
 import torch
@@ -55,13 +55,13 @@ def test_the_plan_runs_the_most_loops_a_training_step_draws(tiny_plan):
     assert fewer["activations"] < peak["activations"] and fewer["flops"] < peak["flops"]
 
 
-def test_readme_block_is_filled_and_a_missing_block_is_named(tiny_plan, tmp_path):
-    readme = tmp_path / "README.md"
-    start, end = memory_plan.README_MARKERS
+def test_results_block_is_filled_and_a_missing_block_is_named(tiny_plan, tmp_path):
+    readme = tmp_path / "results.md"
+    start, end = memory_plan.MARKERS
     readme.write_text(f"before\n{start}\nold\n{end}\nafter\n")
-    memory_plan.write_readme(tiny_plan, readme)
+    memory_plan.write_results(tiny_plan, readme)
     text = readme.read_text()
     assert "old" not in text and "| FSDP2 | 8-bit AdamW | checkpointing |" in text and text.endswith("after\n")
     readme.write_text("no block\n")
-    with pytest.raises(ValueError, match="README.md"):
-        memory_plan.write_readme(tiny_plan, readme)
+    with pytest.raises(ValueError, match="results.md"):
+        memory_plan.write_results(tiny_plan, readme)

@@ -285,7 +285,7 @@ def test_release_model_name_prefers_the_flag_then_the_hub_id_then_preset_and_siz
 
 
 def test_sample_and_the_recipes_dense_baseline_reference(release, config, tmp_path):
-    """Issue #16 deliverable 6: the card shows a sample and, for the default recipe, the benchmark's dense-baseline
+    """The card shows a sample and, for the default recipe, the benchmark's dense-baseline
     comparison (labelled as the recipe's, not this run's measurement)."""
     from spider_training.model_card import reference_quality
 

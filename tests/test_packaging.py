@@ -1,4 +1,4 @@
-"""Packaging (issue #13): the wheel carries the card template, installs no generic top-level module, and its card
+"""Packaging: the wheel carries the card template, installs no generic top-level module, and its card
 writer works from site-packages alone (a folder the wheel was installed into, the checkout off the path)."""
 
 import json

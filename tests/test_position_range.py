@@ -1,4 +1,4 @@
-"""Inputs past the model's range and the bf16 state update (issue #13, item 6)."""
+"""Inputs past the model's range and the bf16 state update."""
 
 import pytest
 import torch
