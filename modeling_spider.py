@@ -24,13 +24,16 @@ arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the
 OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn (arXiv 2502.05171), Relaxed Recursive Transformers
 (arXiv 2410.20672), ACT (Graves 2016, arXiv 1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
 
-This file imports only torch, transformers, numpy and the standard library, and overrides nothing of transformers'
-loading: it is what the Hub serves.
+This file imports only torch, transformers, numpy and the standard library: it is what the Hub serves. Of transformers'
+loading it adds one thing, a checkpoint conversion for model type ``"spider"`` (registered on import) that fuses the
+per-expert weights of releases written before the experts were fused (:func:`per_expert_checkpoint_conversions`);
+``save_pretrained`` writes the fused names by default.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -526,6 +529,53 @@ class SpiderMoEKernels:
         return (rows * topk_weights.to(torch.float32)[..., None]).sum(dim=1)
 
 
+#: a per-expert weight of the layout before issue #39: (prefix ending in "experts."), expert index, projection
+_PER_EXPERT_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `state_dict` in which every per-expert routed-expert group of the layout before issue #39
+    (``P.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)`, ``P.experts.{e}.down_proj.weight`` `(D, I)`,
+    e = 0..E-1) is replaced by :class:`SpiderExperts`' ``P.experts.gate_up_proj`` `(E, 2I, D)` (gate rows, then up
+    rows, per expert) and ``P.experts.down_proj`` `(E, D, I)`; other keys are kept as they are, in order. The same
+    result as :func:`per_expert_checkpoint_conversions` gives ``from_pretrained``; this one serves ``load_state_dict``
+    (a Trainer resuming from an old checkpoint) and seed imports (``spider_training.convert_seed``).
+
+    Raises:
+        ValueError: a group that is incomplete (an expert index missing in 0..E-1, or a projection missing for one
+            expert), naming the prefix.
+    """
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        match = _PER_EXPERT_KEY.match(key)
+        if match:
+            groups.setdefault(match["prefix"], {})[int(match["e"]), match["proj"]] = value
+    if not groups:
+        return dict(state_dict)
+    fused: dict[str, torch.Tensor] = {}
+    for prefix, weights in groups.items():
+        num_experts = 1 + max(e for e, _ in weights)
+        missing = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
+                   if (e, p) not in weights]
+        if missing:
+            raise ValueError(f"per-expert weights under {prefix!r} are incomplete: missing "
+                             + ", ".join(f"{prefix}{e}.{p}.weight" for e, p in missing[:5]))
+        fused[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]], dim=0) for e in range(num_experts)]
+        )
+        fused[prefix + "down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(num_experts)])
+    out, placed = {}, set()
+    for key, value in state_dict.items():
+        match = _PER_EXPERT_KEY.match(key)
+        if not match:
+            out[key] = value
+        elif match["prefix"] not in placed:  # the fused pair takes the place of the group's first key
+            placed.add(match["prefix"])
+            out[match["prefix"] + "gate_up_proj"] = fused[match["prefix"] + "gate_up_proj"]
+            out[match["prefix"] + "down_proj"] = fused[match["prefix"] + "down_proj"]
+    return out
+
+
 @use_experts_implementation
 class SpiderExperts(nn.Module):
     """The routed SwiGLU experts of one MoE layer, stored as transformers 5.x stores MoE experts (DeepseekV3 /
@@ -560,6 +610,17 @@ class SpiderExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """``load_state_dict`` also takes the per-expert layout of releases before issue #39 (``{prefix}{e}.gate_proj
+        .weight`` etc.), fused here by :func:`fuse_per_expert_state_dict` (``from_pretrained`` converts it with
+        :func:`per_expert_checkpoint_conversions` instead: transformers 5 loads without this hook)."""
+        own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if any(_PER_EXPERT_KEY.match(k) for k in own):
+            for key in own:
+                del state_dict[key]
+            state_dict.update(fuse_per_expert_state_dict(own))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -572,6 +633,39 @@ class SpiderExperts(nn.Module):
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[e])
             out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, slot, None]).to(torch.float32))
         return out.to(hidden_states.dtype)
+
+
+def per_expert_checkpoint_conversions() -> list:
+    """transformers weight conversions from the routed experts' per-expert layout (releases written before issue #39:
+    ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)` and ``down_proj.weight`` `(D, I)` for each
+    expert e) to :class:`SpiderExperts`' fused parameters: ``gate_up_proj[e] = cat(gate_proj, up_proj)`` along dim 0
+    of each expert's weight, ``down_proj[e] = down_proj``. The same two ``WeightConverter``\\ s transformers registers
+    for ``qwen2_moe`` / ``deepseek_v3`` (``transformers/conversion_mapping.py``); registered for model type
+    ``"spider"`` when this file is imported, so ``from_pretrained`` converts such a release while it loads it."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    return [
+        WeightConverter(
+            source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter(
+            source_patterns="mlp.experts.*.down_proj.weight",
+            target_patterns="mlp.experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        ),
+    ]
+
+
+def _register_per_expert_checkpoint_conversions() -> None:
+    # overwrite: this file is imported once per location (repository root, each trust_remote_code copy)
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+
+    register_checkpoint_conversion_mapping(SpiderConfig.model_type, per_expert_checkpoint_conversions(), overwrite=True)
+
+
+_register_per_expert_checkpoint_conversions()
 
 
 class SpiderMoE(nn.Module):
@@ -1545,6 +1639,14 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"attentions": OutputRecorder(SpiderAttention, index=1)}
     # SpiderCache crops back to accepted candidates: assisted decoding and prompt lookup work (transformers reads this).
     _is_stateful = False
+
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """transformers' ``save_pretrained``, writing the model's own parameter names by default: the routed experts
+        fused (``...mlp.experts.gate_up_proj`` / ``down_proj``), as ``state_dict()`` and ``load_state_dict`` (a Trainer
+        resuming) have them. transformers' default, ``save_original_format=True``, would undo the load-time
+        conversion registered for model type ``"spider"`` (:func:`per_expert_checkpoint_conversions`) and write the
+        per-expert layout of releases before issue #39; pass it to write a release that older Spider code reads."""
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):
