@@ -3,9 +3,11 @@
 
 What gets converted (:func:`fp8_module_filter`): every plain ``nn.Linear`` whose qualified name contains none of the
 seed's skip words (:data:`SEED_FP8_SKIP`) and whose ``in_features`` and ``out_features`` both divide by 16 (torchao /
-``torch._scaled_mm`` needs it). In Spider that is the MLA projections, the dense prelude/coda SwiGLUs, the routed
-experts and the shared experts; the router, ``lm_head``, boundary predictor, Engram projections and halt predictor
-stay in high precision (SPEC §1 fixes the module names so that the seed's filter keeps selecting the same layers).
+``torch._scaled_mm`` needs it). In Spider that is the MLA projections, the dense prelude/coda SwiGLUs and the shared
+experts; the router, ``lm_head``, boundary predictor, Engram projections and halt predictor stay in high precision
+(SPEC §1 fixes the module names so that the seed's filter keeps selecting the same layers). The routed experts are
+fused 3-D parameters (``modeling_spider.SpiderExperts``, issue #39), not ``nn.Linear`` layers: ``Float8Linear`` does
+not reach them, and they keep running through the model's ``experts_implementation`` in high precision.
 
 Precision (:func:`resolve_precision`, ``--precision auto|fp8|bf16|fp32``): ``auto`` picks ``fp8`` on CUDA devices
 with compute capability >= 8.9 (Ada sm_89, Hopper sm_90, Blackwell sm_100 / sm_120) when torchao imports, ``bf16``
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -61,8 +62,6 @@ PRECISIONS = ("auto", "fp8", "bf16", "fp32")
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 FP8_DIM_MULTIPLE = 16
-
-_EXPERT_FQN = re.compile(r"(^|\.)experts\.\d+\.")
 
 
 def _float8_linear_class():
@@ -133,8 +132,6 @@ class Fp8Report:
         converted_fqns: qualified names of the ``Float8Linear`` layers, in module order.
         already_converted: True when the model already held ``Float8Linear`` layers and nothing was converted.
         skipped: qualified name -> reason (see :func:`fp8_skip_reason`) for every ``nn.Linear`` left in high precision.
-        moe_implementation_switch: ``"grouped_mm -> sorted"`` when the model's ``config.moe_implementation`` was
-            switched so that the converted experts' ``Float8Linear`` layers are actually used, else None.
     """
 
     converted: int
@@ -144,7 +141,6 @@ class Fp8Report:
     converted_fqns: list[str] = field(default_factory=list)
     already_converted: bool = False
     skipped: dict[str, str] = field(default_factory=dict)
-    moe_implementation_switch: str | None = None
 
     @property
     def message(self) -> str:
@@ -159,8 +155,6 @@ class Fp8Report:
                 f"FP8: converted {self.converted} of {self.linear_total} linear layers "
                 f"(recipe={self.recipe}, emulate={self.emulate})"
             )
-        if self.moe_implementation_switch:
-            text += f"; moe_implementation {self.moe_implementation_switch} (grouped_mm bypasses Float8Linear)"
         return text
 
 
@@ -214,31 +208,6 @@ def _config_recipe_name(config) -> str:
     return "custom"
 
 
-def _switch_grouped_mm_to_sorted(model: nn.Module, converted_fqns: list[str]) -> str | None:
-    """If experts were converted and the model routes through ``torch._grouped_mm`` (which reads the stacked
-    ``.weight`` tensors and never calls ``Float8Linear.forward``), set every ``config.moe_implementation`` reachable
-    from the model to ``"sorted"`` (same outputs, tested in the model's tests; each expert's ``Float8Linear`` runs)."""
-    if not any(_EXPERT_FQN.search(fqn) for fqn in converted_fqns):
-        return None
-    configs = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "moe_implementation"):
-            configs[id(config)] = config
-    switched = False
-    for config in configs.values():
-        if config.moe_implementation == "grouped_mm":
-            config.moe_implementation = "sorted"
-            switched = True
-    if switched:
-        logger.info(
-            "FP8: switched config.moe_implementation from 'grouped_mm' to 'sorted': grouped_mm stacks the experts' "
-            ".weight tensors and would bypass their Float8Linear layers"
-        )
-        return "grouped_mm -> sorted"
-    return None
-
-
 def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: bool | None = None) -> Fp8Report:
     """Convert `model`'s eligible ``nn.Linear`` layers to torchao ``Float8Linear`` in place (seed
     ``configure_fp8_training``).
@@ -251,9 +220,8 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
 
     Layers are chosen by :func:`fp8_module_filter`. Idempotent: a model that already holds ``Float8Linear`` layers
     (from an earlier call, or from accelerate's ``mixed_precision="fp8"`` / ``AORecipeKwargs`` path) is not converted
-    again; the report says so (``already_converted=True``). When routed experts are (or already were) converted and
-    ``config.moe_implementation == "grouped_mm"``, it is switched to ``"sorted"`` (logged, ``moe_implementation_switch``
-    in the report). Logs ``"FP8: converted N of M linear layers (recipe=..., emulate=...)"``.
+    again; the report says so (``already_converted=True``). Logs ``"FP8: converted N of M linear layers
+    (recipe=..., emulate=...)"``.
 
     Returns:
         :class:`Fp8Report`.
@@ -287,7 +255,6 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
                 if not _is_float8_linear(m)
             },
         )
-        report.moe_implementation_switch = _switch_grouped_mm_to_sorted(model, report.converted_fqns)
         logger.info(report.message)
         return report
 
@@ -302,7 +269,6 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
         converted_fqns=converted_fqns,
         skipped=skipped,
     )
-    report.moe_implementation_switch = _switch_grouped_mm_to_sorted(model, converted_fqns)
     logger.info(report.message)
     return report
 
