@@ -127,7 +127,7 @@ def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: 
         except Exception as exc:  # not installed, or tilelang failing at import
             return _entry("tile_kernels_moe", "skipped", f"tile_kernels does not import: {type(exc).__name__}: {exc}")
     batch, length = SHAPES[preset]
-    reference = spider_model(preset, moe_implementation="sorted").to(device)
+    reference = spider_model(preset).to(device)
     swapped = copy.deepcopy(reference)
     backend = swap_in_tile_kernels(swapped, tile_kernels_module)
     if backend == BACKEND_TORCH:
@@ -184,7 +184,7 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
     ids = random_bytes(batch * world, length).to(device).chunk(world)[rank]
     curves = {}
     for all_gather in (False, True):
-        model = spider_model(preset, moe_implementation="sorted").to(device)
+        model = spider_model(preset).to(device)
         config = dataclasses.replace(build_float8_config("tensorwise", emulate=False),
                                      enable_fsdp_float8_all_gather=all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)

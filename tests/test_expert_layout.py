@@ -17,25 +17,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from modeling_spider import SpiderForConditionalGeneration, fuse_per_expert_state_dict
-from tests.helpers import tiny_model
-
-
-def per_expert_state_dict(model) -> dict[str, torch.Tensor]:
-    """`model`'s state dict in the layout before issue #39: each fused experts pair split into per-expert weights,
-    at the position the ModuleList of experts held (after the router, before the shared experts)."""
-    out = {}
-    for key, value in model.state_dict().items():
-        if key.endswith(".mlp.experts.gate_up_proj"):
-            prefix = key.removesuffix("gate_up_proj")
-            intermediate = value.shape[1] // 2
-            down = model.state_dict()[prefix + "down_proj"]
-            for e in range(value.shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = value[e, :intermediate].clone()
-                out[f"{prefix}{e}.up_proj.weight"] = value[e, intermediate:].clone()
-                out[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
-        elif not key.endswith(".mlp.experts.down_proj"):
-            out[key] = value.clone()
-    return out
+from tests.helpers import per_expert_state_dict, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +27,7 @@ def old_release(tmp_path_factory):
     folder = tmp_path_factory.mktemp("old-release")
     model = tiny_model(seed=0).eval()
     model.save_pretrained(folder)  # config.json and the modeling files (trust_remote_code)
-    save_file(per_expert_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(per_expert_state_dict(model.state_dict()), str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["moe_implementation"] = "sorted"
     (folder / "config.json").write_text(json.dumps(config))
@@ -93,7 +75,7 @@ def test_old_config_eager_maps_to_eager(old_release, tmp_path):
 def test_load_state_dict_takes_the_old_layout(old_release):
     folder, model = old_release
     fresh = tiny_model(seed=1)
-    result = fresh.load_state_dict(per_expert_state_dict(model))  # strict
+    result = fresh.load_state_dict(per_expert_state_dict(model.state_dict()))  # strict
     assert not result.missing_keys and not result.unexpected_keys
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
@@ -106,7 +88,7 @@ def test_save_writes_fused_keys_and_the_old_layout_on_request(tmp_path):
         assert set(f.keys()) == set(model.state_dict())
     model.save_pretrained(tmp_path / "old", save_original_format=True)
     with safe_open(str(tmp_path / "old" / "model.safetensors"), "pt") as f:
-        assert set(f.keys()) == set(per_expert_state_dict(model))
+        assert set(f.keys()) == set(per_expert_state_dict(model.state_dict()))
     reloaded = SpiderForConditionalGeneration.from_pretrained(tmp_path / "old")
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
