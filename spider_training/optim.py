@@ -203,8 +203,8 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
                     decay_parameter_names: set[str] | None = None, muon_experts: bool = False) -> MuonWithAdamW:
     """:class:`MuonWithAdamW` over `model`'s trainable parameters: the hidden matrices (:func:`is_hidden_matrix`) by
     Muon at `muon_lr`, the rest by AdamW at `lr`, with weight decay on `decay_parameter_names` (Trainer's
-    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). The fused experts' ``gate_up_proj`` get their own
-    Muon group with ``row_blocks=2`` (see :class:`Muon`). The routed MoE experts' matrices go to AdamW
+    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). The fused experts' ``gate_up_proj`` get their
+    own Muon group with ``row_blocks=2`` (see :class:`Muon`). The routed MoE experts' matrices go to AdamW
     unless `muon_experts` (:func:`is_hidden_matrix`'s `experts`; the default since 2026-11-26, README "Model
     quality"). Muon's decoupled decay per step is
     ``lr * weight_decay``: its weight decay is scaled by ``lr / muon_lr`` so that a matrix decays per step as AdamW

@@ -491,7 +491,8 @@ def test_bad_n_loops_raises():
     "field,value",
     [
         ("hidden_size", -8), ("num_experts_per_tok", 9), ("engram_layer_ids", [5]), ("n_loops", 0),
-        ("moe_implementation", "fast"), ("experts_implementation", "fast"), ("qk_rope_head_dim", 7), ("act_threshold", 1.5), ("num_hidden_layers", 3),
+        ("moe_implementation", "fast"), ("experts_implementation", "fast"), ("qk_rope_head_dim", 7),
+        ("act_threshold", 1.5), ("num_hidden_layers", 3),
         ("boundary_threshold", 1.0), ("vocab_size", 100),
     ],
 )
