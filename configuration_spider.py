@@ -118,7 +118,8 @@ class SpiderConfig(PreTrainedConfig):
         moe_implementation (`str`, keyword only, deprecated): the field of releases written before the experts were
             fused; accepted and mapped to ``experts_implementation`` (``"eager"`` -> ``"eager"``, ``"sorted"`` and
             ``"grouped_mm"`` -> ``"grouped_mm"``: "sorted" was the same expert-sorted layout with a loop over the
-            experts) unless ``experts_implementation`` is given too; never stored.
+            experts) unless ``experts_implementation`` is given too; never stored. ``config.moe_implementation`` stays
+            readable and assignable as an alias of the experts implementation (assigning maps the same way).
         engram_layer_ids (`list[int]`, defaults to ``[1, 4]``): recurrent layers that read Engram memory.
         engram_ngram_sizes (`list[int]`, defaults to ``[2, 3]``): hashed byte n-gram orders.
         engram_num_heads (`int`, defaults to 4): hash heads per n-gram order (each its own table and prime modulus).
@@ -271,6 +272,21 @@ class SpiderConfig(PreTrainedConfig):
         if not self._name_or_path and os.path.exists(os.path.join(here, "modeling_spider.py")):
             self._name_or_path = here
         self.validate_architecture()
+
+    @property
+    def moe_implementation(self) -> str:
+        """Deprecated alias of ``_experts_implementation`` (the field before issue #39), for code written against it:
+        reading gives the experts implementation; assigning maps a legacy value as ``__post_init__`` does (``"sorted"``
+        -> ``"grouped_mm"``) and sets the experts implementation. Never written to ``config.json``.
+
+        Raises:
+            ValueError: on assignment, a value that is not one of :data:`LEGACY_MOE_IMPLEMENTATIONS`.
+        """
+        return self._experts_implementation
+
+    @moe_implementation.setter
+    def moe_implementation(self, value) -> None:
+        self._experts_implementation = self._from_legacy_moe_implementation(value)
 
     @staticmethod
     def _from_legacy_moe_implementation(value) -> str:

@@ -326,6 +326,10 @@ def test_experts_implementation_settings():
     config = tiny()
     config.update_from_string("moe_implementation=eager")
     assert config._experts_implementation == "eager"
+    config.moe_implementation = "sorted"  # the deprecated alias: read and assigned, mapped like old configs
+    assert config._experts_implementation == config.moe_implementation == "grouped_mm"
+    with pytest.raises(ValueError, match="moe_implementation"):
+        config.moe_implementation = "nope"
     model = tiny_model(seed=0)
     model.set_experts_implementation("eager")
     layers = [layer.mlp.experts for layer in model.model.recurrent_block.layers]
