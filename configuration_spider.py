@@ -73,7 +73,10 @@ SPIDER_PRESETS: dict[str, dict] = {
     ),
 }
 
-MOE_IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
+#: ``moe_implementation`` values of releases written before the experts were fused -> ``experts_implementation``.
+LEGACY_MOE_IMPLEMENTATIONS = {"eager": "eager", "sorted": "grouped_mm", "grouped_mm": "grouped_mm"}
+#: Config keys handled in ``__post_init__`` rather than stored as dataclass fields.
+EXPERTS_KEYS = ("experts_implementation", "moe_implementation")
 BOUNDARY_MODES = ("hard", "relaxed", "fixed")
 BOUNDARY_TEACHERS = ("spacelike",)
 UPSAMPLE_MIXINGS = ("rms_matched", "residual_proj", "scaled_norm", "add")
@@ -113,12 +116,19 @@ class SpiderConfig(PreTrainedConfig):
         norm_topk_prob (`bool`, defaults to True): renormalise the top-k weights to sum to 1.
         router_aux_loss_coef (`float`, defaults to 0.01): weight of the aux_fi load-balancing loss.
         output_router_logits (`bool`): return every router's logits.
-        moe_implementation (`str`, defaults to ``"sorted"``): expert compute path, one of ``"eager"`` (the seed's
-            per-expert loop over a token mask), ``"sorted"`` (tokens sorted by expert, one contiguous slice per
-            expert, each expert an ``nn.Linear`` SwiGLU: FP8-convertible) or ``"grouped_mm"`` (same layout, one
-            ``torch._grouped_mm`` over the stacked expert weights; bypasses ``Float8Linear``). transformers' own
-            ``experts_implementation`` interface is not used: it needs fused 3-D expert parameters, which torchao's
-            ``Float8Linear`` conversion (``nn.Linear`` only) cannot reach.
+        experts_implementation (`str`, keyword only, defaults to ``"grouped_mm"``): how the routed experts
+            (:class:`~modeling_spider.SpiderExperts`, fused 3-D ``gate_up_proj`` / ``down_proj``) compute: transformers'
+            experts interface (``transformers.integrations.moe``): ``"grouped_mm"`` (one grouped GEMM over the
+            expert-sorted token-slots, offsets on the device, no host sync), ``"batched_mm"`` (per-slot ``bmm``; memory
+            grows with tokens x k x expert size), ``"eager"`` (the seed's per-expert loop), or any other name registered
+            in ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``. Stored as transformers stores it
+            (``config._experts_implementation``, not written to ``config.json``); also settable with
+            ``from_pretrained(..., experts_implementation=...)`` and ``model.set_experts_implementation(...)``.
+        moe_implementation (`str`, keyword only, deprecated): the field of releases written before the experts were
+            fused; accepted and mapped to ``experts_implementation`` (``"eager"`` -> ``"eager"``, ``"sorted"`` and
+            ``"grouped_mm"`` -> ``"grouped_mm"``: "sorted" was the same expert-sorted layout with a loop over the
+            experts) unless ``experts_implementation`` is given too; never stored. ``config.moe_implementation`` stays
+            readable and assignable as an alias of the experts implementation (assigning maps the same way).
         engram_layer_ids (`list[int]`, defaults to ``[1, 4]``): recurrent layers that read Engram memory.
         engram_ngram_sizes (`list[int]`, defaults to ``[2, 3]``): hashed byte n-gram orders.
         engram_num_heads (`int`, defaults to 4): hash heads per n-gram order (each its own table and prime modulus).
@@ -211,7 +221,6 @@ class SpiderConfig(PreTrainedConfig):
     norm_topk_prob: bool = True
     router_aux_loss_coef: float | int = 0.01
     output_router_logits: bool = False
-    moe_implementation: str = "sorted"
     engram_layer_ids: list[int] | None = None
     engram_ngram_sizes: list[int] | None = None
     engram_num_heads: int = 4
@@ -257,7 +266,12 @@ class SpiderConfig(PreTrainedConfig):
         if self.engram_ngram_sizes is None:
             self.engram_ngram_sizes = [2, 3]
         self._derive_fields()
+        legacy = kwargs.pop("moe_implementation", None)
+        if legacy is not None:
+            kwargs.setdefault("experts_implementation", self._from_legacy_moe_implementation(legacy))
         super().__post_init__(**kwargs)
+        if self._experts_implementation is None:  # transformers' own default, also for a SpiderMoE built alone
+            self._experts_implementation = "grouped_mm"
         # Every saved folder maps all three Auto classes, whichever class saved it (save_pretrained adds only its own).
         self.auto_map = {**SPIDER_AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         # A config built in code names no folder, so `AutoModel*.from_config(config, trust_remote_code=True)` would
@@ -267,6 +281,33 @@ class SpiderConfig(PreTrainedConfig):
         if not self._name_or_path and os.path.exists(os.path.join(here, "modeling_spider.py")):
             self._name_or_path = here
         self.validate_architecture()
+
+    @property
+    def moe_implementation(self) -> str:
+        """Deprecated alias of ``_experts_implementation`` (the field before issue #39), for code written against it:
+        reading gives the experts implementation; assigning maps a legacy value as ``__post_init__`` does (``"sorted"``
+        -> ``"grouped_mm"``) and sets the experts implementation. Never written to ``config.json``.
+
+        Raises:
+            ValueError: on assignment, a value that is not one of :data:`LEGACY_MOE_IMPLEMENTATIONS`.
+        """
+        return self._experts_implementation
+
+    @moe_implementation.setter
+    def moe_implementation(self, value) -> None:
+        self._experts_implementation = self._from_legacy_moe_implementation(value)
+
+    @staticmethod
+    def _from_legacy_moe_implementation(value) -> str:
+        """The ``experts_implementation`` an old release's ``moe_implementation`` maps to.
+
+        Raises:
+            ValueError: `value` is not one of :data:`LEGACY_MOE_IMPLEMENTATIONS`.
+        """
+        if value not in LEGACY_MOE_IMPLEMENTATIONS:
+            raise ValueError(f"SpiderConfig.moe_implementation={value!r} is invalid: must be one of "
+                             f"{tuple(LEGACY_MOE_IMPLEMENTATIONS)} (deprecated: use experts_implementation)")
+        return LEGACY_MOE_IMPLEMENTATIONS[value]
 
     def _derive_fields(self, num_hidden_layers_given: bool = True) -> None:
         """Set the fields derived from others (``num_hidden_layers``, ``qk_head_dim``); a given ``num_hidden_layers``
@@ -299,6 +340,11 @@ class SpiderConfig(PreTrainedConfig):
             if not sep or not key:
                 raise ValueError(f"config override {item!r} is not key=value")
             self._check_field_names([key], "the config overrides")
+            if key in EXPERTS_KEYS:  # not dataclass fields: mapped and stored as __post_init__ does
+                self._experts_implementation = (
+                    self._from_legacy_moe_implementation(value) if key == "moe_implementation" else value
+                )
+                continue
             current = getattr(self, key)
             if value == "null" or value.startswith("[") or current is None or isinstance(current, (list, tuple)):
                 try:
@@ -318,7 +364,7 @@ class SpiderConfig(PreTrainedConfig):
     @classmethod
     def _check_field_names(cls, keys, where: str) -> None:
         """Raise ``ValueError`` for the first of `keys` that is not a config field, suggesting the closest one."""
-        known = set(cls.__dataclass_fields__) | set(cls.attribute_map)
+        known = set(cls.__dataclass_fields__) | set(cls.attribute_map) | set(EXPERTS_KEYS)
         for key in keys:
             if key not in known and not key.startswith("_"):
                 close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -365,7 +411,14 @@ class SpiderConfig(PreTrainedConfig):
             self.num_experts_per_tok <= self.n_routed_experts,
             "num_experts_per_tok", f"top-k must not exceed n_routed_experts={self.n_routed_experts}",
         )
-        require(self.moe_implementation in MOE_IMPLEMENTATIONS, "moe_implementation", f"must be one of {MOE_IMPLEMENTATIONS}")
+        # what PreTrainedModel.get_correct_experts_implementation accepts (transformers/modeling_utils.py)
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        experts_implementations = ("eager", *sorted(set(ALL_EXPERTS_FUNCTIONS) | set(ALL_FP8_EXPERTS_FUNCTIONS)))
+        if self._experts_implementation not in experts_implementations:
+            raise ValueError(f"SpiderConfig.experts_implementation={self._experts_implementation!r} is invalid: must "
+                             f"be one of {experts_implementations}")
         require(
             all(0 <= i < self.num_recurrent_layers for i in self.engram_layer_ids)
             and len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),

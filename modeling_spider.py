@@ -24,13 +24,16 @@ arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the
 OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn (arXiv 2502.05171), Relaxed Recursive Transformers
 (arXiv 2410.20672), ACT (Graves 2016, arXiv 1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
 
-This file imports only torch, transformers, numpy and the standard library, and overrides nothing of transformers'
-loading: it is what the Hub serves.
+This file imports only torch, transformers, numpy and the standard library: it is what the Hub serves. Of transformers'
+loading it adds one thing, a checkpoint conversion for model type ``"spider"`` (registered on import) that fuses the
+per-expert weights of releases written before the experts were fused (:func:`per_expert_checkpoint_conversions`);
+``save_pretrained`` writes the fused names by default.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -46,6 +49,7 @@ from transformers.masking_utils import and_masks, causal_mask_function, or_masks
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
@@ -400,8 +404,8 @@ class SpiderAttention(nn.Module):
 class SpiderMLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`, `(..., D) -> (..., D)`.
 
-    Used for the dense prelude/coda layers, for every routed expert and for the shared experts. Plain `nn.Linear`s,
-    so torchao's `Float8Linear` conversion reaches the experts too (as in the seed).
+    Used for the dense prelude/coda layers and for the shared experts (the routed experts are :class:`SpiderExperts`).
+    Plain `nn.Linear`s, so torchao's `Float8Linear` conversion reaches them (as in the seed).
     """
 
     def __init__(self, config: SpiderConfig, intermediate_size: int):
@@ -445,9 +449,13 @@ class FusedMapping(NamedTuple):
 class SpiderMoEKernels:
     """Torch reference of the TileKernels 1.x MoE routing ops: same names, shapes and rules, any device.
 
-    A :class:`SpiderMoE` calls its ``kernels`` attribute (this class by default); the trainer may swap in an adapter
-    over the installed `tile_kernels` (CUDA only) with the same methods. Every method is differentiable where the
-    TileKernels op has a backward (`expand_to_fused`, `reduce_fused` w.r.t. `x` and the weights).
+    A :class:`SpiderMoE` calls its ``kernels`` attribute (this class by default) for the routing: `topk_gate`,
+    `normalize_weight`, `aux_fi`; the trainer may swap in an adapter over the installed `tile_kernels` (CUDA only)
+    with the same methods. The fused-layout ops (`get_fused_mapping`, `expand_to_fused`, `reduce_fused`) are kept as
+    the reference of TileKernels 1.x's, but the model's expert compute no longer calls them: :class:`SpiderExperts`
+    sorts the token-slots by expert in transformers' experts implementations (the same layout at alignment 1). Every
+    method is differentiable where the TileKernels op has a backward (`expand_to_fused`, `reduce_fused` w.r.t. `x` and
+    the weights).
     """
 
     name = "torch"
@@ -521,16 +529,157 @@ class SpiderMoEKernels:
         return (rows * topk_weights.to(torch.float32)[..., None]).sum(dim=1)
 
 
+#: a per-expert weight of the layout before issue #39: (prefix ending in "experts."), expert index, projection
+_PER_EXPERT_KEY = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `state_dict` in which every per-expert routed-expert group of the layout before issue #39
+    (``P.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)`, ``P.experts.{e}.down_proj.weight`` `(D, I)`,
+    e = 0..E-1) is replaced by :class:`SpiderExperts`' ``P.experts.gate_up_proj`` `(E, 2I, D)` (gate rows, then up
+    rows, per expert) and ``P.experts.down_proj`` `(E, D, I)`; other keys are kept as they are, in order. The same
+    result as :func:`per_expert_checkpoint_conversions` gives ``from_pretrained``; this one serves ``load_state_dict``
+    (a Trainer resuming from an old checkpoint) and seed imports (``spider_training.convert_seed``).
+
+    Raises:
+        ValueError: a group that is incomplete (an expert index missing in 0..E-1, or a projection missing for one
+            expert), naming the prefix.
+    """
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        match = _PER_EXPERT_KEY.match(key)
+        if match:
+            groups.setdefault(match["prefix"], {})[int(match["e"]), match["proj"]] = value
+    if not groups:
+        return dict(state_dict)
+    fused: dict[str, torch.Tensor] = {}
+    for prefix, weights in groups.items():
+        num_experts = 1 + max(e for e, _ in weights)
+        missing = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
+                   if (e, p) not in weights]
+        if missing:
+            raise ValueError(f"per-expert weights under {prefix!r} are incomplete: missing "
+                             + ", ".join(f"{prefix}{e}.{p}.weight" for e, p in missing[:5]))
+        fused[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]], dim=0) for e in range(num_experts)]
+        )
+        fused[prefix + "down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(num_experts)])
+    out, placed = {}, set()
+    for key, value in state_dict.items():
+        match = _PER_EXPERT_KEY.match(key)
+        if not match:
+            out[key] = value
+        elif match["prefix"] not in placed:  # the fused pair takes the place of the group's first key
+            placed.add(match["prefix"])
+            out[match["prefix"] + "gate_up_proj"] = fused[match["prefix"] + "gate_up_proj"]
+            out[match["prefix"] + "down_proj"] = fused[match["prefix"] + "down_proj"]
+    return out
+
+
+@use_experts_implementation
+class SpiderExperts(nn.Module):
+    """The routed SwiGLU experts of one MoE layer, stored as transformers 5.x stores MoE experts (DeepseekV3 /
+    Qwen3-MoE ``...Experts``; transformers ``integrations/moe.py``), so the library's experts interface, PEFT's
+    ``LoraConfig(target_parameters=...)`` and torchao's MoE FP8 reach them.
+
+    Parameters (E = ``n_routed_experts``, D = ``hidden_size``, I = ``moe_intermediate_size``):
+        gate_up_proj (`(E, 2I, D)`): rows ``[0, I)`` of expert e are its gate projection's ``nn.Linear`` weight, rows
+            ``[I, 2I)`` its up projection's (the per-expert layout's ``experts.{e}.gate_proj.weight`` and
+            ``experts.{e}.up_proj.weight``, concatenated).
+        down_proj (`(E, D, I)`): expert e's down projection weight (``experts.{e}.down_proj.weight``).
+    Expert e computes ``down_proj[e] @ (act(gate) * up)`` with ``gate, up = (gate_up_proj[e] @ x).chunk(2)``.
+
+    ``forward(hidden_states (T, D), top_k_index int64 (T, k), top_k_weights (T, k)) -> (T, D)`` in
+    ``hidden_states.dtype``: each token's weighted sum of its k experts, accumulated in fp32 (the weights are fp32).
+    ``@use_experts_implementation`` dispatches it on ``config._experts_implementation``: ``"grouped_mm"`` (default;
+    transformers' ``grouped_mm_experts_forward``: token-slots sorted by expert, group offsets by ``histc`` + ``cumsum``
+    on the device, ``torch.nn.functional.grouped_mm`` over all experts at once, no host sync), ``"batched_mm"``
+    (one ``bmm`` over per-slot gathered weights: memory-hungry, for small batches), or ``"eager"`` (this class's own
+    ``forward`` below: the seed's loop over experts with a token mask; a host sync per expert). Choose it with
+    ``from_pretrained(..., experts_implementation=...)``, ``SpiderConfig(experts_implementation=...)`` or
+    ``model.set_experts_implementation(...)``. Every implementation reads the parameters inside this module's own
+    forward, so what wraps the module or its parameters (PEFT, accelerate's offload hooks) applies to all of them.
+    """
+
+    def __init__(self, config: SpiderConfig):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """``load_state_dict`` also takes the per-expert layout of releases before issue #39 (``{prefix}{e}.gate_proj
+        .weight`` etc.), fused here by :func:`fuse_per_expert_state_dict` (``from_pretrained`` converts it with
+        :func:`per_expert_checkpoint_conversions` instead: transformers 5 loads without this hook)."""
+        own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if any(_PER_EXPERT_KEY.match(k) for k in own):
+            for key in own:
+                del state_dict[key]
+            state_dict.update(fuse_per_expert_state_dict(own))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``"eager"``: for each expert, the tokens that chose it (``torch.where``, a host sync per expert), its SwiGLU
+        on them, the output times the routing weight added into an fp32 sum. Shapes as in the class docstring."""
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        for e in range(self.num_experts):
+            token_idx, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token_idx, (expert_out * top_k_weights[token_idx, slot, None]).to(torch.float32))
+        return out.to(hidden_states.dtype)
+
+
+def per_expert_checkpoint_conversions() -> list:
+    """transformers weight conversions from the routed experts' per-expert layout (releases written before issue #39:
+    ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)` and ``down_proj.weight`` `(D, I)` for each
+    expert e) to :class:`SpiderExperts`' fused parameters: ``gate_up_proj[e] = cat(gate_proj, up_proj)`` along dim 0
+    of each expert's weight, ``down_proj[e] = down_proj``. The same two ``WeightConverter``\\ s transformers registers
+    for ``qwen2_moe`` / ``deepseek_v3`` (``transformers/conversion_mapping.py``); registered for model type
+    ``"spider"`` when this file is imported, so ``from_pretrained`` converts such a release while it loads it."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    return [
+        WeightConverter(
+            source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter(
+            source_patterns="mlp.experts.*.down_proj.weight",
+            target_patterns="mlp.experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        ),
+    ]
+
+
+def _register_per_expert_checkpoint_conversions() -> None:
+    # overwrite: this file is imported once per location (repository root, each trust_remote_code copy)
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+
+    register_checkpoint_conversion_mapping(SpiderConfig.model_type, per_expert_checkpoint_conversions(), overwrite=True)
+
+
+_register_per_expert_checkpoint_conversions()
+
+
 class SpiderMoE(nn.Module):
-    """DeepSeek-V3-style mixture of experts: `router` + top-k routed SwiGLU experts + always-on shared experts.
+    """DeepSeek-V3-style mixture of experts: `router` + top-k routed SwiGLU `experts` (:class:`SpiderExperts`, fused
+    3-D parameters) + always-on `shared_experts` (:class:`SpiderMLP`).
 
     Routing: softmax scores over `n_routed_experts` (fp32), top-k (ties to the smaller index), weights renormalised
-    over the top-k when `norm_topk_prob`. Load balancing: DeepSeek's f·P ("aux_fi") loss
+    over the top-k when `norm_topk_prob`; the routing ops are ``self.kernels``' (:class:`SpiderMoEKernels`, or a
+    TileKernels adapter the trainer installs). Load balancing: DeepSeek's f·P ("aux_fi") loss
     `sum_i f_i * P_i`, `f_i = E * share of token-slots sent to i`, `P_i = mean score of i` (= 1 at perfect balance).
-
-    Expert compute follows `config.moe_implementation`: ``"eager"`` (the seed's loop over experts with a token mask),
-    ``"sorted"`` (fused expert-sorted layout, one contiguous slice per expert) or ``"grouped_mm"`` (fused layout,
-    `torch._grouped_mm` over the stacked expert weights). All three give the same outputs and gradients (tested).
+    Expert compute follows ``config._experts_implementation`` (see :class:`SpiderExperts`); every implementation
+    gives the same outputs and gradients up to float roundoff (tested).
     """
 
     kernels = SpiderMoEKernels
@@ -541,7 +690,7 @@ class SpiderMoE(nn.Module):
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False, dtype=torch.float32)
-        self.experts = nn.ModuleList(SpiderMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
+        self.experts = SpiderExperts(config)
         if config.n_shared_experts > 0:
             self.shared_experts = SpiderMLP(config, config.moe_intermediate_size * config.n_shared_experts)
         else:
@@ -560,8 +709,7 @@ class SpiderMoE(nn.Module):
         if self.config.norm_topk_prob:
             topk_weights = self.kernels.normalize_weight(topk_weights)[1]
 
-        routed = self.experts_forward(x, topk_idx, topk_weights)
-        out = routed.to(x.dtype)
+        out = self.experts(x, topk_idx, topk_weights).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
@@ -575,70 +723,6 @@ class SpiderMoE(nn.Module):
         router's floating-point weight dtype (fp32 routing whenever the router's weights are fp32); a quantised
         router takes the activations as they are."""
         return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
-
-    @staticmethod
-    def run_expert(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """`expert(x)` for `(n, D)` rows. An expert that got no token is not called (torchao's Float8Linear cannot
-        scale an empty tensor); it returns `(0, D)` zeros tied to its trainable weights with a zero factor, so every
-        expert still gets a (zero) gradient, as DDP without `find_unused_parameters` requires. Frozen (for example
-        quantised) weights are not touched: they need no gradient and may not support the reduction."""
-        if x.shape[0] > 0:
-            return expert(x)
-        out = x.new_zeros(0, x.shape[-1])
-        trainable = [p for p in expert.parameters() if p.requires_grad]
-        if torch.is_grad_enabled() and trainable:
-            out = out + (sum(p.reshape(-1)[0] for p in trainable) * 0.0).to(x.dtype)
-        return out
-
-    def grouped_mm_blocker(self) -> str | None:
-        """Why ``moe_implementation="grouped_mm"`` cannot run this layer, or None. It multiplies the experts'
-        stacked ``.weight`` tensors directly, which is only the experts' computation when every projection is a plain
-        ``nn.Linear`` (not a PEFT LoRA, a quantised or an FP8 layer, which it would silently bypass)."""
-        for e, expert in enumerate(self.experts):
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                module = getattr(expert, name)
-                if type(module) is not nn.Linear or type(module.weight) is not nn.Parameter:
-                    return f"experts.{e}.{name} is a {type(module).__module__}.{type(module).__qualname__}"
-                if module.weight.is_meta:
-                    return f"experts.{e}.{name} is offloaded (its weight is loaded only by its own forward)"
-        return None
-
-    def experts_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of the k chosen experts per token: `(T, D)`, int64 `(T, k)`, `(T, k)` -> fp32 `(T, D)`."""
-        implementation = self.config.moe_implementation
-        if implementation == "eager":
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for e, expert in enumerate(self.experts):
-                token_idx, slot = torch.where(topk_idx == e)
-                weighted = self.run_expert(expert, x[token_idx]) * topk_weights[token_idx, slot, None]
-                out.index_add_(0, token_idx, weighted.to(torch.float32))
-            return out
-
-        if implementation == "grouped_mm":
-            blocker = self.grouped_mm_blocker()
-            if blocker is not None:
-                logger.warning_once(
-                    f"moe_implementation='grouped_mm' reads the experts' stacked weights and would bypass {blocker}; "
-                    "running the MoE layers that hold such modules with 'sorted' (each expert through its forward)"
-                )
-                implementation = "sorted"
-        mapping = self.kernels.get_fused_mapping(topk_idx, self.num_experts, self.kernels.alignment)
-        fused = self.kernels.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert)
-        if implementation == "grouped_mm":
-            offsets = mapping.expert_end.to(torch.int32)
-            gate = torch.stack([e.gate_proj.weight for e in self.experts]).transpose(1, 2)
-            up = torch.stack([e.up_proj.weight for e in self.experts]).transpose(1, 2)
-            down = torch.stack([e.down_proj.weight for e in self.experts]).transpose(1, 2)
-            act = self.experts[0].act_fn
-            hidden = act(torch._grouped_mm(fused, gate, offs=offsets)) * torch._grouped_mm(fused, up, offs=offsets)
-            expert_out = torch._grouped_mm(hidden, down, offs=offsets)
-        else:  # "sorted": one contiguous slice per expert through its own nn.Linear SwiGLU
-            sizes = mapping.num_tokens_per_expert.tolist()
-            trailing = fused.shape[0] - sum(sizes)
-            chunks = fused.split(sizes + [trailing])
-            outs = [self.run_expert(expert, chunk) for expert, chunk in zip(self.experts, chunks)]
-            expert_out = torch.cat(outs + [chunks[-1]] if trailing else outs)
-        return self.kernels.reduce_fused(expert_out, topk_weights, mapping.token_topk_to_pos)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -878,7 +962,8 @@ class SpiderBoundaryPredictor(nn.Module):
                 position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).expand_as(probs)
             boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
         elif self.training and self.mode == "relaxed":
-            soft = torch.distributions.RelaxedBernoulli(torch.tensor(self.temperature, device=logits.device), logits=logits).rsample()
+            temperature = torch.tensor(self.temperature, device=logits.device)
+            soft = torch.distributions.RelaxedBernoulli(temperature, logits=logits).rsample()
             boundaries = (soft > 0.5).to(soft.dtype)
             boundaries = boundaries if supervised else boundaries + (soft - soft.detach())  # exactly 0/1 in value
         elif self.training and not supervised:
@@ -1558,6 +1643,14 @@ class SpiderPreTrainedModel(PreTrainedModel):
     # SpiderCache crops back to accepted candidates: assisted decoding and prompt lookup work (transformers reads this).
     _is_stateful = False
 
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """transformers' ``save_pretrained``, writing the model's own parameter names by default: the routed experts
+        fused (``...mlp.experts.gate_up_proj`` / ``down_proj``), as ``state_dict()`` and ``load_state_dict`` (a Trainer
+        resuming) have them. transformers' default, ``save_original_format=True``, would undo the load-time
+        conversion registered for model type ``"spider"`` (:func:`per_expert_checkpoint_conversions`) and write the
+        per-expert layout of releases before issue #39; pass it to write a release that older Spider code reads."""
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -1569,6 +1662,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Conv1d):
             init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, SpiderExperts):  # the per-expert nn.Linear init: every weight element N(0, std)
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, SpiderRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, SpiderLoopLoRA):
@@ -2031,6 +2127,7 @@ __all__ = [
     "SpiderPreTrainedModel",
     "SpiderModel",
     "SpiderForConditionalGeneration",
+    "SpiderExperts",
     "SpiderMoE",
     "SpiderMoEKernels",
     "downsample",

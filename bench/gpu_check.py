@@ -20,7 +20,8 @@ Parts, in the order they run (most important first; see "Time budget"):
   Passes when the run finishes, held-out bits per byte fell, and the reloaded release generates on the device.
   (500 steps took 151 s on an H200 on 2026-11-26.)
 - ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
-  of Spider ``1b`` (its default config, and with ``moe_implementation="grouped_mm"``), transformers'
+  of Spider ``1b`` (its default config, the fused experts on ``grouped_mm``, and with ``experts_implementation="eager"``,
+  a loop over the experts as the per-expert layout ran them), transformers'
   ``DeepseekV3ForCausalLM`` of the same shape (:func:`bench.common.peer_config`) and a dense ``LlamaForCausalLM`` of
   about the same parameter count (:func:`bench.common.dense_llama_config`), at 32 x 256 and 8 x 2048 bytes. Per
   row: step seconds (median of ``--step_repeats`` after a warm-up step), bytes/s, peak memory
@@ -36,7 +37,7 @@ Parts, in the order they run (most important first; see "Time budget"):
   measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is
   given.
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
-  default MoE path and with ``grouped_mm``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
+  default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
   recorded (:class:`bench.common.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
   dispatch-level count by op and source line (:class:`bench.common.HostSyncCounter`: ``.item()``, ``nonzero``,
   boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset runs at the
@@ -44,12 +45,12 @@ Parts, in the order they run (most important first; see "Time budget"):
   the width; the full ``1b`` takes minutes per step there). A measurement: passes when it ran.
 - ``run_1b``: ``--run_1b_steps`` (300) training steps of ``--preset 1b`` on the embedded corpus through
   :func:`spider_training.train.main` (bf16, 32 x 256 bytes per step, no activation checkpointing, the
-  ``grouped_mm`` experts: the fastest MoE path measured on an H200, numerically the sorted one's), held-out bits per
+  preset's experts implementation, ``grouped_mm``), held-out bits per
   byte scored 6 times along the way and the compression rate (bytes per segment) logged every few steps. Passes when
   the boundary rate of the last logged steps (``1 / compression_rate``) lies inside the prior's band, where the
   hinge ``relu(r - prior) + relu(prior - k*std - r)`` is zero (``boundary_prior``, ``boundary_prior_std``,
   ``boundary_prior_k`` of the trained config), and held-out bits per byte fell (last < first). Skipped without CUDA
-  unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_moe`` and
+  unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
   and the entry says how many.
 - ``fp8_<recipe>_<preset>``: torchao ``Float8Linear`` (real ``torch._scaled_mm`` on a GPU; emulated on CPU) against
@@ -133,7 +134,7 @@ PART_CAPS_S = {"main_job": 200, "step_table": 110, "host_syncs": 30, "run_1b": 1
 MIN_PART_S = 5.0
 DEFAULT_BUDGET_S = 460.0
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
-STEP_TABLE_MODELS = ("spider", "spider_grouped_mm", "deepseek_v3", "llama_dense")
+STEP_TABLE_MODELS = ("spider", "spider_eager_experts", "deepseek_v3", "llama_dense")
 #: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
 _WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
@@ -402,7 +403,7 @@ def judge_1b_run(held_out: list[tuple[int, float]], compression: list[tuple[int,
 
 def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len: int = 256,
                  device: torch.device | None = None, deadline: Deadline | None = None,
-                 moe_implementation: str | None = "grouped_mm", extra_args: tuple[str, ...] = ()) -> dict:
+                 experts_implementation: str | None = None, extra_args: tuple[str, ...] = ()) -> dict:
     """`steps` training steps of `preset` on the embedded corpus, judged by :func:`judge_1b_run` (see the module
     docstring). Skipped without CUDA for the ``1b`` preset."""
     device = device or _device()
@@ -411,7 +412,7 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
     if preset == "1b" and device.type != "cuda":
         return _entry(name, "skipped", "needs CUDA (300 steps of the 1b preset take days on a CPU)")
     figures = {"device": str(device), "preset": preset, "steps_requested": steps, "micro_batch": batch,
-               "seq_len": seq_len, "moe_implementation": moe_implementation}
+               "seq_len": seq_len, "experts_implementation": experts_implementation or "the preset's"}
     with tempfile.TemporaryDirectory(prefix="spider_gpu_check_1b_") as tmp:
         argv = ["--preset", preset, "--max_steps", str(steps), "--micro_batch", str(batch), "--seq_len", str(seq_len),
                 "--output_dir", os.path.join(tmp, "run"), "--eval_steps", str(max(1, steps // 6)),
@@ -419,8 +420,8 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
                 "--no_gradient_checkpointing"]
         if device.type == "cuda":
             argv += ["--precision", "bf16"]
-        if moe_implementation:
-            argv += ["--config_overrides", f"moe_implementation={moe_implementation}"]
+        if experts_implementation:  # the config field of releases before the fused experts, still mapped
+            argv += ["--config_overrides", f"moe_implementation={experts_implementation}"]
         argv += list(extra_args)
         stop_at = deadline.at_fraction(0.8, keep_s=max(20.0, 0.2 * min(deadline.left(), 1e9)))
         try:
@@ -594,7 +595,7 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     peak = device_peak_matmul_flops(device, dtype)
     config = spider_config(preset)
     llama_config = dense_llama_config(config)
-    default_moe = config.moe_implementation
+    default_experts = config._experts_implementation
     builders = {
         "spider": lambda: spider_model(preset),
         "deepseek_v3": lambda: peer_model(config),
@@ -613,9 +614,9 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
             row_start = time.monotonic()
             model = None
             try:
-                if label in ("spider", "spider_grouped_mm"):
+                if label in ("spider", "spider_eager_experts"):
                     spider = spider if spider is not None else _build(builders["spider"], device)
-                    spider.config.moe_implementation = "grouped_mm" if label == "spider_grouped_mm" else default_moe
+                    spider.set_experts_implementation("eager" if label == "spider_eager_experts" else default_experts)
                     model = spider
                 else:
                     spider = None
@@ -673,10 +674,10 @@ def proxy_1b_config(**overrides):
 
 
 def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, device: torch.device | None = None,
-                     deadline: Deadline | None = None, variants: tuple[str | None, ...] = (None, "grouped_mm"),
+                     deadline: Deadline | None = None, variants: tuple[str | None, ...] = (None, "eager"),
                      top: int = 10) -> dict:
     """Device-to-host syncs of one training forward+backward of `preset` (see the module docstring). `variants`:
-    MoE implementations (None: the preset's own)."""
+    experts implementations (None: the preset's own)."""
     from modeling_spider import SpiderForConditionalGeneration
 
     device = device or _device()
@@ -690,11 +691,11 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
     ids = random_bytes(*shape).to(device)
     results = {}
     for variant in variants:
-        label = variant or config.moe_implementation
+        label = variant or config._experts_implementation
         if deadline.expired(MIN_PART_S):
             results[label] = {"status": "skipped", "reason": TIME_BUDGET}
             continue
-        model.config.moe_implementation = variant or config.moe_implementation
+        model.set_experts_implementation(variant or config._experts_implementation)
         _forward_backward(model, ids, device)  # warm-up: first-call plans and allocations are not the steady state
         _sync(device)
         cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
@@ -799,7 +800,7 @@ def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: 
         except Exception as exc:  # not installed, or tilelang failing at import
             return _entry("tile_kernels_moe", "skipped", f"tile_kernels does not import: {type(exc).__name__}: {exc}")
     batch, length = SHAPES[preset]
-    reference = spider_model(preset, moe_implementation="sorted").to(device)
+    reference = spider_model(preset).to(device)
     swapped = copy.deepcopy(reference)
     backend = swap_in_tile_kernels(swapped, tile_kernels_module)
     if backend == BACKEND_TORCH:
@@ -856,7 +857,7 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
     ids = random_bytes(batch * world, length).to(device).chunk(world)[rank]
     curves = {}
     for all_gather in (False, True):
-        model = spider_model(preset, moe_implementation="sorted").to(device)
+        model = spider_model(preset).to(device)
         config = dataclasses.replace(build_float8_config("tensorwise", emulate=False),
                                      enable_fsdp_float8_all_gather=all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
@@ -916,7 +917,7 @@ def _part_functions(options) -> dict:
                                                   options.step_repeats, deadline=d)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
         "run_1b": lambda d: [run_1b_check(options.run_1b_steps, options.run_1b_preset, *options.run_1b_batch,
-                                          deadline=d, moe_implementation=options.run_1b_moe or None,
+                                          deadline=d, experts_implementation=options.run_1b_experts or None,
                                           extra_args=tuple(options.run_1b_args))],
         "fp8": lambda d: _fp8_part(options, d),
         "tile_kernels_moe": lambda d: [tile_kernels_check()],
@@ -995,8 +996,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run_1b_steps", type=int, default=300)
     parser.add_argument("--run_1b_preset", default="1b", help="preset of the run (smaller presets also run on CPU)")
     parser.add_argument("--run_1b_batch", type=parse_shape, default=(32, 256), help="BATCHxBYTES per step")
-    parser.add_argument("--run_1b_moe", default="grouped_mm",
-                        help="moe_implementation of the run ('' keeps the preset's)")
+    parser.add_argument("--run_1b_experts", default="",
+                        help="experts_implementation of the run: grouped_mm, batched_mm, eager ('' keeps the preset's)")
     parser.add_argument("--run_1b_args", type=shlex.split, default=[],
                         help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'")
     parser.add_argument("--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES),

@@ -1,8 +1,10 @@
-"""Benchmark 1 -- MoE layer: ``SpiderMoE`` fast paths vs the per-expert loop, forward + backward.
+"""Benchmark 1 -- MoE layer: ``SpiderMoE`` fast path vs the per-expert loop, forward + backward.
 
 ``SpiderMoE`` built from ``SpiderConfig.from_preset("tiny", hidden_size=512, n_routed_experts=32,
-num_experts_per_tok=2, moe_intermediate_size=512, n_shared_experts=0)`` once per ``moe_implementation``
-(``"eager"``, ``"sorted"``, ``"grouped_mm"``), all three loaded with the same ``state_dict``. One call = forward on
+num_experts_per_tok=2, moe_intermediate_size=512, n_shared_experts=0)`` once per ``experts_implementation``
+(``"eager"``, ``"grouped_mm"``; the fused experts of issue #39 under transformers' experts interface), both loaded
+with the same ``state_dict``. ``"batched_mm"`` is left out: it gathers one weight matrix per token-slot (17 GB for
+the full size here). One call = forward on
 ``(tokens, hidden)`` activations that require grad, then ``out.backward(grad)`` with a fixed contiguous gradient
 (``torch._grouped_mm``'s fp32 backward rejects the zero-stride gradient of ``out.sum()``), then parameter grads are
 dropped. The shared expert is left out (``n_shared_experts=0``): it is the same ``SpiderMLP`` call in every
@@ -30,7 +32,7 @@ from bench.common import (
 )
 
 TARGET = 1.5
-FAST = ("sorted", "grouped_mm")
+FAST = ("grouped_mm",)
 FULL = dict(tokens=4096, hidden_size=512, n_routed_experts=32, num_experts_per_tok=2, moe_intermediate_size=512,
             warmup=2, repeats=5, matmul_n=2048)
 # matmul_n: side of the square matmul that measures the peak FLOP/s (a 2048^3 bf16 matmul takes seconds on a CPU
@@ -41,7 +43,7 @@ QUICK = dict(tokens=256, hidden_size=64, n_routed_experts=8, num_experts_per_tok
 
 def build_layers(hidden_size: int, n_routed_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
                  dtype: torch.dtype, seed: int = 0) -> dict:
-    """``{implementation: SpiderMoE}`` for eager/sorted/grouped_mm with identical weights, in ``dtype``."""
+    """``{implementation: SpiderMoE}`` for eager and :data:`FAST` with identical weights, in ``dtype``."""
     from modeling_spider import SpiderMoE
 
     layers = {}
@@ -50,7 +52,7 @@ def build_layers(hidden_size: int, n_routed_experts: int, num_experts_per_tok: i
         cfg = spider_config(
             "tiny", hidden_size=hidden_size, n_routed_experts=n_routed_experts,
             num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
-            n_shared_experts=0, moe_implementation=impl,
+            n_shared_experts=0, experts_implementation=impl,
         )
         torch.manual_seed(seed)
         layer = SpiderMoE(cfg)

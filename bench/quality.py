@@ -103,12 +103,15 @@ def param_groups(model, recipe: Recipe, muon: bool = False) -> list[dict]:
             continue
         scale = recipe.global_lr_scale if is_spider and not name.startswith(BYTE_LAYERS) else 1.0
         decay = param.dim() >= 2
-        groups.setdefault((scale, decay), []).append(param)
+        # the fused experts' [gate; up] matrices: gate and up orthogonalised apart (spider_training.optim.Muon)
+        blocks = 2 if muon and name.endswith(".mlp.experts.gate_up_proj") else 1
+        groups.setdefault((scale, decay, blocks), []).append(param)
     if muon:  # Muon's decoupled decay is lr * weight_decay per step: keep AdamW's per-step decay
         return [{"params": params, "weight_decay": recipe.weight_decay * recipe.lr / recipe.muon_lr,
-                 "lr_scale": scale * recipe.muon_lr / recipe.lr} for (scale, _), params in groups.items()]
+                 "lr_scale": scale * recipe.muon_lr / recipe.lr, **({"row_blocks": blocks} if blocks > 1 else {})}
+                for (scale, _, blocks), params in groups.items()]
     return [{"params": params, "weight_decay": recipe.weight_decay if decay else 0.0, "lr_scale": scale}
-            for (scale, decay), params in groups.items()]
+            for (scale, decay, _), params in groups.items()]
 
 
 def optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:

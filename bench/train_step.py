@@ -60,7 +60,7 @@ def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
         "boundary_prior": cfg.boundary_prior,
         "spider_params": num_params(spider),
         "peer_params": num_params(peer),
-        "spider_moe_implementation": cfg.moe_implementation,
+        "spider_experts_implementation": cfg._experts_implementation,
         "peer_experts_implementation": getattr(peer.config, "_experts_implementation", None),
         "peer_attn_implementation": peer.config._attn_implementation,
         "peer_layers": [type(layer.mlp).__name__ for layer in peer.model.layers],

@@ -251,10 +251,46 @@ def seed_to_spider_name(name: str, key_mapping: dict[str, str] | None = None) ->
     return name
 
 
+def _fuse_seed_experts(seed_state: dict, targets: dict[str, str], model_state: dict
+                       ) -> tuple[dict, dict[str, str], dict[str, list[str]]]:
+    """The seed's routed experts are one ``nn.Linear`` SwiGLU each (``...mlp.experts.{e}.gate_proj.weight`` etc., as
+    Spider's were before issue #39); Spider's are fused (``...mlp.experts.gate_up_proj`` / ``down_proj``).
+
+    Returns ``(state, targets, sources)``: `seed_state` and `targets` (seed key -> Spider key) with every complete
+    per-expert group whose fused names the model has replaced by the two fused tensors
+    (``modeling_spider.fuse_per_expert_state_dict``) under entry names ``"fused:<spider key>"``; ``sources`` maps
+    each such entry to the seed keys it was built from. Incomplete groups and groups the model has no fused names for
+    are left as they are (reported as unmapped downstream)."""
+    from modeling_spider import _PER_EXPERT_KEY, fuse_per_expert_state_dict
+
+    groups: dict[str, list[str]] = {}
+    for seed_key, target in targets.items():
+        match = _PER_EXPERT_KEY.match(target)
+        if match and isinstance(seed_state[seed_key], torch.Tensor) and match["prefix"] + "gate_up_proj" in model_state:
+            groups.setdefault(match["prefix"], []).append(seed_key)
+    state, targets, sources = dict(seed_state), dict(targets), {}
+    for prefix, seed_keys in groups.items():
+        try:
+            fused = fuse_per_expert_state_dict({targets[k]: seed_state[k] for k in seed_keys})
+        except ValueError:  # an incomplete group: its keys stay as they are, unmapped
+            continue
+        for key in seed_keys:
+            del state[key]
+        for name, tensor in fused.items():
+            is_down = name.endswith("down_proj")
+            entry = f"fused:{name}"
+            state[entry], targets[entry] = tensor, name
+            sources[entry] = [k for k in seed_keys if (_PER_EXPERT_KEY.match(targets[k])["proj"] == "down_proj")
+                              == is_down]
+    return state, targets, sources
+
+
 def map_state_dict(
     seed_state: dict, model_state: dict, key_mapping: dict[str, str] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Match seed tensors to the Spider model's state dict by name (:func:`seed_to_spider_name`) and shape.
+    """Match seed tensors to the Spider model's state dict by name (:func:`seed_to_spider_name`) and shape; the seed's
+    per-expert routed-expert weights are fused into Spider's ``gate_up_proj`` / ``down_proj`` first
+    (:func:`_fuse_seed_experts`), and each of them is reported as renamed to its fused key.
 
     Args:
         seed_state: the seed's ``model_state_dict`` (names as saved, wrappers included).
@@ -271,25 +307,31 @@ def map_state_dict(
     wrappers = dict(list(SEED_KEY_MAPPING.items())[:_WRAPPER_PATTERNS])
     mapped: dict[str, torch.Tensor] = {}
     renamed, unmapped, duplicates, mismatches, wrapped = {}, [], [], [], 0
-    for seed_key, value in seed_state.items():
+    targets = {}
+    for seed_key in seed_state:
         target = seed_to_spider_name(seed_key, key_mapping)
         if f"model.{target}" in model_state and target not in model_state:
             target = f"model.{target}"  # a seed trunk saved without the `model.` base-model prefix
+        targets[seed_key] = target
+    seed_state, targets, sources = _fuse_seed_experts(seed_state, targets, model_state)
+    for entry, value in seed_state.items():
+        target, originals = targets[entry], sources.get(entry, [entry])
         if not isinstance(value, torch.Tensor) or target not in model_state:
-            unmapped.append(seed_key)
+            unmapped.extend(originals)
         elif target in mapped:
-            duplicates.append(seed_key)
+            duplicates.extend(originals)
         elif tuple(value.shape) != tuple(model_state[target].shape):
-            mismatches.append({"seed_key": seed_key, "model_key": target, "seed_shape": list(value.shape),
+            mismatches.append({"seed_key": "+".join(originals), "model_key": target, "seed_shape": list(value.shape),
                                "model_shape": list(model_state[target].shape)})
         else:
             mapped[target] = value
-            unwrapped = seed_key
-            for pattern, replacement in wrappers.items():
-                unwrapped = re.sub(pattern, replacement, unwrapped)
-            wrapped += unwrapped != seed_key
-            if target != unwrapped:
-                renamed[seed_key] = target
+            for seed_key in originals:
+                unwrapped = seed_key
+                for pattern, replacement in wrappers.items():
+                    unwrapped = re.sub(pattern, replacement, unwrapped)
+                wrapped += unwrapped != seed_key
+                if target != unwrapped:
+                    renamed[seed_key] = target
     details = {"unwrapped": wrapped, "renamed": renamed, "unmapped_seed_keys": unmapped,
                "duplicate_seed_keys": duplicates, "shape_mismatches": mismatches,
                "missing_model_keys": [k for k in model_state if k not in mapped]}

@@ -5,15 +5,19 @@ What gets converted (:func:`fp8_skip_reason`, ``--fp8_layers``):
 
 - ``"auto"`` (default): the layers where torchao's own filter (``torchao.float8.float8_linear_utils.
   _auto_filter_for_recipe``, thresholds from its H100 benchmarks) expects FP8 to beat bf16, among the plain
-  ``nn.Linear`` layers the seed's filter allows; routed MoE experts stay in bf16 too: each expert multiplies only the
-  ~``T * k / E`` token rows routed to it, fewer than any weight-shape threshold assumes (on an H200 the 1b preset's
-  step took 5.8 s with every expert in ``Float8Linear`` against 0.85 s in bf16). On the small and tiny presets no
-  layer is large enough, so nothing is converted and the run says so.
-- ``"seed"``: every layer the seed converted: a plain ``nn.Linear`` whose qualified name contains none of the seed's
-  skip words (:data:`SEED_FP8_SKIP`) and whose ``in_features`` and ``out_features`` both divide by 16 (torchao /
-  ``torch._scaled_mm`` needs it). In Spider that is the MLA projections, the dense prelude/coda SwiGLUs, the routed
-  experts and the shared experts; the router, ``lm_head``, boundary predictor, Engram projections and halt predictor
-  stay in high precision (the module names are fixed so that the seed's filter keeps selecting the same layers).
+  ``nn.Linear`` layers the seed's filter allows. On the small and tiny presets no layer is large enough, so nothing is
+  converted and the run says so.
+- ``"seed"``: every layer the seed's filter allows: a plain ``nn.Linear`` whose qualified name contains none of the
+  seed's skip words (:data:`SEED_FP8_SKIP`) and whose ``in_features`` and ``out_features`` both divide by 16 (torchao /
+  ``torch._scaled_mm`` needs it). In Spider that is the MLA projections, the dense prelude/coda SwiGLUs and the shared
+  experts; the router, ``lm_head``, boundary predictor, Engram projections and halt predictor stay in high precision
+  (the module names are fixed so that the seed's filter keeps selecting the same layers).
+
+The routed experts are fused 3-D parameters (``modeling_spider.SpiderExperts``), not ``nn.Linear`` layers:
+``Float8Linear`` does not reach them under either filter, and they run through the model's ``experts_implementation``
+in high precision. (The seed converted every expert's ``nn.Linear``; on an H200 that made a 1b step 5.8 s against
+0.85 s in bf16: each expert multiplies only the few rows routed to it.) Their FP8 path is torchao's grouped GEMM,
+:mod:`spider_training.fp8_moe`.
 
 :attr:`Fp8Report.message` is the one log line that says how many layers were converted and, by reason, how many were
 left in high precision.
@@ -90,8 +94,6 @@ FP8_MEASURED: dict[tuple[tuple[int, int], str], dict] = {
 
 FP8_DIM_MULTIPLE = 16
 
-_EXPERT_FQN = re.compile(r"(^|\.)experts\.\d+\.")
-
 
 def _float8_linear_class():
     """torchao's ``Float8Linear`` class, or None when torchao's float8 module does not import."""
@@ -119,14 +121,14 @@ def _is_float8_linear(module: nn.Module) -> bool:
 @functools.cache
 def _torchao_auto_filter(recipe: str):
     """torchao's ``_auto_filter_for_recipe`` for `recipe` (its ``rowwise`` one for ``rowwise_with_gw_hp``, which has
-    the same forward GEMM shapes and no filter of its own), without fqn filtering (the seed's words are checked here)."""
+    the same forward GEMM shapes and no filter of its own), without fqn filtering (the seed's words are checked
+    here)."""
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
     return _auto_filter_for_recipe("rowwise" if recipe == "rowwise_with_gw_hp" else recipe, filter_fqns=[])
 
 
-#: The reasons of :func:`fp8_skip_reason` that ``--fp8_layers auto`` adds to the seed's (prefixes of the text).
-AUTO_SKIP_ROUTED_EXPERT = "routed expert"
+#: The reason of :func:`fp8_skip_reason` that ``--fp8_layers auto`` adds to the seed's (prefix of the text).
 AUTO_SKIP_SIZE = "torchao's auto filter"
 
 
@@ -136,8 +138,7 @@ def fp8_skip_reason(module: nn.Module, fqn: str, layers: str = "seed", recipe: s
 
     Reasons (the seed's): ``"not nn.Linear"``, ``"already Float8Linear"``, ``"name contains '<word>'"`` (first
     matching word of :data:`SEED_FP8_SKIP`), ``"in_features=<n> / out_features=<m> not divisible by 16"``; and with
-    ``layers="auto"``: ``"routed expert: ..."`` and ``"torchao's auto filter (<recipe>) expects no gain at
-    in_features=<K>, out_features=<N>"``.
+    ``layers="auto"``: ``"torchao's auto filter (<recipe>) expects no gain at in_features=<K>, out_features=<N>"``.
 
     Raises:
         ValueError: `layers` not in :data:`FP8_LAYER_FILTERS`.
@@ -157,9 +158,6 @@ def fp8_skip_reason(module: nn.Module, fqn: str, layers: str = "seed", recipe: s
             f"{FP8_DIM_MULTIPLE}"
         )
     if layers == "auto":
-        if _EXPERT_FQN.search(fqn):
-            return (f"{AUTO_SKIP_ROUTED_EXPERT}: each expert multiplies only the ~T*k/E token rows routed to it, too "
-                    "few for FP8's per-call casts to pay")
         if not _torchao_auto_filter(_check_recipe(recipe))(module, fqn):
             return (f"{AUTO_SKIP_SIZE} ({recipe}) expects no gain at in_features={module.in_features}, "
                     f"out_features={module.out_features}")
@@ -202,8 +200,6 @@ class Fp8Report:
         converted_fqns: qualified names of the ``Float8Linear`` layers, in module order.
         already_converted: True when the model already held ``Float8Linear`` layers and nothing was converted.
         skipped: qualified name -> reason (see :func:`fp8_skip_reason`) for every ``nn.Linear`` left in high precision.
-        moe_implementation_switch: ``"grouped_mm -> sorted"`` when the model's ``config.moe_implementation`` was
-            switched so that the converted experts' ``Float8Linear`` layers are actually used, else None.
         layers: the ``--fp8_layers`` filter used (``"auto"`` or ``"seed"``).
     """
 
@@ -214,7 +210,6 @@ class Fp8Report:
     converted_fqns: list[str] = field(default_factory=list)
     already_converted: bool = False
     skipped: dict[str, str] = field(default_factory=dict)
-    moe_implementation_switch: str | None = None
     layers: str = "seed"
 
     def skipped_by_reason(self) -> dict[str, int]:
@@ -244,8 +239,6 @@ class Fp8Report:
             if self.skipped:
                 text += "; left in high precision: " + ", ".join(
                     f"{count} {kind}" for kind, count in sorted(self.skipped_by_reason().items()))
-        if self.moe_implementation_switch:
-            text += f"; moe_implementation {self.moe_implementation_switch} (grouped_mm bypasses Float8Linear)"
         return text
 
 
@@ -299,31 +292,6 @@ def _config_recipe_name(config) -> str:
     return "custom"
 
 
-def _switch_grouped_mm_to_sorted(model: nn.Module, converted_fqns: list[str]) -> str | None:
-    """If experts were converted and the model routes through ``torch._grouped_mm`` (which reads the stacked
-    ``.weight`` tensors and never calls ``Float8Linear.forward``), set every ``config.moe_implementation`` reachable
-    from the model to ``"sorted"`` (same outputs, tested in the model's tests; each expert's ``Float8Linear`` runs)."""
-    if not any(_EXPERT_FQN.search(fqn) for fqn in converted_fqns):
-        return None
-    configs = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "moe_implementation"):
-            configs[id(config)] = config
-    switched = False
-    for config in configs.values():
-        if config.moe_implementation == "grouped_mm":
-            config.moe_implementation = "sorted"
-            switched = True
-    if switched:
-        logger.info(
-            "FP8: switched config.moe_implementation from 'grouped_mm' to 'sorted': grouped_mm stacks the experts' "
-            ".weight tensors and would bypass their Float8Linear layers"
-        )
-        return "grouped_mm -> sorted"
-    return None
-
-
 def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: bool | None = None,
                          layers: str = "auto") -> Fp8Report:
     """Convert `model`'s eligible ``nn.Linear`` layers to torchao ``Float8Linear`` in place (seed
@@ -339,9 +307,7 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
 
     Layers are chosen by :func:`fp8_layer_filter`. Idempotent: a model that already holds ``Float8Linear`` layers
     (from an earlier call, or from accelerate's ``mixed_precision="fp8"`` / ``AORecipeKwargs`` path) is not converted
-    again; the report says so (``already_converted=True``). When routed experts are (or already were) converted and
-    ``config.moe_implementation == "grouped_mm"``, it is switched to ``"sorted"`` (logged, ``moe_implementation_switch``
-    in the report). Logs ``"FP8: converted N of M linear layers (recipe=..., emulate=...)"``.
+    again; the report says so (``already_converted=True``). Logs :attr:`Fp8Report.message`.
 
     Returns:
         :class:`Fp8Report`.
@@ -378,7 +344,6 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
             },
             layers=layers,
         )
-        report.moe_implementation_switch = _switch_grouped_mm_to_sorted(model, report.converted_fqns)
         logger.info(report.message)
         return report
 
@@ -395,7 +360,6 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
         skipped=skipped,
         layers=layers,
     )
-    report.moe_implementation_switch = _switch_grouped_mm_to_sorted(model, converted_fqns)
     logger.info(report.message)
     return report
 
@@ -460,7 +424,8 @@ def ao_recipe_kwargs(recipe: str = "tensorwise", emulate: bool | None = None, la
     """
     from accelerate.utils import AORecipeKwargs
 
-    return AORecipeKwargs(config=build_float8_config(recipe, emulate), module_filter_func=fp8_layer_filter(layers, recipe))
+    return AORecipeKwargs(config=build_float8_config(recipe, emulate),
+                          module_filter_func=fp8_layer_filter(layers, recipe))
 
 
 def fp8_measured_faster(preset: str | None, capability: tuple[int, int] | None = None) -> bool:

@@ -21,7 +21,8 @@ values are left out):
 * ``training``: ``precision`` (``"fp8"`` adds the ``fp8`` tag and the FP8 paragraph), ``optimizer``,
   ``learning_rate``, ``lr_scheduler``, ``warmup_steps``, ``max_steps``, ``global_step``, ``per_device_batch_size``,
   ``gradient_accumulation_steps``, ``world_size``, ``seq_len``, ``train_tokens``, ``num_parameters``, ``n_loops``,
-  ``train_runtime_s``, ``hardware``, ``seed``, ``moe_implementation``.
+  ``train_runtime_s``, ``hardware``, ``seed``, ``experts_implementation`` (``moe_implementation`` in records from
+  before issue #39).
 * ``data``: ``source``, ``name``, ``hub_dataset`` (a Hub dataset id, or a list: goes into the ``datasets`` metadata),
   ``train_bytes``, ``eval_bytes``, ``eval_split`` (how the held-out split was made), ``num_documents``,
   ``description``.
@@ -90,7 +91,7 @@ CONFIG_LABELS = {
     "boundary_teacher": "boundary teacher",
     "vocab_size": "vocabulary",
     "max_position_embeddings": "max positions (bytes)",
-    "moe_implementation": "expert compute path",
+    "moe_implementation": "expert compute path",  # config.json of releases before issue #39
 }
 TRAINING_LABELS = {
     "precision": "precision",
@@ -110,7 +111,8 @@ TRAINING_LABELS = {
     "train_runtime_s": "wall-clock time",
     "hardware": "hardware",
     "seed": "seed",
-    "moe_implementation": "expert compute path",
+    "experts_implementation": "expert compute path",
+    "moe_implementation": "expert compute path",  # records from before issue #39
     # names used by spider_training/release.py
     "steps": "optimizer steps",
     "micro_batch": "sequences per device per step",

@@ -79,7 +79,32 @@ class Muon(torch.optim.Muon):
         W <- W * (1 - lr * weight_decay) - lr * adjust(W.shape) * NS(U)
 
     with ``adjust`` = ``sqrt(max(1, rows / cols))`` (``adjust_lr_fn`` None or "original") or ``0.2 * sqrt(max(rows,
-    cols))`` ("match_rms_adamw")."""
+    cols))`` ("match_rms_adamw").
+
+    One extension, for the fused MoE experts (``gate_up_proj`` `(E, 2I, D)`, ``down_proj`` `(E, D, I)`): a 3-D
+    parameter ``(E, rows, cols)`` is a stack of E matrices, and a parameter group's ``row_blocks`` (default 1) splits
+    each matrix's rows into that many equal blocks; ``NS`` and ``adjust`` apply to every block of every matrix on its
+    own. With ``row_blocks=2`` on ``gate_up_proj`` (``[gate; up]`` per expert) each expert's gate, up and down
+    projections move exactly as their per-expert ``nn.Linear`` weights did before the experts were fused
+    (:func:`muon_with_adamw` sets it). torch's Muon refuses any parameter that is not 2-D; this one refuses any that is
+    neither 2-D nor 3-D, or whose rows do not split into ``row_blocks``.
+
+    Raises:
+        ValueError: torch's argument checks, or a parameter that is neither 2-D nor 3-D (naming its shape).
+    """
+
+    def __init__(self, params, **kwargs):
+        # torch.optim.Muon's argument checks and defaults, without its 2-D-only parameter check
+        defaults = torch.optim.Muon([torch.empty(1, 1)], **kwargs).defaults
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"Muon updates 2D matrices or 3D stacks of matrices (one per expert), got a "
+                                     f"parameter of size {tuple(p.shape)}")
+                if p.shape[-2] % group.get("row_blocks", 1):
+                    raise ValueError(f"a parameter of size {tuple(p.shape)} does not split into "
+                                     f"row_blocks={group['row_blocks']} blocks of rows")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -94,8 +119,14 @@ class Muon(torch.optim.Muon):
             for param, grad, buf in zip(params, grads, bufs):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                rows, cols = param.shape[:2]
+                args = group["ns_coefficients"], group["ns_steps"], group["eps"]
+                blocks = group.get("row_blocks", 1)
+                rows, cols = param.shape[-2] // blocks, param.shape[-1]
+                if update.dim() == 2 and blocks == 1:
+                    update = zeropower_via_newtonschulz(update, *args)
+                else:  # every block of rows of every matrix of the stack, orthogonalised on its own
+                    matrices = update.reshape(-1, rows, cols)
+                    update = torch.stack([zeropower_via_newtonschulz(m, *args) for m in matrices]).view(param.shape)
                 scale = (0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw"
                          else math.sqrt(max(1, rows / cols)))
                 param.mul_(1 - lr * group["weight_decay"])
@@ -105,12 +136,16 @@ class Muon(torch.optim.Muon):
 
 def is_hidden_matrix(name: str, param: torch.Tensor, experts: bool = True) -> bool:
     """Whether Muon updates the parameter `name`: a 2-D weight inside a layer stack (``layers.N.``,
-    ``prelude_layers.N.``, ``recurrent_block.layers.N.``, ``coda_layers.N.``: attention, FFN and expert projections) or
-    the boundary predictor's hidden layer; not embeddings, the LM head, MoE routers, norms, biases or the loop LoRA.
-    `experts=False`: not the routed MoE experts' projections either (``.mlp.experts.``; the shared experts stay), which
+    ``prelude_layers.N.``, ``recurrent_block.layers.N.``, ``coda_layers.N.``: attention, FFN and shared-expert
+    projections), the routed experts' fused 3-D ``.mlp.experts.gate_up_proj`` / ``down_proj`` (stacks of per-expert
+    matrices, which :class:`Muon` orthogonalises one expert at a time), or the boundary predictor's hidden layer; not
+    embeddings, the LM head, MoE routers, norms, biases or the loop LoRA.
+    `experts=False`: not the routed MoE experts either (``.mlp.experts.``; the shared experts stay), which
     then train with AdamW: on a small batch Muon's Newton-Schulz iterations on every expert matrix dominate the step
     (README "Model quality", the MoE experts on AdamW)."""
-    return (param.dim() == 2 and ".router." not in name and (experts or ".mlp.experts." not in name)
+    routed_expert = ".mlp.experts." in name
+    return ((param.dim() == 2 or (param.dim() == 3 and routed_expert)) and ".router." not in name
+            and (experts or not routed_expert)
             and (_LAYER_STACK.search(name) is not None or "boundary_predictor.dense" in name))
 
 
@@ -125,12 +160,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``state_dict()`` is ``{"muon": ..., "adamw": ...}``, the two children's own state dicts.
 
     Args:
-        muon_groups: parameter groups (dicts with ``params``, optionally ``lr``, ``weight_decay``) of 2-D tensors.
+        muon_groups: parameter groups (dicts with ``params``, optionally ``lr``, ``weight_decay``) of 2-D tensors or
+            3-D stacks of matrices (see :class:`Muon`).
         adamw_groups: parameter groups for AdamW.
         muon_kwargs: defaults for ``torch.optim.Muon`` (``lr`` required; ``momentum``, ``weight_decay``, ...).
         adamw_kwargs: defaults for ``torch.optim.AdamW`` (``lr`` required; ``betas``, ``weight_decay``, ...).
     Raises:
-        ValueError: a Muon parameter that is not 2-D (torch's Muon message names its shape), a parameter in both
+        ValueError: a Muon parameter that is neither 2-D nor 3-D (the message names its shape), a parameter in both
             halves, or an empty half.
     """
 
@@ -167,7 +203,8 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
                     decay_parameter_names: set[str] | None = None, muon_experts: bool = False) -> MuonWithAdamW:
     """:class:`MuonWithAdamW` over `model`'s trainable parameters: the hidden matrices (:func:`is_hidden_matrix`) by
     Muon at `muon_lr`, the rest by AdamW at `lr`, with weight decay on `decay_parameter_names` (Trainer's
-    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). The routed MoE experts' matrices go to AdamW
+    ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). The fused experts' ``gate_up_proj`` get their
+    own Muon group with ``row_blocks=2`` (see :class:`Muon`). The routed MoE experts' matrices go to AdamW
     unless `muon_experts` (:func:`is_hidden_matrix`'s `experts`; the default since 2026-11-26, README "Model
     quality"). Muon's decoupled decay per step is
     ``lr * weight_decay``: its weight decay is scaled by ``lr / muon_lr`` so that a matrix decays per step as AdamW
@@ -186,8 +223,12 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
             decays = param.dim() >= 2 if decay_parameter_names is None else name in decay_parameter_names
             (decay if decays else no_decay).append(param)
     adamw_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # the fused experts' [gate; up] matrices: gate and up orthogonalised apart, as their per-expert weights were
+    gate_up = {id(p) for n, p in model.named_parameters() if n.endswith(".mlp.experts.gate_up_proj")}
+    muon_groups = [{"params": [p for p in muon if id(p) not in gate_up]},
+                   {"params": [p for p in muon if id(p) in gate_up], "row_blocks": 2}]
     return MuonWithAdamW(
-        [{"params": muon}], [group for group in adamw_groups if group["params"]],
+        [group for group in muon_groups if group["params"]], [group for group in adamw_groups if group["params"]],
         muon_kwargs={"lr": muon_lr, "weight_decay": weight_decay * lr / muon_lr},
         adamw_kwargs={"lr": lr, "betas": betas, "eps": eps},
     )

@@ -4,6 +4,12 @@
 ``SpiderMoEKernels``; an instance attribute overrides it per layer). :class:`TileKernelsMoEKernels` is the same
 interface over the installed ``tile_kernels.moe``; :func:`swap_in_tile_kernels` installs it on every MoE layer.
 
+What the model calls: ``topk_gate``, ``normalize_weight`` and ``aux_fi``. Since issue #39 the routed experts are fused
+3-D parameters (``modeling_spider.SpiderExperts``) computed by transformers' experts implementations, which sort the
+token-slots by expert themselves (the fused layout at alignment 1, offsets on the device), so the model no longer calls
+the fused-layout ops; the adapter still wraps them (``get_fused_mapping``, ``expand_to_fused``, ``reduce_fused``) for
+code that runs that layout itself, with the contracts below.
+
 TileKernels API generations, told apart by the functions ``tile_kernels.moe`` exposes (never by version string):
 
 * **1.x** -- ``topk_gate, normalize_weight, get_fused_mapping, expand_to_fused, reduce_fused, aux_fi``: the whole
@@ -319,12 +325,9 @@ class MoEBackend(str):
 
 
 def _is_spider_moe(module) -> bool:
-    """Duck-typed SpiderMoE check (a model loaded with ``trust_remote_code`` has its own copy of the class)."""
-    return (
-        hasattr(type(module), "kernels")
-        and callable(getattr(module, "experts_forward", None))
-        and hasattr(module, "router")
-    )
+    """Duck-typed SpiderMoE check (a model loaded with ``trust_remote_code`` has its own copy of the class): a class
+    ``kernels`` attribute, a ``router`` and ``experts``."""
+    return hasattr(type(module), "kernels") and hasattr(module, "router") and hasattr(module, "experts")
 
 
 def spider_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -384,9 +387,9 @@ def swap_in_tile_kernels(model: torch.nn.Module, tile_kernels_module=None, align
     reason = f"{source} has the {api} function set; using {', '.join(adapter.used_functions)}"
     if api == "2.x":
         reason += " (moe_topk_gate scores with sqrt(softplus), Spider's router is a softmax); fused layout in torch"
-    hidden_sizes = {layer.router.in_features for layer in layers}
-    if api == "1.x" and any(h % REDUCE_FUSED_HIDDEN_MULTIPLE for h in hidden_sizes):
-        reason += f"; reduce_fused runs in torch (hidden_size {sorted(hidden_sizes)} not a multiple of 256)"
+    if api == "1.x":
+        reason += ("; the model runs topk_gate, normalize_weight and aux_fi (its fused experts sort the token-slots "
+                   "in transformers' experts implementation, not with the fused-layout ops)")
     logger.info("MoE kernels: %s on %d MoE layers (%s)", adapter.name, len(layers), reason)
     return MoEBackend(adapter.name, reason, len(layers))
 

@@ -550,6 +550,8 @@ def _configs() -> list[BadInput]:
                  _field("eos_token_id") + r"999"))
     add(BadInput("moe_implementation unknown", "configs", _config(moe_implementation="nope"), ValueError,
                  _field("moe_implementation") + r"'nope'"))
+    add(BadInput("experts_implementation unknown", "configs", _config(experts_implementation="nope"), ValueError,
+                 _field("experts_implementation") + r"'nope'"))
     add(BadInput("hidden_act unknown", "configs", _config(hidden_act="nope"), ValueError,
                  _field("hidden_act") + r"'nope'"))
     add(BadInput("initializer_range negative", "configs", _config(initializer_range=-1.0), ValueError,

@@ -120,3 +120,24 @@ def checkpoint_names(output_dir) -> list[str]:
     found = [(int(m.group(1)), child.name) for child in folder.iterdir()
              if (m := re.fullmatch(r"checkpoint-(\d+)", child.name)) and (child / "trainer_state.json").is_file()]
     return [name for _, name in sorted(found)]
+
+
+def per_expert_state_dict(state: dict) -> dict:
+    """`state` (a Spider state dict) in the routed experts' layout before issue #39, which is also the seed's: each
+    fused ``P.experts.gate_up_proj`` `(E, 2I, D)` / ``P.experts.down_proj`` `(E, D, I)` pair split into
+    ``P.experts.{e}.gate_proj.weight``, ``up_proj.weight`` `(I, D)` and ``down_proj.weight`` `(D, I)`, at the position
+    the ModuleList of experts held (after the router, before the shared experts). Written by hand, independently of
+    the model's load-time conversion."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith(".mlp.experts.gate_up_proj"):
+            prefix = key.removesuffix("gate_up_proj")
+            intermediate = value.shape[1] // 2
+            down = state[prefix + "down_proj"]
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = value[e, :intermediate].clone()
+                out[f"{prefix}{e}.up_proj.weight"] = value[e, intermediate:].clone()
+                out[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
+        elif not key.endswith(".mlp.experts.down_proj"):
+            out[key] = value.clone()
+    return out

@@ -196,9 +196,13 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     named = dict(model.named_parameters())
     assert not in_muon & in_adamw and in_muon | in_adamw == {id(p) for p in named.values()}
     for name in ("model.prelude_layers.0.self_attn.q_a_proj.weight", "model.coda_layers.0.mlp.down_proj.weight",
-                 "model.recurrent_block.layers.0.mlp.experts.0.up_proj.weight",
+                 "model.recurrent_block.layers.0.mlp.experts.gate_up_proj",
+                 "model.recurrent_block.layers.0.mlp.experts.down_proj",
                  "model.flexitokens.boundary_predictor.dense.weight"):
         assert id(named[name]) in in_muon, name
+    gate_up = {id(p) for n, p in named.items() if n.endswith(".mlp.experts.gate_up_proj")}
+    for group in muon.param_groups:  # gate and up orthogonalised apart, as their per-expert weights were
+        assert group.get("row_blocks", 1) == (2 if {id(p) for p in group["params"]} <= gate_up else 1)
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.recurrent_block.layers.0.mlp.router.weight",
                  "model.prelude_layers.0.input_layernorm.weight", "model.recurrent_block.loop_lora.lora_A"):
         assert id(named[name]) in in_adamw, name

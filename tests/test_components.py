@@ -15,6 +15,7 @@ from modeling_spider import (
     SpiderEngramEmbeddings,
     SpiderForConditionalGeneration,
     SpiderLTIInjection,
+    SpiderMLP,
     SpiderMoE,
     SpiderMoEKernels,
     downsample,
@@ -223,11 +224,58 @@ def test_fused_mapping_layout():
         )
 
 
+def per_expert_mlps(moe: SpiderMoE) -> list[SpiderMLP]:
+    """The routed experts in the layout of releases before issue #39: one :class:`SpiderMLP` per expert
+    (``experts.{e}.gate_proj / up_proj / down_proj``), holding copies of the fused weights."""
+    I = moe.experts.intermediate_dim
+    mlps = []
+    for e in range(moe.num_experts):
+        mlp = SpiderMLP(moe.config, I).to(moe.experts.gate_up_proj.dtype)
+        with torch.no_grad():
+            mlp.gate_proj.weight.copy_(moe.experts.gate_up_proj[e, :I])
+            mlp.up_proj.weight.copy_(moe.experts.gate_up_proj[e, I:])
+            mlp.down_proj.weight.copy_(moe.experts.down_proj[e])
+        mlps.append(mlp)
+    return mlps
+
+
+def per_expert_reference(moe: SpiderMoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE output as the per-expert layout computed it (the seed's masked loop, each expert an nn.Linear SwiGLU,
+    fp32 accumulation), from the same weights: `(T, D)` in `x.dtype`."""
+    scores = moe.route(x).softmax(-1)
+    topk_idx = SpiderMoEKernels.topk_gate(scores, moe.top_k)
+    weights = SpiderMoEKernels.normalize_weight(scores.gather(1, topk_idx))[1]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e, expert in enumerate(per_expert_mlps(moe)):
+        token_idx, slot = torch.where(topk_idx == e)
+        out.index_add_(0, token_idx, (expert(x[token_idx]) * weights[token_idx, slot, None]).to(torch.float32))
+    out = out.to(x.dtype)
+    return out + moe.shared_experts(x) if moe.shared_experts is not None else out
+
+
+def test_fused_experts_match_the_per_expert_layout():
+    """Fused 3-D experts (every implementation) give the per-expert nn.Linear layout's output from the same weights."""
+    torch.manual_seed(0)
+    moe = SpiderMoE(tiny())
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    assert moe.experts.gate_up_proj.shape == (8, 2 * 32, 64) and moe.experts.down_proj.shape == (8, 64, 32)
+    x = torch.randn(57, moe.config.hidden_size)
+    with torch.no_grad():
+        reference = per_expert_reference(moe, x)
+        for implementation in ("eager", "grouped_mm", "batched_mm"):
+            moe.config._experts_implementation = implementation
+            out = moe(x)[0]
+            # one matmul over [gate; up] instead of two: same dot products, possibly blocked differently
+            terms = moe.config.hidden_size + moe.config.moe_intermediate_size
+            torch.testing.assert_close(out, reference, **float_tol(reference, terms), msg=implementation)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("implementation", ["sorted", "grouped_mm"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 def test_moe_fast_paths_equal_eager(implementation, dtype):
     torch.manual_seed(0)
-    config = tiny(moe_implementation="eager")
+    config = tiny(experts_implementation="eager")
     moe = SpiderMoE(config).to(dtype)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -235,7 +283,7 @@ def test_moe_fast_paths_equal_eager(implementation, dtype):
     grad_out = torch.randn(57, config.hidden_size, dtype=dtype)
 
     def run(impl):
-        moe.config.moe_implementation = impl
+        moe.config._experts_implementation = impl
         moe.zero_grad()
         x.grad = None
         out, _, aux, load = moe(x)
@@ -257,13 +305,37 @@ def test_moe_fast_paths_equal_eager(implementation, dtype):
 def test_full_model_moe_paths_equal():
     ids = torch.randint(0, 256, (2, 33))
     losses = {}
-    for impl in ("eager", "sorted", "grouped_mm"):
-        model = tiny_model(seed=3, moe_implementation=impl).eval()
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        model = tiny_model(seed=3, experts_implementation=impl).eval()
+        assert model.config._experts_implementation == impl
         with torch.no_grad():
             losses[impl] = model(ids, labels=ids).loss
     tol = float_tol(losses["eager"], model_terms(model))
-    torch.testing.assert_close(losses["sorted"], losses["eager"], **tol)
     torch.testing.assert_close(losses["grouped_mm"], losses["eager"], **tol)
+    torch.testing.assert_close(losses["batched_mm"], losses["eager"], **tol)
+
+
+def test_experts_implementation_settings():
+    """grouped_mm by default; set at construction, by the deprecated moe_implementation of old configs, and with
+    transformers' set_experts_implementation, which every MoE layer follows (they share the model's config)."""
+    assert tiny()._experts_implementation == "grouped_mm"
+    assert tiny(moe_implementation="sorted")._experts_implementation == "grouped_mm"
+    assert tiny(moe_implementation="eager")._experts_implementation == "eager"
+    assert tiny(moe_implementation="eager", experts_implementation="batched_mm")._experts_implementation == "batched_mm"
+    assert "moe_implementation" not in tiny(moe_implementation="eager").to_dict()
+    config = tiny()
+    config.update_from_string("moe_implementation=eager")
+    assert config._experts_implementation == "eager"
+    config.moe_implementation = "sorted"  # the deprecated alias: read and assigned, mapped like old configs
+    assert config._experts_implementation == config.moe_implementation == "grouped_mm"
+    with pytest.raises(ValueError, match="moe_implementation"):
+        config.moe_implementation = "nope"
+    model = tiny_model(seed=0)
+    model.set_experts_implementation("eager")
+    layers = [layer.mlp.experts for layer in model.model.recurrent_block.layers]
+    assert all(experts.config._experts_implementation == "eager" for experts in layers)
+    with pytest.raises(ValueError, match="experts_implementation"):
+        model.set_experts_implementation("nope")
 
 
 # --- Engram ----------------------------------------------------------------------------------------------------------
@@ -423,7 +495,8 @@ def test_bad_n_loops_raises():
     "field,value",
     [
         ("hidden_size", -8), ("num_experts_per_tok", 9), ("engram_layer_ids", [5]), ("n_loops", 0),
-        ("moe_implementation", "fast"), ("qk_rope_head_dim", 7), ("act_threshold", 1.5), ("num_hidden_layers", 3),
+        ("moe_implementation", "fast"), ("experts_implementation", "fast"), ("qk_rope_head_dim", 7),
+        ("act_threshold", 1.5), ("num_hidden_layers", 3),
         ("boundary_threshold", 1.0), ("vocab_size", 100),
     ],
 )

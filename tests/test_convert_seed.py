@@ -26,7 +26,7 @@ from spider_training.convert_seed import (
     convert_seed_checkpoint,
     seed_to_spider_name,
 )
-from tests.helpers import tiny_model
+from tests.helpers import per_expert_state_dict, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,7 +164,8 @@ def seed(tmp_path_factory):
     """Two seed-format checkpoints and the tensors they hold (Spider names -> tensor)."""
     tmp = tmp_path_factory.mktemp("seed")
     ours = {k: v.clone() for k, v in tiny_model(seed=3, n_loops=3).state_dict().items()}
-    seed_state = {spider_to_seed_name(k): v for k, v in ours.items()}
+    # the seed's routed experts are one nn.Linear SwiGLU each: per-expert keys, which the conversion fuses
+    seed_state = {spider_to_seed_name(k): v for k, v in per_expert_state_dict(ours).items()}
     seed_state[UNKNOWN_KEY] = torch.arange(8, dtype=torch.float32)
     bad = spider_to_seed_name(MISSHAPED_MODEL_KEY)
     seed_state[bad] = torch.randn(9, ours[MISSHAPED_MODEL_KEY].shape[1])
@@ -232,7 +233,12 @@ def test_convert_maps_tensors_and_reports_the_rest(seed, variant, tmp_path, monk
     assert report["renamed"]["%smodel.recurrent_layers.0.self_attn.o_proj.weight" % prefix] == \
         "model.recurrent_block.layers.0.self_attn.o_proj.weight"
     assert (prefix + "lm_head.weight") not in report["renamed"]  # only wrappers differ: counted, not listed
-    assert report["unwrapped"] == (report["mapped"] if prefix else 0)
+    # every seed key that mapped carried the wrappers: all but the unknown and the misshaped one
+    assert report["unwrapped"] == (len(seed["seed_state"]) - 2 if prefix else 0)
+    # the seed's per-expert weights went into the fused experts
+    for proj, fused in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"), ("down_proj", "down_proj")):
+        assert report["renamed"][f"{prefix}model.recurrent_layers.0.mlp.experts.3.{proj}.weight"] == \
+            f"model.recurrent_block.layers.0.mlp.experts.{fused}"
     # cfg: names and aliases read from the pickled object; fields with no counterpart reported
     assert report["cfg_fields_used"]["dim"] == "hidden_size"
     assert report["cfg_fields_used"]["n_experts"] == "n_routed_experts"
@@ -476,3 +482,23 @@ def test_map_state_dict_bare_trunk_keys_duplicates_and_non_tensors():
                                   "model.recurrent_layers.1.engram.key_proj.weight":
                                       "model.recurrent_block.layers.1.engram.key_proj.weight"}
     assert set(details["missing_model_keys"]) == set(model_state) - set(mapped)
+
+
+def test_map_state_dict_fuses_complete_expert_groups_only():
+    """The seed's per-expert weights of a layer fuse into that layer's gate_up_proj / down_proj (equal values); a
+    layer whose group misses a weight is not fused: its per-expert keys are reported unmapped, the fused keys
+    missing."""
+    model_state = tiny_model().state_dict()
+    layer0 = "model.recurrent_block.layers.0.mlp.experts."
+    layer1 = "model.recurrent_block.layers.1.mlp.experts."
+    per_expert = per_expert_state_dict({k: v for k, v in model_state.items() if k.startswith((layer0, layer1))})
+    seed_state = {spider_to_seed_name(k): v for k, v in per_expert.items()}
+    dropped = "model.recurrent_layers.1.mlp.experts.5.up_proj.weight"
+    del seed_state[dropped]
+    mapped, details = cs.map_state_dict(seed_state, model_state)
+    assert set(mapped) == {layer0 + "gate_up_proj", layer0 + "down_proj"}
+    assert torch.equal(mapped[layer0 + "gate_up_proj"], model_state[layer0 + "gate_up_proj"])
+    assert torch.equal(mapped[layer0 + "down_proj"], model_state[layer0 + "down_proj"])
+    assert sorted(details["unmapped_seed_keys"]) == sorted(k for k in seed_state if ".recurrent_layers.1." in k)
+    assert {layer1 + "gate_up_proj", layer1 + "down_proj"} <= set(details["missing_model_keys"])
+    assert details["renamed"]["model.recurrent_layers.0.mlp.experts.7.down_proj.weight"] == layer0 + "down_proj"

@@ -1,23 +1,33 @@
-"""Fine-tuning and quantisation clients (PEFT, bitsandbytes): every MoE submodule is used through its own forward, so
-whatever wraps it applies on every ``moe_implementation`` instead of being bypassed silently."""
+"""Fine-tuning and quantisation clients (PEFT, bitsandbytes, torchao): every MoE submodule is used through its own
+forward, and the routed experts' fused parameters are read inside it, so whatever wraps a module or a parameter applies
+on every ``experts_implementation`` instead of being bypassed silently.
+
+PEFT reaches the fused experts (``...mlp.experts.gate_up_proj`` / ``down_proj``, 3-D) with
+``LoraConfig(target_parameters=...)`` (its ``ParamWrapper`` parametrises the parameter while the module's forward
+runs), as for transformers' own MoE models; ``target_modules`` reaches the router, the shared experts and attention.
+Quantised loads (bitsandbytes, torchao) convert ``nn.Linear`` layers only: the fused experts stay unquantised (tested).
+"""
 
 import pytest
 import torch
 
-from modeling_spider import SpiderMoE
+from modeling_spider import SpiderExperts
 from tests.helpers import assert_lora_adapters_trained, float_tol, run_readme_recipe, tiny_model
 
 peft = pytest.importorskip("peft")
 
-IMPLEMENTATIONS = ("eager", "sorted", "grouped_mm")
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
-#: LoRA target kinds (regular expressions peft matches against full module names) and the recurrent-layer modules
-#: they must reach.
+#: the routed experts' fused parameters, as LoraConfig(target_parameters=...) names them (suffixes of full names)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+#: LoRA target kinds: LoraConfig arguments (target_modules: regular expressions peft matches against full module
+#: names) and the recurrent-layer modules or parameters they must reach.
 TARGETS = {
-    "router": r".*\.layers\.\d+\.mlp\.router",
-    "routed experts": r".*\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj",
-    "shared experts": r".*\.layers\.\d+\.mlp\.shared_experts\.(gate|up|down)_proj",
-    "recurrent attention": r".*\.layers\.\d+\.self_attn\.(q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?",
+    "router": dict(target_modules=r".*\.layers\.\d+\.mlp\.router"),
+    "routed experts": dict(target_modules=[], target_parameters=EXPERT_PARAMETERS),
+    "shared experts": dict(target_modules=r".*\.layers\.\d+\.mlp\.shared_experts\.(gate|up|down)_proj"),
+    "recurrent attention": dict(target_modules=r".*\.layers\.\d+\.self_attn\.(q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?"),
 }
 
 
@@ -30,10 +40,10 @@ def logits_of(model, ids, router: bool = False):
     return torch.stack(out.router_logits) if router else out.logits
 
 
-def with_lora(model, pattern: str, seed: int):
-    """`model` wrapped with a rank-4 LoRA on the modules matching `pattern`, its B matrices randomised (peft starts
+def with_lora(model, target: dict, seed: int):
+    """`model` wrapped with a rank-4 LoRA on `target` (LoraConfig arguments), its B matrices randomised (peft starts
     them at zero, which would make every adapter a no-op)."""
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=pattern))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, **target))
     generator = torch.Generator().manual_seed(seed)
     touched = 0
     for name, param in wrapped.named_parameters():
@@ -41,14 +51,14 @@ def with_lora(model, pattern: str, seed: int):
             with torch.no_grad():
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
             touched += 1
-    assert touched > 0, f"no LoRA module matched {pattern}"
+    assert touched > 0, f"no LoRA module matched {target}"
     return wrapped
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("kind", sorted(TARGETS))
 def test_lora_on_each_target_changes_the_output(kind, implementation):
-    model = tiny_model(seed=0, moe_implementation=implementation)
+    model = tiny_model(seed=0, experts_implementation=implementation)
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     before = logits_of(model, ids, router=kind == "router")
     wrapped = with_lora(model, TARGETS[kind], seed=2)
@@ -58,41 +68,35 @@ def test_lora_on_each_target_changes_the_output(kind, implementation):
 
 
 @pytest.mark.parametrize("kind", ["routed experts", "router"])
-def test_grouped_mm_honours_wrapped_experts_like_sorted(kind):
-    """grouped_mm cannot multiply a wrapped expert's stacked weights; with a LoRA on the experts it falls back to the
-    per-expert forward, so it gives what `sorted` gives."""
+def test_lora_gives_the_same_output_on_every_implementation(kind):
+    """The adapter applies inside every experts implementation alike (the LoRA'd weight is what each one reads)."""
     outputs = {}
-    for implementation in ("sorted", "grouped_mm"):
-        model = tiny_model(seed=0, moe_implementation=implementation)
-        ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    for implementation in IMPLEMENTATIONS:
+        model = tiny_model(seed=0, experts_implementation=implementation)
         outputs[implementation] = logits_of(with_lora(model, TARGETS[kind], seed=2), ids)
-    reference = outputs["sorted"]
-    torch.testing.assert_close(outputs["grouped_mm"], reference, **float_tol(reference, terms=4096))
+    reference = outputs["eager"]
+    for implementation in ("grouped_mm", "batched_mm"):
+        torch.testing.assert_close(outputs[implementation], reference, **float_tol(reference, terms=4096),
+                                   msg=implementation)
 
 
-def test_grouped_mm_blocker_names_the_wrapped_module():
-    model = tiny_model(seed=0, moe_implementation="grouped_mm")
-    moe = model.model.recurrent_block.layers[0].mlp
-    assert isinstance(moe, SpiderMoE) and moe.grouped_mm_blocker() is None
-    with_lora(model, TARGETS["routed experts"], seed=2)
-    reason = moe.grouped_mm_blocker()
-    assert reason is not None and reason.startswith("experts.0.gate_proj is a peft.")
-
-
-def test_empty_expert_skips_frozen_weights():
-    """An expert that gets no token returns `(0, D)` zeros; only trainable weights are tied into it (a frozen, for
-    example quantised, weight may not support the reduction and needs no gradient)."""
+def test_lora_on_the_fused_experts_trains_only_the_adapters():
+    """target_parameters on the fused experts: per-expert low-rank adapters (peft's ParamWrapper, one per parameter),
+    gradients reach them through grouped_mm, the base weights stay frozen and unchanged."""
     model = tiny_model(seed=0)
-    expert = model.model.recurrent_block.layers[0].mlp.experts[0]
-    for p in expert.parameters():
-        p.requires_grad_(False)
-    x = torch.zeros(0, model.config.hidden_size, requires_grad=True)
-    out = SpiderMoE.run_expert(expert, x)
-    assert out.shape == (0, model.config.hidden_size)
-    expert.down_proj.weight.requires_grad_(True)
-    out = SpiderMoE.run_expert(expert, x)
-    out.sum().backward()
-    assert expert.down_proj.weight.grad is not None and not expert.down_proj.weight.grad.any()
+    wrapped = with_lora(model, TARGETS["routed experts"], seed=2)
+    layers = model.model.recurrent_block.layers
+    assert all(isinstance(layer.mlp.experts.get_base_layer(), SpiderExperts) for layer in layers)
+    adapters = {n: p for n, p in wrapped.named_parameters() if ".lora_" in n and ".default." in n}
+    assert len(adapters) == 2 * 2 * len(layers)  # A and B, for gate_up_proj and down_proj, per layer
+    assert {n for n, p in wrapped.named_parameters() if p.requires_grad} == set(adapters)
+    wrapped.train()
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters.values())
+    base = layers[0].mlp.experts.get_base_layer()
+    assert base.gate_up_proj.grad is None and base.down_proj.grad is None
 
 
 def int8_matmul_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -147,6 +151,15 @@ def load(folder, **kwargs):
     return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs).eval()
 
 
+def assert_fused_experts_unquantised(model):
+    """bitsandbytes and torchao quantise nn.Linear layers: the fused 3-D experts load as plain fp32 parameters (their
+    release dtype) and run through the experts implementation in high precision."""
+    for layer in model.model.recurrent_block.layers:
+        for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+            assert type(param) is torch.nn.Parameter and type(param.data) is torch.Tensor
+            assert param.dtype == torch.float32 and param.dim() == 3
+
+
 def runs_forward_and_generate(model):
     ids = torch.tensor([[257] + list(b"Four score and seven")])
     with torch.no_grad():
@@ -171,8 +184,9 @@ def test_bitsandbytes_8bit_load_quantises_all_but_the_kept_modules(saved_tiny):
 
     model = load(saved_tiny, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu")
     assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in kept_modules(model).values())
-    expert = model.model.recurrent_block.layers[0].mlp.experts[0]
-    assert isinstance(expert.gate_proj, bnb.nn.Linear8bitLt) and expert.gate_proj.weight.dtype == torch.int8
+    shared = model.model.recurrent_block.layers[0].mlp.shared_experts
+    assert isinstance(shared.gate_proj, bnb.nn.Linear8bitLt) and shared.gate_proj.weight.dtype == torch.int8
+    assert_fused_experts_unquantised(model)
     runs_forward_and_generate(model)
 
 
@@ -185,9 +199,12 @@ def test_bitsandbytes_4bit_load_generates_and_trains(saved_tiny):
     config = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["kv_a_proj_with_mqa"])
     model = load(saved_tiny, quantization_config=config, device_map="cpu")
     assert all(type(m) is torch.nn.Linear for m in kept_modules(model).values())
-    assert isinstance(model.model.recurrent_block.layers[0].mlp.experts[0].up_proj, bnb.nn.Linear4bit)
+    assert isinstance(model.model.recurrent_block.layers[0].mlp.shared_experts.up_proj, bnb.nn.Linear4bit)
+    assert_fused_experts_unquantised(model)
     runs_forward_and_generate(model)
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=TARGETS["routed experts"]))
+    # QLoRA: adapters on the 4-bit shared experts and on the (unquantised, frozen) fused experts
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=r".*\.shared_experts\.(gate|up|down)_proj",
+                                                         target_parameters=EXPERT_PARAMETERS))
     wrapped.train()
     ids = torch.tensor([[257] + list(b"Four score and seven years ago")])
     loss = wrapped(input_ids=ids, labels=ids).loss
@@ -202,8 +219,9 @@ def test_torchao_int8_weight_only_load_generates(saved_tiny):
     from transformers import TorchAoConfig
 
     model = load(saved_tiny, quantization_config=TorchAoConfig(Int8WeightOnlyConfig()), device_map="cpu")
-    expert_weight = model.model.recurrent_block.layers[0].mlp.experts[0].gate_proj.weight
-    assert type(expert_weight) is not torch.nn.Parameter or type(expert_weight.data) is not torch.Tensor
+    shared_weight = model.model.recurrent_block.layers[0].mlp.shared_experts.gate_proj.weight
+    assert type(shared_weight) is not torch.nn.Parameter or type(shared_weight.data) is not torch.Tensor
+    assert_fused_experts_unquantised(model)
     for name, module in kept_modules(model).items():
         assert type(module.weight.data) is torch.Tensor and module.weight.dtype == torch.float32, name
     runs_forward_and_generate(model)

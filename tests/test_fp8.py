@@ -55,11 +55,11 @@ def input_ids():
 
 
 def test_filter_rules():
-    assert fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.experts.3.up_proj")
+    assert fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.shared_experts.up_proj")
     assert not fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.post_attention_layernorm.proj")
     assert not fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.router")
-    assert not fp8_module_filter(nn.Linear(30, 48), "model.recurrent_block.layers.0.mlp.experts.3.up_proj")
-    assert not fp8_module_filter(nn.Linear(32, 40), "model.recurrent_block.layers.0.mlp.experts.3.up_proj")
+    assert not fp8_module_filter(nn.Linear(30, 48), "model.recurrent_block.layers.0.mlp.shared_experts.up_proj")
+    assert not fp8_module_filter(nn.Linear(32, 40), "model.recurrent_block.layers.0.mlp.shared_experts.up_proj")
     assert not fp8_module_filter(nn.Conv1d(32, 32, 3), "model.recurrent_block.layers.0.conv")
     already = Float8Linear.from_float(nn.Linear(32, 32), config=fp8.build_float8_config("tensorwise", emulate=True))
     assert not fp8_module_filter(already, "model.recurrent_block.layers.0.self_attn.o_proj")
@@ -91,9 +91,8 @@ def test_converts_exactly_the_intended_modules():
     cfg = model.config
     for layer in range(cfg.num_recurrent_layers):
         prefix = f"model.recurrent_block.layers.{layer}"
-        for e in range(cfg.n_routed_experts):  # every routed expert
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                assert f"{prefix}.mlp.experts.{e}.{proj}" in converted
+        # the routed experts are fused 3-D parameters, not nn.Linear: Float8Linear does not reach them
+        assert not any(fqn.startswith(f"{prefix}.mlp.experts") for fqn in converted)
         for proj in ("gate_proj", "up_proj", "down_proj"):
             assert f"{prefix}.mlp.shared_experts.{proj}" in converted
         for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):  # attention
@@ -143,7 +142,7 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
     assert loss.item() != ref_loss.item()  # the FP8 path was really taken
     # Gradients point the same way (e4m3 keeps ~2 significant digits per element; cosine of the whole gradient
     # stays near 1 when the segmentation is the same).
-    for name, min_cosine in (("model.recurrent_block.layers.0.mlp.experts.0.gate_proj.weight", 0.95),
+    for name, min_cosine in (("model.recurrent_block.layers.0.mlp.shared_experts.gate_proj.weight", 0.95),
                              ("model.prelude_layers.0.self_attn.o_proj.weight", 0.95), ("lm_head.weight", 0.95)):
         g, r = grads[name].flatten(), ref_grads[name].flatten()
         assert torch.isfinite(g).all()
@@ -190,32 +189,25 @@ def test_accelerate_ao_path_and_ours_do_not_convert_twice():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# grouped_mm bypasses Float8Linear
+# Fused experts
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_grouped_mm_is_switched_to_sorted_when_experts_are_converted(input_ids):
-    model = tiny_model(moe_implementation="grouped_mm")
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_fused_experts_stay_high_precision_on_their_implementation(implementation, input_ids):
+    """Float8Linear converts nn.Linear layers only: the fused experts keep plain parameters and the model's
+    experts_implementation (no switch is needed any more: before issue #39 converted per-expert Linears forced
+    grouped_mm to "sorted"), and a training step gives them gradients."""
+    model = tiny_model(experts_implementation=implementation)
     report = convert_model_to_fp8(model, emulate=True, layers="seed")
-    assert report.moe_implementation_switch == "grouped_mm -> sorted"
-    assert model.config.moe_implementation == "sorted"
-    moe_layers = [layer.mlp for layer in model.model.recurrent_block.layers]
-    assert all(moe.config.moe_implementation == "sorted" for moe in moe_layers)
-    assert "grouped_mm" in report.message
-    calls = []
-    hooks = [moe.experts[e].gate_proj.register_forward_hook(lambda *a: calls.append(1))
-             for moe in moe_layers for e in range(len(moe.experts))]
-    loss_and_grads(model, input_ids)
-    for hook in hooks:
-        hook.remove()
-    assert len(calls) > 0  # the experts' Float8Linear layers ran
-
-
-def test_grouped_mm_kept_when_no_expert_is_converted():
-    model = tiny_model(moe_implementation="grouped_mm", moe_intermediate_size=24)  # 24 % 16 != 0: experts stay
-    report = convert_model_to_fp8(model, emulate=True, layers="seed")
-    assert not any(".experts." in fqn for fqn in report.converted_fqns)
-    assert report.moe_implementation_switch is None and model.config.moe_implementation == "grouped_mm"
+    assert report.converted > 0 and model.config._experts_implementation == implementation
+    for layer in model.model.recurrent_block.layers:
+        experts = layer.mlp.experts
+        assert type(experts.gate_up_proj) is nn.Parameter and type(experts.down_proj) is nn.Parameter
+        assert not any(isinstance(m, Float8Linear) for m in experts.modules())
+    _, grads = loss_and_grads(model, input_ids)
+    gate_up = grads["model.recurrent_block.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.isfinite(gate_up).all() and gate_up.abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -316,7 +308,7 @@ def test_the_recorded_h200_measurement_keeps_bf16():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# --fp8_layers auto: torchao's own filter, routed experts left out
+# --fp8_layers auto: torchao's own filter
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -331,17 +323,13 @@ def test_auto_layers_follow_torchaos_filter_on_the_1b_preset():
         torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=SEED_SKIP_WORDS)
         chosen = fp8.fp8_layer_filter("auto", recipe)
         converted = {fqn for fqn, m in model.named_modules() if chosen(m, fqn)}
-        expected = {fqn for fqn, m in model.named_modules()
-                    if torchao_filter(m, fqn) and ".experts." not in fqn}
+        expected = {fqn for fqn, m in model.named_modules() if torchao_filter(m, fqn)}
         assert converted == expected and converted, recipe
-        assert not any(".experts." in fqn for fqn in converted)
-    # tensorwise, by hand: a 2048 -> 512 expert projection is below the size where FP8 pays (K <= 4096 and N <= 1024);
+    # tensorwise, by hand: a 2048 -> 512 shared-expert projection is below the size where FP8 pays (K <= 4096 and N <= 1024);
     # the 2048 -> 11008 dense SwiGLU projection is above it
     gate = model.model.recurrent_block.layers[0].mlp.shared_experts.gate_proj
     reason = fp8.fp8_skip_reason(gate, "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj", "auto")
     assert reason is not None and reason.startswith(fp8.AUTO_SKIP_SIZE) and "in_features=2048" in reason
-    expert = "model.recurrent_block.layers.0.mlp.experts.0.down_proj"
-    assert fp8.fp8_skip_reason(model.get_submodule(expert), expert, "auto").startswith(fp8.AUTO_SKIP_ROUTED_EXPERT)
     assert fp8.fp8_skip_reason(model.model.prelude_layers[0].mlp.up_proj, "model.prelude_layers.0.mlp.up_proj",
                                "auto") is None
 
@@ -352,7 +340,6 @@ def test_auto_layers_convert_nothing_on_the_tiny_preset_and_say_why():
     assert report.layers == "auto" and report.converted == 0
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
     kinds = report.skipped_by_reason()
-    assert kinds[fp8.AUTO_SKIP_ROUTED_EXPERT] == model.config.num_recurrent_layers * model.config.n_routed_experts * 3
     assert kinds[fp8.AUTO_SKIP_SIZE] > 0 and sum(kinds.values()) == report.linear_total
     assert f"{kinds[fp8.AUTO_SKIP_SIZE]} {fp8.AUTO_SKIP_SIZE}" in report.message
     with pytest.raises(ValueError, match="--fp8_layers must be one of"):

@@ -1,8 +1,11 @@
-"""A training step on the `grouped_mm` experts path without per-loop host syncs (issue #14 item 2).
+"""A training step on the `grouped_mm` experts path without per-loop host syncs (issue #14 item 2), and an MoE
+layer without any (issue #39 item 1).
 
-On a GPU every op that needs a value on the host (`.item()`, a boolean-mask gather, `nonzero`, `bincount` sizing its
-output) drains the launch queue. The ops are counted with a `TorchDispatchMode` (the CPU runs the same aten ops the
-GPU would, so the count is the GPU's); the count must not grow with the number of recurrent layers or loops.
+On a GPU every op that needs a value on the host (`.item()`, `.tolist()`, a boolean-mask gather, `nonzero`, `bincount`
+sizing its output) drains the launch queue. The ops are counted with a `TorchDispatchMode` (the CPU runs the same aten
+ops the GPU would, so the count is the GPU's), and `Tensor.tolist` by a wrapper: on a CPU tensor it reads the data
+without dispatching an aten op, so the mode alone misses it (on the GPU it is a device-to-host copy). The count must
+not grow with the number of recurrent layers or loops, and the MoE layer's forward and backward must have none.
 """
 
 import collections
@@ -11,13 +14,13 @@ import pytest
 import torch
 
 from bench.common import HostSyncCounter
-from modeling_spider import SpiderRecurrentLayer
+from modeling_spider import SpiderMoE, SpiderRecurrentLayer
 from tests.helpers import float_tol, tiny, tiny_model
 
 
 def _training_step_syncs(layers: int, loops: int, padded: bool) -> collections.Counter:
     model = tiny_model(seed=0, num_recurrent_layers=layers, engram_layer_ids=[0], n_loops=loops,
-                       moe_implementation="grouped_mm").train()
+                       experts_implementation="grouped_mm").train()
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if padded:
@@ -37,10 +40,36 @@ def test_host_syncs_do_not_grow_with_layers_or_loops(padded):
     assert not any("boolean" in name or name == "bincount" for name in counts[(6, 6)]), counts[(6, 6)]
 
 
+def test_counter_sees_tolist():
+    original = torch.Tensor.tolist
+    with HostSyncCounter() as counter:
+        torch.arange(3).tolist()
+    assert counter.counts == {"tolist": 1}
+    assert torch.Tensor.tolist is original  # restored on exit
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_layer_forward_and_backward_have_no_host_sync(implementation, dtype):
+    """Routing (softmax, top-k, renormalisation, aux_fi) and the experts, forward and backward: zero host syncs, so
+    none of the training step's remaining syncs is the MoE's (the old "sorted" path had one `.tolist()` per layer and
+    loop: 36 of 44 per step on the 1b preset)."""
+    torch.manual_seed(0)
+    moe = SpiderMoE(tiny(experts_implementation=implementation, n_routed_experts=8)).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(37, moe.config.hidden_size, dtype=dtype, requires_grad=True)
+    with HostSyncCounter() as counter:
+        out, logits, aux, load = moe(x)
+        (out.float().square().sum() + aux).backward()
+    assert counter.counts == {}, counter.counts
+    assert x.grad is not None and moe.experts.gate_up_proj.grad is not None
+
+
 def test_packed_moe_rows_match_boolean_mask_routing():
     """The recurrent layer routes the non-padding segments by index; outputs and gradients equal routing them through
     a boolean mask (the previous implementation, written out here)."""
-    config = tiny(moe_implementation="grouped_mm")
+    config = tiny(experts_implementation="grouped_mm")
     torch.manual_seed(0)
     layer = SpiderRecurrentLayer(config, 0, memory_size=8)
     for p in layer.parameters():
@@ -75,7 +104,7 @@ def test_recurrent_block_compiles_without_graph_breaks():
     """`torch._dynamo.explain` of the recurrent block (grouped_mm experts, padded segments routed by index) finds one
     graph and no break. bf16: torch's meta kernel of `_grouped_mm`, which tracing runs, accepts bf16 only (GPUs run
     grouped_mm in bf16; the fp32 eager CPU kernel has no such limit)."""
-    model = tiny_model(seed=0, moe_implementation="grouped_mm").train().to(torch.bfloat16)
+    model = tiny_model(seed=0, experts_implementation="grouped_mm").train().to(torch.bfloat16)
     block, config = model.model.recurrent_block, model.config
     B, S = 2, 9
     segments = torch.randn(B, S, config.hidden_size, dtype=torch.bfloat16)

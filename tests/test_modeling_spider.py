@@ -5,6 +5,7 @@ to what cannot apply to Spider, each with its reason.
 """
 
 import unittest
+import unittest.mock
 
 import torch
 from transformers import pipeline
@@ -136,6 +137,36 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
                 for weights in attentions[config.num_prelude_layers: len(attentions) - config.num_coda_layers]:
                     self.assertEqual(weights.shape, (B, config.num_attention_heads, segments, segments))
             self.assertTrue(any(isinstance(x, tuple) and len(x) == calls for x in as_tuple))
+
+    def test_moe_models_record_router_logits(self):
+        """The common test wants `router_logits` among the outputs `capture_outputs` records, so that
+        `output_router_logits=True` returns them. Spider collects them itself, one `(N, E)` tensor per (loop, recurrent
+        layer) including the empty ones of layers every segment has left (`act_early_exit`), which a forward hook on
+        the MoE would not see; the same promise, checked directly: every class returns them, in its output type."""
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        calls = config.num_recurrent_layers * config.n_loops
+        for model_class in self.all_model_classes:
+            model = model_class(config).eval()
+            with torch.no_grad():
+                out = model(**inputs, output_router_logits=True)
+            self.assertIn("router_logits", type(out).__dataclass_fields__)
+            router_logits = out.router_logits
+            self.assertEqual(len(router_logits), calls)
+            self.assertTrue(all(r.shape[-1] == config.n_routed_experts for r in router_logits))
+
+    def test_reverse_loading_mapping(self):
+        """The common test saves with `save_pretrained()`'s default and expects the registered conversion reversed,
+        which is transformers' default (`save_original_format=True`). Spider's `save_pretrained` writes its own fused
+        names by default; the same test, run with transformers' default, checks the reverse mapping (the per-expert
+        layout of releases before issue #39) and its reload."""
+        from transformers import PreTrainedModel
+
+        def save_original_format(model, *args, **kwargs):
+            return PreTrainedModel.save_pretrained(model, *args, **{"save_original_format": True, **kwargs})
+
+        with unittest.mock.patch.object(SpiderForConditionalGeneration, "save_pretrained", save_original_format), \
+                unittest.mock.patch.object(SpiderModel, "save_pretrained", save_original_format):
+            super().test_reverse_loading_mapping()
 
     @unittest.skip("Engram memory hashes the byte ids, so Spider needs input_ids; inputs_embeds alone cannot work")
     def test_inputs_embeds(self):

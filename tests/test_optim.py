@@ -27,12 +27,13 @@ def test_the_split_follows_the_layer_stacks():
     model = tiny_model(seed=0)
     muon = {n for n, p in model.named_parameters() if is_hidden_matrix(n, p)}
     assert "model.prelude_layers.0.self_attn.q_a_proj.weight" in muon
-    assert "model.recurrent_block.layers.0.mlp.experts.0.down_proj.weight" in muon
+    assert {"model.recurrent_block.layers.0.mlp.experts.gate_up_proj",
+            "model.recurrent_block.layers.0.mlp.experts.down_proj"} <= muon
     assert "model.flexitokens.boundary_predictor.dense.weight" in muon
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.recurrent_block.layers.0.mlp.router.weight",
                  "model.recurrent_block.loop_lora.lora_B", "model.norm.weight"):
         assert name not in muon, name
-    assert all(dict(model.named_parameters())[n].dim() == 2 for n in muon)
+    assert all(dict(model.named_parameters())[n].dim() == (3 if ".mlp.experts." in n else 2) for n in muon)
 
 
 def test_one_optimizer_steps_as_muon_and_adamw_side_by_side():
@@ -44,7 +45,10 @@ def test_one_optimizer_steps_as_muon_and_adamw_side_by_side():
     named = dict(twin.named_parameters())
     hidden = [p for n, p in named.items() if is_hidden_matrix(n, p)]
     rest = [p for n, p in named.items() if not is_hidden_matrix(n, p)]
-    separate = [Muon(hidden, lr=0.02, weight_decay=0.1 * 1e-3 / 0.02),
+    gate_up = [p for n, p in named.items() if n.endswith("mlp.experts.gate_up_proj")]
+    assert gate_up
+    separate = [Muon([{"params": [p for p in hidden if all(p is not q for q in gate_up)]},
+                      {"params": gate_up, "row_blocks": 2}], lr=0.02, weight_decay=0.1 * 1e-3 / 0.02),
                 torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
                                    {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=1e-3, betas=(0.9, 0.95), eps=1e-8)]
@@ -93,6 +97,33 @@ def test_muon_steps_as_torchs_muon(shape):
     # the same state dict layout: a checkpoint moves between the two
     assert state["param_groups"] == torch_state["param_groups"]
     assert state["state"][0].keys() == torch_state["state"][0].keys() == {"momentum_buffer"}
+
+
+def test_muon_moves_each_fused_expert_as_its_per_expert_weights():
+    """The fused experts under Muon: expert e's gate, up and down projections take the step each would take as its own
+    2-D parameter (the per-expert layout before issue #39), over two steps (momentum included). The same operations on
+    the same values, so exactly equal."""
+    E, I, D = 3, 16, 24
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * I, D, generator=gen), torch.randn(E, D, I, generator=gen)
+    grads = [(torch.randn(E, 2 * I, D, generator=gen), torch.randn(E, D, I, generator=gen)) for _ in range(2)]
+    fused = [torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())]
+    per_expert = [torch.nn.Parameter(t.clone()) for e in range(E) for t in (gate_up[e, :I], gate_up[e, I:], down[e])]
+    opt_fused = Muon([{"params": [fused[0]], "row_blocks": 2}, {"params": [fused[1]]}], lr=0.02, weight_decay=0.1)
+    opt_per_expert = Muon(per_expert, lr=0.02, weight_decay=0.1)
+    for grad_gate_up, grad_down in grads:
+        fused[0].grad, fused[1].grad = grad_gate_up.clone(), grad_down.clone()
+        for e in range(E):
+            for j, g in enumerate((grad_gate_up[e, :I], grad_gate_up[e, I:], grad_down[e])):
+                per_expert[3 * e + j].grad = g.clone()
+        opt_fused.step()
+        opt_per_expert.step()
+    for e in range(E):
+        assert torch.equal(fused[0][e, :I], per_expert[3 * e]), e
+        assert torch.equal(fused[0][e, I:], per_expert[3 * e + 1]), e
+        assert torch.equal(fused[1][e], per_expert[3 * e + 2]), e
+    with pytest.raises(ValueError, match="row_blocks=3"):
+        Muon([{"params": [torch.nn.Parameter(gate_up.clone())], "row_blocks": 3}], lr=0.02)  # 32 rows
 
 
 def test_newton_schulz_products_stay_off_slow_bf16_kernels(monkeypatch):

@@ -1,0 +1,168 @@
+"""FP8 for Spider's fused MoE experts: torchao's FP8 rowwise grouped GEMM (issue #39, item 3).
+
+torchao's ``Float8Linear`` (:mod:`spider_training.fp8`) converts ``nn.Linear`` layers; the routed experts are fused
+3-D parameters (``modeling_spider.SpiderExperts``: ``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)) that
+transformers' ``grouped_mm`` experts implementation multiplies with ``torch._grouped_mm``. torchao's MoE training
+prototype (``torchao.prototype.moe_training``, as torchtitan uses it) makes those grouped GEMMs FP8: ``quantize_``
+with ``Float8TrainingOpConfig`` wraps each expert parameter's data in ``Float8TrainingWeightWrapperTensor``, whose
+``__torch_function__`` turns ``torch._grouped_mm(activations, weight, offs=...)`` into a dynamic rowwise FP8
+quantisation of both operands and ``torch._scaled_grouped_mm`` (forward and backward). Nothing else in the model
+changes: the wrapped parameters keep their names, shapes and high-precision values.
+
+Where it runs (torchao 0.18, ``fp8_grouped_mm.py`` / ``kernels/float8_rowwise.py``): CUDA with compute capability
+9.0 (SM90; SM100 has torchao's MXFP8 recipe instead, not wired here), triton installed, bf16 experts. There is no
+emulated mode ("TODO: support emulated mode" in torchao), so on CPU the semantics are tested with a named test double
+of the FP8 op (``tests/test_fp8_moe.py``: ``emulated_fp8_rowwise_grouped_mm``). Group sizes are padded to multiples
+of 16 on the device (``pad_token_groups_for_grouped_mm=True``: torchao's CUDA padding kernel, no host sync).
+
+:func:`fp8_grouped_mm_unsupported_reason` says whether this machine can run it, :func:`convert_experts_to_fp8_grouped_mm`
+converts a model, :func:`experts_fp8_to_plain` unwraps the parameters again (for saving or evaluation).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: CUDA compute capability of torchao's FP8 rowwise grouped GEMM (``torch._scaled_grouped_mm``, Hopper).
+FP8_GROUPED_MM_CAPABILITY = (9, 0)
+#: FP8 GEMMs need both dimensions of every expert matrix divisible by 16 (as ``torch._scaled_mm``).
+FP8_GROUPED_MM_DIM_MULTIPLE = 16
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Duck-typed ``modeling_spider.SpiderExperts`` (a model loaded with ``trust_remote_code`` has its own copy of the
+    class): 3-D ``gate_up_proj`` and ``down_proj`` parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
+
+
+def fp8_grouped_mm_unsupported_reason(device: torch.device | str | None = None) -> str | None:
+    """Why torchao's FP8 grouped GEMM cannot run on `device` (default: CUDA's current device), or None when it can.
+
+    Checks: ``torchao.prototype.moe_training`` imports, CUDA is there, the device's compute capability is
+    :data:`FP8_GROUPED_MM_CAPABILITY`, triton imports (torchao's FP8 casting kernels are triton kernels).
+    """
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: F401
+    except Exception as exc:  # torchao missing, or a build that does not match torch
+        return f"torchao.prototype.moe_training does not import: {type(exc).__name__}: {exc}"
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "needs CUDA (torch._scaled_grouped_mm and torchao's triton FP8 kernels; torchao has no emulated mode)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != FP8_GROUPED_MM_CAPABILITY:
+        return (f"compute capability {capability}: torchao's FP8 rowwise grouped GEMM runs on "
+                f"{FP8_GROUPED_MM_CAPABILITY} (SM90); SM100 has its MXFP8 recipe, not wired here")
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return f"triton does not import ({type(exc).__name__}: {exc}); torchao's FP8 casting kernels need it"
+    return None
+
+
+@dataclass
+class Fp8ExpertsReport:
+    """Result of :func:`convert_experts_to_fp8_grouped_mm`.
+
+    Attributes:
+        converted_fqns: qualified names of the fused-experts modules whose parameters now run FP8 grouped GEMMs.
+        skipped: qualified name -> reason for fused-experts modules left in high precision.
+    """
+
+    converted_fqns: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def message(self) -> str:
+        """The log line: ``FP8 experts: N of M fused MoE experts modules through torchao's FP8 grouped GEMM``."""
+        total = len(self.converted_fqns) + len(self.skipped)
+        text = f"FP8 experts: {len(self.converted_fqns)} of {total} fused MoE experts modules through torchao's FP8 " \
+               "grouped GEMM"
+        if self.skipped:
+            text += f" (skipped: {sorted(set(self.skipped.values()))})"
+        return text
+
+
+def _skip_reason(module: nn.Module) -> str | None:
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation != "grouped_mm":
+        # batched_mm (bmm) and eager (F.linear on slices) never call torch._grouped_mm: the wrapper would not apply
+        return f"experts_implementation={implementation!r}: only 'grouped_mm' calls torch._grouped_mm"
+    shapes = (tuple(module.gate_up_proj.shape[1:]), tuple(module.down_proj.shape[1:]))
+    if any(d % FP8_GROUPED_MM_DIM_MULTIPLE for shape in shapes for d in shape):
+        return f"expert matrices {shapes} not divisible by {FP8_GROUPED_MM_DIM_MULTIPLE}"
+    return None
+
+
+def convert_experts_to_fp8_grouped_mm(model: nn.Module, config=None) -> Fp8ExpertsReport:
+    """Route every fused-experts module's grouped GEMMs in `model` through torchao's FP8 rowwise grouped GEMM, in place.
+
+    Args:
+        model: a Spider model (any module holding ``SpiderExperts``).
+        config: a ``torchao.prototype.moe_training.config.Float8TrainingOpConfig``; default
+            ``Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)``.
+    Returns:
+        :class:`Fp8ExpertsReport`; modules on another ``experts_implementation`` than ``"grouped_mm"``, or with an expert
+        dimension not divisible by 16, are skipped with the reason. Idempotent (wrapped parameters stay as they are).
+    Raises:
+        ImportError: ``torchao.prototype.moe_training`` does not import.
+
+    It does not check the hardware (:func:`fp8_grouped_mm_unsupported_reason` does): on a machine without the kernels
+    the converted model fails at its first forward with torchao's error.
+    """
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    config = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True) if config is None else config
+    report = Fp8ExpertsReport()
+    chosen = set()
+    for fqn, module in model.named_modules():
+        if not is_fused_experts(module):
+            continue
+        reason = _skip_reason(module)
+        if reason is None:
+            report.converted_fqns.append(fqn)
+            chosen.add(id(module))
+        else:
+            report.skipped[fqn] = reason
+    if chosen:
+        quantize_(model, config, filter_fn=lambda module, fqn: id(module) in chosen)
+    logger.info(report.message)
+    return report
+
+
+def experts_fp8_to_plain(model: nn.Module) -> int:
+    """Unwrap every fused-experts parameter that :func:`convert_experts_to_fp8_grouped_mm` wrapped back to a plain
+    ``nn.Parameter`` holding the same high-precision tensor (in place; for ``save_pretrained``, evaluation or
+    generation). Returns the number of parameters unwrapped (0 when torchao's prototype does not import)."""
+    try:
+        from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
+    except Exception:
+        return 0
+    count = 0
+    for module in model.modules():
+        if not is_fused_experts(module):
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(module, name)
+            if isinstance(param.data, TrainingWeightWrapperBaseTensor):
+                setattr(module, name, nn.Parameter(param.data._data, requires_grad=param.requires_grad))
+                count += 1
+    return count
+
+
+__all__ = [
+    "FP8_GROUPED_MM_CAPABILITY",
+    "FP8_GROUPED_MM_DIM_MULTIPLE",
+    "Fp8ExpertsReport",
+    "is_fused_experts",
+    "fp8_grouped_mm_unsupported_reason",
+    "convert_experts_to_fp8_grouped_mm",
+    "experts_fp8_to_plain",
+]
