@@ -182,6 +182,12 @@ class SpiderConfig(PreTrainedConfig):
             reaches a byte through the global path. `None`: full causal attention.
         recurrent_sliding_window (`int` or `None`, defaults to `None`): recurrent layers attend to the last
             ``recurrent_sliding_window`` segments only (the null group counts as segment 0). `None`: every segment.
+        pad_segments_to_multiple_of (`int`, defaults to 16): in the forward without a generation cache, the segment
+            axis (the null group plus the most segments any row closed) is rounded up to a multiple of this, as a
+            tokenizer's ``pad_to_multiple_of`` pads sequences: the recurrent block then sees a few repeating shapes
+            (a GPU plans attention once per shape, ``torch.compile`` compiles once per shape) instead of a new one
+            each batch. Padding segments route through the MoE with zero weight and are never read by the bytes, so
+            the outputs are those of the exact count. 1: the exact count.
         halt_bias_init (`float`, defaults to 0.0): initial bias of ``halt_predictor`` (halting probability
             ``sigmoid(bias)`` per loop at initialisation).
         n_loops (`int`, defaults to 6): recurrent iterations; may exceed ``max_loop_iters`` (loop index clamped).
@@ -242,6 +248,7 @@ class SpiderConfig(PreTrainedConfig):
     upsample_rms_ratio: float | int = 0.5
     sliding_window: int | None = None
     recurrent_sliding_window: int | None = None
+    pad_segments_to_multiple_of: int = 16
     halt_bias_init: float | int = 0.0
     n_loops: int = 6
     max_loop_iters: int = 16
@@ -436,6 +443,10 @@ class SpiderConfig(PreTrainedConfig):
         require(
             self.recurrent_sliding_window is None or self.recurrent_sliding_window >= 1,
             "recurrent_sliding_window", "must be None or >= 1",
+        )
+        require(
+            isinstance(self.pad_segments_to_multiple_of, int) and self.pad_segments_to_multiple_of >= 1,
+            "pad_segments_to_multiple_of", "must be an integer >= 1",
         )
         require(self.upsample_scale_init >= 0, "upsample_scale_init", "must be >= 0")
         require(self.upsample_rms_ratio > 0, "upsample_rms_ratio", "must be > 0")

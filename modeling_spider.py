@@ -150,6 +150,25 @@ def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
+    """Whether a check of `tensor`'s *values* (token ids in range) may read them on the host: always on the CPU
+    (nothing to wait for) and outside training; in training on an accelerator such a read would stall the launch
+    queue every step, so :func:`check_values` asserts on the device instead."""
+    return tensor.device.type == "cpu" or not training
+
+
+def check_values(bad: torch.Tensor, training: bool, message: Callable[[], str]) -> None:
+    """Raise ``ValueError(message())`` when any element of the bool tensor `bad` is True. Where reading `bad` on the
+    host would cost a device-to-host sync per training step (:func:`value_checks_sync` False), the check is
+    ``torch._assert_async`` with the same message instead: no sync, and a bad value stops the run at the next sync
+    with a device-side assertion naming the problem (as an out-of-range embedding index would, without the name)."""
+    if value_checks_sync(bad, training):
+        if bool(bad.any()):
+            raise ValueError(message())
+    else:
+        torch._assert_async(~bad.any(), message())
+
+
 class SpiderRMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype. Shape-preserving `(..., D)`."""
 
@@ -696,8 +715,13 @@ class SpiderMoE(nn.Module):
         else:
             self.shared_experts = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)` (the non-padding tokens).
+    def forward(
+        self, x: torch.Tensor, row_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route `x` `(T, D)`. With `row_mask` `(T,)` bool, the rows where it is False (padding) are routed like the
+        others but weigh zero in the routed output and are left out of the balancing statistics (`aux_loss`,
+        `expert_load` are those of the real rows alone), so the real rows get what routing them alone gives, without
+        the host sync that selecting them would cost.
 
         Returns:
             `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`.
@@ -708,13 +732,25 @@ class SpiderMoE(nn.Module):
         topk_weights = scores.gather(1, topk_idx)
         if self.config.norm_topk_prob:
             topk_weights = self.kernels.normalize_weight(topk_weights)[1]
+        if row_mask is not None:
+            topk_weights = topk_weights * row_mask[:, None].to(topk_weights.dtype)
 
         out = self.experts(x, topk_idx, topk_weights).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
-        expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
-        aux_loss = (expert_load * scores.mean(dim=0)).sum()
+        if row_mask is None:
+            expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
+            mean_scores = scores.mean(dim=0)
+        else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
+            weight = row_mask.to(torch.float32)
+            slot_weight = weight[:, None].expand(-1, self.top_k).reshape(-1)
+            counts = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device).scatter_add_(
+                0, topk_idx.reshape(-1), slot_weight)
+            real = weight.sum()
+            expert_load = counts * self.num_experts / (real * self.top_k).clamp_min(1)
+            mean_scores = (scores * weight[:, None]).sum(dim=0) / real.clamp_min(1)
+        aux_loss = (expert_load * mean_scores).sum()
         return out, router_logits, aux_loss, expert_load
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
@@ -870,8 +906,9 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
     Forward args (positional, so activation checkpointing sees every tensor): `hidden_states` `(B, S, D)`,
     `position_embeddings` (segment RoPE), `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)`
     (the non-padding segments as flat indices into the `B * S` rows, ascending; only these are routed) or None (every
-    row is routed), `engram_memory` `(B, S, M)` or None; keyword `cache`
-    (this loop's and layer's :class:`SpiderLayerCache`, generation only).
+    row is routed), `engram_memory` `(B, S, M)` or None, `segment_mask` `(B, S)` bool or None (with `segment_index`
+    None: the padding rows, False, are routed with zero weight and left out of the balancing statistics, see
+    :meth:`SpiderMoE.forward`); keyword `cache` (this loop's and layer's :class:`SpiderLayerCache`, generation only).
     Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`.
     """
 
@@ -886,7 +923,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
-        cache=None
+        segment_mask=None, cache=None
     ):
         if self.engram is not None:
             hidden_states = hidden_states + self.engram(hidden_states, engram_memory, cache)
@@ -902,7 +939,8 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             E = self.mlp.num_experts
             return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), rows.new_zeros((), dtype=torch.float32), \
                 rows.new_zeros(E, dtype=torch.float32)
-        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows)
+        row_mask = segment_mask.reshape(-1) if segment_mask is not None and segment_index is None else None
+        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows, row_mask)
         if segment_index is not None:
             moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
         hidden_states = hidden_states + moe_out.view_as(hidden_states)
@@ -980,6 +1018,7 @@ def downsample(
     hidden_states: torch.Tensor,
     null_group: torch.Tensor | None,
     token_mask: torch.Tensor | None = None,
+    pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pool bytes into the segments their boundaries close (FlexiTokens / Nawrot et al. 2023).
 
@@ -992,16 +1031,21 @@ def downsample(
         hidden_states: `(B, L, D)`.
         null_group: `(D,)` or None.
         token_mask: `(B, L)` bool or None.
+        pad_to_multiple_of: the segment axis `1+S` is rounded up to a multiple of this (zeros, mask False), so that
+            the shapes the recurrent block sees repeat from batch to batch (``config.pad_segments_to_multiple_of``).
     Returns:
         `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)` with S the largest number of
-        closed segments in the batch; rows with fewer are right-padded with zeros (mask False).
+        closed segments in the batch (rounded up per `pad_to_multiple_of`); rows with fewer are right-padded with
+        zeros (mask False).
     """
     B, L, D = hidden_states.shape
     hard = boundaries.detach()
     cum_inclusive = hard.cumsum(dim=1)
     segment_idx = (cum_inclusive - hard).long()  # segment holding byte l (0-based among closed segments)
     n_closed = cum_inclusive[:, -1].long() if L > 0 else boundaries.new_zeros(B).long()
-    S = int(n_closed.max()) if B > 0 and L > 0 else 0
+    S = int(n_closed.max()) if B > 0 and L > 0 else 0  # the forward's one host sync
+    closed = S
+    S = -(-(S + 1) // pad_to_multiple_of) * pad_to_multiple_of - 1  # 1 + S a multiple of pad_to_multiple_of
     inside = segment_idx < n_closed[:, None]
     if token_mask is not None:
         inside = inside & token_mask
@@ -1009,13 +1053,15 @@ def downsample(
     # No closed segment: an empty slice of the bytes, so everything upstream (prelude, Engram tables) still gets a
     # (zero) gradient. FSDP2 reduce-scatters the gradients that exist, and one rank without them would hang the others.
     pooled = hidden_states[:, :0]
-    if S > 0:
+    if closed > 0:
         index = segment_idx.clamp(max=S - 1)
         sums = torch.zeros(B, S, D, dtype=torch.float32, device=hidden_states.device).scatter_add(
             1, index[..., None].expand(B, L, D), hidden_states.to(torch.float32) * weight[..., None]
         )
         counts = torch.zeros(B, S, dtype=torch.float32, device=hidden_states.device).scatter_add(1, index, weight)
         pooled = (sums / counts.clamp_min(1e-6)[..., None]).to(hidden_states.dtype)
+    elif S > 0:  # no segment closed, but the axis is padded: zeros tied to the bytes (their gradient stays defined)
+        pooled = torch.cat([pooled, hidden_states.new_zeros(B, S, D)], dim=1)
     null = hidden_states.new_zeros(D) if null_group is None else null_group.to(hidden_states.dtype)
     segments = torch.cat([null.expand(B, 1, D), pooled], dim=1)
     segment_mask = torch.arange(S + 1, device=hidden_states.device)[None] <= n_closed[:, None]
@@ -1126,10 +1172,11 @@ class SpiderFlexiTokens(nn.Module):
         if self.mixing == "residual_proj":
             self.residual_proj = nn.Linear(D, D, bias=False)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor):
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor,
+                pad_to_multiple_of: int = 1):
         """Chunk, bytes -> segments (the module's forward, so that hooks on it, such as accelerate's offloading, see
         `null_group` read). `x` `(B, L, D)` byte states, `memory` `(B, L, M)` per-byte Engram memory, `byte_mask`
-        `(B, L)` bool, `position_ids` `(B, L)` int64.
+        `(B, L)` bool, `position_ids` `(B, L)` int64, `pad_to_multiple_of` as in :func:`downsample`.
 
         Returns `(boundaries (B, L) fp32, boundary_probs (B, L) fp32, segments (B, 1+S, D) normed, segment_memory
         (B, 1+S, M), segment_mask (B, 1+S) bool)`: the byte states and their memory are pooled side by side (one
@@ -1137,7 +1184,8 @@ class SpiderFlexiTokens(nn.Module):
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
-        pooled, segment_mask = downsample(boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask)
+        pooled, segment_mask = downsample(boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask,
+                                          pad_to_multiple_of)
         segments, segment_memory = pooled.split([D, M], dim=-1)
         return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
 
@@ -1335,11 +1383,14 @@ class SpiderRecurrentBlock(nn.Module):
         n_loops: int,
         cache: "SpiderCache | None" = None,
         output_router_logits: bool = False,
+        segment_mask: torch.Tensor | None = None,
     ) -> SpiderRecurrentBlockOutput:
         """Args: `segments` `(B, S, D)` (the normed segments e), `position_embeddings` their RoPE, `attention_mask`
         bool `(B, 1, S, S_keys)` or None (causal), `segment_index` int64 `(N,)` the flat indices of the segments to
         route (None: all), `engram_memory` `(B, S, M)`, `n_loops` the loop count, `cache` a
-        :class:`SpiderCache` whose per-(loop, layer) caches are read and written, or None.
+        :class:`SpiderCache` whose per-(loop, layer) caches are read and written, or None, `segment_mask` `(B, S)`
+        bool or None: with `segment_index` None, the real segments (padding rows route with zero weight,
+        :meth:`SpiderMoE.forward`).
         """
         e = segments
         B, S, D = e.shape
@@ -1368,6 +1419,7 @@ class SpiderRecurrentBlock(nn.Module):
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
                     z, position_embeddings, attention_mask, routed, engram_memory,
+                    segment_mask if routed is None else None,
                     cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 aux_losses.append(aux)
@@ -1746,9 +1798,11 @@ class SpiderModel(SpiderPreTrainedModel):
             raise ValueError(f"input_ids is on {input_ids.device} but the model's embeddings are on {weight_device}: "
                              "build the inputs on model.device (or move them with .to(model.device))")
         out_of_vocabulary = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        if bool(out_of_vocabulary.any()):  # one host sync; the offending id is looked up only on the error path
-            bad = int(input_ids[out_of_vocabulary][0])
-            raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
+        # the offending id is looked up only on the error path (and only where reading it costs no training sync)
+        check_values(out_of_vocabulary, self.training, lambda: (
+            f"input_ids contains token id "
+            f"{int(input_ids[out_of_vocabulary][0]) if value_checks_sync(input_ids, self.training) else '(on device)'}"
+            f", outside the vocabulary [0, {self.config.vocab_size})"))
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
 
@@ -1829,22 +1883,37 @@ class SpiderModel(SpiderPreTrainedModel):
 
         # FlexiTokens: bytes -> segments. Engram memory is looked up once per byte and pooled with the same boundaries.
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
+        # The recurrent block runs over every segment slot, padding included, on a segment axis padded to a multiple of
+        # pad_segments_to_multiple_of (shapes that repeat, and no host sync past the segment count). Exact rows, picked
+        # by index (two more syncs), only where something needs them: a generation cache (its slots are the
+        # segments), router logits for the caller (of the real segments), ACT's early exit (routes by index).
+        exact = cache is not None or output_router_logits or (self.config.act_early_exit and not self.training)
         boundaries, boundary_probs, e, engram_memory, segment_mask = self.flexitokens(
-            x, engram_bytes, byte_mask, position_ids
+            x, engram_bytes, byte_mask, position_ids, 1 if exact else self.config.pad_segments_to_multiple_of
         )
         S1 = e.shape[1]
         segment_positions = torch.arange(S1, device=e.device).expand(B, S1)
         segment_rope = self.rotary_emb(e, segment_positions)
-        padded_segments = not bool(segment_mask.all())
-        segment_attention_mask = build_attention_mask(
-            segment_mask if padded_segments else None, self.config.recurrent_sliding_window,
-            key_positions=segment_positions,
-        )
-        # The segments the MoE routes, as flat row indices: one host sync here, none per loop and layer.
-        segment_index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded_segments else None
+        if exact:
+            padded_segments = not bool(segment_mask.all())
+            segment_attention_mask = build_attention_mask(
+                segment_mask if padded_segments else None, self.config.recurrent_sliding_window,
+                key_positions=segment_positions,
+            )
+            # The segments the MoE routes, as flat row indices: computed once here, none per loop and layer.
+            segment_index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded_segments else None
+            routed_mask = None
+        else:
+            # Padding sits at the end of each row, so the causal mask alone keeps it from every real segment's view;
+            # the MoE routes it with zero weight (routed_mask) and the bytes never read it.
+            segment_attention_mask = build_attention_mask(
+                None, self.config.recurrent_sliding_window, key_positions=segment_positions
+            )
+            segment_index, routed_mask = None, segment_mask
 
         h_out, act, aux_losses, expert_loads, router_logits = self.recurrent_block(
-            e, segment_rope, segment_attention_mask, segment_index, engram_memory, n_loops, cache, output_router_logits
+            e, segment_rope, segment_attention_mask, segment_index, engram_memory, n_loops, cache, output_router_logits,
+            routed_mask,
         )
 
         # Back to bytes (causal upsample, joined with the byte stream), then the coda.
@@ -2045,15 +2114,17 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
                 raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
             targets = shift_labels if shift_labels is not None else labels[:, 1:]
             bad = (targets != -100) & ((targets < 0) | (targets >= self.vocab_size))
-            if bool(bad.any()):
-                raise ValueError(f"labels contains token id {int(targets[bad][0])}, outside the vocabulary "
-                                 f"[0, {self.vocab_size}) (-100 = ignored)")
-            if num_items_in_batch is None and not bool((targets != -100).any()):
-                lm_loss = logits.sum() * 0.0  # no target at all (length 1, all -100): 0, not a mean over nothing
-            else:
-                lm_loss = self.loss_function(
-                    logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
-                )
+            check_values(bad, self.training, lambda: (
+                f"labels contains token id "
+                f"{int(targets[bad][0]) if value_checks_sync(targets, self.training) else '(on device)'}, outside the "
+                f"vocabulary [0, {self.vocab_size}) (-100 = ignored)"))
+            if num_items_in_batch is None:
+                # the mean over the targets, as a sum over their count (a tensor: no host sync), which is 0, not a mean
+                # over nothing, when there is no target at all (length 1, all -100)
+                num_items_in_batch = (targets != -100).sum().clamp_min(1)
+            lm_loss = self.loss_function(
+                logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
+            )
             loss = (
                 lm_loss
                 + self.config.router_aux_loss_coef * outputs.aux_loss

@@ -22,6 +22,7 @@ does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
   once, in ``__init__``, with the seed's module filter; accelerate is then told bf16 so it does not convert again.
+  ``--compile`` (``torch_compile``) asks accelerate's dynamo plugin for regional compilation.
 - ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
   and the cause.
@@ -296,7 +297,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # The only overrides of Trainer's private methods, each because no public hook exists for what it does (checked
     # against transformers 5.23; re-check them on every transformers upgrade):
     # - `_build_accelerator_args`: the Accelerator is built inside `Trainer.__init__` from `mixed_precision`; after
-    #   our own FP8 conversion accelerate must not convert again, and no argument or callback reaches that dict.
+    #   our own FP8 conversion accelerate must not convert again, and no argument or callback reaches that dict
+    #   (nor the dynamo plugin's `use_regional_compilation`, which TrainingArguments has no field for).
     # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
     #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
@@ -309,6 +311,11 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if self.fp8_report is not None and args.get("mixed_precision") == "fp8":
             logger.info("accelerate asked for fp8: converted once by SpiderTrainer (seed filter); accelerate runs bf16")
             args["mixed_precision"] = "bf16"
+        if args.get("dynamo_plugin") is not None:
+            # --compile compiles regions (accelerate's compile_regions): each prelude, recurrent and coda layer and
+            # the other submodules on their own, the loops and the data-dependent segment count in eager Python
+            # between them, so a new segment count is a new shape for a few layer graphs, not a new whole-model graph
+            args["dynamo_plugin"].use_regional_compilation = True
         return args
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:

@@ -40,6 +40,25 @@ def test_host_syncs_do_not_grow_with_layers_or_loops(padded):
     assert not any("boolean" in name or name == "bincount" for name in counts[(6, 6)]), counts[(6, 6)]
 
 
+def test_training_step_on_an_accelerator_syncs_once(monkeypatch):
+    """A training forward+backward at the 1b preset's depth (6 layers x 6 loops), rows closing different numbers of
+    segments: one host sync, the segment count the recurrent block's shape needs. The value checks of `input_ids`
+    and `labels` run as on an accelerator (test double: `value_checks_sync` answers as it does for a CUDA tensor in
+    training, so they become `_assert_async`); the segments route without selecting the real rows."""
+    import modeling_spider
+
+    monkeypatch.setattr(modeling_spider, "value_checks_sync", lambda tensor, training: not training)
+    model = tiny_model(seed=0, num_recurrent_layers=6, engram_layer_ids=[0, 3], n_loops=6).train()
+    ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
+    ids[0, ::3] = ord(" ")  # the rows close different numbers of segments: padding segments in the block
+    with HostSyncCounter() as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert counter.counts == {"_local_scalar_dense": 1}, counter.counts
+    # the checks still catch a bad id: on an accelerator at its next sync, here (CPU) at once
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        model(input_ids=ids.clamp(max=300) + 20, labels=ids)
+
+
 def test_counter_sees_tolist():
     original = torch.Tensor.tolist
     with HostSyncCounter() as counter:

@@ -1,0 +1,85 @@
+"""`--compile`: regional compilation that does not recompile as the segment count changes from step to step.
+
+The recurrent block's shapes follow the number of segments the batch closes. With the segment axis padded to a
+multiple of `pad_segments_to_multiple_of` and every layer compiled as its own region (accelerate's
+`compile_regions`, which `SpiderTrainer` asks for), a few distinct shapes and call kinds compile during the first
+steps and later steps reuse them. Dynamo's own `recompiles` log is counted; the `eager` backend runs dynamo's
+tracing and guards (what decides a recompile) without generating code, so the test takes seconds.
+"""
+
+import collections
+import logging
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+import train_hf
+
+WARMUP_STEPS = 4
+STEPS = 12
+
+
+class _RecompileLog(logging.Handler):
+    """Records dynamo's "Recompiling function ..." messages with the training step they happened in."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.step = 0
+        self.events = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "Recompiling function" in message:
+            self.events.append((self.step, message.splitlines()[0]))
+
+
+class _StepAndShapes(TrainerCallback):
+    """Tells the log the current step and records, for every training forward, the most segments a row closed and
+    the recurrent block's (padded) segment axis."""
+
+    def __init__(self, log: _RecompileLog):
+        self.log = log
+        self.segment_counts = []
+        self.segment_axes = []
+        self.hooked = False
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.log.step = state.global_step + 1
+        if not self.hooked:
+            # the hooks run inside the compiled regions: kept out of the graphs, they add no recompile of their own
+            spider = model.model
+            spider.flexitokens.register_forward_hook(torch.compiler.disable(
+                lambda module, a, out: self.segment_counts.append(int(out[4].sum(1).max()))))
+            spider.recurrent_block.register_forward_pre_hook(torch.compiler.disable(
+                lambda module, a: self.segment_axes.append(a[0].shape[1])))
+            self.hooked = True
+
+
+@pytest.mark.slow
+def test_compiled_training_stops_recompiling_after_warmup(tmp_path):
+    log = _RecompileLog()
+    callback = _StepAndShapes(log)
+    dynamo_logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    dynamo_logger.addHandler(log)
+    try:
+        torch._dynamo.reset()
+        summary = train_hf.main(
+            ["--preset", "tiny", "--data", "mock", "--max_steps", str(STEPS), "--compile",
+             "--torch_compile_backend", "eager", "--ckpt_dir", str(tmp_path / "run"), "--save_strategy", "no",
+             "--eval_strategy", "no", "--sample_bytes", "0", "--dataloader_num_workers", "0"],
+            callbacks=[callback],
+        )
+    finally:
+        dynamo_logger.removeHandler(log)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    assert summary["steps"] == STEPS
+    axes, counts = callback.segment_axes, callback.segment_counts
+    assert len(axes) == len(counts) == STEPS and all(axis % 16 == 0 for axis in axes)  # padded to multiples of 16
+    assert len(set(counts)) > 1, counts  # the segment count does change from step to step
+    by_step = collections.Counter(step for step, _ in log.events)
+    late = [event for event in log.events if event[0] > WARMUP_STEPS]
+    assert not late, f"recompiles after step {WARMUP_STEPS} (segments {counts}, axes {axes}): {late}"
+    assert sum(by_step.values()) > 0  # the log is seen: the first steps do compile the shapes they meet
