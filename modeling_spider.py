@@ -1,7 +1,7 @@
 # Copyright 2026 The Spider authors. Licensed under the Apache License, Version 2.0.
 """PyTorch Spider: a byte-level recurrent-depth transformer with learned token boundaries.
 
-The file reads top-down like the forward pass (SPEC §3)::
+The file reads top-down like the forward pass (docs/design.md, "The forward pass")::
 
     x  = embed_tokens(input_ids)                          # (B, L, D) bytes
     x  = prelude(x)                                       # SpiderDecoderLayer: dense MLA + SwiGLU over bytes
@@ -548,14 +548,14 @@ class SpiderMoEKernels:
         return (rows * topk_weights.to(torch.float32)[..., None]).sum(dim=1)
 
 
-#: a per-expert weight of the layout before issue #39: (prefix ending in "experts."), expert index, projection
+#: a per-expert weight of the layout before the experts were fused: (prefix ending in "experts."), expert index, projection
 _PER_EXPERT_KEY = re.compile(
     r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
 
 
 def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of `state_dict` in which every per-expert routed-expert group of the layout before issue #39
+    """A copy of `state_dict` in which every per-expert routed-expert group of the per-expert layout
     (``P.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)`, ``P.experts.{e}.down_proj.weight`` `(D, I)`,
     e = 0..E-1) is replaced by :class:`SpiderExperts`' ``P.experts.gate_up_proj`` `(E, 2I, D)` (gate rows, then up
     rows, per expert) and ``P.experts.down_proj`` `(E, D, I)`; other keys are kept as they are, in order. The same
@@ -632,7 +632,7 @@ class SpiderExperts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """``load_state_dict`` also takes the per-expert layout of releases before issue #39 (``{prefix}{e}.gate_proj
+        """``load_state_dict`` also takes the per-expert layout of older releases (``{prefix}{e}.gate_proj
         .weight`` etc.), fused here by :func:`fuse_per_expert_state_dict` (``from_pretrained`` converts it with
         :func:`per_expert_checkpoint_conversions` instead: transformers 5 loads without this hook)."""
         own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -657,7 +657,7 @@ class SpiderExperts(nn.Module):
 
 
 def per_expert_checkpoint_conversions() -> list:
-    """transformers weight conversions from the routed experts' per-expert layout (releases written before issue #39:
+    """transformers weight conversions from the routed experts' per-expert layout (older releases:
     ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)` and ``down_proj.weight`` `(D, I)` for each
     expert e) to :class:`SpiderExperts`' fused parameters: ``gate_up_proj[e] = cat(gate_proj, up_proj)`` along dim 0
     of each expert's weight, ``down_proj[e] = down_proj``. The same two ``WeightConverter``\\ s transformers registers
@@ -1343,7 +1343,7 @@ class SpiderRecurrentBlockOutput(NamedTuple):
 
 
 class SpiderRecurrentBlock(nn.Module):
-    """The looped block over segments (SPEC §3; Huginn / OpenMythos), weights shared across loops::
+    """The looped block over segments (Huginn / OpenMythos), weights shared across loops::
 
         for t in range(n_loops):
             z = loop_norm(h + e + loop_embedding[t])
@@ -1700,7 +1700,7 @@ class SpiderPreTrainedModel(PreTrainedModel):
         fused (``...mlp.experts.gate_up_proj`` / ``down_proj``), as ``state_dict()`` and ``load_state_dict`` (a Trainer
         resuming) have them. transformers' default, ``save_original_format=True``, would undo the load-time
         conversion registered for model type ``"spider"`` (:func:`per_expert_checkpoint_conversions`) and write the
-        per-expert layout of releases before issue #39; pass it to write a release that older Spider code reads."""
+        per-expert layout of older releases; pass it to write a release that older Spider code reads."""
         return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     @torch.no_grad()
@@ -1741,7 +1741,7 @@ class SpiderModel(SpiderPreTrainedModel):
     Submodules, in forward order: `embed_tokens`, `prelude_layers`, `engram_embeddings`, `flexitokens`
     (:class:`SpiderFlexiTokens`: `boundary_predictor`, pooling, the global stream's mixing), `recurrent_block`
     (:class:`SpiderRecurrentBlock`: `loop_embedding`, `layers`, `loop_lora`, `injection`, `halt_predictor`),
-    `coda_layers`, `norm`. The leaf names are load-bearing (SPEC §1: the seed's FP8 filter selects by them).
+    `coda_layers`, `norm`. The leaf names are load-bearing (the seed's FP8 filter selects by them; docs/design.md, "Names that FP8 and PEFT rely on").
     """
 
     # Decisions that a low-precision weight would flip (top-k experts, segment boundaries at a threshold, ACT halting)
