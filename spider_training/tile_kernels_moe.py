@@ -4,7 +4,9 @@
 ``SpiderMoEKernels``; an instance attribute overrides it per layer). :class:`TileKernelsMoEKernels` is the same
 interface over the installed ``tile_kernels.moe``; :func:`swap_in_tile_kernels` installs it on every MoE layer.
 
-What the model calls: ``topk_gate``, ``normalize_weight`` and ``aux_fi``. The routed experts are fused
+What the model calls: ``topk_gate``, ``normalize_weight``, and ``aux_fi`` where every routed row is real (a forward with
+a generation cache; the training forward's padded segment axis counts the real rows' load in torch, as ``aux_fi``
+takes no row mask). The routed experts are fused
 3-D parameters (``modeling_spider.SpiderExperts``) computed by transformers' experts implementations, which sort the
 token-slots by expert themselves (the fused layout at alignment 1, offsets on the device), so the model no longer calls
 the fused-layout ops; the adapter still wraps them (``get_fused_mapping``, ``expand_to_fused``, ``reduce_fused``) for
