@@ -291,7 +291,7 @@ class SpiderConfig(PreTrainedConfig):
 
     @property
     def moe_implementation(self) -> str:
-        """Deprecated alias of ``_experts_implementation`` (the field before issue #39), for code written against it:
+        """Deprecated alias of ``_experts_implementation`` (the field before the experts were fused), for code written against it:
         reading gives the experts implementation; assigning maps a legacy value as ``__post_init__`` does (``"sorted"``
         -> ``"grouped_mm"``) and sets the experts implementation. Never written to ``config.json``.
 

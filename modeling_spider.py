@@ -1,7 +1,7 @@
 # Copyright 2026 The Spider authors. Licensed under the Apache License, Version 2.0.
 """PyTorch Spider: a byte-level recurrent-depth transformer with learned token boundaries.
 
-The file reads top-down like the forward pass (SPEC §3)::
+The file reads top-down like the forward pass (docs/design.md, "The forward pass")::
 
     x  = embed_tokens(input_ids)                          # (B, L, D) bytes
     x  = prelude(x)                                       # SpiderDecoderLayer: dense MLA + SwiGLU over bytes
@@ -15,19 +15,15 @@ The file reads top-down like the forward pass (SPEC §3)::
     y  = flexitokens.dechunk(b, h_out, x)                 # causal upsample, mixed into the byte stream
     logits = lm_head(norm(coda(y)))
 
-The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time
-(:meth:`SpiderFlexiTokens.chunk_step` / :meth:`~SpiderFlexiTokens.dechunk_step`, the recurrent block on closed
-segments only).
+The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time.
 
 Sources: DeepSeek-V2/V3 (MLA, MoE, aux_fi load balancing; transformers ``models/deepseek_v3``), Engram (DeepSeek,
 arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the pooling of Nawrot et al. 2023,
 OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn (arXiv 2502.05171), Relaxed Recursive Transformers
 (arXiv 2410.20672), ACT (Graves 2016, arXiv 1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
 
-This file imports only torch, transformers, numpy and the standard library: it is what the Hub serves. Of transformers'
-loading it adds one thing, a checkpoint conversion for model type ``"spider"`` (registered on import) that fuses the
-per-expert weights of releases written before the experts were fused (:func:`per_expert_checkpoint_conversions`);
-``save_pretrained`` writes the fused names by default.
+Imports only torch, transformers, numpy and the standard library (the Hub serves this file). On import it registers
+a checkpoint conversion for model type ``"spider"`` (:func:`per_expert_checkpoint_conversions`).
 """
 
 from __future__ import annotations
@@ -73,24 +69,19 @@ class SpiderModelOutput(ModelOutput):
     """Output of :class:`SpiderModel`.
 
     Attributes:
-        last_hidden_state (`torch.FloatTensor` of shape `(B, L, D)`): byte states after the coda and the final norm.
+        last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and the final norm.
         cache (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
         hidden_states (`tuple[torch.FloatTensor]`, *optional*): byte states `(B, L, D)`: the embeddings, each prelude
             layer's output, the upsampled recurrent output (plus the residual), each coda layer's output.
-        router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer), `(N, E)` fp32 logits of
-            the N routed (non-padding) segments.
-        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms (see
-            :class:`SpiderForConditionalGeneration`); `boundary_loss` is the rate hinge plus, with a
-            `boundary_teacher`, `boundary_teacher_coef` times the teacher's cross-entropy.
-        compression_rate (`torch.FloatTensor` scalar): bytes per closed segment (FlexiTokens' compression rate).
-        mean_halting_step (`torch.FloatTensor` scalar): mean number of loops a segment runs before ACT halts it.
-        expert_load (`torch.FloatTensor` of shape `(E,)`): aux_fi load per expert averaged over loops and layers
-            (1.0 everywhere at perfect balance).
-        boundaries (`torch.FloatTensor` of shape `(B, L)`): the hard 0/1 boundary decisions.
-        attentions (`tuple[torch.FloatTensor]`, *optional*, with `output_attentions=True` and an implementation that
-            computes weights, ``"eager"``): one per attention call in forward order: each prelude layer's
-            `(B, H, L, L)`, each (loop, recurrent layer)'s `(B, H, 1+S, 1+S)` over segments, each coda layer's
-            `(B, H, L, L)`; softmax weights in the model dtype. Other implementations return none (an empty tuple).
+        router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer), `(N, E)` fp32 logits.
+        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms; `boundary_loss` adds
+            `boundary_teacher_coef` times the teacher's cross-entropy to the rate hinge.
+        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed segment; mean ACT loops.
+        expert_load (`torch.FloatTensor` `(E,)`): aux_fi load per expert (1.0 everywhere at perfect balance).
+        boundaries (`torch.FloatTensor` `(B, L)`): the hard 0/1 boundary decisions.
+        attentions (`tuple[torch.FloatTensor]`, *optional*): with `output_attentions=True` and ``"eager"``, per
+            attention call in forward order: `(B, H, L, L)` for byte layers, `(B, H, 1+S, 1+S)` per (loop, recurrent
+            layer); empty for other implementations.
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -109,14 +100,13 @@ class SpiderModelOutput(ModelOutput):
 
 @dataclass
 class SpiderCausalLMOutput(ModelOutput):
-    """Output of :class:`SpiderForConditionalGeneration`: ``out["loss"]`` works as in the seed's training loop.
+    """Output of :class:`SpiderForConditionalGeneration`.
 
     Attributes:
         loss (`torch.FloatTensor` scalar, with `labels`): ``lm_loss + router_aux_loss_coef * aux_loss +
             boundary_loss_coef * boundary_loss + ponder_loss_coef * ponder_loss``.
-        logits (`torch.FloatTensor` of shape `(B, L, vocab_size)`).
-        lm_loss (`torch.FloatTensor` scalar, with `labels`): next-byte cross-entropy in nats (labels shifted inside,
-            -100 ignored).
+        logits (`torch.FloatTensor` `(B, L, vocab_size)`).
+        lm_loss (`torch.FloatTensor` scalar, with `labels`): next-byte cross-entropy in nats (-100 ignored).
         Other fields as in :class:`SpiderModelOutput`.
     """
 
@@ -141,9 +131,8 @@ class SpiderCausalLMOutput(ModelOutput):
 
 
 def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`x` cast to `module.weight`'s dtype when that is a floating-point dtype other than `x`'s: the modules the model
-    keeps in fp32 (``_keep_in_fp32_modules_strict``: router, boundary and halting predictors) take bf16 activations
-    in a bf16 model. A quantised weight (int8, packed 4-bit) takes the activations as they are."""
+    """`x` cast to `module.weight`'s dtype when that is a floating-point dtype other than `x`'s (fp32 modules in a
+    bf16 model); a quantised weight takes `x` as it is."""
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != x.dtype:
         return x.to(weight.dtype)
@@ -151,17 +140,13 @@ def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
-    """Whether a check of `tensor`'s *values* (token ids in range) may read them on the host: always on the CPU
-    (nothing to wait for) and outside training; in training on an accelerator such a read would stall the launch
-    queue every step, so :func:`check_values` asserts on the device instead."""
+    """Whether a value check of `tensor` may read it on the host: on the CPU, or outside training."""
     return tensor.device.type == "cpu" or not training
 
 
 def check_values(bad: torch.Tensor, training: bool, message: Callable[[], str]) -> None:
-    """Raise ``ValueError(message())`` when any element of the bool tensor `bad` is True. Where reading `bad` on the
-    host would cost a device-to-host sync per training step (:func:`value_checks_sync` False), the check is
-    ``torch._assert_async`` with the same message instead: no sync, and a bad value stops the run at the next sync
-    with a device-side assertion naming the problem (as an out-of-range embedding index would, without the name)."""
+    """Raise ``ValueError(message())`` when any element of bool `bad` is True; where that read would sync in
+    training (:func:`value_checks_sync`), assert on the device instead (``torch._assert_async``)."""
     if value_checks_sync(bad, training):
         if bool(bad.any()):
             raise ValueError(message())
@@ -186,11 +171,8 @@ class SpiderRMSNorm(nn.Module):
 
 
 class SpiderRotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021) for the `qk_rope_head_dim` part of MLA heads.
-
-    Computed on the fly (no buffers: `from_pretrained` builds on the meta device). Called once per forward for the
-    byte positions and once for the segment positions, and shared by every layer and loop.
-    """
+    """Rotary position embedding (Su et al. 2021) for the `qk_rope_head_dim` part of MLA heads, computed on the fly
+    (no buffers: `from_pretrained` builds on the meta device)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -220,10 +202,8 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 def positional_sliding_window_overlay(
     query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int
 ) -> Callable:
-    """A `transformers.masking_utils` mask function: query `q` of row `b` sees key `kv` when
-    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``, i.e. masking_utils' `sliding_window_overlay`
-    on positions that count real tokens only (a padded row's window covers as many real tokens as an unpadded one's).
-    `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)` int64."""
+    """Mask function: query `q` of row `b` sees key `kv` when ``query_positions[b, q] - key_positions[b, kv] <
+    sliding_window``, positions counting real tokens only. `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)`."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
         return query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx] < sliding_window
@@ -232,9 +212,8 @@ def positional_sliding_window_overlay(
 
 
 def positional_causal_mask_function(query_positions: torch.Tensor, key_positions: torch.Tensor) -> Callable:
-    """A `transformers.masking_utils` mask function for a decode step whose queries are not the last keys of every
-    row (rows close segments at different bytes): query `q` of row `b` sees key `kv` when
-    ``key_positions[b, kv] <= query_positions[b, q]``. `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)`."""
+    """Mask function for a decode step: query `q` of row `b` sees key `kv` when ``key_positions[b, kv] <=
+    query_positions[b, q]``. `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)` int64."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
         return key_positions[batch_idx, kv_idx] <= query_positions[batch_idx, q_idx]
@@ -253,22 +232,16 @@ def build_attention_mask(
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Causal + key-padding (+ sliding-window) boolean mask, built by `transformers.masking_utils.sdpa_mask` from its
-    mask functions (`causal_mask_function`, `padding_mask_function`, `and_masks`/`or_masks`) and the two above. Both
-    ``"sdpa"`` and ``"eager"`` read it (True = may attend).
+    """Causal + key-padding (+ sliding-window) bool mask (True = may attend) via `masking_utils.sdpa_mask`.
 
     Args:
         token_mask: `(B, T_k)` bool, True for real tokens, or None (no padding).
-        sliding_window: a query at position p sees keys at positions `p - sliding_window < k <= p` (positions count
-            real tokens only), or None (every earlier key). Mistral's `sliding_window`.
-        query_positions, key_positions: for a decode step, `(B, T_q)` / `(B, T_k)` int64 positions: a query sees the
-            keys at its own or earlier positions (`key_positions` may be None when every cached key is earlier). For
-            the full forward (`query_positions` None) the queries are the keys, causal by index; `key_positions`
-            then only serve the window, defaulting to the cumulative count of real tokens of `token_mask`.
+        sliding_window: a query at position p sees keys at positions `p - sliding_window < k <= p`, or None.
+        query_positions, key_positions: `(B, T_q)` / `(B, T_k)` int64 real-token positions. A decode step passes
+            `query_positions` (queries see keys at their own or earlier positions; `key_positions` None: every key); the
+            full forward passes None and `key_positions` serve the window only (default: from `token_mask`).
     Returns:
-        `(B, 1, T_q, T_k)` bool, or None where SDPA's `is_causal` (full forward without padding or window) or no mask
-        at all (decode step over earlier keys without padding or window) is exact. In the full forward a padding query
-        attends to itself, so no row is empty; its output is never read.
+        `(B, 1, T_q, T_k)` bool, or None where SDPA's `is_causal` or no mask is exact.
     Raises:
         ValueError: `sliding_window` without any positions to measure it by.
     """
@@ -317,13 +290,9 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention written out (transformers' ``"eager"`` implementation for Spider; the attention-interface signature).
-
-    Args: `query` `(B, H, T_q, d_qk)`, `key` `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`; `attention_mask` bool
-        `(B, 1, T_q, T_k)` (True = may attend) or None: causal when the queries are all the keys (`T_q == T_k`), else
-        every key (a decode step), as ``"sdpa"`` reads it with ``module.is_causal``. `scaling` multiplies the scores.
-    Returns: `(attn_output (B, T_q, H, d_v), attn_weights (B, H, T_q, T_k) in query.dtype)`; softmax in fp32.
-    """
+    """The ``"eager"`` attention (attention-interface signature): `query` `(B, H, T_q, d_qk)`, `key`
+    `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`, `attention_mask` bool `(B, 1, T_q, T_k)` or None (causal when
+    `T_q == T_k`). Returns `(attn_output (B, T_q, H, d_v), attn_weights (B, H, T_q, T_k) in query.dtype)`."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     T_q, T_k = query.shape[2], key.shape[2]
     if attention_mask is None and T_q == T_k and T_q > 1:
@@ -336,16 +305,8 @@ def eager_attention_forward(
 
 
 class SpiderAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2 §2.1; transformers' `DeepseekV3Attention` names).
-
-    Queries go through a low-rank `q_a_proj -> q_a_layernorm -> q_b_proj`; keys and values share one compressed
-    latent `kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`, plus one rotary key shared by all heads. RoPE is
-    applied to the rope part only. The attention itself is the function `config._attn_implementation` names in
-    transformers' attention interface (``"sdpa"`` by default, :func:`eager_attention_forward` for ``"eager"``, or
-    one registered with ``transformers.AttentionInterface``); it receives a bool mask from
-    :func:`build_attention_mask` or None for causal (see :func:`eager_attention_forward`).
-    Input/output `(B, T, hidden_size)`.
-    """
+    """Multi-head latent attention (DeepSeek-V2 §2.1; `DeepseekV3Attention` names), `(B, T, D) -> (B, T, D)`, through
+    the function `config._attn_implementation` names (docs/design.md, "Attention backends")."""
 
     is_causal = True  # read by transformers' sdpa_attention_forward when the mask is None
 
@@ -379,10 +340,8 @@ class SpiderAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: SpiderLayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None (causal when the queries
-        are all the keys, else every cached key); `cache` this layer's cache, updated in place.
-        Returns `(output (B, T, D), attention weights (B, H, T, T_keys) or None)`: the weights come from
-        implementations that compute them (``"eager"``); ``output_attentions=True`` collects them."""
+        """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None; `cache` this layer's cache,
+        updated in place. Returns `(output (B, T, D), attention weights (B, H, T, T_keys) or None)`."""
         B, T, _ = hidden_states.shape
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -421,11 +380,7 @@ class SpiderAttention(nn.Module):
 
 
 class SpiderMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`, `(..., D) -> (..., D)`.
-
-    Used for the dense prelude/coda layers and for the shared experts (the routed experts are :class:`SpiderExperts`).
-    Plain `nn.Linear`s, so torchao's `Float8Linear` conversion reaches them (as in the seed).
-    """
+    """SwiGLU (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`, `(..., D) -> (..., D)`."""
 
     def __init__(self, config: SpiderConfig, intermediate_size: int):
         super().__init__()
@@ -444,17 +399,10 @@ class SpiderMLP(nn.Module):
 
 
 class FusedMapping(NamedTuple):
-    """The expert-sorted ("fused") layout of TileKernels' `get_fused_mapping`.
+    """The expert-sorted layout of TileKernels' `get_fused_mapping` (N rows, -1 marks padding).
 
-    Token-slots (token t, choice j) are laid out sorted by expert, one contiguous slice per expert padded to the
-    alignment. N = number of rows in the layout; -1 marks padding rows.
-
-    Attributes:
-        pos_to_expert, pos_to_token, pos_to_token_topk: int64 `(N,)` expert / token / flat slot (t*k+j) of each row.
-        token_topk_to_pos: int64 `(T, k)` row of each token-slot.
-        expert_start, expert_end: int64 `(E,)` first row and one-past-last row of each expert's slice.
-        num_tokens_per_expert: int64 `(E,)` rows per expert (slots rounded up to the alignment).
-    """
+    Attributes: `pos_to_expert`, `pos_to_token`, `pos_to_token_topk` int64 `(N,)`; `token_topk_to_pos` int64 `(T, k)`;
+    `expert_start`, `expert_end`, `num_tokens_per_expert` int64 `(E,)` (slice bounds and rows per expert)."""
 
     pos_to_expert: torch.Tensor
     pos_to_token: torch.Tensor
@@ -466,26 +414,15 @@ class FusedMapping(NamedTuple):
 
 
 class SpiderMoEKernels:
-    """Torch reference of the TileKernels 1.x MoE routing ops: same names, shapes and rules, any device.
-
-    A :class:`SpiderMoE` calls its ``kernels`` attribute (this class by default) for the routing: `topk_gate`,
-    `normalize_weight`, `aux_fi`; the trainer may swap in an adapter over the installed `tile_kernels` (CUDA only)
-    with the same methods. The fused-layout ops (`get_fused_mapping`, `expand_to_fused`, `reduce_fused`) are kept as
-    the reference of TileKernels 1.x's, but the model's expert compute no longer calls them: :class:`SpiderExperts`
-    sorts the token-slots by expert in transformers' experts implementations (the same layout at alignment 1). Every
-    method is differentiable where the TileKernels op has a backward (`expand_to_fused`, `reduce_fused` w.r.t. `x` and
-    the weights).
-    """
+    """Torch reference of the TileKernels 1.x MoE routing ops (same names, shapes, rules; any device). The trainer
+    may swap in a `tile_kernels` adapter; the fused-layout ops are a reference only."""
 
     name = "torch"
     alignment = 1
 
     @staticmethod
     def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
-        """`scores` fp32 `(T, E)` -> int64 `(T, k)` expert ids, best first; ties go to the smaller expert index.
-
-        (`torch.topk` on CPU does not break ties that way; a stable descending sort does.)
-        """
+        """`scores` fp32 `(T, E)` -> int64 `(T, k)` expert ids, best first; ties go to the smaller index."""
         return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :num_topk]
 
     @staticmethod
@@ -502,17 +439,13 @@ class SpiderMoEKernels:
 
     @staticmethod
     def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-        """Token-slots per expert, int64 `(E,)`, by a scatter-add (`torch.bincount` sizes its output from the largest
-        id, a host-device sync on GPUs)."""
+        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike `torch.bincount`)."""
         flat = topk_idx.reshape(-1)
         return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
     @staticmethod
     def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
-        """Expert-sorted layout of the `(T, k)` token-slots; see :class:`FusedMapping`. No host-device sync.
-
-        The number of rows N is the static bound `T*k + E*(alignment-1)` (exactly `T*k` at alignment 1).
-        """
+        """Expert-sorted layout of the `(T, k)` token-slots (:class:`FusedMapping`), `T*k + E*(alignment-1)` rows."""
         T, k = topk_idx.shape
         device = topk_idx.device
         flat = topk_idx.reshape(-1)
@@ -548,23 +481,19 @@ class SpiderMoEKernels:
         return (rows * topk_weights.to(torch.float32)[..., None]).sum(dim=1)
 
 
-#: a per-expert weight of the layout before issue #39: (prefix ending in "experts."), expert index, projection
+#: a per-expert weight of older releases: prefix (ending in "experts."), expert index, projection
 _PER_EXPERT_KEY = re.compile(
     r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
 
 
 def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of `state_dict` in which every per-expert routed-expert group of the layout before issue #39
-    (``P.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)`, ``P.experts.{e}.down_proj.weight`` `(D, I)`,
-    e = 0..E-1) is replaced by :class:`SpiderExperts`' ``P.experts.gate_up_proj`` `(E, 2I, D)` (gate rows, then up
-    rows, per expert) and ``P.experts.down_proj`` `(E, D, I)`; other keys are kept as they are, in order. The same
-    result as :func:`per_expert_checkpoint_conversions` gives ``from_pretrained``; this one serves ``load_state_dict``
-    (a Trainer resuming from an old checkpoint) and seed imports (``spider_training.convert_seed``).
+    """A copy of `state_dict` with every per-expert group (``P.experts.{e}.gate_proj.weight`` etc.) fused into
+    :class:`SpiderExperts`' ``P.experts.gate_up_proj`` `(E, 2I, D)` and ``down_proj`` `(E, D, I)`, other keys in order
+    (the ``load_state_dict`` counterpart of :func:`per_expert_checkpoint_conversions`).
 
     Raises:
-        ValueError: a group that is incomplete (an expert index missing in 0..E-1, or a projection missing for one
-            expert), naming the prefix.
+        ValueError: an incomplete group (an expert index or a projection missing), naming the prefix.
     """
     groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     for key, value in state_dict.items():
@@ -599,28 +528,12 @@ def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str,
 
 @use_experts_implementation
 class SpiderExperts(nn.Module):
-    """The routed SwiGLU experts of one MoE layer, stored as transformers 5.x stores MoE experts (DeepseekV3 /
-    Qwen3-MoE ``...Experts``; transformers ``integrations/moe.py``), so the library's experts interface, PEFT's
-    ``LoraConfig(target_parameters=...)`` and torchao's MoE FP8 reach them.
-
-    Parameters (E = ``n_routed_experts``, D = ``hidden_size``, I = ``moe_intermediate_size``):
-        gate_up_proj (`(E, 2I, D)`): rows ``[0, I)`` of expert e are its gate projection's ``nn.Linear`` weight, rows
-            ``[I, 2I)`` its up projection's (the per-expert layout's ``experts.{e}.gate_proj.weight`` and
-            ``experts.{e}.up_proj.weight``, concatenated).
-        down_proj (`(E, D, I)`): expert e's down projection weight (``experts.{e}.down_proj.weight``).
-    Expert e computes ``down_proj[e] @ (act(gate) * up)`` with ``gate, up = (gate_up_proj[e] @ x).chunk(2)``.
+    """The routed SwiGLU experts of one MoE layer in transformers 5.x's MoE layout (``integrations/moe.py``):
+    `gate_up_proj` `(E, 2I, D)` (expert e's gate rows, then its up rows) and `down_proj` `(E, D, I)`.
 
     ``forward(hidden_states (T, D), top_k_index int64 (T, k), top_k_weights (T, k)) -> (T, D)`` in
-    ``hidden_states.dtype``: each token's weighted sum of its k experts, accumulated in fp32 (the weights are fp32).
-    ``@use_experts_implementation`` dispatches it on ``config._experts_implementation``: ``"grouped_mm"`` (default;
-    transformers' ``grouped_mm_experts_forward``: token-slots sorted by expert, group offsets by ``histc`` + ``cumsum``
-    on the device, ``torch.nn.functional.grouped_mm`` over all experts at once, no host sync), ``"batched_mm"``
-    (one ``bmm`` over per-slot gathered weights: memory-hungry, for small batches), or ``"eager"`` (this class's own
-    ``forward`` below: the seed's loop over experts with a token mask; a host sync per expert). Choose it with
-    ``from_pretrained(..., experts_implementation=...)``, ``SpiderConfig(experts_implementation=...)`` or
-    ``model.set_experts_implementation(...)``. Every implementation reads the parameters inside this module's own
-    forward, so what wraps the module or its parameters (PEFT, accelerate's offload hooks) applies to all of them.
-    """
+    ``hidden_states.dtype``, accumulated in fp32. ``config._experts_implementation`` picks ``"grouped_mm"`` (default),
+    ``"batched_mm"`` or ``"eager"`` (docs/design.md, "MoE experts")."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -632,9 +545,7 @@ class SpiderExperts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """``load_state_dict`` also takes the per-expert layout of releases before issue #39 (``{prefix}{e}.gate_proj
-        .weight`` etc.), fused here by :func:`fuse_per_expert_state_dict` (``from_pretrained`` converts it with
-        :func:`per_expert_checkpoint_conversions` instead: transformers 5 loads without this hook)."""
+        """Also takes the per-expert layout of older releases, fused by :func:`fuse_per_expert_state_dict`."""
         own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
         if any(_PER_EXPERT_KEY.match(k) for k in own):
             for key in own:
@@ -645,8 +556,7 @@ class SpiderExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """``"eager"``: for each expert, the tokens that chose it (``torch.where``, a host sync per expert), its SwiGLU
-        on them, the output times the routing weight added into an fp32 sum. Shapes as in the class docstring."""
+        """``"eager"``: a loop over experts (a host sync per expert). Shapes as in the class docstring."""
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         for e in range(self.num_experts):
             token_idx, slot = torch.where(top_k_index == e)
@@ -657,12 +567,9 @@ class SpiderExperts(nn.Module):
 
 
 def per_expert_checkpoint_conversions() -> list:
-    """transformers weight conversions from the routed experts' per-expert layout (releases written before issue #39:
-    ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` `(I, D)` and ``down_proj.weight`` `(D, I)` for each
-    expert e) to :class:`SpiderExperts`' fused parameters: ``gate_up_proj[e] = cat(gate_proj, up_proj)`` along dim 0
-    of each expert's weight, ``down_proj[e] = down_proj``. The same two ``WeightConverter``\\ s transformers registers
-    for ``qwen2_moe`` / ``deepseek_v3`` (``transformers/conversion_mapping.py``); registered for model type
-    ``"spider"`` when this file is imported, so ``from_pretrained`` converts such a release while it loads it."""
+    """transformers weight conversions from the per-expert layout of older releases (``...mlp.experts.{e}.gate_proj
+    .weight`` etc.) to :class:`SpiderExperts`' fused parameters, as transformers registers for ``deepseek_v3``;
+    registered for model type ``"spider"`` on import, so ``from_pretrained`` converts while it loads."""
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
     return [
@@ -690,16 +597,9 @@ _register_per_expert_checkpoint_conversions()
 
 
 class SpiderMoE(nn.Module):
-    """DeepSeek-V3-style mixture of experts: `router` + top-k routed SwiGLU `experts` (:class:`SpiderExperts`, fused
-    3-D parameters) + always-on `shared_experts` (:class:`SpiderMLP`).
-
-    Routing: softmax scores over `n_routed_experts` (fp32), top-k (ties to the smaller index), weights renormalised
-    over the top-k when `norm_topk_prob`; the routing ops are ``self.kernels``' (:class:`SpiderMoEKernels`, or a
-    TileKernels adapter the trainer installs). Load balancing: DeepSeek's f·P ("aux_fi") loss
-    `sum_i f_i * P_i`, `f_i = E * share of token-slots sent to i`, `P_i = mean score of i` (= 1 at perfect balance).
-    Expert compute follows ``config._experts_implementation`` (see :class:`SpiderExperts`); every implementation
-    gives the same outputs and gradients up to float roundoff (tested).
-    """
+    """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts` (:class:`SpiderExperts`), `shared_experts`
+    (:class:`SpiderMLP`). Routing ops come from ``self.kernels`` (:class:`SpiderMoEKernels`); balancing is DeepSeek's
+    aux_fi loss `sum_i f_i * P_i` (= 1 at perfect balance)."""
 
     kernels = SpiderMoEKernels
 
@@ -718,14 +618,9 @@ class SpiderMoE(nn.Module):
     def forward(
         self, x: torch.Tensor, row_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)`. With `row_mask` `(T,)` bool, the rows where it is False (padding) are routed like the
-        others but weigh zero in the routed output and are left out of the balancing statistics (`aux_loss`,
-        `expert_load` are those of the real rows alone), so the real rows get what routing them alone gives, without
-        the host sync that selecting them would cost.
+        """Route `x` `(T, D)`; rows where `row_mask` `(T,)` is False weigh zero and stay out of the statistics.
 
-        Returns:
-            `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`.
-        """
+        Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`."""
         router_logits = self.route(x)
         scores = router_logits.softmax(dim=-1)
         topk_idx = self.kernels.topk_gate(scores, self.top_k)
@@ -754,10 +649,8 @@ class SpiderMoE(nn.Module):
         return out, router_logits, aux_loss, expert_load
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through ``self.router``'s own forward, so whatever wraps
-        or replaces it (a PEFT LoRA, a bitsandbytes or torchao quantised layer) applies. The input is cast to the
-        router's floating-point weight dtype (fp32 routing whenever the router's weights are fp32); a quantised
-        router takes the activations as they are."""
+        """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a PEFT or quantised
+        router applies)."""
         return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
 
@@ -767,7 +660,7 @@ class SpiderMoE(nn.Module):
 
 
 def _primes_from(start: int, count: int) -> list[int]:
-    """The `count` smallest primes >= `start` (trial division; start is at most ~1e6 here)."""
+    """The `count` smallest primes >= `start`."""
     primes, n = [], max(start, 2)
     while len(primes) < count:
         if all(n % d for d in range(2, math.isqrt(n) + 1)):
@@ -777,17 +670,9 @@ def _primes_from(start: int, count: int) -> list[int]:
 
 
 class SpiderEngramEmbeddings(nn.Module):
-    """Hashed byte n-gram memory tables, looked up once per forward at byte level.
-
-    For every n in `engram_ngram_sizes` and each of `engram_num_heads` heads, the n-gram of byte ids ending at byte l
-    is hashed as `XOR_i(id[l-i] * m_{n,h,i}) mod p_{n,h}` (odd multipliers m, a distinct prime modulus p per head)
-    and looked up in that head's table. Positions before the sequence start and padding read as id `vocab_size`.
-    Constants are plain Python ints drawn from `numpy.random.default_rng(engram_hash_seed)`: identical in every
-    process and unaffected by the meta device `from_pretrained` builds on. All tables live in one `nn.Embedding`
-    (head h's rows start at `offsets[h]`).
-
-    Output: `(B, L, M)` with `M = len(engram_ngram_sizes) * engram_num_heads * engram_head_dim`.
-    """
+    """Hashed byte n-gram memory tables (one per n-gram order and head, all in one `nn.Embedding`), looked up per byte:
+    `XOR_i(id[l-i] * m_{n,h,i}) mod p_{n,h}`, constants from `numpy.random.default_rng(engram_hash_seed)`; positions
+    before the start and padding read as id `vocab_size`. Output `(B, L, M)`, `M = n_tables * engram_head_dim`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -826,9 +711,8 @@ class SpiderEngramEmbeddings(nn.Module):
         return hashed % moduli + offsets
 
     def step(self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None, input_ids: torch.LongTensor):
-        """Memory of one new byte per row after `past_ids` `(B, n)` (`past_mask` `(B, n)` bool or None): the
-        cached decode step's lookup, equal to this module's output at that byte in a full forward. `input_ids`
-        `(B, 1)` -> `(B, M)`. Reads only the last `max(ngram_sizes) - 1` past ids."""
+        """The decode step's lookup of one new byte per row: `past_ids` `(B, n)`, `past_mask` `(B, n)` bool or None,
+        `input_ids` `(B, 1)` -> `(B, M)`, equal to the full forward's output at that byte."""
         context = max(self.ngram_sizes) - 1
         past_ids = past_ids[:, past_ids.shape[1] - context:]
         if past_mask is not None:
@@ -843,12 +727,8 @@ class SpiderEngramEmbeddings(nn.Module):
 
 
 class SpiderEngram(nn.Module):
-    """Context-aware gating of Engram memory into one recurrent layer (Engram §3):
-
-    `alpha = sigmoid(signed_sqrt(<RMSNorm(h), RMSNorm(W_k e)> / sqrt(D)))`, `v = alpha * W_v e`,
-    `out = v + SiLU(ShortConv(RMSNorm(v)))` with a causal depthwise convolution over segments. The output is added
-    to the residual stream before attention. Shapes: `h` `(B, S, D)`, memory `e` `(B, S, M)` -> `(B, S, D)`.
-    """
+    """Engram gating into one recurrent layer (Engram §3): `alpha = sigmoid(signed_sqrt(<RMSNorm(h), RMSNorm(W_k e)> /
+    sqrt(D)))`, `v = alpha * W_v e`, `out = v + SiLU(ShortConv(RMSNorm(v)))`; `h` `(B, S, D)`, memory `(B, S, M)`."""
 
     def __init__(self, config: SpiderConfig, memory_size: int):
         super().__init__()
@@ -903,14 +783,10 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
 class SpiderRecurrentLayer(GradientCheckpointingLayer):
     """One layer of the looped block over segments: (Engram memory) + MLA attention + MoE, pre-norm.
 
-    Forward args (positional, so activation checkpointing sees every tensor): `hidden_states` `(B, S, D)`,
-    `position_embeddings` (segment RoPE), `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)`
-    (the non-padding segments as flat indices into the `B * S` rows, ascending; only these are routed) or None (every
-    row is routed), `engram_memory` `(B, S, M)` or None, `segment_mask` `(B, S)` bool or None (with `segment_index`
-    None: the padding rows, False, are routed with zero weight and left out of the balancing statistics, see
-    :meth:`SpiderMoE.forward`); keyword `cache` (this loop's and layer's :class:`SpiderLayerCache`, generation only).
-    Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`.
-    """
+    Forward args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`, `position_embeddings`,
+    `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)` rows to route (None: all),
+    `engram_memory` `(B, S, M)` or None, `segment_mask` `(B, S)` bool or None; keyword `cache`.
+    Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
@@ -931,8 +807,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache
         )[0]
         normed = self.post_attention_layernorm(hidden_states)
-        # Pack the routed rows by index (gather / scatter-add): no boolean mask, so no host sync and no data-dependent
-        # shape inside the loop; the indices were computed once per forward.
+        # Routed rows packed by index (gather / scatter-add): no boolean mask, so no host sync inside the loop.
         flat = normed.reshape(-1, normed.shape[-1])
         rows = flat if segment_index is None else flat.index_select(0, segment_index)
         if rows.shape[0] == 0:  # nothing to route (every segment has exited, SpiderConfig.act_early_exit)
@@ -955,21 +830,13 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 class SpiderBoundaryPredictor(nn.Module):
     """FlexiTokens boundary predictor (arXiv 2507.12720 §3): `Linear(D, D) -> GELU -> Linear(D, 1)` per byte.
 
-    `boundary_mode="hard"` (default): a byte closes a segment when `p = sigmoid(logit) > boundary_threshold`, in
-    training and evaluation alike, with a straight-through gradient to `p` (H-Net's hard routing, Hwang et al. 2025,
-    arXiv 2507.07955): one rule, so evaluation segments at the rate training does. `boundary_mode="relaxed"`
-    (FlexiTokens / the seed): training samples a relaxed Bernoulli at `boundary_temperature` and takes `soft > 0.5`
-    with a straight-through estimator, evaluation thresholds `p`. `boundary_mode="fixed"` (an ablation): byte
-    position `i` closes a segment when `(i + 1) % round(1 / boundary_prior) == 0`, whatever `p`. Padding never holds
-    a boundary. With a `boundary_teacher` the predictor is supervised instead (Nawrot et al. 2023, arXiv 2211.09761):
-    it reads detached byte states, its decisions carry no straight-through gradient, and the teacher's cross-entropy
-    (:func:`boundary_teacher_loss`) is what trains it; it still decides alone, by the same rule in training and
-    evaluation.
+    `boundary_mode`: ``"hard"`` (H-Net, arXiv 2507.07955): `sigmoid(logit) > boundary_threshold`, straight-through;
+    ``"relaxed"`` (FlexiTokens): relaxed-Bernoulli samples in training; ``"fixed"``: every
+    `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` (Nawrot et al. 2023, arXiv 2211.09761) only the
+    teacher's loss trains it.
 
-    Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)` int64 (needed by
-        `"fixed"` only; `arange(L)` when None).
-    Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in value.
-    """
+    Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)` int64 or None.
+    Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in value."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -989,9 +856,7 @@ class SpiderBoundaryPredictor(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None):
-        # With a teacher the predictor is a supervised classifier (Nawrot et al. 2023): it reads detached byte states
-        # and its decisions carry no straight-through gradient, so only the teacher's loss trains it and nothing of
-        # it reaches the prelude.
+        # With a teacher: a supervised classifier on detached states, without a straight-through gradient.
         supervised = self.config.boundary_teacher is not None
         logits = self.logits(hidden_states.detach() if supervised else hidden_states)
         probs = torch.sigmoid(logits)
@@ -1020,23 +885,15 @@ def downsample(
     token_mask: torch.Tensor | None = None,
     pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean-pool bytes into the segments their boundaries close (FlexiTokens / Nawrot et al. 2023).
-
-    A boundary at byte l closes the segment containing l; the open tail after the last boundary is dropped, and
-    padding bytes never enter a mean. A `null_group` vector (zeros if None) is prepended as segment 0. The pooling
-    is a plain mean: no gradient reaches the boundaries here (it reaches them in :func:`upsample`, per byte).
+    """Mean-pool bytes into the segments their boundaries close (FlexiTokens / Nawrot et al. 2023); the open tail is
+    dropped, padding never enters a mean, `null_group` (zeros if None) is segment 0, no gradient reaches `boundaries`.
 
     Args:
-        boundaries: `(B, L)` float, 0/1 in value (may carry a straight-through gradient).
-        hidden_states: `(B, L, D)`.
-        null_group: `(D,)` or None.
-        token_mask: `(B, L)` bool or None.
-        pad_to_multiple_of: the segment axis `1+S` is rounded up to a multiple of this (zeros, mask False), so that
-            the shapes the recurrent block sees repeat from batch to batch (``config.pad_segments_to_multiple_of``).
+        boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`. null_group: `(D,)` or None.
+        token_mask: `(B, L)` bool or None. pad_to_multiple_of: round the segment axis `1+S` up to a multiple of this.
     Returns:
-        `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)` with S the largest number of
-        closed segments in the batch (rounded up per `pad_to_multiple_of`); rows with fewer are right-padded with
-        zeros (mask False).
+        `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)`, S the most closed segments of
+        any row (rounded up); shorter rows are right-padded with zeros.
     """
     B, L, D = hidden_states.shape
     hard = boundaries.detach()
@@ -1050,8 +907,7 @@ def downsample(
     if token_mask is not None:
         inside = inside & token_mask
     weight = inside.to(torch.float32)
-    # No closed segment: an empty slice of the bytes, so everything upstream (prelude, Engram tables) still gets a
-    # (zero) gradient. FSDP2 reduce-scatters the gradients that exist, and one rank without them would hang the others.
+    # No closed segment: an empty slice of the bytes keeps a (zero) gradient upstream, which FSDP2 needs on every rank.
     pooled = hidden_states[:, :0]
     if closed > 0:
         index = segment_idx.clamp(max=S - 1)
@@ -1069,16 +925,9 @@ def downsample(
 
 
 def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-    """Byte l reads the last segment closed at or before l (segment 0, the null group, before the first): causal.
-
-    The boundary decision's gradient enters here, per byte, as in H-Net's dechunking (arXiv 2507.07955 §2.2): the
-    gathered vector is multiplied by the confidence of byte l's own decision (`b` where it closed a segment, `1 - b`
-    where it did not), which is exactly 1 in value and carries `b`'s straight-through gradient. (A gradient through
-    the cumulative segment index instead would sum over every later byte of the row.)
-
-    Args: `boundaries` `(B, L)` 0/1 float (may carry a straight-through gradient), `segments` `(B, 1+S, D)`.
-    Returns `(B, L, D)`.
-    """
+    """Byte l reads the last segment closed at or before l (segment 0 before the first), times the confidence of
+    its own decision (`b` or `1 - b`: 1 in value, a per-byte boundary gradient; H-Net, arXiv 2507.07955 §2.2).
+    `boundaries` `(B, L)` 0/1 float, `segments` `(B, 1+S, D)` -> `(B, L, D)`."""
     hard = boundaries.detach()
     index = hard.cumsum(dim=1).long()
     confidence = torch.where(hard > 0, boundaries, 1.0 - boundaries).to(segments.dtype)
@@ -1095,53 +944,35 @@ def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, confi
 
 
 def word_bytes(input_ids: torch.LongTensor) -> torch.Tensor:
-    """SpaceByte's word bytes (Slagle 2024, arXiv 2404.14408 §2): ASCII letters and digits and UTF-8 continuation
-    bytes (0x80-0xBF); every other byte, and every special id (>= 256), is *spacelike*.
-
-    Args: `input_ids` int64 `(B, L)`. Returns bool `(B, L)`."""
+    """SpaceByte's word bytes (Slagle 2024, arXiv 2404.14408 §2): ASCII letters, digits and UTF-8 continuation bytes;
+    every other byte and special id is *spacelike*. `input_ids` int64 `(B, L)` -> bool `(B, L)`."""
     ids = input_ids
     return (((ids >= 48) & (ids <= 57)) | ((ids >= 65) & (ids <= 90)) | ((ids >= 97) & (ids <= 122))
             | ((ids >= 0x80) & (ids <= 0xBF)))
 
 
 def spacelike_boundaries(input_ids: torch.LongTensor) -> torch.Tensor:
-    """SpaceByte's word boundaries (Slagle 2024, arXiv 2404.14408 §2), the ``boundary_teacher="spacelike"`` rule: a
-    byte closes a segment when it is spacelike (not one of :func:`word_bytes`) and byte l - 1 is a word byte (the
-    space or punctuation right after a word; no boundary at position 0). Depends on bytes <= l only, like the
-    predictor.
-
-    Args: `input_ids` int64 `(B, L)`. Returns fp32 `(B, L)`, exactly 0/1."""
+    """SpaceByte's word boundaries (Slagle 2024, arXiv 2404.14408 §2), ``boundary_teacher="spacelike"``: a spacelike
+    byte right after a word byte closes a segment. `input_ids` int64 `(B, L)` -> fp32 `(B, L)`, exactly 0/1."""
     word_byte = word_bytes(input_ids)
     previous = F.pad(word_byte[:, :-1], (1, 0), value=False)
     return (~word_byte & previous).to(torch.float32)
 
 
-#: `boundary_teacher` name -> its rule, `input_ids (B, L) -> fp32 0/1 boundaries (B, L)` (the names
-#: ``configuration_spider.BOUNDARY_TEACHERS`` accepts)
+#: `boundary_teacher` name -> rule, `input_ids (B, L) -> fp32 0/1 boundaries (B, L)` (``BOUNDARY_TEACHERS``)
 BOUNDARY_TEACHER_RULES = {"spacelike": spacelike_boundaries}
 
 
 def boundary_teacher_loss(boundary_probs: torch.Tensor, input_ids: torch.LongTensor, token_mask: torch.Tensor,
                           teacher: str) -> torch.Tensor:
-    """Class-balanced binary cross-entropy of the boundary predictor's probabilities against a teacher segmentation
-    (the supervised boundary predictor of Nawrot et al. 2023, arXiv 2211.09761 §3.2): the mean over the real bytes
-    the teacher closes a segment at and the mean over the other real bytes, averaged, so both classes weigh half.
-
-    Why balanced: about one byte in six is a word boundary, and under the plain mean the predictor's first move is
-    toward that base rate, below the 0.5 threshold everywhere. It then closed no segment at all from about step 20 to
-    step 100 of the default run (the global path read only the null group for a fifth of the training). Under the
-    balanced mean the best constant is 0.5, so the predictor keeps segmenting while it learns; the teacher's rule is
-    a deterministic function of the bytes, so the trained decisions are the same (README "Model quality").
-
-    Args: `boundary_probs` fp32 `(B, L)`, `input_ids` int64 `(B, L)`, `token_mask` bool `(B, L)`, `teacher` a name of
-    ``configuration_spider.BOUNDARY_TEACHERS`` (``"spacelike"``: :func:`spacelike_boundaries`).
-    Returns an fp32 scalar (a class with no real byte in the batch contributes 0). Raises: ValueError for an unknown
-    teacher."""
+    """Class-balanced BCE of `boundary_probs` fp32 `(B, L)` against the `teacher`'s segmentation of `input_ids`
+    (Nawrot et al. 2023, arXiv 2211.09761 §3.2; docs/design.md, "Segmentation"), over `token_mask`. fp32 scalar.
+    Raises: ValueError for an unknown teacher."""
     if teacher not in BOUNDARY_TEACHER_RULES:
         raise ValueError(f"unknown boundary_teacher {teacher!r}; known: {sorted(BOUNDARY_TEACHER_RULES)}")
     target = BOUNDARY_TEACHER_RULES[teacher](input_ids)
     weight = token_mask.to(torch.float32)
-    # written out in fp32 rather than F.binary_cross_entropy, which CUDA autocast (bf16 training) refuses to run
+    # written out: CUDA autocast refuses F.binary_cross_entropy
     p = boundary_probs.to(torch.float32).clamp(1e-6, 1 - 1e-6)
     positive, negative = target * weight, (1.0 - target) * weight
     return 0.5 * (-(positive * p.log()).sum() / positive.sum().clamp_min(1.0)
@@ -1149,14 +980,9 @@ def boundary_teacher_loss(boundary_probs: torch.Tensor, input_ids: torch.LongTen
 
 
 class SpiderFlexiTokens(nn.Module):
-    """FlexiTokens (arXiv 2507.12720): bytes -> segments on the way into the recurrent block, segments -> bytes on the
-    way out. Both the full forward (:meth:`forward`, which chunks, and :meth:`dechunk`) and the cached decode step
-    (:meth:`chunk_step`, :meth:`dechunk_step`) go through this module, so the two paths share one set of rules.
-
-    Holds the `boundary_predictor`, the `null_group` vector (segment 0, read by the bytes before the first boundary),
-    `down_norm` over the pooled segments and, per `config.upsample_mixing`, how the global stream joins the bytes
-    (`upsample_norm`, `residual_proj`; ``"rms_matched"`` has no parameters).
-    """
+    """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`chunk_step`) and segments -> bytes
+    (:meth:`dechunk`, :meth:`dechunk_step`). Holds `boundary_predictor`, `null_group` (segment 0), `down_norm` and,
+    per `config.upsample_mixing`, `upsample_norm` / `residual_proj`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1174,13 +1000,9 @@ class SpiderFlexiTokens(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor,
                 pad_to_multiple_of: int = 1):
-        """Chunk, bytes -> segments (the module's forward, so that hooks on it, such as accelerate's offloading, see
-        `null_group` read). `x` `(B, L, D)` byte states, `memory` `(B, L, M)` per-byte Engram memory, `byte_mask`
-        `(B, L)` bool, `position_ids` `(B, L)` int64, `pad_to_multiple_of` as in :func:`downsample`.
-
+        """Chunk: `x` `(B, L, D)`, `memory` `(B, L, M)`, `byte_mask` `(B, L)` bool, `position_ids` `(B, L)`.
         Returns `(boundaries (B, L) fp32, boundary_probs (B, L) fp32, segments (B, 1+S, D) normed, segment_memory
-        (B, 1+S, M), segment_mask (B, 1+S) bool)`: the byte states and their memory are pooled side by side (one
-        cumsum, one host sync)."""
+        (B, 1+S, M), segment_mask (B, 1+S) bool)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
@@ -1190,21 +1012,16 @@ class SpiderFlexiTokens(nn.Module):
         return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
-        """What each segment hands back to the bytes: `upsample_norm(h_out)` (`"residual_proj"`, `"scaled_norm"`: unit
-        RMS times the learned per-channel scale, whatever the loops' magnitude), `RMSNorm(h_out)` without a weight
-        (`"rms_matched"`: unit RMS), else `h_out` as is. `(B, S, D)`; it is normalised before :func:`upsample` so
-        that the boundary confidence upsample multiplies in keeps its gradient (a norm after it would cancel it)."""
+        """What each segment `(B, S, D)` hands back to the bytes, per `upsample_mixing`:
+        `upsample_norm(h_out)`, a weightless RMSNorm (``"rms_matched"``) or `h_out`; normed before :func:`upsample`."""
         if self.mixing == "rms_matched":
             return F.rms_norm(h_out, (h_out.shape[-1],), eps=self.eps)
         return self.upsample_norm(h_out) if self.mixing in ("residual_proj", "scaled_norm") else h_out
 
     def mix(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The coda's input from the upsampled global stream and the prelude's byte states, both `(B, L, D)`:
-        `x + upsample_rms_ratio * rms(x) * upsampled` (`"rms_matched"`: per byte, `rms(x)` over the hidden size in
-        fp32 and held constant in the gradient, so the global stream arrives at a fixed share of the byte stream's
-        RMS: it neither drowns the bytes nor can be turned down), `upsampled + x` (`"scaled_norm"`, ReZero: the
-        scale starts at `upsample_scale_init`; `"add"`, the seed's), or `upsampled + residual_proj(x)`
-        (`"residual_proj"`, H-Net: the byte skip starts closed)."""
+        """The coda's input from `upsampled` and the byte states `x`, both `(B, L, D)`: ``"rms_matched"``
+        `x + upsample_rms_ratio * rms(x) * upsampled` (`rms(x)` detached), ``"residual_proj"`` `upsampled +
+        residual_proj(x)`, else `upsampled + x` (docs/design.md, "Mixing the global path into the bytes")."""
         if self.mixing == "rms_matched":
             rms = x.detach().to(torch.float32).pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
             return x + (self.rms_ratio * rms).to(x.dtype) * upsampled
@@ -1218,11 +1035,8 @@ class SpiderFlexiTokens(nn.Module):
         return self.mix(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
 
     def chunk_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
-        """One new byte per row: `x` `(B, 1, D)`, `memory` `(B, M)`. Adds the byte to its row's open segment.
-
-        Returns `(boundary (B, 1) fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B, 1, M))`: the
-        rows whose byte closes a segment, and the segment each of them closes (rows not closing carry their open
-        segment, which nothing reads). Closing rows' running sums restart at zero."""
+        """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns `(boundary (B, 1) fp32, closing (B,) bool,
+        segment (B, 1, D) normed, segment_memory (B, 1, M))`."""
         boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
         open_sum = cache.open_sum + x[:, 0].to(torch.float32)
         open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
@@ -1246,12 +1060,8 @@ class SpiderFlexiTokens(nn.Module):
 
 
 class SpiderLoopLoRA(nn.Module):
-    """Per-loop low-rank adapter `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`.
-
-    A and B are shared across loops and each loop t scales the rank-r bottleneck with its own vector (OpenMythos'
-    design rather than Relaxed Recursive Transformers' separate A/B per loop): `max_loop_iters * r` extra
-    parameters instead of `max_loop_iters * 2 * D * r`, so the loop count stays cheap to raise. B starts at zero, so
-    every loop starts as the shared block. Loops past `max_loop_iters` reuse the last scale.
+    """Per-loop low-rank adapter `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`: A and B shared,
+    one scale vector per loop (OpenMythos); B starts at zero; loops past `max_loop_iters` reuse the last scale.
     """
 
     def __init__(self, config: SpiderConfig):
@@ -1268,10 +1078,8 @@ class SpiderLoopLoRA(nn.Module):
 
 
 class SpiderLTIInjection(nn.Module):
-    """Stable linear time-invariant state update (Parcae / OpenMythos): `h = A*h + B*e + z`, per channel.
-
-    `A = exp(-exp(log_dt + log_A))` is strictly inside (0, 1) (the exponent is clamped to [-10, 4], where fp32
-    still resolves both ends), so the recurrence cannot blow up however many loops run. Shapes `(B, S, D)`.
+    """Stable linear time-invariant update (Parcae / OpenMythos): `h = A*h + B*e + z` per channel, with
+    `A = exp(-exp(log_dt + log_A))` strictly inside (0, 1). Shapes `(B, S, D)`.
     """
 
     def __init__(self, config: SpiderConfig):
@@ -1285,24 +1093,15 @@ class SpiderLTIInjection(nn.Module):
         return torch.exp(-torch.exp((self.log_dt + self.log_A).to(torch.float32).clamp(-10.0, 4.0)))
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """`A * h` is computed in fp32 whatever the activations' dtype: in bf16 (8 mantissa bits) a decay within
-        2**-9 of 1 would round to exactly 1 and the state would stop decaying. Returns `h.dtype`."""
+        """`A * h` in fp32 (a decay near 1 would round to 1 in bf16). Returns `h.dtype`."""
         f32 = torch.float32  # a no-op for fp32 activations: the same operations in the same order
         return (self.decay() * h.to(f32) + self.B.to(f32) * e.to(f32) + z.to(f32)).to(h.dtype)
 
 
 class AdaptiveComputationTime:
-    """ACT halting state over a grid of positions (Graves 2016, arXiv 1603.08983; OpenMythos' loop form).
-
-    Each loop t gives a halting probability `p_t` per position; a position keeps accumulating `p_t` until the sum
-    would reach `threshold`, then halts with the remainder `1 - sum`. `step(p, is_last=True)` halts every
-    position still running, so each position's step weights sum to exactly 1. All state is fp32, shape `shape`.
-
-    Attributes:
-        halting_prob: accumulated probability; `remainders`: the remainder each position halted with;
-        n_updates: loops each position took part in. Ponder cost = `n_updates + remainders` (the remainder
-        carries the gradient to the halt predictor).
-    """
+    """ACT halting state (Graves 2016, arXiv 1603.08983; OpenMythos' loop form), fp32 of shape `shape`: a position
+    accumulates halting probabilities until `threshold`, then halts with the remainder (all halt when `is_last`).
+    `halting_prob`, `remainders`, `n_updates`; ponder cost = `n_updates + remainders`."""
 
     def __init__(self, shape: tuple[int, ...], threshold: float, device: torch.device | None = None):
         self.threshold = threshold
@@ -1326,14 +1125,9 @@ class AdaptiveComputationTime:
 
 
 class SpiderRecurrentBlockOutput(NamedTuple):
-    """What :class:`SpiderRecurrentBlock` returns.
-
-    Attributes:
-        h_out: fp32 `(B, S, D)`, the ACT-weighted sum of every loop's state.
-        act: the :class:`AdaptiveComputationTime` state after the last loop (`n_updates`, `remainders`: `(B, S)`).
-        aux_losses, expert_loads: one MoE balancing loss (scalar) and expert load `(E,)` per (loop, layer).
-        router_logits: one `(N, E)` tensor per (loop, layer) when asked for, else empty.
-    """
+    """What :class:`SpiderRecurrentBlock` returns: `h_out` fp32 `(B, S, D)` (ACT-weighted sum of the loops' states),
+    `act` (:class:`AdaptiveComputationTime` after the last loop), per (loop, layer) `aux_losses` (scalars),
+    `expert_loads` `(E,)` and, when asked for, `router_logits` `(N, E)`."""
 
     h_out: torch.Tensor
     act: AdaptiveComputationTime
@@ -1343,17 +1137,8 @@ class SpiderRecurrentBlockOutput(NamedTuple):
 
 
 class SpiderRecurrentBlock(nn.Module):
-    """The looped block over segments (SPEC §3; Huginn / OpenMythos), weights shared across loops::
-
-        for t in range(n_loops):
-            z = loop_norm(h + e + loop_embedding[t])
-            z = layers(z, engram_memory)          # MLA + MoE (+ Engram)
-            z = z + loop_lora(z, t)
-            h = injection(h, e, z)                # h = A*h + B*e + z
-            h_out += w_t * h                      # ACT halting (Graves 2016) from halt_predictor(h)
-
-    Loops past `max_loop_iters` reuse the last loop embedding and LoRA scale.
-    """
+    """The looped block over segments (Huginn / OpenMythos), weights shared across loops: the loop of the module
+    docstring's map. Loops past `max_loop_iters` reuse the last loop embedding and LoRA scale."""
 
     def __init__(self, config: SpiderConfig, memory_size: int):
         super().__init__()
@@ -1369,8 +1154,7 @@ class SpiderRecurrentBlock(nn.Module):
         self.loop_lora = SpiderLoopLoRA(config)
         self.injection = SpiderLTIInjection(config)
         self.halt_predictor = nn.Linear(D, 1, dtype=torch.float32)
-        # read by SpiderPreTrainedModel._init_weights on the Linear itself: transformers initialises only modules
-        # that hold parameters of their own, which this block does not
+        # read by SpiderPreTrainedModel._init_weights (this block holds no parameters of its own)
         self.halt_predictor.bias_init = config.halt_bias_init
 
     def forward(
@@ -1385,13 +1169,8 @@ class SpiderRecurrentBlock(nn.Module):
         output_router_logits: bool = False,
         segment_mask: torch.Tensor | None = None,
     ) -> SpiderRecurrentBlockOutput:
-        """Args: `segments` `(B, S, D)` (the normed segments e), `position_embeddings` their RoPE, `attention_mask`
-        bool `(B, 1, S, S_keys)` or None (causal), `segment_index` int64 `(N,)` the flat indices of the segments to
-        route (None: all), `engram_memory` `(B, S, M)`, `n_loops` the loop count, `cache` a
-        :class:`SpiderCache` whose per-(loop, layer) caches are read and written, or None, `segment_mask` `(B, S)`
-        bool or None: with `segment_index` None, the real segments (padding rows route with zero weight,
-        :meth:`SpiderMoE.forward`).
-        """
+        """`segments` `(B, S, D)`, their RoPE, `attention_mask` bool `(B, 1, S, S_keys)` or None, `segment_index` int64
+        `(N,)` (None: all), `engram_memory` `(B, S, M)`, `n_loops`, `cache`, `segment_mask` `(B, S)` bool or None."""
         e = segments
         B, S, D = e.shape
         h = e
@@ -1407,9 +1186,8 @@ class SpiderRecurrentBlock(nn.Module):
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
             if early_exit and t > 0:
-                # ACT exit: halted segments keep their state and leave the MoE (their output weights are 0 from now
-                # on); they still run attention, so the segments that go on read their keys and values. Without a
-                # cache, once every segment has halted the remaining loops change nothing and are skipped.
+                # ACT exit: halted segments keep their state and leave the MoE but still serve keys and values;
+                # without a cache the loop stops once every segment has halted.
                 running = act.halting_prob < self.act_threshold
                 if cache is None and not bool(running.any()):
                     break
@@ -1453,14 +1231,8 @@ def write_segment_slots(cache: "SpiderCache", buffer: torch.Tensor, new: torch.T
 
 
 class SpiderLayerCache:
-    """Keys and values of one attention layer (and the inputs of its Engram convolution, for recurrent layers).
-
-    Byte layers (prelude, coda) append along the sequence, as transformers' ``DynamicLayer`` does. Segment layers
-    (one per loop and recurrent layer) hold one slot per segment; rows close segments at different bytes, so a decode
-    step writes row b's new segment at slot ``cache.segment_write_index[b]`` (a slot past a row's last segment holds
-    stale data that its attention mask hides and its next segment overwrites).
-    Tensors: keys `(B, H, S, qk_head_dim)`, values `(B, H, S, v_head_dim)`, post-RoPE; conv inputs `(B, S, D)`.
-    """
+    """Keys `(B, H, S, qk_head_dim)` and values `(B, H, S, v_head_dim)` (post-RoPE) of one attention layer, plus
+    Engram conv inputs `(B, S, D)`; byte layers append, segment layers write row b at ``segment_write_index[b]``."""
 
     def __init__(self, cache: "SpiderCache", per_row_slots: bool):
         self.cache = cache
@@ -1481,8 +1253,7 @@ class SpiderLayerCache:
         return self.keys, self.values
 
     def conv_window(self, conv_inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """Causal window of the Engram short convolution: `conv_inputs` `(B, S, D)` -> `(B, kernel_size - 1 + S, D)`
-        (zeros before the first segment), the new inputs preceded by the cached ones of the same row."""
+        """Causal window of the Engram short convolution: `(B, S, D)` -> `(B, kernel_size - 1 + S, D)`."""
         first = self.conv_inputs is None
         self.conv_inputs = self._write(self.conv_inputs, conv_inputs, dim=1)
         if first:
@@ -1507,24 +1278,10 @@ def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None
 
 
 class SpiderCache(Cache):
-    """Incremental-decoding state of :class:`SpiderModel` (what ``generate`` passes back as ``cache``), a
-    transformers :class:`~transformers.Cache` with the interface ``generate`` reads: ``get_seq_length``, ``crop``
-    (assisted decoding and prompt lookup roll back rejected candidates), ``reorder_cache`` /
-    ``batch_select_indices`` / ``batch_repeat_interleave`` (beam search), ``is_compileable`` (False).
-
-    Prelude and coda layers cache per byte; the recurrent block keeps one :class:`SpiderLayerCache` per loop and
-    layer and runs only when a byte closes a segment (FlexiTokens boundaries are causal: a closed segment never
-    changes). Between segments the cache keeps, per row: the running sums of the open segment's byte states and
-    Engram memory, the number of closed segments and the ACT-weighted recurrent output of the last one, which every
-    byte up to the next boundary reads.
-    That state is a function of a per-byte record (prelude output, Engram memory, boundary, id) and of the recurrent
-    output of every closed segment, which the cache also keeps: :meth:`crop` cuts the record and recomputes the state
-    from it (:meth:`restore`), so a cropped cache decodes exactly as one that never saw the removed bytes. The
-    record costs one `D`-vector (model dtype) and one `M`-vector per row and byte, about one byte layer's keys.
-
-    Built by the first forward with ``use_cache=True``; valid for the ``n_loops`` it was built with (another value
-    raises ``ValueError``). Shapes use B = batch, n = bytes seen, D = hidden_size, M = Engram memory width; sums fp32.
-    """
+    """Incremental-decoding state of :class:`SpiderModel`, a transformers :class:`~transformers.Cache` (crop, beam
+    reordering; not compileable). Byte layers cache per byte; the recurrent block keeps one :class:`SpiderLayerCache`
+    per loop and layer and runs when a byte closes a segment. A per-byte record rebuilds the rest (:meth:`restore`).
+    Valid for the ``n_loops`` it was built with (docs/design.md, "Generation cache")."""
 
     def __init__(self, config: SpiderConfig, n_loops: int):
         super().__init__(layers=[])  # Spider's layer caches do not follow transformers' one-list-per-layer layout
@@ -1537,9 +1294,7 @@ class SpiderCache(Cache):
         ]
         self.seen_bytes = 0  # columns of input_ids consumed so far, padding included
         self.byte_mask = None  # (B, n) bool, or None while no column is padding
-        # the per-byte record: ids (B, n) int64, prelude output (B, n, D), Engram memory (B, n, M), boundaries (B, n)
-        # fp32, each the first `record_length` columns of a buffer that grows by doubling (appending a byte is not a
-        # copy of the record)
+        # the per-byte record (RECORD): (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32; buffers grow by doubling
         self.record = dict.fromkeys(self.RECORD)
         self.record_length = 0
         self.segment_outputs = None  # (B, slots, D) fp32: recurrent output of each closed segment (slot 0: null group)
@@ -1594,8 +1349,7 @@ class SpiderCache(Cache):
         self.record_length = keep
         self.byte_mask = None if self.byte_mask is None else self.byte_mask[:, :keep]
         self.seen_bytes = keep
-        # Recurrent layer caches keep their slots: those past a row's restored segment count are hidden by the
-        # attention mask and overwritten by its next segment, exactly like the slots of rows that did not close one.
+        # Recurrent caches keep their slots: the mask hides stale ones and the next segment overwrites them.
         self.restore()
 
     def reset(self) -> None:
@@ -1624,8 +1378,7 @@ class SpiderCache(Cache):
 
     def start(self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs) -> None:
         """After a full forward over `input_ids` `(B, n)`: the record (prelude output `(B, n, D)`, Engram memory
-        `(B, n, M)`, boundaries `(B, n)` 0/1, `byte_mask` `(B, n)` bool or None) and the recurrent output of every
-        segment `(B, 1+S, D)` fp32; then the decoding state (:meth:`restore`)."""
+        `(B, n, M)`, boundaries `(B, n)`, `byte_mask` `(B, n)` bool or None) and segment outputs `(B, 1+S, D)` fp32."""
         self.seen_bytes = input_ids.shape[1]
         self.byte_mask = byte_mask
         self.record = dict(zip(self.RECORD, (input_ids, byte_states, byte_memory, boundaries.detach().float())))
@@ -1646,9 +1399,7 @@ class SpiderCache(Cache):
         self.record_length = n + 1
 
     def restore(self) -> None:
-        """The decoding state at the end of the record: closed segments per row, the recurrent output of each row's
-        last one, the running sums of the open segment (real bytes after the last boundary; fp32, summed in byte
-        order) and the RoPE position of the next byte."""
+        """Recompute the decoding state (segment counts and outputs, open-segment sums, positions) from the record."""
         byte_mask = self.byte_mask if self.byte_mask is not None else torch.ones_like(self.input_ids, dtype=torch.bool)
         self.byte_positions = byte_mask.long().sum(-1)
         self.num_segments = self.boundaries.sum(-1).long()
@@ -1689,18 +1440,14 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = True  # a function registered with transformers.AttentionInterface is used
     _can_compile_fullgraph = False
-    # output_attentions=True: transformers' capture_outputs hooks every attention call (prelude, each loop of each
-    # recurrent layer, coda) and collects the weights of implementations that return them (eager).
+    # output_attentions=True: capture_outputs hooks every attention call and collects eager's weights.
     _can_record_outputs = {"attentions": OutputRecorder(SpiderAttention, index=1)}
     # SpiderCache crops back to accepted candidates: assisted decoding and prompt lookup work (transformers reads this).
     _is_stateful = False
 
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """transformers' ``save_pretrained``, writing the model's own parameter names by default: the routed experts
-        fused (``...mlp.experts.gate_up_proj`` / ``down_proj``), as ``state_dict()`` and ``load_state_dict`` (a Trainer
-        resuming) have them. transformers' default, ``save_original_format=True``, would undo the load-time
-        conversion registered for model type ``"spider"`` (:func:`per_expert_checkpoint_conversions`) and write the
-        per-expert layout of releases before issue #39; pass it to write a release that older Spider code reads."""
+        """transformers' ``save_pretrained``, writing the fused expert names by default; ``save_original_format=True``
+        writes the per-expert layout that older Spider code reads."""
         return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     @torch.no_grad()
@@ -1736,21 +1483,11 @@ class SpiderPreTrainedModel(PreTrainedModel):
 
 
 class SpiderModel(SpiderPreTrainedModel):
-    """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments -> coda.
+    """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments -> coda
+    (module names: docs/design.md, "Names that FP8 and PEFT rely on")."""
 
-    Submodules, in forward order: `embed_tokens`, `prelude_layers`, `engram_embeddings`, `flexitokens`
-    (:class:`SpiderFlexiTokens`: `boundary_predictor`, pooling, the global stream's mixing), `recurrent_block`
-    (:class:`SpiderRecurrentBlock`: `loop_embedding`, `layers`, `loop_lora`, `injection`, `halt_predictor`),
-    `coda_layers`, `norm`. The leaf names are load-bearing (SPEC §1: the seed's FP8 filter selects by them).
-    """
-
-    # Decisions that a low-precision weight would flip (top-k experts, segment boundaries at a threshold, ACT halting)
-    # stay fp32 and unquantised. transformers reads two lists in different places: the quantizers (bitsandbytes,
-    # torchao) and fp16 loads read `_keep_in_fp32_modules`, bf16 loads the strict list, and the two must not share an
-    # entry, so the same modules are spelled twice. Quantizers match names from the start (a regex) or by suffix.
-    # SpiderForConditionalGeneration adds its own prefixed names and lm_head; from_pretrained merges both classes'.
-    # The strict modules are also built with `dtype=torch.float32`, so a model made under another default dtype
-    # (`from_config(..., dtype=torch.bfloat16)`) keeps them fp32 too (transformers' common suite checks it).
+    # Routing, boundary and halting decisions stay fp32 and unquantised; the two lists must not share an entry, so the
+    # modules are named twice (docs/design.md, "Names that FP8 and PEFT rely on").
     _keep_in_fp32_modules = ["recurrent_block.halt_predictor", "flexitokens.boundary_predictor",
                              "recurrent_block.layers.*.router"]
     _keep_in_fp32_modules_strict = ["halt_predictor.weight", "halt_predictor.bias", "boundary_predictor.dense",
@@ -1778,10 +1515,9 @@ class SpiderModel(SpiderPreTrainedModel):
         self.embed_tokens = value
 
     def check_inputs(self, input_ids: torch.LongTensor, n_loops: int) -> None:
-        """Raise ``TypeError`` for `input_ids` that is not an integer tensor, ``ValueError`` for a shape other than
-        `(batch >= 1, length >= 1)`, ids on another device than the embeddings (unless those are offloaded), ids
-        outside `[0, vocab_size)`, sequences longer than `max_position_embeddings`, or `n_loops` not an int >= 1 (a
-        bool is refused) -- before any indexing."""
+        """Raise ``TypeError`` for non-integer `input_ids`; ``ValueError`` for a shape other than `(B >= 1, L >= 1)`,
+        ids on another device, ids outside `[0, vocab_size)`, `L > max_position_embeddings`, or `n_loops` not an
+        int >= 1."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -1871,9 +1607,8 @@ class SpiderModel(SpiderPreTrainedModel):
         # Prelude over bytes.
         x = self.embed_tokens(input_ids)
         byte_rope = self.rotary_emb(x, position_ids)
-        # hidden_states are collected here, not by capture_outputs hooks: the layout holds the mixed upsampled stream
-        # (no layer's output), and the cached decode runs the byte layers a byte at a time, so hooks would interleave
-        # the bytes of a multi-byte continuation. (attentions are recorded by capture_outputs.)
+        # hidden_states are collected here, not by capture_outputs hooks: the layout holds the mixed upsampled stream,
+        # and the cached decode runs byte layers one byte at a time.
         all_hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.prelude_layers):
             layer_cache = cache.prelude[i] if cache is not None else None
@@ -1883,10 +1618,8 @@ class SpiderModel(SpiderPreTrainedModel):
 
         # FlexiTokens: bytes -> segments. Engram memory is looked up once per byte and pooled with the same boundaries.
         engram_bytes = self.engram_embeddings(input_ids, byte_mask)
-        # The recurrent block runs over every segment slot, padding included, on a segment axis padded to a multiple of
-        # pad_segments_to_multiple_of (shapes that repeat, and no host sync past the segment count). Exact rows, picked
-        # by index (two more syncs), only where something needs them: a generation cache (its slots are the
-        # segments), router logits for the caller (of the real segments), ACT's early exit (routes by index).
+        # Every slot of a padded segment axis runs the block; exact rows, picked by index, only for a cache, returned
+        # router logits or ACT early exit (docs/design.md, "Shapes that repeat, one host sync per training step").
         exact = cache is not None or output_router_logits or (self.config.act_early_exit and not self.training)
         boundaries, boundary_probs, e, engram_memory, segment_mask = self.flexitokens(
             x, engram_bytes, byte_mask, position_ids, 1 if exact else self.config.pad_segments_to_multiple_of
@@ -1904,8 +1637,7 @@ class SpiderModel(SpiderPreTrainedModel):
             segment_index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded_segments else None
             routed_mask = None
         else:
-            # Padding sits at the end of each row, so the causal mask alone keeps it from every real segment's view;
-            # the MoE routes it with zero weight (routed_mask) and the bytes never read it.
+            # Padding sits at each row's end: the causal mask hides it and the MoE routes it with zero weight.
             segment_attention_mask = build_attention_mask(
                 None, self.config.recurrent_sliding_window, key_positions=segment_positions
             )
@@ -1957,11 +1689,9 @@ class SpiderModel(SpiderPreTrainedModel):
 
     @torch.no_grad()
     def decode(self, input_ids, cache: SpiderCache, output_hidden_states: bool = False) -> SpiderModelOutput:
-        """Continue from `cache` with the new bytes `input_ids` `(B, T)` (all real), one byte at a time: the prelude
-        and coda read their byte caches; a byte that closes a segment runs the recurrent block for that segment
-        only. Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the
-        cache and, with `output_hidden_states`, the new bytes' `hidden_states` in the full forward's layout (each
-        `(B, T, D)`); the loss terms are None. It runs the cache's `n_loops` (:meth:`forward` refuses another)."""
+        """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time. Returns a
+        :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the cache and, with
+        `output_hidden_states`, the new bytes' `hidden_states` (each `(B, T, D)`); no loss terms."""
         states, boundaries, per_byte = [], [], []
         for j in range(input_ids.shape[1]):
             y, b, hidden = self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
@@ -2026,15 +1756,8 @@ class SpiderModel(SpiderPreTrainedModel):
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
-    """Spider with a byte LM head. `forward(input_ids, attention_mask=None, labels=None, n_loops=None)`.
-
-    `labels` follow transformers' convention: aligned with `input_ids` (the model shifts them), -100 ignored.
-    The loss is `lm_loss + router_aux_loss_coef * aux_loss + boundary_loss_coef * boundary_loss +
-    ponder_loss_coef * ponder_loss`; every term is returned separately (:class:`SpiderCausalLMOutput`).
-    `generate()` decodes incrementally with a :class:`SpiderCache` (`use_cache=True`, the default): after the
-    prompt, each new byte runs the prelude and coda on one position and the recurrent block only when the byte closes
-    a segment; the output equals the no-cache output (tested). `n_loops=` passes through.
-    """
+    """Spider with a byte LM head. `labels` align with `input_ids` (shifted inside), -100 ignored; every loss term
+    is returned (:class:`SpiderCausalLMOutput`). `generate()` decodes incrementally with a :class:`SpiderCache`."""
 
     # See SpiderModel: the same modules under this class's names, and the output logits.
     _keep_in_fp32_modules = ["lm_head", "model.recurrent_block.halt_predictor", "model.flexitokens.boundary_predictor",
@@ -2078,14 +1801,11 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> SpiderCausalLMOutput:
-        """Args: as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100 = ignore) and
-        `num_items_in_batch` (Trainer's count of label tokens across gradient-accumulation steps), and `shift_labels`
-        (targets already shifted, as transformers' loss takes them under sequence parallelism).
-        `logits_to_keep` (transformers' convention): an int k > 0 computes the logits of the last k positions only
-        (generation asks for 1), a 1-D index tensor those positions, 0 all of them.
-        Returns :class:`SpiderCausalLMOutput`; logits are `(B, L, vocab_size)` (or the kept positions) in the model
-        dtype. Raises: ValueError for out-of-vocabulary ids, too-long inputs, `n_loops < 1`, mis-shaped labels,
-        labels with a non-empty cache, or labels with `logits_to_keep` (the loss needs every position)."""
+        """Args: as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100 = ignore), `num_items_in_batch`,
+        `shift_labels` and `logits_to_keep` (k > 0: last k positions; 1-D tensor: those; 0: all). Returns
+        :class:`SpiderCausalLMOutput`, logits `(B, L, vocab_size)` in the model dtype. Raises: ValueError for
+        out-of-vocabulary ids, too-long inputs, `n_loops < 1`, mis-shaped labels, labels with a non-empty cache, or
+        labels with `logits_to_keep`."""
         if labels is not None and cache is not None and cache.seen_bytes > 0:
             raise ValueError("labels cannot be scored against a non-empty cache; pass the whole sequence")
         keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
@@ -2119,8 +1839,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
                 f"{int(targets[bad][0]) if value_checks_sync(targets, self.training) else '(on device)'}, outside the "
                 f"vocabulary [0, {self.vocab_size}) (-100 = ignored)"))
             if num_items_in_batch is None:
-                # the mean over the targets, as a sum over their count (a tensor: no host sync), which is 0, not a mean
-                # over nothing, when there is no target at all (length 1, all -100)
+                # the mean as a sum over a tensor count (no host sync; 0 when there is no target)
                 num_items_in_batch = (targets != -100).sum().clamp_min(1)
             lm_loss = self.loss_function(
                 logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
@@ -2149,11 +1868,9 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        """generate()'s cache: an empty :class:`SpiderCache` for the call's `n_loops` (the first forward fills it),
-        where transformers would build a `DynamicCache` (as transformers' own models with a cache of their own do,
-        e.g. T5Gemma2). A cache the caller passes is used as is.
+        """generate()'s cache: an empty :class:`SpiderCache` for the call's `n_loops`; a caller's cache is used as is.
 
-        Raises: ValueError for a `cache_implementation` (static, quantized, offloaded, ...): Spider has its own."""
+        Raises: ValueError for a `cache_implementation`: Spider has its own cache."""
         if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
@@ -2170,11 +1887,9 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         self, input_ids, cache=None, attention_mask=None, n_loops=None, use_cache=None, inputs_embeds=None,
         **kwargs
     ):
-        """Feed only the bytes `cache` has not seen (the whole prompt first); `n_loops` and every other
-        model kwarg generate() holds (`logits_to_keep`, `output_hidden_states`, a caller's own) pass through to
-        :meth:`forward`, as transformers' default does.
+        """Feed only the bytes `cache` has not seen; other model kwargs pass through to :meth:`forward`.
 
-        Raises: ValueError for `inputs_embeds`: Spider reads byte ids (Engram hashes byte n-grams)."""
+        Raises: ValueError for `inputs_embeds`: Spider reads byte ids."""
         if inputs_embeds is not None:
             raise ValueError("generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram memory "
                              "hashes the n-grams of input_ids); pass input_ids")

@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: timing, environment record, model builders, FLOP counting, profiling, results.
 
-Timing rules (issue #4): every figure is a ratio of two variants measured side by side in one process on this
+Timing rules: every figure is a ratio of two variants measured side by side in one process on this
 machine; each variant gets ``warmup`` untimed calls, then ``repeats`` timed calls, and the **median** is used.
 Variants are interleaved (A, B, A, B, ...) by :func:`time_interleaved` so that load from other processes hits
 both alike.

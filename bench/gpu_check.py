@@ -1,4 +1,4 @@
-"""GPU check (issue #12 deliverable 3, issue #38 deliverable 4): the one command a user with a GPU runs.
+"""GPU check: the one command a user with a GPU runs.
 
     python -m bench.gpu_check [--out gpu_check.json]                               # one GPU, under 8 minutes
     python -m bench.gpu_check --only fp8 tile_kernels_moe --budget_s 300           # a subset, another budget

@@ -2,7 +2,7 @@
 
 ``SpiderMoE`` built from ``SpiderConfig.from_preset("tiny", hidden_size=512, n_routed_experts=32,
 num_experts_per_tok=2, moe_intermediate_size=512, n_shared_experts=0)`` once per ``experts_implementation``
-(``"eager"``, ``"grouped_mm"``; the fused experts of issue #39 under transformers' experts interface), both loaded
+(``"eager"``, ``"grouped_mm"``; the fused experts under transformers' experts interface), both loaded
 with the same ``state_dict``. ``"batched_mm"`` is left out: it gathers one weight matrix per token-slot (17 GB for
 the full size here). One call = forward on
 ``(tokens, hidden)`` activations that require grad, then ``out.backward(grad)`` with a fixed contiguous gradient

@@ -207,7 +207,7 @@ def load_seed_checkpoint(path: str | os.PathLike) -> dict:
 #: transformers-style names: its FP8 filter selects ``embed_tokens, lm_head, layernorm, norm, router,
 #: boundary_predictor, loop_embedding, halt_predictor, engram``). The first two drop wrapper names: DDP (``module.``)
 #: and ``torch.compile`` (``_orig_mod.``), which ``tk-train.py`` applies before ``model.state_dict()`` is saved, and
-#: FSDP / activation-checkpoint wrappers anywhere in a key. The others are where SPEC §3's forward pass names a
+#: FSDP / activation-checkpoint wrappers anywhere in a key. The others are where the seed's forward pass names a
 #: piece and Spider's modules hold it (``model.`` optional: a trunk saved without the base-model prefix).
 SEED_KEY_MAPPING: dict[str, str] = {
     r"^(?:module\.|_orig_mod\.)+": "",
@@ -218,7 +218,7 @@ SEED_KEY_MAPPING: dict[str, str] = {
     # the boundary predictor as nn.Sequential(Linear(D, D), GELU, Linear(D, 1)) (FlexiTokens / Nawrot et al.)
     r"^(?:model\.)?boundary_predictor\.0\.": "model.flexitokens.boundary_predictor.dense.",
     r"^(?:model\.)?boundary_predictor\.2\.": "model.flexitokens.boundary_predictor.out_proj.",
-    # SPEC §3 names the loop machinery and FlexiTokens' pieces at model level; Spider holds them in two modules
+    # The seed's forward pass names the loop machinery and FlexiTokens' pieces at model level; Spider holds them in two modules
     r"^(?:model\.)?(loop_embedding|loop_norm|loop_lora|injection|halt_predictor)\.": r"model.recurrent_block.\1.",
     r"^(?:model\.)?(boundary_predictor\.|null_group$|down_norm\.|upsample_norm\.|residual_proj\.)":
         r"model.flexitokens.\1",
@@ -254,7 +254,7 @@ def seed_to_spider_name(name: str, key_mapping: dict[str, str] | None = None) ->
 def _fuse_seed_experts(seed_state: dict, targets: dict[str, str], model_state: dict
                        ) -> tuple[dict, dict[str, str], dict[str, list[str]]]:
     """The seed's routed experts are one ``nn.Linear`` SwiGLU each (``...mlp.experts.{e}.gate_proj.weight`` etc., as
-    Spider's were before issue #39); Spider's are fused (``...mlp.experts.gate_up_proj`` / ``down_proj``).
+    Spider's were before the experts were fused); Spider's are fused (``...mlp.experts.gate_up_proj`` / ``down_proj``).
 
     Returns ``(state, targets, sources)``: `seed_state` and `targets` (seed key -> Spider key) with every complete
     per-expert group whose fused names the model has replaced by the two fused tensors
@@ -343,7 +343,7 @@ def map_state_dict(
 # --------------------------------------------------------------------------------------------------------------------
 
 #: Seed config field names that differ from SpiderConfig's, with where the name comes from: OpenMythos' MythosConfig
-#: (the recurrent-depth design SPEC §6 cites: ``dim, n_heads, max_seq_len, prelude_layers, coda_layers, n_experts,
+#: (the recurrent-depth design the seed follows: ``dim, n_heads, max_seq_len, prelude_layers, coda_layers, n_experts,
 #: n_experts_per_tok, expert_dim``) and common transformers spellings. A field that *is* a SpiderConfig field is
 #: taken under its own name; an exact name wins over an alias.
 SEED_CFG_ALIASES: dict[str, str] = {

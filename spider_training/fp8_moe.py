@@ -1,4 +1,4 @@
-"""FP8 for Spider's fused MoE experts: torchao's FP8 rowwise grouped GEMM (issue #39, item 3).
+"""FP8 for Spider's fused MoE experts: torchao's FP8 rowwise grouped GEMM (torchtitan's recipe).
 
 torchao's ``Float8Linear`` (:mod:`spider_training.fp8`) converts ``nn.Linear`` layers; the routed experts are fused
 3-D parameters (``modeling_spider.SpiderExperts``: ``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)) that

@@ -22,7 +22,7 @@ values are left out):
   ``learning_rate``, ``lr_scheduler``, ``warmup_steps``, ``max_steps``, ``global_step``, ``per_device_batch_size``,
   ``gradient_accumulation_steps``, ``world_size``, ``seq_len``, ``train_tokens``, ``num_parameters``, ``n_loops``,
   ``train_runtime_s``, ``hardware``, ``seed``, ``experts_implementation`` (``moe_implementation`` in records from
-  before issue #39).
+  before the experts were fused).
 * ``data``: ``source``, ``name``, ``hub_dataset`` (a Hub dataset id, or a list: goes into the ``datasets`` metadata),
   ``train_bytes``, ``eval_bytes``, ``eval_split`` (how the held-out split was made), ``num_documents``,
   ``description``.
@@ -91,7 +91,7 @@ CONFIG_LABELS = {
     "boundary_teacher": "boundary teacher",
     "vocab_size": "vocabulary",
     "max_position_embeddings": "max positions (bytes)",
-    "moe_implementation": "expert compute path",  # config.json of releases before issue #39
+    "moe_implementation": "expert compute path",  # config.json of releases before the experts were fused
 }
 TRAINING_LABELS = {
     "precision": "precision",
@@ -112,7 +112,7 @@ TRAINING_LABELS = {
     "hardware": "hardware",
     "seed": "seed",
     "experts_implementation": "expert compute path",
-    "moe_implementation": "expert compute path",  # records from before issue #39
+    "moe_implementation": "expert compute path",  # records from before the experts were fused
     # names used by spider_training/release.py
     "steps": "optimizer steps",
     "micro_batch": "sequences per device per step",

@@ -4,7 +4,9 @@
 ``SpiderMoEKernels``; an instance attribute overrides it per layer). :class:`TileKernelsMoEKernels` is the same
 interface over the installed ``tile_kernels.moe``; :func:`swap_in_tile_kernels` installs it on every MoE layer.
 
-What the model calls: ``topk_gate``, ``normalize_weight`` and ``aux_fi``. Since issue #39 the routed experts are fused
+What the model calls: ``topk_gate``, ``normalize_weight``, and ``aux_fi`` where every routed row is real (a forward with
+a generation cache; the training forward's padded segment axis counts the real rows' load in torch, as ``aux_fi``
+takes no row mask). The routed experts are fused
 3-D parameters (``modeling_spider.SpiderExperts``) computed by transformers' experts implementations, which sort the
 token-slots by expert themselves (the fused layout at alignment 1, offsets on the device), so the model no longer calls
 the fused-layout ops; the adapter still wraps them (``get_fused_mapping``, ``expand_to_fused``, ``reduce_fused``) for
@@ -16,7 +18,7 @@ TileKernels API generations, told apart by the functions ``tile_kernels.moe`` ex
   routing pipeline ("tile_kernels 1.x fused").
 * **2.x** -- ``topk_gate, normalize_weight`` plus ``moe_topk_gate[_forward|_backward]``; the fused-layout ops are
   gone. ``moe_topk_gate`` scores with ``sqrt(softplus(logits))`` only (it asserts ``scoring_func == 'sqrtsoftplus'``),
-  while Spider's router is a softmax (SPEC §3), so only ``topk_gate`` and ``normalize_weight`` are used
+  while Spider's router is a softmax (DeepSeek-V3's routing), so only ``topk_gate`` and ``normalize_weight`` are used
   ("tile_kernels 2.x gate-only"); the mapping / expand / reduce / aux_fi ops run in torch.
 
 Facts about the kernels (read from the TileKernels sources) that the adapter handles:

@@ -1,4 +1,4 @@
-"""Component tests of modeling_spider against independent references (SPEC §3)."""
+"""Component tests of modeling_spider against independent references (docs/design.md, "The forward pass")."""
 
 import json
 import math
@@ -225,7 +225,7 @@ def test_fused_mapping_layout():
 
 
 def per_expert_mlps(moe: SpiderMoE) -> list[SpiderMLP]:
-    """The routed experts in the layout of releases before issue #39: one :class:`SpiderMLP` per expert
+    """The routed experts in the per-expert layout of older releases: one :class:`SpiderMLP` per expert
     (``experts.{e}.gate_proj / up_proj / down_proj``), holding copies of the fused weights."""
     I = moe.experts.intermediate_dim
     mlps = []

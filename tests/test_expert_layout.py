@@ -1,4 +1,4 @@
-"""Releases written before issue #39 (routed experts as one ``nn.Linear`` SwiGLU each: ``...mlp.experts.{e}.gate_proj
+"""Older releases (routed experts as one ``nn.Linear`` SwiGLU each: ``...mlp.experts.{e}.gate_proj
 .weight``, ``up_proj.weight``, ``down_proj.weight``; ``config.json`` with ``moe_implementation``) load into the fused
 experts (``...mlp.experts.gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)) with the same weights, so the same
 outputs: through ``from_pretrained`` (the conversion registered for model type ``"spider"``), through

@@ -196,7 +196,7 @@ def test_accelerate_ao_path_and_ours_do_not_convert_twice():
 @pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
 def test_fused_experts_stay_high_precision_on_their_implementation(implementation, input_ids):
     """Float8Linear converts nn.Linear layers only: the fused experts keep plain parameters and the model's
-    experts_implementation (no switch is needed any more: before issue #39 converted per-expert Linears forced
+    experts_implementation (no switch is needed any more: with per-expert Linears, converting them forced
     grouped_mm to "sorted"), and a training step gives them gradients."""
     model = tiny_model(experts_implementation=implementation)
     report = convert_model_to_fp8(model, emulate=True, layers="seed")

@@ -1,4 +1,4 @@
-"""Tests of spider_training.fp8_moe: the fused MoE experts through torchao's FP8 rowwise grouped GEMM (issue #39 item 3).
+"""Tests of spider_training.fp8_moe: the fused MoE experts through torchao's FP8 rowwise grouped GEMM.
 
 torchao's FP8 grouped GEMM runs only on CUDA SM90 with triton (``torch._scaled_grouped_mm``; torchao 0.18 has no
 emulated mode), so on CPU its one entry point, ``_quantize_then_scaled_grouped_mm`` as torchao's weight wrapper calls

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py (issues #12 and #38): every part that can run on CPU runs here at toy sizes; the GPU-only parts
+"""bench/gpu_check.py: every part that can run on CPU runs here at toy sizes; the GPU-only parts
 say they need CUDA and skip."""
 
 import json

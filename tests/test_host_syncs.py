@@ -1,5 +1,5 @@
-"""A training step on the `grouped_mm` experts path without per-loop host syncs (issue #14 item 2), and an MoE
-layer without any (issue #39 item 1).
+"""A training step on the `grouped_mm` experts path without per-loop host syncs, one host sync per training step, and an MoE
+layer without any.
 
 On a GPU every op that needs a value on the host (`.item()`, `.tolist()`, a boolean-mask gather, `nonzero`, `bincount`
 sizing its output) drains the launch queue. The ops are counted with a `TorchDispatchMode` (the CPU runs the same aten

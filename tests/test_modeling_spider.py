@@ -63,7 +63,7 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
     all_generative_model_classes = (SpiderForConditionalGeneration,)
     pipeline_model_mapping = {}
     has_attentions = True
-    test_resize_embeddings = False  # the 272-id byte vocabulary is fixed (SPEC §2)
+    test_resize_embeddings = False  # the 272-id byte vocabulary is fixed (docs/design.md, "Vocabulary")
     test_all_params_have_gradient = True
 
     @classmethod
@@ -158,7 +158,7 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
         """The common test saves with `save_pretrained()`'s default and expects the registered conversion reversed,
         which is transformers' default (`save_original_format=True`). Spider's `save_pretrained` writes its own fused
         names by default; the same test, run with transformers' default, checks the reverse mapping (the per-expert
-        layout of releases before issue #39) and its reload."""
+        layout of older releases) and its reload."""
         from transformers import PreTrainedModel
 
         def save_original_format(model, *args, **kwargs):

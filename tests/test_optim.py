@@ -101,7 +101,7 @@ def test_muon_steps_as_torchs_muon(shape):
 
 def test_muon_moves_each_fused_expert_as_its_per_expert_weights():
     """The fused experts under Muon: expert e's gate, up and down projections take the step each would take as its own
-    2-D parameter (the per-expert layout before issue #39), over two steps (momentum included). The same operations on
+    2-D parameter (the per-expert layout of older releases), over two steps (momentum included). The same operations on
     the same values, so exactly equal."""
     E, I, D = 3, 16, 24
     gen = torch.Generator().manual_seed(0)
