@@ -144,14 +144,15 @@ def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
     return tensor.device.type == "cpu" or not training
 
 
-def check_values(bad: torch.Tensor, training: bool, message: Callable[[], str]) -> None:
-    """Raise ``ValueError(message())`` when any element of bool `bad` is True; where that read would sync in
-    training (:func:`value_checks_sync`), assert on the device instead (``torch._assert_async``)."""
+def check_values(bad: torch.Tensor, training: bool, message: Callable[[bool], str]) -> None:
+    """Raise ``ValueError(message(True))`` when any element of bool `bad` is True; where that read would sync in
+    training (:func:`value_checks_sync`), assert on the device instead (``torch._assert_async`` with
+    ``message(False)``: a message that reads no tensor value)."""
     if value_checks_sync(bad, training):
         if bool(bad.any()):
-            raise ValueError(message())
+            raise ValueError(message(True))
     else:
-        torch._assert_async(~bad.any(), message())
+        torch._assert_async(~bad.any(), message(False))
 
 
 class SpiderRMSNorm(nn.Module):
@@ -438,10 +439,15 @@ class SpiderMoEKernels:
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
 
     @staticmethod
-    def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike `torch.bincount`)."""
+    def expert_counts(topk_idx: torch.Tensor, num_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike `torch.bincount`); with `weight`
+        fp32 `(T,)`, each token's slots count `weight[t]` and the counts are fp32."""
         flat = topk_idx.reshape(-1)
-        return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        if weight is None:
+            return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat))
+        slot_weight = weight[:, None].expand_as(topk_idx).reshape(-1)
+        return torch.zeros(num_experts, dtype=weight.dtype, device=flat.device).scatter_add_(0, flat, slot_weight)
 
     @staticmethod
     def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
@@ -639,9 +645,7 @@ class SpiderMoE(nn.Module):
             mean_scores = scores.mean(dim=0)
         else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
             weight = row_mask.to(torch.float32)
-            slot_weight = weight[:, None].expand(-1, self.top_k).reshape(-1)
-            counts = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device).scatter_add_(
-                0, topk_idx.reshape(-1), slot_weight)
+            counts = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, weight)
             real = weight.sum()
             expert_load = counts * self.num_experts / (real * self.top_k).clamp_min(1)
             mean_scores = (scores * weight[:, None]).sum(dim=0) / real.clamp_min(1)
@@ -900,9 +904,8 @@ def downsample(
     cum_inclusive = hard.cumsum(dim=1)
     segment_idx = (cum_inclusive - hard).long()  # segment holding byte l (0-based among closed segments)
     n_closed = cum_inclusive[:, -1].long() if L > 0 else boundaries.new_zeros(B).long()
-    S = int(n_closed.max()) if B > 0 and L > 0 else 0  # the forward's one host sync
-    closed = S
-    S = -(-(S + 1) // pad_to_multiple_of) * pad_to_multiple_of - 1  # 1 + S a multiple of pad_to_multiple_of
+    closed = int(n_closed.max()) if B > 0 and L > 0 else 0  # the forward's one host sync
+    S = -(-(closed + 1) // pad_to_multiple_of) * pad_to_multiple_of - 1  # 1 + S a multiple of pad_to_multiple_of
     inside = segment_idx < n_closed[:, None]
     if token_mask is not None:
         inside = inside & token_mask
@@ -1197,7 +1200,7 @@ class SpiderRecurrentBlock(nn.Module):
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
                     z, position_embeddings, attention_mask, routed, engram_memory,
-                    segment_mask if routed is None else None,
+                    segment_mask,
                     cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 aux_losses.append(aux)
@@ -1535,10 +1538,9 @@ class SpiderModel(SpiderPreTrainedModel):
                              "build the inputs on model.device (or move them with .to(model.device))")
         out_of_vocabulary = (input_ids < 0) | (input_ids >= self.config.vocab_size)
         # the offending id is looked up only on the error path (and only where reading it costs no training sync)
-        check_values(out_of_vocabulary, self.training, lambda: (
-            f"input_ids contains token id "
-            f"{int(input_ids[out_of_vocabulary][0]) if value_checks_sync(input_ids, self.training) else '(on device)'}"
-            f", outside the vocabulary [0, {self.config.vocab_size})"))
+        check_values(out_of_vocabulary, self.training, lambda on_host: (
+            f"input_ids contains token id {int(input_ids[out_of_vocabulary][0]) if on_host else '(on device)'}, "
+            f"outside the vocabulary [0, {self.config.vocab_size})"))
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
 
@@ -1834,9 +1836,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
                 raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
             targets = shift_labels if shift_labels is not None else labels[:, 1:]
             bad = (targets != -100) & ((targets < 0) | (targets >= self.vocab_size))
-            check_values(bad, self.training, lambda: (
-                f"labels contains token id "
-                f"{int(targets[bad][0]) if value_checks_sync(targets, self.training) else '(on device)'}, outside the "
+            check_values(bad, self.training, lambda on_host: (
+                f"labels contains token id {int(targets[bad][0]) if on_host else '(on device)'}, outside the "
                 f"vocabulary [0, {self.vocab_size}) (-100 = ignored)"))
             if num_items_in_batch is None:
                 # the mean as a sum over a tensor count (no host sync; 0 when there is no target)

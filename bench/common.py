@@ -19,6 +19,7 @@ crashed is recorded by the runner as ``{"benchmark": name, "error": "...", "met"
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -207,20 +208,37 @@ def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
 
 class TrainStep:
     """One training step as the trainer does it: ``model.train()``, forward with labels, backward, AdamW step,
-    ``zero_grad``. ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments."""
+    ``zero_grad``. ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments; the two
+    halves are :meth:`forward_backward` and :meth:`optimizer_step`.
 
-    def __init__(self, model, input_ids: torch.LongTensor, lr: float = 1e-4, **forward_kwargs):
+    `autocast_dtype` (e.g. ``torch.bfloat16``): the forward under ``torch.autocast`` on the inputs' device (None:
+    none). `fused`: torch's fused AdamW (CUDA)."""
+
+    def __init__(self, model, input_ids: torch.LongTensor, lr: float = 1e-4, *,
+                 autocast_dtype: torch.dtype | None = None, fused: bool = False, **forward_kwargs):
         self.model = model
         self.input_ids = input_ids
         self.forward_kwargs = forward_kwargs
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.autocast_dtype = autocast_dtype
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
         self.model.train()
 
-    def __call__(self):
-        out = self.model(input_ids=self.input_ids, labels=self.input_ids, **self.forward_kwargs)
+    def forward_backward(self):
+        """Forward with labels and backward; returns the model output."""
+        autocast = (torch.autocast(self.input_ids.device.type, dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            out = self.model(input_ids=self.input_ids, labels=self.input_ids, **self.forward_kwargs)
         out.loss.backward()
+        return out
+
+    def optimizer_step(self):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def __call__(self):
+        out = self.forward_backward()
+        self.optimizer_step()
         return out
 
 

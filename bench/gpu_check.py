@@ -116,8 +116,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import (CudaSyncWarnings, HostSyncCounter, count_flops, dense_llama_config, device_peak_matmul_flops,
-                          environment, num_params, peer_model, random_bytes, spider_config, spider_model)
+from bench.common import (CudaSyncWarnings, HostSyncCounter, TrainStep, count_flops, dense_llama_config,
+                          device_peak_matmul_flops, environment, num_params, peer_model, random_bytes, spider_config,
+                          spider_model)
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 #: FP8 (e4m3, 3 mantissa bits) against bf16 (7 bits) at initialisation: the loss is a mean over every byte, so the
@@ -477,34 +478,10 @@ def _build(fn, device: torch.device):
     return fn().to(device)
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-class _Step:
-    """One training step as a user trains: forward with labels (bf16 autocast on CUDA, fp32 on CPU), backward, AdamW
-    (fused on CUDA), ``zero_grad``."""
-
-    def __init__(self, model, ids: torch.Tensor, device: torch.device):
-        self.model, self.ids, self.device = model.train(), ids, device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-    def forward_backward(self):
-        with _autocast(self.device):
-            loss = self.model(input_ids=self.ids, labels=self.ids).loss
-        loss.backward()
-        return loss
-
-    def optimizer_step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def __call__(self):
-        loss = self.forward_backward()
-        self.optimizer_step()
-        return loss
+def _train_step_of(model, ids: torch.Tensor, device: torch.device) -> TrainStep:
+    """One training step as a user trains: bf16 autocast and fused AdamW on CUDA, fp32 and torch's AdamW on CPU."""
+    cuda = device.type == "cuda"
+    return TrainStep(model, ids, autocast_dtype=torch.bfloat16 if cuda else None, fused=cuda)
 
 
 def _profile_kernels(step, device: torch.device) -> dict:
@@ -534,7 +511,7 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     batch, length = shape
     row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
     ids = random_bytes(batch, length).to(device)
-    step = _Step(model, ids, device)
+    step = _train_step_of(model, ids, device)
     step()  # warm-up: optimizer state, kernels' plans
     _sync(device)
     # One instrumented step: FLOPs, aten ops and host syncs, those of forward+backward and of the optimizer apart
@@ -659,13 +636,6 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _forward_backward(model, ids: torch.Tensor, device: torch.device) -> None:
-    model.zero_grad(set_to_none=True)
-    with _autocast(device):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-
-
 def proxy_1b_config(**overrides):
     """The ``1b`` preset's structure (layers, loops, experts, Engram layers, boundaries) at the ``tiny`` preset's
     widths: a CPU stand-in for counting host syncs, which depend on the structure and not the width."""
@@ -688,7 +658,7 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
     config = proxy_1b_config() if proxy else spider_config(preset)
     torch.manual_seed(0)
     model = _build(lambda: SpiderForConditionalGeneration(config), device).train()
-    ids = random_bytes(*shape).to(device)
+    step = _train_step_of(model, random_bytes(*shape).to(device), device)  # forward+backward only, grads reset
     results = {}
     for variant in variants:
         label = variant or config._experts_implementation
@@ -696,11 +666,13 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
             results[label] = {"status": "skipped", "reason": TIME_BUDGET}
             continue
         model.set_experts_implementation(variant or config._experts_implementation)
-        _forward_backward(model, ids, device)  # warm-up: first-call plans and allocations are not the steady state
+        model.zero_grad(set_to_none=True)
+        step.forward_backward()  # warm-up: first-call plans and allocations are not the steady state
+        model.zero_grad(set_to_none=True)
         _sync(device)
         cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
         with cuda_syncs, HostSyncCounter() as counter:
-            _forward_backward(model, ids, device)
+            step.forward_backward()
         _sync(device)  # outside the count: an explicit synchronize is not one of the step's syncs
         result = {"status": "passed", "dispatch_count": counter.total,
                   "dispatch_by_op": dict(counter.counts.most_common()),

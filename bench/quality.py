@@ -318,6 +318,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
     opts = optimizers(model, recipe)
     model.train()
     T = recipe.seq_len + 1
+    device = next(model.parameters()).device  # the windows are drawn on the CPU; the model may sit on a GPU
     loop_counts = training_loop_counts(model, recipe)
     losses, rates, curve = [], [], []
     start = time.perf_counter()
@@ -327,7 +328,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
         for group in (g for opt in opts for g in opt.param_groups):
             group["lr"] = lr * group["lr_scale"]
         offsets = rng.integers(0, len(train_ids) - T, size=recipe.batch_size)
-        batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets])).to(next(model.parameters()).device)
+        batch = torch.from_numpy(np.stack([train_ids[o : o + T] for o in offsets])).to(device)
         loops = {"n_loops": int(loop_rng.choice(loop_counts))} if loop_counts else {}
         out = model(input_ids=batch, labels=batch, **loops)
         out.loss.backward()

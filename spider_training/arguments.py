@@ -23,6 +23,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .data import is_hub_repo_id
+from .fp8 import FP8_LAYER_FILTERS
 from .optim import DEFAULT_MUON_LR
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
@@ -249,8 +250,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
     if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
-    if spider.fp8_layers not in ("auto", "seed"):
-        raise ValueError(f"--fp8_layers must be auto or seed; got {spider.fp8_layers!r}")
+    if spider.fp8_layers not in FP8_LAYER_FILTERS:
+        raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}; got {spider.fp8_layers!r}")
     if spider.reset_steps and not spider.resume:
         raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
     _check_weights_path("--resume", spider.resume, local_only=True)

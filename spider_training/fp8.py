@@ -143,8 +143,7 @@ def fp8_skip_reason(module: nn.Module, fqn: str, layers: str = "seed", recipe: s
     Raises:
         ValueError: `layers` not in :data:`FP8_LAYER_FILTERS`.
     """
-    if layers not in FP8_LAYER_FILTERS:
-        raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}, got {layers!r}")
+    _check_layers(layers)
     if not isinstance(module, nn.Linear):
         return "not nn.Linear"
     if _is_float8_linear(module):
@@ -181,8 +180,7 @@ def fp8_layer_filter(layers: str = "auto", recipe: str = "tensorwise"):
     Raises:
         ValueError: unknown `layers` or `recipe`.
     """
-    recipe = _check_recipe(recipe)
-    fp8_skip_reason(nn.Identity(), "", layers)  # validates `layers`
+    recipe, layers = _check_recipe(recipe), _check_layers(layers)
     return lambda module, fqn: fp8_skip_reason(module, fqn, layers, recipe) is None
 
 
@@ -240,6 +238,12 @@ class Fp8Report:
                 text += "; left in high precision: " + ", ".join(
                     f"{count} {kind}" for kind, count in sorted(self.skipped_by_reason().items()))
         return text
+
+
+def _check_layers(layers: str) -> str:
+    if layers not in FP8_LAYER_FILTERS:
+        raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}, got {layers!r}")
+    return layers
 
 
 def _check_recipe(recipe: str) -> str:
