@@ -24,6 +24,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .data import is_hub_repo_id
 from .fp8 import FP8_LAYER_FILTERS
+from .fp8_moe import FP8_EXPERTS_MODES
 from .optim import DEFAULT_MUON_LR
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
@@ -87,6 +88,11 @@ class SpiderArguments:
         default="auto",
         metadata={"help": "with fp8: auto (the layers where torchao's auto filter expects FP8 to gain; routed experts "
                   "stay bf16) | seed (every layer the seed converted)"},
+    )
+    fp8_experts: str = field(
+        default="auto",
+        metadata={"help": "with fp8: auto (the routed experts through torchao's FP8 grouped GEMM where the GPU has it, "
+                  "SM90 with triton; bf16 elsewhere, the log says why) | on (fail where it cannot run) | off"},
     )
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (sets torch_compile)"})
     resume: str | None = field(
@@ -252,6 +258,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
     if spider.fp8_layers not in FP8_LAYER_FILTERS:
         raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}; got {spider.fp8_layers!r}")
+    if spider.fp8_experts not in FP8_EXPERTS_MODES:
+        raise ValueError(f"--fp8_experts must be one of {FP8_EXPERTS_MODES}; got {spider.fp8_experts!r}")
     if spider.reset_steps and not spider.resume:
         raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
     _check_weights_path("--resume", spider.resume, local_only=True)

@@ -370,19 +370,31 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
 
 def _plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Unwrap torchao's weight wrapper subclasses (``WeightWithDynamicFloat8CastTensor`` keeps the high-precision
-    tensor in ``_tensor``); plain tensors come back unchanged."""
-    while type(tensor) not in (torch.Tensor, nn.Parameter) and isinstance(
-        getattr(tensor, "_tensor", None), torch.Tensor
-    ):
-        tensor = tensor._tensor
+    tensor in ``_tensor``, the MoE experts' ``Float8TrainingWeightWrapperTensor`` in ``_data``); plain tensors come
+    back unchanged."""
+    while type(tensor) not in (torch.Tensor, nn.Parameter):
+        inner = next((getattr(tensor, name) for name in ("_tensor", "_data")
+                      if isinstance(getattr(tensor, name, None), torch.Tensor)), None)
+        if inner is None:
+            break
+        tensor = inner
     return tensor
+
+
+def has_fp8_weight_wrappers(model: nn.Module) -> bool:
+    """True when a parameter of `model` is one of torchao's weight wrapper subclasses (FSDP float8 all-gather, the FP8
+    grouped-GEMM experts), whose ``state_dict()`` ``save_pretrained`` cannot write: save
+    :func:`fp8_to_plain_state_dict` instead."""
+    return any(_plain_tensor(p) is not p for p in model.parameters())
 
 
 def fp8_to_plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every torchao float8 weight wrapper unwrapped to its plain high-precision tensor.
 
-    Keys and dtypes are those of the unconverted model. Needed only when the model was converted with FSDP float8
-    all-gather (accelerate's default ``AORecipeKwargs``): ``save_pretrained(d, state_dict=fp8_to_plain_state_dict(m))``.
+    Keys and dtypes are those of the unconverted model. Needed when the model was converted with FSDP float8
+    all-gather (accelerate's default ``AORecipeKwargs``) or its experts run torchao's FP8 grouped GEMM
+    (:mod:`spider_training.fp8_moe`; :func:`has_fp8_weight_wrappers`): ``save_pretrained(d,
+    state_dict=fp8_to_plain_state_dict(m))``.
     Tensors are shared with the model, not copied (a new dict each call: ``save_pretrained`` pops the entries of the
     dict it is given). Not for FSDP2-sharded (``DTensor``) models: gather them first.
     """
@@ -500,6 +512,7 @@ __all__ = [
     "build_float8_config",
     "convert_model_to_fp8",
     "fp8_to_plain_state_dict",
+    "has_fp8_weight_wrappers",
     "convert_fp8_to_plain",
     "ao_recipe_kwargs",
     "resolve_precision",

@@ -16,7 +16,11 @@ of the FP8 op (``tests/test_fp8_moe.py``: ``emulated_fp8_rowwise_grouped_mm``). 
 of 16 on the device (``pad_token_groups_for_grouped_mm=True``: torchao's CUDA padding kernel, no host sync).
 
 :func:`fp8_grouped_mm_unsupported_reason` says whether this machine can run it, :func:`convert_experts_to_fp8_grouped_mm`
-converts a model, :func:`experts_fp8_to_plain` unwraps the parameters again (for saving or evaluation).
+converts a model, :func:`experts_fp8_to_plain` unwraps the parameters again (for evaluation or export; a checkpoint
+is written from ``spider_training.fp8.fp8_to_plain_state_dict``, which unwraps without touching the model).
+:func:`convert_experts_for_training` is what ``--precision fp8`` calls, by ``--fp8_experts``
+(:data:`FP8_EXPERTS_MODES`): ``auto`` converts where this machine has the kernels, ``on`` insists, ``off`` leaves the
+experts in bf16.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ logger = logging.getLogger(__name__)
 FP8_GROUPED_MM_CAPABILITY = (9, 0)
 #: FP8 GEMMs need both dimensions of every expert matrix divisible by 16 (as ``torch._scaled_mm``).
 FP8_GROUPED_MM_DIM_MULTIPLE = 16
+#: Values of ``--fp8_experts`` (:func:`convert_experts_for_training`).
+FP8_EXPERTS_MODES = ("auto", "on", "off")
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -137,6 +143,34 @@ def convert_experts_to_fp8_grouped_mm(model: nn.Module, config=None) -> Fp8Exper
     return report
 
 
+def convert_experts_for_training(model: nn.Module, mode: str = "auto",
+                                 device: torch.device | str | None = None) -> Fp8ExpertsReport:
+    """``--fp8_experts``: route the fused experts of `model` through torchao's FP8 grouped GEMM where `mode` and the
+    machine allow (what ``--precision fp8`` does to the experts, after ``Float8Linear`` took the linear layers).
+
+    Args:
+        model: a Spider model; converted in place.
+        mode: ``"auto"``: convert when :func:`fp8_grouped_mm_unsupported_reason` (`device`) is None, otherwise leave
+            every experts module in high precision with that reason; ``"on"``: convert or raise; ``"off"``: leave them.
+        device: the training device (default: CUDA's current device).
+    Returns:
+        :class:`Fp8ExpertsReport` (its :attr:`~Fp8ExpertsReport.message` is logged).
+    Raises:
+        ValueError: `mode` not in :data:`FP8_EXPERTS_MODES`.
+        RuntimeError: ``mode="on"`` on a machine without the kernels (the message says what is missing).
+    """
+    if mode not in FP8_EXPERTS_MODES:
+        raise ValueError(f"--fp8_experts must be one of {FP8_EXPERTS_MODES}, got {mode!r}")
+    reason = "--fp8_experts off" if mode == "off" else fp8_grouped_mm_unsupported_reason(device)
+    if reason is None:
+        return convert_experts_to_fp8_grouped_mm(model)
+    if mode == "on":
+        raise RuntimeError(f"--fp8_experts on: torchao's FP8 grouped GEMM cannot run here: {reason}")
+    report = Fp8ExpertsReport(skipped={fqn: reason for fqn, m in model.named_modules() if is_fused_experts(m)})
+    logger.info(report.message)
+    return report
+
+
 def experts_fp8_to_plain(model: nn.Module) -> int:
     """Unwrap every fused-experts parameter that :func:`convert_experts_to_fp8_grouped_mm` wrapped back to a plain
     ``nn.Parameter`` holding the same high-precision tensor (in place; for ``save_pretrained``, evaluation or
@@ -160,6 +194,8 @@ def experts_fp8_to_plain(model: nn.Module) -> int:
 __all__ = [
     "FP8_GROUPED_MM_CAPABILITY",
     "FP8_GROUPED_MM_DIM_MULTIPLE",
+    "FP8_EXPERTS_MODES",
+    "convert_experts_for_training",
     "Fp8ExpertsReport",
     "is_fused_experts",
     "fp8_grouped_mm_unsupported_reason",

@@ -96,7 +96,8 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
         n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
-        fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, eval_windows=spider.eval_windows,
+        fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, fp8_experts=spider.fp8_experts,
+        eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
         muon_experts=spider.muon_experts, callbacks=callbacks,
     )

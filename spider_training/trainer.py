@@ -4,8 +4,9 @@ Everything Trainer and accelerate already do (optimizer, cosine schedule, gradie
 checkpoint rotation, resume with RNG state and data skipping, the progress bar, logging) stays theirs. The subclass
 overrides public, documented methods:
 
-- ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and swaps in the
-  TileKernels MoE routing (:mod:`spider_training.tile_kernels_moe`) before Trainer/accelerate wrap the model, and
+- ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and the fused experts
+  to torchao's FP8 grouped GEMM where the GPU has it (:mod:`spider_training.fp8_moe`), and swaps in the TileKernels MoE
+  routing (:mod:`spider_training.tile_kernels_moe`) before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
 - ``get_train_dataloader``: only for a streamed Hub source (:class:`spider_training.data.StreamingTextDataset`, which
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
@@ -17,7 +18,7 @@ overrides public, documented methods:
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
 
-Four private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
+Five private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
 does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
@@ -26,6 +27,9 @@ does their job (the section says why for each):
 - ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
   and the cause.
+- ``_save``: a model whose parameters are torchao weight wrappers (the FP8 grouped-GEMM experts, FSDP float8
+  all-gather) is saved from its plain high-precision tensors (:func:`spider_training.fp8.fp8_to_plain_state_dict`):
+  ``save_pretrained`` cannot write the wrappers, and the checkpoint loads as a plain model.
 - ``_push_from_checkpoint``: Trainer calls it inside the save, on rank 0, while other ranks may still be writing
   into the staged folder; it runs once the checkpoint is published, complete. Hub pushing (``args.push_to_hub``) is
   otherwise Trainer's own, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`; a run stopped by a
@@ -54,7 +58,8 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
 from .data import StreamingTextDataset, make_dataloader
-from .fp8 import convert_model_to_fp8
+from .fp8 import convert_model_to_fp8, fp8_to_plain_state_dict, has_fp8_weight_wrappers
+from .fp8_moe import convert_experts_for_training
 from .hub import HubPushMixin
 from .metrics import bits_per_byte
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
@@ -101,6 +106,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``.
         fp8_layers: which linear layers ``precision="fp8"`` converts: ``"auto"`` (default; where torchao's filter
             expects a gain) or ``"seed"`` (every layer the seed converted); see :mod:`spider_training.fp8`.
+        fp8_experts: what ``precision="fp8"`` does to the routed experts: ``"auto"`` (default; torchao's FP8 grouped
+            GEMM where this GPU has it, bf16 elsewhere), ``"on"`` (raise where it cannot run) or ``"off"``; see
+            :func:`spider_training.fp8_moe.convert_experts_for_training`.
         eval_windows: held-out windows scored by :meth:`evaluate`.
         tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
             ``tile_kernels`` when CUDA is available.
@@ -116,6 +124,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
             Trainer's, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`.
 
     Attributes:
+        fp8_report: the :class:`spider_training.fp8.Fp8Report` of the linear layers' conversion, or None (not FP8).
+        fp8_experts_report: the :class:`spider_training.fp8_moe.Fp8ExpertsReport` of the experts, or None (not FP8).
         nonfinite_guard: the :class:`NonFiniteGuardCallback` (``skipped_steps``, ``skipped_at``).
         stop_callback: the :class:`StopOnSignalCallback` (``received``, ``stopped_at_step``), or None.
 
@@ -126,7 +136,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
     """
 
     def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
-                 fp8_layers="auto", eval_windows=64, tile_kernels_module=None,
+                 fp8_layers="auto", fp8_experts="auto", eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
                  muon_lr=0.0, muon_experts=False, hub_endpoint=None, **kwargs):
         self.hub_endpoint = hub_endpoint
@@ -138,9 +148,11 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.muon_experts = muon_experts
         self.precision = precision
         self.eval_windows = eval_windows
-        self.fp8_report = None
+        self.fp8_report = self.fp8_experts_report = None
         if precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":
             self.fp8_report = convert_model_to_fp8(model, recipe=fp8_recipe, layers=fp8_layers)
+            device = args.device if args is not None else None
+            self.fp8_experts_report = convert_experts_for_training(model, fp8_experts, device)
             self.precision = "fp8"
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
@@ -302,6 +314,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
     #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
+    # - `_save`: Trainer saves `model.state_dict()` unless a state dict is passed in, and only its FSDP/DeepSpeed paths
+    #   pass one; torchao's weight wrappers (FP8 grouped-GEMM experts) need the plain tensors passed instead.
     # - `_push_from_checkpoint` (HubPushMixin's, see spider_training/hub.py): Trainer calls it from `_save_checkpoint`
     #   on rank 0 as soon as its own files are written; the push waits until every rank has written its part and the
     #   folder is published.
@@ -317,6 +331,11 @@ class SpiderTrainer(HubPushMixin, Trainer):
             # between them, so a new segment count is a new shape for a few layer graphs, not a new whole-model graph
             args["dynamo_plugin"].use_regional_compilation = True
         return args
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and has_fp8_weight_wrappers(self.model):
+            state_dict = fp8_to_plain_state_dict(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        super()._save(output_dir, state_dict=state_dict)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         if getattr(self, "_staging_root", None) is not None:

@@ -21,7 +21,10 @@ from torchao.prototype.moe_training import tensor as moe_tensor  # noqa: E402
 from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor  # noqa: E402
 
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
+from spider_training import fp8_moe  # noqa: E402
+from spider_training.fp8 import fp8_to_plain_state_dict, has_fp8_weight_wrappers  # noqa: E402
 from spider_training.fp8_moe import (  # noqa: E402
+    convert_experts_for_training,
     convert_experts_to_fp8_grouped_mm,
     experts_fp8_to_plain,
     fp8_grouped_mm_unsupported_reason,
@@ -223,3 +226,50 @@ def test_unwrapped_model_saves_and_loads_plain(tmp_path, fp8_double):
 def test_unsupported_reason_on_this_machine():
     reason = fp8_grouped_mm_unsupported_reason("cpu")
     assert reason is not None and "needs CUDA" in reason
+
+
+def test_fp8_experts_modes_on_a_machine_without_the_kernels():
+    """``--fp8_experts`` on this CPU: ``auto`` leaves every experts module in high precision with the reason, ``on``
+    refuses with it, ``off`` says it was asked; a wrong value names the flag."""
+    model = tiny_model(seed=0)
+    experts = [f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(model.config.num_recurrent_layers)]
+    auto = convert_experts_for_training(model, "auto", "cpu")
+    assert not auto.converted_fqns and sorted(auto.skipped) == experts
+    assert all("needs CUDA" in reason for reason in auto.skipped.values()) and "0 of 2" in auto.message
+    assert not has_fp8_weight_wrappers(model)
+    with pytest.raises(RuntimeError, match="--fp8_experts on: .*needs CUDA"):
+        convert_experts_for_training(model, "on", "cpu")
+    assert set(convert_experts_for_training(model, "off", "cpu").skipped.values()) == {"--fp8_experts off"}
+    with pytest.raises(ValueError, match="--fp8_experts must be one of"):
+        convert_experts_for_training(model, "yes", "cpu")
+
+
+def test_trainer_trains_fp8_experts_and_writes_a_plain_checkpoint(tmp_path, fp8_double, monkeypatch):
+    """``SpiderTrainer(precision="fp8")`` on a machine that has the kernels. Test doubles for what this CPU lacks: the
+    hardware check answers as on an SM90 GPU with triton, and the FP8 op is the emulated double. The experts train
+    through the FP8 grouped GEMM, and the checkpoint Trainer writes holds the plain trained tensors and loads into a
+    plain model."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from spider_training.data import build_dataset
+    from spider_training.trainer import SpiderTrainer
+
+    monkeypatch.setattr(fp8_moe, "fp8_grouped_mm_unsupported_reason", lambda device=None: None)
+    model = tiny_model(seed=0)
+    initial = model.model.recurrent_block.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2,
+                             per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="steps",
+                             save_steps=2, eval_strategy="no")
+    trainer = SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
+                            data_collator=default_data_collator, precision="fp8", stop_signals=())
+    assert len(trainer.fp8_experts_report.converted_fqns) == model.config.num_recurrent_layers
+    assert has_fp8_weight_wrappers(trainer.model)
+    trainer.train()
+    assert fp8_double.calls > 0
+    saved = SpiderForConditionalGeneration.from_pretrained(tmp_path / "checkpoint-2")
+    trained = fp8_to_plain_state_dict(trainer.model)
+    assert not has_fp8_weight_wrappers(saved)
+    for key, value in saved.state_dict().items():
+        assert torch.equal(value, trained[key]), key
+    gate_up = saved.model.recurrent_block.layers[0].mlp.experts.gate_up_proj
+    assert not torch.equal(gate_up, initial)  # the FP8 experts trained

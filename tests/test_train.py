@@ -72,6 +72,8 @@ def test_bad_flags_are_refused(monkeypatch):
         parse_args(["--seq_len", "abc"])
     with pytest.raises(ValueError, match="--extra_train_loops must be >= 0"):
         parse_args(["--extra_train_loops", "-1"])
+    with pytest.raises(ValueError, match="--fp8_experts must be one of"):
+        parse_args(["--fp8_experts", "always"])
 
 
 @pytest.mark.slow
