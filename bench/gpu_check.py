@@ -20,11 +20,16 @@ Parts, in the order they run (most important first; see "Time budget"):
   Passes when the run finishes, held-out bits per byte fell, and the reloaded release generates on the device.
   (500 steps took 151 s on an H200 on 2026-11-26.)
 - ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
-  of Spider ``1b`` (its default config, the fused experts on ``grouped_mm``, and with ``experts_implementation="eager"``,
-  a loop over the experts as the per-expert layout ran them), transformers'
-  ``DeepseekV3ForCausalLM`` of the same shape (:func:`bench.common.peer_config`) and a dense ``LlamaForCausalLM`` of
-  about the same parameter count (:func:`bench.common.dense_llama_config`), at 32 x 256 and 8 x 2048 bytes. Per
-  row: step seconds (median of ``--step_repeats`` after a warm-up step), bytes/s, peak memory
+  at 32 x 256 and 8 x 2048 bytes, rows in the order of :data:`STEP_TABLE_MODELS`: Spider ``1b`` (its default config,
+  the fused experts on ``grouped_mm``), transformers' ``DeepseekV3ForCausalLM`` of the same shape
+  (:func:`bench.common.peer_config`), a dense ``LlamaForCausalLM`` of about the same parameter count
+  (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
+  ``Float8Linear`` where torchao's filter expects a gain, the experts through torchao's FP8 grouped GEMM where the GPU
+  has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
+  (``spider_compiled``: accelerate's ``compile_regions``, ``--compile_backend``; three warm-up steps, whose times
+  ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's) and Spider with
+  ``experts_implementation="eager"`` (a loop over the experts, as the per-expert layout ran them). Per
+  row: step seconds (median of ``--step_repeats`` after the warm-up), bytes/s, peak memory
   (``torch.cuda.max_memory_allocated`` over the timed steps, weights and optimizer state included; null on CPU),
   FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul peak measured in-process
   (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten ops dispatched per step,
@@ -53,8 +58,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
   and the entry says how many.
-- ``fp8_<recipe>_<preset>``: torchao ``Float8Linear`` (real ``torch._scaled_mm`` on a GPU; emulated on CPU) against
-  the same model in bf16 autocast, one training step on the same batch: the losses agree within ``FP8_LOSS_RTOL`` and
+- ``fp8_<recipe>_<preset>``: torchao ``Float8Linear`` (real ``torch._scaled_mm`` on a GPU; emulated on CPU), and the
+  experts through torchao's FP8 grouped GEMM where the GPU has it (``--fp8_experts auto``), against the same model in
+  bf16 autocast, one training step on the same batch: the losses agree within ``FP8_LOSS_RTOL`` and
   the gradients point the same way (cosine >= ``FP8_GRAD_COSINE``); both step times and their ratio are reported
   (medians of ``--step_repeats`` steps after a warm-up; a speed-up above 1 is what FP8 is for; on CPU emulation the
   times mean nothing and are labelled so). Recipes
@@ -129,13 +135,17 @@ SHAPES = {"tiny": (2, 128), "small": (8, 256), "1b": (1, 2048)}  # (batch, bytes
 PARTS = ("main_job", "step_table", "host_syncs", "run_1b", "fp8", "tile_kernels_moe", "fsdp2_fp8_all_gather")
 CHECKS = PARTS  # the name earlier versions used
 #: each part's largest time allowance in seconds (see "Time budget" in the module docstring)
-PART_CAPS_S = {"main_job": 200, "step_table": 110, "host_syncs": 30, "run_1b": 120, "fp8": 90,
+PART_CAPS_S = {"main_job": 200, "step_table": 150, "host_syncs": 30, "run_1b": 120, "fp8": 90,
                "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
 #: a part that would get less than this is skipped ("time budget")
 MIN_PART_S = 5.0
 DEFAULT_BUDGET_S = 460.0
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
-STEP_TABLE_MODELS = ("spider", "spider_eager_experts", "deepseek_v3", "llama_dense")
+#: the rows of each shape, in the order they run (the comparison first: a budget that runs out drops the last)
+STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled", "spider_eager_experts")
+#: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
+#: during its first steps)
+STEP_TABLE_WARMUP = {"spider_compiled": 3}
 #: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
 _WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
@@ -506,16 +516,9 @@ def _profile_kernels(step, device: torch.device) -> dict:
             "gpu_busy_s": busy_us / 1e6, "profiled_step_s": wall}
 
 
-def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, repeats: int,
-              peak_flops: float | None, profile: bool = True) -> dict:
-    batch, length = shape
-    row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
-    ids = random_bytes(batch, length).to(device)
-    step = _train_step_of(model, ids, device)
-    step()  # warm-up: optimizer state, kernels' plans
-    _sync(device)
-    # One instrumented step: FLOPs, aten ops and host syncs, those of forward+backward and of the optimizer apart
-    # (torch's CPU AdamW reads each parameter's step count on the host; the fused CUDA one does not).
+def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
+    """One instrumented step: FLOPs, aten ops and host syncs, those of forward+backward and of the optimizer apart
+    (torch's CPU AdamW reads each parameter's step count on the host; the fused CUDA one does not)."""
     flops = 0
     counted = {}
     for phase, call in (("forward_backward", step.forward_backward), ("optimizer", step.optimizer_step)):
@@ -525,13 +528,38 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
         _sync(device)  # outside: an explicit synchronize is not one of the step's syncs
         counted[phase] = (syncs, cuda_syncs)
     fwd_bwd, optimizer = counted["forward_backward"][0], counted["optimizer"][0]
-    row.update(flops_per_step=flops, aten_ops_per_step=fwd_bwd.ops + optimizer.ops,
-               host_syncs=fwd_bwd.total + optimizer.total, host_syncs_forward_backward=fwd_bwd.total,
-               host_syncs_optimizer=optimizer.total, host_syncs_by_op=dict((fwd_bwd.counts + optimizer.counts)
-                                                                           .most_common()))
+    figures = dict(flops_per_step=flops, aten_ops_per_step=fwd_bwd.ops + optimizer.ops,
+                   aten_ops_forward_backward=fwd_bwd.ops, host_syncs=fwd_bwd.total + optimizer.total,
+                   host_syncs_forward_backward=fwd_bwd.total, host_syncs_optimizer=optimizer.total,
+                   host_syncs_by_op=dict((fwd_bwd.counts + optimizer.counts).most_common()))
     if device.type == "cuda":
-        row["cuda_sync_warnings"] = sum(cuda.count for _, cuda in counted.values())
-        row["cuda_sync_warnings_forward_backward"] = counted["forward_backward"][1].count
+        figures["cuda_sync_warnings"] = sum(cuda.count for _, cuda in counted.values())
+        figures["cuda_sync_warnings_forward_backward"] = counted["forward_backward"][1].count
+    return figures
+
+
+def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, repeats: int,
+              peak_flops: float | None, profile: bool = True, warmup: int = 1, instrument: bool = True,
+              flops: int | None = None) -> dict:
+    """One row of the step table. `instrument`: run one instrumented step (FLOPs, aten ops, host syncs); off for a
+    compiled model, whose graphs a dispatch mode does not see into: its FLOPs are then `flops` (its eager twin's,
+    None when unknown)."""
+    batch, length = shape
+    row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
+    ids = random_bytes(batch, length).to(device)
+    step = _train_step_of(model, ids, device)
+    warmup_s = []
+    for _ in range(warmup):  # optimizer state, kernels' plans, compilation
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        warmup_s.append(time.perf_counter() - start)
+    row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
+    if instrument:
+        row.update(_instrumented_step(step, device))
+    else:
+        row.update(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -544,7 +572,7 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     median = statistics.median(times)
     row.update(step_s=median, step_times_s=[round(t, 5) for t in times], bytes_per_s=batch * length / median,
                peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-               mfu=flops / median / peak_flops if peak_flops else None)
+               mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None)
     if device.type == "cuda" and profile:
         try:
             profiled = _profile_kernels(step, device)
@@ -555,10 +583,35 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     return row
 
 
+def _spider_fp8(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """Spider converted as ``--precision fp8`` converts it (``--fp8_layers auto``, ``--fp8_experts auto``; emulated
+    ``Float8Linear`` off CUDA), with what was converted."""
+    from spider_training.fp8 import convert_model_to_fp8
+    from spider_training.fp8_moe import convert_experts_for_training
+
+    model = _build(lambda: spider_model(preset), device)
+    linear = convert_model_to_fp8(model, layers="auto", emulate=device.type != "cuda")
+    experts = convert_experts_for_training(model, "auto", device)
+    return model, {"fp8_linear_layers": linear.converted, "fp8_linear_skipped": linear.skipped_by_reason(),
+                   "fp8_experts_modules": len(experts.converted_fqns),
+                   "fp8_experts_skipped": sorted(set(experts.skipped.values()))}
+
+
+def _spider_compiled(preset: str, device: torch.device, backend: str) -> tuple[torch.nn.Module, dict]:
+    """Spider compiled as ``--compile`` compiles it: accelerate's ``compile_regions`` (each layer and submodule on its
+    own; the loops and the segment count in eager Python between them)."""
+    from accelerate.utils import compile_regions
+
+    torch._dynamo.reset()
+    return compile_regions(_build(lambda: spider_model(preset), device), backend=backend), {"compile_backend": backend}
+
+
 def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
-                     deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS) -> dict:
+                     deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS,
+                     compile_backend: str = "inductor") -> dict:
     """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
-    :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`."""
+    :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
+    (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row."""
     from transformers import LlamaForCausalLM
 
     device = device or _device()
@@ -583,13 +636,14 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     # Shapes outer, models inner: when the budget runs out, the comparison at the first shape is complete.
     for batch, length in shapes:
         spider = None
+        spider_flops = None  # the fp8 and compiled rows compute what the plain Spider row computes
         for label in models:
             row_name = {"model": label, "shape": f"{batch}x{length}"}
             if deadline.expired(needed):
                 rows.append({**row_name, "status": "skipped", "reason": TIME_BUDGET})
                 continue
             row_start = time.monotonic()
-            model = None
+            model, extra = None, {}
             try:
                 if label in ("spider", "spider_eager_experts"):
                     spider = spider if spider is not None else _build(builders["spider"], device)
@@ -598,10 +652,19 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
                 else:
                     spider = None
                     _free_memory()
-                    model = _build(builders[label], device)
+                    if label == "spider_fp8":
+                        model, extra = _spider_fp8(preset, device)
+                    elif label == "spider_compiled":
+                        model, extra = _spider_compiled(preset, device, compile_backend)
+                    else:
+                        model = _build(builders[label], device)
                 params[label] = num_params(model)
-                rows.append(_step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
-                                      profile=(batch, length) == shapes[0]))
+                row = _step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
+                                profile=(batch, length) == shapes[0], warmup=STEP_TABLE_WARMUP.get(label, 1),
+                                instrument=label != "spider_compiled", flops=spider_flops)
+                rows.append({**row, **extra})
+                if label == "spider":
+                    spider_flops = row["flops_per_step"]
             except PartTimeout as exc:  # the hard limit: keep the rows measured so far
                 rows.append({**row_name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"})
                 deadline.end = time.monotonic()  # every later row is skipped
@@ -722,6 +785,7 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
               layers: str = "seed") -> dict:
     """torchao FP8 against bf16 autocast on one training step of `preset` (see the module docstring)."""
     from spider_training.fp8 import convert_model_to_fp8
+    from spider_training.fp8_moe import convert_experts_for_training
 
     device = device or _device()
     name = f"fp8_{recipe}_{preset}"
@@ -732,6 +796,8 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     fp8 = copy.deepcopy(reference)
     kwargs = {"layers": layers} if "layers" in inspect.signature(convert_model_to_fp8).parameters else {}
     report = convert_model_to_fp8(fp8, recipe=recipe, emulate=device.type != "cuda", **kwargs)
+    experts = convert_experts_for_training(fp8, "auto", device)  # as --precision fp8: where the GPU has the kernels
+    converted = report.converted + len(experts.converted_fqns)
     ids = random_bytes(batch, length).to(device)
     loss_ref, grad_ref = _train_step(reference, ids, device)
     loss_fp8, grad_fp8 = _train_step(fp8, ids, device)
@@ -740,10 +806,11 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     del grad_ref, grad_fp8
     step_bf16 = _median_step_seconds(reference, ids, device, repeats)
     step_fp8 = _median_step_seconds(fp8, ids, device, repeats)
-    ok = report.converted > 0 and rel <= FP8_LOSS_RTOL and cosine >= FP8_GRAD_COSINE
+    ok = converted > 0 and rel <= FP8_LOSS_RTOL and cosine >= FP8_GRAD_COSINE
     reason = ""
-    if report.converted == 0:
-        reason = f"no layer converted (--fp8_layers {layers}): nothing compared"
+    if converted == 0:
+        reason = f"no layer converted (--fp8_layers {layers}, experts: {sorted(set(experts.skipped.values()))}): " \
+                 "nothing compared"
     elif not ok:
         reason = (f"loss rel. difference {rel:.4f} (max {FP8_LOSS_RTOL}) or gradient cosine {cosine:.3f} "
                   f"(min {FP8_GRAD_COSINE})")
@@ -751,7 +818,8 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     _free_memory()
     return _entry(name, "passed" if ok else "failed", reason,
                   device=str(device), emulated=device.type != "cuda", layers=kwargs.get("layers", "seed"),
-                  converted_layers=report.converted, shape=f"{batch}x{length}",
+                  converted_layers=report.converted, converted_experts_modules=len(experts.converted_fqns),
+                  experts_skipped=sorted(set(experts.skipped.values())), shape=f"{batch}x{length}",
                   loss_bf16=loss_ref, loss_fp8=loss_fp8, loss_rel_difference=rel, gradient_cosine=cosine,
                   step_s_bf16=step_bf16, step_s_fp8=step_fp8, speedup_bf16_over_fp8=step_bf16 / step_fp8,
                   note="CPU emulation: the step times are not FP8's" if device.type != "cuda" else "")
@@ -886,7 +954,9 @@ def _part_functions(options) -> dict:
         "main_job": lambda d: [main_job_check(options.main_job_steps, options.main_job_preset, deadline=d,
                                                 extra_args=tuple(options.main_job_args))],
         "step_table": lambda d: [step_table_check(options.step_table_preset, options.step_table_shapes,
-                                                  options.step_repeats, deadline=d)],
+                                                  options.step_repeats, deadline=d,
+                                                  models=tuple(options.step_table_models),
+                                                  compile_backend=options.compile_backend)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
         "run_1b": lambda d: [run_1b_check(options.run_1b_steps, options.run_1b_preset, *options.run_1b_batch,
                                           deadline=d, experts_implementation=options.run_1b_experts or None,
@@ -960,6 +1030,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step_table_shapes", nargs="+", type=parse_shape, default=None,
                         help="BATCHxBYTES shapes of the step table (default 32x256 8x2048; on CPU the 1b rows run "
                              "only when given)")
+    parser.add_argument("--step_table_models", nargs="+", default=list(STEP_TABLE_MODELS), choices=STEP_TABLE_MODELS,
+                        help="rows of each shape, in this order (default: all)")
+    parser.add_argument("--compile_backend", default="inductor",
+                        help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
     parser.add_argument("--step_repeats", type=int, default=3,
                         help="timed steps (after a warm-up) per step-table row and per FP8 variant; the median is used")
     parser.add_argument("--host_syncs_preset", default="1b")

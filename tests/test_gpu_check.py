@@ -28,7 +28,7 @@ def _one_thread():
 TOY_ARGS = [
     "--presets", "tiny", "1b",
     "--main_job_preset", "tiny", "--main_job_steps", "3", "--main_job_args", "--eval_windows 8",
-    "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1",
+    "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1", "--compile_backend", "eager",
     "--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64",
     "--run_1b_preset", "tiny", "--run_1b_steps", "4", "--run_1b_batch", "2x64", "--run_1b_args", "--eval_windows 8",
 ]
@@ -51,11 +51,19 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     table = by_name["step_table"]
     assert table["status"] == "passed", table
     assert {row["model"] for row in table["rows"]} == set(gpu_check.STEP_TABLE_MODELS)
+    rows = {row["model"]: row for row in table["rows"]}
     for row in table["rows"]:
         assert row["status"] == "passed" and row["shape"] == "2x32", row
         assert row["bytes_per_s"] > 0 and row["step_s"] > 0 and row["flops_per_step"] > 0 and 0 < row["mfu"]
-        assert row["aten_ops_per_step"] > 0 and row["peak_memory_bytes"] is None  # no CUDA allocator on CPU
-        assert row["host_syncs"] == row["host_syncs_forward_backward"] + row["host_syncs_optimizer"]
+        assert row["peak_memory_bytes"] is None  # no CUDA allocator on CPU
+        if row["model"] != "spider_compiled":  # a dispatch mode does not see into compiled graphs
+            assert row["aten_ops_per_step"] > 0
+            assert row["host_syncs"] == row["host_syncs_forward_backward"] + row["host_syncs_optimizer"]
+    compiled = rows["spider_compiled"]
+    assert compiled["compile_backend"] == "eager" and len(compiled["warmup_step_s"]) == 3
+    assert compiled["flops_per_step"] == rows["spider"]["flops_per_step"] and compiled["aten_ops_per_step"] is None
+    fp8 = rows["spider_fp8"]  # as --precision fp8 converts: on CPU the experts stay bf16, and say why
+    assert fp8["fp8_experts_modules"] == 0 and any("needs CUDA" in r for r in fp8["fp8_experts_skipped"])
     assert 0.9 <= table["llama_params_over_spider"] <= 1.1  # the dense baseline has about Spider's size
 
     syncs = by_name["host_syncs"]
