@@ -29,7 +29,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   (``spider_compiled``: accelerate's ``compile_regions``, ``--compile_backend``; three warm-up steps, whose times
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's) and Spider with
   ``experts_implementation="eager"`` (a loop over the experts, as the per-expert layout ran them). Per
-  row: step seconds (median of ``--step_repeats`` after the warm-up), bytes/s, peak memory
+  row: step seconds (median of ``--step_repeats`` after the warm-up), host seconds (``host_s``: until the step's
+  last call returns, before the device is synchronised: how long the host takes to issue the step), bytes/s, peak
+  memory
   (``torch.cuda.max_memory_allocated`` over the timed steps, weights and optimizer state included; null on CPU),
   FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul peak measured in-process
   (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten ops dispatched per step,
@@ -47,7 +49,11 @@ Parts, in the order they run (most important first; see "Time budget"):
   dispatch-level count by op and source line (:class:`bench.common.HostSyncCounter`: ``.item()``, ``nonzero``,
   boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset runs at the
   ``tiny`` preset's widths with the ``1b`` depth, loops and experts (the sync count depends on the structure, not
-  the width; the full ``1b`` takes minutes per step there). A measurement: passes when it ran.
+  the width; the full ``1b`` takes minutes per step there). Beside each count, the aten ops dispatched by the same
+  forward+backward (``aten_ops_forward_backward``: every op but views, ``detach`` and ``empty*``; a proxy for the
+  kernels a GPU launches, which tracked it on the H200: 32,344 ops, 40,967 launches) and those of transformers'
+  ``DeepseekV3ForCausalLM`` of the same config (``deepseek_v3_aten_ops_forward_backward``). A measurement: passes
+  when it ran.
 - ``run_1b``: ``--run_1b_steps`` (300) training steps of ``--preset 1b`` on the embedded corpus through
   :func:`spider_training.train.main` (bf16, 32 x 256 bytes per step, no activation checkpointing, the
   preset's experts implementation, ``grouped_mm``), held-out bits per
@@ -562,15 +568,17 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
         row.update(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, host = [], []
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
         step()
+        host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
         _sync(device)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    row.update(step_s=median, step_times_s=[round(t, 5) for t in times], bytes_per_s=batch * length / median,
+    row.update(step_s=median, step_times_s=[round(t, 5) for t in times], host_s=statistics.median(host),
+               bytes_per_s=batch * length / median,
                peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
                mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None)
     if device.type == "cuda" and profile:
@@ -737,17 +745,29 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
         with cuda_syncs, HostSyncCounter() as counter:
             step.forward_backward()
         _sync(device)  # outside the count: an explicit synchronize is not one of the step's syncs
-        result = {"status": "passed", "dispatch_count": counter.total,
+        result = {"status": "passed", "dispatch_count": counter.total, "aten_ops_forward_backward": counter.ops,
                   "dispatch_by_op": dict(counter.counts.most_common()),
                   "dispatch_top_sources": dict(counter.sources.most_common(top))}
         if device.type == "cuda":
             result.update(cuda_sync_warnings=cuda_syncs.count,
                           cuda_top_sources=dict(cuda_syncs.sources.most_common(top)))
         results[label] = result
-    del model
+    del model, step
     _free_memory()
+    peer_ops = None  # the launch proxy's yardstick: transformers' DeepseekV3 of the same config, same batch
+    if not deadline.expired(MIN_PART_S):
+        peer = _build(lambda: peer_model(config), device).train()
+        peer_step = _train_step_of(peer, random_bytes(*shape).to(device), device)
+        peer_step.forward_backward()
+        peer.zero_grad(set_to_none=True)
+        with HostSyncCounter(record_sources=False) as counter:
+            peer_step.forward_backward()
+        peer_ops = counter.ops
+        del peer, peer_step
+        _free_memory()
     ran = [r for r in results.values() if r["status"] == "passed"]
     return _entry(name, "passed" if ran else "skipped", "" if len(ran) == len(results) else TIME_BUDGET,
+                  deepseek_v3_aten_ops_forward_backward=peer_ops,
                   device=str(device), preset=preset + (" structure at tiny widths (CPU proxy)" if proxy else ""),
                   shape=f"{shape[0]}x{shape[1]}", method=("torch.cuda.set_sync_debug_mode('warn') warnings and "
                                                           "HostSyncCounter" if device.type == "cuda"

@@ -70,6 +70,7 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     assert syncs["status"] == "passed" and set(syncs["variants"]) == {"grouped_mm", "eager"}
     for variant in syncs["variants"].values():
         assert variant["dispatch_count"] == sum(variant["dispatch_by_op"].values())
+        assert variant["aten_ops_forward_backward"] > syncs["deepseek_v3_aten_ops_forward_backward"] > 0
     assert "tolist" not in syncs["variants"]["grouped_mm"]["dispatch_by_op"]  # the fused experts read no row count
 
     run = by_name["run_1b"]
