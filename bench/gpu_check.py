@@ -28,7 +28,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
   (``spider_compiled``: accelerate's ``compile_regions``, ``--compile_backend``; three warm-up steps, whose times
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's) and Spider with
-  ``experts_implementation="eager"`` (a loop over the experts, as the per-expert layout ran them). Per
+  ``experts_implementation="eager"`` (a loop over the experts, as the per-expert layout ran them). After both shapes,
+  ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112 x 256 bytes
+  (``--seed_recipe_shape``), in the precision ``--precision auto`` picks. Per
   row: step seconds (median of ``--step_repeats`` after the warm-up), host seconds (``host_s``: until the step's
   last call returns, before the device is synchronised: how long the host takes to issue the step), bytes/s, peak
   memory
@@ -152,6 +154,9 @@ STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spid
 #: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
 #: during its first steps)
 STEP_TABLE_WARMUP = {"spider_compiled": 3}
+#: the seed's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_seed_recipe``
+#: row after the table
+SEED_RECIPE_SHAPE = (112, 256)
 #: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
 _WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
@@ -494,10 +499,13 @@ def _build(fn, device: torch.device):
     return fn().to(device)
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
 def _train_step_of(model, ids: torch.Tensor, device: torch.device) -> TrainStep:
     """One training step as a user trains: bf16 autocast and fused AdamW on CUDA, fp32 and torch's AdamW on CPU."""
-    cuda = device.type == "cuda"
-    return TrainStep(model, ids, autocast_dtype=torch.bfloat16 if cuda else None, fused=cuda)
+    return TrainStep(model, ids, autocast_dtype=_autocast_dtype(device), fused=device.type == "cuda")
 
 
 def _profile_kernels(step, device: torch.device) -> dict:
@@ -614,12 +622,43 @@ def _spider_compiled(preset: str, device: torch.device, backend: str) -> tuple[t
     return compile_regions(_build(lambda: spider_model(preset), device), backend=backend), {"compile_backend": backend}
 
 
+def _seed_recipe_row(preset: str, shape: tuple[int, int], device: torch.device, repeats: int,
+                     peak_flops: float | None, deadline: Deadline, needed: float) -> dict:
+    """The seed's own training configuration: `preset` with activation checkpointing
+    (``gradient_checkpointing_enable``, as ``--preset 1b`` trains by default) at the seed's micro-batch `shape`, in
+    the precision ``--precision auto`` picks on this device (bf16 autocast on CUDA until FP8 measures faster)."""
+    label = "spider_seed_recipe"
+    name = {"model": label, "shape": f"{shape[0]}x{shape[1]}"}
+    if deadline.expired(needed):
+        return {**name, "status": "skipped", "reason": TIME_BUDGET}
+    from spider_training.fp8 import resolve_precision
+
+    model = None
+    try:
+        precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
+        model = _spider_fp8(preset, device)[0] if precision == "fp8" else _build(lambda: spider_model(preset), device)
+        model.gradient_checkpointing_enable()
+        return {**_step_row(model, label, shape, device, repeats, peak_flops, profile=False),
+                "activation_checkpointing": True, "precision": precision if precision == "fp8" else
+                str(_autocast_dtype(device) or torch.float32).replace("torch.", "")}
+    except PartTimeout as exc:
+        deadline.end = time.monotonic()
+        return {**name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory
+        return {**name, "status": "failed", "reason": _error(exc)}
+    finally:
+        del model
+        _free_memory()
+
+
 def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
                      deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS,
-                     compile_backend: str = "inductor") -> dict:
+                     compile_backend: str = "inductor", seed_recipe_shape: tuple[int, int] | None = SEED_RECIPE_SHAPE
+                     ) -> dict:
     """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
     :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
-    (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row."""
+    (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
+    `seed_recipe_shape`: the ``spider_seed_recipe`` row's batch (None: no such row)."""
     from transformers import LlamaForCausalLM
 
     device = device or _device()
@@ -685,6 +724,9 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
             needed = max(needed, 1.5 * (time.monotonic() - row_start))
         spider = None
         _free_memory()
+    if seed_recipe_shape is not None and "spider" in models:
+        rows.append(_seed_recipe_row(preset, tuple(seed_recipe_shape), device, repeats, peak["flops_per_s"],
+                                     deadline, needed))
     failed = [f"{r['model']} {r['shape']}: {r['reason']}" for r in rows if r["status"] == "failed"]
     ran = [r for r in rows if r["status"] == "passed"]
     if failed:
@@ -976,7 +1018,8 @@ def _part_functions(options) -> dict:
         "step_table": lambda d: [step_table_check(options.step_table_preset, options.step_table_shapes,
                                                   options.step_repeats, deadline=d,
                                                   models=tuple(options.step_table_models),
-                                                  compile_backend=options.compile_backend)],
+                                                  compile_backend=options.compile_backend,
+                                                  seed_recipe_shape=options.seed_recipe_shape or None)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
         "run_1b": lambda d: [run_1b_check(options.run_1b_steps, options.run_1b_preset, *options.run_1b_batch,
                                           deadline=d, experts_implementation=options.run_1b_experts or None,
@@ -1054,6 +1097,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows of each shape, in this order (default: all)")
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
+    parser.add_argument("--seed_recipe_shape", type=parse_shape, default=SEED_RECIPE_SHAPE,
+                        help="BATCHxBYTES of the step table's last row, the seed's recipe (activation checkpointing)")
     parser.add_argument("--step_repeats", type=int, default=3,
                         help="timed steps (after a warm-up) per step-table row and per FP8 variant; the median is used")
     parser.add_argument("--host_syncs_preset", default="1b")

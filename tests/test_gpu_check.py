@@ -29,6 +29,7 @@ TOY_ARGS = [
     "--presets", "tiny", "1b",
     "--main_job_preset", "tiny", "--main_job_steps", "3", "--main_job_args", "--eval_windows 8",
     "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1", "--compile_backend", "eager",
+    "--seed_recipe_shape", "2x32",
     "--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64",
     "--run_1b_preset", "tiny", "--run_1b_steps", "4", "--run_1b_batch", "2x64", "--run_1b_args", "--eval_windows 8",
 ]
@@ -50,8 +51,9 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
 
     table = by_name["step_table"]
     assert table["status"] == "passed", table
-    assert {row["model"] for row in table["rows"]} == set(gpu_check.STEP_TABLE_MODELS)
     rows = {row["model"]: row for row in table["rows"]}
+    assert [row["model"] for row in table["rows"]] == [*gpu_check.STEP_TABLE_MODELS, "spider_seed_recipe"]
+    assert rows["spider_seed_recipe"]["activation_checkpointing"] and rows["spider_seed_recipe"]["precision"] == "float32"
     for row in table["rows"]:
         assert row["status"] == "passed" and row["shape"] == "2x32", row
         assert row["bytes_per_s"] > 0 and row["step_s"] > 0 and row["flops_per_step"] > 0 and 0 < row["mfu"]
