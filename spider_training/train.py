@@ -98,7 +98,7 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
         n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
         fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
-        muon_experts=spider.muon_experts, callbacks=callbacks,
+        muon_experts=spider.muon_experts, sdpa_backend=spider.sdpa_backend, callbacks=callbacks,
     )
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():
