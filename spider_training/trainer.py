@@ -16,7 +16,7 @@ overrides public, documented methods:
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
-- ``training_step``: runs Trainer's step (forward and backward) inside :func:`spider_training.sdpa.sdpa_backend_context`,
+- ``training_step``: Trainer's step (forward and backward) inside :func:`spider_training.sdpa.sdpa_backend_context`,
   so that ``--sdpa_backend`` picks SDPA's kernel for the training forward, its backward and any recomputed forward.
 
 Four private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
