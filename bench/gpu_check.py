@@ -56,6 +56,20 @@ Parts, in the order they run (most important first; see "Time budget"):
   kernels a GPU launches, which tracked it on the H200: 32,344 ops, 40,967 launches) and those of transformers'
   ``DeepseekV3ForCausalLM`` of the same config (``deepseek_v3_aten_ops_forward_backward``). A measurement: passes
   when it ran.
+- ``attention_backends``: which of torch's SDPA kernels the recurrent layers' attention should run
+  (:func:`bench.attention.sdpa_backend_timings`): forward+backward at the ``1b`` preset's heads and head dims (query/key
+  96, value 64), batch 32, bf16, causal without a mask (``is_causal``, as the training forward's recurrent layers call
+  it), over the padded segment counts 80, 96, 112 (``1 + S`` at about one segment per 3 bytes of 32 x 256), each
+  visited 5 times in a seeded shuffled order after one warm-up call at 32, for ``default`` (torch's own choice, run
+  first as training runs it) and each of ``cudnn``, ``flash`` (the value zero-padded to 96), ``efficient`` and
+  ``math`` alone (``torch.nn.attention.sdpa_kernel``). Per backend: the kernel that ran at each count (profiler op
+  names), the first call at each new count (where cuDNN builds its execution plan) and the steady-state median,
+  ``torch.cuda.synchronize`` before and after each call, the host's share (until the call has been launched), the
+  whole sequence's total, and ``first_calls_after`` where an earlier row ran the same kernel at these shapes (its plans
+  were cached); a kernel that does not take the call is skipped with torch's reason. ``fastest_steady`` and
+  ``fastest_sequence_total`` name the winners; ``--sdpa_backend`` (``spider_training.sdpa``) makes one the training
+  default. On CPU at batch 4 (math, flash on CPU, the rest skipped). A measurement: passes when the default and every
+  kernel that takes the call ran (``--attention_*`` flags change the sizes).
 - ``run_1b``: ``--run_1b_steps`` (300) training steps of ``--preset 1b`` on the embedded corpus through
   :func:`spider_training.train.main` (bf16, 32 x 256 bytes per step, no activation checkpointing, the
   preset's experts implementation, ``grouped_mm``), held-out bits per
@@ -90,17 +104,19 @@ by the parts in the order above; each part gets at most its own cap (:data:`PART
 and is skipped with the reason "time budget" when less than :data:`MIN_PART_S` is left. Inside its allowance a part
 stops itself (the training runs stop early, keeping time for their final scoring and release; tables skip the rows
 that no longer fit), and a hard limit (``SIGALRM``, main thread) cuts off a part still running at the end of its
-allowance, reported as skipped for the time budget. The order: the main job is what every user runs; the step table
-and the host syncs are the GPU figures the project's performance work is judged by; the 1b run is the only check of
+allowance, reported as skipped for the time budget. The order: the main job is what every user runs; the step table,
+the host syncs and the attention kernels are the GPU figures the project's performance work is judged by (the
+attention part takes seconds and is capped at 25); the 1b run is the only check of
 the 1b preset's training dynamics on a GPU; FP8 and TileKernels come last because their GPU figures are recorded
 (FP8 5.8 s per 1b step against 0.85 s in bf16, TileKernels 0.98x, H200, 2026-11-26) and neither is on the default
 training path (``--precision auto`` picks bf16 on every CUDA device). With the caps as set, a default run on one
-H100/H200 is expected to spend most of its budget on the first four parts, and FP8 / TileKernels get what they
+H100/H200 is expected to spend most of its budget on the first five parts, and FP8 / TileKernels get what they
 leave; ``--only fp8 tile_kernels_moe`` runs them alone. (The caps are estimates from the H200 figures above; no GPU
 was at hand when they were set.)
 
 Everything that can run on CPU does (``tests/test_gpu_check.py``, toy sizes through the size/steps flags: the main
-job and the run on the ``tiny`` preset for a few steps, the step table and host syncs on ``tiny``, the FP8
+job and the run on the ``tiny`` preset for a few steps, the step table, host syncs and attention kernels on
+``tiny``, the FP8
 comparison in emulation, the TileKernels comparison with a CPU test double of ``tile_kernels``); the GPU-only parts
 report ``"skipped"`` with "needs CUDA" on a machine without one.
 """
@@ -140,11 +156,11 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_LOSS_RTOL = 0.02
 FP8_GRAD_COSINE = 0.9
 SHAPES = {"tiny": (2, 128), "small": (8, 256), "1b": (1, 2048)}  # (batch, bytes) of the compared FP8 step
-PARTS = ("main_job", "step_table", "host_syncs", "run_1b", "fp8", "tile_kernels_moe", "fsdp2_fp8_all_gather")
+PARTS = ("main_job", "step_table", "host_syncs", "attention_backends", "run_1b", "fp8", "tile_kernels_moe", "fsdp2_fp8_all_gather")
 CHECKS = PARTS  # the name earlier versions used
 #: each part's largest time allowance in seconds (see "Time budget" in the module docstring)
-PART_CAPS_S = {"main_job": 200, "step_table": 150, "host_syncs": 30, "run_1b": 120, "fp8": 90,
-               "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
+PART_CAPS_S = {"main_job": 200, "step_table": 150, "host_syncs": 30, "attention_backends": 25, "run_1b": 120,
+               "fp8": 90, "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
 #: a part that would get less than this is skipped ("time budget")
 MIN_PART_S = 5.0
 DEFAULT_BUDGET_S = 460.0
@@ -818,6 +834,35 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# attention_backends
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def attention_backends_check(preset: str = "1b", batch: int | None = None, segment_counts=None, visits: int = 5,
+                             device: torch.device | None = None, deadline: Deadline | None = None) -> dict:
+    """SDPA forward+backward per kernel at `preset`'s recurrent-layer attention over a shuffled sequence of padded
+    segment counts (:func:`bench.attention.sdpa_backend_timings`; see the module docstring). `batch`: default 32 on
+    CUDA, 4 on CPU. A measurement: passes when torch's default and every kernel that takes the call ran."""
+    from bench.attention import SDPA_SEGMENT_COUNTS, sdpa_backend_timings
+
+    device = device or _device()
+    deadline = deadline or Deadline(None)
+    batch = batch or (32 if device.type == "cuda" else 4)
+    timings = sdpa_backend_timings(preset, batch, tuple(segment_counts or SDPA_SEGMENT_COUNTS), visits, device,
+                                   stop_at=deadline.at_fraction(0.9))
+    backends = timings["backends"]
+    failed = [f"{name}: {r['reason']}" for name, r in backends.items() if r["status"] == "failed"]
+    if failed:
+        status, reason = "failed", "; ".join(failed)
+    elif backends.get("default", {}).get("status") != "ran":
+        status, reason = "skipped", backends.get("default", {}).get("reason", "the default did not run")
+    else:
+        timed_out = [name for name, r in backends.items() if r.get("reason") == TIME_BUDGET]
+        status, reason = "passed", f"{TIME_BUDGET}: {', '.join(timed_out)} not timed" if timed_out else ""
+    return _entry("attention_backends", status, reason, **timings)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # fp8, tile_kernels_moe, fsdp2_fp8_all_gather
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -1021,6 +1066,9 @@ def _part_functions(options) -> dict:
                                                   compile_backend=options.compile_backend,
                                                   seed_recipe_shape=options.seed_recipe_shape or None)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
+        "attention_backends": lambda d: [attention_backends_check(options.attention_preset, options.attention_batch,
+                                                                  options.attention_segments,
+                                                                  options.attention_visits, deadline=d)],
         "run_1b": lambda d: [run_1b_check(options.run_1b_steps, options.run_1b_preset, *options.run_1b_batch,
                                           deadline=d, experts_implementation=options.run_1b_experts or None,
                                           extra_args=tuple(options.run_1b_args))],
@@ -1104,6 +1152,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host_syncs_preset", default="1b")
     parser.add_argument("--host_syncs_shape", type=parse_shape, default=None,
                         help="BATCHxBYTES (default 32x256 on CUDA, 2x256 on CPU)")
+    parser.add_argument("--attention_preset", default="1b", help="preset whose attention heads and dims are timed")
+    parser.add_argument("--attention_batch", type=int, default=None,
+                        help="batch of the attention timings (default 32 on CUDA, 4 on CPU)")
+    parser.add_argument("--attention_segments", nargs="+", type=int, default=None,
+                        help="padded segment counts visited in shuffled order (default 80 96 112)")
+    parser.add_argument("--attention_visits", type=int, default=5, help="visits of each segment count")
     parser.add_argument("--run_1b_steps", type=int, default=300)
     parser.add_argument("--run_1b_preset", default="1b", help="preset of the run (smaller presets also run on CPU)")
     parser.add_argument("--run_1b_batch", type=parse_shape, default=(32, 256), help="BATCHxBYTES per step")

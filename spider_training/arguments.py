@@ -26,6 +26,7 @@ from .data import is_hub_repo_id
 from .fp8 import FP8_LAYER_FILTERS
 from .fp8_moe import FP8_EXPERTS_MODES
 from .optim import DEFAULT_MUON_LR
+from .sdpa import check_sdpa_backend
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
 DEFAULT_MAX_STEPS = 500
@@ -86,13 +87,19 @@ class SpiderArguments:
     fp8_recipe: str = field(default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"})
     fp8_layers: str = field(
         default="auto",
-        metadata={"help": "with fp8: auto (the layers where torchao's auto filter expects FP8 to gain; routed experts "
-                  "stay bf16) | seed (every layer the seed converted)"},
+        metadata={"help": "with fp8: auto (the linear layers where torchao's auto filter expects FP8 to gain) | seed "
+                  "(every layer the seed converted); the routed experts: --fp8_experts"},
     )
     fp8_experts: str = field(
         default="auto",
         metadata={"help": "with fp8: auto (the routed experts through torchao's FP8 grouped GEMM where the GPU has it, "
                   "SM90 with triton; bf16 elsewhere, the log says why) | on (fail where it cannot run) | off"},
+    )
+    sdpa_backend: str = field(
+        default="auto",
+        metadata={"help": "auto | cudnn | flash | efficient | math: the SDPA kernel training steps prefer "
+                  "(spider_training.sdpa; measured by python -m bench.gpu_check --only attention_backends). auto: "
+                  "torch's choice. flash pads MLA's narrower value head dim to the query/key head dim"},
     )
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (sets torch_compile)"})
     resume: str | None = field(
@@ -208,8 +215,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     """Parse the command line (and env vars) into ``(SpiderArguments, TrainingArguments)``.
 
     Raises:
-        ValueError: a bad env var value (names the variable), an unknown preset/precision/recipe, a non-positive size
-            or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1 other than -1,
+        ValueError: a bad env var value (names the variable), an unknown preset/precision/recipe/SDPA backend, a
+            non-positive size or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1 other than -1,
             ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a seed ``.pt``), a
             ``--config_overrides`` item that is malformed, names no config field or gives it a bad value.
         FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
@@ -244,6 +251,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     max_steps_flag = values.get("max_steps")
     if max_steps_flag is not None and max_steps_flag != -1 and max_steps_flag < 1:
         raise ValueError(f"--max_steps must be >= 1 (or -1: not set), got {max_steps_flag}")
+    check_sdpa_backend(spider.sdpa_backend)
     if spider.preset not in SPIDER_PRESETS:
         raise ValueError(f"--preset must be one of {sorted(SPIDER_PRESETS)}; got {spider.preset!r}")
     if spider.config_overrides and not (spider.init_from or spider.reset_steps):

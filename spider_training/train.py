@@ -99,7 +99,7 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
         fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, fp8_experts=spider.fp8_experts,
         eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
-        muon_experts=spider.muon_experts, callbacks=callbacks,
+        muon_experts=spider.muon_experts, sdpa_backend=spider.sdpa_backend, callbacks=callbacks,
     )
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():

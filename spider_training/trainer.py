@@ -17,6 +17,8 @@ overrides public, documented methods:
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
+- ``training_step``: Trainer's step (forward and backward) inside :func:`spider_training.sdpa.sdpa_backend_context`,
+  so that ``--sdpa_backend`` picks SDPA's kernel for the training forward, its backward and any recomputed forward.
 
 Five private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
 does their job (the section says why for each):
@@ -65,6 +67,7 @@ from .metrics import bits_per_byte
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
 from .optim import muon_with_adamw
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
+from .sdpa import attention_for_backend, sdpa_backend_context
 from .tile_kernels_moe import swap_in_tile_kernels
 
 logger = logging.getLogger(__name__)
@@ -122,6 +125,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         muon_experts: with `muon_lr`, Muon for the routed MoE experts' matrices too; False (default): AdamW for them.
         hub_endpoint: Hub URL for ``args.push_to_hub`` (None: ``HF_ENDPOINT`` or huggingface.co); pushing is
             Trainer's, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`.
+        sdpa_backend: the SDPA kernel training steps prefer (:mod:`spider_training.sdpa`): ``"auto"`` (default,
+            torch's choice), ``"cudnn"``, ``"flash"`` (with MLA's narrower value head dim the model's attention becomes
+            :data:`spider_training.sdpa.VALUE_PADDED_SDPA`), ``"efficient"`` or ``"math"``.
 
     Attributes:
         fp8_report: the :class:`spider_training.fp8.Fp8Report` of the linear layers' conversion, or None (not FP8).
@@ -132,14 +138,21 @@ class SpiderTrainer(HubPushMixin, Trainer):
     Raises:
         LaunchMismatchError: ``WORLD_SIZE > 1`` in the environment but accelerate runs a single process (on CPU,
             ``accelerate launch --multi_gpu`` needs ``--use_cpu``).
-        ValueError: ``muon_lr > 0`` with FSDP (its sharded optimizer checkpoints expect one torch optimizer).
+        ValueError: ``muon_lr > 0`` with FSDP (its sharded optimizer checkpoints expect one torch optimizer); an
+            unknown ``sdpa_backend``, or one other than ``"auto"`` on a model whose attention is not ``"sdpa"``.
     """
 
     def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
                  fp8_layers="auto", fp8_experts="auto", eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
-                 muon_lr=0.0, muon_experts=False, hub_endpoint=None, **kwargs):
+                 muon_lr=0.0, muon_experts=False, hub_endpoint=None, sdpa_backend="auto", **kwargs):
         self.hub_endpoint = hub_endpoint
+        self.sdpa_backend = sdpa_backend
+        attention = attention_for_backend(model.config, sdpa_backend) if model is not None else None
+        if attention is not None and attention != (model.config._attn_implementation or "sdpa"):
+            model.set_attn_implementation(attention)
+            logger.info("--sdpa_backend %s: attention %r (value padded to the query/key head dim)", sdpa_backend,
+                        attention)
         if extra_train_loops < 0:
             raise ValueError(f"extra_train_loops must be >= 0, got {extra_train_loops}")
         self.n_loops = n_loops
@@ -205,6 +218,13 @@ class SpiderTrainer(HubPushMixin, Trainer):
         # inside an accumulation window), as a loader from `accelerator.prepare` would.
         return make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
                                num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator)
+
+    # --- the training step ---------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step, forward and backward, with SDPA preferring ``sdpa_backend``'s kernel."""
+        with sdpa_backend_context(self.sdpa_backend, self.args.device):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     # --- loss and logging ----------------------------------------------------------------------------------------
 

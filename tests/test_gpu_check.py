@@ -31,6 +31,8 @@ TOY_ARGS = [
     "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1", "--compile_backend", "eager",
     "--seed_recipe_shape", "2x32",
     "--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64",
+    "--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48",
+    "--attention_visits", "2",
     "--run_1b_preset", "tiny", "--run_1b_steps", "4", "--run_1b_batch", "2x64", "--run_1b_args", "--eval_windows 8",
 ]
 
@@ -75,6 +77,9 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
         assert variant["aten_ops_forward_backward"] > syncs["deepseek_v3_aten_ops_forward_backward"] > 0
     assert "tolist" not in syncs["variants"]["grouped_mm"]["dispatch_by_op"]  # the fused experts read no row count
 
+    attention = by_name["attention_backends"]
+    assert attention["status"] == "passed" and attention["backends"]["default"]["kernel"] == ["math"], attention
+
     run = by_name["run_1b"]
     assert run["steps"] == 4 and run["preset"] == "tiny"
     assert len(run["held_out_bits_per_byte"]) >= 3 and run["compression_rate"]  # scored before, during and after
@@ -102,6 +107,38 @@ def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
     run = gpu_check.run_1b_check()
     assert table["status"] == run["status"] == "skipped"
     assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
+
+
+def test_attention_backends_at_toy_sizes_on_cpu():
+    """Every SDPA kernel over the same shuffled segment counts: CPU has math and flash (the value padded to the
+    query/key head dim), torch's default runs math for MLA's unequal head dims; cuDNN and memory-efficient are
+    skipped with torch's reason."""
+    entry = gpu_check.attention_backends_check("tiny", batch=2, segment_counts=(16, 48), visits=3,
+                                               device=torch.device("cpu"))
+    assert entry["status"] == "passed" and entry["reason"] == "", entry
+    assert entry["shape"] == {"batch": 2, "heads": 4, "qk_head_dim": 32, "v_head_dim": 16}
+    assert sorted(entry["sequence"]) == [16, 16, 16, 48, 48, 48] and entry["warmup_segments"] not in (16, 48)
+    backends = entry["backends"]
+    assert list(backends) == ["default", "cudnn", "flash", "efficient", "math"]
+    for name in ("cudnn", "efficient"):
+        assert backends[name]["status"] == "skipped" and "No viable backend" in backends[name]["reason"], name
+    expected = {"default": (["math"], None), "flash": (["flash"], 32), "math": (["math"], None)}
+    for name, (kernel, padded) in expected.items():
+        timed = backends[name]
+        assert timed["status"] == "ran" and timed["kernel"] == kernel and timed["value_padded_to"] == padded, name
+        assert timed["kernels_by_segments"] == {"16": kernel, "48": kernel}
+        assert set(timed["first_call_s"]) == set(timed["steady_median_s_by_segments"]) == {"16", "48"}
+        assert timed["calls"] == 6 and timed["steady_median_s"] > 0 and timed["steady_median_host_s"] > 0
+        assert timed["sequence_total_s"] >= sum(timed["first_call_s"].values())
+    assert "default" in backends["math"]["first_calls_after"]  # the same kernel ran these shapes before
+    assert entry["fastest_steady"] in expected and entry["fastest_sequence_total"] in expected
+
+
+def test_attention_backends_stop_at_the_deadline():
+    entry = gpu_check.attention_backends_check("tiny", batch=1, segment_counts=(16,), visits=1,
+                                               device=torch.device("cpu"), deadline=gpu_check.Deadline(0.0))
+    assert entry["status"] == "skipped" and entry["reason"] == "time budget"
+    assert {r["reason"] for r in entry["backends"].values()} == {"time budget"}
 
 
 def test_host_sync_counter_counts_deliberate_syncs():
