@@ -156,7 +156,8 @@ def check_values(bad: torch.Tensor, training: bool, message: Callable[[bool], st
 
 
 class SpiderRMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype. Shape-preserving `(..., D)`."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype promoted with the weight's.
+    Shape-preserving `(..., D)`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -164,11 +165,15 @@ class SpiderRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(dtype)
+        # F.rms_norm: one fused kernel each way on CUDA (docs/design.md, "Shapes that repeat, one host sync per
+        # training step"). It scales by the weight before its cast back to the input dtype, so only an fp32 input
+        # takes the weight inside; another is normalised, rounded to its dtype (autocast runs rms_norm in fp32),
+        # then scaled, as in transformers.
+        shape = (hidden_states.shape[-1],)
+        if hidden_states.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+        normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon).to(hidden_states.dtype)
+        return self.weight * normed
 
 
 class SpiderRotaryEmbedding(nn.Module):
