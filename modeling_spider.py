@@ -199,10 +199,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin):
-    """Rotate `q` (B, H, T, d) and `k` (B, 1, T, d) by `cos`/`sin` (B, T, d)."""
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (B, H, T, d) by `cos`/`sin` (B, T, d)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def positional_sliding_window_overlay(
@@ -363,8 +363,10 @@ class SpiderAttention(nn.Module):
         kv = kv.view(B, T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, value_states = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
-        cos, sin = position_embeddings
-        q_pe, k_pe = apply_rotary_pos_emb(q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim), cos, sin)
+        # the query heads and the one shared key head rotated together: one set of kernels, the same math per element
+        rotated = apply_rotary_pos_emb(torch.cat((q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim)), dim=1),
+                                       *position_embeddings)
+        q_pe, k_pe = rotated.split([self.num_heads, 1], dim=1)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
         key_states = torch.cat((k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1)
         if cache is not None:
