@@ -446,15 +446,15 @@ class SpiderMoEKernels:
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
 
     @staticmethod
-    def expert_counts(topk_idx: torch.Tensor, num_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike `torch.bincount`); with `weight`
-        fp32 `(T,)`, each token's slots count `weight[t]` and the counts are fp32."""
+    def expert_counts(topk_idx: torch.Tensor, num_experts: int, slot_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike `torch.bincount`); with
+        `slot_weight` fp32 `(T*k,)`, slot `j` of the flattened `topk_idx` counts `slot_weight[j]` and the counts are
+        fp32."""
         flat = topk_idx.reshape(-1)
-        if weight is None:
+        if slot_weight is None:
             return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
                 0, flat, torch.ones_like(flat))
-        slot_weight = weight[:, None].expand_as(topk_idx).reshape(-1)
-        return torch.zeros(num_experts, dtype=weight.dtype, device=flat.device).scatter_add_(0, flat, slot_weight)
+        return torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device).scatter_add_(0, flat, slot_weight)
 
     @staticmethod
     def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
@@ -609,6 +609,25 @@ def _register_per_expert_checkpoint_conversions() -> None:
 _register_per_expert_checkpoint_conversions()
 
 
+class RowWeights(NamedTuple):
+    """The rows :class:`SpiderMoE` routes from a padded segment axis, weighed once per forward (:meth:`of`), not per
+    loop and layer: `weight` fp32 `(T,)` (1 real, 0 padding), `slot_weight` fp32 `(T*k,)` (`weight` per token-slot),
+    `real` and `real_slots` fp32 scalars (the real rows and their token-slots, each clamped at 1)."""
+
+    weight: torch.Tensor
+    slot_weight: torch.Tensor
+    real: torch.Tensor
+    real_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, row_mask: torch.Tensor, top_k: int) -> "RowWeights":
+        """From `row_mask` bool (any shape, flattened to `(T,)`), for `top_k` slots per row."""
+        weight = row_mask.reshape(-1).to(torch.float32)
+        real = weight.sum()
+        return cls(weight, weight[:, None].expand(-1, top_k).reshape(-1), real.clamp_min(1),
+                   (real * top_k).clamp_min(1))
+
+
 class SpiderMoE(nn.Module):
     """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts` (:class:`SpiderExperts`), `shared_experts`
     (:class:`SpiderMLP`). Routing ops come from ``self.kernels`` (:class:`SpiderMoEKernels`); balancing is DeepSeek's
@@ -629,9 +648,10 @@ class SpiderMoE(nn.Module):
             self.shared_experts = None
 
     def forward(
-        self, x: torch.Tensor, row_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, row_weights: RowWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)`; rows where `row_mask` `(T,)` is False weigh zero and stay out of the statistics.
+        """Route `x` `(T, D)`; with `row_weights` (:class:`RowWeights` of the `T` rows), padding rows weigh zero and stay
+        out of the statistics.
 
         Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`."""
         router_logits = self.route(x)
@@ -640,22 +660,20 @@ class SpiderMoE(nn.Module):
         topk_weights = scores.gather(1, topk_idx)
         if self.config.norm_topk_prob:
             topk_weights = self.kernels.normalize_weight(topk_weights)[1]
-        if row_mask is not None:
-            topk_weights = topk_weights * row_mask[:, None].to(topk_weights.dtype)
+        if row_weights is not None:
+            topk_weights = topk_weights * row_weights.weight[:, None]
 
         out = self.experts(x, topk_idx, topk_weights).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
-        if row_mask is None:
+        if row_weights is None:
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
             mean_scores = scores.mean(dim=0)
         else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
-            weight = row_mask.to(torch.float32)
-            counts = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, weight)
-            real = weight.sum()
-            expert_load = counts * self.num_experts / (real * self.top_k).clamp_min(1)
-            mean_scores = (scores * weight[:, None]).sum(dim=0) / real.clamp_min(1)
+            counts = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, row_weights.slot_weight)
+            expert_load = counts * self.num_experts / row_weights.real_slots
+            mean_scores = (scores * row_weights.weight[:, None]).sum(dim=0) / row_weights.real
         aux_loss = (expert_load * mean_scores).sum()
         return out, router_logits, aux_loss, expert_load
 
@@ -796,7 +814,8 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
     Forward args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`, `position_embeddings`,
     `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)` rows to route (None: all),
-    `engram_memory` `(B, S, M)` or None, `segment_mask` `(B, S)` bool or None; keyword `cache`.
+    `engram_memory` `(B, S, M)` or None, `row_weights` (:class:`RowWeights` of the `B*S` rows, when
+    `segment_index` is None) or None; keyword `cache`.
     Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
@@ -810,7 +829,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
-        segment_mask=None, cache=None
+        row_weights=None, cache=None
     ):
         if self.engram is not None:
             hidden_states = hidden_states + self.engram(hidden_states, engram_memory, cache)
@@ -825,8 +844,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             E = self.mlp.num_experts
             return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), rows.new_zeros((), dtype=torch.float32), \
                 rows.new_zeros(E, dtype=torch.float32)
-        row_mask = segment_mask.reshape(-1) if segment_mask is not None and segment_index is None else None
-        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows, row_mask)
+        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows, row_weights if segment_index is None else None)
         if segment_index is not None:
             moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
         hidden_states = hidden_states + moe_out.view_as(hidden_states)
@@ -1192,6 +1210,7 @@ class SpiderRecurrentBlock(nn.Module):
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
         routed, running = segment_index, None
+        row_weights = None if segment_mask is None else RowWeights.of(segment_mask, self.config.num_experts_per_tok)
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
@@ -1206,8 +1225,7 @@ class SpiderRecurrentBlock(nn.Module):
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
-                    z, position_embeddings, attention_mask, routed, engram_memory,
-                    segment_mask,
+                    z, position_embeddings, attention_mask, routed, engram_memory, row_weights,
                     cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 aux_losses.append(aux)
