@@ -156,7 +156,8 @@ def check_values(bad: torch.Tensor, training: bool, message: Callable[[bool], st
 
 
 class SpiderRMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype. Shape-preserving `(..., D)`."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype promoted with the weight's.
+    Shape-preserving `(..., D)`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -164,11 +165,15 @@ class SpiderRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(dtype)
+        # F.rms_norm: one fused kernel each way on CUDA (docs/design.md, "Shapes that repeat, one host sync per
+        # training step"). It scales by the weight before its cast back to the input dtype, so only an fp32 input
+        # takes the weight inside; another is normalised, rounded to its dtype (autocast runs rms_norm in fp32),
+        # then scaled, as in transformers.
+        shape = (hidden_states.shape[-1],)
+        if hidden_states.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+        normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon).to(hidden_states.dtype)
+        return self.weight * normed
 
 
 class SpiderRotaryEmbedding(nn.Module):
@@ -194,10 +199,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin):
-    """Rotate `q` (B, H, T, d) and `k` (B, 1, T, d) by `cos`/`sin` (B, T, d)."""
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (B, H, T, d) by `cos`/`sin` (B, T, d)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def positional_sliding_window_overlay(
@@ -358,8 +363,10 @@ class SpiderAttention(nn.Module):
         kv = kv.view(B, T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, value_states = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
-        cos, sin = position_embeddings
-        q_pe, k_pe = apply_rotary_pos_emb(q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim), cos, sin)
+        # the query heads and the one shared key head rotated together: one set of kernels, the same math per element
+        rotated = apply_rotary_pos_emb(torch.cat((q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim)), dim=1),
+                                       *position_embeddings)
+        q_pe, k_pe = rotated.split([self.num_heads, 1], dim=1)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
         key_states = torch.cat((k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1)
         if cache is not None:
@@ -439,15 +446,15 @@ class SpiderMoEKernels:
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
 
     @staticmethod
-    def expert_counts(topk_idx: torch.Tensor, num_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike `torch.bincount`); with `weight`
-        fp32 `(T,)`, each token's slots count `weight[t]` and the counts are fp32."""
+    def expert_counts(topk_idx: torch.Tensor, num_experts: int, slot_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike `torch.bincount`); with
+        `slot_weight` fp32 `(T*k,)`, slot `j` of the flattened `topk_idx` counts `slot_weight[j]` and the counts are
+        fp32."""
         flat = topk_idx.reshape(-1)
-        if weight is None:
+        if slot_weight is None:
             return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
                 0, flat, torch.ones_like(flat))
-        slot_weight = weight[:, None].expand_as(topk_idx).reshape(-1)
-        return torch.zeros(num_experts, dtype=weight.dtype, device=flat.device).scatter_add_(0, flat, slot_weight)
+        return torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device).scatter_add_(0, flat, slot_weight)
 
     @staticmethod
     def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
@@ -602,6 +609,25 @@ def _register_per_expert_checkpoint_conversions() -> None:
 _register_per_expert_checkpoint_conversions()
 
 
+class RowWeights(NamedTuple):
+    """The rows :class:`SpiderMoE` routes from a padded segment axis, weighed once per forward (:meth:`of`), not per
+    loop and layer: `weight` fp32 `(T,)` (1 real, 0 padding), `slot_weight` fp32 `(T*k,)` (`weight` per token-slot),
+    `real` and `real_slots` fp32 scalars (the real rows and their token-slots, each clamped at 1)."""
+
+    weight: torch.Tensor
+    slot_weight: torch.Tensor
+    real: torch.Tensor
+    real_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, row_mask: torch.Tensor, top_k: int) -> "RowWeights":
+        """From `row_mask` bool (any shape, flattened to `(T,)`), for `top_k` slots per row."""
+        weight = row_mask.reshape(-1).to(torch.float32)
+        real = weight.sum()
+        return cls(weight, weight[:, None].expand(-1, top_k).reshape(-1), real.clamp_min(1),
+                   (real * top_k).clamp_min(1))
+
+
 class SpiderMoE(nn.Module):
     """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts` (:class:`SpiderExperts`), `shared_experts`
     (:class:`SpiderMLP`). Routing ops come from ``self.kernels`` (:class:`SpiderMoEKernels`); balancing is DeepSeek's
@@ -622,9 +648,10 @@ class SpiderMoE(nn.Module):
             self.shared_experts = None
 
     def forward(
-        self, x: torch.Tensor, row_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, row_weights: RowWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)`; rows where `row_mask` `(T,)` is False weigh zero and stay out of the statistics.
+        """Route `x` `(T, D)`; with `row_weights` (:class:`RowWeights` of the `T` rows), padding rows weigh zero and stay
+        out of the statistics.
 
         Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`."""
         router_logits = self.route(x)
@@ -633,22 +660,20 @@ class SpiderMoE(nn.Module):
         topk_weights = scores.gather(1, topk_idx)
         if self.config.norm_topk_prob:
             topk_weights = self.kernels.normalize_weight(topk_weights)[1]
-        if row_mask is not None:
-            topk_weights = topk_weights * row_mask[:, None].to(topk_weights.dtype)
+        if row_weights is not None:
+            topk_weights = topk_weights * row_weights.weight[:, None]
 
         out = self.experts(x, topk_idx, topk_weights).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
-        if row_mask is None:
+        if row_weights is None:
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
             mean_scores = scores.mean(dim=0)
         else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
-            weight = row_mask.to(torch.float32)
-            counts = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, weight)
-            real = weight.sum()
-            expert_load = counts * self.num_experts / (real * self.top_k).clamp_min(1)
-            mean_scores = (scores * weight[:, None]).sum(dim=0) / real.clamp_min(1)
+            counts = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, row_weights.slot_weight)
+            expert_load = counts * self.num_experts / row_weights.real_slots
+            mean_scores = (scores * row_weights.weight[:, None]).sum(dim=0) / row_weights.real
         aux_loss = (expert_load * mean_scores).sum()
         return out, router_logits, aux_loss, expert_load
 
@@ -789,7 +814,8 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
     Forward args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`, `position_embeddings`,
     `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)` rows to route (None: all),
-    `engram_memory` `(B, S, M)` or None, `segment_mask` `(B, S)` bool or None; keyword `cache`.
+    `engram_memory` `(B, S, M)` or None, `row_weights` (:class:`RowWeights` of the `B*S` rows, when
+    `segment_index` is None) or None; keyword `cache`.
     Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
@@ -803,7 +829,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
-        segment_mask=None, cache=None
+        row_weights=None, cache=None
     ):
         if self.engram is not None:
             hidden_states = hidden_states + self.engram(hidden_states, engram_memory, cache)
@@ -818,8 +844,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             E = self.mlp.num_experts
             return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), rows.new_zeros((), dtype=torch.float32), \
                 rows.new_zeros(E, dtype=torch.float32)
-        row_mask = segment_mask.reshape(-1) if segment_mask is not None and segment_index is None else None
-        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows, row_mask)
+        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows, row_weights if segment_index is None else None)
         if segment_index is not None:
             moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
         hidden_states = hidden_states + moe_out.view_as(hidden_states)
@@ -1185,6 +1210,7 @@ class SpiderRecurrentBlock(nn.Module):
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
         routed, running = segment_index, None
+        row_weights = None if segment_mask is None else RowWeights.of(segment_mask, self.config.num_experts_per_tok)
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
@@ -1199,8 +1225,7 @@ class SpiderRecurrentBlock(nn.Module):
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
-                    z, position_embeddings, attention_mask, routed, engram_memory,
-                    segment_mask,
+                    z, position_embeddings, attention_mask, routed, engram_memory, row_weights,
                     cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 aux_losses.append(aux)
