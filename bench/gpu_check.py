@@ -20,17 +20,19 @@ Parts, in the order they run (most important first; see "Time budget"):
   Passes when the run finishes, held-out bits per byte fell, and the reloaded release generates on the device.
   (500 steps took 151 s on an H200 on 2026-11-26.)
 - ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
-  at 32 x 256 and 8 x 2048 bytes, rows in the order of :data:`STEP_TABLE_MODELS`: Spider ``1b`` (its default config,
+  at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default config,
   the fused experts on ``grouped_mm``), transformers' ``DeepseekV3ForCausalLM`` of the same shape
   (:func:`bench.common.peer_config`), a dense ``LlamaForCausalLM`` of about the same parameter count
   (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
   ``Float8Linear`` where torchao's filter expects a gain, the experts through torchao's FP8 grouped GEMM where the GPU
   has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
   (``spider_compiled``: accelerate's ``compile_regions``, ``--compile_backend``; three warm-up steps, whose times
-  ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's) and Spider with
-  ``experts_implementation="eager"`` (a loop over the experts, as the per-expert layout ran them). After both shapes,
-  ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112 x 256 bytes
-  (``--seed_recipe_shape``), in the precision ``--precision auto`` picks. Per
+  ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
+  Spider with ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the
+  per-expert layout ran them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
+  x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks. The order: the uncompiled rows
+  shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), the seed's recipe, then the
+  compiled rows (one compiled model, recompiled at the second shape). Per
   row: step seconds (median of ``--step_repeats`` after the warm-up), host seconds (``host_s``: until the step's
   last call returns, before the device is synchronised: how long the host takes to issue the step), bytes/s, peak
   memory
@@ -42,8 +44,7 @@ Parts, in the order they run (most important first; see "Time budget"):
   one does not), and on CUDA, at the first shape (the profiler's post-processing of ~40k kernels takes seconds, and
   the launch count hardly depends on the shape), the kernels launched in one profiled step, the host's launch calls
   and the GPU busy time (``torch.profiler`` with CUDA activity; ``gpu_busy_fraction`` = busy time / median step
-  time). The rows run shape by shape, so a budget that runs out leaves the comparison at 32 x 256 complete. A
-  measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is
+  time). A measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is
   given.
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
   default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
@@ -165,8 +166,11 @@ PART_CAPS_S = {"main_job": 200, "step_table": 150, "host_syncs": 30, "attention_
 MIN_PART_S = 5.0
 DEFAULT_BUDGET_S = 460.0
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
-#: the rows of each shape, in the order they run (the comparison first: a budget that runs out drops the last)
-STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled", "spider_eager_experts")
+#: the step table's rows at each shape (module docstring: the order they run in)
+STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
+#: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
+#: per-expert layout ran them)
+STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts")
 #: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
 #: during its first steps)
 STEP_TABLE_WARMUP = {"spider_compiled": 3}
@@ -638,33 +642,17 @@ def _spider_compiled(preset: str, device: torch.device, backend: str) -> tuple[t
     return compile_regions(_build(lambda: spider_model(preset), device), backend=backend), {"compile_backend": backend}
 
 
-def _seed_recipe_row(preset: str, shape: tuple[int, int], device: torch.device, repeats: int,
-                     peak_flops: float | None, deadline: Deadline, needed: float) -> dict:
-    """The seed's own training configuration: `preset` with activation checkpointing
-    (``gradient_checkpointing_enable``, as ``--preset 1b`` trains by default) at the seed's micro-batch `shape`, in
-    the precision ``--precision auto`` picks on this device (bf16 autocast on CUDA until FP8 measures faster)."""
-    label = "spider_seed_recipe"
-    name = {"model": label, "shape": f"{shape[0]}x{shape[1]}"}
-    if deadline.expired(needed):
-        return {**name, "status": "skipped", "reason": TIME_BUDGET}
+def _spider_seed_recipe(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """The seed's own training configuration: `preset` with activation checkpointing (``gradient_checkpointing_enable``,
+    as ``--preset 1b`` trains by default), in the precision ``--precision auto`` picks on this device (bf16 autocast on
+    CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`)."""
     from spider_training.fp8 import resolve_precision
 
-    model = None
-    try:
-        precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
-        model = _spider_fp8(preset, device)[0] if precision == "fp8" else _build(lambda: spider_model(preset), device)
-        model.gradient_checkpointing_enable()
-        return {**_step_row(model, label, shape, device, repeats, peak_flops, profile=False),
-                "activation_checkpointing": True, "precision": precision if precision == "fp8" else
-                str(_autocast_dtype(device) or torch.float32).replace("torch.", "")}
-    except PartTimeout as exc:
-        deadline.end = time.monotonic()
-        return {**name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"}
-    except Exception as exc:  # noqa: BLE001 - e.g. out of memory
-        return {**name, "status": "failed", "reason": _error(exc)}
-    finally:
-        del model
-        _free_memory()
+    precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
+    model = _spider_fp8(preset, device)[0] if precision == "fp8" else _build(lambda: spider_model(preset), device)
+    model.gradient_checkpointing_enable()
+    autocast = str(_autocast_dtype(device) or torch.float32).replace("torch.", "")
+    return model, {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
 
 
 def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
@@ -694,55 +682,54 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
         "deepseek_v3": lambda: peer_model(config),
         "llama_dense": lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1],
     }
-    rows, params = [], {}
-    needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
-    # Shapes outer, models inner: when the budget runs out, the comparison at the first shape is complete.
-    for batch, length in shapes:
-        spider = None
-        spider_flops = None  # the fp8 and compiled rows compute what the plain Spider row computes
-        for label in models:
-            row_name = {"model": label, "shape": f"{batch}x{length}"}
-            if deadline.expired(needed):
-                rows.append({**row_name, "status": "skipped", "reason": TIME_BUDGET})
-                continue
-            row_start = time.monotonic()
-            model, extra = None, {}
-            try:
-                if label in ("spider", "spider_eager_experts"):
-                    spider = spider if spider is not None else _build(builders["spider"], device)
-                    spider.set_experts_implementation("eager" if label == "spider_eager_experts" else default_experts)
-                    model = spider
-                else:
-                    spider = None
-                    _free_memory()
-                    if label == "spider_fp8":
-                        model, extra = _spider_fp8(preset, device)
-                    elif label == "spider_compiled":
-                        model, extra = _spider_compiled(preset, device, compile_backend)
-                    else:
-                        model = _build(builders[label], device)
-                params[label] = num_params(model)
-                row = _step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
-                                profile=(batch, length) == shapes[0], warmup=STEP_TABLE_WARMUP.get(label, 1),
-                                instrument=label != "spider_compiled", flops=spider_flops)
-                rows.append({**row, **extra})
-                if label == "spider":
-                    spider_flops = row["flops_per_step"]
-            except PartTimeout as exc:  # the hard limit: keep the rows measured so far
-                rows.append({**row_name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"})
-                deadline.end = time.monotonic()  # every later row is skipped
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the other rows still run
-                rows.append({**row_name, "status": "failed", "reason": _error(exc)})
-            if model is not None:
-                model.zero_grad(set_to_none=True)
-            del model
-            _free_memory()
-            needed = max(needed, 1.5 * (time.monotonic() - row_start))
-        spider = None
-        _free_memory()
+    # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
+    # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest).
+    plan = [(label, shape) for shape in shapes for label in models if label != "spider_compiled"]
     if seed_recipe_shape is not None and "spider" in models:
-        rows.append(_seed_recipe_row(preset, tuple(seed_recipe_shape), device, repeats, peak["flops_per_s"],
-                                     deadline, needed))
+        plan.append(("spider_seed_recipe", tuple(seed_recipe_shape)))
+    plan += [("spider_compiled", shape) for shape in shapes if "spider_compiled" in models]
+    builders.update(spider_fp8=lambda: _spider_fp8(preset, device),
+                    spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
+                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend))
+    rows, params, spider_flops = [], {}, {}  # spider_flops: by shape; the compiled rows compute the plain row's FLOPs
+    held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
+    needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
+    for label, (batch, length) in plan:
+        row_name = {"model": label, "shape": f"{batch}x{length}"}
+        if deadline.expired(needed):
+            rows.append({**row_name, "status": "skipped", "reason": TIME_BUDGET})
+            continue
+        row_start = time.monotonic()
+        key = "spider" if label == "spider_eager_experts" else label
+        try:
+            if held is None or held[0] != key:
+                held = None
+                _free_memory()
+                built = _build(builders[key], device) if key in ("spider", "deepseek_v3", "llama_dense") \
+                    else builders[key]()
+                held = (key, *(built if isinstance(built, tuple) else (built, {})))
+            _, model, extra = held
+            if key == "spider":
+                model.set_experts_implementation("eager" if label == "spider_eager_experts" else default_experts)
+            params[label] = num_params(model)
+            row = _step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
+                            profile=(batch, length) == shapes[0], warmup=STEP_TABLE_WARMUP.get(label, 1),
+                            instrument=label != "spider_compiled", flops=spider_flops.get((batch, length)))
+            rows.append({**row, **extra})
+            if label == "spider":
+                spider_flops[(batch, length)] = row["flops_per_step"]
+        except PartTimeout as exc:  # the hard limit: keep the rows measured so far
+            rows.append({**row_name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"})
+            deadline.end = time.monotonic()  # every later row is skipped
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the other rows still run
+            rows.append({**row_name, "status": "failed", "reason": _error(exc)})
+            held = None
+        if held is not None:
+            held[1].zero_grad(set_to_none=True)
+        _free_memory()
+        needed = max(needed, 1.5 * (time.monotonic() - row_start))
+    held = None
+    _free_memory()
     failed = [f"{r['model']} {r['shape']}: {r['reason']}" for r in rows if r["status"] == "failed"]
     ran = [r for r in rows if r["status"] == "passed"]
     if failed:
@@ -1141,8 +1128,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step_table_shapes", nargs="+", type=parse_shape, default=None,
                         help="BATCHxBYTES shapes of the step table (default 32x256 8x2048; on CPU the 1b rows run "
                              "only when given)")
-    parser.add_argument("--step_table_models", nargs="+", default=list(STEP_TABLE_MODELS), choices=STEP_TABLE_MODELS,
-                        help="rows of each shape, in this order (default: all)")
+    parser.add_argument("--step_table_models", nargs="+", default=list(STEP_TABLE_MODELS),
+                        choices=STEP_TABLE_MODEL_CHOICES,
+                        help="rows of each shape (default: all but spider_eager_experts; the compiled rows run last)")
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
     parser.add_argument("--seed_recipe_shape", type=parse_shape, default=SEED_RECIPE_SHAPE,
