@@ -45,7 +45,7 @@ from transformers.masking_utils import and_masks, causal_mask_function, or_masks
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.integrations.moe import use_experts_implementation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
@@ -539,7 +539,48 @@ def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-@use_experts_implementation
+class _ExpertsWeightsIn:
+    """`experts` seen with its fused weights cast to `dtype` (every other attribute is the module's own), for an
+    experts function of transformers' interface to read."""
+
+    def __init__(self, experts: nn.Module, dtype: torch.dtype):
+        self._experts = experts
+        self.gate_up_proj = experts.gate_up_proj.to(dtype)
+        self.down_proj = experts.down_proj.to(dtype)
+
+    def __getattr__(self, name: str):
+        return getattr(self._experts, name)
+
+
+def _experts_in_autocast_dtype(function: Callable, experts: nn.Module, hidden_states: torch.Tensor, *args):
+    """Run the experts `function` in the autocast dtype when autocast is on: torch's grouped GEMM is no autocast op,
+    and transformers' functions cast the input to the weights' dtype, so fp32 master weights would run it in fp32, which
+    on CUDA is torch's fallback (a loop over experts that reads the offsets on the host) instead of the bf16 kernel.
+    The weights are cast per call, as autocast casts a linear layer's; torchao's FP8 weight wrappers quantise from the
+    master weights themselves and are left alone."""
+    device_type = hidden_states.device.type
+    weights = (experts.gate_up_proj, experts.down_proj)
+    if not torch.is_autocast_enabled(device_type):
+        return function(experts, hidden_states, *args)
+    dtype = torch.get_autocast_dtype(device_type)
+    if all(w.dtype == dtype for w in weights) or any(type(w) not in (torch.Tensor, nn.Parameter) for w in weights):
+        return function(experts, hidden_states, *args)
+    return function(_ExpertsWeightsIn(experts, dtype), hidden_states.to(dtype), *args)
+
+
+class SpiderExpertsInterface(ExpertsInterface):
+    """transformers' experts functions (``ALL_EXPERTS_FUNCTIONS``: ``grouped_mm``, ``batched_mm``, anything registered
+    there) run in the autocast dtype under autocast (:func:`_experts_in_autocast_dtype`); ``eager`` is
+    :class:`SpiderExperts`' own forward, whose ``F.linear`` calls autocast casts itself."""
+
+    def get_interface(self, experts_implementation: str, default: Callable) -> Callable:
+        function = ALL_EXPERTS_FUNCTIONS.get_interface(experts_implementation, default)
+        if function is default:
+            return default
+        return lambda experts, *args: _experts_in_autocast_dtype(function, experts, *args)
+
+
+@use_experts_implementation(experts_interface=SpiderExpertsInterface())
 class SpiderExperts(nn.Module):
     """The routed SwiGLU experts of one MoE layer in transformers 5.x's MoE layout (``integrations/moe.py``):
     `gate_up_proj` `(E, 2I, D)` (expert e's gate rows, then its up rows) and `down_proj` `(E, D, I)`.

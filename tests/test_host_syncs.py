@@ -133,3 +133,41 @@ def test_recurrent_block_compiles_without_graph_breaks():
     explanation = torch._dynamo.explain(block)(segments, rope, None, index, memory, config.n_loops)
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
     assert explanation.graph_count == 1
+
+
+class _GroupedMMDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the operand dtypes of every ``aten._grouped_mm`` call, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten._grouped_mm:
+            self.dtypes.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def test_grouped_experts_run_in_the_autocast_dtype():
+    """Under bf16 autocast with fp32 master weights every grouped GEMM of the experts, forward and backward, gets bf16
+    operands: torch's CUDA grouped GEMM takes its fast kernel only for bf16 operands, and otherwise falls back to a loop
+    over the groups that reads the offsets on the host (aten/native/cuda/GroupedBlas.cpp). torch's grouped GEMM is no
+    autocast op, so without Spider's cast the fp32 weights would set the dtype. The gradients reach the fp32 weights,
+    and the output stays within bf16 rounding of the fp32 one."""
+    torch.manual_seed(0)
+    moe = SpiderMoE(tiny(experts_implementation="grouped_mm", n_routed_experts=8))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(37, moe.config.hidden_size, requires_grad=True)
+    reference = moe(x)[0].detach()
+    with _GroupedMMDtypes() as seen:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(x)[0]
+        out.float().square().sum().backward()
+    assert seen.dtypes and set(seen.dtypes) == {(torch.bfloat16, torch.bfloat16)}, seen.dtypes
+    assert len(seen.dtypes) >= 4  # two projections forward, their input gradients backward (and weight gradients)
+    grad = moe.experts.gate_up_proj.grad
+    assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
+    # bf16 operands: each product carries a relative rounding of up to 2 * 2^-8, over the projections' inner sizes
+    bf16 = float_tol(reference.to(torch.bfloat16), terms=moe.config.hidden_size + moe.config.moe_intermediate_size)
+    torch.testing.assert_close(out.float(), reference, rtol=bf16["rtol"], atol=bf16["atol"])
