@@ -11,9 +11,16 @@ changes: the wrapped parameters keep their names, shapes and high-precision valu
 
 Where it runs (torchao 0.18, ``fp8_grouped_mm.py`` / ``kernels/float8_rowwise.py``): CUDA with compute capability
 9.0 (SM90; SM100 has torchao's MXFP8 recipe instead, not wired here), triton installed, bf16 experts. There is no
-emulated mode ("TODO: support emulated mode" in torchao), so on CPU the semantics are tested with a named test double
-of the FP8 op (``tests/test_fp8_moe.py``: ``emulated_fp8_rowwise_grouped_mm``). Group sizes are padded to multiples
-of 16 on the device (``pad_token_groups_for_grouped_mm=True``: torchao's CUDA padding kernel, no host sync).
+emulated mode ("TODO: support emulated mode" in torchao), so on CPU the semantics are tested with named test doubles
+of its CUDA-only pieces (``tests/test_fp8_moe.py``: the four triton casting kernels and ``torch._scaled_grouped_mm``),
+around which torchao's own autograd function, its checks and its backward run.
+
+Every group of rows (one expert's tokens) must be a multiple of 16 rows long ("Group sizes must be divisible by 16")
+and torchao 0.18 does not pad them itself (``pad_token_groups_for_grouped_mm=True`` fails with "not yet supported";
+its padding kernel is a CUDA extension built for one Python version, its fallback reads the sizes on the host). So the
+converted experts run :func:`aligned_grouped_mm_experts_forward` (experts implementation
+:data:`ALIGNED_GROUPED_MM`): transformers' ``grouped_mm`` with each expert's rows placed at a multiple of 16 in a
+zero-filled buffer of fixed size, on the device.
 
 :func:`fp8_grouped_mm_unsupported_reason` says whether this machine can run it, :func:`convert_experts_to_fp8_grouped_mm`
 converts a model, :func:`experts_fp8_to_plain` unwraps the parameters again (for evaluation or export; a checkpoint
@@ -39,6 +46,62 @@ FP8_GROUPED_MM_CAPABILITY = (9, 0)
 FP8_GROUPED_MM_DIM_MULTIPLE = 16
 #: Values of ``--fp8_experts`` (:func:`convert_experts_for_training`).
 FP8_EXPERTS_MODES = ("auto", "on", "off")
+#: Rows per group that torchao's FP8 rowwise grouped GEMM needs (``fp8_grouped_mm.py``: "Group sizes must be divisible
+#: by 16").
+FP8_GROUP_ALIGNMENT = 16
+#: The experts implementation (transformers' ``ALL_EXPERTS_FUNCTIONS``) of converted experts.
+ALIGNED_GROUPED_MM = "grouped_mm_aligned16"
+
+
+def aligned_grouped_mm_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' ``grouped_mm`` experts (``integrations/moe.py``: token slots sorted by expert, one grouped GEMM per
+    projection, the weighted sum over each token's k slots) with every expert's group of rows starting at a multiple of
+    :data:`FP8_GROUP_ALIGNMENT`, as torchao's FP8 grouped GEMM needs.
+
+    The sorted slots are copied into a zero-filled buffer of ``S + E * (FP8_GROUP_ALIGNMENT - 1)`` rows (S = T * k
+    slots, E experts: the most padding E groups can need), so no size depends on the routing and nothing is read on the
+    host; group offsets come from ``histc`` and ``cumsum`` on the device. Padding rows are zero and never read back
+    (rows past the last offset, which the grouped GEMM leaves unwritten, neither).
+
+    Args:
+        experts: a fused-experts module (``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I), ``num_experts``,
+            ``_apply_gate``), as transformers' experts functions take it.
+        hidden_states: `(T, D)`; top_k_index: int64 `(T, k)`; top_k_weights: `(T, k)`.
+    Returns:
+        `(T, D)` in ``hidden_states.dtype``.
+    """
+    device = hidden_states.device
+    num_tokens, hidden_dim = hidden_states.shape
+    top_k = top_k_index.size(-1)
+    slots, num_experts, align = num_tokens * top_k, experts.num_experts, FP8_GROUP_ALIGNMENT
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    # histc, as transformers: bincount would size its output on the host (float on CPU, int on CUDA)
+    counts = torch.histc(expert_ids.float() if device.type in ("cpu", "mps") else expert_ids.int(), bins=num_experts,
+                         min=0, max=num_experts - 1).long()
+    starts = counts.cumsum(0) - counts
+    aligned_ends = ((counts + align - 1) // align * align).cumsum(0)
+    aligned_starts = aligned_ends - (counts + align - 1) // align * align
+    rows = aligned_starts[expert_ids] + torch.arange(slots, device=device) - starts[expert_ids]
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    buffer = hidden_states.new_zeros(slots + num_experts * (align - 1), hidden_dim, dtype=gate_up.dtype)
+    x = buffer.index_copy(0, rows, hidden_states[perm // top_k].to(gate_up.dtype))
+    offsets = aligned_ends.to(torch.int32)
+    h = experts._apply_gate(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets))
+    y = torch._grouped_mm(h.to(down.dtype), down.transpose(-2, -1), offs=offsets)
+    weighted = y[rows] * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(slots, device=device)
+    return weighted[inverse].view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def _register_aligned_grouped_mm() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(ALIGNED_GROUPED_MM, aligned_grouped_mm_experts_forward)
+
+
+_register_aligned_grouped_mm()
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -97,7 +160,7 @@ class Fp8ExpertsReport:
 
 def _skip_reason(module: nn.Module) -> str | None:
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
-    if implementation != "grouped_mm":
+    if implementation not in ("grouped_mm", ALIGNED_GROUPED_MM):
         # batched_mm (bmm) and eager (F.linear on slices) never call torch._grouped_mm: the wrapper would not apply
         return f"experts_implementation={implementation!r}: only 'grouped_mm' calls torch._grouped_mm"
     shapes = (tuple(module.gate_up_proj.shape[1:]), tuple(module.down_proj.shape[1:]))
@@ -112,12 +175,15 @@ def convert_experts_to_fp8_grouped_mm(model: nn.Module, config=None) -> Fp8Exper
     Args:
         model: a Spider model (any module holding ``SpiderExperts``).
         config: a ``torchao.prototype.moe_training.config.Float8TrainingOpConfig``; default
-            ``Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)``.
+            ``Float8TrainingOpConfig()`` (bf16 output; no padding by torchao: the experts align their groups).
     Returns:
         :class:`Fp8ExpertsReport`; modules on another ``experts_implementation`` than ``"grouped_mm"``, or with an expert
-        dimension not divisible by 16, are skipped with the reason. Idempotent (wrapped parameters stay as they are).
+        dimension not divisible by 16, are skipped with the reason. The converted modules' experts implementation
+        becomes :data:`ALIGNED_GROUPED_MM` (not saved with the config). Idempotent (wrapped parameters stay as they are).
     Raises:
         ImportError: ``torchao.prototype.moe_training`` does not import.
+        ValueError: `config` asks torchao to pad the groups (``pad_token_groups_for_grouped_mm=True``), which its FP8
+            grouped GEMM does not support (0.18).
 
     It does not check the hardware (:func:`fp8_grouped_mm_unsupported_reason` does): on a machine without the kernels
     the converted model fails at its first forward with torchao's error.
@@ -125,7 +191,10 @@ def convert_experts_to_fp8_grouped_mm(model: nn.Module, config=None) -> Fp8Exper
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
-    config = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True) if config is None else config
+    config = Float8TrainingOpConfig() if config is None else config
+    if getattr(config, "pad_token_groups_for_grouped_mm", False):
+        raise ValueError("pad_token_groups_for_grouped_mm=True: torchao's FP8 grouped GEMM does not pad groups (0.18: "
+                         "'not yet supported'); the converted experts align their groups to 16 rows themselves")
     report = Fp8ExpertsReport()
     chosen = set()
     for fqn, module in model.named_modules():
@@ -139,6 +208,9 @@ def convert_experts_to_fp8_grouped_mm(model: nn.Module, config=None) -> Fp8Exper
             report.skipped[fqn] = reason
     if chosen:
         quantize_(model, config, filter_fn=lambda module, fqn: id(module) in chosen)
+        for module in model.modules():
+            if id(module) in chosen:
+                module.config._experts_implementation = ALIGNED_GROUPED_MM
     logger.info(report.message)
     return report
 
@@ -173,8 +245,9 @@ def convert_experts_for_training(model: nn.Module, mode: str = "auto",
 
 def experts_fp8_to_plain(model: nn.Module) -> int:
     """Unwrap every fused-experts parameter that :func:`convert_experts_to_fp8_grouped_mm` wrapped back to a plain
-    ``nn.Parameter`` holding the same high-precision tensor (in place; for ``save_pretrained``, evaluation or
-    generation). Returns the number of parameters unwrapped (0 when torchao's prototype does not import)."""
+    ``nn.Parameter`` holding the same high-precision tensor, and put those experts back on ``grouped_mm`` (in place;
+    for ``save_pretrained``, evaluation or generation). Returns the number of parameters unwrapped (0 when torchao's
+    prototype does not import)."""
     try:
         from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
     except Exception:
@@ -183,6 +256,8 @@ def experts_fp8_to_plain(model: nn.Module) -> int:
     for module in model.modules():
         if not is_fused_experts(module):
             continue
+        if getattr(getattr(module, "config", None), "_experts_implementation", None) == ALIGNED_GROUPED_MM:
+            module.config._experts_implementation = "grouped_mm"
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(module, name)
             if isinstance(param.data, TrainingWeightWrapperBaseTensor):
@@ -195,6 +270,9 @@ __all__ = [
     "FP8_GROUPED_MM_CAPABILITY",
     "FP8_GROUPED_MM_DIM_MULTIPLE",
     "FP8_EXPERTS_MODES",
+    "FP8_GROUP_ALIGNMENT",
+    "ALIGNED_GROUPED_MM",
+    "aligned_grouped_mm_experts_forward",
     "convert_experts_for_training",
     "Fp8ExpertsReport",
     "is_fused_experts",
