@@ -84,6 +84,9 @@ FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 #: One training step (forward, backward, optimizer) measured in bf16 autocast and in FP8 on a GPU class, by
 #: ``python -m bench.gpu_check``: ``{(compute capability, preset): {...}}``. ``--precision auto`` picks FP8 for a
 #: (GPU class, preset) only when its entry has ``fp8_seconds < bf16_seconds``; a pair without an entry gets bf16.
+#: The one entry measured the seed's conversion (``Float8Linear`` on every expert); what ``--precision fp8`` converts
+#: today (``--fp8_layers auto``, the experts through the FP8 grouped GEMM) is the step table's ``spider_fp8`` row,
+#: not yet measured: replace the entry with that row's figures.
 FP8_MEASURED: dict[tuple[tuple[int, int], str], dict] = {
     ((9, 0), "1b"): {
         "gpu": "NVIDIA H200", "batch": "32 x 256 bytes", "bf16_seconds": 0.85, "fp8_seconds": 5.8,
