@@ -633,13 +633,16 @@ def _spider_fp8(preset: str, device: torch.device) -> tuple[torch.nn.Module, dic
                    "fp8_experts_skipped": sorted(set(experts.skipped.values()))}
 
 
-def _spider_compiled(preset: str, device: torch.device, backend: str) -> tuple[torch.nn.Module, dict]:
+def _spider_compiled(preset: str, device: torch.device, backend: str,
+                     mode: str | None = None) -> tuple[torch.nn.Module, dict]:
     """Spider compiled as ``--compile`` compiles it: accelerate's ``compile_regions`` (each layer and submodule on its
-    own; the loops and the segment count in eager Python between them)."""
+    own; the loops and the segment count in eager Python between them), with ``torch.compile``'s `backend` and `mode`
+    (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``: CUDA graphs per region)."""
     from accelerate.utils import compile_regions
 
     torch._dynamo.reset()
-    return compile_regions(_build(lambda: spider_model(preset), device), backend=backend), {"compile_backend": backend}
+    model = compile_regions(_build(lambda: spider_model(preset), device), backend=backend, mode=mode)
+    return model, {"compile_backend": backend, "compile_mode": mode or "default"}
 
 
 def _spider_seed_recipe(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
@@ -657,12 +660,13 @@ def _spider_seed_recipe(preset: str, device: torch.device) -> tuple[torch.nn.Mod
 
 def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
                      deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS,
-                     compile_backend: str = "inductor", seed_recipe_shape: tuple[int, int] | None = SEED_RECIPE_SHAPE
-                     ) -> dict:
+                     compile_backend: str = "inductor", seed_recipe_shape: tuple[int, int] | None = SEED_RECIPE_SHAPE,
+                     compile_mode: str | None = None) -> dict:
     """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
     :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
     (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
-    `seed_recipe_shape`: the ``spider_seed_recipe`` row's batch (None: no such row)."""
+    `seed_recipe_shape`: the ``spider_seed_recipe`` row's batch (None: no such row); `compile_mode`: ``torch.compile``'s
+    mode for the compiled rows."""
     from transformers import LlamaForCausalLM
 
     device = device or _device()
@@ -690,7 +694,7 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     plan += [("spider_compiled", shape) for shape in shapes if "spider_compiled" in models]
     builders.update(spider_fp8=lambda: _spider_fp8(preset, device),
                     spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
-                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend))
+                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
     rows, params, spider_flops = [], {}, {}  # spider_flops: by shape; the compiled rows compute the plain row's FLOPs
     held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
     needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
@@ -1051,7 +1055,8 @@ def _part_functions(options) -> dict:
                                                   options.step_repeats, deadline=d,
                                                   models=tuple(options.step_table_models),
                                                   compile_backend=options.compile_backend,
-                                                  seed_recipe_shape=options.seed_recipe_shape or None)],
+                                                  seed_recipe_shape=options.seed_recipe_shape or None,
+                                                  compile_mode=options.compile_mode)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
         "attention_backends": lambda d: [attention_backends_check(options.attention_preset, options.attention_batch,
                                                                   options.attention_segments,
@@ -1133,6 +1138,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows of each shape (default: all but spider_eager_experts; the compiled rows run last)")
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
+    parser.add_argument("--compile_mode", default=None,
+                        help="torch.compile mode of the spider_compiled row, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--seed_recipe_shape", type=parse_shape, default=SEED_RECIPE_SHAPE,
                         help="BATCHxBYTES of the step table's last row, the seed's recipe (activation checkpointing)")
     parser.add_argument("--step_repeats", type=int, default=3,
