@@ -577,7 +577,7 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
               flops: int | None = None) -> dict:
     """One row of the step table. `instrument`: run one instrumented step (FLOPs, aten ops, host syncs); off for a
     compiled model, whose graphs a dispatch mode does not see into: its FLOPs are then `flops` (its eager twin's,
-    None when unknown)."""
+    None when unknown), as they are when the instrumented step fails (``instrument_error``; the row is still timed)."""
     batch, length = shape
     row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
     ids = random_bytes(batch, length).to(device)
@@ -590,10 +590,16 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
         _sync(device)
         warmup_s.append(time.perf_counter() - start)
     row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
+    figures = dict(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
     if instrument:
-        row.update(_instrumented_step(step, device))
-    else:
-        row.update(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
+        try:
+            figures = _instrumented_step(step, device)
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a tensor subclass a counting mode trips on: time the row anyway
+            model.zero_grad(set_to_none=True)
+            figures["instrument_error"] = _error(exc)
+    row.update(figures)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, host = [], []

@@ -256,3 +256,17 @@ def test_cuda_sync_warnings_counts_the_sync_debug_warnings(monkeypatch):
     assert modes[-1] == "default"
     assert syncs.count == 2 and len(syncs.sources) == 1
     assert next(iter(syncs.sources)).startswith("tests/test_gpu_check.py:")
+
+
+def test_a_row_whose_counting_step_fails_is_still_timed(monkeypatch):
+    """A model the counting modes trip on (say a tensor subclass) keeps its timing; the row says why it has no counts
+    and takes the FLOPs it was given."""
+    def failing(step, device):
+        step.forward_backward()  # fails halfway: gradients were written
+        raise RuntimeError("a counting mode tripped")
+
+    monkeypatch.setattr(gpu_check, "_instrumented_step", failing)
+    model = gpu_check.spider_model("tiny")
+    row = gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=1e9, flops=123)
+    assert row["status"] == "passed" and row["step_s"] > 0 and "a counting mode tripped" in row["instrument_error"]
+    assert row["flops_per_step"] == 123 and row["aten_ops_per_step"] is None and row["mfu"] > 0
