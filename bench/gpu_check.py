@@ -22,7 +22,8 @@ Parts, in the order they run (most important first; see "Time budget"):
 - ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
   at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default config,
   the fused experts on ``grouped_mm``), transformers' ``DeepseekV3ForCausalLM`` of the same shape
-  (:func:`bench.common.peer_config`), a dense ``LlamaForCausalLM`` of about the same parameter count
+  (:func:`bench.common.peer_config`; with fp32 master weights under autocast, as every row, its experts' grouped GEMMs
+  run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense ``LlamaForCausalLM`` of about the same parameter count
   (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
   ``Float8Linear`` where torchao's filter expects a gain, the experts through torchao's FP8 grouped GEMM where the GPU
   has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
