@@ -246,6 +246,7 @@ def test_moe_layer_output_within_the_fp8_error_bound(fp8_double):
     through: tested below); values in e4m3's subnormal range add at most half a subnormal step each (absolute)."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
+    from modeling_spider import SpiderMoE
     from tests.helpers import tiny
 
     torch.manual_seed(0)
