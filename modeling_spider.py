@@ -1205,6 +1205,16 @@ class SpiderRecurrentBlockOutput(NamedTuple):
     router_logits: list
 
 
+def dynamic_segment_axis(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` `(B, S, ...)` itself, its segment axis S marked dynamic for ``torch.compile``
+    (``maybe_mark_dynamic``; nothing changes in eager). Under ``--compile`` each region then compiles once for every
+    padded segment count instead of once per count: dynamo stops compiling a function after 8 versions and runs it
+    eagerly from then on (tests/test_compile.py). Inside a traced graph (the whole block compiled) nothing is marked."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(tensor, 1)
+    return tensor
+
+
 class SpiderRecurrentBlock(nn.Module):
     """The looped block over segments (Huginn / OpenMythos), weights shared across loops: the loop of the module
     docstring's map. Loops past `max_loop_iters` reuse the last loop embedding and LoRA scale."""
@@ -1242,6 +1252,8 @@ class SpiderRecurrentBlock(nn.Module):
         `(N,)` (None: all), `engram_memory` `(B, S, M)`, `n_loops`, `cache`, `segment_mask` `(B, S)` bool or None."""
         e = segments
         B, S, D = e.shape
+        for tensor in (e, *position_embeddings, engram_memory):
+            dynamic_segment_axis(tensor)
         h = e
         act = AdaptiveComputationTime((B, S), self.act_threshold, e.device)
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
@@ -1252,6 +1264,8 @@ class SpiderRecurrentBlock(nn.Module):
         early_exit = self.config.act_early_exit and not self.training
         routed, running = segment_index, None
         row_weights = None if segment_mask is None else RowWeights.of(segment_mask, self.config.num_experts_per_tok)
+        for tensor in () if row_weights is None or torch.compiler.is_compiling() else row_weights[:2]:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)  # B * S rows, B * S * k slots: dynamic as S
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
@@ -1263,20 +1277,20 @@ class SpiderRecurrentBlock(nn.Module):
                     break
                 keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
                 routed = keep.nonzero().squeeze(1)
-            z = self.loop_norm(h + e + loop_embeddings[t])
+            z = self.loop_norm(dynamic_segment_axis(h + e + loop_embeddings[t]))
             for i, layer in enumerate(self.layers):
                 z, logits, aux, load = layer(
-                    z, position_embeddings, attention_mask, routed, engram_memory, row_weights,
+                    dynamic_segment_axis(z), position_embeddings, attention_mask, routed, engram_memory, row_weights,
                     cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 aux_losses.append(aux)
                 expert_loads.append(load)
                 if output_router_logits:
                     router_logits.append(logits)
-            z = z + self.loop_lora(z, t)
-            h_next = self.injection(h, e, z)
+            z = dynamic_segment_axis(z + self.loop_lora(dynamic_segment_axis(z), t))
+            h_next = self.injection(dynamic_segment_axis(h), e, z)
             h = h_next if running is None else torch.where(running[..., None], h_next, h)  # exited segments stay
-            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
+            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, dynamic_segment_axis(h))).squeeze(-1)
             step_weight = act.step(torch.sigmoid(halt_logits.to(torch.float32)), is_last=t == n_loops - 1)
             h_out = h_out + step_weight[..., None] * h.to(torch.float32)
         return SpiderRecurrentBlockOutput(h_out, act, aux_losses, expert_loads, router_logits)

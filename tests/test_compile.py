@@ -83,3 +83,53 @@ def test_compiled_training_stops_recompiling_after_warmup(tmp_path):
     late = [event for event in log.events if event[0] > WARMUP_STEPS]
     assert not late, f"recompiles after step {WARMUP_STEPS} (segments {counts}, axes {axes}): {late}"
     assert sum(by_step.values()) > 0  # the log is seen: the first steps do compile the shapes they meet
+
+
+class _RecompileReasons(logging.Handler):
+    """Records every "Recompiling function ..." message whole (the guard failures that caused it follow the name)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "Recompiling function" in message:
+            self.messages.append(message)
+
+
+def test_regions_compile_once_for_every_segment_count():
+    """The recurrent block marks the segment axis of what it hands its regions dynamic
+    (`modeling_spider.dynamic_segment_axis`), so over 8 padded segment counts no region recompiles for a size: the
+    only recompiles left are structural (layers with and without Engram, the first loop's aliasing of the state and
+    its input, the first loop index). Before, each new count recompiled the layers until dynamo's automatic dynamic
+    shapes caught up, and a layer took 3 versions of the 8 dynamo allows a function before it falls back to eager."""
+    from accelerate.utils import compile_regions
+
+    from tests.helpers import tiny_model
+
+    log = _RecompileReasons()
+    dynamo_logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    dynamo_logger.addHandler(log)
+    try:
+        torch._dynamo.reset()
+        model = tiny_model(seed=0).train()
+        block = compile_regions(model, backend="eager").model.recurrent_block
+        config, B = model.config, 2
+        memory_size = next(m for m in model.modules() if type(m).__name__ == "SpiderEngram").key_proj.in_features
+        for S in (16, 32, 48, 64, 80, 96, 112, 128):
+            segments = torch.randn(B, S, config.hidden_size, requires_grad=True)
+            rope = model.model.rotary_emb(segments, torch.arange(S)[None].expand(B, S))
+            mask = torch.ones(B, S, dtype=torch.bool)
+            mask[1, S // 2:] = False  # a padded row: the MoE's row weights are inputs too
+            out = block(segments, rope, None, None, torch.randn(B, S, memory_size), config.n_loops, segment_mask=mask)
+            out[0].sum().backward()
+    finally:
+        dynamo_logger.removeHandler(log)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    assert log.messages  # the log is seen
+    sized = [m.splitlines()[0] for m in log.messages if "size mismatch" in m]
+    assert not sized, sized
+    assert len(log.messages) <= 4, [m.splitlines()[0] for m in log.messages]
