@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from modeling_spider import SpiderMoEKernels
+
 logger = logging.getLogger(__name__)
 
 #: CUDA compute capability of torchao's FP8 rowwise grouped GEMM (``torch._scaled_grouped_mm``, Hopper).
@@ -59,40 +61,27 @@ def aligned_grouped_mm_experts_forward(experts: nn.Module, hidden_states: torch.
     projection, the weighted sum over each token's k slots) with every expert's group of rows starting at a multiple of
     :data:`FP8_GROUP_ALIGNMENT`, as torchao's FP8 grouped GEMM needs.
 
-    The sorted slots are copied into a zero-filled buffer of ``S + E * (FP8_GROUP_ALIGNMENT - 1)`` rows (S = T * k
-    slots, E experts: the most padding E groups can need), so no size depends on the routing and nothing is read on the
-    host; group offsets come from ``histc`` and ``cumsum`` on the device. Padding rows are zero and never read back
-    (rows past the last offset, which the grouped GEMM leaves unwritten, neither).
+    The rows are laid out by the MoE's fused-layout ops (``SpiderMoEKernels.get_fused_mapping`` with that alignment,
+    ``expand_to_fused``, ``reduce_fused``: TileKernels' layout): a zero-filled buffer of ``S + E *
+    (FP8_GROUP_ALIGNMENT - 1)`` rows (S = T * k slots, E experts: the most padding E groups can need), so no size
+    depends on the routing and nothing is read on the host. Padding rows are zero and never read back (rows past the
+    last offset, which the grouped GEMM leaves unwritten, neither).
 
     Args:
         experts: a fused-experts module (``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I), ``num_experts``,
             ``_apply_gate``), as transformers' experts functions take it.
         hidden_states: `(T, D)`; top_k_index: int64 `(T, k)`; top_k_weights: `(T, k)`.
     Returns:
-        `(T, D)` in ``hidden_states.dtype``.
+        `(T, D)` in ``hidden_states.dtype`` (accumulated in fp32).
     """
-    device = hidden_states.device
-    num_tokens, hidden_dim = hidden_states.shape
-    top_k = top_k_index.size(-1)
-    slots, num_experts, align = num_tokens * top_k, experts.num_experts, FP8_GROUP_ALIGNMENT
-    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    # histc, as transformers: bincount would size its output on the host (float on CPU, int on CUDA)
-    counts = torch.histc(expert_ids.float() if device.type in ("cpu", "mps") else expert_ids.int(), bins=num_experts,
-                         min=0, max=num_experts - 1).long()
-    starts = counts.cumsum(0) - counts
-    aligned_ends = ((counts + align - 1) // align * align).cumsum(0)
-    aligned_starts = aligned_ends - (counts + align - 1) // align * align
-    rows = aligned_starts[expert_ids] + torch.arange(slots, device=device) - starts[expert_ids]
+    mapping = SpiderMoEKernels.get_fused_mapping(top_k_index, experts.num_experts, FP8_GROUP_ALIGNMENT)
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    buffer = hidden_states.new_zeros(slots + num_experts * (align - 1), hidden_dim, dtype=gate_up.dtype)
-    x = buffer.index_copy(0, rows, hidden_states[perm // top_k].to(gate_up.dtype))
-    offsets = aligned_ends.to(torch.int32)
+    x = SpiderMoEKernels.expand_to_fused(hidden_states.to(gate_up.dtype), mapping.token_topk_to_pos,
+                                         mapping.pos_to_expert)
+    offsets = mapping.expert_end.to(torch.int32)
     h = experts._apply_gate(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets))
     y = torch._grouped_mm(h.to(down.dtype), down.transpose(-2, -1), offs=offsets)
-    weighted = y[rows] * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(slots, device=device)
-    return weighted[inverse].view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+    return SpiderMoEKernels.reduce_fused(y, top_k_weights, mapping.token_topk_to_pos).to(hidden_states.dtype)
 
 
 def _register_aligned_grouped_mm() -> None:
