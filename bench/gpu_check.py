@@ -131,7 +131,6 @@ import copy
 import dataclasses
 import gc
 import importlib
-import inspect
 import json
 import math
 import os
@@ -629,12 +628,10 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
 def _spider_fp8(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
     """Spider converted as ``--precision fp8`` converts it (``--fp8_layers auto``, ``--fp8_experts auto``; emulated
     ``Float8Linear`` off CUDA), with what was converted."""
-    from spider_training.fp8 import convert_model_to_fp8
-    from spider_training.fp8_moe import convert_experts_for_training
+    from spider_training.fp8 import convert_for_fp8_training
 
     model = _build(lambda: spider_model(preset), device)
-    linear = convert_model_to_fp8(model, layers="auto", emulate=device.type != "cuda")
-    experts = convert_experts_for_training(model, "auto", device)
+    linear, experts = convert_for_fp8_training(model, emulate=device.type != "cuda", device=device)
     return model, {"fp8_linear_layers": linear.converted, "fp8_linear_skipped": linear.skipped_by_reason(),
                    "fp8_experts_modules": len(experts.converted_fqns),
                    "fp8_experts_skipped": sorted(set(experts.skipped.values()))}
@@ -889,8 +886,7 @@ def _median_step_seconds(model, ids, device, repeats: int = 5) -> float:
 def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repeats: int = 5,
               layers: str = "seed") -> dict:
     """torchao FP8 against bf16 autocast on one training step of `preset` (see the module docstring)."""
-    from spider_training.fp8 import convert_model_to_fp8
-    from spider_training.fp8_moe import convert_experts_for_training
+    from spider_training.fp8 import convert_for_fp8_training
 
     device = device or _device()
     name = f"fp8_{recipe}_{preset}"
@@ -899,9 +895,8 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     batch, length = SHAPES[preset]
     reference = _build(lambda: spider_model(preset), device)
     fp8 = copy.deepcopy(reference)
-    kwargs = {"layers": layers} if "layers" in inspect.signature(convert_model_to_fp8).parameters else {}
-    report = convert_model_to_fp8(fp8, recipe=recipe, emulate=device.type != "cuda", **kwargs)
-    experts = convert_experts_for_training(fp8, "auto", device)  # as --precision fp8: where the GPU has the kernels
+    # as --precision fp8 converts: the experts where the GPU has the FP8 grouped GEMM
+    report, experts = convert_for_fp8_training(fp8, recipe, layers, emulate=device.type != "cuda", device=device)
     converted = report.converted + len(experts.converted_fqns)
     ids = random_bytes(batch, length).to(device)
     loss_ref, grad_ref = _train_step(reference, ids, device)
@@ -922,7 +917,7 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     del reference, fp8
     _free_memory()
     return _entry(name, "passed" if ok else "failed", reason,
-                  device=str(device), emulated=device.type != "cuda", layers=kwargs.get("layers", "seed"),
+                  device=str(device), emulated=device.type != "cuda", layers=layers,
                   converted_layers=report.converted, converted_experts_modules=len(experts.converted_fqns),
                   experts_skipped=sorted(set(experts.skipped.values())), shape=f"{batch}x{length}",
                   loss_bf16=loss_ref, loss_fp8=loss_fp8, loss_rel_difference=rel, gradient_cosine=cosine,

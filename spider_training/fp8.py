@@ -371,6 +371,24 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
     return report
 
 
+def convert_for_fp8_training(model: nn.Module, recipe: str = "tensorwise", layers: str = "auto",
+                             experts: str = "auto", emulate: bool | None = None, device: torch.device | str | None = None):
+    """What ``--precision fp8`` does to `model`, in place: :func:`convert_model_to_fp8` (`recipe`, `layers`, `emulate`)
+    on the linear layers, then :func:`spider_training.fp8_moe.convert_experts_for_training` (`experts`: ``--fp8_experts``,
+    on `device`) on the routed experts.
+
+    Returns:
+        ``(Fp8Report, Fp8ExpertsReport)``.
+    Raises:
+        What the two conversions raise (a bad `recipe`, `layers` or `experts`; torchao missing; ``experts="on"`` where
+        the FP8 grouped GEMM cannot run).
+    """
+    from .fp8_moe import convert_experts_for_training
+
+    linear = convert_model_to_fp8(model, recipe=recipe, emulate=emulate, layers=layers)
+    return linear, convert_experts_for_training(model, experts, device)
+
+
 def _plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Unwrap torchao's weight wrapper subclasses (``WeightWithDynamicFloat8CastTensor`` keeps the high-precision
     tensor in ``_tensor``, the MoE experts' ``Float8TrainingWeightWrapperTensor`` in ``_data``); plain tensors come
@@ -514,6 +532,7 @@ __all__ = [
     "default_emulate",
     "build_float8_config",
     "convert_model_to_fp8",
+    "convert_for_fp8_training",
     "fp8_to_plain_state_dict",
     "has_fp8_weight_wrappers",
     "convert_fp8_to_plain",

@@ -60,8 +60,7 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
 from .data import StreamingTextDataset, make_dataloader
-from .fp8 import convert_model_to_fp8, fp8_to_plain_state_dict, has_fp8_weight_wrappers
-from .fp8_moe import convert_experts_for_training
+from .fp8 import convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers
 from .hub import HubPushMixin
 from .metrics import bits_per_byte
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
@@ -163,9 +162,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.eval_windows = eval_windows
         self.fp8_report = self.fp8_experts_report = None
         if precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":
-            self.fp8_report = convert_model_to_fp8(model, recipe=fp8_recipe, layers=fp8_layers)
-            device = args.device if args is not None else None
-            self.fp8_experts_report = convert_experts_for_training(model, fp8_experts, device)
+            self.fp8_report, self.fp8_experts_report = convert_for_fp8_training(
+                model, fp8_recipe, fp8_layers, fp8_experts, device=args.device if args is not None else None)
             self.precision = "fp8"
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
