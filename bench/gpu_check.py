@@ -685,11 +685,13 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     config = spider_config(preset)
     llama_config = dense_llama_config(config)
     default_experts = config._experts_implementation
-    builders = {
+    plain = {  # built on the device by _build
         "spider": lambda: spider_model(preset),
         "deepseek_v3": lambda: peer_model(config),
         "llama_dense": lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1],
     }
+    # each builder returns (model on the device, what the row adds about it)
+    builders = {key: (lambda fn=fn: (_build(fn, device), {})) for key, fn in plain.items()}
     # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
     # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest).
     plan = [(label, shape) for shape in shapes for label in models if label != "spider_compiled"]
@@ -713,9 +715,7 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
             if held is None or held[0] != key:
                 held = None
                 _free_memory()
-                built = _build(builders[key], device) if key in ("spider", "deepseek_v3", "llama_dense") \
-                    else builders[key]()
-                held = (key, *(built if isinstance(built, tuple) else (built, {})))
+                held = (key, *builders[key]())
             _, model, extra = held
             if key == "spider":
                 model.set_experts_implementation("eager" if label == "spider_eager_experts" else default_experts)
