@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (TrainStep, check, finish, info, main_for, random_bytes, spider_config, spider_model,
-                          time_interleaved)
+                          synchronize, time_interleaved)
 
 TARGET = 1.0
 
@@ -86,11 +86,6 @@ def _unsupported(exc: BaseException) -> bool:
     """Whether `exc` is SDPA saying that no enabled kernel takes the call (not a failure of the kernel)."""
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("No available kernel" in text or "No viable backend" in text)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _AttentionInputs:
@@ -170,16 +165,16 @@ def sdpa_backend_timings(preset: str = "1b", batch: int = 32, segment_counts=SDP
         try:
             with restrict:
                 inputs[warmup].call(pad)
-                _sync(device)
+                synchronize(device)
                 calls = []
                 for count in sequence:
-                    _sync(device)
+                    synchronize(device)
                     start = time.perf_counter()
                     inputs[count].call(pad)
                     launched = time.perf_counter()
-                    _sync(device)
+                    synchronize(device)
                     calls.append((count, time.perf_counter() - start, launched - start))
-                kernels = {str(count): _kernels_of(lambda c=count: (inputs[c].call(pad), _sync(device)))
+                kernels = {str(count): _kernels_of(lambda c=count: (inputs[c].call(pad), synchronize(device)))
                            for count in segment_counts}
         except Exception as exc:  # noqa: BLE001 - one kernel's failure leaves the others measured
             reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"

@@ -507,6 +507,13 @@ class CudaSyncWarnings:
         return False
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait until `device` has run everything queued on it (a no-op on CPU, where ops run when called)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
 def device_peak_matmul_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, n: int | None = None,
                              warmup: int = 2, repeats: int = 5) -> dict[str, float]:
     """:func:`peak_matmul_flops` on `device`: the median of `repeats` timed ``n x n @ n x n`` matmuls, each timed
@@ -519,15 +526,14 @@ def device_peak_matmul_flops(device: torch.device | str, dtype: torch.dtype = to
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    synchronize = getattr(torch, device.type).synchronize
     for _ in range(warmup):
         torch.mm(a, b)
     times = []
     for _ in range(repeats):
-        synchronize()
+        synchronize(device)
         start = time.perf_counter()
         torch.mm(a, b)
-        synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
     del a, b

@@ -149,7 +149,7 @@ import torch.nn.functional as F
 
 from bench.common import (CudaSyncWarnings, HostSyncCounter, TrainStep, count_flops, dense_llama_config,
                           device_peak_matmul_flops, environment, num_params, peer_model, random_bytes, spider_config,
-                          spider_model)
+                          spider_model, synchronize)
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 #: FP8 (e4m3, 3 mantissa bits) against bf16 (7 bits) at initialisation: the loss is a mean over every byte, so the
@@ -190,11 +190,6 @@ def _entry(name: str, status: str, reason: str = "", **figures) -> dict:
 
 def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _free_memory() -> None:
@@ -534,11 +529,11 @@ def _profile_kernels(step, device: torch.device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         step()
-        _sync(device)
+        synchronize(device)
     wall = time.perf_counter() - start
     events = prof.events()
     device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
@@ -559,7 +554,7 @@ def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
         cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
         with HostSyncCounter() as syncs, cuda_syncs:
             flops += count_flops(call)["total"]
-        _sync(device)  # outside: an explicit synchronize is not one of the step's syncs
+        synchronize(device)  # outside: an explicit synchronize is not one of the step's syncs
         counted[phase] = (syncs, cuda_syncs)
     fwd_bwd, optimizer = counted["forward_backward"][0], counted["optimizer"][0]
     figures = dict(flops_per_step=flops, aten_ops_per_step=fwd_bwd.ops + optimizer.ops,
@@ -584,10 +579,10 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     step = _train_step_of(model, ids, device)
     warmup_s = []
     for _ in range(warmup):  # optimizer state, kernels' plans, compilation
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        synchronize(device)
         warmup_s.append(time.perf_counter() - start)
     row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
     figures = dict(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
@@ -604,11 +599,11 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
         torch.cuda.reset_peak_memory_stats()
     times, host = [], []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         step()
         host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
     row.update(step_s=median, step_times_s=[round(t, 5) for t in times], host_s=statistics.median(host),
@@ -793,11 +788,11 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
         model.zero_grad(set_to_none=True)
         step.forward_backward()  # warm-up: first-call plans and allocations are not the steady state
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
         with cuda_syncs, HostSyncCounter() as counter:
             step.forward_backward()
-        _sync(device)  # outside the count: an explicit synchronize is not one of the step's syncs
+        synchronize(device)  # outside the count: an explicit synchronize is not one of the step's syncs
         result = {"status": "passed", "dispatch_count": counter.total, "aten_ops_forward_backward": counter.ops,
                   "dispatch_by_op": dict(counter.counts.most_common()),
                   "dispatch_top_sources": dict(counter.sources.most_common(top))}
@@ -875,10 +870,10 @@ def _train_step(model, ids: torch.Tensor, device: torch.device) -> tuple[float, 
 def _median_step_seconds(model, ids, device, repeats: int = 5) -> float:
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         _train_step(model, ids, device)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])  # the first call warms up
 
