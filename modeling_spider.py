@@ -764,6 +764,20 @@ class SpiderEngramEmbeddings(nn.Module):
         self.multiplier_table = [mult + [0] * (max_n - len(mult)) for per_n in self.multipliers for mult in per_n]
         self.embedding = nn.Embedding(sum(self.moduli), self.head_dim)
         self.output_size = n_tables * self.head_dim
+        self._hash_constants = {}
+
+    def hash_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int64 `multiplier_table` `(n_tables, max_n)`, `moduli` and `offsets` `(n_tables,)` on `device`, made once
+        per device: a tensor made from Python data is a blocking host-to-device copy on an accelerator (a host sync at
+        every forward and every decoded byte otherwise). Not buffers: they are a function of the config, so
+        checkpoints do not carry them and loading on the meta device leaves nothing to re-initialise."""
+        constants = self._hash_constants.get(device)
+        if constants is None:
+            constants = self._hash_constants[device] = tuple(
+                torch.tensor(values, dtype=torch.long, device=device)
+                for values in (self.multiplier_table, self.moduli, self.offsets)
+            )
+        return constants
 
     def hash_ids(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None) -> torch.LongTensor:
         """Table row of every (byte, head): int64 `(B, L, n_tables)`, already offset into `self.embedding`."""
@@ -771,13 +785,11 @@ class SpiderEngramEmbeddings(nn.Module):
         max_n = max(self.ngram_sizes)
         # context[b, l, i] = id[l - i]: (B, L, max_n), all tables hashed at once (max_n XORs, not one op per table).
         context = F.pad(ids, (max_n - 1, 0), value=self.fill_id).unfold(1, max_n, 1).flip(-1)
-        multipliers = torch.tensor(self.multiplier_table, dtype=torch.long, device=ids.device)  # (n_tables, max_n)
+        multipliers, moduli, offsets = self.hash_constants(ids.device)
         products = context[:, :, None, :] * multipliers  # (B, L, n_tables, max_n)
         hashed = products[..., 0]
         for i in range(1, max_n):
             hashed = torch.bitwise_xor(hashed, products[..., i])
-        moduli = torch.tensor(self.moduli, dtype=torch.long, device=ids.device)
-        offsets = torch.tensor(self.offsets, dtype=torch.long, device=ids.device)
         return hashed % moduli + offsets
 
     def step(self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None, input_ids: torch.LongTensor):
@@ -935,8 +947,13 @@ class SpiderBoundaryPredictor(nn.Module):
                 position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).expand_as(probs)
             boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
         elif self.training and self.mode == "relaxed":
-            temperature = torch.tensor(self.temperature, device=logits.device)
-            soft = torch.distributions.RelaxedBernoulli(temperature, logits=logits).rsample()
+            # RelaxedBernoulli's sample, built from its parts: a float temperature and no argument validation (a tensor
+            # made from host data and the validation's `.all()` are host syncs on an accelerator; RelaxedBernoulli
+            # does not pass `validate_args` on to its base distribution)
+            logit_sample = torch.distributions.relaxed_bernoulli.LogitRelaxedBernoulli(
+                self.temperature, logits=logits, validate_args=False
+            ).rsample()
+            soft = torch.distributions.transforms.SigmoidTransform()(logit_sample)
             boundaries = (soft > 0.5).to(soft.dtype)
             boundaries = boundaries if supervised else boundaries + (soft - soft.detach())  # exactly 0/1 in value
         elif self.training and not supervised:

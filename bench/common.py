@@ -391,13 +391,31 @@ def _to_host(func_name: str, args, kwargs) -> bool:
     return False
 
 
+def _to_device(func_name: str, args, kwargs) -> bool:
+    """A blocking copy from host memory into an accelerator tensor (``cpu_tensor.to("cuda")``, ``gpu.copy_(cpu)``
+    without ``non_blocking``): ATen runs it as ``memcpy_and_sync``, which waits for the stream (``Copy.cu``)."""
+    kwargs = kwargs or {}
+    if func_name == "_to_copy" and args and isinstance(args[0], torch.Tensor):
+        target = kwargs.get("device")
+        return (args[0].device.type == "cpu" and target is not None and torch.device(target).type != "cpu"
+                and not kwargs.get("non_blocking", False))
+    if func_name in ("copy_", "copy") and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return args[0].device.type != "cpu" and args[1].device.type == "cpu" and not non_blocking
+    return False
+
+
 class HostSyncCounter(TorchDispatchMode):
     """Counts the device-to-host synchronisations run inside the context, on any device.
 
     A ``TorchDispatchMode`` sees every aten op (backward included: the autograd engine carries the mode to its
     threads): it counts :data:`SYNC_OPS` (``.item()``, ``bool(tensor)`` and ``int(tensor)`` arrive as
     ``_local_scalar_dense``), ``index`` / ``index_put`` with a boolean index (a ``nonzero`` on the device),
-    ``repeat_interleave`` without ``output_size`` and copies from a device tensor into host memory. On CPU
+    ``repeat_interleave`` without ``output_size``, copies from a device tensor into host memory, blocking copies from
+    host memory into a device tensor (``"copy to device"``) and tensors made from Python or NumPy data
+    (``"tensor from host data"``: ``torch.tensor(data, device=...)``, seen as ``lift_fresh``; on an accelerator it is a
+    blocking host-to-device copy, which waits for the stream like any other sync; on CPU the counter cannot tell the
+    line's device, so it counts every one). On CPU
     ``Tensor.tolist`` reads the data without dispatching any op, so with ``count_tolist`` (default) the context also
     wraps ``torch.Tensor.tolist`` and counts its calls as ``"tolist"`` (on a GPU the same call is one device-to-host
     copy, counted once, as ``"tolist"``).
@@ -468,6 +486,10 @@ class HostSyncCounter(TorchDispatchMode):
                 self._count(name)
         elif _to_host(name, args, kwargs):
             self._count("copy to host")
+        elif _to_device(name, args, kwargs):
+            self._count("copy to device")
+        elif name in ("lift_fresh", "lift_fresh_copy"):
+            self._count("tensor from host data")
         return func(*args, **(kwargs or {}))
 
 

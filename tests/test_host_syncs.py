@@ -40,17 +40,24 @@ def test_host_syncs_do_not_grow_with_layers_or_loops(padded):
     assert not any("boolean" in name or name == "bincount" for name in counts[(6, 6)]), counts[(6, 6)]
 
 
-def test_training_step_on_an_accelerator_syncs_once(monkeypatch):
+@pytest.mark.parametrize("boundary_mode", ["hard", "relaxed"])
+def test_training_step_on_an_accelerator_syncs_once(monkeypatch, boundary_mode):
     """A training forward+backward at the 1b preset's depth (6 layers x 6 loops), rows closing different numbers of
     segments: one host sync, the segment count the recurrent block's shape needs. The value checks of `input_ids`
     and `labels` run as on an accelerator (test double: `value_checks_sync` answers as it does for a CUDA tensor in
-    training, so they become `_assert_async`); the segments route without selecting the real rows."""
+    training, so they become `_assert_async`); the segments route without selecting the real rows. No tensor is made
+    from host data after the first step (on an accelerator each one is a blocking copy: the Engram hash constants are
+    made once per device; the relaxed boundaries sample without `torch.distributions`' argument validation)."""
     import modeling_spider
 
     monkeypatch.setattr(modeling_spider, "value_checks_sync", lambda tensor, training: not training)
-    model = tiny_model(seed=0, num_recurrent_layers=6, engram_layer_ids=[0, 3], n_loops=6).train()
+    model = tiny_model(seed=0, num_recurrent_layers=6, engram_layer_ids=[0, 3], n_loops=6,
+                       boundary_mode=boundary_mode).train()
     ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
     ids[0, ::3] = ord(" ")  # the rows close different numbers of segments: padding segments in the block
+    with HostSyncCounter() as first:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert first.counts == {"_local_scalar_dense": 1, "tensor from host data": 3}, first.counts
     with HostSyncCounter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     assert counter.counts == {"_local_scalar_dense": 1}, counter.counts
@@ -65,6 +72,18 @@ def test_counter_sees_tolist():
         torch.arange(3).tolist()
     assert counter.counts == {"tolist": 1}
     assert torch.Tensor.tolist is original  # restored on exit
+
+
+def test_counter_sees_host_data_entering_the_device():
+    """`torch.tensor(data, device=...)` and a blocking host-to-device copy each wait for the stream on an accelerator
+    (ATen's `memcpy_and_sync`); the meta device stands in for an accelerator as the copy's target."""
+    host = torch.ones(3)
+    with HostSyncCounter() as counter:
+        torch.tensor([1, 2, 3])
+        host.to("meta")
+        host.to("meta", non_blocking=True)  # asynchronous: no sync
+        host * 2  # no host data enters
+    assert counter.counts == {"tensor from host data": 1, "copy to device": 1}, counter.counts
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
