@@ -142,6 +142,11 @@ ENV_VARS = {"seq_len": ("SEQ_LEN", int), "micro_batch": ("MICRO_BATCH", int), "g
             "ckpt_every": ("CKPT_EVERY", int)}
 
 
+def _cuda_available() -> bool:
+    """Whether the batches go to a CUDA device (pinned memory, non-blocking copies)."""
+    return torch.cuda.is_available()
+
+
 def _from_env(name: str, cast):
     """Value of environment variable ``name`` cast to ``cast`` (``int`` accepts ``10_000``); ``None`` if unset/empty.
 
@@ -310,8 +315,15 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         training["lr_scheduler_kwargs"] = {"min_lr_rate": 0.1}
     if not training.get("warmup_steps"):
         training["warmup_steps"] = min(200, max(1, training["max_steps"] // 10))
-    if not torch.cuda.is_available():
+    if not _cuda_available():
         training["dataloader_pin_memory"] = False  # pinned memory needs an accelerator (DataLoader warns otherwise)
+    elif training.get("dataloader_pin_memory", True):
+        # Pinned batches copied with non_blocking, as transformers advises: a blocking host-to-device copy waits for
+        # the stream (ATen's memcpy_and_sync), a host sync per tensor per micro-batch. A user's `--accelerator_config`
+        # file, or a `non_blocking` entry in it, wins.
+        config = training.get("accelerator_config")
+        if config is None or (isinstance(config, dict) and "non_blocking" not in config):
+            training["accelerator_config"] = {**(config or {}), "non_blocking": True}
     if not training.get("eval_steps"):  # held-out bits per byte ten times per run (the card's held-out curve)
         training["eval_steps"] = max(1, training["max_steps"] // 10)
     return spider, TrainingArguments(**training)

@@ -215,7 +215,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         # An accelerate DataLoaderShard: iterating it registers it with the accelerator's GradientState (end of data
         # inside an accumulation window), as a loader from `accelerator.prepare` would.
         return make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
-                               num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator)
+                               num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator,
+                               pin_memory=self.args.dataloader_pin_memory,
+                               non_blocking=self.args.accelerator_config.non_blocking)
 
     # --- the training step ---------------------------------------------------------------------------------------
 

@@ -462,6 +462,27 @@ def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
     assert eval_rows == rows(DataLoader(ds, batch_size=8))  # eval stays in stream order
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_spider_trainer_loaders_copy_batches_as_the_accelerator_config_says(tmp_path, streamed):
+    """``non_blocking`` (train_hf.py sets it on CUDA, with pinned memory) reaches the loader that moves the batches,
+    Trainer's for local data and SpiderTrainer's own for a stream, and the batches it yields are unchanged."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from spider_training.trainer import SpiderTrainer
+    from tests.helpers import tiny_model
+
+    ds = D.StreamingTextDataset(_streamed_source(tmp_path)[0], 12) if streamed else D.build_dataset("mock", 32,
+                                                                                                      num_samples=20)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=1,
+                             per_device_train_batch_size=4, remove_unused_columns=False,
+                             accelerator_config={"non_blocking": True})
+    trainer = SpiderTrainer(model=tiny_model(seed=0), args=args, train_dataset=ds, data_collator=default_data_collator,
+                            precision="fp32", stop_signals=())
+    loader = trainer.get_train_dataloader()
+    assert loader._non_blocking is True
+    assert Counter(rows(loader)) == Counter(rows(DataLoader(ds, batch_size=4)))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Hub sources: streamed, split across ranks with split_dataset_by_node
 # ----------------------------------------------------------------------------------------------------------------------

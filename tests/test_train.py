@@ -54,6 +54,26 @@ def test_seed_flags_and_env_vars(monkeypatch):
         parse_args([])
 
 
+def test_batches_are_copied_to_a_gpu_without_waiting_for_it(monkeypatch, tmp_path):
+    """On CUDA the batches are pinned and copied with ``non_blocking`` (a blocking host-to-device copy is a host sync
+    per tensor per micro-batch); a user's accelerator config file or ``--dataloader_pin_memory False`` wins, and off
+    CUDA nothing is pinned. Test double: `_cuda_available` answers True for the arguments (TrainingArguments itself
+    still sees this CPU machine)."""
+    from spider_training import arguments
+
+    _, args = parse_args([])
+    assert not args.dataloader_pin_memory and not args.accelerator_config.non_blocking
+    monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
+    _, args = parse_args([])
+    assert args.dataloader_pin_memory and args.accelerator_config.non_blocking
+    _, args = parse_args(["--dataloader_pin_memory", "False"])
+    assert not args.accelerator_config.non_blocking
+    config = tmp_path / "accelerator.json"
+    config.write_text('{"non_blocking": false, "split_batches": true}')
+    _, args = parse_args(["--accelerator_config", str(config)])
+    assert not args.accelerator_config.non_blocking and args.accelerator_config.split_batches
+
+
 def test_activation_checkpointing_default_follows_the_preset():
     """On for the seed's 1B model (as the seed trains it), off for the CPU presets; either flag overrides."""
     assert parse_args(["--preset", "1b"])[1].activation_checkpointing is True

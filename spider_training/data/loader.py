@@ -163,14 +163,15 @@ def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int =
 def make_dataloader(dataset: Dataset, batch_size: int, *, num_workers: int = 0,
                     collate_fn: Callable | None = None, device: torch.device | str | None = None,
                     pin_memory: bool = False, prefetch_factor: int | None = None, persistent_workers: bool = False,
-                    in_order: bool = True):
+                    in_order: bool = True, non_blocking: bool = False):
     """DataLoader that reads ``dataset`` as it is, with no re-sharding: for the rank-split
     :class:`StreamingTextDataset` (``SpiderTrainer`` uses it for those), and a sequential reader of a map-style
     dataset (benchmarks).
 
     Returns an accelerate ``DataLoaderShard`` prepared with ``num_processes=1, dispatch_batches=False``: it moves
     batches to ``device`` (if given), forwards ``set_epoch`` to the dataset and works with accelerate's
-    ``skip_first_batches``. Batches are ``{"input_ids": LongTensor[B, seq_len + 1], "labels": ...}``; the last batch
+    ``skip_first_batches``; with ``non_blocking`` (best with ``pin_memory``) the copies to ``device`` do not wait for
+    the device's stream (a blocking host-to-device copy is a host sync on CUDA). Batches are ``{"input_ids": LongTensor[B, seq_len + 1], "labels": ...}``; the last batch
     (of each worker, for an iterable dataset) may be smaller (``drop_last=False``).
     """
     from accelerate.data_loader import prepare_data_loader
@@ -186,4 +187,4 @@ def make_dataloader(dataset: Dataset, batch_size: int, *, num_workers: int = 0,
                         in_order=in_order)
     return prepare_data_loader(loader, device=torch.device(device) if device is not None else None,
                                num_processes=1, process_index=0, put_on_device=device is not None,
-                               dispatch_batches=False, rng_types=None)
+                               dispatch_batches=False, rng_types=None, non_blocking=non_blocking)
