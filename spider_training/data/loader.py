@@ -171,8 +171,9 @@ def make_dataloader(dataset: Dataset, batch_size: int, *, num_workers: int = 0,
     Returns an accelerate ``DataLoaderShard`` prepared with ``num_processes=1, dispatch_batches=False``: it moves
     batches to ``device`` (if given), forwards ``set_epoch`` to the dataset and works with accelerate's
     ``skip_first_batches``; with ``non_blocking`` (best with ``pin_memory``) the copies to ``device`` do not wait for
-    the device's stream (a blocking host-to-device copy is a host sync on CUDA). Batches are ``{"input_ids": LongTensor[B, seq_len + 1], "labels": ...}``; the last batch
-    (of each worker, for an iterable dataset) may be smaller (``drop_last=False``).
+    the device's stream (a blocking host-to-device copy is a host sync on CUDA). Batches are
+    ``{"input_ids": LongTensor[B, seq_len + 1], "labels": ...}``; the last batch (of each worker, for an iterable
+    dataset) may be smaller (``drop_last=False``).
     """
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader
