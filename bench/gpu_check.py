@@ -81,7 +81,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   ``boundary_prior_k`` of the trained config), and held-out bits per byte fell (last < first). Skipped without CUDA
   unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
-  and the entry says how many.
+  and the entry says how many. Reported beside the judgement: the mean ACT halting step along the run
+  (``mean_halting_step``: loops per segment; near 1 means the later loops get no weight) and the held-out bits per
+  byte at 1, 2 and 4 loops after training.
 - ``fp8_<recipe>_<preset>``: torchao ``Float8Linear`` (real ``torch._scaled_mm`` on a GPU; emulated on CPU), and the
   experts through torchao's FP8 grouped GEMM where the GPU has it (``--fp8_experts auto``), against the same model in
   bf16 autocast, one training step on the same batch: the losses agree within ``FP8_LOSS_RTOL`` and
@@ -405,10 +407,16 @@ def held_out_curve(log_history: list[dict]) -> list[tuple[int, float]]:
     return curve
 
 
+def training_curve(log_history: list[dict], key: str) -> list[tuple[int, float]]:
+    """``[(step, value)]`` of `key` in the training logs (averaged over each logging window; evaluation entries,
+    whose keys carry the ``eval_`` prefix, are not read)."""
+    return [(int(e.get("step", 0)), float(e[key])) for e in log_history
+            if key in e and isinstance(e[key], (int, float))]
+
+
 def compression_curve(log_history: list[dict]) -> list[tuple[int, float]]:
     """``[(step, compression_rate)]`` of the training logs (bytes per segment, averaged over each logging window)."""
-    return [(int(e.get("step", 0)), float(e["compression_rate"])) for e in log_history
-            if "compression_rate" in e and isinstance(e["compression_rate"], (int, float))]
+    return training_curve(log_history, "compression_rate")
 
 
 def judge_1b_run(held_out: list[tuple[int, float]], compression: list[tuple[int, float]], boundary_prior: float,
@@ -477,6 +485,10 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
                        precision=summary.get("precision"), parameters=summary.get("parameters"),
                        held_out_bits_per_byte=held_out, compression_rate=_thin(compression, 40),
                        eval_compression_rate_after=summary.get("eval_after_compression_rate"),
+                       # reported, not judged: whether ACT keeps using the loops (docs/research_log.md: on CPU, the
+                       # 1b preset at micro-batch 4 halted after about one loop from step 7 on)
+                       mean_halting_step=_thin(training_curve(history, "mean_halting_step"), 40),
+                       held_out_bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
                        boundary_prior=config.boundary_prior, boundary_prior_std=config.boundary_prior_std,
                        boundary_prior_k=config.boundary_prior_k, **judged)
         if hook.stopped_at_step is not None:

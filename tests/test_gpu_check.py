@@ -84,6 +84,9 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     run = by_name["run_1b"]
     assert run["steps"] == 4 and run["preset"] == "tiny"
     assert len(run["held_out_bits_per_byte"]) >= 3 and run["compression_rate"]  # scored before, during and after
+    assert len(run["mean_halting_step"]) == len(run["compression_rate"])  # every training log has both
+    assert all(1 <= loops <= spider_config("tiny").n_loops for _, loops in run["mean_halting_step"])
+    assert set(run["held_out_bits_per_byte_by_loops"]) == {"1", "2", "4"}
     config = spider_config("tiny")
     status, reason, _ = gpu_check.judge_1b_run(run["held_out_bits_per_byte"], run["compression_rate"],
                                                config.boundary_prior, config.boundary_prior_std,
@@ -181,6 +184,7 @@ def test_held_out_and_compression_curves_from_a_log_history():
                {"eval_after_bits_per_byte": 6.5, "step": 12}]
     assert gpu_check.held_out_curve(history) == [(0, 8.0), (10, 7.0), (12, 6.5)]  # training's bpb is not held-out
     assert gpu_check.compression_curve(history) == [(10, 2.0)]
+    assert gpu_check.training_curve(history, "bits_per_byte") == [(10, 7.5)]
 
 
 def test_budget_skips_parts_that_do_not_fit():
