@@ -381,28 +381,25 @@ def _calling_line() -> str | None:
     return None
 
 
-def _to_host(func_name: str, args, kwargs) -> bool:
-    """A copy from an accelerator tensor into host memory (``.cpu()``, ``.to("cpu")``, ``cpu_tensor.copy_(gpu)``)."""
-    if func_name == "_to_copy" and args and isinstance(args[0], torch.Tensor):
-        target = (kwargs or {}).get("device")
-        return args[0].device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
-    if func_name in ("copy_", "copy") and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
-        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
-    return False
-
-
-def _to_device(func_name: str, args, kwargs) -> bool:
-    """A blocking copy from host memory into an accelerator tensor (``cpu_tensor.to("cuda")``, ``gpu.copy_(cpu)``
-    without ``non_blocking``): ATen runs it as ``memcpy_and_sync``, which waits for the stream (``Copy.cu``)."""
+def _host_copy(func_name: str, args, kwargs) -> str | None:
+    """``"copy to host"``: a copy from an accelerator tensor into host memory (``.cpu()``, ``.to("cpu")``,
+    ``cpu_tensor.copy_(gpu)``); ``"copy to device"``: a blocking copy from host memory into an accelerator tensor
+    (``cpu_tensor.to("cuda")``, ``gpu.copy_(cpu)`` without ``non_blocking``), which ATen runs as ``memcpy_and_sync``,
+    waiting for the stream (``Copy.cu``); None for any other op."""
     kwargs = kwargs or {}
-    if func_name == "_to_copy" and args and isinstance(args[0], torch.Tensor):
-        target = kwargs.get("device")
-        return (args[0].device.type == "cpu" and target is not None and torch.device(target).type != "cpu"
-                and not kwargs.get("non_blocking", False))
-    if func_name in ("copy_", "copy") and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+    if func_name == "_to_copy" and args and isinstance(args[0], torch.Tensor) and kwargs.get("device") is not None:
+        source, target = args[0].device.type, torch.device(kwargs["device"]).type
+        non_blocking = kwargs.get("non_blocking", False)
+    elif func_name in ("copy_", "copy") and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+        source, target = args[1].device.type, args[0].device.type
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-        return args[0].device.type != "cpu" and args[1].device.type == "cpu" and not non_blocking
-    return False
+    else:
+        return None
+    if source != "cpu" and target == "cpu":
+        return "copy to host"
+    if source == "cpu" and target != "cpu" and not non_blocking:
+        return "copy to device"
+    return None
 
 
 class HostSyncCounter(TorchDispatchMode):
@@ -484,10 +481,8 @@ class HostSyncCounter(TorchDispatchMode):
         elif name == "repeat_interleave":
             if (kwargs or {}).get("output_size") is None and any(isinstance(a, torch.Tensor) for a in args[:2]):
                 self._count(name)
-        elif _to_host(name, args, kwargs):
-            self._count("copy to host")
-        elif _to_device(name, args, kwargs):
-            self._count("copy to device")
+        elif (copy := _host_copy(name, args, kwargs)) is not None:
+            self._count(copy)
         elif name in ("lift_fresh", "lift_fresh_copy"):
             self._count("tensor from host data")
         return func(*args, **(kwargs or {}))
