@@ -1222,13 +1222,14 @@ class SpiderRecurrentBlockOutput(NamedTuple):
     router_logits: list
 
 
-def dynamic_segment_axis(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` `(B, S, ...)` itself, its segment axis S marked dynamic for ``torch.compile``
-    (``maybe_mark_dynamic``; nothing changes in eager). Under ``--compile`` each region then compiles once for every
-    padded segment count instead of once per count: dynamo stops compiling a function after 8 versions and runs it
-    eagerly from then on (tests/test_compile.py). Inside a traced graph (the whole block compiled) nothing is marked."""
+def dynamic_segment_axis(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """`tensor` `(B, S, ...)` itself, its segment axis S (or `dim`, an axis that grows with S, such as the `B*S` rows
+    of a flattened batch) marked dynamic for ``torch.compile`` (``maybe_mark_dynamic``; nothing changes in eager).
+    Under ``--compile`` each region then compiles once for every padded segment count instead of once per count:
+    dynamo stops compiling a function after 8 versions and runs it eagerly from then on (tests/test_compile.py).
+    Inside a traced graph (the whole block compiled) nothing is marked."""
     if not torch.compiler.is_compiling():
-        torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
     return tensor
 
 
@@ -1281,8 +1282,8 @@ class SpiderRecurrentBlock(nn.Module):
         early_exit = self.config.act_early_exit and not self.training
         routed, running = segment_index, None
         row_weights = None if segment_mask is None else RowWeights.of(segment_mask, self.config.num_experts_per_tok)
-        for tensor in () if row_weights is None or torch.compiler.is_compiling() else row_weights[:2]:
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)  # B * S rows, B * S * k slots: dynamic as S
+        for tensor in () if row_weights is None else row_weights[:2]:
+            dynamic_segment_axis(tensor, dim=0)  # B * S rows, B * S * k slots
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
