@@ -457,8 +457,16 @@ class SpiderMoEKernels:
         return torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device).scatter_add_(0, flat, slot_weight)
 
     @staticmethod
+    def fused_num_rows(num_slots: int, num_experts: int, alignment: int = 1) -> int:
+        """Rows N of the fused layout for `num_slots` = T*k token-slots: ``num_slots + E*(alignment-1)`` rounded up to a
+        multiple of `alignment` (a static bound: no size depends on the routing)."""
+        return -(-(num_slots + num_experts * (alignment - 1)) // alignment) * alignment
+
+    @staticmethod
     def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
-        """Expert-sorted layout of the `(T, k)` token-slots (:class:`FusedMapping`), `T*k + E*(alignment-1)` rows."""
+        """Expert-sorted layout of the `(T, k)` token-slots (:class:`FusedMapping`): `T*k + E*(alignment-1)` rows (the
+        most padding E groups can need) rounded up to a multiple of `alignment`, as TileKernels sizes it (so every row
+        stride of the buffer and of its transpose is aligned too: FP8 GEMMs need 16-byte strides)."""
         T, k = topk_idx.shape
         device = topk_idx.device
         flat = topk_idx.reshape(-1)
@@ -470,7 +478,7 @@ class SpiderMoEKernels:
         sorted_expert = flat[order]
         rank_in_expert = torch.arange(T * k, device=device) - (counts.cumsum(0) - counts)[sorted_expert]
         pos = expert_start[sorted_expert] + rank_in_expert
-        N = T * k + num_experts * (alignment - 1)
+        N = SpiderMoEKernels.fused_num_rows(T * k, num_experts, alignment)
         token_topk_to_pos = torch.empty_like(flat).scatter_(0, order, pos)
         pos_to_expert = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, sorted_expert)
         pos_to_token = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, order // k)

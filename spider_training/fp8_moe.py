@@ -63,9 +63,11 @@ def aligned_grouped_mm_experts_forward(experts: nn.Module, hidden_states: torch.
 
     The rows are laid out by the MoE's fused-layout ops (``SpiderMoEKernels.get_fused_mapping`` with that alignment,
     ``expand_to_fused``, ``reduce_fused``: TileKernels' layout): a zero-filled buffer of ``S + E *
-    (FP8_GROUP_ALIGNMENT - 1)`` rows (S = T * k slots, E experts: the most padding E groups can need), so no size
-    depends on the routing and nothing is read on the host. Padding rows are zero and never read back (rows past the
-    last offset, which the grouped GEMM leaves unwritten, neither).
+    (FP8_GROUP_ALIGNMENT - 1)`` rows (S = T * k slots, E experts: the most padding E groups can need) rounded up to a
+    multiple of 16 (``SpiderMoEKernels.fused_num_rows``: ``torch._scaled_grouped_mm`` needs 16-byte strides, and the
+    weight gradient reads the FP8 buffer transposed, a row stride of N bytes), so no size depends on the routing and
+    nothing is read on the host. Padding rows are zero and never read back (rows past the last offset, which the
+    grouped GEMM leaves unwritten, neither).
 
     Args:
         experts: a fused-experts module (``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I), ``num_experts``,

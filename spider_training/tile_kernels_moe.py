@@ -34,9 +34,10 @@ Facts about the kernels (read from the TileKernels sources) that the adapter han
   expert_start, expert_end, num_tokens_per_expert [E]`` (counts rounded up to `alignment`) and a Python list of the
   counts (filled only when it synchronised). ``num_expanded_tokens`` N is the size of the expert-major buffer: 0 asks
   the op to size it itself (host sync), a positive N is used as given (rows past the last expert are padding, -1).
-  The adapter passes the torch reference's static bound ``T*k + E*(alignment-1)`` (no sync, same N as the torch
-  path) and returns int64 tensors (the ``FusedMapping`` contract). Within one expert's slice the kernel does *not*
-  keep token order (warp-parallel placement fills each chunk backwards); nothing downstream depends on that order.
+  The adapter passes the torch reference's static bound (``SpiderMoEKernels.fused_num_rows``: ``T*k +
+  E*(alignment-1)`` rounded up to `alignment`; no sync, same N as the torch path) and returns int64 tensors (the
+  ``FusedMapping`` contract). Within one expert's slice the kernel does *not* keep token order (warp-parallel
+  placement fills each chunk backwards); nothing downstream depends on that order.
 * ``expand_to_fused(x contiguous [T, H], token_topk_to_pos int32, pos_to_expert int32) -> [N, H]`` in ``x.dtype``,
   padding rows zero.
 * ``reduce_fused(x [N, H], topk_weights fp32 [T, k] or None, token_topk_to_pos int32) -> [T, H]`` accumulates in fp32
@@ -275,12 +276,12 @@ class TileKernelsMoEKernels:
     def get_fused_mapping(self, topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
         """Expert-sorted layout of the `(T, k)` token-slots as a ``FusedMapping`` of int64 tensors.
 
-        N = ``T*k + E*(alignment-1)`` rows (the reference's static bound; passed to the kernel as
-        ``num_expanded_tokens`` so it does not synchronise). Within an expert the row order is the kernel's.
+        N = ``SpiderMoEKernels.fused_num_rows(T*k, E, alignment)`` rows (the reference's static bound; passed to the
+        kernel as ``num_expanded_tokens`` so it does not synchronise). Within an expert the row order is the kernel's.
         """
         fn = self._tk_fn("get_fused_mapping", topk_idx)
         T, k = topk_idx.shape
-        num_rows = T * k + num_experts * (alignment - 1)
+        num_rows = SpiderMoEKernels.fused_num_rows(T * k, num_experts, alignment)
         if fn is None or num_rows == 0:
             return self.reference.get_fused_mapping(topk_idx, num_experts, alignment)
         with torch.no_grad():
