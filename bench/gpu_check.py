@@ -69,7 +69,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   ``torch.cuda.synchronize`` before and after each call, the host's share (until the call has been launched), the
   whole sequence's total, and ``first_calls_after`` where an earlier row ran the same kernel at these shapes (its plans
   were cached); a kernel that does not take the call is skipped with torch's reason. ``fastest_steady`` and
-  ``fastest_sequence_total`` name the winners; ``--sdpa_backend`` (``spider_training.sdpa``) makes one the training
+  ``fastest_sequence_total`` name the winners (the latter among the rows whose first calls were their own: on the
+  H200 the ``cudnn`` row reused the plans ``default`` built, and its total of 6 ms against ``default``'s 307 ms hid
+  the planning); ``--sdpa_backend`` (``spider_training.sdpa``) makes one the training
   default. On CPU at batch 4 (math, flash on CPU, the rest skipped). A measurement: passes when the default and every
   kernel that takes the call ran (``--attention_*`` flags change the sizes).
 - ``run_1b``: ``--run_1b_steps`` (300) training steps of ``--preset 1b`` on the embedded corpus through

@@ -82,7 +82,8 @@ class SpiderArguments:
     precision: str = field(
         default="auto",
         metadata={"help": "auto | fp8 | bf16 | fp32. auto: bf16 on CUDA unless an FP8 step of the preset measured "
-                  "faster on that GPU class (spider_training.fp8.FP8_MEASURED; none has yet), fp32 on CPU"},
+                  "faster on that GPU class (spider_training.fp8.FP8_MEASURED: slower on an H200 for both "
+                  "presets), fp32 on CPU"},
     )
     fp8_recipe: str = field(default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"})
     fp8_layers: str = field(

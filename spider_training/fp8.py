@@ -24,7 +24,7 @@ left in high precision.
 
 Precision (:func:`resolve_precision`, ``--precision auto|fp8|bf16|fp32``): ``auto`` picks what was *measured* faster
 for the preset on that GPU class (:data:`FP8_MEASURED`): ``fp8`` only where an FP8 training step measured faster than
-bf16, ``bf16`` on every other CUDA device (today: every one; FP8 has not yet measured faster for any preset), and
+bf16, ``bf16`` on every other CUDA device (today: every one; FP8 measured slower for both presets on an H200), and
 ``fp32`` on CPU. On CPU, FP8 only runs emulated (``Float8LinearConfig(emulate=True)``: the same numbers as the
 hardware path, about 8x slower than bf16; a real ``torch._scaled_mm`` on CPU is ~500x slower), and bf16 is *slower*
 than fp32 for small models on a 2-core CPU, so ``auto`` keeps fp32 there. ``--precision fp8`` still works everywhere
@@ -84,13 +84,20 @@ FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 #: One training step (forward, backward, optimizer) measured in bf16 autocast and in FP8 on a GPU class, by
 #: ``python -m bench.gpu_check``: ``{(compute capability, preset): {...}}``. ``--precision auto`` picks FP8 for a
 #: (GPU class, preset) only when its entry has ``fp8_seconds < bf16_seconds``; a pair without an entry gets bf16.
-#: The one entry measured the seed's conversion (``Float8Linear`` on every expert); what ``--precision fp8`` converts
-#: today (``--fp8_layers auto``, the experts through the FP8 grouped GEMM) is the step table's ``spider_fp8`` row,
-#: not yet measured: replace the entry with that row's figures.
+#: The entries are what ``--precision fp8`` converts (``Float8Linear`` where torchao's filter expects a gain, the
+#: experts through torchao's FP8 grouped GEMM; ``small``: the ``fp8`` part's seed layers), measured on an H200 on
+#: 2026-11-26 (``bench/gpu_check_h200.json``, docs/results.md "Performance on a GPU"); at 1 x 2048 bytes the 1b step
+#: was 0.288 s bf16 against 0.690 s FP8 tensorwise (0.256 / 0.377 s rowwise).
 FP8_MEASURED: dict[tuple[tuple[int, int], str], dict] = {
     ((9, 0), "1b"): {
-        "gpu": "NVIDIA H200", "batch": "32 x 256 bytes", "bf16_seconds": 0.85, "fp8_seconds": 5.8,
-        "fp8": "torchao Float8Linear tensorwise on every seed-eligible layer, routed experts included",
+        "gpu": "NVIDIA H200", "batch": "32 x 256 bytes", "bf16_seconds": 0.355, "fp8_seconds": 5.05,
+        "fp8": "tensorwise Float8Linear on 48 of 94 linear layers (torchao's filter), 6 experts modules on FP8 "
+               "grouped GEMM",
+        "versions": "torch 2.11.0+cu130, transformers 5.24.0, torchao 0.18.0",
+    },
+    ((9, 0), "small"): {
+        "gpu": "NVIDIA H200", "batch": "8 x 256 bytes", "bf16_seconds": 0.082, "fp8_seconds": 0.209,
+        "fp8": "tensorwise Float8Linear on the seed's 32 layers, 2 experts modules FP8 grouped GEMM",
         "versions": "torch 2.11.0+cu130, transformers 5.24.0, torchao 0.18.0",
     },
 }

@@ -135,7 +135,9 @@ def test_attention_backends_at_toy_sizes_on_cpu():
         assert timed["calls"] == 6 and timed["steady_median_s"] > 0 and timed["steady_median_host_s"] > 0
         assert timed["sequence_total_s"] >= sum(timed["first_call_s"].values())
     assert "default" in backends["math"]["first_calls_after"]  # the same kernel ran these shapes before
-    assert entry["fastest_steady"] in expected and entry["fastest_sequence_total"] in expected
+    assert entry["fastest_steady"] in expected
+    # math reused default's shapes (the same kernel): only rows that met the shapes cold compete on the total
+    assert entry["fastest_sequence_total"] in {"default", "flash"}
 
 
 def test_attention_backends_stop_at_the_deadline():
