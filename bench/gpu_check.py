@@ -18,7 +18,7 @@ Parts, in the order they run (most important first; see "Time budget"):
   there (``--main_job_steps``, ``--main_job_preset`` and ``--main_job_args`` change the run). Figures: steps,
   seconds, held-out bits per byte before / after and by loop count, the sample, the reload's device and bytes.
   Passes when the run finishes, held-out bits per byte fell, and the reloaded release generates on the device.
-  (500 steps took 151 s on an H200 on 2026-11-26.)
+  (500 steps took 151 s on an H200 at f114b7e, 38 s at c2bcf51; the part 60 s.)
 - ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
   at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default config,
   the fused experts on ``grouped_mm``), transformers' ``DeepseekV3ForCausalLM`` of the same shape
@@ -31,21 +31,23 @@ Parts, in the order they run (most important first; see "Time budget"):
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
   Spider with ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the
   per-expert layout ran them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
-  x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks. The order: the uncompiled rows
+  x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks. The order: the comparison rows
   shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), the seed's recipe, then the
-  compiled rows (one compiled model, recompiled at the second shape). Per
-  row: step seconds (median of ``--step_repeats`` after the warm-up), host seconds (``host_s``: until the step's
+  compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200), then the FP8
+  rows (the first FP8 step took 54 s there). Per
+  row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
+  a step at a segment count not seen before costs more), host seconds (``host_s``: until the step's
   last call returns, before the device is synchronised: how long the host takes to issue the step), bytes/s, peak
   memory
   (``torch.cuda.max_memory_allocated`` over the timed steps, weights and optimizer state included; null on CPU),
   FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul peak measured in-process
   (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten ops dispatched per step,
   host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the
-  ``set_sync_debug_mode`` warnings; torch's CPU AdamW reads each parameter's step count on the host, the fused CUDA
-  one does not), and on CUDA, at the first shape (the profiler's post-processing of ~40k kernels takes seconds, and
-  the launch count hardly depends on the shape), the kernels launched in one profiled step, the host's launch calls
-  and the GPU busy time (``torch.profiler`` with CUDA activity; ``gpu_busy_fraction`` = busy time / median step
-  time). A measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is
+  ``set_sync_debug_mode`` warnings and the lines they point at, ``cuda_sync_sources``; torch's CPU AdamW reads each
+  parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
+  post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
+  launched in one profiled step, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
+  ``gpu_busy_fraction`` = busy time / median step time) and the ops with the most host time (``top_host_ops``). A measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is
   given.
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
   default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
@@ -111,14 +113,14 @@ and is skipped with the reason "time budget" when less than :data:`MIN_PART_S` i
 stops itself (the training runs stop early, keeping time for their final scoring and release; tables skip the rows
 that no longer fit), and a hard limit (``SIGALRM``, main thread) cuts off a part still running at the end of its
 allowance, reported as skipped for the time budget. The order: the main job is what every user runs; the step table,
-the host syncs and the attention kernels are the GPU figures the project's performance work is judged by (the
-attention part takes seconds and is capped at 25); the 1b run is the only check of
-the 1b preset's training dynamics on a GPU; FP8 and TileKernels come last because their GPU figures are recorded
-(FP8 5.8 s per 1b step against 0.85 s in bf16, TileKernels 0.98x, H200, 2026-11-26) and neither is on the default
-training path (``--precision auto`` picks bf16 on every CUDA device). With the caps as set, a default run on one
-H100/H200 is expected to spend most of its budget on the first five parts, and FP8 / TileKernels get what they
-leave; ``--only fp8 tile_kernels_moe`` runs them alone. (The caps are estimates from the H200 figures above; no GPU
-was at hand when they were set.)
+the host syncs and the attention kernels are the GPU figures the project's performance work is judged by; the 1b
+run is the only check of the 1b preset's training dynamics on a GPU; FP8 and TileKernels come last because their
+GPU figures are recorded (FP8 slower than bf16 at every size measured, TileKernels 0.98x; H200, 2026-11-26) and
+neither is on the default training path (``--precision auto`` picks bf16 on every CUDA device). The caps follow what
+each part took on the H200 at c2bcf51 (``bench/gpu_check_h200.json``: main job 60 s, host syncs 7, attention 1, the
+1b run 108 s for 237 of its 300 steps; the table's rows ~10 s each, a compiled one ~95 s). A default run there spends
+its budget on the first five parts, and FP8 / TileKernels get what they leave; ``--only fp8 tile_kernels_moe`` runs
+them alone.
 
 Everything that can run on CPU does (``tests/test_gpu_check.py``, toy sizes through the size/steps flags: the main
 job and the run on the ``tiny`` preset for a few steps, the step table, host syncs and attention kernels on
@@ -130,6 +132,7 @@ report ``"skipped"`` with "needs CUDA" on a machine without one.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -164,8 +167,10 @@ SHAPES = {"tiny": (2, 128), "small": (8, 256), "1b": (1, 2048)}  # (batch, bytes
 PARTS = ("main_job", "step_table", "host_syncs", "attention_backends", "run_1b", "fp8", "tile_kernels_moe", "fsdp2_fp8_all_gather")
 CHECKS = PARTS  # the name earlier versions used
 #: each part's largest time allowance in seconds (see "Time budget" in the module docstring)
-PART_CAPS_S = {"main_job": 200, "step_table": 150, "host_syncs": 30, "attention_backends": 25, "run_1b": 120,
+PART_CAPS_S = {"main_job": 90, "step_table": 220, "host_syncs": 20, "attention_backends": 15, "run_1b": 150,
                "fp8": 90, "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
+#: ops named in a profiled step's ``top_host_ops``
+TOP_HOST_OPS = 8
 #: a part that would get less than this is skipped ("time budget")
 MIN_PART_S = 5.0
 DEFAULT_BUDGET_S = 460.0
@@ -175,6 +180,8 @@ STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spid
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
 STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts")
+#: rows that run after every shape's comparison rows and the seed's recipe, in this order, shape by shape
+_LAST_ROWS = ("spider_compiled", "spider_fp8")
 #: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
 #: during its first steps)
 STEP_TABLE_WARMUP = {"spider_compiled": 3}
@@ -539,7 +546,9 @@ def _train_step_of(model, ids: torch.Tensor, device: torch.device) -> TrainStep:
 
 def _profile_kernels(step, device: torch.device) -> dict:
     """Kernels launched by one `step` and the GPU's busy time (``torch.profiler`` with CUDA activity): device-side
-    events (kernels, memcpy, memset), the host-side launch calls, the summed device time and the profiled wall time."""
+    events (kernels, memcpy, memset), the host-side launch calls, the summed device time, the profiled wall time and
+    the :data:`TOP_HOST_OPS` ops with the most self host time (``top_host_ops``: where a slow step's host time goes,
+    e.g. a cuDNN plan built at a new segment count)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -555,8 +564,11 @@ def _profile_kernels(step, device: torch.device) -> dict:
     launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                    "cuLaunchKernelEx")]
     busy_us = sum(e.time_range.elapsed_us() for e in device_events)
+    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST_OPS]
     return {"kernel_launches": len(kernels), "device_events": len(device_events), "launch_calls": len(launches),
-            "gpu_busy_s": busy_us / 1e6, "profiled_step_s": wall}
+            "gpu_busy_s": busy_us / 1e6, "profiled_step_s": wall,
+            "top_host_ops": {a.key: {"self_host_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
+                             for a in top}}
 
 
 def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
@@ -578,6 +590,8 @@ def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
     if device.type == "cuda":
         figures["cuda_sync_warnings"] = sum(cuda.count for _, cuda in counted.values())
         figures["cuda_sync_warnings_forward_backward"] = counted["forward_backward"][1].count
+        figures["cuda_sync_sources"] = dict(sum((cuda.sources for _, cuda in counted.values()),
+                                                collections.Counter()).most_common())
     return figures
 
 
@@ -620,7 +634,8 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
         synchronize(device)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    row.update(step_s=median, step_times_s=[round(t, 5) for t in times], host_s=statistics.median(host),
+    row.update(step_s=median, step_s_min=min(times), step_times_s=[round(t, 5) for t in times],
+               host_s=statistics.median(host),
                bytes_per_s=batch * length / median,
                peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
                mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None)
@@ -702,11 +717,12 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     # each builder returns (model on the device, what the row adds about it)
     builders = {key: (lambda fn=fn: (_build(fn, device), {})) for key, fn in plain.items()}
     # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
-    # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest).
-    plan = [(label, shape) for shape in shapes for label in models if label != "spider_compiled"]
+    # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest), then
+    # FP8's (on the H200 its first step took 54 s and each new segment count ~5 s: _LAST_ROWS).
+    plan = [(label, shape) for shape in shapes for label in models if label not in _LAST_ROWS]
     if seed_recipe_shape is not None and "spider" in models:
         plan.append(("spider_seed_recipe", tuple(seed_recipe_shape)))
-    plan += [("spider_compiled", shape) for shape in shapes if "spider_compiled" in models]
+    plan += [(label, shape) for label in _LAST_ROWS if label in models for shape in shapes]
     builders.update(spider_fp8=lambda: _spider_fp8(preset, device),
                     spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
                     spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
