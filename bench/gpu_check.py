@@ -31,10 +31,11 @@ Parts, in the order they run (most important first; see "Time budget"):
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
   Spider with ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the
   per-expert layout ran them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
-  x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks. The order: the comparison rows
+  x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks, and on request compiled too
+  (``spider_seed_recipe_compiled``, for the 40,000 bytes/s target). The order: the comparison rows
   shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), the seed's recipe, then the
-  compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200), then the FP8
-  rows (the first FP8 step took 54 s there). Per
+  compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
+  compiled seed's recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
   row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
   a step at a segment count not seen before costs more), host seconds (``host_s``: until the step's
   last call returns, before the device is synchronised: how long the host takes to issue the step), bytes/s, peak
@@ -179,12 +180,17 @@ STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
 STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
-STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts")
+STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_seed_recipe_compiled")
 #: rows that run after every shape's comparison rows and the seed's recipe, in this order, shape by shape
 _LAST_ROWS = ("spider_compiled", "spider_fp8")
+#: rows whose model is compiled: no instrumented step (a dispatch mode does not see into the graphs), the FLOPs of
+#: their eager twin at the same shape
+_COMPILED_ROWS = ("spider_compiled", "spider_seed_recipe_compiled")
+#: the eager row whose FLOPs a compiled row reports
+_EAGER_TWIN = {"spider_compiled": "spider", "spider_seed_recipe_compiled": "spider_seed_recipe"}
 #: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
 #: during its first steps)
-STEP_TABLE_WARMUP = {"spider_compiled": 3}
+STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_seed_recipe_compiled": 3}
 #: the seed's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_seed_recipe``
 #: row after the table
 SEED_RECIPE_SHAPE = (112, 256)
@@ -673,17 +679,26 @@ def _spider_compiled(preset: str, device: torch.device, backend: str,
     return model, {"compile_backend": backend, "compile_mode": mode or "default"}
 
 
-def _spider_seed_recipe(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
+def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
+                        compile_mode: str | None = None) -> tuple[torch.nn.Module, dict]:
     """The seed's own training configuration: `preset` with activation checkpointing (``gradient_checkpointing_enable``,
     as ``--preset 1b`` trains by default), in the precision ``--precision auto`` picks on this device (bf16 autocast on
-    CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`)."""
+    CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`). With `compile_backend` also compiled as
+    ``--compile`` compiles it (the ``spider_seed_recipe_compiled`` row, as :func:`_spider_compiled`)."""
     from spider_training.fp8 import resolve_precision
 
     precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
     model = _spider_fp8(preset, device)[0] if precision == "fp8" else _build(lambda: spider_model(preset), device)
     model.gradient_checkpointing_enable()
     autocast = str(_autocast_dtype(device) or torch.float32).replace("torch.", "")
-    return model, {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
+    extra = {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
+    if compile_backend is not None:
+        from accelerate.utils import compile_regions
+
+        torch._dynamo.reset()
+        model = compile_regions(model, backend=compile_backend, mode=compile_mode)
+        extra.update(compile_backend=compile_backend, compile_mode=compile_mode or "default")
+    return model, extra
 
 
 def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
@@ -719,14 +734,20 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
     # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest), then
     # FP8's (on the H200 its first step took 54 s and each new segment count ~5 s: _LAST_ROWS).
-    plan = [(label, shape) for shape in shapes for label in models if label not in _LAST_ROWS]
+    plan = [(label, shape) for shape in shapes for label in models
+            if label not in (*_LAST_ROWS, "spider_seed_recipe_compiled")]
     if seed_recipe_shape is not None and "spider" in models:
         plan.append(("spider_seed_recipe", tuple(seed_recipe_shape)))
     plan += [(label, shape) for label in _LAST_ROWS if label in models for shape in shapes]
+    if seed_recipe_shape is not None and "spider_seed_recipe_compiled" in models:  # on request, before FP8's rows
+        plan.insert(len(plan) - sum(label == "spider_fp8" for label, _ in plan),
+                    ("spider_seed_recipe_compiled", tuple(seed_recipe_shape)))
     builders.update(spider_fp8=lambda: _spider_fp8(preset, device),
                     spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
+                    spider_seed_recipe_compiled=lambda: _spider_seed_recipe(preset, device, compile_backend,
+                                                                            compile_mode),
                     spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
-    rows, params, spider_flops = [], {}, {}  # spider_flops: by shape; the compiled rows compute the plain row's FLOPs
+    rows, params, spider_flops = [], {}, {}  # spider_flops: by (eager row, shape), for the compiled twins
     held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
     needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
     for label, (batch, length) in plan:
@@ -747,10 +768,11 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
             params[label] = num_params(model)
             row = _step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
                             profile=(batch, length) == shapes[0], warmup=STEP_TABLE_WARMUP.get(label, 1),
-                            instrument=label != "spider_compiled", flops=spider_flops.get((batch, length)))
+                            instrument=label not in _COMPILED_ROWS,
+                            flops=spider_flops.get((_EAGER_TWIN.get(label), batch, length)))
             rows.append({**row, **extra})
-            if label == "spider":
-                spider_flops[(batch, length)] = row["flops_per_step"]
+            if label in _EAGER_TWIN.values():
+                spider_flops[(label, batch, length)] = row["flops_per_step"]
         except PartTimeout as exc:  # the hard limit: keep the rows measured so far
             rows.append({**row_name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"})
             deadline.end = time.monotonic()  # every later row is skipped
@@ -1162,7 +1184,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "only when given)")
     parser.add_argument("--step_table_models", nargs="+", default=list(STEP_TABLE_MODELS),
                         choices=STEP_TABLE_MODEL_CHOICES,
-                        help="rows of each shape (default: all but spider_eager_experts; the compiled rows run last)")
+                        help="rows of each shape (default: all but spider_eager_experts and spider_seed_recipe_compiled; the "
+                             "compiled and FP8 rows run last)")
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
     parser.add_argument("--compile_mode", default=None,

@@ -116,6 +116,23 @@ def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
     assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
 
 
+def test_seed_recipe_compiled_on_request_runs_before_the_fp8_rows():
+    """``spider_seed_recipe_compiled`` (on request): activation checkpointing under regional compilation, timed with
+    the plain seed recipe's FLOPs, after the compiled rows and before FP8's."""
+    table = gpu_check.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
+                                       models=("spider", "spider_compiled", "spider_fp8",
+                                               "spider_seed_recipe_compiled"),
+                                       compile_backend="eager", seed_recipe_shape=(2, 32))
+    assert table["status"] == "passed", table
+    assert [row["model"] for row in table["rows"]] == ["spider", "spider_seed_recipe", "spider_compiled",
+                                                       "spider_seed_recipe_compiled", "spider_fp8"]
+    rows = {row["model"]: row for row in table["rows"]}
+    compiled = rows["spider_seed_recipe_compiled"]
+    assert compiled["activation_checkpointing"] and compiled["compile_backend"] == "eager", compiled
+    assert len(compiled["warmup_step_s"]) == 3 and compiled["aten_ops_per_step"] is None
+    assert compiled["flops_per_step"] == rows["spider_seed_recipe"]["flops_per_step"] > 0
+
+
 def test_attention_backends_at_toy_sizes_on_cpu():
     """Every SDPA kernel over the same shuffled segment counts: CPU has math and flash (the value padded to the
     query/key head dim), torch's default runs math for MLA's unequal head dims; cuDNN and memory-efficient are
