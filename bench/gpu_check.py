@@ -86,7 +86,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   ``boundary_prior_k`` of the trained config), and held-out bits per byte fell (last < first). Skipped without CUDA
   unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
-  and the entry says how many. Reported beside the judgement: the mean ACT halting step along the run
+  and the entry says how many. Reported beside the judgement: each step's wall time summarised (``step_seconds``,
+  :func:`step_time_summary`: median, mean, 90th percentile, max, and how many steps took over twice the median,
+  which is what a segment count not seen before costs in a real run), the mean ACT halting step along the run
   (``mean_halting_step``: loops per segment; near 1 means the later loops get no weight) and the held-out bits per
   byte at 1, 2 and 4 loops after training.
 - ``fp8_<recipe>_<preset>``: torchao ``Float8Linear`` (real ``torch._scaled_mm`` on a GPU; emulated on CPU), and the
@@ -199,6 +201,8 @@ _WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_l
                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
                  "engram_head_dim", "engram_table_size", "lora_rank", "max_position_embeddings")
 TIME_BUDGET = "time budget"
+#: a training step slower than this x the run's median step counts as slow (``step_seconds.slow_steps``)
+SLOW_STEP_FACTOR = 2.0
 
 
 def _entry(name: str, status: str, reason: str = "", **figures) -> dict:
@@ -291,7 +295,9 @@ def _trainer_hook_class():
 
     class TrainerHook(TrainerCallback):
         """A ``TrainerCallback`` handed to :func:`spider_training.train.main` (``callbacks=``): keeps the run's
-        ``state`` (``log_history``) and the trained model's config and, with `stop_at` (``time.monotonic``), stops
+        ``state`` (``log_history``), the trained model's config and each step's wall time (``step_times``: from
+        ``on_step_begin`` to ``on_step_end``, so evaluation and the next batch's loading are outside it; the step's
+        one host sync keeps the host within a step of the device) and, with `stop_at` (``time.monotonic``), stops
         training at the first step that ends after it (``control.should_training_stop``: the run then scores, samples
         and writes its release as after its last step)."""
 
@@ -300,12 +306,20 @@ def _trainer_hook_class():
             self.state = None
             self.config = None
             self.stopped_at_step = None
+            self.step_times: list[float] = []
+            self._step_start = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.state = state
             self.config = getattr(model, "config", None)
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._step_start = time.perf_counter()
+
         def on_step_end(self, args, state, control, **kwargs):
+            if self._step_start is not None:
+                self.step_times.append(time.perf_counter() - self._step_start)
+                self._step_start = None
             if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
                 control.should_training_stop = True
                 self.stopped_at_step = state.global_step
@@ -356,7 +370,8 @@ def main_job_check(steps: int = 500, preset: str = "small", device: torch.device
         before = summary.get("eval_before_bits_per_byte")
         after = summary.get("eval_after_bits_per_byte")
         figures.update(steps=summary.get("steps"), seconds=round(seconds, 2),
-                       train_runtime_s=_train_runtime(hook), precision=summary.get("precision"),
+                       train_runtime_s=_train_runtime(hook), step_seconds=step_time_summary(hook.step_times),
+                       precision=summary.get("precision"),
                        moe_backend=summary.get("moe_backend"), parameters=summary.get("parameters"),
                        bits_per_byte_before=before, bits_per_byte_after=after,
                        bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
@@ -505,7 +520,8 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
                        mean_halting_step=_thin(training_curve(history, "mean_halting_step"), 40),
                        held_out_bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
                        boundary_prior=config.boundary_prior, boundary_prior_std=config.boundary_prior_std,
-                       boundary_prior_k=config.boundary_prior_k, **judged)
+                       boundary_prior_k=config.boundary_prior_k,
+                       step_seconds=step_time_summary(hook.step_times), **judged)
         if hook.stopped_at_step is not None:
             figures["note"] = f"training stopped by the time budget at step {hook.stopped_at_step} of {steps}"
             if status == "failed":
@@ -514,6 +530,21 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
         figures["peak_memory_mb"] = max(peak) if peak else None
         hook.state = hook.config = config = None
     return _entry(name, status, reason, **figures)
+
+
+def step_time_summary(step_times: list[float], slow_factor: float = SLOW_STEP_FACTOR) -> dict | None:
+    """Wall seconds of a run's training steps (the trainer hook's ``step_times``): count, median, mean, 90th
+    percentile, max, and the steps slower than `slow_factor` x the median (1-based step numbers; on the H200 a step at
+    a segment count not seen before took 5x a repeated one). None for no steps."""
+    if not step_times:
+        return None
+    median = statistics.median(step_times)
+    ordered = sorted(step_times)
+    slow = [i + 1 for i, t in enumerate(step_times) if t > slow_factor * median]
+    return {"steps": len(step_times), "median_s": round(median, 4), "mean_s": round(statistics.fmean(step_times), 4),
+            "p90_s": round(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)], 4),
+            "max_s": round(ordered[-1], 4), "slow_factor": slow_factor, "slow_steps": len(slow),
+            "slow_step_numbers": slow[:50]}
 
 
 def _thin(points: list, at_most: int) -> list:

@@ -90,6 +90,9 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     assert len(run["mean_halting_step"]) == len(run["compression_rate"])  # every training log has both
     assert all(1 <= loops <= spider_config("tiny").n_loops for _, loops in run["mean_halting_step"])
     assert set(run["held_out_bits_per_byte_by_loops"]) == {"1", "2", "4"}
+    for entry in (run, main_job):  # every training step timed, evaluation outside
+        times = entry["step_seconds"]
+        assert times["steps"] == entry["steps"] and 0 < times["median_s"] <= times["p90_s"] <= times["max_s"], times
     config = spider_config("tiny")
     status, reason, _ = gpu_check.judge_1b_run(run["held_out_bits_per_byte"], run["compression_rate"],
                                                config.boundary_prior, config.boundary_prior_std,
@@ -106,6 +109,17 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
         assert "needs CUDA" in by_name[name]["reason"], name
     assert result["environment"]["cuda"] is False
     assert result["passed"] == all(c["status"] != "failed" for c in result["checks"])
+
+
+def test_step_time_summary_counts_the_slow_steps():
+    """Steps over twice the median are named (1-based); the percentiles come from the sorted times."""
+    times = [0.25, 0.26, 1.4, 0.25, 0.24, 0.26, 0.25, 1.3, 0.25, 0.26]
+    summary = gpu_check.step_time_summary(times)
+    assert summary["steps"] == 10 and summary["median_s"] == 0.255 and summary["max_s"] == 1.4
+    assert summary["slow_steps"] == 2 and summary["slow_step_numbers"] == [3, 8]
+    assert summary["p90_s"] == 1.3 and summary["mean_s"] == round(sum(times) / 10, 4)
+    assert gpu_check.step_time_summary([]) is None
+    assert gpu_check.step_time_summary(times, slow_factor=6.0)["slow_steps"] == 0
 
 
 def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
