@@ -48,8 +48,8 @@ Parts, in the order they run (most important first; see "Time budget"):
   parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
   post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
   launched in one profiled step, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
-  ``gpu_busy_fraction`` = busy time / median step time) and the ops with the most host time (``top_host_ops``). A measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is
-  given.
+  ``gpu_busy_fraction`` = busy time / median step time) and the ops with the most host time (``top_host_ops``). A
+  measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is given.
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
   default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
   recorded (:class:`bench.common.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
