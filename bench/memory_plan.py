@@ -19,6 +19,8 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   what stays is what the non-checkpointed parts save, the inputs of every checkpointed layer call, and one layer's
   activations while it is recomputed in the backward pass (the largest, measured per layer call). Activations are
   measured in fp32 (the CPU run) and reported for bf16 autocast at half that (FP8 saves its inputs in bf16 too).
+  Measured on an H200 (docs/results.md, after the plan) a step held 1.5x these activations with checkpointing and
+  1.7x without: autocast also keeps the fp32 inputs of what it casts, and the experts' bf16 weight copies.
 - **FLOPs per training step** of one sequence: counted by ``FlopCounterMode`` (:func:`bench.common.count_flops`) for a
   forward and backward at the same two lengths, extrapolated with ``a L + b L^2`` (attention). No throughput is
   derived from them: a CPU's MFU says nothing of a GPU's, and ``python -m bench.gpu_check`` measures the step on a
