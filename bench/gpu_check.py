@@ -183,12 +183,10 @@ STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spid
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
 STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_seed_recipe_compiled")
-#: rows that run after every shape's comparison rows and the seed's recipe, in this order, shape by shape
-_LAST_ROWS = ("spider_compiled", "spider_fp8")
-#: rows whose model is compiled: no instrumented step (a dispatch mode does not see into the graphs), the FLOPs of
-#: their eager twin at the same shape
-_COMPILED_ROWS = ("spider_compiled", "spider_seed_recipe_compiled")
-#: the eager row whose FLOPs a compiled row reports
+#: the rows that run first, shape by shape (the compiled, seed-recipe and FP8 rows follow: ``step_table_check``)
+_COMPARISON_ROWS = ("spider", "deepseek_v3", "llama_dense", "spider_eager_experts")
+#: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
+#: they get no instrumented step)
 _EAGER_TWIN = {"spider_compiled": "spider", "spider_seed_recipe_compiled": "spider_seed_recipe"}
 #: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
 #: during its first steps)
@@ -703,11 +701,17 @@ def _spider_compiled(preset: str, device: torch.device, backend: str,
     """Spider compiled as ``--compile`` compiles it: accelerate's ``compile_regions`` (each layer and submodule on its
     own; the loops and the segment count in eager Python between them), with ``torch.compile``'s `backend` and `mode`
     (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``: CUDA graphs per region)."""
+    return _compile_regions(_build(lambda: spider_model(preset), device), backend, mode)
+
+
+def _compile_regions(model, backend: str, mode: str | None) -> tuple[torch.nn.Module, dict]:
+    """`model` through accelerate's ``compile_regions`` (as ``--compile``), after a dynamo reset; and what the row adds
+    about it."""
     from accelerate.utils import compile_regions
 
     torch._dynamo.reset()
-    model = compile_regions(_build(lambda: spider_model(preset), device), backend=backend, mode=mode)
-    return model, {"compile_backend": backend, "compile_mode": mode or "default"}
+    return (compile_regions(model, backend=backend, mode=mode),
+            {"compile_backend": backend, "compile_mode": mode or "default"})
 
 
 def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
@@ -724,11 +728,8 @@ def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str 
     autocast = str(_autocast_dtype(device) or torch.float32).replace("torch.", "")
     extra = {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
     if compile_backend is not None:
-        from accelerate.utils import compile_regions
-
-        torch._dynamo.reset()
-        model = compile_regions(model, backend=compile_backend, mode=compile_mode)
-        extra.update(compile_backend=compile_backend, compile_mode=compile_mode or "default")
+        model, compiled = _compile_regions(model, compile_backend, compile_mode)
+        extra.update(compiled)
     return model, extra
 
 
@@ -764,15 +765,13 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     builders = {key: (lambda fn=fn: (_build(fn, device), {})) for key, fn in plain.items()}
     # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
     # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest), then
-    # FP8's (on the H200 its first step took 54 s and each new segment count ~5 s: _LAST_ROWS).
-    plan = [(label, shape) for shape in shapes for label in models
-            if label not in (*_LAST_ROWS, "spider_seed_recipe_compiled")]
-    if seed_recipe_shape is not None and "spider" in models:
-        plan.append(("spider_seed_recipe", tuple(seed_recipe_shape)))
-    plan += [(label, shape) for label in _LAST_ROWS if label in models for shape in shapes]
-    if seed_recipe_shape is not None and "spider_seed_recipe_compiled" in models:  # on request, before FP8's rows
-        plan.insert(len(plan) - sum(label == "spider_fp8" for label, _ in plan),
-                    ("spider_seed_recipe_compiled", tuple(seed_recipe_shape)))
+    # FP8's (on the H200 its first step took 54 s and each new segment count ~5 s).
+    seed_shapes = [] if seed_recipe_shape is None else [tuple(seed_recipe_shape)]
+    plan = [(label, shape) for shape in shapes for label in models if label in _COMPARISON_ROWS]
+    plan += [("spider_seed_recipe", shape) for shape in seed_shapes if "spider" in models]
+    plan += [("spider_compiled", shape) for shape in shapes if "spider_compiled" in models]
+    plan += [("spider_seed_recipe_compiled", shape) for shape in seed_shapes if "spider_seed_recipe_compiled" in models]
+    plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
     builders.update(spider_fp8=lambda: _spider_fp8(preset, device),
                     spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
                     spider_seed_recipe_compiled=lambda: _spider_seed_recipe(preset, device, compile_backend,
@@ -799,7 +798,7 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
             params[label] = num_params(model)
             row = _step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
                             profile=(batch, length) == shapes[0], warmup=STEP_TABLE_WARMUP.get(label, 1),
-                            instrument=label not in _COMPILED_ROWS,
+                            instrument=label not in _EAGER_TWIN,
                             flops=spider_flops.get((_EAGER_TWIN.get(label), batch, length)))
             rows.append({**row, **extra})
             if label in _EAGER_TWIN.values():
