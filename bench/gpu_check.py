@@ -21,7 +21,12 @@ Parts, in the order they run (most important first; see "Time budget"):
   (500 steps took 151 s on an H200 at f114b7e, 38 s at c2bcf51; the part 60 s.)
 - ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
   at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default config,
-  the fused experts on ``grouped_mm``), transformers' ``DeepseekV3ForCausalLM`` of the same shape
+  the fused experts on ``grouped_mm``; freshly initialised on uniform random bytes, its boundary predictor closes
+  about 0.4 segments per byte, 1 + S = 128 slots at 32 x 256 on CPU), Spider at a trained model's segment rate
+  (``spider_word_rate``: ``boundary_mode="fixed"``, a segment every ``round(1 / boundary_prior)`` bytes, 5 for
+  ``1b``, so 1 + S = 64 slots at 256 bytes, the same slot count the SpaceByte teacher's 0.167 segments per byte on
+  the SOTU text gives, where the 1b run's boundaries settle; the same modules and ops, and one axis size every step),
+  transformers' ``DeepseekV3ForCausalLM`` of the same shape
   (:func:`bench.common.peer_config`; with fp32 master weights under autocast, as every row, its experts' grouped GEMMs
   run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense ``LlamaForCausalLM`` of about the same parameter count
   (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
@@ -29,20 +34,23 @@ Parts, in the order they run (most important first; see "Time budget"):
   has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
   (``spider_compiled``: accelerate's ``compile_regions``, ``--compile_backend``; three warm-up steps, whose times
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
-  Spider with ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the
-  per-expert layout ran them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
+  the word-rate model compiled the same way (``spider_word_rate_compiled``) and Spider with
+  ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the per-expert layout ran
+  them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
   x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks, and on request compiled too
   (``spider_seed_recipe_compiled``, for the 40,000 bytes/s target). The order: the comparison rows
   shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), the seed's recipe, then the
   compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
-  compiled seed's recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
+  compiled word-rate model and the compiled seed's recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
   row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
-  a step at a segment count not seen before costs more), host seconds (``host_s``: until the step's
-  last call returns, before the device is synchronised: how long the host takes to issue the step), bytes/s, peak
-  memory
-  (``torch.cuda.max_memory_allocated`` over the timed steps, weights and optimizer state included; null on CPU),
-  FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul peak measured in-process
-  (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten ops dispatched per step,
+  a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
+  instrumented, timed and profiled step, ``segment_axis`` (:class:`SegmentAxisRecorder`), how many timed steps met a
+  new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``), host seconds
+  (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
+  issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
+  optimizer state included; null on CPU), FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul
+  peak measured in-process (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten
+  ops dispatched per step,
   host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the
   ``set_sync_debug_mode`` warnings and the lines they point at, ``cuda_sync_sources``; torch's CPU AdamW reads each
   parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
@@ -179,18 +187,20 @@ MIN_PART_S = 5.0
 DEFAULT_BUDGET_S = 460.0
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
 #: the step table's rows at each shape (module docstring: the order they run in)
-STEP_TABLE_MODELS = ("spider", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
+STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
-STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_seed_recipe_compiled")
+STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_word_rate_compiled",
+                            "spider_seed_recipe_compiled")
 #: the rows that run first, shape by shape (the compiled, seed-recipe and FP8 rows follow: ``step_table_check``)
-_COMPARISON_ROWS = ("spider", "deepseek_v3", "llama_dense", "spider_eager_experts")
+_COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_eager_experts")
 #: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
 #: they get no instrumented step)
-_EAGER_TWIN = {"spider_compiled": "spider", "spider_seed_recipe_compiled": "spider_seed_recipe"}
+_EAGER_TWIN = {"spider_compiled": "spider", "spider_word_rate_compiled": "spider_word_rate",
+               "spider_seed_recipe_compiled": "spider_seed_recipe"}
 #: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
 #: during its first steps)
-STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_seed_recipe_compiled": 3}
+STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_seed_recipe_compiled": 3}
 #: the seed's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_seed_recipe``
 #: row after the table
 SEED_RECIPE_SHAPE = (112, 256)
@@ -630,6 +640,52 @@ def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
     return figures
 
 
+class SegmentAxisRecorder:
+    """The segment axis ``1 + S`` (padded to ``pad_segments_to_multiple_of``) of each forward of a Spider model: a
+    forward hook on ``model.model.flexitokens``, compiled (accelerate's ``compile_regions`` wraps it) or not, reading
+    the segments' shape (no host sync). Inert (:attr:`active` False) for a model without one (the transformers peers).
+
+    On the H200 a step at an axis size the process had not met took several times a repeated one (cuDNN plans
+    attention once per shape, ``torch.compile`` compiles once per shape): :meth:`step` tells which steps met one."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.sizes: list[int] = []
+        flexitokens = getattr(getattr(model, "model", None), "flexitokens", None)
+        self._handle = flexitokens.register_forward_hook(self._record) if flexitokens is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self._handle is not None
+
+    def _record(self, module, args, output) -> None:
+        self.sizes.append(int(output[2].shape[1]))
+
+    def step(self, call) -> int | None:
+        """Run `call()`; the axis size of its first forward (None: no forward was recorded)."""
+        before = len(self.sizes)
+        call()
+        return self.sizes[before] if len(self.sizes) > before else None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def repeated_axis_summary(axis_before: list, timed_axis: list, times: list[float]) -> dict:
+    """Which timed steps ran at a segment axis an earlier step of the row (`axis_before`: warm-up and instrumented
+    steps; then the earlier timed steps) had met, and the median seconds of those (``step_s_repeated_axis``, None when
+    none had): what a long run's steps cost once its few axis sizes have all been met (the main job met 11 in 500
+    steps, the last new one at step 86). Inputs in step order; `timed_axis` and `times` of equal length."""
+    seen, repeated = set(axis_before), []
+    for size, seconds in zip(timed_axis, times):
+        if size in seen:
+            repeated.append(seconds)
+        seen.add(size)
+    return {"timed_steps_at_new_axis": len(times) - len(repeated),
+            "step_s_repeated_axis": statistics.median(repeated) if repeated else None}
+
+
 def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, repeats: int,
               peak_flops: float | None, profile: bool = True, warmup: int = 1, instrument: bool = True,
               flops: int | None = None) -> dict:
@@ -640,18 +696,32 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
     ids = random_bytes(batch, length).to(device)
     step = _train_step_of(model, ids, device)
-    warmup_s = []
+    axis = SegmentAxisRecorder(model)
+    try:
+        return _timed_row(row, model, step, axis, device, repeats, peak_flops, profile, warmup, instrument, flops)
+    finally:
+        axis.close()
+
+
+def _timed_row(row: dict, model, step, axis: SegmentAxisRecorder, device: torch.device, repeats: int,
+               peak_flops: float | None, profile: bool, warmup: int, instrument: bool, flops: int | None) -> dict:
+    """:func:`_step_row`'s measurements of `step` into `row`; `axis` records Spider's segment axis per step."""
+    batch, length = (int(n) for n in row["shape"].split("x"))
+    warmup_s, warmup_axis = [], []
     for _ in range(warmup):  # optimizer state, kernels' plans, compilation
         synchronize(device)
         start = time.perf_counter()
-        step()
+        warmup_axis.append(axis.step(step))
         synchronize(device)
         warmup_s.append(time.perf_counter() - start)
     row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
     figures = dict(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
+    instrumented_axis = []
     if instrument:
         try:
+            recorded = len(axis.sizes)
             figures = _instrumented_step(step, device)
+            instrumented_axis = axis.sizes[recorded:recorded + 1]
         except PartTimeout:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a tensor subclass a counting mode trips on: time the row anyway
@@ -660,15 +730,18 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     row.update(figures)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, host = [], []
+    times, host, timed_axis = [], [], []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
-        step()
+        timed_axis.append(axis.step(step))
         host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
         synchronize(device)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    if axis.active:
+        row.update(segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},
+                   **repeated_axis_summary(warmup_axis + instrumented_axis, timed_axis, times))
     row.update(step_s=median, step_s_min=min(times), step_times_s=[round(t, 5) for t in times],
                host_s=statistics.median(host),
                bytes_per_s=batch * length / median,
@@ -676,11 +749,13 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
                mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None)
     if device.type == "cuda" and profile:
         try:
+            recorded = len(axis.sizes)
             profiled = _profile_kernels(step, device)
             row.update(profiled, gpu_busy_fraction=profiled["gpu_busy_s"] / median)
+            if axis.active:  # a profiled step at a new axis size times the planning too
+                row["segment_axis"]["profiled"] = axis.sizes[recorded:recorded + 1]
         except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
             row["profile_error"] = _error(exc)
-    del step
     return row
 
 
@@ -696,12 +771,13 @@ def _spider_fp8(preset: str, device: torch.device) -> tuple[torch.nn.Module, dic
                    "fp8_experts_skipped": sorted(set(experts.skipped.values()))}
 
 
-def _spider_compiled(preset: str, device: torch.device, backend: str,
-                     mode: str | None = None) -> tuple[torch.nn.Module, dict]:
-    """Spider compiled as ``--compile`` compiles it: accelerate's ``compile_regions`` (each layer and submodule on its
-    own; the loops and the segment count in eager Python between them), with ``torch.compile``'s `backend` and `mode`
-    (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``: CUDA graphs per region)."""
-    return _compile_regions(_build(lambda: spider_model(preset), device), backend, mode)
+def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str | None = None,
+                     **overrides) -> tuple[torch.nn.Module, dict]:
+    """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it: accelerate's
+    ``compile_regions`` (each layer and submodule on its own; the loops and the segment count in eager Python between
+    them), with ``torch.compile``'s `backend` and `mode` (``--torch_compile_mode`` of the trainer; e.g.
+    ``"reduce-overhead"``: CUDA graphs per region)."""
+    return _compile_regions(_build(lambda: spider_model(preset, **overrides), device), backend, mode)
 
 
 def _compile_regions(model, backend: str, mode: str | None) -> tuple[torch.nn.Module, dict]:
@@ -756,8 +832,10 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     config = spider_config(preset)
     llama_config = dense_llama_config(config)
     default_experts = config._experts_implementation
+    word_stride = max(1, round(1.0 / config.boundary_prior))
     plain = {  # built on the device by _build
         "spider": lambda: spider_model(preset),
+        "spider_word_rate": lambda: spider_model(preset, boundary_mode="fixed"),
         "deepseek_v3": lambda: peer_model(config),
         "llama_dense": lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1],
     }
@@ -769,14 +847,23 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     seed_shapes = [] if seed_recipe_shape is None else [tuple(seed_recipe_shape)]
     plan = [(label, shape) for shape in shapes for label in models if label in _COMPARISON_ROWS]
     plan += [("spider_seed_recipe", shape) for shape in seed_shapes if "spider" in models]
-    plan += [("spider_compiled", shape) for shape in shapes if "spider_compiled" in models]
+    plan += [(label, shape) for label in ("spider_compiled", "spider_word_rate_compiled") for shape in shapes
+             if label in models]
     plan += [("spider_seed_recipe_compiled", shape) for shape in seed_shapes if "spider_seed_recipe_compiled" in models]
     plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
-    builders.update(spider_fp8=lambda: _spider_fp8(preset, device),
+    word_rate = {"boundary_mode": "fixed", "bytes_per_segment": word_stride}
+
+    def word_rate_compiled():
+        model, extra = _spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")
+        return model, {**extra, **word_rate}
+
+    builders.update(spider_word_rate=lambda: (_build(plain["spider_word_rate"], device), word_rate),
+                    spider_fp8=lambda: _spider_fp8(preset, device),
                     spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
                     spider_seed_recipe_compiled=lambda: _spider_seed_recipe(preset, device, compile_backend,
                                                                             compile_mode),
-                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
+                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode),
+                    spider_word_rate_compiled=word_rate_compiled)
     rows, params, spider_flops = [], {}, {}  # spider_flops: by (eager row, shape), for the compiled twins
     held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
     needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far

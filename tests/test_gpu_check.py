@@ -130,17 +130,23 @@ def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
     assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
 
 
-def test_seed_recipe_compiled_on_request_runs_before_the_fp8_rows():
-    """``spider_seed_recipe_compiled`` (on request): activation checkpointing under regional compilation, timed with
-    the plain seed recipe's FLOPs, after the compiled rows and before FP8's."""
+def test_compiled_rows_on_request_run_before_the_fp8_rows():
+    """``spider_word_rate_compiled`` and ``spider_seed_recipe_compiled`` (on request): the word-rate model and
+    activation checkpointing under regional compilation, each timed with its eager twin's FLOPs, after the compiled
+    row and before FP8's."""
     table = gpu_check.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
-                                       models=("spider", "spider_compiled", "spider_fp8",
-                                               "spider_seed_recipe_compiled"),
+                                       models=("spider", "spider_word_rate", "spider_compiled", "spider_fp8",
+                                               "spider_word_rate_compiled", "spider_seed_recipe_compiled"),
                                        compile_backend="eager", seed_recipe_shape=(2, 32))
     assert table["status"] == "passed", table
-    assert [row["model"] for row in table["rows"]] == ["spider", "spider_seed_recipe", "spider_compiled",
+    assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "spider_seed_recipe",
+                                                       "spider_compiled", "spider_word_rate_compiled",
                                                        "spider_seed_recipe_compiled", "spider_fp8"]
     rows = {row["model"]: row for row in table["rows"]}
+    word = rows["spider_word_rate_compiled"]
+    assert word["boundary_mode"] == "fixed" and word["compile_backend"] == "eager" and word["aten_ops_per_step"] is None
+    assert word["flops_per_step"] == rows["spider_word_rate"]["flops_per_step"] > 0
+    assert word["segment_axis"]["timed"] == rows["spider_word_rate"]["segment_axis"]["timed"]
     compiled = rows["spider_seed_recipe_compiled"]
     assert compiled["activation_checkpointing"] and compiled["compile_backend"] == "eager", compiled
     assert len(compiled["warmup_step_s"]) == 3 and compiled["aten_ops_per_step"] is None
@@ -314,3 +320,42 @@ def test_a_row_whose_counting_step_fails_is_still_timed(monkeypatch):
     row = gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=1e9, flops=123)
     assert row["status"] == "passed" and row["step_s"] > 0 and "a counting mode tripped" in row["instrument_error"]
     assert row["flops_per_step"] == 123 and row["aten_ops_per_step"] is None and row["mfu"] > 0
+
+
+def test_repeated_axis_summary_times_the_steps_at_an_axis_met_before():
+    """A timed step counts as repeated when a warm-up, instrumented or earlier timed step ran its segment axis."""
+    summary = gpu_check.repeated_axis_summary([64, 80], [80, 96, 96, 112, 64], [0.25, 1.4, 0.26, 1.3, 0.24])
+    assert summary["timed_steps_at_new_axis"] == 2  # 96 first, 112
+    assert summary["step_s_repeated_axis"] == 0.25  # median of 0.25 (80), 0.26 (96 again), 0.24 (64)
+    assert gpu_check.repeated_axis_summary([], [48, 64], [1.0, 1.1]) == {"timed_steps_at_new_axis": 2,
+                                                                         "step_s_repeated_axis": None}
+
+
+def test_step_rows_record_the_segment_axis_of_each_step():
+    """Spider's rows (eager and regionally compiled) record the padded segment axis of every step; the word-rate row
+    closes a segment every round(1 / boundary_prior) bytes, so its axis is fixed by the length; the peer records
+    none; no row leaves its hook behind."""
+    config = spider_config("tiny")
+    batch, length = 2, 64
+    table = gpu_check.step_table_check("tiny", shapes=[(batch, length)], repeats=2, device=torch.device("cpu"),
+                                       models=("spider", "spider_word_rate", "deepseek_v3", "spider_compiled"),
+                                       compile_backend="eager", seed_recipe_shape=None)
+    assert table["status"] == "passed", table
+    rows = {row["model"]: row for row in table["rows"]}
+    pad = config.pad_segments_to_multiple_of
+    stride = round(1 / config.boundary_prior)
+    word_axis = -(-(1 + length // stride) // pad) * pad
+    word = rows["spider_word_rate"]
+    assert word["boundary_mode"] == "fixed" and word["bytes_per_segment"] == stride
+    assert word["segment_axis"] == {"warmup": [word_axis], "instrumented": [word_axis], "timed": [word_axis] * 2}
+    assert word["timed_steps_at_new_axis"] == 0 and word["step_s_repeated_axis"] > 0
+    for label in ("spider", "spider_compiled"):
+        axis = rows[label]["segment_axis"]
+        assert len(axis["timed"]) == 2 and len(axis["warmup"]) == gpu_check.STEP_TABLE_WARMUP.get(label, 1), axis
+        assert all(size % pad == 0 and pad <= size <= -(-(1 + length) // pad) * pad
+                   for size in axis["warmup"] + axis["instrumented"] + axis["timed"]), axis
+    assert "segment_axis" not in rows["deepseek_v3"] and "step_s_repeated_axis" not in rows["deepseek_v3"]
+
+    model = gpu_check.spider_model("tiny")
+    gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=None)
+    assert not model.model.flexitokens._forward_hooks
