@@ -45,7 +45,8 @@ Parts, in the order they run (most important first; see "Time budget"):
   row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
   a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
   instrumented, timed and profiled step, ``segment_axis`` (:class:`SegmentAxisRecorder`), how many timed steps met a
-  new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``), host seconds
+  new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``; on CUDA each timed
+  step's ``cudaMalloc`` calls, ``device_allocations_per_step``: a larger axis grows the allocator's pool), host seconds
   (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
   issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
   optimizer state included; null on CPU), FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul
@@ -56,7 +57,8 @@ Parts, in the order they run (most important first; see "Time budget"):
   parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
   post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
   launched in one profiled step, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
-  ``gpu_busy_fraction`` = busy time / median step time) and the ops with the most host time (``top_host_ops``). A
+  ``gpu_busy_fraction`` = busy time / median step time; for Spider also ``gpu_busy_fraction_repeated_axis``, over
+  ``step_s_repeated_axis``) and the ops with the most host time (``top_host_ops``). A
   measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is given.
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
   default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
@@ -96,7 +98,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
   and the entry says how many. Reported beside the judgement: each step's wall time summarised (``step_seconds``,
   :func:`step_time_summary`: median, mean, 90th percentile, max, and how many steps took over twice the median,
-  which is what a segment count not seen before costs in a real run), the mean ACT halting step along the run
+  which is what a segment count not seen before costs in a real run; with each step's padded segment axis, the
+  sizes met, the steps that met one first, how many of the slow steps those were and the median of the other
+  steps), the mean ACT halting step along the run
   (``mean_halting_step``: loops per segment; near 1 means the later loops get no weight) and the held-out bits per
   byte at 1, 2 and 4 loops after training.
 - ``fp8_<recipe>_<preset>``: torchao ``Float8Linear`` (real ``torch._scaled_mm`` on a GPU; emulated on CPU), and the
@@ -305,9 +309,11 @@ def _trainer_hook_class():
         """A ``TrainerCallback`` handed to :func:`spider_training.train.main` (``callbacks=``): keeps the run's
         ``state`` (``log_history``), the trained model's config and each step's wall time (``step_times``: from
         ``on_step_begin`` to ``on_step_end``, so evaluation and the next batch's loading are outside it; the step's
-        one host sync keeps the host within a step of the device) and, with `stop_at` (``time.monotonic``), stops
-        training at the first step that ends after it (``control.should_training_stop``: the run then scores, samples
-        and writes its release as after its last step)."""
+        one host sync keeps the host within a step of the device), each step's largest padded segment axis
+        (``step_axes``, :class:`SegmentAxisRecorder`; empty for a model without one or under ``--compile``) and, with
+        `stop_at` (``time.monotonic``), stops training at the first step that ends after it
+        (``control.should_training_stop``: the run then scores, samples and writes its release as after its last
+        step)."""
 
         def __init__(self, stop_at: float | None):
             self.stop_at = stop_at
@@ -315,19 +321,35 @@ def _trainer_hook_class():
             self.config = None
             self.stopped_at_step = None
             self.step_times: list[float] = []
+            self.step_axes: list[int | None] = []
             self._step_start = None
+            self._axis = None
+            self._axis_mark = 0
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.state = state
             self.config = getattr(model, "config", None)
+            # not under --compile: a hook inside a compiled region would be traced (and could specialise the axis)
+            if model is not None and self._axis is None and not getattr(args, "torch_compile", False):
+                recorder = SegmentAxisRecorder(model)
+                self._axis = recorder if recorder.active else None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self._axis is not None:
+                self._axis.close()
+                self._axis = None
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._step_start = time.perf_counter()
+            self._axis_mark = len(self._axis.sizes) if self._axis is not None else 0
 
         def on_step_end(self, args, state, control, **kwargs):
             if self._step_start is not None:
                 self.step_times.append(time.perf_counter() - self._step_start)
                 self._step_start = None
+                if self._axis is not None:  # the step's forwards (micro-batches) only: evaluation runs after this
+                    sizes = self._axis.sizes[self._axis_mark:]
+                    self.step_axes.append(max(sizes) if sizes else None)
             if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
                 control.should_training_stop = True
                 self.stopped_at_step = state.global_step
@@ -378,7 +400,8 @@ def main_job_check(steps: int = 500, preset: str = "small", device: torch.device
         before = summary.get("eval_before_bits_per_byte")
         after = summary.get("eval_after_bits_per_byte")
         figures.update(steps=summary.get("steps"), seconds=round(seconds, 2),
-                       train_runtime_s=_train_runtime(hook), step_seconds=step_time_summary(hook.step_times),
+                       train_runtime_s=_train_runtime(hook),
+                       step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
                        precision=summary.get("precision"),
                        moe_backend=summary.get("moe_backend"), parameters=summary.get("parameters"),
                        bits_per_byte_before=before, bits_per_byte_after=after,
@@ -529,7 +552,7 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
                        held_out_bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
                        boundary_prior=config.boundary_prior, boundary_prior_std=config.boundary_prior_std,
                        boundary_prior_k=config.boundary_prior_k,
-                       step_seconds=step_time_summary(hook.step_times), **judged)
+                       step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes), **judged)
         if hook.stopped_at_step is not None:
             figures["note"] = f"training stopped by the time budget at step {hook.stopped_at_step} of {steps}"
             if status == "failed":
@@ -540,19 +563,36 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
     return _entry(name, status, reason, **figures)
 
 
-def step_time_summary(step_times: list[float], slow_factor: float = SLOW_STEP_FACTOR) -> dict | None:
+def step_time_summary(step_times: list[float], slow_factor: float = SLOW_STEP_FACTOR,
+                      step_axes: list[int | None] | None = None) -> dict | None:
     """Wall seconds of a run's training steps (the trainer hook's ``step_times``): count, median, mean, 90th
     percentile, max, and the steps slower than `slow_factor` x the median (1-based step numbers; on the H200 a step at
-    a segment count not seen before took 5x a repeated one). None for no steps."""
+    a segment count not seen before took 5x a repeated one). With `step_axes` (each step's padded segment axis, as
+    long as `step_times`): the axis sizes met (``axis_sizes``), the steps that met one first (``new_axis_steps``,
+    1-based), how many slow steps were among them (``slow_steps_at_new_axis``) and the median of the other steps
+    (``median_s_repeated_axis``). None for no steps."""
     if not step_times:
         return None
     median = statistics.median(step_times)
     ordered = sorted(step_times)
     slow = [i + 1 for i, t in enumerate(step_times) if t > slow_factor * median]
-    return {"steps": len(step_times), "median_s": round(median, 4), "mean_s": round(statistics.fmean(step_times), 4),
-            "p90_s": round(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)], 4),
-            "max_s": round(ordered[-1], 4), "slow_factor": slow_factor, "slow_steps": len(slow),
-            "slow_step_numbers": slow[:50]}
+    summary = {"steps": len(step_times), "median_s": round(median, 4),
+               "mean_s": round(statistics.fmean(step_times), 4),
+               "p90_s": round(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)], 4),
+               "max_s": round(ordered[-1], 4), "slow_factor": slow_factor, "slow_steps": len(slow),
+               "slow_step_numbers": slow[:50]}
+    if step_axes and len(step_axes) == len(step_times):
+        seen, new, repeated = set(), [], []
+        for number, (size, seconds) in enumerate(zip(step_axes, step_times), start=1):
+            if size in seen:
+                repeated.append(seconds)
+            else:
+                new.append(number)
+                seen.add(size)
+        summary.update(axis_sizes=sorted(size for size in seen if size is not None), new_axis_steps=new[:50],
+                       slow_steps_at_new_axis=len(set(slow) & set(new)),
+                       median_s_repeated_axis=round(statistics.median(repeated), 4) if repeated else None)
+    return summary
 
 
 def _thin(points: list, at_most: int) -> list:
@@ -672,6 +712,14 @@ class SegmentAxisRecorder:
             self._handle = None
 
 
+def device_allocations(device: torch.device) -> int | None:
+    """How many times the CUDA caching allocator has called ``cudaMalloc`` so far (``torch.cuda.memory_stats``'
+    ``num_device_alloc``); None off CUDA or where torch does not count them."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_device_alloc")
+
+
 def repeated_axis_summary(axis_before: list, timed_axis: list, times: list[float]) -> dict:
     """Which timed steps ran at a segment axis an earlier step of the row (`axis_before`: warm-up and instrumented
     steps; then the earlier timed steps) had met, and the median seconds of those (``step_s_repeated_axis``, None when
@@ -730,14 +778,20 @@ def _timed_row(row: dict, model, step, axis: SegmentAxisRecorder, device: torch.
     row.update(figures)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, host, timed_axis = [], [], []
+    times, host, timed_axis, allocations = [], [], [], []
     for _ in range(repeats):
+        allocated_before = device_allocations(device)
         synchronize(device)
         start = time.perf_counter()
         timed_axis.append(axis.step(step))
         host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
         synchronize(device)
         times.append(time.perf_counter() - start)
+        allocated_after = device_allocations(device)
+        if allocated_before is not None and allocated_after is not None:
+            allocations.append(allocated_after - allocated_before)
+    if allocations:  # a step that grows the allocator's pool (a larger segment axis) pays for each cudaMalloc
+        row["device_allocations_per_step"] = allocations
     median = statistics.median(times)
     if axis.active:
         row.update(segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},
@@ -754,6 +808,8 @@ def _timed_row(row: dict, model, step, axis: SegmentAxisRecorder, device: torch.
             row.update(profiled, gpu_busy_fraction=profiled["gpu_busy_s"] / median)
             if axis.active:  # a profiled step at a new axis size times the planning too
                 row["segment_axis"]["profiled"] = axis.sizes[recorded:recorded + 1]
+                if row["step_s_repeated_axis"]:  # the share of a step whose plans and graphs exist
+                    row["gpu_busy_fraction_repeated_axis"] = profiled["gpu_busy_s"] / row["step_s_repeated_axis"]
         except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
             row["profile_error"] = _error(exc)
     return row

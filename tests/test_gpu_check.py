@@ -93,6 +93,8 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     for entry in (run, main_job):  # every training step timed, evaluation outside
         times = entry["step_seconds"]
         assert times["steps"] == entry["steps"] and 0 < times["median_s"] <= times["p90_s"] <= times["max_s"], times
+        # each step's segment axis (the trainer hook on flexitokens): the first step meets the first size
+        assert times["new_axis_steps"][0] == 1 and len(times["new_axis_steps"]) == len(times["axis_sizes"]) >= 1
     config = spider_config("tiny")
     status, reason, _ = gpu_check.judge_1b_run(run["held_out_bits_per_byte"], run["compression_rate"],
                                                config.boundary_prior, config.boundary_prior_std,
@@ -120,6 +122,19 @@ def test_step_time_summary_counts_the_slow_steps():
     assert summary["p90_s"] == 1.3 and summary["mean_s"] == round(sum(times) / 10, 4)
     assert gpu_check.step_time_summary([]) is None
     assert gpu_check.step_time_summary(times, slow_factor=6.0)["slow_steps"] == 0
+    assert "new_axis_steps" not in summary  # no axes given
+
+
+def test_step_time_summary_with_each_steps_segment_axis():
+    """Given each step's segment axis, the summary names the steps that met a size first and how many of the slow
+    steps they were, and takes the median of the others."""
+    times = [3.0, 0.25, 1.4, 0.26, 0.25, 1.3, 0.24]
+    axes = [64, 64, 80, 64, 80, 96, 80]
+    summary = gpu_check.step_time_summary(times, step_axes=axes)
+    assert summary["axis_sizes"] == [64, 80, 96] and summary["new_axis_steps"] == [1, 3, 6]
+    assert summary["slow_step_numbers"] == [1, 3, 6] and summary["slow_steps_at_new_axis"] == 3
+    assert summary["median_s_repeated_axis"] == 0.25  # of 0.25, 0.26, 0.25, 0.24
+    assert "new_axis_steps" not in gpu_check.step_time_summary(times, step_axes=axes[:3])  # lengths differ
 
 
 def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
@@ -359,3 +374,21 @@ def test_step_rows_record_the_segment_axis_of_each_step():
     model = gpu_check.spider_model("tiny")
     gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=None)
     assert not model.model.flexitokens._forward_hooks
+
+
+def test_device_allocations_per_timed_step(monkeypatch):
+    """Off CUDA there is no allocator count and the row has no such field; with a stand-in for the CUDA caching
+    allocator's ``num_device_alloc`` counter (no CUDA here), each timed step records the calls it made."""
+    assert gpu_check.device_allocations(torch.device("cpu")) is None
+    model = gpu_check.spider_model("tiny")
+    row = gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
+    assert "device_allocations_per_step" not in row
+
+    calls = iter([10, 13, 13, 20])  # before / after each of the two timed steps
+
+    def fake_allocator_counter(device):  # test double: the CUDA caching allocator's num_device_alloc
+        return next(calls)
+
+    monkeypatch.setattr(gpu_check, "device_allocations", fake_allocator_counter)
+    row = gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
+    assert row["device_allocations_per_step"] == [3, 7]
