@@ -123,8 +123,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   all-gather.
 
 Time budget: ``--budget_s`` (default 460 s, so that the command with its imports stays under 8 minutes) is shared
-by the parts in the order above; each part gets at most its own cap (:data:`PART_CAPS_S`) and at most what is left,
-and is skipped with the reason "time budget" when less than :data:`MIN_PART_S` is left. Inside its allowance a part
+by the parts in the order above; each part gets at most its own cap (:data:`PART_CAPS_S`; ``--part_cap
+step_table=400`` replaces one) and at most what is left, and is skipped with the reason "time budget" when less than
+:data:`MIN_PART_S` is left. Inside its allowance a part
 stops itself (the training runs stop early, keeping time for their final scoring and release; tables skip the rows
 that no longer fit), and a hard limit (``SIGALRM``, main thread) cuts off a part still running at the end of its
 allowance, reported as skipped for the time budget. The order: the main job is what every user runs; the step table,
@@ -236,6 +237,20 @@ def _error(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"{type(exc).__name__}: {exc}{where}"[:2000]
+
+
+def parse_part_cap(text: str) -> tuple[str, float]:
+    """``"step_table=400"`` -> ``("step_table", 400.0)``: a part of :data:`PARTS` and its cap in seconds (> 0)."""
+    part, _, seconds = text.partition("=")
+    if part not in PARTS:
+        raise argparse.ArgumentTypeError(f"unknown part {part!r} in {text!r}; parts: {', '.join(PARTS)}")
+    try:
+        cap = float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PART=SECONDS such as step_table=400, got {text!r}") from None
+    if not cap > 0:
+        raise argparse.ArgumentTypeError(f"a part's cap must be > 0 seconds, got {text!r}")
+    return part, cap
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -1346,6 +1361,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="also write the JSON result here")
     parser.add_argument("--budget_s", type=float, default=DEFAULT_BUDGET_S,
                         help="seconds shared by all parts (each also capped by PART_CAPS_S); 0 or less: no budget")
+    parser.add_argument("--part_cap", type=parse_part_cap, action="append", default=[], metavar="PART=SECONDS",
+                        help="replace one part's cap in PART_CAPS_S (repeatable), e.g. --part_cap step_table=400 "
+                             "to give the table more of --budget_s")
     parser.add_argument("--main_job_steps", type=int, default=500, help="training steps of the main job")
     parser.add_argument("--main_job_preset", default="small", help="preset of the main job (the README's: small)")
     parser.add_argument("--main_job_args", type=shlex.split, default=[],
@@ -1392,8 +1410,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in ("only", "out", "budget_s", "presets")}
-    result = run(tuple(args.presets), tuple(args.only), args.budget_s if args.budget_s > 0 else None, **options)
+    options = {k: v for k, v in vars(args).items() if k not in ("only", "out", "budget_s", "presets", "part_cap")}
+    result = run(tuple(args.presets), tuple(args.only), args.budget_s if args.budget_s > 0 else None,
+                 caps=dict(args.part_cap), **options)
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")

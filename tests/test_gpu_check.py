@@ -1,6 +1,7 @@
 """bench/gpu_check.py: every part that can run on CPU runs here at toy sizes; the GPU-only parts
 say they need CUDA and skip."""
 
+import argparse
 import json
 import threading
 import time
@@ -249,6 +250,19 @@ def test_budget_skips_parts_that_do_not_fit():
     assert [c["name"] for c in result["checks"]] == ["main_job", "host_syncs"]
     assert all(c["status"] == "skipped" and c["reason"].startswith("time budget") for c in result["checks"])
     assert result["passed"] and result["seconds"] < 3
+
+
+def test_part_cap_replaces_one_parts_cap():
+    """``--part_cap PART=SECONDS`` replaces that part's cap: below the minimum a part needs, it is skipped however
+    much budget is left; bad values name the problem."""
+    result = gpu_check.main(["--budget_s", "1000", "--part_cap", "host_syncs=1", "--only", "host_syncs"])
+    assert result["checks"][0]["status"] == "skipped" and result["checks"][0]["reason"].startswith("time budget")
+    assert result["parts"][0]["ran"] is False
+    assert gpu_check.parse_part_cap("step_table=400") == ("step_table", 400.0)
+    for bad, message in (("tables=400", "unknown part"), ("step_table=x", "PART=SECONDS"),
+                         ("step_table=0", "must be > 0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            gpu_check.parse_part_cap(bad)
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="SIGALRM needs the main thread")
