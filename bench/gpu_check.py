@@ -597,17 +597,26 @@ def step_time_summary(step_times: list[float], slow_factor: float = SLOW_STEP_FA
                "max_s": round(ordered[-1], 4), "slow_factor": slow_factor, "slow_steps": len(slow),
                "slow_step_numbers": slow[:50]}
     if step_axes and len(step_axes) == len(step_times):
-        seen, new, repeated = set(), [], []
-        for number, (size, seconds) in enumerate(zip(step_axes, step_times), start=1):
-            if size in seen:
-                repeated.append(seconds)
-            else:
-                new.append(number)
-                seen.add(size)
-        summary.update(axis_sizes=sorted(size for size in seen if size is not None), new_axis_steps=new[:50],
+        new, repeated = split_by_axis(step_axes, step_times)
+        new = [i + 1 for i in new]
+        summary.update(axis_sizes=sorted({size for size in step_axes if size is not None}), new_axis_steps=new[:50],
                        slow_steps_at_new_axis=len(set(slow) & set(new)),
                        median_s_repeated_axis=round(statistics.median(repeated), 4) if repeated else None)
     return summary
+
+
+def split_by_axis(axes: list, times: list[float], met_before=()) -> tuple[list[int], list[float]]:
+    """Steps in order, each with its segment axis size in `axes` and its seconds in `times` (equal lengths): the
+    0-based indices of the steps that met their size first (not in `met_before`, nor at an earlier step), and the
+    seconds of the others (steps at a size already met)."""
+    seen, new, repeated = set(met_before), [], []
+    for index, (size, seconds) in enumerate(zip(axes, times)):
+        if size in seen:
+            repeated.append(seconds)
+        else:
+            new.append(index)
+            seen.add(size)
+    return new, repeated
 
 
 def _thin(points: list, at_most: int) -> list:
@@ -700,8 +709,9 @@ class SegmentAxisRecorder:
     forward hook on ``model.model.flexitokens``, compiled (accelerate's ``compile_regions`` wraps it) or not, reading
     the segments' shape (no host sync). Inert (:attr:`active` False) for a model without one (the transformers peers).
 
-    On the H200 a step at an axis size the process had not met took several times a repeated one (cuDNN plans
-    attention once per shape, ``torch.compile`` compiles once per shape): :meth:`step` tells which steps met one."""
+    On the H200 some steps took several times the others, most likely those at an axis size the process had not met
+    (cuDNN plans attention once per shape, ``torch.compile`` compiles once per shape; not yet traced): :meth:`step`
+    tells which steps met one."""
 
     def __init__(self, model: torch.nn.Module):
         self.sizes: list[int] = []
@@ -740,12 +750,8 @@ def repeated_axis_summary(axis_before: list, timed_axis: list, times: list[float
     steps; then the earlier timed steps) had met, and the median seconds of those (``step_s_repeated_axis``, None when
     none had): what a long run's steps cost once its few axis sizes have all been met (the main job met 11 in 500
     steps, the last new one at step 86). Inputs in step order; `timed_axis` and `times` of equal length."""
-    seen, repeated = set(axis_before), []
-    for size, seconds in zip(timed_axis, times):
-        if size in seen:
-            repeated.append(seconds)
-        seen.add(size)
-    return {"timed_steps_at_new_axis": len(times) - len(repeated),
+    new, repeated = split_by_axis(timed_axis, times, met_before=axis_before)
+    return {"timed_steps_at_new_axis": len(new),
             "step_s_repeated_axis": statistics.median(repeated) if repeated else None}
 
 
@@ -761,15 +767,18 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     step = _train_step_of(model, ids, device)
     axis = SegmentAxisRecorder(model)
     try:
-        return _timed_row(row, model, step, axis, device, repeats, peak_flops, profile, warmup, instrument, flops)
+        return _timed_row(row, (batch, length), model, step, axis, device, repeats, peak_flops, profile, warmup,
+                          instrument, flops)
     finally:
         axis.close()
 
 
-def _timed_row(row: dict, model, step, axis: SegmentAxisRecorder, device: torch.device, repeats: int,
-               peak_flops: float | None, profile: bool, warmup: int, instrument: bool, flops: int | None) -> dict:
-    """:func:`_step_row`'s measurements of `step` into `row`; `axis` records Spider's segment axis per step."""
-    batch, length = (int(n) for n in row["shape"].split("x"))
+def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxisRecorder, device: torch.device,
+               repeats: int, peak_flops: float | None, profile: bool, warmup: int, instrument: bool,
+               flops: int | None) -> dict:
+    """:func:`_step_row`'s measurements of `step` at `shape` (batch, bytes) into `row`; `axis` records Spider's
+    segment axis per step."""
+    batch, length = shape
     warmup_s, warmup_axis = [], []
     for _ in range(warmup):  # optimizer state, kernels' plans, compilation
         synchronize(device)
