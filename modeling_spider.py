@@ -104,7 +104,8 @@ class SpiderCausalLMOutput(ModelOutput):
 
     Attributes:
         loss (`torch.FloatTensor` scalar, with `labels`): ``lm_loss + router_aux_loss_coef * aux_loss +
-            boundary_loss_coef * boundary_loss + ponder_loss_coef * ponder_loss``.
+            boundary_loss_coef * boundary_loss + ponder_loss_coef * ponder_loss``; a term whose coefficient is 0 is
+            left out (the same value and gradients, without that term's backward through the recurrence).
         logits (`torch.FloatTensor` `(B, L, vocab_size)`).
         lm_loss (`torch.FloatTensor` scalar, with `labels`): next-byte cross-entropy in nats (-100 ignored).
         Other fields as in :class:`SpiderModelOutput`.
@@ -1951,12 +1952,12 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             lm_loss = self.loss_function(
                 logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
             )
-            loss = (
-                lm_loss
-                + self.config.router_aux_loss_coef * outputs.aux_loss
-                + self.config.boundary_loss_coef * outputs.boundary_loss
-                + self.config.ponder_loss_coef * outputs.ponder_loss
-            )
+            loss = lm_loss
+            for coef, term in ((self.config.router_aux_loss_coef, outputs.aux_loss),
+                               (self.config.boundary_loss_coef, outputs.boundary_loss),
+                               (self.config.ponder_loss_coef, outputs.ponder_loss)):
+                if coef != 0:  # a term weighted 0 would add only its backward (zeros, through the whole recurrence)
+                    loss = loss + coef * term
         return SpiderCausalLMOutput(
             loss=loss,
             logits=logits,

@@ -33,7 +33,8 @@ def test_training_ops_per_layer_application_stay_near_deepseek_v3():
     = 40 layer applications) against transformers' `DeepseekV3ForCausalLM` of the same config (10 layers). Measured
     on CPU, torch 2.13 / transformers 5.x: DeepseekV3 2,522 ops (252 per layer); Spider 12,834 (321 per layer
     application, 1.27x) before RoPE ran once per layer and the MoE's row weights once per forward, 12,233 (306, 1.21x)
-    after. The bound, 1.25x, keeps that gain with room for a few ops per layer."""
+    after, 12,079 (302, 1.20x) once the loss left its zero-weighted terms out. The bound, 1.25x, keeps that gain with
+    room for a few ops per layer."""
     config = proxy_1b_config()
     ids = random_bytes(2, 64)  # the count does not depend on the shape (checked at 2x64 to 32x256)
     torch.manual_seed(0)
@@ -123,3 +124,36 @@ def test_row_weights_give_the_per_call_balancing_statistics():
     torch.testing.assert_close(out[:17], plain_out, **float_tol(plain_out, config.hidden_size))
     shared = moe.shared_experts(x[17:]) if moe.shared_experts is not None else torch.zeros_like(x[17:])
     torch.testing.assert_close(out[17:], shared, **float_tol(shared, config.hidden_size))  # padding: no routed share
+
+
+def test_loss_terms_weighted_zero_add_no_backward():
+    """With `router_aux_loss_coef` and `ponder_loss_coef` at 0 (the 1b and small presets), the loss leaves those terms
+    out of its graph: the same loss and bit-identical gradients as `lm + 0 * aux + boundary + 0 * ponder` (adding an
+    exact zero changes no value), with fewer ops in the backward (each term's backward reached every MoE router and
+    halting head through the recurrence: 154 ops of 12,235 on the proxy at 8 x 256)."""
+    config = proxy_1b_config()
+    assert config.router_aux_loss_coef == config.ponder_loss_coef == 0.0 and config.boundary_loss_coef != 0
+    torch.manual_seed(0)
+    model = SpiderForConditionalGeneration(config).train()
+    ids = random_bytes(2, 64)
+
+    def step(composed: bool):
+        torch.manual_seed(1)
+        with HostSyncCounter() as counter:
+            out = model(ids, labels=ids)
+            loss = out.loss
+            if composed:  # every term, as before: the zero-weighted ones in the graph
+                loss = (out.lm_loss + config.router_aux_loss_coef * out.aux_loss
+                        + config.boundary_loss_coef * out.boundary_loss + config.ponder_loss_coef * out.ponder_loss)
+            loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads, counter.ops
+
+    loss, grads, ops = step(composed=False)
+    ref_loss, ref_grads, ref_ops = step(composed=True)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[name], ref_grads[name]) for name in grads), [
+        name for name in grads if not torch.equal(grads[name], ref_grads[name])]
+    assert ops < ref_ops - 4 * config.num_recurrent_layers * config.n_loops, (ops, ref_ops)
