@@ -725,11 +725,12 @@ class SegmentAxisRecorder:
     def _record(self, module, args, output) -> None:
         self.sizes.append(int(output[2].shape[1]))
 
-    def step(self, call) -> int | None:
-        """Run `call()`; the axis size of its first forward (None: no forward was recorded)."""
+    def step(self, call):
+        """Run `call()`; returns its result and the axis size of its first forward (None: no forward was
+        recorded)."""
         before = len(self.sizes)
-        call()
-        return self.sizes[before] if len(self.sizes) > before else None
+        result = call()
+        return result, (self.sizes[before] if len(self.sizes) > before else None)
 
     def close(self) -> None:
         if self._handle is not None:
@@ -783,7 +784,7 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
     for _ in range(warmup):  # optimizer state, kernels' plans, compilation
         synchronize(device)
         start = time.perf_counter()
-        warmup_axis.append(axis.step(step))
+        warmup_axis.append(axis.step(step)[1])
         synchronize(device)
         warmup_s.append(time.perf_counter() - start)
     row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
@@ -791,9 +792,8 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
     instrumented_axis = []
     if instrument:
         try:
-            recorded = len(axis.sizes)
-            figures = _instrumented_step(step, device)
-            instrumented_axis = axis.sizes[recorded:recorded + 1]
+            figures, size = axis.step(lambda: _instrumented_step(step, device))
+            instrumented_axis = [size] if size is not None else []
         except PartTimeout:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a tensor subclass a counting mode trips on: time the row anyway
@@ -807,7 +807,7 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
         allocated_before = device_allocations(device)
         synchronize(device)
         start = time.perf_counter()
-        timed_axis.append(axis.step(step))
+        timed_axis.append(axis.step(step)[1])
         host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
         synchronize(device)
         times.append(time.perf_counter() - start)
@@ -827,11 +827,10 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
                mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None)
     if device.type == "cuda" and profile:
         try:
-            recorded = len(axis.sizes)
-            profiled = _profile_kernels(step, device)
+            profiled, size = axis.step(lambda: _profile_kernels(step, device))
             row.update(profiled, gpu_busy_fraction=profiled["gpu_busy_s"] / median)
             if axis.active:  # a profiled step at a new axis size times the planning too
-                row["segment_axis"]["profiled"] = axis.sizes[recorded:recorded + 1]
+                row["segment_axis"]["profiled"] = [size] if size is not None else []
                 if row["step_s_repeated_axis"]:  # the share of a step whose plans and graphs exist
                     row["gpu_busy_fraction_repeated_axis"] = profiled["gpu_busy_s"] / row["step_s_repeated_axis"]
         except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
@@ -912,10 +911,8 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     config = spider_config(preset)
     llama_config = dense_llama_config(config)
     default_experts = config._experts_implementation
-    word_stride = max(1, round(1.0 / config.boundary_prior))
     plain = {  # built on the device by _build
         "spider": lambda: spider_model(preset),
-        "spider_word_rate": lambda: spider_model(preset, boundary_mode="fixed"),
         "deepseek_v3": lambda: peer_model(config),
         "llama_dense": lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1],
     }
@@ -931,19 +928,21 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
              if label in models]
     plan += [("spider_seed_recipe_compiled", shape) for shape in seed_shapes if "spider_seed_recipe_compiled" in models]
     plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
-    word_rate = {"boundary_mode": "fixed", "bytes_per_segment": word_stride}
 
-    def word_rate_compiled():
-        model, extra = _spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")
-        return model, {**extra, **word_rate}
+    def word_rate(model, extra: dict) -> tuple[torch.nn.Module, dict]:
+        """A model built with ``boundary_mode="fixed"``, and the stride its boundary predictor closes segments at."""
+        stride = model.model.flexitokens.boundary_predictor.stride
+        return model, {**extra, "boundary_mode": "fixed", "bytes_per_segment": stride}
 
-    builders.update(spider_word_rate=lambda: (_build(plain["spider_word_rate"], device), word_rate),
+    builders.update(spider_word_rate=lambda: word_rate(
+                        _build(lambda: spider_model(preset, boundary_mode="fixed"), device), {}),
+                    spider_word_rate_compiled=lambda: word_rate(
+                        *_spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")),
                     spider_fp8=lambda: _spider_fp8(preset, device),
                     spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
                     spider_seed_recipe_compiled=lambda: _spider_seed_recipe(preset, device, compile_backend,
                                                                             compile_mode),
-                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode),
-                    spider_word_rate_compiled=word_rate_compiled)
+                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
     rows, params, spider_flops = [], {}, {}  # spider_flops: by (eager row, shape), for the compiled twins
     held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
     needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
