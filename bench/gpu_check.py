@@ -58,7 +58,9 @@ Parts, in the order they run (most important first; see "Time budget"):
   post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
   launched in one profiled step, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
   ``gpu_busy_fraction`` = busy time / median step time; for Spider also ``gpu_busy_fraction_repeated_axis``, over
-  ``step_s_repeated_axis``) and the ops with the most host time (``top_host_ops``). A
+  ``step_s_repeated_axis``), the ops with the most host time (``top_host_ops``), the kernels launched most often
+  (``top_kernels``: launches and device milliseconds by kernel name) and the aten ops called most often
+  (``top_aten_ops``). A
   measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is given.
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
   default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
@@ -187,6 +189,8 @@ PART_CAPS_S = {"main_job": 90, "step_table": 220, "host_syncs": 20, "attention_b
                "fp8": 90, "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
 #: ops named in a profiled step's ``top_host_ops``
 TOP_HOST_OPS = 8
+#: kernels and aten ops named in a profiled step's ``top_kernels`` and ``top_aten_ops`` (by launches / calls)
+TOP_BY_COUNT = 20
 #: a part that would get less than this is skipped ("time budget")
 MIN_PART_S = 5.0
 DEFAULT_BUDGET_S = 460.0
@@ -673,11 +677,28 @@ def _profile_kernels(step, device: torch.device) -> dict:
     launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                    "cuLaunchKernelEx")]
     busy_us = sum(e.time_range.elapsed_us() for e in device_events)
-    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST_OPS]
+    averages = prof.key_averages()
+    top = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST_OPS]
     return {"kernel_launches": len(kernels), "device_events": len(device_events), "launch_calls": len(launches),
             "gpu_busy_s": busy_us / 1e6, "profiled_step_s": wall,
             "top_host_ops": {a.key: {"self_host_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
-                             for a in top}}
+                             for a in top},
+            "top_kernels": _kernels_by_launches(kernels),
+            "top_aten_ops": {a.key: a.count for a in sorted((a for a in averages if a.key.startswith("aten::")),
+                                                            key=lambda a: a.count, reverse=True)[:TOP_BY_COUNT]}}
+
+
+def _kernels_by_launches(kernels: list) -> dict:
+    """The :data:`TOP_BY_COUNT` kernel names launched most often among the profiler's device `kernels`, each with its
+    ``launches`` and summed device milliseconds (``device_ms``): which ops a launch-bound step's launches come from.
+    A name is cut to 120 characters (template arguments make some thousands long)."""
+    by_name: dict[str, list] = {}
+    for event in kernels:
+        entry = by_name.setdefault(event.name[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us() / 1e3
+    ranked = sorted(by_name.items(), key=lambda item: item[1][0], reverse=True)[:TOP_BY_COUNT]
+    return {name: {"launches": launches, "device_ms": round(ms, 3)} for name, (launches, ms) in ranked}
 
 
 def _instrumented_step(step: TrainStep, device: torch.device) -> dict:

@@ -300,6 +300,26 @@ def test_profile_kernels_on_cpu_sees_no_device_events():
     assert 0 < len(top) <= gpu_check.TOP_HOST_OPS and any("addmm" in name for name in top), top
     times = [op["self_host_ms"] for op in top.values()]
     assert times == sorted(times, reverse=True) and all(op["calls"] >= 1 for op in top.values())
+    assert entry["top_kernels"] == {}
+    aten = entry["top_aten_ops"]  # one forward+backward of a linear layer: one addmm, the weight's grad one mm
+    assert aten["aten::addmm"] == 1 and aten["aten::mm"] >= 1, aten
+    assert list(aten.values()) == sorted(aten.values(), reverse=True)
+
+
+def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
+    """Profiler device events stand in as plain objects with the two attributes read (a name, a time range)."""
+    from types import SimpleNamespace
+
+    def kernel(name, us):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    long_name = "void at::native::elementwise_kernel<" + "x" * 300 + ">"
+    events = [kernel("gemm", 30.0), kernel(long_name, 1000.0), kernel(long_name, 2000.0), kernel(long_name, 1500.0),
+              kernel("gemm", 10.0)] + [kernel(f"k{i}", 1.0) for i in range(gpu_check.TOP_BY_COUNT)]
+    ranked = gpu_check._kernels_by_launches(events)
+    assert len(ranked) == gpu_check.TOP_BY_COUNT
+    assert list(ranked.items())[:2] == [(long_name[:120], {"launches": 3, "device_ms": 4.5}),
+                                         ("gemm", {"launches": 2, "device_ms": 0.04})]
 
 
 class BrokenTileKernels(FakeTileKernels1x):
