@@ -817,6 +817,34 @@ class SpiderEngramEmbeddings(nn.Module):
         return self.embedding(rows).view(B, L, n_tables * self.head_dim)
 
 
+def causal_depthwise_conv1d(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Engram's ShortConv: a depthwise convolution along the segment axis of `window` `(B, S + K - 1, D)` (the `K - 1`
+    steps before the first output in front, zeros or cached segments) with `weight` `(D, 1, K)` (an
+    ``nn.Conv1d(D, D, K, groups=D)``'s), returned `(B, S, D)` in `window`'s dtype:
+    ``out[b, s, d] = sum_k weight[d, 0, k] * window[b, s + k, d]``, what ``F.conv1d(..., groups=D)`` computes.
+
+    Written as a weighted sum over ``unfold``'s K-wide windows instead of calling the convolution: under
+    ``torch.compile`` inductor's convolution-backward lowering fixes the strides of the input's gradient to integers
+    (torch 2.13, ``convolution_backward_lowering``), which specialises the segment axis, so the layer holding Engram
+    recompiled at every new segment count (and fell back to eager past dynamo's recompile limit); a product and a sum
+    compile once for all counts (tests/test_compile.py)."""
+    kernel_size = weight.shape[-1]
+    return (window.unfold(1, kernel_size, 1) * weight.squeeze(1).to(window.dtype)).sum(-1)
+
+
+class SpiderShortConv(nn.Conv1d):
+    """Engram's causal depthwise ShortConv over segments: an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (its weight
+    `(D, 1, K)`, init and checkpoint key), applied channels-last by :func:`causal_depthwise_conv1d`: `window`
+    `(B, S + K - 1, D)` -> `(B, S, D)`. Called as a module, so hooks on it run (accelerate's offloading loads its weight
+    there)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int):
+        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)
+
+    def forward(self, window: torch.Tensor) -> torch.Tensor:
+        return causal_depthwise_conv1d(window, self.weight)
+
+
 class SpiderEngram(nn.Module):
     """Engram gating into one recurrent layer (Engram §3): `alpha = sigmoid(signed_sqrt(<RMSNorm(h), RMSNorm(W_k e)> /
     sqrt(D)))`, `v = alpha * W_v e`, `out = v + SiLU(ShortConv(RMSNorm(v)))`; `h` `(B, S, D)`, memory `(B, S, M)`."""
@@ -830,7 +858,7 @@ class SpiderEngram(nn.Module):
         self.key_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         self.conv_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         self.kernel_size = config.engram_conv_kernel_size
-        self.short_conv = nn.Conv1d(D, D, self.kernel_size, groups=D, bias=False)
+        self.short_conv = SpiderShortConv(D, self.kernel_size)
 
     def forward(
         self, hidden_states: torch.Tensor, memory: torch.Tensor, cache: SpiderLayerCache | None = None
@@ -846,7 +874,7 @@ class SpiderEngram(nn.Module):
             window = F.pad(conv_in, (0, 0, self.kernel_size - 1, 0))
         else:
             window = cache.conv_window(conv_in, self.kernel_size)
-        return value + F.silu(self.short_conv(window.transpose(1, 2)).transpose(1, 2))
+        return value + F.silu(self.short_conv(window))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

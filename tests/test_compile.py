@@ -133,3 +133,44 @@ def test_regions_compile_once_for_every_segment_count():
     sized = [m.splitlines()[0] for m in log.messages if "size mismatch" in m]
     assert not sized, sized
     assert len(log.messages) <= 4, [m.splitlines()[0] for m in log.messages]
+
+
+@pytest.mark.slow
+def test_engram_layer_compiles_once_for_every_segment_count_with_inductor():
+    """The `eager` backend above runs dynamo's guards only; inductor's lowerings can add guards of their own, and one
+    did: its convolution-backward lowering fixed the segment axis of Engram's ShortConv input, so the recurrent layer
+    holding Engram recompiled at every new segment count and, past dynamo's recompile limit of 8, ran eagerly. With the
+    ShortConv as a sum over unfolded windows (`modeling_spider.SpiderShortConv`), one inductor graph (forward
+    and backward) serves three segment counts."""
+    from torch._dynamo.utils import counters
+
+    from modeling_spider import RowWeights, dynamic_segment_axis
+    from tests.helpers import tiny_model
+
+    model = tiny_model(seed=0).train()
+    config = model.config
+    layer = model.model.recurrent_block.layers[config.engram_layer_ids[0]]
+    memory_size = layer.engram.key_proj.in_features
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(layer, backend="inductor")
+        B = 2
+        for S in (16, 32, 48):
+            # the inputs as SpiderRecurrentBlock hands them over: the segment axis marked dynamic, a padded row
+            hidden = dynamic_segment_axis(torch.randn(B, S, config.hidden_size, requires_grad=True))
+            rope = tuple(dynamic_segment_axis(t) for t in model.model.rotary_emb(hidden, torch.arange(S)[None].expand(B, S)))
+            mask = torch.ones(B, S, dtype=torch.bool)
+            mask[1, S // 2:] = False
+            row_weights = RowWeights.of(mask, config.num_experts_per_tok)
+            for tensor in row_weights[:2]:
+                dynamic_segment_axis(tensor, dim=0)
+            memory = dynamic_segment_axis(torch.randn(B, S, memory_size))
+            out = compiled(hidden, rope, None, None, memory, row_weights)
+            out[0].sum().backward()
+            assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+        frames, stats = dict(counters["frames"]), dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
+    assert frames.get("total") == frames.get("ok") == 1, (frames, stats)
+    assert stats.get("unique_graphs") == 1, stats

@@ -33,7 +33,8 @@ def test_training_ops_per_layer_application_stay_near_deepseek_v3():
     = 40 layer applications) against transformers' `DeepseekV3ForCausalLM` of the same config (10 layers). Measured
     on CPU, torch 2.13 / transformers 5.x: DeepseekV3 2,522 ops (252 per layer); Spider 12,834 (321 per layer
     application, 1.27x) before RoPE ran once per layer and the MoE's row weights once per forward, 12,233 (306, 1.21x)
-    after, 12,079 (302, 1.20x) once the loss left its zero-weighted terms out. The bound, 1.25x, keeps that gain with
+    after, 12,079 (302, 1.20x) once the loss left its zero-weighted terms out, 12,127 (303) with Engram's ShortConv as a
+    windowed sum (it compiles once for every segment count). The bound, 1.25x, keeps that gain with
     room for a few ops per layer."""
     config = proxy_1b_config()
     ids = random_bytes(2, 64)  # the count does not depend on the shape (checked at 2x64 to 32x256)
