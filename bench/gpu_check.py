@@ -46,7 +46,8 @@ Parts, in the order they run (most important first; see "Time budget"):
   a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
   instrumented, timed and profiled step, ``segment_axis`` (:class:`SegmentAxisRecorder`), how many timed steps met a
   new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``; on CUDA each timed
-  step's ``cudaMalloc`` calls, ``device_allocations_per_step``: a larger axis grows the allocator's pool), host seconds
+  step's ``cudaMalloc`` calls, ``device_allocations_per_step``: a larger axis grows the allocator's pool; for a
+  compiled model the graphs each warm-up and timed step compiled, ``graphs_compiled_per_step``), host seconds
   (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
   issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
   optimizer state included; null on CPU), FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul
@@ -759,6 +760,17 @@ class SegmentAxisRecorder:
             self._handle = None
 
 
+def graphs_compiled(call) -> tuple:
+    """Run `call()`; returns its result and how many graphs ``torch.compile`` compiled meanwhile (dynamo's
+    ``unique_graphs`` counter: first compilations and recompilations alike, 0 for an eager model). A step that
+    compiles is slow for it: ``TORCH_LOGS=recompiles`` prints why."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    result = call()
+    return result, counters["stats"]["unique_graphs"] - before
+
+
 def device_allocations(device: torch.device) -> int | None:
     """How many times the CUDA caching allocator has called ``cudaMalloc`` so far (``torch.cuda.memory_stats``'
     ``num_device_alloc``); None off CUDA or where torch does not count them."""
@@ -801,11 +813,18 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
     """:func:`_step_row`'s measurements of `step` at `shape` (batch, bytes) into `row`; `axis` records Spider's
     segment axis per step."""
     batch, length = shape
-    warmup_s, warmup_axis = [], []
+    warmup_s, warmup_axis, compiled = [], [], {"warmup": [], "timed": []}
+
+    def recorded_step(phase: str):
+        """One step; its segment axis size, and the graphs it compiled recorded under `phase`."""
+        (_, size), graphs = graphs_compiled(lambda: axis.step(step))
+        compiled[phase].append(graphs)
+        return size
+
     for _ in range(warmup):  # optimizer state, kernels' plans, compilation
         synchronize(device)
         start = time.perf_counter()
-        warmup_axis.append(axis.step(step)[1])
+        warmup_axis.append(recorded_step("warmup"))
         synchronize(device)
         warmup_s.append(time.perf_counter() - start)
     row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
@@ -828,7 +847,7 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
         allocated_before = device_allocations(device)
         synchronize(device)
         start = time.perf_counter()
-        timed_axis.append(axis.step(step)[1])
+        timed_axis.append(recorded_step("timed"))
         host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
         synchronize(device)
         times.append(time.perf_counter() - start)
@@ -837,6 +856,8 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
             allocations.append(allocated_after - allocated_before)
     if allocations:  # a step that grows the allocator's pool (a larger segment axis) pays for each cudaMalloc
         row["device_allocations_per_step"] = allocations
+    if any(compiled["warmup"]) or any(compiled["timed"]):  # a compiled model: which steps compiled graphs, how many
+        row["graphs_compiled_per_step"] = compiled
     median = statistics.median(times)
     if axis.active:
         row.update(segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},

@@ -71,6 +71,9 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     compiled = rows["spider_compiled"]
     assert compiled["compile_backend"] == "eager" and len(compiled["warmup_step_s"]) == 3
     assert compiled["flops_per_step"] == rows["spider"]["flops_per_step"] and compiled["aten_ops_per_step"] is None
+    graphs = compiled["graphs_compiled_per_step"]  # the first warm-up step compiles; an eager row records nothing
+    assert graphs["warmup"][0] > 0 and len(graphs["warmup"]) == 3 and len(graphs["timed"]) == 1, graphs
+    assert "graphs_compiled_per_step" not in rows["spider"]
     fp8 = rows["spider_fp8"]  # as --precision fp8 converts: on CPU the experts stay bf16, and say why
     assert fp8["fp8_experts_modules"] == 0 and any("needs CUDA" in r for r in fp8["fp8_experts_skipped"])
     assert 0.9 <= table["llama_params_over_spider"] <= 1.1  # the dense baseline has about Spider's size
@@ -304,6 +307,17 @@ def test_profile_kernels_on_cpu_sees_no_device_events():
     aten = entry["top_aten_ops"]  # one forward+backward of a linear layer: one addmm, the weight's grad one mm
     assert aten["aten::addmm"] == 1 and aten["aten::mm"] >= 1, aten
     assert list(aten.values()) == sorted(aten.values(), reverse=True)
+
+
+def test_graphs_compiled_counts_compilations_and_recompilations():
+    torch._dynamo.reset()
+    try:
+        double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+        counts = [gpu_check.graphs_compiled(lambda n=n: double(torch.ones(n)))[1] for n in (3, 3, 4)]
+        result, eager = gpu_check.graphs_compiled(lambda: torch.ones(2) * 2)
+    finally:
+        torch._dynamo.reset()
+    assert counts == [1, 0, 1] and eager == 0 and result.tolist() == [2.0, 2.0]
 
 
 def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
