@@ -729,8 +729,10 @@ class SpiderMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a PEFT or quantised
-        router applies)."""
-        return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
+        router applies), in the router's dtype also under autocast: DeepSeek-V3 keeps its MoE gating in full
+        precision, and autocast would run the fp32 router's matmul in bf16 (and add a cast each way)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -190,3 +190,19 @@ def test_grouped_experts_run_in_the_autocast_dtype():
     # bf16 operands: each product carries a relative rounding of up to 2 * 2^-8, over the projections' inner sizes
     bf16 = float_tol(reference.to(torch.bfloat16), terms=moe.config.hidden_size + moe.config.moe_intermediate_size)
     torch.testing.assert_close(out.float(), reference, rtol=bf16["rtol"], atol=bf16["atol"])
+
+
+def test_router_runs_in_fp32_under_autocast():
+    """The router's logits under bf16 autocast are the fp32 matmul's, bit for bit (DeepSeek-V3 keeps its gating in full
+    precision; autocast alone would round the operands to bf16), and its gradient reaches the fp32 weight."""
+    torch.manual_seed(0)
+    moe = SpiderMoE(tiny(n_routed_experts=8))
+    x = torch.randn(37, moe.config.hidden_size, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = moe.route(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(x, moe.router.weight))
+    rounded = torch.nn.functional.linear(x.bfloat16(), moe.router.weight.bfloat16()).float()
+    assert not torch.equal(logits, rounded)  # what autocast would have given
+    logits.square().sum().backward()
+    assert moe.router.weight.grad.dtype == torch.float32 and moe.router.weight.grad.abs().sum() > 0
