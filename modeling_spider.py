@@ -140,6 +140,14 @@ def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for a device type autocast does not know (``meta``)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
 def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
     """Whether a value check of `tensor` may read it on the host: on the CPU, or outside training."""
     return tensor.device.type == "cpu" or not training
@@ -569,7 +577,7 @@ def _experts_in_autocast_dtype(function: Callable, experts: nn.Module, hidden_st
     master weights themselves and are left alone."""
     device_type = hidden_states.device.type
     weights = (experts.gate_up_proj, experts.down_proj)
-    if not torch.is_autocast_enabled(device_type):
+    if not autocast_enabled(device_type):
         return function(experts, hidden_states, *args)
     dtype = torch.get_autocast_dtype(device_type)
     if all(w.dtype == dtype for w in weights) or any(type(w) not in (torch.Tensor, nn.Parameter) for w in weights):
@@ -731,6 +739,8 @@ class SpiderMoE(nn.Module):
         """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a PEFT or quantised
         router applies), in the router's dtype also under autocast: DeepSeek-V3 keeps its MoE gating in full
         precision, and autocast would run the fp32 router's matmul in bf16 (and add a cast each way)."""
+        if not autocast_enabled(x.device.type):
+            return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
         with torch.autocast(x.device.type, enabled=False):
             return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 

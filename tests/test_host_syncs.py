@@ -206,3 +206,14 @@ def test_router_runs_in_fp32_under_autocast():
     assert not torch.equal(logits, rounded)  # what autocast would have given
     logits.square().sum().backward()
     assert moe.router.weight.grad.dtype == torch.float32 and moe.router.weight.grad.abs().sum() > 0
+
+
+def test_moe_routes_on_the_meta_device():
+    """A forward on meta tensors (shape tracing without memory) passes the autocast checks: autocast does not know the
+    meta device type, and the router and experts then take their plain path. (bf16: torch's meta kernel of
+    `_grouped_mm` takes bf16 operands only.)"""
+    with torch.device("meta"):
+        moe = SpiderMoE(tiny(n_routed_experts=8)).to(torch.bfloat16)
+        out, logits, _, _ = moe(torch.empty(5, moe.config.hidden_size, dtype=torch.bfloat16))
+    assert out.shape == (5, moe.config.hidden_size) and out.is_meta
+    assert logits.shape == (5, 8) and logits.dtype == torch.float32
