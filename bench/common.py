@@ -402,6 +402,17 @@ def _host_copy(func_name: str, args, kwargs) -> str | None:
     return None
 
 
+def graphs_compiled(call) -> tuple:
+    """Run `call()`; returns its result and how many graphs ``torch.compile`` compiled meanwhile (dynamo's
+    ``unique_graphs`` counter: first compilations and recompilations alike, 0 for an eager model). A step that
+    compiles is slow for it: ``TORCH_LOGS=recompiles`` prints why."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    result = call()
+    return result, counters["stats"]["unique_graphs"] - before
+
+
 class HostSyncCounter(TorchDispatchMode):
     """Counts the device-to-host synchronisations run inside the context, on any device.
 

@@ -42,7 +42,7 @@ QUICK = dict(preset="tiny", batch=1, seq_len=32, backend="eager", dynamic=True, 
 def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | None, compile_steps: int,
           warmup: int, repeats: int) -> dict:
     """Measure in this process (see the module docstring); returns a JSON-able dict."""
-    from bench.common import TrainStep, random_bytes, spider_model, time_call, time_interleaved
+    from bench.common import TrainStep, graphs_compiled, random_bytes, spider_model, time_call, time_interleaved
 
     ids = random_bytes(batch, seq_len)
     eager_model, compiled_model = spider_model(preset), spider_model(preset)
@@ -50,8 +50,6 @@ def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | N
     from accelerate.utils import compile_regions
 
     compiled = TrainStep(compile_regions(compiled_model, backend=backend, dynamic=dynamic), ids)
-    from bench.gpu_check import graphs_compiled
-
     first, first_graphs = [], []
     for _ in range(compile_steps):
         seconds, graphs = graphs_compiled(lambda: time_call(compiled))

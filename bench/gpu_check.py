@@ -174,8 +174,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (CudaSyncWarnings, HostSyncCounter, TrainStep, count_flops, dense_llama_config,
-                          device_peak_matmul_flops, environment, num_params, peer_model, random_bytes, spider_config,
-                          spider_model, synchronize)
+                          device_peak_matmul_flops, environment, graphs_compiled, num_params, peer_model, random_bytes,
+                          spider_config, spider_model, synchronize)
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 #: FP8 (e4m3, 3 mantissa bits) against bf16 (7 bits) at initialisation: the loss is a mean over every byte, so the
@@ -758,17 +758,6 @@ class SegmentAxisRecorder:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-
-
-def graphs_compiled(call) -> tuple:
-    """Run `call()`; returns its result and how many graphs ``torch.compile`` compiled meanwhile (dynamo's
-    ``unique_graphs`` counter: first compilations and recompilations alike, 0 for an eager model). A step that
-    compiles is slow for it: ``TORCH_LOGS=recompiles`` prints why."""
-    from torch._dynamo.utils import counters
-
-    before = counters["stats"]["unique_graphs"]
-    result = call()
-    return result, counters["stats"]["unique_graphs"] - before
 
 
 def device_allocations(device: torch.device) -> int | None:

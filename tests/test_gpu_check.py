@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from bench.common import HostSyncCounter, spider_config
+from bench.common import HostSyncCounter, graphs_compiled, spider_config
 from tests.test_tile_kernels_moe import FakeTileKernels1x
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
@@ -313,8 +313,8 @@ def test_graphs_compiled_counts_compilations_and_recompilations():
     torch._dynamo.reset()
     try:
         double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
-        counts = [gpu_check.graphs_compiled(lambda n=n: double(torch.ones(n)))[1] for n in (3, 3, 4)]
-        result, eager = gpu_check.graphs_compiled(lambda: torch.ones(2) * 2)
+        counts = [graphs_compiled(lambda n=n: double(torch.ones(n)))[1] for n in (3, 3, 4)]
+        result, eager = graphs_compiled(lambda: torch.ones(2) * 2)
     finally:
         torch._dynamo.reset()
     assert counts == [1, 0, 1] and eager == 0 and result.tolist() == [2.0, 2.0]
