@@ -829,32 +829,33 @@ class SpiderEngramEmbeddings(nn.Module):
         return self.embedding(rows).view(B, L, n_tables * self.head_dim)
 
 
-def causal_depthwise_conv1d(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Engram's ShortConv: a depthwise convolution along the segment axis of `window` `(B, S + K - 1, D)` (the `K - 1`
-    steps before the first output in front, zeros or cached segments) with `weight` `(D, 1, K)` (an
-    ``nn.Conv1d(D, D, K, groups=D)``'s), returned `(B, S, D)` in `window`'s dtype:
-    ``out[b, s, d] = sum_k weight[d, 0, k] * window[b, s + k, d]``, what ``F.conv1d(..., groups=D)`` computes.
+def depthwise_conv1d(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.conv1d(input, weight, groups=D)`` (stride 1, no padding) for `input` `(B, D, L)` and `weight` `(D, 1, K)`,
+    returned `(B, D, L - K + 1)` in `input`'s dtype: ``out[b, d, s] = sum_k weight[d, 0, k] * input[b, d, s + k]``.
 
     Written as a weighted sum over ``unfold``'s K-wide windows instead of calling the convolution: under
     ``torch.compile`` inductor's convolution-backward lowering fixes the strides of the input's gradient to integers
-    (torch 2.13, ``convolution_backward_lowering``), which specialises the segment axis, so the layer holding Engram
-    recompiled at every new segment count (and fell back to eager past dynamo's recompile limit); a product and a sum
-    compile once for all counts (tests/test_compile.py)."""
+    (torch 2.13, ``convolution_backward_lowering``), which specialises the length, so the recurrent layers holding
+    Engram recompiled at every new segment count (and ran eagerly past dynamo's recompile limit); a product and a
+    sum compile once for every count (tests/test_compile.py). The windows are unfolded channels-last, along the
+    middle axis of `(B, L, D)`: unfolding the last axis of `(B, D, L)` (a transposed view in the Engram) made
+    inductor's backward fix the length again."""
     kernel_size = weight.shape[-1]
-    return (window.unfold(1, kernel_size, 1) * weight.squeeze(1).to(window.dtype)).sum(-1)
+    channels_last = input.transpose(1, 2)  # (B, L, D)
+    out = (channels_last.unfold(1, kernel_size, 1) * weight.squeeze(1).to(input.dtype)).sum(-1)  # (B, S, D)
+    return out.transpose(1, 2)
 
 
 class SpiderShortConv(nn.Conv1d):
-    """Engram's causal depthwise ShortConv over segments: an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (its weight
-    `(D, 1, K)`, init and checkpoint key), applied channels-last by :func:`causal_depthwise_conv1d`: `window`
-    `(B, S + K - 1, D)` -> `(B, S, D)`. Called as a module, so hooks on it run (accelerate's offloading loads its weight
-    there)."""
+    """Engram's depthwise ShortConv: an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (the same interface, weight
+    `(D, 1, K)`, init and checkpoint key) computed by :func:`depthwise_conv1d`: `(B, D, L)` -> `(B, D, L - K + 1)`.
+    Causal because the Engram puts the `K - 1` steps before the first segment in front (zeros or cached segments)."""
 
     def __init__(self, hidden_size: int, kernel_size: int):
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)
 
-    def forward(self, window: torch.Tensor) -> torch.Tensor:
-        return causal_depthwise_conv1d(window, self.weight)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return depthwise_conv1d(input, self.weight)
 
 
 class SpiderEngram(nn.Module):
@@ -886,7 +887,7 @@ class SpiderEngram(nn.Module):
             window = F.pad(conv_in, (0, 0, self.kernel_size - 1, 0))
         else:
             window = cache.conv_window(conv_in, self.kernel_size)
-        return value + F.silu(self.short_conv(window))
+        return value + F.silu(self.short_conv(window.transpose(1, 2)).transpose(1, 2))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

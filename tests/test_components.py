@@ -19,7 +19,7 @@ from modeling_spider import (
     SpiderMoE,
     SpiderMoEKernels,
     SpiderShortConv,
-    causal_depthwise_conv1d,
+    depthwise_conv1d,
     downsample,
     upsample,
 )
@@ -403,28 +403,30 @@ def test_engram_identical_after_save_and_load(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_engram_short_conv_equals_a_depthwise_conv1d(dtype):
     """`SpiderShortConv` (a sum over unfolded windows, for torch.compile) against ``nn.Conv1d(groups=D)`` holding the
-    same weight (loaded from its state dict: the checkpoint key and layout are the Conv1d's): outputs and the gradients
-    of the window and the weight, K products per output element, B * S per weight element."""
+    same weight (loaded from its state dict: the checkpoint key and layout are the Conv1d's), on the same `(B, D, L)`
+    input: outputs and the gradients of the input and the weight, K products per output element, B * S per weight
+    element."""
     B, S, D, K = 2, 9, 6, 4
     conv = torch.nn.Conv1d(D, D, K, groups=D, bias=False).to(dtype)
     short_conv = SpiderShortConv(D, K).to(dtype)
     short_conv.load_state_dict(conv.state_dict())
     generator = torch.Generator().manual_seed(0)
-    window = torch.randn(B, S + K - 1, D, generator=generator).to(dtype).requires_grad_()
-    grad = torch.randn(B, S, D, generator=generator).to(dtype)
+    window = torch.randn(B, D, S + K - 1, generator=generator).to(dtype).requires_grad_()
+    grad = torch.randn(B, D, S, generator=generator).to(dtype)
     out = short_conv(window)
     (window_grad, weight_grad) = torch.autograd.grad(out, (window, short_conv.weight), grad)
-    ref = conv(window.transpose(1, 2)).transpose(1, 2)
+    ref = conv(window)
     (ref_window_grad, ref_weight_grad) = torch.autograd.grad(ref, (window, conv.weight), grad)
-    assert out.shape == (B, S, D) and out.dtype == dtype
+    assert out.shape == ref.shape == (B, D, S) and out.dtype == dtype
     torch.testing.assert_close(out, ref, **float_tol(ref, K))
     torch.testing.assert_close(window_grad, ref_window_grad, **float_tol(ref_window_grad, K))
     torch.testing.assert_close(weight_grad, ref_weight_grad, **float_tol(ref_weight_grad, B * S))
-    # causal: the output at s reads window[s : s + K] only (the K - 1 steps in front hold zeros or the cache)
-    short_conv(window)[:, 2].sum().backward()
-    assert window.grad[:, 2:2 + K].abs().sum() > 0 and not window.grad[:, 2 + K:].any() and not window.grad[:, :2].any()
+    # the output at s reads input[..., s : s + K] only (Engram puts the K - 1 steps before the first segment in front)
+    short_conv(window)[..., 2].sum().backward()
+    assert window.grad[..., 2:2 + K].abs().sum() > 0 and not window.grad[..., 2 + K:].any()
+    assert not window.grad[..., :2].any()
     # fp32 weights on bf16 activations (a bf16 forward of an fp32 model): the output keeps the activations' dtype
-    assert causal_depthwise_conv1d(window.detach().bfloat16(), conv.weight.float()).dtype == torch.bfloat16
+    assert depthwise_conv1d(window.detach().bfloat16(), conv.weight.float()).dtype == torch.bfloat16
 
 
 # --- losses and gradients --------------------------------------------------------------------------------------------
