@@ -14,8 +14,8 @@ Targets: ``speedup >= 1.0`` (compiling must not slow training down), and no grap
 the recurrent block marks its segment axis dynamic; an inductor lowering that fixed a size recompiled at every new
 count). The graphs each first step compiled are recorded too (``graphs_compiled_in_first_steps``). At these sizes
 the few segment counts a batch meets mostly appear within the first steps, so the count after them guards the
-steady state; tests/test_compile.py checks that a new count compiles nothing. A compile failure or timeout is recorded under
-``"error"`` with ``met: false`` instead of crashing the run. ``--quick`` uses the ``tiny`` preset and dynamo's
+steady state; tests/test_compile.py checks that a new count compiles nothing. A compile failure or timeout is
+recorded under ``"error"`` with ``met: false`` instead of crashing the run. ``--quick`` uses the ``tiny`` preset and dynamo's
 ``"eager"`` backend (graph capture only, no code generation) with ``dynamic=True`` (no recompilation for the
 changing segment count) -- it checks the machinery, not inductor's speed.
 

@@ -159,7 +159,8 @@ def test_engram_layer_compiles_once_for_every_segment_count_with_inductor():
         for S in (16, 32, 48):
             # the inputs as SpiderRecurrentBlock hands them over: the segment axis marked dynamic, a padded row
             hidden = dynamic_segment_axis(torch.randn(B, S, config.hidden_size, requires_grad=True))
-            rope = tuple(dynamic_segment_axis(t) for t in model.model.rotary_emb(hidden, torch.arange(S)[None].expand(B, S)))
+            positions = torch.arange(S)[None].expand(B, S)
+            rope = tuple(dynamic_segment_axis(t) for t in model.model.rotary_emb(hidden, positions))
             mask = torch.ones(B, S, dtype=torch.bool)
             mask[1, S // 2:] = False
             row_weights = RowWeights.of(mask, config.num_experts_per_tok)
