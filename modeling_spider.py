@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -739,9 +740,8 @@ class SpiderMoE(nn.Module):
         """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a PEFT or quantised
         router applies), in the router's dtype also under autocast: DeepSeek-V3 keeps its MoE gating in full
         precision, and autocast would run the fp32 router's matmul in bf16 (and add a cast each way)."""
-        if not autocast_enabled(x.device.type):
-            return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
+        device_type = x.device.type
+        with torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else nullcontext():
             return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
 

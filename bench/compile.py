@@ -60,14 +60,10 @@ def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | N
     # would recompile here: Engram's nn.Conv1d did, once per new count)
     timed, later_graphs = graphs_compiled(lambda: time_interleaved({"eager": eager, "compiled": compiled}, warmup,
                                                                     repeats))
-    counters = {}
-    try:
-        from torch._dynamo.utils import counters as dynamo_counters
+    from torch._dynamo.utils import counters as dynamo_counters  # read by graphs_compiled above too
 
-        counters = {"unique_graphs": int(dynamo_counters["stats"].get("unique_graphs", 0)),
-                    "graph_breaks": int(sum(dynamo_counters["graph_break"].values()))}
-    except Exception:  # counters are internal; their absence is not an error
-        pass
+    counters = {"unique_graphs": int(dynamo_counters["stats"].get("unique_graphs", 0)),
+                "graph_breaks": int(sum(dynamo_counters["graph_break"].values()))}
     return {
         "compile_s": sum(first) - sum(eager_first),
         "first_compiled_steps_s": [round(t, 3) for t in first],

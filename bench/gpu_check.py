@@ -208,8 +208,8 @@ _COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", 
 #: they get no instrumented step)
 _EAGER_TWIN = {"spider_compiled": "spider", "spider_word_rate_compiled": "spider_word_rate",
                "spider_seed_recipe_compiled": "spider_seed_recipe"}
-#: warm-up steps before a row's timed steps (the compiled row compiles, and recompiles once per new segment-axis shape,
-#: during its first steps)
+#: warm-up steps before a row's timed steps (a compiled row compiles its regions and their structural variants, such
+#: as the first loop's, during its first steps: ``graphs_compiled_per_step``)
 STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_seed_recipe_compiled": 3}
 #: the seed's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_seed_recipe``
 #: row after the table
@@ -732,8 +732,7 @@ class SegmentAxisRecorder:
     the segments' shape (no host sync). Inert (:attr:`active` False) for a model without one (the transformers peers).
 
     On the H200 some steps took several times the others, most likely those at an axis size the process had not met
-    (cuDNN plans attention once per shape, ``torch.compile`` compiles once per shape; not yet traced): :meth:`step`
-    tells which steps met one."""
+    (cuDNN plans attention once per shape; not yet traced): :meth:`step` tells which steps met one."""
 
     def __init__(self, model: torch.nn.Module):
         self.sizes: list[int] = []
