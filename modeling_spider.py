@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -147,6 +148,17 @@ def autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:
         return False
+
+
+def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` cast to the autocast dtype when autocast is on for its device and `x` is floating point, else `x` itself.
+    For a tensor that several layers read under autocast: autocast casts it once per layer that reads it (a kernel each
+    way per layer), this once; the layers' gradients then add up in the autocast dtype before the one cast back, as
+    for a weight that autocast casts once for all its uses."""
+    device_type = x.device.type
+    if not x.is_floating_point() or not autocast_enabled(device_type):
+        return x
+    return x.to(torch.get_autocast_dtype(device_type))
 
 
 def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
@@ -359,6 +371,7 @@ class SpiderAttention(nn.Module):
         """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None; `cache` this layer's cache,
         updated in place. Returns `(output (B, T, D), attention weights (B, H, T, T_keys) or None)`."""
         B, T, _ = hidden_states.shape
+        hidden_states = to_autocast_dtype(hidden_states)  # read by the query and the key-value projections
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
@@ -373,9 +386,12 @@ class SpiderAttention(nn.Module):
         kv = kv.view(B, T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, value_states = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
-        # the query heads and the one shared key head rotated together: one set of kernels, the same math per element
+        # the query heads and the one shared key head rotated together: one set of kernels, the same math per element.
+        # Under autocast the rotation runs in the embeddings' dtype (fp32) and its result is rounded once to the
+        # projections' dtype, which is where attention would round it anyway: one cast, not the three that promoting
+        # the concatenated queries and keys to fp32 and attention casting them back cost.
         rotated = apply_rotary_pos_emb(torch.cat((q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim)), dim=1),
-                                       *position_embeddings)
+                                       *position_embeddings).to(q_nope.dtype)
         q_pe, k_pe = rotated.split([self.num_heads, 1], dim=1)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
         key_states = torch.cat((k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1)
@@ -408,6 +424,7 @@ class SpiderMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_autocast_dtype(x)  # read by the gate and the up projection
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -557,14 +574,49 @@ def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
+_SHARED_WEIGHT_CASTS: ContextVar[dict | None] = ContextVar("spider_shared_weight_casts", default=None)
+
+
+@contextmanager
+def shared_weight_casts() -> Iterator[None]:
+    """Inside, :func:`cast_weight` casts each parameter once per dtype and hands every later call the same cast, as
+    autocast's own weight cache does for the layers it casts (their gradients add up in the cast's dtype before the
+    one cast back). The recurrent block opens it around its loops, so the routed experts' weights, which autocast does
+    not cast (torch's grouped GEMM is no autocast op), are cast once per forward instead of once per loop: on the `1b`
+    preset 100M parameters per layer, a copy each loop in memory and in the backward otherwise. Nothing is shared
+    under ``torch.compile`` (a traced region casts its own)."""
+    token = _SHARED_WEIGHT_CASTS.set({})
+    try:
+        yield
+    finally:
+        _SHARED_WEIGHT_CASTS.reset(token)
+
+
+def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.to(dtype)``; inside :func:`shared_weight_casts` the same result for the same parameter (an
+    ``nn.Parameter`` not written in place since), so a weight used by every loop is cast once. A tensor computed from
+    the parameters (PEFT's LoRA on experts) is cast anew each call."""
+    casts = None if torch.compiler.is_compiling() else _SHARED_WEIGHT_CASTS.get()
+    if casts is None or not isinstance(weight, nn.Parameter) or weight.dtype == dtype:
+        return weight.to(dtype)
+    key = (id(weight), dtype)
+    cached = casts.get(key)
+    # the parameter itself is kept with its cast: its id is not reused while the cache lives
+    if cached is not None and cached[0] is weight and cached[1] == weight._version:
+        return cached[2]
+    cast = weight.to(dtype)
+    casts[key] = (weight, weight._version, cast)
+    return cast
+
+
 class _ExpertsWeightsIn:
     """`experts` seen with its fused weights cast to `dtype` (every other attribute is the module's own), for an
     experts function of transformers' interface to read."""
 
     def __init__(self, experts: nn.Module, dtype: torch.dtype):
         self._experts = experts
-        self.gate_up_proj = experts.gate_up_proj.to(dtype)
-        self.down_proj = experts.down_proj.to(dtype)
+        self.gate_up_proj = cast_weight(experts.gate_up_proj, dtype)
+        self.down_proj = cast_weight(experts.down_proj, dtype)
 
     def __getattr__(self, name: str):
         return getattr(self._experts, name)
@@ -575,7 +627,8 @@ def _experts_in_autocast_dtype(function: Callable, experts: nn.Module, hidden_st
     and transformers' functions cast the input to the weights' dtype, so fp32 master weights would run it in fp32, which
     on CUDA is torch's fallback (a loop over experts that reads the offsets on the host) instead of the bf16 kernel.
     The weights are cast per call, as autocast casts a linear layer's; torchao's FP8 weight wrappers quantise from the
-    master weights themselves and are left alone."""
+    master weights themselves and are left alone. Inside :func:`shared_weight_casts` (the recurrent block's loops) a
+    weight is cast once per forward, not per call."""
     device_type = hidden_states.device.type
     weights = (experts.gate_up_proj, experts.down_proj)
     if not autocast_enabled(device_type):
@@ -722,9 +775,10 @@ class SpiderMoE(nn.Module):
         if row_weights is not None:
             topk_weights = topk_weights * row_weights.weight[:, None]
 
-        out = self.experts(x, topk_idx, topk_weights).to(x.dtype)
+        x_experts = to_autocast_dtype(x)  # read by the routed and the shared experts (the router reads x)
+        out = self.experts(x_experts, topk_idx, topk_weights).to(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x_experts)
 
         if row_weights is None:
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
@@ -876,7 +930,8 @@ class SpiderEngram(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, memory: torch.Tensor, cache: SpiderLayerCache | None = None
     ) -> torch.Tensor:
-        memory = memory.to(hidden_states.dtype)
+        # read by the key and the value projection: in the autocast dtype under autocast, else in the hidden dtype
+        memory = to_autocast_dtype(memory) if autocast_enabled(memory.device.type) else memory.to(hidden_states.dtype)
         key = self.key_norm(self.key_proj(memory))
         score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / math.sqrt(hidden_states.shape[-1])
         score = score.to(torch.float32)
@@ -1320,6 +1375,7 @@ class SpiderRecurrentBlock(nn.Module):
         `(N,)` (None: all), `engram_memory` `(B, S, M)`, `n_loops`, `cache`, `segment_mask` `(B, S)` bool or None."""
         e = segments
         B, S, D = e.shape
+        engram_memory = to_autocast_dtype(engram_memory)  # read by the Engram layers in every loop: cast once
         for tensor in (e, *position_embeddings, engram_memory):
             dynamic_segment_axis(tensor)
         h = e
@@ -1336,31 +1392,34 @@ class SpiderRecurrentBlock(nn.Module):
             dynamic_segment_axis(tensor, dim=0)  # B * S rows, B * S * k slots
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
-        for t in range(n_loops):
-            if early_exit and t > 0:
-                # ACT exit: halted segments keep their state and leave the MoE but still serve keys and values;
-                # without a cache the loop stops once every segment has halted.
-                running = act.halting_prob < self.act_threshold
-                if cache is None and not bool(running.any()):
-                    break
-                keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
-                routed = keep.nonzero().squeeze(1)
-            z = self.loop_norm(dynamic_segment_axis(h + e + loop_embeddings[t]))
-            for i, layer in enumerate(self.layers):
-                z, logits, aux, load = layer(
-                    dynamic_segment_axis(z), position_embeddings, attention_mask, routed, engram_memory, row_weights,
-                    cache=cache.recurrent[t][i] if cache is not None else None,
-                )
-                aux_losses.append(aux)
-                expert_loads.append(load)
-                if output_router_logits:
-                    router_logits.append(logits)
-            z = dynamic_segment_axis(z + self.loop_lora(dynamic_segment_axis(z), t))
-            h_next = self.injection(dynamic_segment_axis(h), e, z)
-            h = h_next if running is None else torch.where(running[..., None], h_next, h)  # exited segments stay
-            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, dynamic_segment_axis(h))).squeeze(-1)
-            step_weight = act.step(torch.sigmoid(halt_logits.to(torch.float32)), is_last=t == n_loops - 1)
-            h_out = h_out + step_weight[..., None] * h.to(torch.float32)
+        # the routed experts' weights cast once for all loops (autocast caches the other layers' casts itself)
+        with nullcontext() if torch.compiler.is_compiling() else shared_weight_casts():
+            for t in range(n_loops):
+                if early_exit and t > 0:
+                    # ACT exit: halted segments keep their state and leave the MoE but still serve keys and values;
+                    # without a cache the loop stops once every segment has halted.
+                    running = act.halting_prob < self.act_threshold
+                    if cache is None and not bool(running.any()):
+                        break
+                    keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
+                    routed = keep.nonzero().squeeze(1)
+                z = self.loop_norm(dynamic_segment_axis(h + e + loop_embeddings[t]))
+                for i, layer in enumerate(self.layers):
+                    z, logits, aux, load = layer(
+                        dynamic_segment_axis(z), position_embeddings, attention_mask, routed, engram_memory,
+                        row_weights, cache=cache.recurrent[t][i] if cache is not None else None,
+                    )
+                    aux_losses.append(aux)
+                    expert_loads.append(load)
+                    if output_router_logits:
+                        router_logits.append(logits)
+                z = dynamic_segment_axis(z + self.loop_lora(dynamic_segment_axis(z), t))
+                h_next = self.injection(dynamic_segment_axis(h), e, z)
+                h = h_next if running is None else torch.where(running[..., None], h_next, h)  # exited segments stay
+                halt_input = as_weight_dtype(self.halt_predictor, dynamic_segment_axis(h))
+                halt_logits = self.halt_predictor(halt_input).squeeze(-1)
+                step_weight = act.step(torch.sigmoid(halt_logits.to(torch.float32)), is_last=t == n_loops - 1)
+                h_out = h_out + step_weight[..., None] * h.to(torch.float32)
         return SpiderRecurrentBlockOutput(h_out, act, aux_losses, expert_loads, router_logits)
 
 

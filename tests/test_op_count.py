@@ -4,20 +4,28 @@ forward+backward dispatches (`HostSyncCounter.ops`: no views, `detach` or `empty
 the plain formulas compute.
 """
 
+from contextlib import nullcontext
+
 import pytest
 import torch
+
+import modeling_spider
 
 from bench.common import HostSyncCounter, peer_model, random_bytes
 from bench.gpu_check import proxy_1b_config
 from modeling_spider import (
+    ALL_ATTENTION_FUNCTIONS,
     RowWeights,
     SpiderForConditionalGeneration,
     SpiderMoEKernels,
     SpiderRMSNorm,
     apply_rotary_pos_emb,
+    cast_weight,
     rotate_half,
+    shared_weight_casts,
+    to_autocast_dtype,
 )
-from tests.helpers import float_tol, tiny_model
+from tests.helpers import float_tol, model_terms, tiny_model
 
 
 def _fwd_bwd_ops(model, ids) -> int:
@@ -158,3 +166,219 @@ def test_loss_terms_weighted_zero_add_no_backward():
     assert all(torch.equal(grads[name], ref_grads[name]) for name in grads), [
         name for name in grads if not torch.equal(grads[name], ref_grads[name])]
     assert ops < ref_ops - 4 * config.num_recurrent_layers * config.n_loops, (ops, ref_ops)
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every dtype cast (``aten._to_copy`` to another dtype): `(shape, source dtype, target dtype)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten._to_copy and out.dtype != args[0].dtype:
+            self.casts.append((tuple(args[0].shape), args[0].dtype, out.dtype))
+        return out
+
+
+def _casts_per_application(model, ids, layers: int) -> float:
+    model.train()
+    torch.manual_seed(1)
+    with _Casts() as seen:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+    return len(seen.casts) / layers
+
+
+def test_training_casts_per_layer_application_under_autocast():
+    """Under bf16 autocast a cast is a kernel of its own each way (on an H200 `aten::copy_` was a fifth of the eager
+    step's launches). On `proxy_1b_config` (CPU, torch 2.13), forward+backward: DeepseekV3 643 casts (64 per layer);
+    Spider 2,551 (64 per layer application), 2,311 once the rotated query and key parts were rounded to bf16 before
+    the concatenation instead of promoting the whole query and key to fp32 for attention to cast back, 2,191 once the
+    experts' weights were cast once per forward instead of once per loop, 1,913 (48) once an input that several
+    projections read was cast once (`to_autocast_dtype`) instead of once per projection. The bound, 0.8x
+    DeepseekV3's per layer, holds all three gains."""
+    config = proxy_1b_config()
+    ids = random_bytes(2, 64)
+    torch.manual_seed(0)
+    spider = _casts_per_application(SpiderForConditionalGeneration(config), ids, config.num_prelude_layers
+                                    + config.num_recurrent_layers * config.n_loops + config.num_coda_layers)
+    peer = peer_model(config)
+    deepseek = _casts_per_application(peer, ids, peer.config.num_hidden_layers)
+    assert spider <= 0.8 * deepseek, (spider, deepseek)
+
+
+def test_attention_hands_rotated_queries_and_keys_in_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast the queries and keys reach the attention function in bf16, each element the bf16 rounding of
+    what attention would have cast: the unrotated part as the projection gave it, the rotated part the fp32 rotation
+    (RoPE's cos and sin are fp32) rounded once."""
+    model = tiny_model(seed=0)
+    attention = model.model.prelude_layers[0].self_attn
+    config = attention.config
+    seen = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.update(query=query, key=key, value=value)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "spider_test_recording", recording)
+    model.set_attn_implementation("spider_test_recording")
+    B, T, D, H = 2, 11, config.hidden_size, config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, D, generator=generator)
+    cos, sin = model.model.rotary_emb(x, torch.arange(T).expand(B, T))
+    assert cos.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention(x, (cos, sin), None)
+        if config.q_lora_rank is None:
+            q = attention.q_proj(x)
+        else:
+            q = attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(x)))
+        kv_a = attention.kv_a_proj_with_mqa(x)
+    assert attention.config._attn_implementation == "spider_test_recording"
+    assert {t.dtype for t in seen.values()} == {torch.bfloat16}
+    nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+    q = q.view(B, T, H, nope + rope).transpose(1, 2)
+    assert torch.equal(seen["query"][..., :nope], q[..., :nope])
+    assert torch.equal(seen["query"][..., nope:], apply_rotary_pos_emb(q[..., nope:], cos, sin).to(torch.bfloat16))
+    k_pe = kv_a[..., config.kv_lora_rank:].view(B, 1, T, rope)
+    k_rot = apply_rotary_pos_emb(k_pe, cos, sin).to(torch.bfloat16)
+    assert torch.equal(seen["key"][..., nope:], k_rot.expand(B, H, T, rope))
+
+
+def _autocast_step(model, ids):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with _Casts() as seen:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+    return seen.casts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_experts_weights_are_cast_once_per_forward(monkeypatch):
+    """Under autocast the routed experts' fp32 weights are cast to bf16 once per forward and layer, not once per loop
+    (autocast casts the other layers' weights once itself; the grouped GEMM is no autocast op): one bf16 copy per layer
+    kept for the backward instead of `n_loops`. The gradients are those of a cast per call up to the loops' bf16
+    accumulation (autocast's own weight cache accumulates the same way)."""
+    model = tiny_model(seed=0, n_loops=3)
+    config, ids = model.config, torch.randint(0, 256, (2, 48))
+    expert_shapes = {tuple(p.shape) for n, p in model.named_parameters() if ".experts." in n}
+
+    def expert_casts(casts):
+        return [c for c in casts if c[0] in expert_shapes and c[1:] == (torch.float32, torch.bfloat16)]
+
+    casts, grads = _autocast_step(model, ids)
+    assert len(expert_casts(casts)) == 2 * config.num_recurrent_layers  # gate_up_proj and down_proj, per layer
+    monkeypatch.setattr(modeling_spider, "shared_weight_casts", nullcontext)
+    casts, per_call = _autocast_step(model, ids)
+    assert len(expert_casts(casts)) == 2 * config.num_recurrent_layers * config.n_loops
+    assert grads.keys() == per_call.keys()
+    for name in grads:
+        # per loop a bf16 gradient; summed in bf16 (shared cast) or each cast to fp32 first (a cast per call)
+        reference = per_call[name]
+        tol = float_tol(reference.to(torch.bfloat16), config.n_loops)
+        torch.testing.assert_close(grads[name], reference, rtol=tol["rtol"], atol=tol["atol"], msg=name)
+
+
+def test_shared_weight_casts_with_activation_checkpointing():
+    """The recomputation in the backward runs outside the shared casts and casts afresh; the gradients are those of a
+    step without checkpointing."""
+    ids = torch.randint(0, 256, (2, 40))
+    model = tiny_model(seed=4, n_loops=3)
+    _, reference = _autocast_step(model, ids)
+    model.activation_checkpointing_enable()
+    _, grads = _autocast_step(model, ids)
+    assert grads.keys() == reference.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference[name], **float_tol(reference[name], 2 * model_terms(model)),
+                                   msg=name)
+
+
+def test_cast_weight_shares_one_cast_per_parameter():
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    assert cast_weight(weight, torch.bfloat16) is not cast_weight(weight, torch.bfloat16)  # no sharing outside
+    with shared_weight_casts():
+        first = cast_weight(weight, torch.bfloat16)
+        assert first.dtype == torch.bfloat16 and torch.equal(first, weight.detach().to(torch.bfloat16))
+        assert cast_weight(weight, torch.bfloat16) is first
+        assert cast_weight(weight, torch.float16) is not first  # another dtype: its own cast
+        assert cast_weight(weight, torch.float32) is weight  # no cast at all
+        computed = weight * 2  # a tensor computed from a parameter (PEFT's LoRA): cast each call
+        assert cast_weight(computed, torch.bfloat16) is not cast_weight(computed, torch.bfloat16)
+        with torch.no_grad():
+            weight.add_(1.0)  # written in place: the next call casts the new values
+        again = cast_weight(weight, torch.bfloat16)
+        assert again is not first and torch.equal(again, weight.detach().to(torch.bfloat16))
+    assert cast_weight(weight, torch.bfloat16) is not again
+
+
+def test_to_autocast_dtype_casts_only_under_autocast():
+    x = torch.randn(3, 4)
+    assert to_autocast_dtype(x) is x
+    ids = torch.arange(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert to_autocast_dtype(x).dtype == torch.bfloat16 and torch.equal(to_autocast_dtype(x), x.to(torch.bfloat16))
+        assert to_autocast_dtype(ids) is ids  # integers are no autocast input
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert to_autocast_dtype(x) is x
+
+
+def _layer_with_one_or_per_layer_casts(monkeypatch, layer, run):
+    """`run(layer, x)` under bf16 autocast twice: as it is (an input several projections read cast once) and with
+    `to_autocast_dtype` as the identity (autocast casting that input once per projection). Returns both
+    `(output, input gradient)` pairs."""
+    x = torch.randn(2, 9, layer_hidden_size(layer), generator=torch.Generator().manual_seed(0))
+    results = []
+    for once in (True, False):
+        if not once:
+            monkeypatch.setattr(modeling_spider, "to_autocast_dtype", lambda t: t)
+        x_in = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(layer, x_in * 1.0)  # not a leaf: autocast caches a leaf's cast itself (the weights')
+        out.float().square().sum().backward()
+        results.append((out.detach(), x_in.grad))
+    return results
+
+
+def layer_hidden_size(layer) -> int:
+    return layer.config.hidden_size if hasattr(layer, "config") else layer.gate_proj.in_features
+
+
+@pytest.mark.parametrize("which", ["mlp", "attention"])
+def test_an_input_cast_once_gives_the_per_projection_casts_values(monkeypatch, which):
+    """The output is bit-identical (each projection reads the same bf16 values); the input's gradient, the sum of two
+    projections' bf16 gradients, is rounded to bf16 once before the cast back to fp32, instead of adding the two in
+    fp32: within one bf16 rounding (2^-8 of the result) of it."""
+    model = tiny_model(seed=0)
+    layer = model.model.prelude_layers[0]
+    if which == "mlp":
+        module, run = layer.mlp, lambda m, x: m(x)
+    else:
+        module = layer.self_attn
+        rope = model.model.rotary_emb(torch.zeros(1), torch.arange(9).expand(2, 9))
+
+        def run(m, x):
+            return m(x, rope, None)[0]
+    (out, grad), (ref_out, ref_grad) = _layer_with_one_or_per_layer_casts(monkeypatch, module, run)
+    assert torch.equal(out, ref_out)
+    assert not torch.equal(grad, ref_grad)  # the rounding is real: the test would see a gradient left out
+    torch.testing.assert_close(grad, ref_grad, rtol=2.0**-8, atol=0.0)
+
+
+def test_model_loss_under_autocast_is_unchanged_by_casting_shared_inputs_once(monkeypatch):
+    """The whole training forward under bf16 autocast gives the same loss to the bit with inputs cast once or per
+    projection (the projections read the same values either way)."""
+    model = tiny_model(seed=0)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for once in (True, False):
+        if not once:
+            monkeypatch.setattr(modeling_spider, "to_autocast_dtype", lambda t: t)
+        torch.manual_seed(1)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(model.train()(ids, labels=ids).loss)
+    assert torch.equal(losses[0], losses[1])
