@@ -1302,17 +1302,46 @@ class AdaptiveComputationTime:
 
     def step(self, p: torch.Tensor, is_last: bool) -> torch.Tensor:
         """`p`: fp32 halting probabilities, shape `shape`. Returns this loop's output weights, fp32, shape `shape`."""
-        running = (self.halting_prob < self.threshold).to(torch.float32)
-        if is_last:
-            new_halted, running = running, torch.zeros_like(running)
-        else:
-            reached = (self.halting_prob + p * running >= self.threshold).to(torch.float32)
-            new_halted, running = reached * running, (1.0 - reached) * running
-        self.halting_prob = self.halting_prob + p * running
-        self.remainders = self.remainders + new_halted * (1.0 - self.halting_prob)
-        self.halting_prob = self.halting_prob + new_halted * self.remainders
-        self.n_updates = self.n_updates + running + new_halted
-        return p * running + new_halted * self.remainders
+        self.halting_prob, self.remainders, self.n_updates, weight = act_step(
+            self.halting_prob, self.remainders, self.n_updates, p, self.threshold, is_last)
+        return weight
+
+
+def act_step(
+    halting_prob: torch.Tensor, remainders: torch.Tensor, n_updates: torch.Tensor, p: torch.Tensor, threshold: float,
+    is_last: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One loop of ACT (:class:`AdaptiveComputationTime`), as a function of its state: fp32 tensors of one shape
+    (`halting_prob`, `remainders`, `n_updates`, this loop's halting probabilities `p`). Returns the new
+    `(halting_prob, remainders, n_updates)` and this loop's output weights."""
+    running = (halting_prob < threshold).to(torch.float32)
+    if is_last:
+        new_halted, running = running, torch.zeros_like(running)
+    else:
+        reached = (halting_prob + p * running >= threshold).to(torch.float32)
+        new_halted, running = reached * running, (1.0 - reached) * running
+    halting_prob = halting_prob + p * running
+    remainders = remainders + new_halted * (1.0 - halting_prob)
+    halting_prob = halting_prob + new_halted * remainders
+    n_updates = n_updates + running + new_halted
+    return halting_prob, remainders, n_updates, p * running + new_halted * remainders
+
+
+class SpiderHaltingStep(nn.Module):
+    """One loop's ACT step and its share of the block's output: `p = sigmoid(halt_logits)`, the loop's weight `w` from
+    :func:`act_step`, `h_out + w * h` in fp32. Shapes: `halt_logits` and the ACT state `(B, S)`, `h` and `h_out`
+    `(B, S, D)`. No parameters: a module so that regional compilation (``--compile``: accelerate's
+    ``compile_regions`` compiles each submodule) compiles these ~25 elementwise ops each way as one region, instead of
+    running them eagerly between the compiled layers. Returns `(h_out, halting_prob, remainders, n_updates)`."""
+
+    def forward(
+        self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, halting_prob: torch.Tensor,
+        remainders: torch.Tensor, n_updates: torch.Tensor, threshold: float, is_last: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = torch.sigmoid(halt_logits.to(torch.float32))
+        halting_prob, remainders, n_updates, weight = act_step(halting_prob, remainders, n_updates, p, threshold,
+                                                               is_last)
+        return h_out + weight[..., None] * h.to(torch.float32), halting_prob, remainders, n_updates
 
 
 class SpiderRecurrentBlockOutput(NamedTuple):
@@ -1356,6 +1385,7 @@ class SpiderRecurrentBlock(nn.Module):
         self.loop_lora = SpiderLoopLoRA(config)
         self.injection = SpiderLTIInjection(config)
         self.halt_predictor = nn.Linear(D, 1, dtype=torch.float32)
+        self.halting_step = SpiderHaltingStep()
         # read by SpiderPreTrainedModel._init_weights (this block holds no parameters of its own)
         self.halt_predictor.bias_init = config.halt_bias_init
 
@@ -1416,10 +1446,13 @@ class SpiderRecurrentBlock(nn.Module):
                 z = dynamic_segment_axis(z + self.loop_lora(dynamic_segment_axis(z), t))
                 h_next = self.injection(dynamic_segment_axis(h), e, z)
                 h = h_next if running is None else torch.where(running[..., None], h_next, h)  # exited segments stay
-                halt_input = as_weight_dtype(self.halt_predictor, dynamic_segment_axis(h))
-                halt_logits = self.halt_predictor(halt_input).squeeze(-1)
-                step_weight = act.step(torch.sigmoid(halt_logits.to(torch.float32)), is_last=t == n_loops - 1)
-                h_out = h_out + step_weight[..., None] * h.to(torch.float32)
+                h = dynamic_segment_axis(h)
+                halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
+                h_out, act.halting_prob, act.remainders, act.n_updates = self.halting_step(
+                    dynamic_segment_axis(halt_logits), h, dynamic_segment_axis(h_out),
+                    *(dynamic_segment_axis(state) for state in (act.halting_prob, act.remainders, act.n_updates)),
+                    self.act_threshold, t == n_loops - 1,
+                )
         return SpiderRecurrentBlockOutput(h_out, act, aux_losses, expert_loads, router_logits)
 
 

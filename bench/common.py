@@ -20,6 +20,7 @@ crashed is recorded by the runner as ``{"benchmark": name, "error": "...", "met"
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import platform
@@ -411,6 +412,48 @@ def graphs_compiled(call) -> tuple:
     before = counters["stats"]["unique_graphs"]
     result = call()
     return result, counters["stats"]["unique_graphs"] - before
+
+
+#: profiler event names that mark code ``torch.compile`` runs: a region's forward and its backward
+COMPILED_REGION_EVENTS = ("Torch-Compiled Region", "CompiledFunction", "CompiledFunctionBackward")
+
+
+@functools.lru_cache(maxsize=None)
+def _is_view_op(name: str) -> bool:
+    """Whether the aten op `name` (``"aten::transpose"``) is a view (or ``detach`` / ``empty*``): no kernel of its
+    own."""
+    op = name.removeprefix("aten::")
+    if op in ("detach", "empty", "empty_like", "empty_strided"):
+        return True
+    packet = getattr(torch.ops.aten, op, None)
+    if packet is None:
+        return False
+    return any(getattr(packet, overload).is_view for overload in packet.overloads())
+
+
+def eager_aten_ops(events, top: int = 10) -> dict:
+    """The aten ops that ran eagerly in a ``torch.profiler`` trace (`events`: ``prof.events()``, CPU activity): the
+    outermost ``aten::`` events (an op's own sub-ops are not counted again) that are not nested, on the same thread,
+    in a compiled region's event (:data:`COMPILED_REGION_EVENTS`), views, ``detach`` and ``empty*`` left out. For a
+    compiled model these are the glue between the regions; on a GPU each is a kernel launch from Python. Returns
+    ``{"count": int, "by_op": {name: count}}`` with the `top` most frequent names."""
+    import collections
+
+    by_thread: dict[int, list] = collections.defaultdict(list)
+    for event in events:
+        by_thread[event.thread].append(event)
+    counts = collections.Counter()
+    for thread_events in by_thread.values():
+        stack = []  # (end, compiled?, aten?) of the events enclosing the current one
+        for event in sorted(thread_events, key=lambda e: (e.time_range.start, -e.time_range.end)):
+            while stack and stack[-1][0] <= event.time_range.start:
+                stack.pop()
+            compiled = event.name.startswith(COMPILED_REGION_EVENTS)
+            aten = event.name.startswith("aten::")
+            if aten and not any(c or a for _, c, a in stack) and not _is_view_op(event.name):
+                counts[event.name] += 1
+            stack.append((event.time_range.end, compiled, aten))
+    return {"count": sum(counts.values()), "by_op": dict(counts.most_common(top))}
 
 
 class HostSyncCounter(TorchDispatchMode):

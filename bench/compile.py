@@ -14,7 +14,9 @@ Targets: ``speedup >= 1.0`` (compiling must not slow training down), and no grap
 the recurrent block marks its segment axis dynamic; an inductor lowering that fixed a size recompiled at every new
 count). The graphs each first step compiled are recorded too (``graphs_compiled_in_first_steps``). At these sizes
 the few segment counts a batch meets mostly appear within the first steps, so the count after them guards the
-steady state; tests/test_compile.py checks that a new count compiles nothing. A compile failure or timeout is
+steady state; tests/test_compile.py checks that a new count compiles nothing. ``eager_aten_ops_per_step`` counts the
+aten ops each model runs eagerly in one profiled forward+backward (:func:`bench.common.eager_aten_ops`): all of the eager
+model's, and the compiled model's glue between its regions (each a kernel launch from Python on a GPU). A compile failure or timeout is
 recorded under ``"error"`` with ``met: false`` instead of crashing the run. ``--quick`` uses the ``tiny`` preset and dynamo's
 ``"eager"`` backend (graph capture only, no code generation) with ``dynamic=True`` (no recompilation for the
 changing segment count) -- it checks the machinery, not inductor's speed.
@@ -42,7 +44,10 @@ QUICK = dict(preset="tiny", batch=1, seq_len=32, backend="eager", dynamic=True, 
 def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | None, compile_steps: int,
           warmup: int, repeats: int) -> dict:
     """Measure in this process (see the module docstring); returns a JSON-able dict."""
-    from bench.common import TrainStep, graphs_compiled, random_bytes, spider_model, time_call, time_interleaved
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import (TrainStep, eager_aten_ops, graphs_compiled, random_bytes, spider_model, time_call,
+                              time_interleaved)
 
     ids = random_bytes(batch, seq_len)
     eager_model, compiled_model = spider_model(preset), spider_model(preset)
@@ -64,6 +69,12 @@ def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | N
 
     counters = {"unique_graphs": int(dynamo_counters["stats"].get("unique_graphs", 0)),
                 "graph_breaks": int(sum(dynamo_counters["graph_break"].values()))}
+    eager_ops = {}
+    for name, step in (("eager", eager), ("compiled", compiled)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step.forward_backward()  # the optimizer's ops are the same for both
+        step.model.zero_grad(set_to_none=True)
+        eager_ops[name] = eager_aten_ops(prof.events())
     return {
         "compile_s": sum(first) - sum(eager_first),
         "first_compiled_steps_s": [round(t, 3) for t in first],
@@ -72,6 +83,7 @@ def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | N
         "dynamo": counters,
         "graphs_compiled_in_first_steps": first_graphs,
         "graphs_compiled_after_first_steps": later_graphs,
+        "eager_aten_ops_per_step": eager_ops,
     }
 
 
@@ -123,7 +135,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         "times_s": m["times_s"],
         "dynamo": m["dynamo"],
     }
-    for key in ("graphs_compiled_in_first_steps", "graphs_compiled_after_first_steps"):
+    for key in ("graphs_compiled_in_first_steps", "graphs_compiled_after_first_steps", "eager_aten_ops_per_step"):
         result["measurements"][key] = m[key]
     result["checks"] = [check("--compile (regional) step speedup", "eager time / compiled time", TARGET, speedup),
                         check("graphs compiled after the first steps", "count over the warm-up and timed steps",

@@ -174,8 +174,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (CudaSyncWarnings, HostSyncCounter, TrainStep, count_flops, dense_llama_config,
-                          device_peak_matmul_flops, environment, graphs_compiled, num_params, peer_model, random_bytes,
-                          spider_config, spider_model, synchronize)
+                          device_peak_matmul_flops, eager_aten_ops, environment, graphs_compiled, num_params,
+                          peer_model, random_bytes, spider_config, spider_model, synchronize)
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 #: FP8 (e4m3, 3 mantissa bits) against bf16 (7 bits) at initialisation: the loss is a mean over every byte, so the
@@ -662,7 +662,8 @@ def _profile_kernels(step, device: torch.device) -> dict:
     """Kernels launched by one `step` and the GPU's busy time (``torch.profiler`` with CUDA activity): device-side
     events (kernels, memcpy, memset), the host-side launch calls, the summed device time, the profiled wall time and
     the :data:`TOP_HOST_OPS` ops with the most self host time (``top_host_ops``: where a slow step's host time goes,
-    e.g. a cuDNN plan built at a new segment count)."""
+    e.g. a cuDNN plan built at a new segment count), and the aten ops run outside compiled regions
+    (``eager_aten_ops``, :func:`bench.common.eager_aten_ops`: a compiled model's glue between its regions)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -686,7 +687,8 @@ def _profile_kernels(step, device: torch.device) -> dict:
                              for a in top},
             "top_kernels": _kernels_by_launches(kernels),
             "top_aten_ops": {a.key: a.count for a in sorted((a for a in averages if a.key.startswith("aten::")),
-                                                            key=lambda a: a.count, reverse=True)[:TOP_BY_COUNT]}}
+                                                            key=lambda a: a.count, reverse=True)[:TOP_BY_COUNT]},
+            "eager_aten_ops": eager_aten_ops(events)}
 
 
 def _kernels_by_launches(kernels: list) -> dict:

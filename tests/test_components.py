@@ -14,6 +14,7 @@ from modeling_spider import (
     AdaptiveComputationTime,
     SpiderEngramEmbeddings,
     SpiderForConditionalGeneration,
+    SpiderHaltingStep,
     SpiderLTIInjection,
     SpiderMLP,
     SpiderMoE,
@@ -164,6 +165,28 @@ def test_act_matches_reference_recursion():
     assert got[: len(weights)] == pytest.approx(weights)
     assert sum(got) == pytest.approx(1.0)
     assert float(act.n_updates) == len(weights)
+
+
+def test_halting_step_is_act_and_the_weighted_sum_in_one_compiled_region():
+    """`SpiderHaltingStep` gives what `AdaptiveComputationTime.step` and the weighted sum of loop states give, bit for
+    bit, and under ``--compile``'s regional compilation it is a region of its own: no ACT op runs eagerly between the
+    compiled layers."""
+    from accelerate.utils import compile_regions
+
+    g = torch.Generator().manual_seed(0)
+    B, S, D, n_loops, threshold = 2, 5, 8, 3, 0.9
+    step, act = SpiderHaltingStep(), AdaptiveComputationTime((B, S), threshold)
+    h_out = ref_out = torch.zeros(B, S, D)
+    state = (act.halting_prob, act.remainders, act.n_updates)
+    for t in range(n_loops):
+        logits, h = torch.randn(B, S, generator=g), torch.randn(B, S, D, generator=g)
+        h_out, *state = step(logits, h, h_out, *state, threshold, t == n_loops - 1)
+        ref_out = ref_out + act.step(torch.sigmoid(logits), is_last=t == n_loops - 1)[..., None] * h
+        assert torch.equal(h_out, ref_out)
+        assert all(torch.equal(a, b) for a, b in zip(state, (act.halting_prob, act.remainders, act.n_updates)))
+    compiled = compile_regions(tiny_model(), backend="eager")
+    assert isinstance(compiled.model.recurrent_block.halting_step, torch._dynamo.eval_frame.OptimizedModule)
+    assert not list(SpiderHaltingStep().parameters())  # nothing added to the checkpoint
 
 
 def test_lti_decay_strictly_inside_unit_interval():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from bench.common import HostSyncCounter, graphs_compiled, spider_config
+from bench.common import HostSyncCounter, eager_aten_ops, graphs_compiled, spider_config
 from tests.test_tile_kernels_moe import FakeTileKernels1x
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
@@ -307,6 +307,8 @@ def test_profile_kernels_on_cpu_sees_no_device_events():
     aten = entry["top_aten_ops"]  # one forward+backward of a linear layer: one addmm, the weight's grad one mm
     assert aten["aten::addmm"] == 1 and aten["aten::mm"] >= 1, aten
     assert list(aten.values()) == sorted(aten.values(), reverse=True)
+    eager = entry["eager_aten_ops"]  # nothing compiled: every outermost op (linear, not the addmm inside it) counts
+    assert eager["by_op"]["aten::linear"] == 1 and "aten::addmm" not in eager["by_op"] and eager["count"] >= 3, eager
 
 
 def test_graphs_compiled_counts_compilations_and_recompilations():
@@ -318,6 +320,33 @@ def test_graphs_compiled_counts_compilations_and_recompilations():
     finally:
         torch._dynamo.reset()
     assert counts == [1, 0, 1] and eager == 0 and result.tolist() == [2.0, 2.0]
+
+
+def test_eager_aten_ops_leaves_out_what_compiled_regions_ran():
+    """The ops of a compiled function's forward and backward (``aot_eager``: both are compiled regions) are not
+    counted; the ops around it are, once each (not their sub-ops), and views are not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def region(x):
+        return x.sin().cos() * 3
+
+    compiled = torch.compile(region, backend="aot_eager")
+    x = torch.randn(8, requires_grad=True)
+    torch._dynamo.reset()
+    try:
+        compiled(x)  # compiles outside the profile
+        counts = {}
+        for name, fn in (("compiled", compiled), ("eager", region)):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                (fn(x) * 2 + 1).t().sum().backward()
+            counts[name] = eager_aten_ops(prof.events())
+    finally:
+        torch._dynamo.reset()
+    glue, everything = counts["compiled"]["by_op"], counts["eager"]["by_op"]
+    assert "aten::sin" not in glue and "aten::cos" not in glue  # the region's forward and backward
+    assert everything["aten::sin"] >= 1 and everything["aten::cos"] >= 1  # cos backward is a sin, and so on
+    assert glue["aten::add"] == 1 and glue["aten::sum"] == 1 and "aten::t" not in glue  # around it, no views
+    assert counts["compiled"]["count"] < counts["eager"]["count"]
 
 
 def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
