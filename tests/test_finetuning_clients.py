@@ -8,6 +8,8 @@ runs), as for transformers' own MoE models; ``target_modules`` reaches the route
 Quantised loads (bitsandbytes, torchao) convert ``nn.Linear`` layers only: the fused experts stay unquantised (tested).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -97,6 +99,32 @@ def test_lora_on_the_fused_experts_trains_only_the_adapters():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters.values())
     base = layers[0].mlp.experts.get_base_layer()
     assert base.gate_up_proj.grad is None and base.down_proj.grad is None
+
+
+def test_lora_on_the_fused_experts_under_autocast_reads_the_adapted_weights_every_loop(monkeypatch):
+    """Under bf16 autocast the experts' weights are cast once per forward for all loops (`shared_weight_casts`); with
+    LoRA on them the weight each loop reads is computed (base + adapter), so it is cast afresh each call: the loss is
+    the one a cast per call gives, to the bit, and the adapters get gradients."""
+    import modeling_spider
+
+    wrapped = with_lora(tiny_model(seed=0, n_loops=3), TARGETS["routed experts"], seed=2).train()
+    adapters = [p for n, p in wrapped.named_parameters() if ".lora_" in n and ".default." in n]
+    with torch.no_grad():
+        for p in adapters:  # B starts at zero: give the adapters a delta, so a stale cast would show
+            p.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(modeling_spider, "shared_weight_casts", contextlib.nullcontext)
+        wrapped.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters)
+    assert torch.equal(losses[0], losses[1])
 
 
 def int8_matmul_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
