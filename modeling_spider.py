@@ -189,12 +189,15 @@ class SpiderRMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # F.rms_norm: one fused kernel each way on CUDA (docs/design.md, "Shapes that repeat, one host sync per
         # training step"). It scales by the weight before its cast back to the input dtype, so only an fp32 input
-        # takes the weight inside; another is normalised, rounded to its dtype (autocast runs rms_norm in fp32),
-        # then scaled, as in transformers.
+        # takes the weight inside; another is normalised in fp32, rounded to its dtype, then scaled, as in
+        # transformers. The kernel computes in fp32 whatever the input dtype, so autocast, whose CUDA policy runs
+        # rms_norm on an fp32 copy, is turned off around it: no cast of a bf16 input to fp32 and back, each way.
         shape = (hidden_states.shape[-1],)
         if hidden_states.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
-        normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon).to(hidden_states.dtype)
+        device_type = hidden_states.device.type
+        with torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else nullcontext():
+            normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon)
         return self.weight * normed
 
 

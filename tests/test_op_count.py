@@ -382,3 +382,42 @@ def test_model_loss_under_autocast_is_unchanged_by_casting_shared_inputs_once(mo
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             losses.append(model.train()(ids, labels=ids).loss)
     assert torch.equal(losses[0], losses[1])
+
+
+class _RmsNormCalls(torch.overrides.TorchFunctionMode):
+    """Records `(input dtype, autocast enabled on its device)` at every ``F.rms_norm`` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.rms_norm:
+            self.seen.append((args[0].dtype, torch.is_autocast_enabled(args[0].device.type)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_rms_norm_of_a_bf16_input_under_autocast_is_the_fp32_formula_rounded():
+    """A bf16 input under autocast (the MLA query and key-value norms, Engram's norms) is normalised by `F.rms_norm`
+    with autocast off, on the bf16 tensor itself: the statistics are still fp32 (the reference formula, rounded to bf16
+    once, then scaled by the fp32 weight), without autocast's CUDA policy copying the input to fp32 and the result
+    back. On CPU the values are the reference's to the bit, output and input gradient."""
+    D = 96
+    norm = SpiderRMSNorm(D, eps=1e-6)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=generator))
+    x = (3 * torch.randn(4, 7, D, generator=generator)).to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = _reference_rms_norm(norm, ref_x)
+    assert out.dtype == ref.dtype == torch.float32
+    assert torch.equal(out, ref)
+    with _RmsNormCalls() as calls, torch.autocast("cpu", dtype=torch.bfloat16):
+        norm(x)
+    assert calls.seen == [(torch.bfloat16, False)]  # the bf16 tensor itself, autocast off (CUDA's would copy it)
+    grad = torch.randn(out.shape, generator=generator)
+    out.backward(grad)
+    ref.backward(grad)
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, ref_x.grad)
