@@ -726,21 +726,22 @@ _register_per_expert_checkpoint_conversions()
 
 class RowWeights(NamedTuple):
     """The rows :class:`SpiderMoE` routes from a padded segment axis, weighed once per forward (:meth:`of`), not per
-    loop and layer: `weight` fp32 `(T,)` (1 real, 0 padding), `slot_weight` fp32 `(T*k,)` (`weight` per token-slot),
-    `real` and `real_slots` fp32 scalars (the real rows and their token-slots, each clamped at 1)."""
+    loop and layer, with the balancing statistics' normalisers folded in: `weight` fp32 `(T,)` (1 real, 0 padding),
+    `mean_weight` fp32 `(T,)` (`weight` over the real rows: a weighted sum with it is the mean over the real rows),
+    `load_weight` fp32 `(T*k,)` (`weight` per token-slot times `E` over the real token-slots: summed per expert it is
+    DeepSeek's `f_i`). The real rows and token-slots are each clamped at 1 (all padding: zero statistics)."""
 
     weight: torch.Tensor
-    slot_weight: torch.Tensor
-    real: torch.Tensor
-    real_slots: torch.Tensor
+    mean_weight: torch.Tensor
+    load_weight: torch.Tensor
 
     @classmethod
-    def of(cls, row_mask: torch.Tensor, top_k: int) -> "RowWeights":
-        """From `row_mask` bool (any shape, flattened to `(T,)`), for `top_k` slots per row."""
+    def of(cls, row_mask: torch.Tensor, top_k: int, num_experts: int) -> "RowWeights":
+        """From `row_mask` bool (any shape, flattened to `(T,)`), for `top_k` of `num_experts` slots per row."""
         weight = row_mask.reshape(-1).to(torch.float32)
         real = weight.sum()
-        return cls(weight, weight[:, None].expand(-1, top_k).reshape(-1), real.clamp_min(1),
-                   (real * top_k).clamp_min(1))
+        slot_weight = weight[:, None].expand(-1, top_k).reshape(-1)
+        return cls(weight, weight / real.clamp_min(1), slot_weight * (num_experts / (real * top_k).clamp_min(1)))
 
 
 class SpiderMoE(nn.Module):
@@ -787,9 +788,8 @@ class SpiderMoE(nn.Module):
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
             mean_scores = scores.mean(dim=0)
         else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
-            counts = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, row_weights.slot_weight)
-            expert_load = counts * self.num_experts / row_weights.real_slots
-            mean_scores = (scores * row_weights.weight[:, None]).sum(dim=0) / row_weights.real
+            expert_load = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, row_weights.load_weight)
+            mean_scores = (scores * row_weights.mean_weight[:, None]).sum(dim=0)
         aux_loss = (expert_load * mean_scores).sum()
         return out, router_logits, aux_loss, expert_load
 
@@ -1420,8 +1420,9 @@ class SpiderRecurrentBlock(nn.Module):
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
         routed, running = segment_index, None
-        row_weights = None if segment_mask is None else RowWeights.of(segment_mask, self.config.num_experts_per_tok)
-        for tensor in () if row_weights is None else row_weights[:2]:
+        row_weights = None if segment_mask is None else RowWeights.of(
+            segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
+        for tensor in () if row_weights is None else row_weights:
             dynamic_segment_axis(tensor, dim=0)  # B * S rows, B * S * k slots
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)

@@ -163,8 +163,8 @@ def test_engram_layer_compiles_once_for_every_segment_count_with_inductor():
             rope = tuple(dynamic_segment_axis(t) for t in model.model.rotary_emb(hidden, positions))
             mask = torch.ones(B, S, dtype=torch.bool)
             mask[1, S // 2:] = False
-            row_weights = RowWeights.of(mask, config.num_experts_per_tok)
-            for tensor in row_weights[:2]:
+            row_weights = RowWeights.of(mask, config.num_experts_per_tok, config.n_routed_experts)
+            for tensor in row_weights:
                 dynamic_segment_axis(tensor, dim=0)
             memory = dynamic_segment_axis(torch.randn(B, S, memory_size))
             out = compiled(hidden, rope, None, None, memory, row_weights)
