@@ -629,9 +629,9 @@ def _experts_in_autocast_dtype(function: Callable, experts: nn.Module, hidden_st
     """Run the experts `function` in the autocast dtype when autocast is on: torch's grouped GEMM is no autocast op,
     and transformers' functions cast the input to the weights' dtype, so fp32 master weights would run it in fp32, which
     on CUDA is torch's fallback (a loop over experts that reads the offsets on the host) instead of the bf16 kernel.
-    The weights are cast per call, as autocast casts a linear layer's; torchao's FP8 weight wrappers quantise from the
-    master weights themselves and are left alone. Inside :func:`shared_weight_casts` (the recurrent block's loops) a
-    weight is cast once per forward, not per call."""
+    The weights are cast as autocast casts a linear layer's, once for all their uses inside the recurrent block's
+    loops (:func:`cast_weight` under :func:`shared_weight_casts`); torchao's FP8 weight wrappers quantise from the
+    master weights themselves and are left alone."""
     device_type = hidden_states.device.type
     weights = (experts.gate_up_proj, experts.down_proj)
     if not autocast_enabled(device_type):
