@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -150,6 +150,12 @@ def autocast_enabled(device_type: str) -> bool:
         return False
 
 
+def autocast_off(device_type: str) -> AbstractContextManager:
+    """A context with autocast turned off for `device_type` where it is on (``torch.autocast(..., enabled=False)``),
+    else a null context: for an op that must see its operands' own dtypes under autocast."""
+    return torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else nullcontext()
+
+
 def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     """`x` cast to the autocast dtype when autocast is on for its device and `x` is floating point, else `x` itself.
     For a tensor that several layers read under autocast: autocast casts it once per layer that reads it (a kernel each
@@ -195,8 +201,7 @@ class SpiderRMSNorm(nn.Module):
         shape = (hidden_states.shape[-1],)
         if hidden_states.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
-        device_type = hidden_states.device.type
-        with torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else nullcontext():
+        with autocast_off(hidden_states.device.type):
             normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon)
         return self.weight * normed
 
@@ -797,8 +802,7 @@ class SpiderMoE(nn.Module):
         """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a PEFT or quantised
         router applies), in the router's dtype also under autocast: DeepSeek-V3 keeps its MoE gating in full
         precision, and autocast would run the fp32 router's matmul in bf16 (and add a cast each way)."""
-        device_type = x.device.type
-        with torch.autocast(device_type, enabled=False) if autocast_enabled(device_type) else nullcontext():
+        with autocast_off(x.device.type):
             return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
 

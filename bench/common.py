@@ -418,12 +418,16 @@ def graphs_compiled(call) -> tuple:
 COMPILED_REGION_EVENTS = ("Torch-Compiled Region", "CompiledFunction", "CompiledFunctionBackward")
 
 
+#: aten ops other than views that launch no kernel: left out of the op counts that stand in for launches
+NO_KERNEL_OPS = ("detach", "empty", "empty_like", "empty_strided")
+
+
 @functools.lru_cache(maxsize=None)
 def _is_view_op(name: str) -> bool:
-    """Whether the aten op `name` (``"aten::transpose"``) is a view (or ``detach`` / ``empty*``): no kernel of its
+    """Whether the aten op `name` (``"aten::transpose"``) is a view or one of :data:`NO_KERNEL_OPS`: no kernel of its
     own."""
     op = name.removeprefix("aten::")
-    if op in ("detach", "empty", "empty_like", "empty_strided"):
+    if op in NO_KERNEL_OPS:
         return True
     packet = getattr(torch.ops.aten, op, None)
     if packet is None:
@@ -523,7 +527,7 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not (func.is_view or name in ("detach", "empty", "empty_like", "empty_strided")):
+        if not (func.is_view or name in NO_KERNEL_OPS):
             self.ops += 1
         if self._inside_tolist:  # the copy a GPU tensor's .tolist() makes was counted as "tolist"
             pass

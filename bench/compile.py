@@ -15,9 +15,10 @@ the recurrent block marks its segment axis dynamic; an inductor lowering that fi
 count). The graphs each first step compiled are recorded too (``graphs_compiled_in_first_steps``). At these sizes
 the few segment counts a batch meets mostly appear within the first steps, so the count after them guards the
 steady state; tests/test_compile.py checks that a new count compiles nothing. ``eager_aten_ops_per_step`` counts the
-aten ops each model runs eagerly in one profiled forward+backward (:func:`bench.common.eager_aten_ops`): all of the eager
-model's, and the compiled model's glue between its regions (each a kernel launch from Python on a GPU). A compile failure or timeout is
-recorded under ``"error"`` with ``met: false`` instead of crashing the run. ``--quick`` uses the ``tiny`` preset and dynamo's
+aten ops each model runs eagerly in one profiled forward+backward (:func:`bench.common.eager_aten_ops`): all of the
+eager model's, and the compiled model's glue between its regions (each a kernel launch from Python on a GPU). A
+compile failure or timeout is recorded under ``"error"`` with ``met: false`` instead of crashing the run. ``--quick``
+uses the ``tiny`` preset and dynamo's
 ``"eager"`` backend (graph capture only, no code generation) with ``dynamic=True`` (no recompilation for the
 changing segment count) -- it checks the machinery, not inductor's speed.
 

@@ -102,8 +102,9 @@ def test_regions_compile_once_for_every_segment_count():
     """The recurrent block marks the segment axis of what it hands its regions dynamic
     (`modeling_spider.dynamic_segment_axis`), so over 8 padded segment counts no region recompiles for a size: the
     only recompiles left are structural (layers with and without Engram, the first loop's aliasing of the state and
-    its input, the first loop index, the halting step's first loop, whose output sum starts without a gradient). Before, each new count recompiled the layers until dynamo's automatic dynamic
-    shapes caught up, and a layer took 3 versions of the 8 dynamo allows a function before it falls back to eager."""
+    its input, the first loop index, the halting step's first loop, whose output sum starts without a gradient).
+    Before, each new count recompiled the layers until dynamo's automatic dynamic shapes caught up, and a layer took
+    3 versions of the 8 dynamo allows a function before it falls back to eager."""
     from accelerate.utils import compile_regions
 
     from tests.helpers import tiny_model

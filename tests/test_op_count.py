@@ -184,14 +184,19 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _casts_per_application(model, ids, layers: int) -> float:
+def _autocast_step(model, ids):
     model.train()
+    model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
     with _Casts() as seen:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(ids, labels=ids).loss
         loss.backward()
-    return len(seen.casts) / layers
+    return seen.casts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _casts_per_application(model, ids, layers: int) -> float:
+    return len(_autocast_step(model, ids)[0]) / layers
 
 
 def test_training_casts_per_layer_application_under_autocast():
@@ -249,16 +254,6 @@ def test_attention_hands_rotated_queries_and_keys_in_the_autocast_dtype(monkeypa
     k_rot = apply_rotary_pos_emb(k_pe, cos, sin).to(torch.bfloat16)
     assert torch.equal(seen["key"][..., nope:], k_rot.expand(B, H, T, rope))
 
-
-def _autocast_step(model, ids):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    with _Casts() as seen:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-    return seen.casts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_experts_weights_are_cast_once_per_forward(monkeypatch):
