@@ -441,21 +441,6 @@ class SpiderMLP(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class FusedMapping(NamedTuple):
-    """The expert-sorted layout of TileKernels' `get_fused_mapping` (N rows, -1 marks padding).
-
-    Attributes: `pos_to_expert`, `pos_to_token`, `pos_to_token_topk` int64 `(N,)`; `token_topk_to_pos` int64 `(T, k)`;
-    `expert_start`, `expert_end`, `num_tokens_per_expert` int64 `(E,)` (slice bounds and rows per expert)."""
-
-    pos_to_expert: torch.Tensor
-    pos_to_token: torch.Tensor
-    pos_to_token_topk: torch.Tensor
-    token_topk_to_pos: torch.Tensor
-    expert_start: torch.Tensor
-    expert_end: torch.Tensor
-    num_tokens_per_expert: torch.Tensor
-
-
 class SpiderMoEKernels:
     """Torch reference of the TileKernels 1.x MoE routing ops (same names, shapes, rules; any device). The trainer
     may swap in a `tile_kernels` adapter; the fused-layout ops are a reference only."""
@@ -490,97 +475,6 @@ class SpiderMoEKernels:
             return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
                 0, flat, torch.ones_like(flat))
         return torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device).scatter_add_(0, flat, slot_weight)
-
-    @staticmethod
-    def fused_num_rows(num_slots: int, num_experts: int, alignment: int = 1) -> int:
-        """Rows N of the fused layout for `num_slots` = T*k token-slots: ``num_slots + E*(alignment-1)`` rounded up to a
-        multiple of `alignment` (a static bound: no size depends on the routing)."""
-        return -(-(num_slots + num_experts * (alignment - 1)) // alignment) * alignment
-
-    @staticmethod
-    def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
-        """Expert-sorted layout of the `(T, k)` token-slots (:class:`FusedMapping`): `T*k + E*(alignment-1)` rows (the
-        most padding E groups can need) rounded up to a multiple of `alignment`, as TileKernels sizes it (so every row
-        stride of the buffer and of its transpose is aligned too: FP8 GEMMs need 16-byte strides)."""
-        T, k = topk_idx.shape
-        device = topk_idx.device
-        flat = topk_idx.reshape(-1)
-        counts = SpiderMoEKernels.expert_counts(flat, num_experts)
-        padded = (counts + alignment - 1) // alignment * alignment
-        expert_end = padded.cumsum(0)
-        expert_start = expert_end - padded
-        order = torch.sort(flat, stable=True).indices  # slots sorted by expert, token order kept within an expert
-        sorted_expert = flat[order]
-        rank_in_expert = torch.arange(T * k, device=device) - (counts.cumsum(0) - counts)[sorted_expert]
-        pos = expert_start[sorted_expert] + rank_in_expert
-        N = SpiderMoEKernels.fused_num_rows(T * k, num_experts, alignment)
-        token_topk_to_pos = torch.empty_like(flat).scatter_(0, order, pos)
-        pos_to_expert = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, sorted_expert)
-        pos_to_token = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, order // k)
-        pos_to_token_topk = torch.full((N,), -1, dtype=torch.long, device=device).scatter_(0, pos, order)
-        return FusedMapping(
-            pos_to_expert, pos_to_token, pos_to_token_topk, token_topk_to_pos.view(T, k), expert_start, expert_end, padded
-        )
-
-    @staticmethod
-    def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_expert: torch.Tensor) -> torch.Tensor:
-        """`x` `(T, H)` -> `(N, H)` rows in the fused layout; padding rows are 0."""
-        T, k = token_topk_to_pos.shape
-        out = x.new_zeros(pos_to_expert.shape[0], x.shape[-1])
-        return out.index_copy(0, token_topk_to_pos.reshape(-1), x.repeat_interleave(k, dim=0))
-
-    @staticmethod
-    def reduce_fused(x: torch.Tensor, topk_weights: torch.Tensor, token_topk_to_pos: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each token's k rows: `(N, H)`, `(T, k)`, `(T, k)` -> fp32 `(T, H)` (fp32 accumulation)."""
-        T, k = token_topk_to_pos.shape
-        rows = x[token_topk_to_pos.reshape(-1)].view(T, k, -1).to(torch.float32)
-        return (rows * topk_weights.to(torch.float32)[..., None]).sum(dim=1)
-
-
-#: a per-expert weight of older releases: prefix (ending in "experts."), expert index, projection
-_PER_EXPERT_KEY = re.compile(
-    r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
-)
-
-
-def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of `state_dict` with every per-expert group (``P.experts.{e}.gate_proj.weight`` etc.) fused into
-    :class:`SpiderExperts`' ``P.experts.gate_up_proj`` `(E, 2I, D)` and ``down_proj`` `(E, D, I)`, other keys in order
-    (the ``load_state_dict`` counterpart of :func:`per_expert_checkpoint_conversions`).
-
-    Raises:
-        ValueError: an incomplete group (an expert index or a projection missing), naming the prefix.
-    """
-    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for key, value in state_dict.items():
-        match = _PER_EXPERT_KEY.match(key)
-        if match:
-            groups.setdefault(match["prefix"], {})[int(match["e"]), match["proj"]] = value
-    if not groups:
-        return dict(state_dict)
-    fused: dict[str, torch.Tensor] = {}
-    for prefix, weights in groups.items():
-        num_experts = 1 + max(e for e, _ in weights)
-        missing = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
-                   if (e, p) not in weights]
-        if missing:
-            raise ValueError(f"per-expert weights under {prefix!r} are incomplete: missing "
-                             + ", ".join(f"{prefix}{e}.{p}.weight" for e, p in missing[:5]))
-        fused[prefix + "gate_up_proj"] = torch.stack(
-            [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]], dim=0) for e in range(num_experts)]
-        )
-        fused[prefix + "down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(num_experts)])
-    out, placed = {}, set()
-    for key, value in state_dict.items():
-        match = _PER_EXPERT_KEY.match(key)
-        if not match:
-            out[key] = value
-        elif match["prefix"] not in placed:  # the fused pair takes the place of the group's first key
-            placed.add(match["prefix"])
-            out[match["prefix"] + "gate_up_proj"] = fused[match["prefix"] + "gate_up_proj"]
-            out[match["prefix"] + "down_proj"] = fused[match["prefix"] + "down_proj"]
-    return out
-
 
 _SHARED_WEIGHT_CASTS: ContextVar[dict | None] = ContextVar("spider_shared_weight_casts", default=None)
 
@@ -676,15 +570,6 @@ class SpiderExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Also takes the per-expert layout of older releases, fused by :func:`fuse_per_expert_state_dict`."""
-        own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
-        if any(_PER_EXPERT_KEY.match(k) for k in own):
-            for key in own:
-                del state_dict[key]
-            state_dict.update(fuse_per_expert_state_dict(own))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -1296,68 +1181,52 @@ class SpiderLTIInjection(nn.Module):
         return (self.decay() * h.to(f32) + self.B.to(f32) * e.to(f32) + z.to(f32)).to(h.dtype)
 
 
-class AdaptiveComputationTime:
-    """ACT halting state (Graves 2016, arXiv 1603.08983; OpenMythos' loop form), fp32 of shape `shape`: a position
-    accumulates halting probabilities until `threshold`, then halts with the remainder (all halt when `is_last`).
-    `halting_prob`, `remainders`, `n_updates`; ponder cost = `n_updates + remainders`."""
+class ACTState(NamedTuple):
+    """Adaptive computation time state per segment (Graves 2016, arXiv 1603.08983), fp32 `(B, S)`: the halting
+    probability accumulated so far, the remainder paid at the halting loop, and the loops run (`n_updates`); the
+    ponder cost is `n_updates + remainders`."""
 
-    def __init__(self, shape: tuple[int, ...], threshold: float, device: torch.device | None = None):
-        self.threshold = threshold
-        self.halting_prob = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.remainders = torch.zeros_like(self.halting_prob)
-        self.n_updates = torch.zeros_like(self.halting_prob)
-
-    def step(self, p: torch.Tensor, is_last: bool) -> torch.Tensor:
-        """`p`: fp32 halting probabilities, shape `shape`. Returns this loop's output weights, fp32, shape `shape`."""
-        self.halting_prob, self.remainders, self.n_updates, weight = act_step(
-            self.halting_prob, self.remainders, self.n_updates, p, self.threshold, is_last)
-        return weight
-
-
-def act_step(
-    halting_prob: torch.Tensor, remainders: torch.Tensor, n_updates: torch.Tensor, p: torch.Tensor, threshold: float,
-    is_last: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One loop of ACT (:class:`AdaptiveComputationTime`), as a function of its state: fp32 tensors of one shape
-    (`halting_prob`, `remainders`, `n_updates`, this loop's halting probabilities `p`). Returns the new
-    `(halting_prob, remainders, n_updates)` and this loop's output weights."""
-    running = (halting_prob < threshold).to(torch.float32)
-    if is_last:
-        new_halted, running = running, torch.zeros_like(running)
-    else:
-        reached = (halting_prob + p * running >= threshold).to(torch.float32)
-        new_halted, running = reached * running, (1.0 - reached) * running
-    halting_prob = halting_prob + p * running
-    remainders = remainders + new_halted * (1.0 - halting_prob)
-    halting_prob = halting_prob + new_halted * remainders
-    n_updates = n_updates + running + new_halted
-    return halting_prob, remainders, n_updates, p * running + new_halted * remainders
+    halting_prob: torch.Tensor
+    remainders: torch.Tensor
+    n_updates: torch.Tensor
 
 
 class SpiderHaltingStep(nn.Module):
-    """One loop's ACT step and its share of the block's output: `p = sigmoid(halt_logits)`, the loop's weight `w` from
-    :func:`act_step`, `h_out + w * h` in fp32. Shapes: `halt_logits` and the ACT state `(B, S)`, `h` and `h_out`
-    `(B, S, D)`. No parameters: a module so that regional compilation (``--compile``: accelerate's
-    ``compile_regions`` compiles each submodule) compiles these ~25 elementwise ops each way as one region, instead of
-    running them eagerly between the compiled layers. Returns `(h_out, halting_prob, remainders, n_updates)`."""
+    """One loop of ACT (Graves 2016; OpenMythos' loop form) and its share of the block's output: `p =
+    sigmoid(halt_logits)`; a segment accumulates `p` until `threshold`, then halts with the remainder (every segment
+    halts at the last loop, so its weights sum to 1); `h_out + w * h` in fp32. A parameterless module so that
+    regional compilation compiles these elementwise ops as one region.
+
+    Args: `halt_logits` `(B, S)`, `h` `(B, S, D)`, `h_out` fp32 `(B, S, D)`, `state` (:class:`ACTState`), `threshold`,
+    `is_last`. Returns `(h_out, state, weight)`: the new sum, the new state and this loop's weight fp32 `(B, S)`."""
 
     def forward(
-        self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, halting_prob: torch.Tensor,
-        remainders: torch.Tensor, n_updates: torch.Tensor, threshold: float, is_last: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState, threshold: float,
+        is_last: bool,
+    ) -> tuple[torch.Tensor, ACTState, torch.Tensor]:
         p = torch.sigmoid(halt_logits.to(torch.float32))
-        halting_prob, remainders, n_updates, weight = act_step(halting_prob, remainders, n_updates, p, threshold,
-                                                               is_last)
-        return h_out + weight[..., None] * h.to(torch.float32), halting_prob, remainders, n_updates
+        halting_prob, remainders, n_updates = state
+        running = (halting_prob < threshold).to(torch.float32)
+        if is_last:
+            new_halted, running = running, torch.zeros_like(running)
+        else:
+            reached = (halting_prob + p * running >= threshold).to(torch.float32)
+            new_halted, running = reached * running, (1.0 - reached) * running
+        halting_prob = halting_prob + p * running
+        remainders = remainders + new_halted * (1.0 - halting_prob)
+        halting_prob = halting_prob + new_halted * remainders
+        n_updates = n_updates + running + new_halted
+        weight = p * running + new_halted * remainders
+        return h_out + weight[..., None] * h.to(torch.float32), ACTState(halting_prob, remainders, n_updates), weight
 
 
 class SpiderRecurrentBlockOutput(NamedTuple):
     """What :class:`SpiderRecurrentBlock` returns: `h_out` fp32 `(B, S, D)` (ACT-weighted sum of the loops' states),
-    `act` (:class:`AdaptiveComputationTime` after the last loop), per (loop, layer) `aux_losses` (scalars),
-    `expert_loads` `(E,)` and, when asked for, `router_logits` `(N, E)`."""
+    `act` (:class:`ACTState` after the last loop), per (loop, layer) `aux_losses` (scalars), `expert_loads` `(E,)`
+    and, when asked for, `router_logits` `(N, E)`."""
 
     h_out: torch.Tensor
-    act: AdaptiveComputationTime
+    act: ACTState
     aux_losses: list
     expert_loads: list
     router_logits: list
@@ -1416,7 +1285,7 @@ class SpiderRecurrentBlock(nn.Module):
         for tensor in (e, *position_embeddings, engram_memory):
             dynamic_segment_axis(tensor)
         h = e
-        act = AdaptiveComputationTime((B, S), self.act_threshold, e.device)
+        act = ACTState(*(torch.zeros(B, S, dtype=torch.float32, device=e.device) for _ in range(3)))
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
         aux_losses, expert_loads, router_logits = [], [], []
         # through the embedding's forward (hooks such as accelerate's offloading load its weight there), once
@@ -1456,10 +1325,9 @@ class SpiderRecurrentBlock(nn.Module):
                 h = h_next if running is None else torch.where(running[..., None], h_next, h)  # exited segments stay
                 h = dynamic_segment_axis(h)
                 halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
-                h_out, act.halting_prob, act.remainders, act.n_updates = self.halting_step(
+                h_out, act, _ = self.halting_step(
                     dynamic_segment_axis(halt_logits), h, dynamic_segment_axis(h_out),
-                    *(dynamic_segment_axis(state) for state in (act.halting_prob, act.remainders, act.n_updates)),
-                    self.act_threshold, t == n_loops - 1,
+                    ACTState(*(dynamic_segment_axis(state) for state in act)), self.act_threshold, t == n_loops - 1,
                 )
         return SpiderRecurrentBlockOutput(h_out, act, aux_losses, expert_loads, router_logits)
 
@@ -1697,8 +1565,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _is_stateful = False
 
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """transformers' ``save_pretrained``, writing the fused expert names by default; ``save_original_format=True``
-        writes the per-expert layout that older Spider code reads."""
+        """transformers' ``save_pretrained``, writing the fused expert layout by default (Trainer's resume reads a
+        checkpoint with ``load_state_dict``, which knows only the fused names); ``save_original_format=True`` writes
+        the per-expert layout of older releases."""
         return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     @torch.no_grad()

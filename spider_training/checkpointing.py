@@ -168,3 +168,30 @@ def save_folder_atomically(final: str | os.PathLike, write) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return publish(tmp, final)
+
+
+def fuse_per_expert_checkpoint(folder: str | os.PathLike) -> bool:
+    """Rewrite `folder`'s ``model.safetensors`` once in the fused expert layout when it holds the per-expert one of
+    older checkpoints (``...experts.{e}.gate_proj.weight`` etc.; :func:`spider_training.moe_layout
+    .fuse_per_expert_state_dict`), so that Trainer's resume, which reads the file with ``load_state_dict``, finds
+    every expert weight. The new file replaces the old with one ``os.replace`` (a crash leaves the old file).
+
+    Returns: True when the file was rewritten; False for a fused, sharded or missing file.
+    Raises: ValueError for an incomplete per-expert group (naming the missing keys)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from spider_training.moe_layout import PER_EXPERT_KEY, fuse_per_expert_state_dict
+
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        return False
+    with safe_open(str(path), "pt") as f:
+        if not any(PER_EXPERT_KEY.match(key) for key in f.keys()):
+            return False
+        metadata = f.metadata()
+    fused = fuse_per_expert_state_dict(load_file(str(path)))
+    staged = path.with_name(path.name + ".fusing")
+    save_file(fused, str(staged), metadata=metadata)
+    os.replace(staged, path)
+    return True

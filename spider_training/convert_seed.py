@@ -258,14 +258,14 @@ def _fuse_seed_experts(seed_state: dict, targets: dict[str, str], model_state: d
 
     Returns ``(state, targets, sources)``: `seed_state` and `targets` (seed key -> Spider key) with every complete
     per-expert group whose fused names the model has replaced by the two fused tensors
-    (``modeling_spider.fuse_per_expert_state_dict``) under entry names ``"fused:<spider key>"``; ``sources`` maps
+    (``spider_training.moe_layout.fuse_per_expert_state_dict``) under entry names ``"fused:<spider key>"``; ``sources`` maps
     each such entry to the seed keys it was built from. Incomplete groups and groups the model has no fused names for
     are left as they are (reported as unmapped downstream)."""
-    from modeling_spider import _PER_EXPERT_KEY, fuse_per_expert_state_dict
+    from spider_training.moe_layout import PER_EXPERT_KEY, fuse_per_expert_state_dict
 
     groups: dict[str, list[str]] = {}
     for seed_key, target in targets.items():
-        match = _PER_EXPERT_KEY.match(target)
+        match = PER_EXPERT_KEY.match(target)
         if match and isinstance(seed_state[seed_key], torch.Tensor) and match["prefix"] + "gate_up_proj" in model_state:
             groups.setdefault(match["prefix"], []).append(seed_key)
     state, targets, sources = dict(seed_state), dict(targets), {}
@@ -280,7 +280,7 @@ def _fuse_seed_experts(seed_state: dict, targets: dict[str, str], model_state: d
             is_down = name.endswith("down_proj")
             entry = f"fused:{name}"
             state[entry], targets[entry] = tensor, name
-            sources[entry] = [k for k in seed_keys if (_PER_EXPERT_KEY.match(targets[k])["proj"] == "down_proj")
+            sources[entry] = [k for k in seed_keys if (PER_EXPERT_KEY.match(targets[k])["proj"] == "down_proj")
                               == is_down]
     return state, targets, sources
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from modeling_spider import SpiderMoEKernels
+from spider_training import moe_layout
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,10 @@ def aligned_grouped_mm_experts_forward(experts: nn.Module, hidden_states: torch.
     projection, the weighted sum over each token's k slots) with every expert's group of rows starting at a multiple of
     :data:`FP8_GROUP_ALIGNMENT`, as torchao's FP8 grouped GEMM needs.
 
-    The rows are laid out by the MoE's fused-layout ops (``SpiderMoEKernels.get_fused_mapping`` with that alignment,
+    The rows are laid out by TileKernels' fused-layout ops (``moe_layout.get_fused_mapping`` with that alignment,
     ``expand_to_fused``, ``reduce_fused``: TileKernels' layout): a zero-filled buffer of ``S + E *
     (FP8_GROUP_ALIGNMENT - 1)`` rows (S = T * k slots, E experts: the most padding E groups can need) rounded up to a
-    multiple of 16 (``SpiderMoEKernels.fused_num_rows``: ``torch._scaled_grouped_mm`` needs 16-byte strides, and the
+    multiple of 16 (``moe_layout.fused_num_rows``: ``torch._scaled_grouped_mm`` needs 16-byte strides, and the
     weight gradient reads the FP8 buffer transposed, a row stride of N bytes), so no size depends on the routing and
     nothing is read on the host. Padding rows are zero and never read back (rows past the last offset, which the
     grouped GEMM leaves unwritten, neither).
@@ -76,14 +76,14 @@ def aligned_grouped_mm_experts_forward(experts: nn.Module, hidden_states: torch.
     Returns:
         `(T, D)` in ``hidden_states.dtype`` (accumulated in fp32).
     """
-    mapping = SpiderMoEKernels.get_fused_mapping(top_k_index, experts.num_experts, FP8_GROUP_ALIGNMENT)
+    mapping = moe_layout.get_fused_mapping(top_k_index, experts.num_experts, FP8_GROUP_ALIGNMENT)
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    x = SpiderMoEKernels.expand_to_fused(hidden_states.to(gate_up.dtype), mapping.token_topk_to_pos,
-                                         mapping.pos_to_expert)
+    x = moe_layout.expand_to_fused(hidden_states.to(gate_up.dtype), mapping.token_topk_to_pos,
+                                   mapping.pos_to_expert)
     offsets = mapping.expert_end.to(torch.int32)
     h = experts._apply_gate(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets))
     y = torch._grouped_mm(h.to(down.dtype), down.transpose(-2, -1), offs=offsets)
-    return SpiderMoEKernels.reduce_fused(y, top_k_weights, mapping.token_topk_to_pos).to(hidden_states.dtype)
+    return moe_layout.reduce_fused(y, top_k_weights, mapping.token_topk_to_pos).to(hidden_states.dtype)
 
 
 def _register_aligned_grouped_mm() -> None:

@@ -34,7 +34,7 @@ Facts about the kernels (read from the TileKernels sources) that the adapter han
   expert_start, expert_end, num_tokens_per_expert [E]`` (counts rounded up to `alignment`) and a Python list of the
   counts (filled only when it synchronised). ``num_expanded_tokens`` N is the size of the expert-major buffer: 0 asks
   the op to size it itself (host sync), a positive N is used as given (rows past the last expert are padding, -1).
-  The adapter passes the torch reference's static bound (``SpiderMoEKernels.fused_num_rows``: ``T*k +
+  The adapter passes the torch reference's static bound (``moe_layout.fused_num_rows``: ``T*k +
   E*(alignment-1)`` rounded up to `alignment`; no sync, same N as the torch path) and returns int64 tensors (the
   ``FusedMapping`` contract). Within one expert's slice the kernel does *not* keep token order (warp-parallel
   placement fills each chunk backwards); nothing downstream depends on that order.
@@ -57,7 +57,9 @@ from types import SimpleNamespace
 
 import torch
 
-from modeling_spider import FusedMapping, SpiderMoEKernels
+from modeling_spider import SpiderMoEKernels
+from spider_training import moe_layout
+from spider_training.moe_layout import FusedMapping
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +194,9 @@ class TileKernelsMoEKernels:
 
     Args:
         tile_kernels_module: ``tile_kernels``, ``tile_kernels.moe`` or a module-like stand-in with the same functions.
-        reference: the torch reference to fall back to (default ``modeling_spider.SpiderMoEKernels``;
-            :func:`swap_in_tile_kernels` passes each MoE layer's own class default).
+        reference: the torch routing ops to fall back to (default ``modeling_spider.SpiderMoEKernels``;
+            :func:`swap_in_tile_kernels` passes each MoE layer's own class default); the fused-layout ops fall back
+            to :mod:`spider_training.moe_layout`.
         alignment: per-expert row alignment of the fused layout (``get_fused_mapping``'s `alignment`; 1 = no
             padding rows, what the per-expert ``nn.Linear`` path needs; grouped-GEMM kernels may want 64/128).
         allow_non_cuda: call the TileKernels functions on non-CUDA tensors too (for CPU test doubles); by default a
@@ -276,14 +279,14 @@ class TileKernelsMoEKernels:
     def get_fused_mapping(self, topk_idx: torch.Tensor, num_experts: int, alignment: int = 1) -> FusedMapping:
         """Expert-sorted layout of the `(T, k)` token-slots as a ``FusedMapping`` of int64 tensors.
 
-        N = ``SpiderMoEKernels.fused_num_rows(T*k, E, alignment)`` rows (the reference's static bound; passed to the
+        N = ``moe_layout.fused_num_rows(T*k, E, alignment)`` rows (the reference's static bound; passed to the
         kernel as ``num_expanded_tokens`` so it does not synchronise). Within an expert the row order is the kernel's.
         """
         fn = self._tk_fn("get_fused_mapping", topk_idx)
         T, k = topk_idx.shape
-        num_rows = SpiderMoEKernels.fused_num_rows(T * k, num_experts, alignment)
+        num_rows = moe_layout.fused_num_rows(T * k, num_experts, alignment)
         if fn is None or num_rows == 0:
-            return self.reference.get_fused_mapping(topk_idx, num_experts, alignment)
+            return moe_layout.get_fused_mapping(topk_idx, num_experts, alignment)
         with torch.no_grad():
             outputs = fn(topk_idx.to(torch.int64).contiguous(), num_experts, num_rows, alignment)
         return FusedMapping(*(t.to(torch.int64) for t in outputs[:7]))
@@ -294,7 +297,7 @@ class TileKernelsMoEKernels:
         """`x` `(T, H)` -> `(N, H)` in the fused layout, padding rows 0; differentiable w.r.t. `x`."""
         fn = self._tk_fn("expand_to_fused", x)
         if fn is None or x.shape[0] == 0:
-            return self.reference.expand_to_fused(x, token_topk_to_pos.long(), pos_to_expert.long())
+            return moe_layout.expand_to_fused(x, token_topk_to_pos.long(), pos_to_expert.long())
         return _ExpandToFused.apply(x, token_topk_to_pos, pos_to_expert, fn)
 
     def reduce_fused(
@@ -304,7 +307,7 @@ class TileKernelsMoEKernels:
         `x` and `topk_weights`. Uses the torch reference when ``H % 256 != 0`` (the kernel's constraint)."""
         fn = self._tk_fn("reduce_fused", x)
         if fn is None or x.shape[-1] % REDUCE_FUSED_HIDDEN_MULTIPLE or token_topk_to_pos.shape[0] == 0:
-            return self.reference.reduce_fused(x, topk_weights, token_topk_to_pos.long())
+            return moe_layout.reduce_fused(x, topk_weights, token_topk_to_pos.long())
         return _ReduceFused.apply(x, topk_weights, token_topk_to_pos, fn)
 
 

@@ -20,7 +20,7 @@ overrides public, documented methods:
 - ``training_step``: Trainer's step (forward and backward) inside :func:`spider_training.sdpa.sdpa_backend_context`,
   so that ``--sdpa_backend`` picks SDPA's kernel for the training forward, its backward and any recomputed forward.
 
-Five private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
+Six private Trainer methods are overridden, in one marked section at the end of the class, because no public hook
 does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
@@ -32,6 +32,8 @@ does their job (the section says why for each):
 - ``_save``: a model whose parameters are torchao weight wrappers (the FP8 grouped-GEMM experts, FSDP float8
   all-gather) is saved from its plain high-precision tensors (:func:`spider_training.fp8.fp8_to_plain_state_dict`):
   ``save_pretrained`` cannot write the wrappers, and the checkpoint loads as a plain model.
+- ``_load_from_checkpoint``: a checkpoint in the per-expert expert layout of older runs is rewritten fused once
+  (:func:`spider_training.checkpointing.fuse_per_expert_checkpoint`) before Trainer's resume reads it.
 - ``_push_from_checkpoint``: Trainer calls it inside the save, on rank 0, while other ranks may still be writing
   into the staged folder; it runs once the checkpoint is published, complete. Hub pushing (``args.push_to_hub``) is
   otherwise Trainer's own, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`; a run stopped by a
@@ -336,6 +338,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
     # - `_save`: Trainer saves `model.state_dict()` unless a state dict is passed in, and only its FSDP/DeepSpeed paths
     #   pass one; torchao's weight wrappers (FP8 grouped-GEMM experts) need the plain tensors passed instead.
+    # - `_load_from_checkpoint`: Trainer reads the checkpoint's weights with `load_state_dict`, which knows only the
+    #   fused expert names; a checkpoint in the per-expert layout of older runs is rewritten fused first, once.
     # - `_push_from_checkpoint` (HubPushMixin's, see spider_training/hub.py): Trainer calls it from `_save_checkpoint`
     #   on rank 0 as soon as its own files are written; the push waits until every rank has written its part and the
     #   folder is published.
@@ -356,6 +360,12 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if state_dict is None and has_fp8_weight_wrappers(self.model):
             state_dict = fp8_to_plain_state_dict(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
         super()._save(output_dir, state_dict=state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self.args.should_save and checkpointing.fuse_per_expert_checkpoint(resume_from_checkpoint):
+            logger.info("%s: the per-expert layout of older checkpoints, rewritten fused", resume_from_checkpoint)
+        self.accelerator.wait_for_everyone()
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         if getattr(self, "_staging_root", None) is not None:

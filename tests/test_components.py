@@ -11,7 +11,7 @@ import torch
 
 from configuration_spider import SpiderConfig
 from modeling_spider import (
-    AdaptiveComputationTime,
+    ACTState,
     SpiderEngramEmbeddings,
     SpiderForConditionalGeneration,
     SpiderHaltingStep,
@@ -24,6 +24,7 @@ from modeling_spider import (
     downsample,
     upsample,
 )
+from spider_training import moe_layout
 from tests.helpers import float_tol, model_terms, tiny, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,18 +137,27 @@ def test_padding_gets_no_loss():
 # --- recurrence: ACT, LTI --------------------------------------------------------------------------------------------
 
 
+def _act_loops(probs: list[torch.Tensor], threshold: float) -> tuple[list[torch.Tensor], ACTState]:
+    """Run `SpiderHaltingStep` over per-loop halting probabilities (as logits); returns each loop's weight and the
+    final state."""
+    step = SpiderHaltingStep()
+    state = ACTState(*(torch.zeros_like(probs[0]) for _ in range(3)))
+    h_out, weights = torch.zeros(*probs[0].shape, 1), []
+    for t, p in enumerate(probs):
+        h_out, state, w = step(torch.logit(p.double()).float(), torch.ones_like(h_out), h_out, state, threshold,
+                               t == len(probs) - 1)
+        weights.append(w)
+    return weights, state
+
+
 @pytest.mark.parametrize("n_loops,threshold", [(1, 0.99), (4, 0.99), (7, 0.5), (12, 0.999)])
 def test_act_weights_sum_to_one(n_loops, threshold):
     g = torch.Generator().manual_seed(n_loops)
-    act = AdaptiveComputationTime((3, 50), threshold)
-    total = torch.zeros(3, 50)
-    for t in range(n_loops):
-        p = torch.rand(3, 50, generator=g) ** 2
-        w = act.step(p, is_last=t == n_loops - 1)
-        assert (w >= 0).all()
-        total += w
-    torch.testing.assert_close(total, torch.ones(3, 50))
-    assert ((act.n_updates >= 1) & (act.n_updates <= n_loops)).all()
+    probs = [(torch.rand(3, 50, generator=g) ** 2).clamp(1e-3, 1 - 1e-3) for _ in range(n_loops)]
+    weights, state = _act_loops(probs, threshold)
+    assert all((w >= 0).all() for w in weights)
+    torch.testing.assert_close(sum(weights), torch.ones(3, 50))
+    assert ((state.n_updates >= 1) & (state.n_updates <= n_loops)).all()
 
 
 def test_act_matches_reference_recursion():
@@ -160,30 +170,29 @@ def test_act_matches_reference_recursion():
             break
         acc += p
         weights.append(p)
-    act = AdaptiveComputationTime((1,), threshold)
-    got = [float(act.step(torch.tensor([p]), is_last=t == len(ps) - 1)) for t, p in enumerate(ps)]
-    assert got[: len(weights)] == pytest.approx(weights)
+    got, state = _act_loops([torch.tensor([p]) for p in ps], threshold)
+    got = [float(w) for w in got]
+    assert got[: len(weights)] == pytest.approx(weights, rel=1e-5)
     assert sum(got) == pytest.approx(1.0)
-    assert float(act.n_updates) == len(weights)
+    assert float(state.n_updates) == len(weights)
 
 
-def test_halting_step_is_act_and_the_weighted_sum_in_one_compiled_region():
-    """`SpiderHaltingStep` gives what `AdaptiveComputationTime.step` and the weighted sum of loop states give, bit for
-    bit, and under ``--compile``'s regional compilation it is a region of its own: no ACT op runs eagerly between the
-    compiled layers."""
+def test_halting_step_sums_the_loops_by_their_weights_in_one_compiled_region():
+    """`SpiderHaltingStep`'s output is the sum of the loop states weighted by the weights it returns, and under
+    ``--compile``'s regional compilation it is a region of its own: no ACT op runs eagerly between the compiled
+    layers."""
     from accelerate.utils import compile_regions
 
     g = torch.Generator().manual_seed(0)
     B, S, D, n_loops, threshold = 2, 5, 8, 3, 0.9
-    step, act = SpiderHaltingStep(), AdaptiveComputationTime((B, S), threshold)
+    step = SpiderHaltingStep()
+    state = ACTState(*(torch.zeros(B, S) for _ in range(3)))
     h_out = ref_out = torch.zeros(B, S, D)
-    state = (act.halting_prob, act.remainders, act.n_updates)
     for t in range(n_loops):
         logits, h = torch.randn(B, S, generator=g), torch.randn(B, S, D, generator=g)
-        h_out, *state = step(logits, h, h_out, *state, threshold, t == n_loops - 1)
-        ref_out = ref_out + act.step(torch.sigmoid(logits), is_last=t == n_loops - 1)[..., None] * h
+        h_out, state, weight = step(logits, h, h_out, state, threshold, t == n_loops - 1)
+        ref_out = ref_out + weight[..., None] * h
         assert torch.equal(h_out, ref_out)
-        assert all(torch.equal(a, b) for a, b in zip(state, (act.halting_prob, act.remainders, act.n_updates)))
     compiled = compile_regions(tiny_model(), backend="eager")
     assert isinstance(compiled.model.recurrent_block.halting_step, torch._dynamo.eval_frame.OptimizedModule)
     assert not list(SpiderHaltingStep().parameters())  # nothing added to the checkpoint
@@ -228,7 +237,7 @@ def test_topk_ties_go_to_smaller_index():
 def test_fused_mapping_layout():
     topk_idx = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])
     for alignment in (1, 4):
-        m = SpiderMoEKernels.get_fused_mapping(topk_idx, 3, alignment)
+        m = moe_layout.get_fused_mapping(topk_idx, 3, alignment)
         counts = [3, 2, 3]
         padded = [(c + alignment - 1) // alignment * alignment for c in counts]
         assert m.num_tokens_per_expert.tolist() == padded
@@ -241,11 +250,11 @@ def test_fused_mapping_layout():
                 assert int(m.expert_start[e]) <= pos < int(m.expert_end[e])
         assert int((m.pos_to_expert >= 0).sum()) == 8
         x = torch.randn(4, 5)
-        fused = SpiderMoEKernels.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert)
+        fused = moe_layout.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert)
         assert torch.equal(fused[m.pos_to_expert < 0], torch.zeros(int((m.pos_to_expert < 0).sum()), 5))
         w = torch.rand(4, 2)
         torch.testing.assert_close(
-            SpiderMoEKernels.reduce_fused(fused, w, m.token_topk_to_pos), x * w.sum(1, keepdim=True)
+            moe_layout.reduce_fused(fused, w, m.token_topk_to_pos), x * w.sum(1, keepdim=True)
         )
 
 

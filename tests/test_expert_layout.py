@@ -13,10 +13,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from modeling_spider import SpiderForConditionalGeneration, fuse_per_expert_state_dict
+from modeling_spider import SpiderForConditionalGeneration
+from spider_training.checkpointing import fuse_per_expert_checkpoint
+from spider_training.moe_layout import fuse_per_expert_state_dict
 from tests.helpers import per_expert_state_dict, tiny_model
 
 
@@ -72,13 +74,21 @@ def test_old_config_eager_maps_to_eager(old_release, tmp_path):
     assert loaded.config._experts_implementation == "batched_mm"
 
 
-def test_load_state_dict_takes_the_old_layout(old_release):
+def test_an_old_trainer_checkpoint_is_fused_once_for_resume(old_release, tmp_path):
+    """Trainer's resume reads ``model.safetensors`` with ``load_state_dict``, which knows only the fused names: a
+    checkpoint in the old layout is rewritten fused first, once (``SpiderTrainer._load_from_checkpoint``)."""
     folder, model = old_release
+    checkpoint = tmp_path / "checkpoint-7"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    assert fuse_per_expert_checkpoint(checkpoint)
+    assert not fuse_per_expert_checkpoint(checkpoint)  # already fused: left alone
     fresh = tiny_model(seed=1)
-    result = fresh.load_state_dict(per_expert_state_dict(model.state_dict()))  # strict
+    result = fresh.load_state_dict(load_file(checkpoint / "model.safetensors"))  # strict
     assert not result.missing_keys and not result.unexpected_keys
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
+    assert not fuse_per_expert_checkpoint(tmp_path)  # no weights file
 
 
 def test_save_writes_fused_keys_and_the_old_layout_on_request(tmp_path):

@@ -22,6 +22,7 @@ import torch
 
 from configuration_spider import SpiderConfig
 from modeling_spider import SpiderMoEKernels
+from spider_training import moe_layout
 from spider_training.tile_kernels_moe import (
     BACKEND_1X,
     BACKEND_2X,
@@ -239,7 +240,7 @@ def test_fake_get_fused_mapping_satisfies_tilekernels_invariants(alignment):
     assert torch.equal(slots // num_topk, p2t[valid].long())
     assert torch.equal(~valid, p2t < 0) and torch.equal(~valid, p2tk < 0)
     # Within an expert, slots are not in token order (unlike the torch reference's stable sort).
-    reference = SpiderMoEKernels.get_fused_mapping(topk_idx, num_experts, alignment)
+    reference = moe_layout.get_fused_mapping(topk_idx, num_experts, alignment)
     assert not torch.equal(reference.token_topk_to_pos, tk2p.long())
 
 
@@ -311,7 +312,7 @@ def test_adapter_ops_match_reference(hidden, alignment):
     torch.testing.assert_close(w_a.grad, w_r.grad, **float_tol(w_r.grad, terms=2 * k))
 
     mapping = adapter.get_fused_mapping(idx, E, alignment)
-    ref_mapping = ref.get_fused_mapping(idx, E, alignment)
+    ref_mapping = moe_layout.get_fused_mapping(idx, E, alignment)
     assert mapping.token_topk_to_pos.dtype == torch.int64
     assert mapping.pos_to_expert.shape == ref_mapping.pos_to_expert.shape
     assert torch.equal(mapping.num_tokens_per_expert, ref_mapping.num_tokens_per_expert)
@@ -322,7 +323,7 @@ def test_adapter_ops_match_reference(hidden, alignment):
     weights_a = norm_r.detach().clone().requires_grad_(True)
     weights_r = norm_r.detach().clone().requires_grad_(True)
     fused_a = adapter.expand_to_fused(x_a, mapping.token_topk_to_pos, mapping.pos_to_expert)
-    fused_r = ref.expand_to_fused(x_r, ref_mapping.token_topk_to_pos, ref_mapping.pos_to_expert)
+    fused_r = moe_layout.expand_to_fused(x_r, ref_mapping.token_topk_to_pos, ref_mapping.pos_to_expert)
     # same rows per expert slice (order inside a slice may differ), zero padding rows
     assert bool((fused_a[mapping.pos_to_expert < 0] == 0).all())
     for e in range(E):
@@ -333,7 +334,7 @@ def test_adapter_ops_match_reference(hidden, alignment):
     # a row-wise "expert" (same on every row) keeps the comparison exact despite the different row order
     scale = torch.linspace(0.5, 1.5, hidden)
     out_a = adapter.reduce_fused(torch.tanh(fused_a) * scale, weights_a, mapping.token_topk_to_pos)
-    out_r = ref.reduce_fused(torch.tanh(fused_r) * scale, weights_r, ref_mapping.token_topk_to_pos)
+    out_r = moe_layout.reduce_fused(torch.tanh(fused_r) * scale, weights_r, ref_mapping.token_topk_to_pos)
     assert out_a.dtype == torch.float32 and out_a.shape == (T, hidden)
     torch.testing.assert_close(out_a, out_r, **float_tol(out_r, terms=k))
     g_out = torch.randn(T, hidden)
