@@ -76,27 +76,32 @@ class SpiderModelOutput(ModelOutput):
         hidden_states (`tuple[torch.FloatTensor]`, *optional*): byte states `(B, L, D)`: the embeddings, each prelude
             layer's output, the upsampled recurrent output (plus the residual), each coda layer's output.
         router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer), `(N, E)` fp32 logits.
-        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms; `boundary_loss` adds
-            `boundary_teacher_coef` times the teacher's cross-entropy to the rate hinge.
-        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed segment; mean ACT loops.
-        expert_load (`torch.FloatTensor` `(E,)`): aux_fi load per expert (1.0 everywhere at perfect balance).
-        boundaries (`torch.FloatTensor` `(B, L)`): the hard 0/1 boundary decisions.
+        boundaries (`torch.FloatTensor` `(B, L)`): the hard 0/1 boundary decisions (straight-through in training).
+        boundary_probs (`torch.FloatTensor` `(B, L)`): the boundary predictor's probabilities.
+        segment_mask (`torch.FloatTensor` `(B, 1+S)`): 1.0 for real segments (segment 0 is the null group), 0.0 for
+            the padding of the segment axis.
+        halting_step, halting_remainder (`torch.FloatTensor` `(B, 1+S)`): ACT's loops run per segment and the
+            remainder paid at its halting loop (the ponder cost is their sum).
+        expert_loads, mean_scores (`tuple[torch.FloatTensor]`): per (loop, recurrent layer), DeepSeek's `f_i` and
+            `P_i` `(E,)` (the balancing loss is the mean of `sum_i f_i * P_i`).
         attentions (`tuple[torch.FloatTensor]`, *optional*): with `output_attentions=True` and ``"eager"``, per
             attention call in forward order: `(B, H, L, L)` for byte layers, `(B, H, 1+S, 1+S)` per (loop, recurrent
             layer); empty for other implementations.
+
+    A cached decode step returns `last_hidden_state`, `cache`, `boundaries` and `hidden_states` only.
     """
 
     last_hidden_state: torch.FloatTensor | None = None
     cache: object | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
-    aux_loss: torch.FloatTensor | None = None
-    boundary_loss: torch.FloatTensor | None = None
-    ponder_loss: torch.FloatTensor | None = None
-    compression_rate: torch.FloatTensor | None = None
-    mean_halting_step: torch.FloatTensor | None = None
-    expert_load: torch.FloatTensor | None = None
     boundaries: torch.FloatTensor | None = None
+    boundary_probs: torch.FloatTensor | None = None
+    segment_mask: torch.FloatTensor | None = None
+    halting_step: torch.FloatTensor | None = None
+    halting_remainder: torch.FloatTensor | None = None
+    expert_loads: tuple[torch.FloatTensor, ...] | None = None
+    mean_scores: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
@@ -110,7 +115,12 @@ class SpiderCausalLMOutput(ModelOutput):
             left out (the same value and gradients, without that term's backward through the recurrence).
         logits (`torch.FloatTensor` `(B, L, vocab_size)`).
         lm_loss (`torch.FloatTensor` scalar, with `labels`): next-byte cross-entropy in nats (-100 ignored).
-        Other fields as in :class:`SpiderModelOutput`.
+        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms; `boundary_loss` adds
+            `boundary_teacher_coef` times the teacher's cross-entropy to the rate hinge.
+        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed segment; mean ACT loops.
+        expert_load (`torch.FloatTensor` `(E,)`): aux_fi load per expert (1.0 everywhere at perfect balance).
+        Other fields as in :class:`SpiderModelOutput`; the loss terms and diagnostics are None for a cached decode
+        step.
     """
 
     loss: torch.FloatTensor | None = None
@@ -659,7 +669,8 @@ class SpiderMoE(nn.Module):
         """Route `x` `(T, D)`; with `row_weights` (:class:`RowWeights` of the `T` rows), padding rows weigh zero and stay
         out of the statistics.
 
-        Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), aux_loss fp32 scalar, expert_load fp32 (E,))`."""
+        Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), expert_load fp32 (E,), mean_scores fp32 (E,))`:
+        DeepSeek's `f_i` and `P_i`, whose `sum_i f_i * P_i` is the layer's balancing loss (computed by the LM head)."""
         router_logits = self.route(x)
         scores = router_logits.softmax(dim=-1)
         topk_idx = self.kernels.topk_gate(scores, self.top_k)
@@ -680,8 +691,7 @@ class SpiderMoE(nn.Module):
         else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
             expert_load = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, row_weights.load_weight)
             mean_scores = (scores * row_weights.mean_weight[:, None]).sum(dim=0)
-        aux_loss = (expert_load * mean_scores).sum()
-        return out, router_logits, aux_loss, expert_load
+        return out, router_logits, expert_load, mean_scores
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a PEFT or quantised
@@ -866,7 +876,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
     `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64 `(N,)` rows to route (None: all),
     `engram_memory` `(B, S, M)` or None, `row_weights` (:class:`RowWeights` of the `B*S` rows, when
     `segment_index` is None) or None; keyword `cache`.
-    Returns `(hidden_states, router_logits (N, E), aux_loss, expert_load (E,))`."""
+    Returns `(hidden_states, router_logits (N, E), expert_load (E,), mean_scores (E,))` (see :class:`SpiderMoE`)."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
@@ -892,13 +902,13 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         rows = flat if segment_index is None else flat.index_select(0, segment_index)
         if rows.shape[0] == 0:  # nothing to route (every segment has exited, SpiderConfig.act_early_exit)
             E = self.mlp.num_experts
-            return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), rows.new_zeros((), dtype=torch.float32), \
-                rows.new_zeros(E, dtype=torch.float32)
-        moe_out, router_logits, aux_loss, expert_load = self.mlp(rows, row_weights if segment_index is None else None)
+            zeros = rows.new_zeros(E, dtype=torch.float32)
+            return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), zeros, zeros
+        moe_out, router_logits, expert_load, mean_scores = self.mlp(rows, row_weights if segment_index is None else None)
         if segment_index is not None:
             moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
         hidden_states = hidden_states + moe_out.view_as(hidden_states)
-        return hidden_states, router_logits, aux_loss, expert_load
+        return hidden_states, router_logits, expert_load, mean_scores
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1018,10 +1028,13 @@ def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     return gathered * confidence[..., None]
 
 
-def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor, config: SpiderConfig):
-    """FlexiTokens' hinge on the boundary rate r (boundaries per real byte):
-    `relu(r - prior) + relu(prior - k*std - r)`. Returns `(loss, rate)`, fp32 scalars."""
-    rate = (boundaries * token_mask).sum() / token_mask.sum().clamp_min(1)
+def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor | None, config: SpiderConfig):
+    """FlexiTokens' hinge on the boundary rate r (boundaries per real byte; `token_mask` `(B, L)` bool, None: every
+    byte is real): `relu(r - prior) + relu(prior - k*std - r)`. Returns `(loss, rate)`, fp32 scalars."""
+    if token_mask is None:
+        rate = boundaries.sum() / max(boundaries.numel(), 1)
+    else:
+        rate = (boundaries * token_mask).sum() / token_mask.sum().clamp_min(1)
     lower = config.boundary_prior - config.boundary_prior_k * config.boundary_prior_std
     return F.relu(rate - config.boundary_prior) + F.relu(lower - rate), rate
 
@@ -1222,13 +1235,13 @@ class SpiderHaltingStep(nn.Module):
 
 class SpiderRecurrentBlockOutput(NamedTuple):
     """What :class:`SpiderRecurrentBlock` returns: `h_out` fp32 `(B, S, D)` (ACT-weighted sum of the loops' states),
-    `act` (:class:`ACTState` after the last loop), per (loop, layer) `aux_losses` (scalars), `expert_loads` `(E,)`
-    and, when asked for, `router_logits` `(N, E)`."""
+    `act` (:class:`ACTState` after the last loop), per (loop, layer) the MoE's `expert_loads` and `mean_scores`
+    `(E,)` and, when asked for, `router_logits` `(N, E)`."""
 
     h_out: torch.Tensor
     act: ACTState
-    aux_losses: list
     expert_loads: list
+    mean_scores: list
     router_logits: list
 
 
@@ -1287,7 +1300,7 @@ class SpiderRecurrentBlock(nn.Module):
         h = e
         act = ACTState(*(torch.zeros(B, S, dtype=torch.float32, device=e.device) for _ in range(3)))
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
-        aux_losses, expert_loads, router_logits = [], [], []
+        expert_loads, mean_scores, router_logits = [], [], []
         # through the embedding's forward (hooks such as accelerate's offloading load its weight there), once
         loop_ids = torch.arange(n_loops, device=e.device).clamp(max=self.max_loop_iters - 1)
         loop_embeddings = self.loop_embedding(loop_ids)
@@ -1312,12 +1325,12 @@ class SpiderRecurrentBlock(nn.Module):
                     routed = keep.nonzero().squeeze(1)
                 z = self.loop_norm(dynamic_segment_axis(h + e + loop_embeddings[t]))
                 for i, layer in enumerate(self.layers):
-                    z, logits, aux, load = layer(
+                    z, logits, load, scores = layer(
                         dynamic_segment_axis(z), position_embeddings, attention_mask, routed, engram_memory,
                         row_weights, cache=cache.recurrent[t][i] if cache is not None else None,
                     )
-                    aux_losses.append(aux)
                     expert_loads.append(load)
+                    mean_scores.append(scores)
                     if output_router_logits:
                         router_logits.append(logits)
                 z = dynamic_segment_axis(z + self.loop_lora(dynamic_segment_axis(z), t))
@@ -1329,7 +1342,7 @@ class SpiderRecurrentBlock(nn.Module):
                     dynamic_segment_axis(halt_logits), h, dynamic_segment_axis(h_out),
                     ACTState(*(dynamic_segment_axis(state) for state in act)), self.act_threshold, t == n_loops - 1,
                 )
-        return SpiderRecurrentBlockOutput(h_out, act, aux_losses, expert_loads, router_logits)
+        return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1602,6 +1615,36 @@ class SpiderPreTrainedModel(PreTrainedModel):
                 init.constant_(module.upsample_norm.weight, self.config.upsample_scale_init)
 
 
+class SpiderBytes(NamedTuple):
+    """Where the bytes of a full forward sit: `token_mask` `(B, L)` bool or None (no padding), `byte_mask` `(B, L)`
+    bool (True for real bytes), RoPE `position_ids` `(B, L)` int64 counting real bytes only (a left-padded row sees
+    the positions it has alone), the byte layers' `attention_mask` and `position_embeddings`."""
+
+    token_mask: torch.Tensor | None
+    byte_mask: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+
+
+class SpiderSegments(NamedTuple):
+    """What segmentation hands the recurrent block: `boundaries` `(B, L)` fp32 0/1 (straight-through in training),
+    `boundary_probs` `(B, L)`, `segments` `(B, 1+S, D)` normed (segment 0 the null group), their Engram `memory`
+    `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers' `position_embeddings` and `attention_mask`,
+    `segment_index` int64 `(N,)` (the rows the MoE routes, None: all) and `routed_mask` (`(B, 1+S)` bool: rows
+    routed with weight 1, the rest with 0; None: all)."""
+
+    boundaries: torch.Tensor
+    boundary_probs: torch.Tensor
+    segments: torch.Tensor
+    memory: torch.Tensor
+    segment_mask: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    attention_mask: torch.Tensor | None
+    segment_index: torch.Tensor | None
+    routed_mask: torch.Tensor | None
+
+
 class SpiderModel(SpiderPreTrainedModel):
     """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments -> coda
     (module names: docs/design.md, "Names that FP8 and PEFT rely on")."""
@@ -1634,10 +1677,11 @@ class SpiderModel(SpiderPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def check_inputs(self, input_ids: torch.LongTensor, n_loops: int) -> None:
+    def check_inputs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, n_loops: int,
+                     cache: SpiderCache | None = None) -> None:
         """Raise ``TypeError`` for non-integer `input_ids`; ``ValueError`` for a shape other than `(B >= 1, L >= 1)`,
-        ids on another device, ids outside `[0, vocab_size)`, `L > max_position_embeddings`, or `n_loops` not an
-        int >= 1."""
+        ids on another device, ids outside `[0, vocab_size)`, more than `max_position_embeddings` bytes (with the
+        cache's), `n_loops` not an int >= 1 or not the cache's, or an `attention_mask` of another shape."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -1660,6 +1704,18 @@ class SpiderModel(SpiderPreTrainedModel):
             f"outside the vocabulary [0, {self.config.vocab_size})"))
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
+        if cache is not None and n_loops != cache.n_loops:
+            raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with")
+        decoding = cache is not None and cache.seen_bytes > 0
+        if decoding and cache.seen_bytes + input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(
+                f"decoding past max_position_embeddings={self.config.max_position_embeddings}: the cache holds "
+                f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
+                f"{self.config.max_position_embeddings} bytes in total (prompt included)"
+            )
+        if not decoding and attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
+                             f"{tuple(input_ids.shape)}")
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers 5.24's rename
     @capture_outputs
@@ -1674,7 +1730,9 @@ class SpiderModel(SpiderPreTrainedModel):
         output_router_logits: bool | None = None,
         **kwargs,
     ) -> SpiderModelOutput:
-        """Args:
+        """The forward pass of the module docstring's map, one call per step.
+
+        Args:
             input_ids: int64 `(B, L)`, ids in `[0, vocab_size)`. With a non-empty `cache`, only the bytes
                 the cache has not seen (all real bytes, no padding).
             attention_mask: `(B, L)`, 1 for real bytes, 0 for padding (left or right), or None.
@@ -1682,129 +1740,124 @@ class SpiderModel(SpiderPreTrainedModel):
             cache: a :class:`SpiderCache` from an earlier call, or None.
             use_cache: build and return a :class:`SpiderCache` (default: `config.use_cache` in eval mode).
         Raises:
-            ValueError: see :meth:`check_inputs`; a cache built with another `n_loops`.
+            ValueError: see :meth:`check_inputs`.
         """
         n_loops = self.config.n_loops if n_loops is None else n_loops
-        self.check_inputs(input_ids, n_loops)
-        if cache is not None and n_loops != cache.n_loops:
-            raise ValueError(
-                f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with"
-            )
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        self.check_inputs(input_ids, attention_mask, n_loops, cache)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         if cache is not None and cache.seen_bytes > 0:
-            total = cache.seen_bytes + input_ids.shape[1]
-            if total > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"decoding past max_position_embeddings={self.config.max_position_embeddings}: the cache holds "
-                    f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
-                    f"{self.config.max_position_embeddings} bytes in total (prompt included)"
-                )
             return self.decode(input_ids, cache, output_hidden_states=bool(output_hidden_states))
+        cache = self.prefill_cache(cache, use_cache, n_loops)
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        # hidden_states are collected here, not by capture_outputs hooks: the layout holds the mixed upsampled stream,
+        # and the cached decode runs byte layers one byte at a time.
+        hidden_states = [] if output_hidden_states else None
+
+        x = self.embed_tokens(input_ids)
+        byte_inputs = self.byte_inputs(x, attention_mask)
+        x = self.prelude(x, byte_inputs, cache, hidden_states)
+        # Every slot of a padded segment axis runs the block; exact rows, picked by index, only for a cache, returned
+        # router logits or ACT early exit (docs/design.md, "Shapes that repeat, one host sync per training step").
+        exact = cache is not None or output_router_logits or (self.config.act_early_exit and not self.training)
+        engram_bytes = self.engram_embeddings(input_ids, byte_inputs.byte_mask)
+        segments = self.segment(x, engram_bytes, byte_inputs, exact)
+        block = self.recurrent_block(
+            segments.segments, segments.position_embeddings, segments.attention_mask, segments.segment_index,
+            segments.memory, n_loops, cache, output_router_logits, segments.routed_mask,
+        )
+        y = self.coda(segments.boundaries, block.h_out, x, byte_inputs, cache, hidden_states)
+        if cache is not None:
+            cache.start(input_ids, x.detach(), engram_bytes.detach(), segments.boundaries, byte_inputs.token_mask,
+                        block.h_out)
+        return SpiderModelOutput(
+            last_hidden_state=y,
+            cache=cache,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            router_logits=tuple(block.router_logits) if output_router_logits else None,
+            boundaries=segments.boundaries,
+            boundary_probs=segments.boundary_probs,
+            segment_mask=segments.segment_mask.to(torch.float32),
+            halting_step=block.act.n_updates,
+            halting_remainder=block.act.remainders,
+            expert_loads=tuple(block.expert_loads),
+            mean_scores=tuple(block.mean_scores),
+        )
+
+    def prefill_cache(self, cache: SpiderCache | None, use_cache: bool | None, n_loops: int) -> SpiderCache | None:
+        """The cache a full forward fills: `cache` (empty), a new one when `use_cache` (default `config.use_cache`
+        in eval mode), or None; never one under activation checkpointing in training."""
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
             logger.warning_once("use_cache=True is incompatible with activation checkpointing in training; no cache built")
             use_cache = False
-        cache = cache if cache is not None else (SpiderCache(self.config, n_loops) if use_cache else None)
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
-        B, L = input_ids.shape
-        if attention_mask is not None and tuple(attention_mask.shape) != (B, L):
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {(B, L)}")
+        return cache if cache is not None else (SpiderCache(self.config, n_loops) if use_cache else None)
 
-        # Padding: positions count real bytes only, so a left-padded row sees the positions it has alone.
+    def byte_inputs(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> SpiderBytes:
+        """Masks and positions of the embedded bytes `x` `(B, L, D)` (:class:`SpiderBytes`); one host read of
+        `attention_mask` tells whether any byte is padding."""
+        B, L, _ = x.shape
         token_mask = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             token_mask = attention_mask.bool()
             position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)
         else:
-            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
-        byte_mask = token_mask if token_mask is not None else torch.ones(B, L, dtype=torch.bool, device=input_ids.device)
-        byte_attention_mask = build_attention_mask(token_mask, self.config.sliding_window, key_positions=position_ids)
+            position_ids = torch.arange(L, device=x.device).expand(B, L)
+        byte_mask = token_mask if token_mask is not None else torch.ones(B, L, dtype=torch.bool, device=x.device)
+        mask = build_attention_mask(token_mask, self.config.sliding_window, key_positions=position_ids)
+        rope = self.rotary_emb(x, position_ids)
+        return SpiderBytes(token_mask, byte_mask, position_ids, mask, rope)
 
-        # Prelude over bytes.
-        x = self.embed_tokens(input_ids)
-        byte_rope = self.rotary_emb(x, position_ids)
-        # hidden_states are collected here, not by capture_outputs hooks: the layout holds the mixed upsampled stream,
-        # and the cached decode runs byte layers one byte at a time.
-        all_hidden_states = (x,) if output_hidden_states else None
+    def prelude(self, x: torch.Tensor, byte_inputs: SpiderBytes, cache: SpiderCache | None,
+                hidden_states: list | None) -> torch.Tensor:
+        """The dense byte layers over the embedded bytes `x` `(B, L, D)`. Returns `(B, L, D)`."""
+        if hidden_states is not None:
+            hidden_states.append(x)
         for i, layer in enumerate(self.prelude_layers):
-            layer_cache = cache.prelude[i] if cache is not None else None
-            x = layer(x, byte_rope, byte_attention_mask, cache=layer_cache)
-            if output_hidden_states:
-                all_hidden_states += (x,)
+            x = layer(x, byte_inputs.position_embeddings, byte_inputs.attention_mask,
+                      cache=cache.prelude[i] if cache is not None else None)
+            if hidden_states is not None:
+                hidden_states.append(x)
+        return x
 
-        # FlexiTokens: bytes -> segments. Engram memory is looked up once per byte and pooled with the same boundaries.
-        engram_bytes = self.engram_embeddings(input_ids, byte_mask)
-        # Every slot of a padded segment axis runs the block; exact rows, picked by index, only for a cache, returned
-        # router logits or ACT early exit (docs/design.md, "Shapes that repeat, one host sync per training step").
-        exact = cache is not None or output_router_logits or (self.config.act_early_exit and not self.training)
-        boundaries, boundary_probs, e, engram_memory, segment_mask = self.flexitokens(
-            x, engram_bytes, byte_mask, position_ids, 1 if exact else self.config.pad_segments_to_multiple_of
+    def segment(self, x: torch.Tensor, engram_bytes: torch.Tensor, byte_inputs: SpiderBytes,
+                exact: bool) -> SpiderSegments:
+        """Segmentation (FlexiTokens): boundaries, the segments and their Engram memory pooled with the same
+        boundaries, their positions and mask. `exact`: the segment axis as long as the longest row (routing picks
+        the real rows by index), else padded to `pad_segments_to_multiple_of` (padding routed with weight 0)."""
+        boundaries, boundary_probs, e, memory, segment_mask = self.flexitokens(
+            x, engram_bytes, byte_inputs.byte_mask, byte_inputs.position_ids,
+            1 if exact else self.config.pad_segments_to_multiple_of,
         )
-        S1 = e.shape[1]
-        segment_positions = torch.arange(S1, device=e.device).expand(B, S1)
-        segment_rope = self.rotary_emb(e, segment_positions)
-        if exact:
-            padded_segments = not bool(segment_mask.all())
-            segment_attention_mask = build_attention_mask(
-                segment_mask if padded_segments else None, self.config.recurrent_sliding_window,
-                key_positions=segment_positions,
-            )
-            # The segments the MoE routes, as flat row indices: computed once here, none per loop and layer.
-            segment_index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded_segments else None
-            routed_mask = None
-        else:
-            # Padding sits at each row's end: the causal mask hides it and the MoE routes it with zero weight.
-            segment_attention_mask = build_attention_mask(
-                None, self.config.recurrent_sliding_window, key_positions=segment_positions
-            )
-            segment_index, routed_mask = None, segment_mask
+        B, S1 = segment_mask.shape
+        positions = torch.arange(S1, device=e.device).expand(B, S1)
+        rope = self.rotary_emb(e, positions)
+        window = self.config.recurrent_sliding_window
+        if not exact:  # padding sits at each row's end: the causal mask hides it and the MoE routes it with weight 0
+            mask = build_attention_mask(None, window, key_positions=positions)
+            return SpiderSegments(boundaries, boundary_probs, e, memory, segment_mask, rope, mask, None, segment_mask)
+        padded = not bool(segment_mask.all())
+        mask = build_attention_mask(segment_mask if padded else None, window, key_positions=positions)
+        # the segments the MoE routes, as flat row indices: computed once here, none per loop and layer
+        index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded else None
+        return SpiderSegments(boundaries, boundary_probs, e, memory, segment_mask, rope, mask, index, None)
 
-        h_out, act, aux_losses, expert_loads, router_logits = self.recurrent_block(
-            e, segment_rope, segment_attention_mask, segment_index, engram_memory, n_loops, cache, output_router_logits,
-            routed_mask,
-        )
-
-        # Back to bytes (causal upsample, joined with the byte stream), then the coda.
+    def coda(self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor, byte_inputs: SpiderBytes,
+             cache: SpiderCache | None, hidden_states: list | None) -> torch.Tensor:
+        """Back to bytes (causal upsample, mixed into the byte stream `x`), the coda layers and the final norm.
+        Returns `(B, L, D)`."""
         y = self.flexitokens.dechunk(boundaries, h_out, x)
-        if output_hidden_states:
-            all_hidden_states += (y,)
+        if hidden_states is not None:
+            hidden_states.append(y)
         for i, layer in enumerate(self.coda_layers):
-            layer_cache = cache.coda[i] if cache is not None else None
-            y = layer(y, byte_rope, byte_attention_mask, cache=layer_cache)
-            if output_hidden_states:
-                all_hidden_states += (y,)
-        y = self.norm(y)
-        if cache is not None:
-            cache.start(input_ids, x.detach(), engram_bytes.detach(), boundaries, token_mask, h_out)
+            y = layer(y, byte_inputs.position_embeddings, byte_inputs.attention_mask,
+                      cache=cache.coda[i] if cache is not None else None)
+            if hidden_states is not None:
+                hidden_states.append(y)
+        return self.norm(y)
 
-        seg_weight = segment_mask.to(torch.float32)
-        ponder_loss = ((act.n_updates + act.remainders) * seg_weight).sum() / seg_weight.sum()
-        mean_halting_step = ((act.n_updates * seg_weight).sum() / seg_weight.sum()).detach()
-        boundary_loss, rate = boundary_rate_loss(boundaries, byte_mask, self.config)
-        if self.config.boundary_teacher is not None:
-            boundary_loss = boundary_loss + self.config.boundary_teacher_coef * boundary_teacher_loss(
-                boundary_probs, input_ids, byte_mask, self.config.boundary_teacher
-            )
-        compression_rate = (1.0 / rate.clamp_min(1.0 / max(L, 1))).detach()
-        aux_loss = torch.stack(aux_losses).mean()
-        expert_load = torch.stack(expert_loads).mean(0).detach()
-
-        return SpiderModelOutput(
-            last_hidden_state=y,
-            cache=cache,
-            hidden_states=all_hidden_states,
-            router_logits=tuple(router_logits) if output_router_logits else None,
-            aux_loss=aux_loss,
-            boundary_loss=boundary_loss,
-            ponder_loss=ponder_loss,
-            compression_rate=compression_rate,
-            mean_halting_step=mean_halting_step,
-            expert_load=expert_load,
-            boundaries=boundaries.detach(),
-        )
 
     @torch.no_grad()
     def decode(self, input_ids, cache: SpiderCache, output_hidden_states: bool = False) -> SpiderModelOutput:
@@ -1963,25 +2016,50 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
                 logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
             )
             loss = lm_loss
-            for coef, term in ((self.config.router_aux_loss_coef, outputs.aux_loss),
-                               (self.config.boundary_loss_coef, outputs.boundary_loss),
-                               (self.config.ponder_loss_coef, outputs.ponder_loss)):
+        terms = self.loss_terms(outputs, input_ids, attention_mask) if outputs.segment_mask is not None else {}
+        if loss is not None:
+            for coef, name in ((self.config.router_aux_loss_coef, "aux_loss"),
+                               (self.config.boundary_loss_coef, "boundary_loss"),
+                               (self.config.ponder_loss_coef, "ponder_loss")):
                 if coef != 0:  # a term weighted 0 would add only its backward (zeros, through the whole recurrence)
-                    loss = loss + coef * term
+                    loss = loss + coef * terms[name]
         return SpiderCausalLMOutput(
             loss=loss,
             logits=logits,
             cache=outputs.cache,
             lm_loss=lm_loss,
-            aux_loss=outputs.aux_loss,
-            boundary_loss=outputs.boundary_loss,
-            ponder_loss=outputs.ponder_loss,
-            compression_rate=outputs.compression_rate,
-            mean_halting_step=outputs.mean_halting_step,
-            expert_load=outputs.expert_load,
+            **terms,
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
             attentions=outputs.attentions,
+        )
+
+    def loss_terms(self, outputs: SpiderModelOutput, input_ids: torch.LongTensor,
+                   attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Spider's loss terms and diagnostics from what :class:`SpiderModel` returned for `input_ids` `(B, L)`:
+        ``aux_loss`` (DeepSeek's aux_fi balancing loss, the mean over (loop, layer) of `sum_i f_i * P_i`),
+        ``boundary_loss`` (FlexiTokens' rate hinge, plus the teacher's cross-entropy with ``boundary_teacher``),
+        ``ponder_loss`` (ACT, `mean(n_updates + remainders)` over real segments), ``compression_rate`` (bytes per
+        segment), ``mean_halting_step`` and ``expert_load`` `(E,)`; fp32, the diagnostics detached."""
+        byte_mask = None if attention_mask is None else attention_mask.bool()
+        segment_weight = outputs.segment_mask
+        ponder_loss = ((outputs.halting_step + outputs.halting_remainder) * segment_weight).sum() / segment_weight.sum()
+        mean_halting_step = ((outputs.halting_step * segment_weight).sum() / segment_weight.sum()).detach()
+        boundary_loss, rate = boundary_rate_loss(outputs.boundaries, byte_mask, self.config)
+        if self.config.boundary_teacher is not None:
+            boundary_loss = boundary_loss + self.config.boundary_teacher_coef * boundary_teacher_loss(
+                outputs.boundary_probs, input_ids,
+                torch.ones_like(input_ids, dtype=torch.bool) if byte_mask is None else byte_mask,
+                self.config.boundary_teacher,
+            )
+        aux_losses = [(load * scores).sum() for load, scores in zip(outputs.expert_loads, outputs.mean_scores)]
+        return dict(
+            aux_loss=torch.stack(aux_losses).mean(),
+            boundary_loss=boundary_loss,
+            ponder_loss=ponder_loss,
+            compression_rate=(1.0 / rate.clamp_min(1.0 / max(input_ids.shape[1], 1))).detach(),
+            mean_halting_step=mean_halting_step,
+            expert_load=torch.stack(outputs.expert_loads).mean(0).detach(),
         )
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,

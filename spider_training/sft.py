@@ -22,12 +22,12 @@ class SpiderSFTTrainer(SFTTrainer):
     ``router_aux_loss_coef`` and ``output_router_logits`` is taken for Mixtral's, whose balancing loss expects one
     router row per token (Spider routes segments: a size mismatch). This trainer turns TRL's Mixtral loss off
     (``router_aux_loss_coef=0.0`` on a copy of `args`), puts the model config's coefficient back so the saved config is
-    the release's, and adds Spider's terms from the backbone's output (a forward hook on ``SpiderModel``), averaged
-    over gradient-accumulation steps as TRL averages its own auxiliary loss. Each term is logged under its name.
+    the release's, and adds Spider's terms, computed by the LM head's ``loss_terms`` from the backbone's output (a
+    forward hook on ``SpiderModel``: TRL's fused loss skips the head), averaged over gradient-accumulation steps as TRL averages its own auxiliary loss. Each term is logged under its name.
 
     Args: as ``SFTTrainer``; `model` a Spider model (a ``PreTrainedModel`` whose base model is a ``SpiderModel``).
     Raises: ``ValueError`` if `args.router_aux_loss_coef` is set to a non-zero value (Spider weighs its balancing loss
-    by ``config.router_aux_loss_coef``: set it there), or if `model` holds no ``SpiderModel``.
+    by ``config.router_aux_loss_coef``: set it there), or if `model` holds no ``SpiderForConditionalGeneration``.
     """
 
     def __init__(self, model, args: SFTConfig | None = None, **kwargs):
@@ -43,15 +43,18 @@ class SpiderSFTTrainer(SFTTrainer):
         args.router_aux_loss_coef = 0.0
         super().__init__(model, args=args, **kwargs)
         model.config.router_aux_loss_coef = self.spider_loss_coefs["aux_loss"]  # TRL wrote 0.0 there
-        backbones = [m for m in self.model.modules() if type(m).__name__ == "SpiderModel"]
-        if not backbones:
-            raise ValueError(f"SpiderSFTTrainer needs a Spider model; {type(model).__name__} holds no SpiderModel")
-        self._spider_outputs = None
-        backbones[0].register_forward_hook(self._record_spider_outputs)
+        heads = [m for m in self.model.modules() if type(m).__name__ == "SpiderForConditionalGeneration"]
+        if not heads:
+            raise ValueError(f"SpiderSFTTrainer needs a Spider model; {type(model).__name__} holds no "
+                             "SpiderForConditionalGeneration")
+        self._spider_head, self._spider_outputs = heads[0], None
+        heads[0].model.register_forward_hook(self._record_spider_outputs, with_kwargs=True)
 
-    def _record_spider_outputs(self, module, inputs, outputs):
+    def _record_spider_outputs(self, module, args, kwargs, outputs):
         if self._spider_outputs is None:  # the first forward of this compute_loss is the one that carries the loss
-            self._spider_outputs = outputs
+            input_ids = args[0] if args else kwargs["input_ids"]
+            # TRL's fused loss runs the backbone, not the head: the head's loss terms from the backbone's output
+            self._spider_outputs = self._spider_head.loss_terms(outputs, input_ids, kwargs.get("attention_mask"))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss plus Spider's weighted terms (see the class docstring)."""

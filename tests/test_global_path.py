@@ -305,9 +305,9 @@ def test_teacher_loss_is_the_class_balanced_cross_entropy_over_real_bytes_and_jo
     captured = {}
     model.model.flexitokens.boundary_predictor.register_forward_hook(lambda m, a, out: captured.update(probs=out[1]))
     with torch.no_grad():
-        with_teacher = model.model(ids, attention_mask=mask).boundary_loss
+        with_teacher = model(ids, attention_mask=mask).boundary_loss
         model.config.boundary_teacher = None
-        rate_only = model.model(ids, attention_mask=mask).boundary_loss
+        rate_only = model(ids, attention_mask=mask).boundary_loss
     p, target = captured["probs"].double(), spacelike_boundaries(ids).double()
     # class-balanced, real bytes only, by definition: half the mean over the teacher's boundaries, half over the rest
     closes, other = (target > 0) & mask, (target == 0) & mask
