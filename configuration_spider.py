@@ -95,7 +95,7 @@ class SpiderConfig(PreTrainedConfig):
     ``huggingface_hub``'s ``@strict``, as transformers' own configs are: a value of the wrong type (a string for an
     int, a bool for an int, a non-list for the Engram lists) raises ``StrictDataclassFieldValidationError`` naming the
     field, at construction and on assignment; a value that breaks a constraint raises ``ValueError`` naming the field
-    and the constraint (:meth:`validate_architecture`).
+    and the constraint (:meth:`check_architecture`).
 
     Args:
         vocab_size (`int`, defaults to 272): bytes 0-255, PAD=256, BOS=257, EOS=258, further specials 259-271.
@@ -199,7 +199,10 @@ class SpiderConfig(PreTrainedConfig):
             Training always runs every loop.
         ponder_loss_coef (`float`, defaults to 0.01).
         lora_rank (`int`, defaults to 16): rank of the per-loop LoRA adapter.
-        rms_norm_eps, initializer_range, max_position_embeddings, rope_theta, attention_dropout: as in Llama.
+        rope_parameters (`dict`, defaults to ``{"rope_type": "default", "rope_theta": 10000.0}``): transformers' RoPE
+            parameters (``modeling_rope_utils``: any ``rope_type`` of ``ROPE_INIT_FUNCTIONS``); a ``rope_theta``
+            argument or config.json key (older releases) is moved into it.
+        rms_norm_eps, initializer_range, max_position_embeddings, attention_dropout: as in Llama.
     """
 
     model_type = "spider"
@@ -259,7 +262,7 @@ class SpiderConfig(PreTrainedConfig):
     rms_norm_eps: float | int = 1e-6
     initializer_range: float | int = 0.02
     max_position_embeddings: int = 8192
-    rope_theta: float | int = 10000.0
+    rope_parameters: dict | None = None
     attention_dropout: float | int = 0.0
     use_cache: bool = True
     tie_word_embeddings: bool = False
@@ -287,7 +290,7 @@ class SpiderConfig(PreTrainedConfig):
         here = os.path.dirname(os.path.abspath(__file__))
         if not self._name_or_path and os.path.exists(os.path.join(here, "modeling_spider.py")):
             self._name_or_path = here
-        self.validate_architecture()
+        self.check_architecture()
 
     @property
     def moe_implementation(self) -> str:
@@ -327,6 +330,7 @@ class SpiderConfig(PreTrainedConfig):
             )
         self.num_hidden_layers = derived
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.head_dim = self.qk_rope_head_dim  # the rotated part: what transformers' RoPE functions read (DeepSeek-V3)
 
     def update_from_string(self, update_str: str) -> None:
         """Apply ``"key=value,key=value"`` overrides: transformers' format (``run_clm.py --config_overrides``), parsed
@@ -347,6 +351,12 @@ class SpiderConfig(PreTrainedConfig):
             if not sep or not key:
                 raise ValueError(f"config override {item!r} is not key=value")
             self._check_field_names([key], "the config overrides")
+            if key == "rope_theta":  # older configs' field, now inside rope_parameters
+                try:
+                    self.rope_parameters = {**(self.rope_parameters or {}), "rope_theta": float(value)}
+                except ValueError:
+                    raise ValueError(f"config override rope_theta={value!r} is not a number") from None
+                continue
             if key in EXPERTS_KEYS:  # not dataclass fields: mapped and stored as __post_init__ does
                 self._experts_implementation = (
                     self._from_legacy_moe_implementation(value) if key == "moe_implementation" else value
@@ -366,12 +376,12 @@ class SpiderConfig(PreTrainedConfig):
                 raise ValueError(f"config override {key}={value!r} does not parse as SpiderConfig.{key}'s type "
                                  f"({type(current).__name__}): {err}") from None
         self._derive_fields(num_hidden_layers_given="num_hidden_layers" in update_str)
-        self.validate_architecture()
+        self.check_architecture()
 
     @classmethod
     def _check_field_names(cls, keys, where: str) -> None:
         """Raise ``ValueError`` for the first of `keys` that is not a config field, suggesting the closest one."""
-        known = set(cls.__dataclass_fields__) | set(cls.attribute_map) | set(EXPERTS_KEYS)
+        known = set(cls.__dataclass_fields__) | set(cls.attribute_map) | set(EXPERTS_KEYS) | {"rope_theta"}
         for key in keys:
             if key not in known and not key.startswith("_"):
                 close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -391,8 +401,9 @@ class SpiderConfig(PreTrainedConfig):
         cls._check_field_names(overrides, f"the overrides of preset {name!r}")
         return cls(**{**SPIDER_PRESETS[name], **overrides})
 
-    def validate_architecture(self):
-        """Raise ``ValueError`` naming the first field whose value breaks a constraint."""
+    def check_architecture(self):
+        """Raise ``ValueError`` naming the first field whose value breaks a constraint. Not named ``validate_*``:
+        huggingface_hub's ``@strict`` would run it a second time as a class validator (wrapping the error)."""
 
         def require(ok: bool, field: str, constraint: str):
             if not ok:
@@ -461,7 +472,10 @@ class SpiderConfig(PreTrainedConfig):
         require(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         require(self.initializer_range >= 0, "initializer_range", "must be >= 0")
         require(self.hidden_act in ACT2FN, "hidden_act", "must be an activation name of transformers.activations.ACT2FN")
-        require(self.rope_theta > 0, "rope_theta", "must be > 0")
+        theta = (self.rope_parameters or {}).get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ValueError(f"SpiderConfig.rope_parameters={self.rope_parameters!r} is invalid: rope_theta={theta!r} "
+                             "must be a number > 0")
         require(0 <= self.attention_dropout < 1, "attention_dropout", "must be in [0, 1)")
         for field in ("pad_token_id", "bos_token_id"):
             value = getattr(self, field)

@@ -49,6 +49,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.utils import ModelOutput, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -217,21 +218,40 @@ class SpiderRMSNorm(nn.Module):
 
 
 class SpiderRotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021) for the `qk_rope_head_dim` part of MLA heads, computed on the fly
-    (no buffers: `from_pretrained` builds on the meta device)."""
+    """Rotary position embedding (Su et al. 2021) for the `qk_rope_head_dim` part of MLA heads (``config.head_dim``),
+    from ``config.rope_parameters`` as transformers' ``DeepseekV3RotaryEmbedding`` (any ``rope_type`` of
+    ``ROPE_INIT_FUNCTIONS``). `inv_freq` is a non-persistent buffer that ``_init_weights`` fills (``from_pretrained``
+    builds on the meta device)."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
-        self.dim = config.qk_rope_head_dim
-        self.base = config.rope_theta
+        self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
+    @staticmethod
+    def compute_default_rope_parameters(config: SpiderConfig, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
+        """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)` for ``rope_parameters["rope_theta"]``, scaling 1."""
+        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)), 1.0
+
+    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`position_ids` (B, T) int64 -> `(cos, sin)`, each (B, T, qk_rope_head_dim) in `x.dtype`."""
-        exponent = torch.arange(0, self.dim, 2, device=x.device, dtype=torch.float32) / self.dim
-        inv_freq = 1.0 / (self.base**exponent)
-        freqs = position_ids[..., None].to(torch.float32) * inv_freq
+        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(device=x.device, dtype=torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -1586,7 +1606,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
+        if isinstance(module, SpiderRotaryEmbedding):  # transformers' own rule for rotary buffers
+            super()._init_weights(module)
+        elif isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.constant_(module.bias, getattr(module, "bias_init", 0.0))  # the halt predictor's halt_bias_init

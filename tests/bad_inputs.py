@@ -479,7 +479,7 @@ NON_NEGATIVE_INT_FIELDS = ("num_prelude_layers", "num_coda_layers", "n_shared_ex
 FLOAT_FIELDS = {
     "boundary_temperature": 0.0, "boundary_threshold": 1.0, "boundary_prior": 0.0, "boundary_prior_std": -0.1,
     "act_threshold": 1.5, "router_aux_loss_coef": -1.0, "boundary_loss_coef": -1.0, "ponder_loss_coef": -1.0,
-    "boundary_prior_k": -1.0, "rms_norm_eps": 0.0, "rope_theta": -1.0, "attention_dropout": 1.0,
+    "boundary_prior_k": -1.0, "rms_norm_eps": 0.0, "attention_dropout": 1.0,
 }
 
 
@@ -517,6 +517,9 @@ def _configs() -> list[BadInput]:
     for f, bad in FLOAT_FIELDS.items():
         add(BadInput(f"{f} = {bad}", "configs", _config(**{f: bad}), ValueError, _field(f) + re.escape(repr(bad))))
         add(BadInput(f"{f} = 'abc' (str)", "configs", _config(**{f: "abc"}), TypeMismatch, _type_error(f, "abc")))
+    for bad in (-1.0, 0, "abc"):  # rope_theta (older configs' field) lands in rope_parameters, checked there
+        add(BadInput(f"rope_theta = {bad!r}", "configs", _config(rope_theta=bad), ValueError,
+                     _field("rope_parameters") + r".*rope_theta=" + re.escape(repr(bad)) + " must be a number > 0"))
     add(BadInput("n_loops = 1.5", "configs", _config(n_loops=1.5), TypeMismatch, _type_error("n_loops", 1.5)))
     add(BadInput("n_loops = True", "configs", _config(n_loops=True), TypeMismatch, _type_error("n_loops", True)))
     add(BadInput("top-k > experts", "configs", _config(num_experts_per_tok=9), ValueError,

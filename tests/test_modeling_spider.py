@@ -4,6 +4,7 @@ The suites come from the transformers sdist of the installed version (see ``test
 to what cannot apply to Spider, each with its reason.
 """
 
+import json
 import unittest
 import unittest.mock
 
@@ -168,6 +169,13 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
                 unittest.mock.patch.object(SpiderModel, "save_pretrained", save_original_format):
             super().test_reverse_loading_mapping()
 
+    # The suite's parameterized RoPE test feeds 1.5x max_position_embeddings bytes, which Spider refuses (an input
+    # check); test_rope_parameters_pick_transformers_rope below checks the scaled RoPE types within range.
+    _ROPE_SKIP = unittest.skip("feeds more than max_position_embeddings bytes, which Spider refuses")
+    test_model_rope_scaling_from_config_0_linear = _ROPE_SKIP(lambda self: None)
+    test_model_rope_scaling_from_config_1_dynamic = _ROPE_SKIP(lambda self: None)
+    test_model_rope_scaling_from_config_2_yarn = _ROPE_SKIP(lambda self: None)
+
     @unittest.skip("Engram memory hashes the byte ids, so Spider needs input_ids; inputs_embeds alone cannot work")
     def test_inputs_embeds(self):
         pass
@@ -228,3 +236,32 @@ class SpiderGenerationTest(unittest.TestCase):
         expected = self.manual_greedy(torch.tensor([self.tok("Hello")["input_ids"]]), 5)
         ref_text = self.tok.decode(expected[0], skip_special_tokens=True)
         self.assertEqual(result[0]["generated_text"], ref_text)
+
+
+def test_rope_parameters_pick_transformers_rope(tmp_path):
+    """RoPE comes from `config.rope_parameters` through transformers' `ROPE_INIT_FUNCTIONS`: linear scaling divides
+    every frequency by its factor and changes the outputs; a config.json written with `rope_theta` (older releases)
+    loads into `rope_parameters` with the same frequencies."""
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    default = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny")).eval()
+    torch.manual_seed(0)
+    linear = SpiderForConditionalGeneration(SpiderConfig.from_preset(
+        "tiny", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})).eval()
+    default_freq, linear_freq = default.model.rotary_emb.inv_freq, linear.model.rotary_emb.inv_freq
+    assert default_freq.shape == (default.config.qk_rope_head_dim // 2,)
+    torch.testing.assert_close(linear_freq, default_freq / 2.0, rtol=0, atol=0)
+    with torch.no_grad():
+        assert not torch.equal(default(ids).logits, linear(ids).logits)
+
+    default.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"] == 10000.0
+    config.pop("rope_parameters")
+    config["rope_theta"] = 500000.0  # the older field
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = SpiderForConditionalGeneration.from_pretrained(tmp_path)
+    assert loaded.config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    expected = 1.0 / (500000.0 ** (torch.arange(0, loaded.config.qk_rope_head_dim, 2).float()
+                                   / loaded.config.qk_rope_head_dim))
+    torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
