@@ -1,14 +1,13 @@
-"""Command line of ``train_hf.py``: ``TrainingArguments`` plus Spider's own fields, with the seed's flags and env vars.
+"""Command line of ``train_hf.py``: ``TrainingArguments`` plus Spider's own fields, with tk-train.py's flags.
 
-The seed (`tk-train.py`) took ``--seq_len --micro_batch --grad_accum --n_loops --lr --precision --compile --resume
---reset_steps --ckpt_dir --data_dir --mock_data --max_steps --no_gradient_checkpointing`` and the environment
-variables ``SEQ_LEN MICRO_BATCH GRAD_ACCUM N_LOOPS LR TARGET_TOKENS CKPT_EVERY``. They keep the seed's meaning here
-and are mapped onto transformers' ``TrainingArguments`` (``--micro_batch`` -> ``per_device_train_batch_size``,
-``--grad_accum`` -> ``gradient_accumulation_steps``, ``--lr`` -> ``learning_rate``, ``--ckpt_dir`` -> ``output_dir``,
-``--compile`` -> ``torch_compile``, ``CKPT_EVERY`` -> ``save_steps``). A flag given on the command line wins over its
-environment variable, which wins over the default. ``TARGET_TOKENS`` sets the step count as in the seed:
-``steps = TARGET_TOKENS // (world_size * micro_batch * grad_accum * seq_len)``, capped by ``--max_steps`` when both
-are given.
+The original training script, ``tk-train.py``, took ``--seq_len --micro_batch --grad_accum --n_loops --lr --precision
+--compile --resume --reset_steps --ckpt_dir --data_dir --mock_data --max_steps --no_gradient_checkpointing`` and the
+environment variables ``SEQ_LEN MICRO_BATCH GRAD_ACCUM N_LOOPS LR TARGET_TOKENS CKPT_EVERY``. They keep their meaning
+here; :data:`TK_TRAIN_FLAGS` is the one table of where each lands (``--precision --resume --reset_steps --max_steps``
+keep their names). A flag given on the command line wins over its environment variable, which wins over the
+``TrainingArguments`` flag it stands for, which wins over the default. ``TARGET_TOKENS`` sets the step count as
+tk-train.py did: ``steps = TARGET_TOKENS // (world_size * micro_batch * grad_accum * seq_len)``, capped by
+``--max_steps`` when both are given.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -108,11 +108,13 @@ class SpiderArguments:
     )
     reset_steps: bool = field(default=False, metadata={"help": "with --resume: load weights only, restart at step 0"})
     ckpt_dir: str | None = field(default=None, metadata={"help": "checkpoint directory (sets output_dir)"})
-    data_dir: str | None = field(default=None, metadata={"help": "folder of byte shards (seed flag; same as --data DIR)"})
-    mock_data: bool = field(default=False, metadata={"help": "train on the seed's few fixed sentences (same as --data mock)"})
+    data_dir: str | None = field(default=None, metadata={"help": "folder of byte shards (same as --data DIR)"})
+    mock_data: bool = field(
+        default=False, metadata={"help": "train on tk-train.py's few fixed sentences (same as --data mock)"}
+    )
     no_gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "disable activation checkpointing (default: on for the 1b preset, as in the "
-                                         "seed; off for small and tiny, where it only costs time)"}
+        default=False, metadata={"help": "disable activation checkpointing (default: on for the 1b preset, as in "
+                                         "tk-train.py; off for small and tiny, where it only costs time)"}
     )
     adamw_8bit: bool = field(
         default=False, metadata={"help": "bitsandbytes 8-bit AdamW for every parameter (sets optim=adamw_bnb_8bit; "
@@ -138,9 +140,36 @@ class SpiderArguments:
     sample_bytes: int = field(default=96, metadata={"help": "bytes generated for the sample"})
 
 
-ENV_VARS = {"seq_len": ("SEQ_LEN", int), "micro_batch": ("MICRO_BATCH", int), "grad_accum": ("GRAD_ACCUM", int),
-            "n_loops": ("N_LOOPS", int), "lr": ("LR", float), "target_tokens": ("TARGET_TOKENS", int),
-            "ckpt_every": ("CKPT_EVERY", int)}
+class TkTrainFlag(NamedTuple):
+    """One flag of tk-train.py (a :class:`SpiderArguments` field of the same name): the environment variable it read
+    (``env``, parsed with ``cast``) when the flag is not given, the fields a given value sets (``TrainingArguments``
+    fields; ``"data"`` is Spider's own) through ``convert``, and ``default``, the first field's value when neither the
+    flag, its variable nor that field's own flag is given (``None``: the field's own default)."""
+
+    env: str | None = None
+    cast: type = int
+    sets: tuple[str, ...] = ()
+    convert: Callable[[Any], Any] = lambda value: value
+    default: Any = None
+
+
+#: tk-train.py's flags -> what they set, read by :func:`parse_args` in this order (``--mock_data`` after
+#: ``--data_dir``: it wins). ``--seq_len``/``--n_loops``/``--target_tokens`` set only Spider's own fields.
+TK_TRAIN_FLAGS: dict[str, TkTrainFlag] = {
+    "seq_len": TkTrainFlag("SEQ_LEN", default=256),
+    "micro_batch": TkTrainFlag("MICRO_BATCH", sets=("per_device_train_batch_size",), default=16),
+    "grad_accum": TkTrainFlag("GRAD_ACCUM", sets=("gradient_accumulation_steps",), default=1),
+    "n_loops": TkTrainFlag("N_LOOPS"),
+    "lr": TkTrainFlag("LR", float, sets=("learning_rate",), default=1e-3),
+    "target_tokens": TkTrainFlag("TARGET_TOKENS"),  # -> max_steps, see parse_args
+    "ckpt_every": TkTrainFlag("CKPT_EVERY", sets=("save_steps",), default=200),
+    "ckpt_dir": TkTrainFlag(sets=("output_dir",), default=DEFAULT_OUTPUT_DIR),
+    "compile": TkTrainFlag(sets=("torch_compile",)),
+    "no_gradient_checkpointing": TkTrainFlag(sets=("activation_checkpointing", "gradient_checkpointing"),
+                                             convert=lambda flag: False),
+    "data_dir": TkTrainFlag(sets=("data",)),
+    "mock_data": TkTrainFlag(sets=("data",), convert=lambda flag: "mock"),
+}
 
 
 def _cuda_available() -> bool:
@@ -165,14 +194,14 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
     """``--resume`` / ``--init_from`` must name a folder saved with ``save_pretrained`` (``--init_from`` may also be a
     Hub model id ``owner/name``). Checked here, before any model is built or file written.
 
-    Raises: FileNotFoundError (no such folder) or ValueError (a file, e.g. a seed ``.pt`` checkpoint), naming it."""
+    Raises: FileNotFoundError (no such folder) or ValueError (a file, e.g. a tk-train.py ``.pt`` checkpoint), naming it."""
     if value is None:
         return
     path = os.path.expanduser(value)
     if os.path.isfile(path):
         hint = ""
         if path.endswith((".pt", ".pth")):
-            hint = (" -- a seed .pt checkpoint is converted first: python -m spider_training.convert_seed "
+            hint = (" -- a tk-train.py .pt checkpoint is converted first: python -m spider_training.convert_seed "
                     f"{value} OUTPUT_DIR")
         raise ValueError(f"{flag} {value}: is a file; expected a folder saved with save_pretrained (config.json + "
                          f"model.safetensors){hint}")
@@ -223,7 +252,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     Raises:
         ValueError: a bad env var value (names the variable), an unknown preset/precision/recipe/SDPA backend, a
             non-positive size or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1 other than -1,
-            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a seed ``.pt``), a
+            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a tk-train.py ``.pt``), a
             ``--config_overrides`` item that is malformed, names no config field or gives it a bad value.
         FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
         SystemExit: argparse errors (unknown flags, wrong types), with argparse's message on stderr naming the flag.
@@ -234,13 +263,13 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     spider_fields = {f for f in SpiderArguments.__dataclass_fields__}
     spider = SpiderArguments(**{k: v for k, v in values.items() if k in spider_fields})
     from_env = {}
-    for attr, (env, cast) in ENV_VARS.items():
-        if getattr(spider, attr) is None:
-            setattr(spider, attr, _from_env(env, cast))
+    for attr, flag in TK_TRAIN_FLAGS.items():
+        if flag.env is not None and getattr(spider, attr) is None:
+            setattr(spider, attr, _from_env(flag.env, flag.cast))
             if getattr(spider, attr) is not None:
-                from_env[attr] = env
+                from_env[attr] = flag.env
     if spider.seq_len is None:
-        spider.seq_len = 256
+        spider.seq_len = TK_TRAIN_FLAGS["seq_len"].default
 
     def origin(attr: str) -> str:
         return f" (from environment variable {from_env[attr]})" if attr in from_env else ""
@@ -278,27 +307,21 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
     _check_weights_path("--resume", spider.resume, local_only=True)
     _check_weights_path("--init_from", spider.init_from, local_only=False)
-    if spider.mock_data:
-        spider.data = "mock"
-    elif spider.data_dir:
-        spider.data = spider.data_dir
 
     training = {k: v for k, v in values.items() if k not in spider_fields}
-    training["output_dir"] = spider.ckpt_dir or training.get("output_dir") or DEFAULT_OUTPUT_DIR
-    training["per_device_train_batch_size"] = spider.micro_batch or training.get("per_device_train_batch_size") or 16
-    training["gradient_accumulation_steps"] = spider.grad_accum or training.get("gradient_accumulation_steps") or 1
-    training["learning_rate"] = spider.lr or training.get("learning_rate") or 1e-3  # validated > 0 above
-    training["save_steps"] = spider.ckpt_every or training.get("save_steps") or 200
-    if spider.compile:
-        training["torch_compile"] = True
+    for attr, flag in TK_TRAIN_FLAGS.items():
+        value = getattr(spider, attr)  # sizes and rates validated above
+        for name in flag.sets:
+            target = vars(spider) if name in spider_fields else training
+            if value:
+                target[name] = flag.convert(value)
+            elif flag.default is not None and not target.get(name):
+                target[name] = flag.default
     if spider.adamw_8bit:
         training["optim"] = "adamw_bnb_8bit"
     spider.muon_lr = _resolve_muon_lr(spider, training)
-    if spider.no_gradient_checkpointing:
-        training["activation_checkpointing"] = False
-        training["gradient_checkpointing"] = False
-    elif training.get("gradient_checkpointing") is None and training.get("activation_checkpointing") is None:
-        # On for the seed's 1B model, as the seed trains it. The CPU presets need no memory back (the small preset
+    if training.get("gradient_checkpointing") is None and training.get("activation_checkpointing") is None:
+        # On for tk-train.py's 1B model, as tk-train.py trains it. The CPU presets need no memory back (the small preset
         # peaks near 1.1 GB) and recomputing every layer's forward cost 1.38x the step (bench.activation_checkpointing),
         # which put the default run over its 10 minutes on a slower 2-core machine.
         training["activation_checkpointing"] = spider.preset == "1b"

@@ -214,7 +214,7 @@ def _sample_and_release(spider: SpiderArguments, args, trainer: SpiderTrainer, p
 
 
 def _push(spider: SpiderArguments, args, trainer: SpiderTrainer, release_dir: str) -> bool:
-    """Push the release folder to the Hub (:func:`spider_training.hub.push_release`: bounded and retried, a failed
+    """Push the release folder to the Hub (:func:`spider_training.hub.push_release`: bounded in time, a failed
     push logged): whether it arrived."""
     from spider_training.hub import push_release
 

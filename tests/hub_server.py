@@ -35,7 +35,7 @@ says so.
 Failure modes (``mode``, changeable while running): ``"ok"``; ``"error500"`` -- every request gets HTTP 500;
 ``"hang"`` -- the server reads the request and never answers: the handler waits until the server is closed (or
 ``hang_s`` passed), then drops the connection without a response. ``fail_first=N`` answers the first N requests with
-500 and then behaves as ``mode``. ``token="hf_..."`` makes every API request without ``Authorization: Bearer <token>``
+500 (with ``fail_path="/x"``: the first N whose path starts with ``/x``) and then behaves as ``mode``. ``token="hf_..."`` makes every API request without ``Authorization: Bearer <token>``
 fail with 401.
 
 Only loopback: the server binds ``127.0.0.1`` (port 0 = a free port chosen by the OS); a non-loopback ``host``
@@ -170,10 +170,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         )
         with fake._lock:
             fake.requests.append(record)
-            index = len(fake.requests)
             mode = fake.mode
-        if index <= fake.fail_first:
-            mode = "error500"
+            if record.path.startswith(fake.fail_path) and fake._failed < fake.fail_first:
+                fake._failed += 1
+                mode = "error500"
         if mode == "hang":
             # Never answer: hold the connection until the server closes (or hang_s passes), then drop it.
             fake._release.wait(fake.hang_s)
@@ -213,6 +213,7 @@ class FakeHubServer:
     Args:
         mode: ``"ok"`` | ``"error500"`` | ``"hang"``; may be reassigned while the server runs.
         fail_first: answer the first ``fail_first`` requests with HTTP 500, then behave as ``mode``.
+        fail_path: only requests whose path starts with this prefix count for ``fail_first`` (``""``: all).
         hang_s: longest time a ``"hang"`` handler holds a connection (seconds) before dropping it.
         token: if set, API requests must carry ``Authorization: Bearer <token>`` (else 401).
         lfs_threshold: files of at least this many bytes are uploaded as LFS (bytes; the Hub uses 10 MiB).
@@ -227,6 +228,7 @@ class FakeHubServer:
         mode: str = "ok",
         *,
         fail_first: int = 0,
+        fail_path: str = "",
         hang_s: float = 30.0,
         token: str | None = None,
         lfs_threshold: int = 10 * 1024 * 1024,
@@ -240,6 +242,8 @@ class FakeHubServer:
             raise ValueError(f"FakeHubServer binds loopback addresses only, got host={host!r}")
         self.mode = mode
         self.fail_first = fail_first
+        self.fail_path = fail_path
+        self._failed = 0
         self.hang_s = hang_s
         self.token = token
         self.lfs_threshold = lfs_threshold

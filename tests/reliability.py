@@ -43,8 +43,9 @@ README_START, README_END = "<!-- reliability:start -->", "<!-- reliability:end -
 FAULT_TESTS = (
     "tests/test_fault_tolerance.py",
     "tests/test_hub.py::test_closed_port_warns_and_returns_without_exception",
-    "tests/test_hub.py::test_error500_is_retried_with_exponential_backoff",
-    "tests/test_hub.py::test_transient_errors_then_success",
+    "tests/test_hub.py::test_error500_fails_with_one_warning",
+    "tests/test_hub.py::test_transient_upload_errors_are_retried_by_huggingface_hub",
+    "tests/test_hub.py::test_wait_is_bounded_while_huggingface_hub_retries",
     "tests/test_hub.py::test_hang_returns_within_timeout_and_server_closes",
     "tests/test_hub.py::test_http_read_timeout_ends_a_hung_request",
 )

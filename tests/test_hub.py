@@ -1,8 +1,9 @@
 """Tests of ``spider_training/hub.py`` against ``FakeHubServer`` (tests/hub_server.py), a local test double of the Hub.
 
 The real ``huggingface_hub.HfApi`` code path runs (create_repo, validate-yaml, preupload, LFS batch + PUT + verify,
-commit); only the server is fake. Xet is switched off for these tests (the fake speaks the plain LFS path only; see
-the hub_server docstring). Every test is bounded by a few seconds: failure modes use short timeouts and back-offs.
+commit), with the library's own retries; only the server is fake. Xet is switched off for these tests (the fake
+speaks the plain LFS path only; see the hub_server docstring). Every test is bounded by a few seconds: failure modes
+use short timeouts.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_push_folder_uploads_every_file_intact(server, tmp_path):
 
     assert isinstance(result, PushResult)
     assert result.ok, result.error
-    assert result.attempts == 1 and result.error is None and not result.timed_out
+    assert result.error is None and not result.timed_out
     assert result.commit_url == f"{server.url}/{REPO}/commit/{result.commit_oid}"
     assert server.files(REPO) == files  # exactly these paths, byte-identical
     assert server.repos[REPO].private is True
@@ -137,52 +138,57 @@ def test_closed_port_warns_and_returns_without_exception(tmp_path, caplog):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
-        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=endpoint, commit_message="x",
-                             timeout_s=5, retries=2, backoff_s=0.01)
+        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=endpoint, commit_message="x", timeout_s=5)
     elapsed = time.monotonic() - start
 
     assert not result.ok and not result.timed_out
-    assert result.attempts == 3
     assert "Connect" in result.error  # httpx2.ConnectError
     assert elapsed < 5
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and REPO in warnings[0].getMessage() and "Connect" in warnings[0].getMessage()
 
 
-def test_error500_is_retried_with_exponential_backoff(tmp_path, caplog):
+def test_error500_fails_with_one_warning(tmp_path, caplog):
     make_folder(tmp_path / "f")
     with FakeHubServer(mode="error500") as srv, caplog.at_level(logging.WARNING, logger="spider_training.hub"):
-        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=srv.url, commit_message="x",
-                             timeout_s=10, retries=3, backoff_s=0.1)
-        creates = [r.time for r in srv.requests if r.path == "/api/repos/create"]
+        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=srv.url, commit_message="x", timeout_s=10)
+        creates = srv.count("POST", "/api/repos/create")
 
-    assert not result.ok and result.attempts == 4
+    assert not result.ok and not result.timed_out
     assert "500" in result.error
-    assert len(creates) == 4  # 1 attempt + 3 retries; create_repo itself does not retry
-    gaps = np.diff(creates)
-    for gap, expected in zip(gaps, (0.1, 0.2, 0.4)):
-        assert expected * 0.9 <= gap < expected + 1.0, (gaps, expected)
-    assert any(REPO in r.getMessage() and "500" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert creates == 1  # huggingface_hub does not retry create_repo; the next checkpoint's push tries again
+    assert srv.commits == []
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and REPO in warnings[0].getMessage() and "500" in warnings[0].getMessage()
 
 
-def test_transient_errors_then_success(tmp_path):
+def test_transient_upload_errors_are_retried_by_huggingface_hub(tmp_path):
+    """huggingface_hub's http_backoff retries a 5xx on the LFS PUT; the push then succeeds with every file intact."""
     files = make_folder(tmp_path / "f")
-    with FakeHubServer(fail_first=2) as srv:
-        result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
-                             timeout_s=10, retries=3, backoff_s=0.05)
+    with FakeHubServer(fail_first=2, fail_path="/_fake_lfs/upload/") as srv:
+        result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x", timeout_s=30)
         assert result.ok, result.error
-        assert result.attempts == 3
+        assert srv.count("PUT", "") == 2 + 2  # two LFS files, two answered 500 and sent again
+        assert [r.status for r in srv.requests if r.method == "PUT"].count(500) == 2
         assert srv.files(REPO) == files
 
 
-def test_retry_not_made_when_backoff_would_pass_timeout(tmp_path):
-    make_folder(tmp_path / "f")
-    with FakeHubServer(mode="error500") as srv:
-        result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
-                             timeout_s=1.0, retries=5, backoff_s=5.0)
-    assert not result.ok and not result.timed_out
-    assert result.attempts == 1 and "no retry" in result.error
-    assert result.elapsed_s < 1.0
+def test_wait_is_bounded_while_huggingface_hub_retries(tmp_path, caplog):
+    """While huggingface_hub retries failed LFS PUTs (1 s, then 2 s back-off) the caller gets its answer after
+    timeout_s; the upload left in its thread still lands once the server recovers."""
+    files = make_folder(tmp_path / "f")
+    with FakeHubServer(fail_first=3, fail_path="/_fake_lfs/upload/") as srv:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
+            result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
+                                 timeout_s=1.5)
+        elapsed = time.monotonic() - start
+        assert not result.ok and result.timed_out and "gave up waiting after 1.5s" in result.error
+        assert 1.4 <= elapsed < 3.0
+        assert any(REPO in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+        while not srv.commits and time.monotonic() - start < 20:
+            time.sleep(0.1)
+        assert srv.files(REPO) == files
 
 
 def test_hang_returns_within_timeout_and_server_closes(tmp_path, caplog):
@@ -192,7 +198,7 @@ def test_hang_returns_within_timeout_and_server_closes(tmp_path, caplog):
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
             result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
-                                 timeout_s=1.5, retries=3, backoff_s=0.1)
+                                 timeout_s=1.5)
         elapsed = time.monotonic() - start
         assert srv.count("POST", "/api/repos/create") == 1  # the request arrived and was never answered
     finally:
@@ -217,7 +223,7 @@ def test_http_read_timeout_ends_a_hung_request(tmp_path):
         assert get_session().timeout.read == 0.5
         with FakeHubServer(mode="hang", hang_s=30) as srv:
             result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
-                                 timeout_s=10, retries=0)
+                                 timeout_s=10)
     finally:
         configure_http_timeouts()  # back to the module defaults for the rest of the session
     assert not result.ok and not result.timed_out  # it failed by itself, well before timeout_s
@@ -225,29 +231,32 @@ def test_http_read_timeout_ends_a_hung_request(tmp_path):
     assert result.elapsed_s < 5
 
 
-def test_configure_http_timeouts_leaves_a_custom_factory_alone():
+def test_configure_http_timeouts_keeps_your_timeouts_and_every_push_restores_its_own(server, tmp_path):
     import httpx2
-    from huggingface_hub import get_session, set_client_factory
-    from huggingface_hub.utils import _http
+    from huggingface_hub import close_session, get_session
 
-    original = _http._GLOBAL_CLIENT_FACTORY
-    custom = lambda: httpx2.Client(timeout=123.0)  # noqa: E731
+    make_folder(tmp_path / "f")
     try:
-        set_client_factory(custom)
-        assert configure_http_timeouts() is False
-        assert get_session().timeout.read == 123.0
+        get_session().timeout = httpx2.Timeout(123.0)  # timeouts of your own
+        assert configure_http_timeouts(replace=False) is False
+        assert push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message="x").ok
+        assert get_session().timeout.read == 123.0  # a push leaves them alone
+        close_session()  # the next client comes from huggingface_hub's factory, without timeouts
+        assert get_session().timeout.read is None
+        assert push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message="x").ok
+        assert get_session().timeout.read == hub.DEFAULT_HTTP_TIMEOUT_S  # the push set them
+        assert get_session().timeout.connect == hub.DEFAULT_CONNECT_TIMEOUT_S
     finally:
-        set_client_factory(original)
-    assert configure_http_timeouts() is True
-    assert get_session().timeout.read == hub.DEFAULT_HTTP_TIMEOUT_S
-    assert get_session().timeout.connect == hub.DEFAULT_CONNECT_TIMEOUT_S
+        configure_http_timeouts()
+    with pytest.raises(ValueError, match="must be > 0"):
+        configure_http_timeouts(read_s=0)
 
 
 def test_unauthorized_is_not_retried(server, tmp_path):
     make_folder(tmp_path / "f")
     result = push_folder(tmp_path / "f", REPO, token="hf_wrong", endpoint=server.url, commit_message="x",
-                         timeout_s=10, retries=3, backoff_s=0.01)
-    assert not result.ok and result.attempts == 1
+                         timeout_s=10)
+    assert not result.ok and server.count("POST", "/api/repos/create") == 1
     assert "401" in result.error
     assert REPO not in server.repos
 
@@ -257,7 +266,7 @@ def test_offline_mode_sends_nothing(server, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
         result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message="x")
-    assert not result.ok and result.attempts == 0 and "offline" in result.error
+    assert not result.ok and "offline" in result.error  # huggingface_hub refuses every request
     assert server.requests == []
     assert any("offline" in r.getMessage() for r in caplog.records)
 
@@ -268,13 +277,11 @@ def test_bad_local_input_raises_clear_errors(tmp_path):
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(NotADirectoryError, match="file.txt"):
         push_folder(tmp_path / "file.txt", REPO, commit_message="x")
-    with pytest.raises(ValueError, match="repo_id"):
+    with pytest.raises(ValueError, match="Repo id"):
         push_folder(tmp_path, "a/b/c", commit_message="x")
     with pytest.raises(ValueError, match="timeout_s"):
         push_folder(tmp_path, REPO, commit_message="x", timeout_s=0)
-    with pytest.raises(ValueError, match="retries"):
-        push_folder(tmp_path, REPO, commit_message="x", retries=-1)
-    with pytest.raises(ValueError, match="repo_id"):
+    with pytest.raises(ValueError, match="Repo id"):
         _trainer(tmp_path / "run", hub_model_id="not a repo id!")  # while the Trainer is built, before training
 
 
@@ -301,9 +308,8 @@ def test_release_with_model_card_reaches_the_hub(server, tmp_path):
 def test_invalid_readme_metadata_fails_without_retry(server, tmp_path):
     make_folder(tmp_path / "f")
     (tmp_path / "f" / "README.md").write_text("---\nlicense: [unclosed\n---\n# broken\n")
-    result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message="x",
-                         timeout_s=10, retries=3, backoff_s=0.01)
-    assert not result.ok and result.attempts == 1
+    result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message="x", timeout_s=10)
+    assert not result.ok and server.count("POST", "/api/validate-yaml") == 1
     assert "Invalid metadata in README.md" in result.error
     assert server.commits == []
 
@@ -331,21 +337,18 @@ class TinyData(torch.utils.data.Dataset):
 class PushingTrainer(HubPushMixin, Trainer):
     """A plain ``transformers.Trainer`` with the mixin, as ``SpiderTrainer`` has it."""
 
-    def __init__(self, *args, hub_endpoint=None, hub_push_timeout_s=20.0, hub_push_retries=3, **kwargs):
+    def __init__(self, *args, hub_endpoint=None, hub_push_timeout_s=20.0, **kwargs):
         self.hub_endpoint = hub_endpoint
         self.hub_push_timeout_s = hub_push_timeout_s
-        self.hub_push_retries = hub_push_retries
-        self.hub_push_backoff_s = 0.01
         super().__init__(*args, **kwargs)
 
 
-def _trainer(output_dir: Path, endpoint: str | None = None, timeout_s: float = 20.0, retries: int = 3,
-             **training_args) -> PushingTrainer:
+def _trainer(output_dir: Path, endpoint: str | None = None, timeout_s: float = 20.0, **training_args) -> PushingTrainer:
     settings = dict(push_to_hub=True, hub_model_id=REPO, hub_token=TOKEN, max_steps=2, save_steps=2,
                     per_device_train_batch_size=2, report_to="none", use_cpu=True, disable_tqdm=True)
     args = TrainingArguments(output_dir=str(output_dir), **{**settings, **training_args})
     return PushingTrainer(model=TinyModel(), args=args, train_dataset=TinyData(), hub_endpoint=endpoint,
-                          hub_push_timeout_s=timeout_s, hub_push_retries=retries)
+                          hub_push_timeout_s=timeout_s)
 
 
 def test_trainer_builds_and_trains_without_contacting_the_hub(tmp_path):
@@ -387,7 +390,7 @@ def test_trainer_pushes_model_files_to_root_and_checkpoint_to_last_checkpoint(se
 
 def test_trainer_push_does_not_block_training_and_skips_while_busy(tmp_path):
     with FakeHubServer(mode="hang", hang_s=30) as srv:
-        trainer = _trainer(tmp_path / "run", srv.url, timeout_s=3.0, retries=0, max_steps=3, save_steps=1)
+        trainer = _trainer(tmp_path / "run", srv.url, timeout_s=3.0, max_steps=3, save_steps=1)
         start = time.monotonic()
         trainer.train()
         elapsed = time.monotonic() - start

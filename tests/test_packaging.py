@@ -43,6 +43,7 @@ def test_wheel_ships_the_card_template_and_no_generic_top_level_module(installed
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"configuration_spider.py", "modeling_spider.py", "tokenization_spider.py", "spider_training"}
     assert "spider_training/hub_card/model_card.md.j2" in names
+    assert "spider_training/hub_card/card_labels.json" in names
     entry_points = zipfile.ZipFile(wheel_file).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "spider-train = spider_training.train:cli" in entry_points

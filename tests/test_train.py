@@ -13,7 +13,7 @@ import torch
 
 import train_hf
 from spider_training import checkpointing
-from spider_training.arguments import parse_args
+from spider_training.arguments import TK_TRAIN_FLAGS, parse_args
 from tests.helpers import checkpoint_names, run_fresh_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def losses(output_dir: Path, step: int) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
 
 
-def test_seed_flags_and_env_vars(monkeypatch):
+def test_tk_train_flags_and_env_vars(monkeypatch):
     monkeypatch.setenv("SEQ_LEN", "48")
     monkeypatch.setenv("MICRO_BATCH", "3")
     monkeypatch.setenv("GRAD_ACCUM", "2")
@@ -52,6 +52,31 @@ def test_seed_flags_and_env_vars(monkeypatch):
     monkeypatch.setenv("N_LOOPS", "many")
     with pytest.raises(ValueError, match="N_LOOPS"):
         parse_args([])
+
+
+def test_every_tk_train_flag_lands_where_the_table_says(monkeypatch, tmp_path):
+    """Each row of TK_TRAIN_FLAGS: the tk-train.py flag beats the TrainingArguments flag it stands for, which beats
+    the table's default; --mock_data beats --data_dir."""
+    for flag in TK_TRAIN_FLAGS.values():
+        if flag.env:
+            monkeypatch.delenv(flag.env, raising=False)
+    spider, args = parse_args(["--micro_batch", "3", "--per_device_train_batch_size", "5", "--grad_accum", "4",
+                               "--gradient_accumulation_steps", "6", "--lr", "2e-4", "--learning_rate", "5e-4",
+                               "--ckpt_every", "9", "--save_steps", "11", "--ckpt_dir", "a", "--output_dir", "b",
+                               "--data_dir", str(tmp_path)])
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.learning_rate, args.save_steps,
+            args.output_dir, spider.data) == (3, 4, 2e-4, 9, "a", str(tmp_path))
+    _, args = parse_args(["--per_device_train_batch_size", "5", "--learning_rate", "5e-4", "--save_steps", "11",
+                          "--output_dir", "b", "--gradient_accumulation_steps", "6"])
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.learning_rate, args.save_steps,
+            args.output_dir) == (5, 6, 5e-4, 11, "b")
+    spider, args = parse_args([])
+    defaults = {flag.sets[0]: flag.default for flag in TK_TRAIN_FLAGS.values() if flag.sets and flag.default}
+    assert {name: getattr(args, name) for name in defaults} == defaults == {
+        "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "learning_rate": 1e-3, "save_steps": 200,
+        "output_dir": "runs/spider-small"}
+    assert spider.seq_len == 256 and spider.data == "sotu" and args.torch_compile is False
+    assert parse_args(["--data_dir", str(tmp_path), "--mock_data"])[0].data == "mock"
 
 
 def test_batches_are_copied_to_a_gpu_without_waiting_for_it(monkeypatch, tmp_path):
