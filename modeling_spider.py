@@ -40,10 +40,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.masking_utils import and_masks, causal_mask_function, or_masks, padding_mask_function, sdpa_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function, or_masks, padding_mask_function, sdpa_mask,
+    sliding_window_overlay,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -292,58 +296,66 @@ def _self_mask_function(batch_idx, head_idx, q_idx, kv_idx):
     return q_idx == kv_idx
 
 
-def build_attention_mask(
+def attention_mask_function(
     token_mask: torch.Tensor | None,
     sliding_window: int | None = None,
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Causal + key-padding (+ sliding-window) bool mask (True = may attend) via `masking_utils.sdpa_mask`.
+) -> Callable | None:
+    """Spider's attention pattern as a ``transformers.masking_utils`` mask function (`(batch_idx, head_idx, q_idx,
+    kv_idx) -> bool`, True = may attend): causal, real keys only, a sliding window, a padding query seeing itself.
+    Padding is contiguous (left or right), so a window over indices counts real bytes.
 
     Args:
         token_mask: `(B, T_k)` bool, True for real tokens, or None (no padding).
-        sliding_window: a query at position p sees keys at positions `p - sliding_window < k <= p`, or None.
-        query_positions, key_positions: `(B, T_q)` / `(B, T_k)` int64 real-token positions. A decode step passes
-            `query_positions` (queries see keys at their own or earlier positions; `key_positions` None: every key); the
-            full forward passes None and `key_positions` serve the window only (default: from `token_mask`).
+        sliding_window: a query at index q sees keys at indices `q - sliding_window < k <= q`, or None.
+        query_positions, key_positions: a recurrent decode step's per-row segment slots, `(B, T_q)` / `(B, T_k)` int64:
+            queries see keys at their own or earlier slots (and inside the window), not the index order. None for the
+            full forward and the byte decode step (whose query index is offset by the bytes seen: ``q_offset``).
     Returns:
-        `(B, 1, T_q, T_k)` bool, or None where SDPA's `is_causal` or no mask is exact.
+        The mask function, or None for the plain causal mask.
     Raises:
-        ValueError: `sliding_window` without any positions to measure it by.
+        ValueError: `query_positions` without `key_positions`.
     """
-    if query_positions is not None:  # decode step
-        functions = []
-        if key_positions is not None:
-            functions.append(positional_causal_mask_function(query_positions, key_positions))
-            if sliding_window is not None:
-                functions.append(positional_sliding_window_overlay(query_positions, key_positions, sliding_window))
-        elif sliding_window is not None:
-            raise ValueError("a decode step with sliding_window needs key_positions")
-        if token_mask is not None:
-            functions.append(padding_mask_function(token_mask))
-        if not functions:
-            return None
-        B, T_q = query_positions.shape
-        T_k = key_positions.shape[1] if key_positions is not None else token_mask.shape[1]
-        return sdpa_mask(
-            B, T_q, T_k, mask_function=and_masks(*functions), allow_is_causal_skip=False,
-            device=query_positions.device,
-        )
+    if query_positions is not None:  # a recurrent decode step: each row's query sits at its own segment slot
+        if key_positions is None:
+            raise ValueError("a decode step's query_positions need key_positions")
+        functions = [positional_causal_mask_function(query_positions, key_positions)]
+        if sliding_window is not None:
+            functions.append(positional_sliding_window_overlay(query_positions, key_positions, sliding_window))
+        return and_masks(*functions)
     if token_mask is None and sliding_window is None:
         return None
-    if token_mask is not None:
-        key_positions = token_mask.long().cumsum(-1)
-    elif key_positions is None:
-        raise ValueError("a sliding_window mask without token_mask needs key_positions")
-    B, T = key_positions.shape
     mask_function = causal_mask_function
     if sliding_window is not None:
-        mask_function = and_masks(
-            mask_function, positional_sliding_window_overlay(key_positions, key_positions, sliding_window)
-        )
+        mask_function = and_masks(mask_function, sliding_window_overlay(sliding_window))
     if token_mask is not None:
         mask_function = or_masks(and_masks(mask_function, padding_mask_function(token_mask)), _self_mask_function)
-    return sdpa_mask(B, T, T, mask_function=mask_function, allow_is_causal_skip=False, device=key_positions.device)
+    return mask_function
+
+
+def create_attention_mask(
+    config: SpiderConfig, inputs: torch.Tensor, kv_length: int, mask_function: Callable | None, q_offset: int = 0
+) -> torch.Tensor | BlockMask | None:
+    """The mask of `mask_function` (:func:`attention_mask_function`; None: causal) for the queries of `inputs`
+    `(B, T_q, D)`, the first at key index `q_offset`, over `kv_length` keys, in the format of
+    ``config._attn_implementation`` (``masking_utils.ALL_MASK_ATTENTION_FUNCTIONS``: bool `(B, 1, T_q, T_k)` for
+    SDPA, additive float for eager, a ``BlockMask`` for flex; a registered attention function without a mask format of
+    its own gets SDPA's). None for SDPA where its ``is_causal`` (or, for one query at the end, no mask) is exact."""
+    implementation = config._attn_implementation
+    if implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+        mask_interface = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    else:
+        mask_interface = sdpa_mask
+    batch_size, q_length = inputs.shape[:2]
+    if mask_function is None:
+        if mask_interface is sdpa_mask and q_offset + q_length in (q_length, kv_length):
+            return None
+        mask_function = causal_mask_function
+    return mask_interface(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, mask_function=mask_function,
+        allow_is_causal_skip=False, dtype=inputs.dtype, device=inputs.device, config=config,
+    )
 
 
 def eager_attention_forward(
@@ -357,14 +369,11 @@ def eager_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``"eager"`` attention (attention-interface signature): `query` `(B, H, T_q, d_qk)`, `key`
-    `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`, `attention_mask` bool `(B, 1, T_q, T_k)` or None (causal when
-    `T_q == T_k`). Returns `(attn_output (B, T_q, H, d_v), attn_weights (B, H, T_q, T_k) in query.dtype)`."""
+    `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`, `attention_mask` additive float `(B, 1, T_q, T_k)` (masking_utils'
+    ``eager_mask``) or None. Returns `(attn_output (B, T_q, H, d_v), attn_weights (B, H, T_q, T_k) in query.dtype)`."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    T_q, T_k = query.shape[2], key.shape[2]
-    if attention_mask is None and T_q == T_k and T_q > 1:
-        attention_mask = torch.ones(T_q, T_k, dtype=torch.bool, device=query.device).tril()
     if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
+        scores = scores + attention_mask
     weights = F.softmax(scores.to(torch.float32), dim=-1).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
@@ -1589,7 +1598,7 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["SpiderDecoderLayer", "SpiderRecurrentLayer"]
     _supports_sdpa = True
     _supports_flash_attn = False
-    _supports_flex_attn = False
+    _supports_flex_attn = True
     _supports_attention_backend = True  # a function registered with transformers.AttentionInterface is used
     _can_compile_fullgraph = False
     # output_attentions=True: capture_outputs hooks every attention call and collects eager's weights.
@@ -1828,7 +1837,7 @@ class SpiderModel(SpiderPreTrainedModel):
         else:
             position_ids = torch.arange(L, device=x.device).expand(B, L)
         byte_mask = token_mask if token_mask is not None else torch.ones(B, L, dtype=torch.bool, device=x.device)
-        mask = build_attention_mask(token_mask, self.config.sliding_window, key_positions=position_ids)
+        mask = create_attention_mask(self.config, x, L, attention_mask_function(token_mask, self.config.sliding_window))
         rope = self.rotary_emb(x, position_ids)
         return SpiderBytes(token_mask, byte_mask, position_ids, mask, rope)
 
@@ -1858,10 +1867,10 @@ class SpiderModel(SpiderPreTrainedModel):
         rope = self.rotary_emb(e, positions)
         window = self.config.recurrent_sliding_window
         if not exact:  # padding sits at each row's end: the causal mask hides it and the MoE routes it with weight 0
-            mask = build_attention_mask(None, window, key_positions=positions)
+            mask = create_attention_mask(self.config, e, S1, attention_mask_function(None, window))
             return SpiderSegments(boundaries, boundary_probs, e, memory, segment_mask, rope, mask, None, segment_mask)
         padded = not bool(segment_mask.all())
-        mask = build_attention_mask(segment_mask if padded else None, window, key_positions=positions)
+        mask = create_attention_mask(self.config, e, S1, attention_mask_function(segment_mask if padded else None, window))
         # the segments the MoE routes, as flat row indices: computed once here, none per loop and layer
         index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded else None
         return SpiderSegments(boundaries, boundary_probs, e, memory, segment_mask, rope, mask, index, None)
@@ -1906,17 +1915,10 @@ class SpiderModel(SpiderPreTrainedModel):
         B = input_ids.shape[0]
         if cache.byte_mask is not None:
             cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
-        key_positions = None
-        if self.config.sliding_window is not None:
-            if cache.byte_mask is None:
-                key_positions = torch.arange(cache.seen_bytes + 1, device=input_ids.device).expand(B, -1)
-            else:
-                key_positions = cache.byte_mask.long().cumsum(-1) - 1
-        byte_attention_mask = build_attention_mask(
-            cache.byte_mask, self.config.sliding_window, query_positions=cache.byte_positions[:, None],
-            key_positions=key_positions,
-        )
         x = self.embed_tokens(input_ids)
+        mask_function = attention_mask_function(cache.byte_mask, self.config.sliding_window)
+        byte_attention_mask = create_attention_mask(self.config, x, cache.seen_bytes + 1, mask_function,
+                                                    q_offset=cache.seen_bytes)
         byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
         hidden = [x]
         for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
@@ -1931,9 +1933,10 @@ class SpiderModel(SpiderPreTrainedModel):
             slot = cache.begin_segment_step()
             segment_rope = self.rotary_emb(e, slot[:, None])
             slots = torch.arange(cache.segment_slots, device=e.device).expand(B, -1)
-            segment_attention_mask = build_attention_mask(
+            mask_function = attention_mask_function(
                 None, self.config.recurrent_sliding_window, query_positions=slot[:, None], key_positions=slots
             )
+            segment_attention_mask = create_attention_mask(self.config, e, cache.segment_slots, mask_function)
             h_out = self.recurrent_block(
                 e, segment_rope, segment_attention_mask, None, segment_memory, cache.n_loops, cache
             ).h_out

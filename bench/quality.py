@@ -47,7 +47,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from configuration_spider import SpiderConfig  # noqa: E402
-from modeling_spider import SpiderForConditionalGeneration, build_attention_mask, word_bytes  # noqa: E402
+from modeling_spider import (  # noqa: E402
+    SpiderForConditionalGeneration, attention_mask_function, create_attention_mask, word_bytes,
+)
 from spider_training.data import encode_document, sotu_documents  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR, Muon, is_hidden_matrix  # noqa: E402
 from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: E402
@@ -362,7 +364,7 @@ class BytePathOnly(torch.nn.Module):
         super().__init__()
         trunk = spider.model
         self.layers = torch.nn.ModuleList([*trunk.prelude_layers, *trunk.coda_layers])
-        self.sliding_window = spider.config.sliding_window
+        self.spider_config, self.sliding_window = spider.config, spider.config.sliding_window
         self.embed_tokens, self.rotary_emb, self.norm, self.lm_head = (
             trunk.embed_tokens, trunk.rotary_emb, trunk.norm, spider.lm_head)
 
@@ -372,7 +374,8 @@ class BytePathOnly(torch.nn.Module):
         x = self.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         rope = self.rotary_emb(x, positions)
-        mask = build_attention_mask(None, self.sliding_window, key_positions=positions)
+        mask_function = attention_mask_function(None, self.sliding_window, key_positions=positions)
+        mask = create_attention_mask(self.spider_config, x, input_ids.shape[1], mask_function)
         for layer in self.layers:
             x = layer(x, rope, mask)
         logits = self.lm_head(self.norm(x))

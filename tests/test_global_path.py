@@ -10,7 +10,8 @@ import torch
 
 from configuration_spider import BOUNDARY_TEACHERS
 from modeling_spider import (
-    BOUNDARY_TEACHER_RULES, boundary_teacher_loss, build_attention_mask, downsample, spacelike_boundaries, upsample,
+    BOUNDARY_TEACHER_RULES, attention_mask_function, boundary_teacher_loss, downsample, spacelike_boundaries,
+    upsample,
 )
 from tests.helpers import float_tol, model_terms, tiny, tiny_model
 
@@ -201,6 +202,21 @@ def test_invalid_global_path_fields_are_named(field, value):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def build_attention_mask(token_mask, window, query_positions=None, key_positions=None, q_offset=0, shape=None):
+    """Spider's mask, materialised as SDPA takes it (None: SDPA's is_causal, the plain causal mask); `shape` `(B, T)`
+    of the keys where neither `token_mask` nor `key_positions` gives it."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    function = attention_mask_function(token_mask, window, query_positions, key_positions)
+    if function is None and query_positions is None and q_offset == 0:
+        return None
+    reference = key_positions if key_positions is not None else token_mask
+    batch, kv_length = reference.shape if reference is not None else shape
+    q_length = kv_length - q_offset if query_positions is None else query_positions.shape[1]
+    return sdpa_mask(batch, q_length, kv_length, q_offset=q_offset, mask_function=function or causal_mask_function,
+                     allow_is_causal_skip=False)
+
+
 def test_sliding_window_mask_counts_real_bytes():
     mask = build_attention_mask(None, 3, key_positions=torch.arange(6)[None])[0, 0]
     for q in range(6):
@@ -210,8 +226,9 @@ def test_sliding_window_mask_counts_real_bytes():
     assert padded[2].nonzero().flatten().tolist() == [2]  # the first real byte sees itself only
 
 
-def _reference_mask(token_mask, window, query_positions, key_positions, full_forward):
-    """The mask's definition, one (row, query, key) at a time."""
+def _reference_mask(token_mask, window, query_positions, key_positions, real_query):
+    """The mask's definition, one (row, query, key) at a time: a query sees the real keys at its own or earlier
+    positions within the window; a padding query also sees itself."""
     B, T_k = key_positions.shape
     T_q = query_positions.shape[1]
     mask = torch.zeros(B, 1, T_q, T_k, dtype=torch.bool)
@@ -219,39 +236,49 @@ def _reference_mask(token_mask, window, query_positions, key_positions, full_for
         for q in range(T_q):
             for k in range(T_k):
                 real_key = token_mask is None or bool(token_mask[b, k])
-                earlier = k <= q if full_forward else key_positions[b, k] <= query_positions[b, q]
+                earlier = key_positions[b, k] <= query_positions[b, q]
                 near = window is None or query_positions[b, q] - key_positions[b, k] < window
-                mask[b, 0, q, k] = (real_key and earlier and near) or (
-                    full_forward and token_mask is not None and q == k
-                )
+                mask[b, 0, q, k] = (real_key and earlier and near) or (not real_query[b][q] and k == q)
     return mask
 
 
 @pytest.mark.parametrize("window", [None, 1, 3])
 @pytest.mark.parametrize("padding", ["none", "left", "right", "both"])
 def test_attention_mask_equals_its_definition(window, padding):
-    """`build_attention_mask` (built by transformers.masking_utils) against the definition written out: causal, real
-    keys only, a window counted in real tokens, a padding query seeing itself; and a decode step's per-row queries."""
+    """`attention_mask_function` (a transformers.masking_utils mask function) against the definition written out:
+    causal, real keys only, a window counted in real bytes, a padding query seeing itself; a byte decode step (the
+    query at index `q_offset`); a recurrent decode step's per-row segment slots."""
     T = 7
     token_mask = torch.ones(3, T, dtype=torch.bool)
     if padding in ("left", "both"):
         token_mask[0, :2] = token_mask[2, :1] = False
     if padding in ("right", "both"):
         token_mask[1, -3:] = token_mask[2, -1:] = False
+    real = token_mask.tolist()
     token_mask = None if padding == "none" else token_mask
-    positions = torch.arange(T).expand(3, T) if token_mask is None else token_mask.long().cumsum(-1)
-    built = build_attention_mask(token_mask, window, key_positions=positions)
-    expected = _reference_mask(token_mask, window, positions, positions, full_forward=True)
+    indices = torch.arange(T).expand(3, T)
+    built = build_attention_mask(token_mask, window, shape=(3, T))
+    expected = _reference_mask(token_mask, window, indices, indices, real)
+    # padding is contiguous, so for a real query the window over indices is the window over real bytes
+    if token_mask is not None:
+        real_positions = token_mask.long().cumsum(-1) - 1
+        by_real_bytes = _reference_mask(token_mask, window, real_positions, real_positions, real)
+        assert torch.equal(expected & token_mask[:, None, :, None], by_real_bytes & token_mask[:, None, :, None])
     if built is None:  # SDPA's is_causal stands for the plain causal mask
         assert token_mask is None and window is None
         built = torch.ones(T, T, dtype=torch.bool).tril().expand(3, 1, T, T)
     assert torch.equal(built, expected)
 
-    # A decode step: each row's one query at its own slot, keys at slots 0..T-1 (later slots hold stale data).
+    # A byte decode step: the last column is the new (real) byte, at index T - 1 of the keys.
+    if token_mask is None or bool(token_mask[:, -1].all()):
+        decoded = build_attention_mask(token_mask, window, q_offset=T - 1, shape=(3, T))
+        assert torch.equal(decoded, expected[:, :, -1:])
+
+    # A recurrent decode step: each row's one query at its own slot, keys at slots 0..T-1 (later slots stale).
     slots = torch.tensor([[2], [6], [0]])
     key_slots = torch.arange(T).expand(3, T)
-    decoded = build_attention_mask(token_mask, window, query_positions=slots, key_positions=key_slots)
-    assert torch.equal(decoded, _reference_mask(token_mask, window, slots, key_slots, full_forward=False))
+    decoded = build_attention_mask(None, window, query_positions=slots, key_positions=key_slots)
+    assert torch.equal(decoded, _reference_mask(None, window, slots, key_slots, [[True]] * 3))
 
 
 @pytest.mark.parametrize("window", [{"sliding_window": 8}, {"recurrent_sliding_window": 2}])
