@@ -437,6 +437,27 @@ def write_card_map(release_folder: str | Path, text: str, model=None, n_loops: i
     return render_png(cmap, folder / CARD_MAP_NAME, "Where Spider spends its compute on a held-out paragraph")
 
 
+def held_out_paragraph(eval_dataset, max_bytes: int = 600) -> str | None:
+    """A paragraph of held-out text for the model card's map: the first paragraph of at least 200 bytes in the first
+    example of `eval_dataset` (a dataset of ``{"input_ids": ...}`` byte windows, map-style or iterable; reserved ids
+    dropped), else that example's text, cut at a space to at most `max_bytes` bytes. None when the dataset is None
+    or empty."""
+    if eval_dataset is None:
+        return None
+    try:
+        first = eval_dataset[0] if hasattr(eval_dataset, "__getitem__") else next(iter(eval_dataset))
+    except (IndexError, StopIteration):
+        return None
+    data = bytes(int(i) for i in first["input_ids"] if int(i) < 256)
+    text = data.decode("utf-8", errors="ignore").strip()
+    paragraphs = [p.strip() for p in text.split("\n\n")]
+    text = next((p for p in paragraphs if len(p.encode()) >= 200), text)
+    if len(text.encode()) > max_bytes:
+        text = text.encode()[:max_bytes].decode("utf-8", errors="ignore")
+        text = text.rsplit(" ", 1)[0] if " " in text else text
+    return text or None
+
+
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     """The command: parse `argv`, load the release, write the HTML and the PNG, print their paths and the time."""
     parser = argparse.ArgumentParser(prog="python -m spider_training.compute_map", description=__doc__.split("\n")[0])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spider_training.compute_map import (
-    PALETTE, compute_map, encode, main, render_html, row_segments, write_card_map,
+    PALETTE, compute_map, encode, held_out_paragraph, main, render_html, row_segments, write_card_map,
 )
 from tests.helpers import float_tol, tiny_model
 from tokenization_spider import SpiderTokenizer
@@ -230,3 +230,12 @@ def test_write_card_map(release, tmp_path):
         assert image.width > 400
     with pytest.raises(FileNotFoundError, match="does not exist"):
         write_card_map(tmp_path / "nowhere", "text")
+
+
+def test_held_out_paragraph_picks_a_paragraph_from_the_eval_windows():
+    text = "Mr. Speaker.\n\n" + "We gather tonight to speak of the union. " * 30 + "\n\nEnd."
+    window = {"input_ids": torch.tensor([257, *text.encode()[:900]])}
+    paragraph = held_out_paragraph([window])
+    assert paragraph.startswith("We gather tonight") and len(paragraph.encode()) <= 600
+    assert paragraph in text and text[text.index(paragraph) + len(paragraph)] == " "  # cut between words
+    assert held_out_paragraph(None) is None and held_out_paragraph([]) is None
