@@ -254,11 +254,12 @@ _HTML_STYLE = """body{font:15px/1.9 ui-monospace,Menlo,Consolas,'DejaVu Sans Mon
 #tip{position:fixed;display:none;background:#fff;border:1px solid #999;padding:6px 9px;font-size:12px;line-height:1.4;
 max-width:560px;box-shadow:2px 2px 6px #0003;white-space:pre}h1{font-size:17px}p.k{font-size:12px;color:#555}"""
 
-_HTML_SCRIPT = """const D=%s;const tip=document.getElementById('tip');
+_HTML_SCRIPT = """const D=__DATA__;const tip=document.getElementById('tip');
 function info(i){if(i<0)return 'open segment: not closed yet, so not run (its bytes read the previous segment)';
-const s=D.s[i];let r='segment '+i+(i?'  bytes '+s[0]+'-'+(s[1]-1)+'  boundary p='+s[2]:'  (null group)')+
-'\\nACT loops: '+s[3]+'   weights: '+s[4].join(' ');
-s[5].forEach((loop,t)=>{r+='\\nloop '+(t+1)+': '+loop.map((l,i)=>'L'+i+' '+l.map(e=>'e'+e[0]+' '+e[1]).join(', ')).join(' | ')});
+const s=D.s[i],p=x=>(x/100).toFixed(2);let r='segment '+i+(i?'  positions '+s[0]+'-'+(s[1]-1)+'  boundary p='+p(s[2])
+:'  (null group)')+'\\nACT loops: '+s[3]+'   weights: '+s[4].map(p).join(' ');
+s[5].forEach((loop,t)=>{r+='\\nloop '+(t+1)+': '+loop.map((l,j)=>'L'+j+' '+l.map((e,n)=>n%2?p(e):'e'+e).join(' ')
+.replace(/(\\d) e/g,'$1, e')).join(' | ')});
 return r}
 document.getElementById('t').addEventListener('mouseover',e=>{const i=e.target.dataset.i;if(i===undefined)return;
 tip.textContent=info(+i);tip.style.display='block'});
@@ -279,9 +280,11 @@ def render_html(cmap: ComputeMap, title: str = "Spider compute map", row: int = 
         if seg.index < 0:
             spans.append(f'<span class="o" data-i="-1">{html.escape(seg.text)}</span>')
             continue
-        data["s"][seg.index] = [seg.start, seg.end, "-" if seg.prob is None else f"{seg.prob:.2f}", seg.loops,
-                                [f"{w:.2f}" for w in seg.weights],
-                                [[[[e, f"{w:.2f}"] for e, w in layer] for layer in loop] for loop in seg.experts]]
+        # weights as integer percent, experts as flat [id, percent, id, percent, ...] per layer: a small page
+        data["s"][seg.index] = [seg.start, seg.end, -1 if seg.prob is None else round(seg.prob * 100), seg.loops,
+                                [round(w * 100) for w in seg.weights],
+                                [[[x for e, w in layer for x in (e, round(w * 100))] for layer in loop]
+                                 for loop in seg.experts]]
         classes = f"c{seg.index % len(PALETTE)} l{min(seg.loops, 8)}" + (" n" if seg.index == 0 else "")
         spans.append(f'<span class="{classes}" data-i="{seg.index}">{html.escape(seg.text)}</span>')
     colours = "".join(f"#t .c{i}{{background:{c}}}" for i, c in enumerate(PALETTE))
@@ -295,7 +298,7 @@ def render_html(cmap: ComputeMap, title: str = "Spider compute map", row: int = 
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>" + html.escape(title) + "</title><style>"
             + _HTML_STYLE % (OPEN_COLOUR, colours) + "</style></head><body><h1>" + html.escape(title)
             + "</h1><p class='k'>" + html.escape(key) + "</p><div id='t'>" + "".join(spans)
-            + "</div><div id='tip'></div><script>" + _HTML_SCRIPT % json.dumps(data, separators=(",", ":"))
+            + "</div><div id='tip'></div><script>" + _HTML_SCRIPT.replace("__DATA__", json.dumps(data, separators=(",", ":")))
             + "</script></body></html>")
 
 
