@@ -120,10 +120,10 @@ def compute_map(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return _assemble(input_ids, attention_mask, out, weights, router, len(block.layers))
+    return _assemble(input_ids, attention_mask, out, weights, router, len(block.layers), block.layers[0].mlp.top_k)
 
 
-def _assemble(input_ids, attention_mask, out, weights, router, num_layers: int) -> ComputeMap:
+def _assemble(input_ids, attention_mask, out, weights, router, num_layers: int, top_k: int) -> ComputeMap:
     """The :class:`ComputeMap` from the forward's output `out`, the hooked loop `weights` and `router` logits."""
     boundaries = out.boundaries.detach() > 0.5
     B, L = boundaries.shape
@@ -135,21 +135,21 @@ def _assemble(input_ids, attention_mask, out, weights, router, num_layers: int) 
     segment_mask = out.segment_mask.detach().cpu() > 0.5
     halting_step = torch.where(segment_mask, out.halting_step.detach().cpu().round().long(), 0)
     loop_weights = torch.stack(weights, dim=-1).cpu() if weights else torch.zeros(*segment_mask.shape, 0)
-    experts, expert_weights = _routed_experts(router, segment_mask, halting_step, len(weights), num_layers)
+    experts, expert_weights = _routed_experts(router, segment_mask, halting_step, len(weights), num_layers, top_k)
     return ComputeMap(
-        input_ids=input_ids.detach().cpu(), byte_mask=byte_mask, boundary_probs=out.boundary_probs.detach().cpu().float(),
+        input_ids=input_ids.detach().cpu(), byte_mask=byte_mask,
+        boundary_probs=out.boundary_probs.detach().cpu().to(torch.float32),
         boundaries=boundaries, segment_ids=segment_ids, read_segment_ids=read_segment_ids, segment_mask=segment_mask,
         halting_step=halting_step, loop_weights=loop_weights * segment_mask[..., None], experts=experts,
         expert_weights=expert_weights,
     )
 
 
-def _routed_experts(router, segment_mask, halting_step, loops: int, num_layers: int):
+def _routed_experts(router, segment_mask, halting_step, loops: int, num_layers: int, k: int):
     """Top-k experts and weights `(B, 1+S, T, R, k)` from the captured router logits, by the MoE's own ops (its
     ``kernels.topk_gate`` and ``normalize_weight`` as ``SpiderMoE.forward`` calls them). The routed rows are the
     real segments in flattened `(B * (1+S))` order; with ACT early exit, those still running at that loop."""
     B, S1 = segment_mask.shape
-    k = next((mlp.top_k for mlp, _ in router.values()), 1)
     experts = torch.full((B * S1, loops, num_layers, k), -1, dtype=torch.long)
     expert_weights = torch.zeros(B * S1, loops, num_layers, k, dtype=torch.float32)
     for (t, i), (mlp, logits) in router.items():
@@ -218,7 +218,8 @@ def row_segments(cmap: ComputeMap, row: int = 0) -> list[Segment]:
         if token < 256:
             texts[segment].append(decoder.decode(bytes([token])))
         else:
-            texts[segment].append(decoder.decode(b"", final=True) + ("⟨s⟩" if token == BOS_ID else f"⟨{token}⟩"))
+            marker = "⟨s⟩" if token == BOS_ID else f"⟨{token}⟩"
+            texts[segment].append(decoder.decode(b"", final=True) + marker)
     texts[last].append(decoder.decode(b"", final=True))  # an unfinished character at the end
     probs = cmap.boundary_probs[row].tolist()
     segments = []
@@ -295,11 +296,11 @@ def render_html(cmap: ComputeMap, title: str = "Spider compute map", row: int = 
     key = (f"{real} ids, {n_closed} closed segments ({real / max(n_closed, 1):.2f} ids per segment), "
            f"{mean_loops:.2f} ACT loops per segment on average. Colours tell neighbouring segments apart; the "
            "underline grows with the loops a segment ran; grey bytes are the open segment; hover for details.")
+    script = _HTML_SCRIPT.replace("__DATA__", json.dumps(data, separators=(",", ":")))
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>" + html.escape(title) + "</title><style>"
             + _HTML_STYLE % (OPEN_COLOUR, colours) + "</style></head><body><h1>" + html.escape(title)
             + "</h1><p class='k'>" + html.escape(key) + "</p><div id='t'>" + "".join(spans)
-            + "</div><div id='tip'></div><script>" + _HTML_SCRIPT.replace("__DATA__", json.dumps(data, separators=(",", ":")))
-            + "</script></body></html>")
+            + "</div><div id='tip'></div><script>" + script + "</script></body></html>")
 
 
 def _cells(text: str) -> int:

@@ -45,8 +45,8 @@ def chromium() -> str:
 def run_chromium(page: Path, *args: str) -> str:
     """Run headless Chromium on `page` with `args` and a throwaway profile; returns its stdout."""
     with tempfile.TemporaryDirectory() as profile:
-        done = subprocess.run([chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, page.resolve().as_uri()],
-                              capture_output=True, text=True, timeout=120)
+        command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, page.resolve().as_uri()]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"chromium failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     page, picture = write_map(model, args.text, args.out / "map")
     segments = int(compute_map(model, encode(args.text, model)).closed_segments[0]) + 1
     shot = check_screenshot(screenshot(page, args.out / "screenshot.png"), PALETTE, segments)
-    print(f"{page} ({page.stat().st_size} bytes, {segments} segments with the null group) -> {args.out / 'screenshot.png'}")
+    print(f"{page} ({page.stat().st_size} bytes, {segments} segments with the null group) -> "
+          f"{args.out / 'screenshot.png'}")
     print(f"screenshot: {shot}")
 
     hover = args.out / "map_hover.html"

@@ -70,7 +70,8 @@ def test_left_padded_batch_generates_as_each_row_alone():
 
 
 
-STREAMED_TEXTS = ["héllo wörld — 日本語 🕷️", "héllowörld—日本語🕷️"]  # with and without spaces (TextStreamer flushes at one)
+# with and without spaces (TextStreamer flushes its text at a space)
+STREAMED_TEXTS = ["héllo wörld — 日本語 🕷️", "héllowörld—日本語🕷️"]
 
 
 def _recording_streamer(tokenizer, **kwargs):
