@@ -2,7 +2,8 @@
 
 Every test compares the cached path with the reference path of the same model (the full forward over the whole
 sequence, or `generate(use_cache=False)`), and checks that the case it claims to cover happened (segments closed
-during decoding, rows closing at different bytes).
+during decoding, rows closing at different bytes). The streaming tests check that what a streamer emits while
+generating byte by byte is whole characters (Spider's tokens are bytes, so a character arrives in pieces).
 """
 
 import pytest
@@ -66,6 +67,71 @@ def test_left_padded_batch_generates_as_each_row_alone():
     assert torch.equal(cached, uncached)
     alone = model.generate(short_row, use_cache=True, **kwargs)
     assert torch.equal(cached[1, 9:], alone[0])
+
+
+
+# with and without spaces (TextStreamer flushes its text at a space)
+STREAMED_TEXTS = ["héllo wörld — 日本語 🕷️", "héllowörld—日本語🕷️"]
+
+
+def _recording_streamer(tokenizer, **kwargs):
+    """`(streamer, chunks)`: a `TextStreamer` that appends each chunk it emits to `chunks` instead of printing it."""
+    from transformers import TextStreamer
+
+    chunks = []
+
+    class Recording(TextStreamer):
+        def on_finalized_text(self, text, stream_end=False):
+            chunks.append(text)
+
+    return Recording(tokenizer, **kwargs), chunks
+
+
+def _assert_whole_characters(chunks: list[str], text: str) -> None:
+    assert all("\ufffd" not in chunk for chunk in chunks), chunks  # no chunk ends inside a character
+    assert "".join(chunks) == text
+    assert sum(1 for chunk in chunks if chunk) > 5  # it streamed, not one chunk at the end
+
+
+@pytest.mark.parametrize("text", STREAMED_TEXTS)
+def test_streaming_never_splits_a_character(text):
+    from transformers import TextIteratorStreamer
+
+    from tokenization_spider import SpiderTokenizer
+
+    tokenizer = SpiderTokenizer()
+    recording, chunks = _recording_streamer(tokenizer)
+    iterating = TextIteratorStreamer(tokenizer)
+    for streamer in (recording, iterating):
+        for byte in text.encode("utf-8"):  # one id per call, as generate puts each new token
+            streamer.put(torch.tensor([[byte]]))
+        streamer.end()
+    _assert_whole_characters(chunks, text)
+    _assert_whole_characters(list(iterating), text)
+
+
+def test_generate_streams_whole_characters():
+    """generate() with a streamer, the model forced to write a multi-byte text byte by byte."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from tokenization_spider import SpiderTokenizer
+
+    text = STREAMED_TEXTS[0]
+    target = list(text.encode("utf-8"))
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, -float("inf"))
+            forced[:, target[input_ids.shape[1] - prompt.shape[1]]] = 0.0
+            return forced
+
+    tokenizer = SpiderTokenizer()
+    streamer, chunks = _recording_streamer(tokenizer, skip_prompt=True)
+    prompt = tokenizer("Say: ", return_tensors="pt").input_ids[:, :-1]  # BOS and the bytes, no EOS
+    tiny_model(seed=1).eval().generate(prompt, max_new_tokens=len(target), min_new_tokens=len(target),
+                                       streamer=streamer, logits_processor=LogitsProcessorList([Force()]),
+                                       **GREEDY)
+    _assert_whole_characters(chunks, text)
 
 
 def test_beam_search_with_cache_equals_without():
