@@ -202,7 +202,7 @@ def write_model_card(release_dir: str | Path, *, config: dict, training: dict, d
                      loss_history: list[dict] | None, repo_id: str | None, template_path: str | Path | None = None,
                      model_name: str | None = None, bits_per_byte_by_loops: dict | None = None,
                      sample: dict | None = None, reference: dict | None = None,
-                     act_early_exit: dict | None = None) -> Path:
+                     act_early_exit: dict | None = None, compute_map: str | None = None) -> Path:
     """Render the model card into ``release_dir/README.md`` and the loss curve into ``release_dir/loss_curve.png``.
 
     Args:
@@ -217,6 +217,7 @@ def write_model_card(release_dir: str | Path, *, config: dict, training: dict, d
         sample: ``{"prompt": str, "text": str}``: a greedy continuation by the released weights, or None.
         reference: :func:`reference_quality`'s figures, or None.
         act_early_exit: ``{"bits_per_byte", "loops_saved_per_segment", ...}`` with ACT early exit, or None.
+        compute_map: the file name of a held-out paragraph's compute map in ``release_dir``, or None.
 
     Returns:
         Path of the written ``README.md``.
@@ -286,8 +287,7 @@ def write_model_card(release_dir: str | Path, *, config: dict, training: dict, d
         has_bpb_curve=has_curve and bool(_series(loss_history, "eval_bits_per_byte")[0]),
         remote_code=remote_code, remote_imports=remote_imports, requirements=loading_requirements(), fp8=fp8,
         weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"), sample=sample,
-        reference=reference,
-    )
+        reference=reference, compute_map=compute_map if compute_map and (release_dir / compute_map).is_file() else None)
 
     # ModelCard.from_template renders an unknown variable as "": name it instead of shipping an empty section
     used = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template.read_text(encoding="utf-8")))

@@ -2,19 +2,23 @@
 
 Contents: ``model.safetensors`` (plain weights, also after FP8 training), ``config.json`` with ``auto_map``, the three
 module files (``configuration_spider.py``, ``modeling_spider.py``, ``tokenization_spider.py``), the tokenizer files,
-``README.md`` (the model card rendered from ``hub_card/``) and ``loss_curve.png``. Written atomically.
+``README.md`` (the model card rendered from ``hub_card/``), ``loss_curve.png`` and ``compute_map.png`` (a held-out
+paragraph's compute map). Written atomically.
 :func:`checked_from_pretrained` loads one (or a checkpoint) with errors that name the file at fault.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from .checkpointing import save_folder_atomically
 from .fp8 import fp8_to_plain_state_dict
 from .model_card import reference_quality, write_model_card
 from .optim import describe_optimizer
+
+logger = logging.getLogger(__name__)
 
 #: ``from_pretrained(..., key_mapping=LEGACY_KEY_MAPPING)`` loads a release written before the recurrent block and
 #: FlexiTokens became modules of their own (2026-11-23), whose parameters sat flat under ``model.`` (``model.layers.0.``,
@@ -66,13 +70,16 @@ def training_loops(n_loops: int, extra_train_loops: int) -> int | str:
     return f"{n_loops} to {n_loops + extra_train_loops}, drawn per step"
 
 
-def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict, log_history: list[dict]) -> Path:
+def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict, log_history: list[dict],
+                  card_map_text: str | None = None) -> Path:
     """Save `model` (unwrapped; FP8 layers saved as their plain weights) and `tokenizer` with a model card.
 
     Args:
         spider: the run's :class:`~spider_training.arguments.SpiderArguments`; args: its ``TrainingArguments``.
         summary: the run's figures (bits-per-byte before/after, steps, precision, ...), shown on the card.
         log_history: ``trainer.state.log_history`` (for the loss curve).
+        card_map_text: a held-out paragraph whose compute map the card shows (``compute_map.png``), or None; a map
+            that cannot be drawn is left out with a warning, the release is still written.
     Raises:
         OSError naming the folder when it cannot be written (an older release there is kept).
     """
@@ -80,6 +87,13 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
     def write(folder: Path) -> None:
         model.save_pretrained(folder, state_dict=fp8_to_plain_state_dict(model))
         tokenizer.save_pretrained(folder)
+        card_map = None
+        if card_map_text:
+            from .compute_map import write_card_map
+            try:
+                card_map = write_card_map(folder, card_map_text, model=model).name
+            except (ValueError, RuntimeError) as err:
+                logger.warning("model card: no compute map (%s)", err)
         config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
         training = {
             "steps": summary.get("steps"), "precision": summary.get("precision"), "moe_backend": summary.get("moe_backend"),
@@ -100,7 +114,7 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
         write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
                          loss_history=log_history, repo_id=hub_id or str(release_dir), model_name=model_name,
                          bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"), sample=sample,
-                         act_early_exit=summary.get("act_early_exit"),
+                         act_early_exit=summary.get("act_early_exit"), compute_map=card_map,
                          reference=reference_quality(spider.preset, spider.data))
 
     return save_folder_atomically(release_dir, write)

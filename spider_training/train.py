@@ -207,8 +207,10 @@ def _sample_and_release(spider: SpiderArguments, args, trainer: SpiderTrainer, p
         print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
               f"after {after['eval_after_bits_per_byte']:.4f}")
     release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
+    from spider_training.compute_map import held_out_paragraph
+
     write_release(release_dir, plain, tokenizer, spider=spider, args=args, summary=summary,
-                  log_history=trainer.state.log_history)
+                  log_history=trainer.state.log_history, card_map_text=held_out_paragraph(trainer.eval_dataset))
     summary["release_dir"] = release_dir
     print(f"release written to {release_dir}")
 
