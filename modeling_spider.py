@@ -1274,17 +1274,6 @@ class SpiderRecurrentBlockOutput(NamedTuple):
     router_logits: list
 
 
-def dynamic_segment_axis(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """`tensor` `(B, S, ...)` itself, its segment axis S (or `dim`, an axis that grows with S, such as the `B*S` rows
-    of a flattened batch) marked dynamic for ``torch.compile`` (``maybe_mark_dynamic``; nothing changes in eager).
-    Under ``--compile`` each region then compiles once for every padded segment count instead of once per count:
-    dynamo stops compiling a function after 8 versions and runs it eagerly from then on (tests/test_compile.py).
-    Inside a traced graph (the whole block compiled) nothing is marked."""
-    if not torch.compiler.is_compiling():
-        torch._dynamo.maybe_mark_dynamic(tensor, dim)
-    return tensor
-
-
 class SpiderRecurrentBlock(nn.Module):
     """The looped block over segments (Huginn / OpenMythos), weights shared across loops: the loop of the module
     docstring's map. Loops past `max_loop_iters` reuse the last loop embedding and LoRA scale."""
@@ -1324,8 +1313,6 @@ class SpiderRecurrentBlock(nn.Module):
         e = segments
         B, S, D = e.shape
         engram_memory = to_autocast_dtype(engram_memory)  # read by the Engram layers in every loop: cast once
-        for tensor in (e, *position_embeddings, engram_memory):
-            dynamic_segment_axis(tensor)
         h = e
         act = ACTState(*(torch.zeros(B, S, dtype=torch.float32, device=e.device) for _ in range(3)))
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
@@ -1337,8 +1324,6 @@ class SpiderRecurrentBlock(nn.Module):
         routed, running = segment_index, None
         row_weights = None if segment_mask is None else RowWeights.of(
             segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
-        for tensor in () if row_weights is None else row_weights:
-            dynamic_segment_axis(tensor, dim=0)  # B * S rows, B * S * k slots
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         # the routed experts' weights cast once for all loops (autocast caches the other layers' casts itself)
@@ -1352,24 +1337,22 @@ class SpiderRecurrentBlock(nn.Module):
                         break
                     keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
                     routed = keep.nonzero().squeeze(1)
-                z = self.loop_norm(dynamic_segment_axis(h + e + loop_embeddings[t]))
+                z = self.loop_norm(h + e + loop_embeddings[t])
                 for i, layer in enumerate(self.layers):
                     z, logits, load, scores = layer(
-                        dynamic_segment_axis(z), position_embeddings, attention_mask, routed, engram_memory,
+                        z, position_embeddings, attention_mask, routed, engram_memory,
                         row_weights, cache=cache.recurrent[t][i] if cache is not None else None,
                     )
                     expert_loads.append(load)
                     mean_scores.append(scores)
                     if output_router_logits:
                         router_logits.append(logits)
-                z = dynamic_segment_axis(z + self.loop_lora(dynamic_segment_axis(z), t))
-                h_next = self.injection(dynamic_segment_axis(h), e, z)
+                z = z + self.loop_lora(z, t)
+                h_next = self.injection(h, e, z)
                 h = h_next if running is None else torch.where(running[..., None], h_next, h)  # exited segments stay
-                h = dynamic_segment_axis(h)
                 halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
                 h_out, act, _ = self.halting_step(
-                    dynamic_segment_axis(halt_logits), h, dynamic_segment_axis(h_out),
-                    ACTState(*(dynamic_segment_axis(state) for state in act)), self.act_threshold, t == n_loops - 1,
+                    halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1,
                 )
         return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits)
 

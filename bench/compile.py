@@ -3,24 +3,22 @@
 Runs in a **fresh subprocess** (``python -m bench.compile --child``) with a wall-clock ``timeout`` so that a slow or
 hanging compilation cannot stall the whole run, and so dynamo/inductor state does not leak into the other
 benchmarks. In the child: two Spider models with the same weights (preset ``preset``), one eager, one compiled as
-``--compile`` compiles it: accelerate's ``compile_regions(model, backend=backend)``, each layer and submodule a region
-of its own, the loops and the data-dependent segment count (FlexiTokens) in eager Python between them. Each trains with its own AdamW on the same
+``--compile`` compiles it (``spider_training.compile.compile_model``: accelerate's ``compile_regions`` with dynamic
+shapes), each layer and submodule a region of its own, the loops and the data-dependent segment count (FlexiTokens) in eager Python between them. Each trains with its own AdamW on the same
 random byte batch. Compile time = wall time of the compiled model's first ``compile_steps`` steps (they include the
 recompilations for the changing segment count) minus the same number of eager steps. Then both run ``repeats``
 interleaved steps; speedup = median eager step / median compiled step.
 
 Targets: ``speedup >= 1.0`` (compiling must not slow training down), and no graph compiled after the first
 ``compile_steps`` steps although the segment count changes between steps (``graphs_compiled_after_first_steps``:
-the recurrent block marks its segment axis dynamic; an inductor lowering that fixed a size recompiled at every new
-count). The graphs each first step compiled are recorded too (``graphs_compiled_in_first_steps``). At these sizes
+the regions compile with dynamic shapes; an inductor lowering that fixed a size recompiled at every new count). The graphs each first step compiled are recorded too (``graphs_compiled_in_first_steps``). At these sizes
 the few segment counts a batch meets mostly appear within the first steps, so the count after them guards the
 steady state; tests/test_compile.py checks that a new count compiles nothing. ``eager_aten_ops_per_step`` counts the
 aten ops each model runs eagerly in one profiled forward+backward (:func:`bench.common.eager_aten_ops`): all of the
 eager model's, and the compiled model's glue between its regions (each a kernel launch from Python on a GPU). A
 compile failure or timeout is recorded under ``"error"`` with ``met: false`` instead of crashing the run. ``--quick``
 uses the ``tiny`` preset and dynamo's
-``"eager"`` backend (graph capture only, no code generation) with ``dynamic=True`` (no recompilation for the
-changing segment count) -- it checks the machinery, not inductor's speed.
+``"eager"`` backend (graph capture only, no code generation) -- it checks the machinery, not inductor's speed.
 
 Run alone: ``python -m bench.compile [--quick]``.
 """
@@ -34,15 +32,16 @@ import sys
 import time
 
 from bench.common import REPO_ROOT, check, finish, info, main_for
+from spider_training.compile import COMPILE_OPTIONS
 
 TARGET = 1.0
-FULL = dict(preset="tiny", batch=8, seq_len=256, backend="inductor", dynamic=None, compile_steps=3, warmup=2,
+FULL = dict(preset="tiny", batch=8, seq_len=256, backend="inductor", compile_steps=3, warmup=2,
             repeats=5, timeout=420)
-QUICK = dict(preset="tiny", batch=1, seq_len=32, backend="eager", dynamic=True, compile_steps=2, warmup=1, repeats=2,
+QUICK = dict(preset="tiny", batch=1, seq_len=32, backend="eager", compile_steps=2, warmup=1, repeats=2,
              timeout=240)
 
 
-def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | None, compile_steps: int,
+def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: int,
           warmup: int, repeats: int) -> dict:
     """Measure in this process (see the module docstring); returns a JSON-able dict."""
     from torch.profiler import ProfilerActivity, profile
@@ -53,9 +52,9 @@ def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | N
     ids = random_bytes(batch, seq_len)
     eager_model, compiled_model = spider_model(preset), spider_model(preset)
     eager = TrainStep(eager_model, ids)
-    from accelerate.utils import compile_regions
+    from spider_training.compile import compile_model
 
-    compiled = TrainStep(compile_regions(compiled_model, backend=backend, dynamic=dynamic), ids)
+    compiled = TrainStep(compile_model(compiled_model, backend=backend), ids)
     first, first_graphs = [], []
     for _ in range(compile_steps):
         seconds, graphs = graphs_compiled(lambda: time_call(compiled))
@@ -91,8 +90,7 @@ def child(preset: str, batch: int, seq_len: int, backend: str, dynamic: bool | N
 def measure_in_subprocess(s: dict) -> dict:
     """Run :func:`child` in a fresh interpreter with ``s["timeout"]``; returns its dict or ``{"error": ...}``."""
     cmd = [sys.executable, "-m", "bench.compile", "--child", json.dumps(
-        {k: s[k] for k in ("preset", "batch", "seq_len", "backend", "dynamic", "compile_steps", "warmup",
-                                      "repeats")})]
+        {k: s[k] for k in ("preset", "batch", "seq_len", "backend", "compile_steps", "warmup", "repeats")})]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=s["timeout"])
@@ -118,7 +116,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         "sizes": {k: s[k] for k in ("preset", "batch", "seq_len")},
         "dtype": "fp32",
         "backend": s["backend"],
-        "dynamic": s["dynamic"],
+        "compile_options": COMPILE_OPTIONS,
         "timing": {"compile_steps": s["compile_steps"], "warmup": s["warmup"], "repeats": s["repeats"],
                    "statistic": "median", "timeout_s": s["timeout"]},
         "notes": [],

@@ -892,13 +892,12 @@ def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str 
 
 
 def _compile_regions(model, backend: str, mode: str | None) -> tuple[torch.nn.Module, dict]:
-    """`model` through accelerate's ``compile_regions`` (as ``--compile``), after a dynamo reset; and what the row adds
-    about it."""
-    from accelerate.utils import compile_regions
+    """`model` compiled as ``--compile`` compiles it (:func:`spider_training.compile.compile_model`), after a dynamo
+    reset; and what the row adds about it."""
+    from spider_training.compile import compile_model
 
     torch._dynamo.reset()
-    return (compile_regions(model, backend=backend, mode=mode),
-            {"compile_backend": backend, "compile_mode": mode or "default"})
+    return compile_model(model, backend=backend, mode=mode), {"compile_backend": backend, "compile_mode": mode or "default"}
 
 
 def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str | None = None,

@@ -25,7 +25,8 @@ does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
   once, in ``__init__``, with the seed's module filter; accelerate is then told bf16 so it does not convert again.
-  ``--compile`` (``torch_compile``) asks accelerate's dynamo plugin for regional compilation.
+  ``--compile`` (``torch_compile``) asks accelerate's dynamo plugin for regional compilation with dynamic shapes
+  (:mod:`spider_training.compile`).
 - ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
   and the cause.
@@ -61,6 +62,7 @@ from transformers import Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
+from .compile import COMPILE_OPTIONS, configure_dynamo
 from .data import StreamingTextDataset, make_dataloader
 from .fp8 import convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers
 from .hub import HubPushMixin
@@ -332,7 +334,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # against transformers 5.23; re-check them on every transformers upgrade):
     # - `_build_accelerator_args`: the Accelerator is built inside `Trainer.__init__` from `mixed_precision`; after
     #   our own FP8 conversion accelerate must not convert again, and no argument or callback reaches that dict
-    #   (nor the dynamo plugin's `use_regional_compilation`, which TrainingArguments has no field for).
+    #   (nor the dynamo plugin's `use_regional_compilation` and `dynamic`, which TrainingArguments has no field for).
     # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
     #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
@@ -354,6 +356,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
             # the other submodules on their own, the loops and the data-dependent segment count in eager Python
             # between them, so a new segment count is a new shape for a few layer graphs, not a new whole-model graph
             args["dynamo_plugin"].use_regional_compilation = True
+            for option, value in COMPILE_OPTIONS.items():  # dynamic shapes: one graph per region for every count
+                setattr(args["dynamo_plugin"], option, value)
+            configure_dynamo()
         return args
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

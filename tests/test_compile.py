@@ -99,14 +99,13 @@ class _RecompileReasons(logging.Handler):
 
 
 def test_regions_compile_once_for_every_segment_count():
-    """The recurrent block marks the segment axis of what it hands its regions dynamic
-    (`modeling_spider.dynamic_segment_axis`), so over 8 padded segment counts no region recompiles for a size: the
-    only recompiles left are structural (layers with and without Engram, the first loop's aliasing of the state and
-    its input, the first loop index, the halting step's first loop, whose output sum starts without a gradient).
-    Before, each new count recompiled the layers until dynamo's automatic dynamic shapes caught up, and a layer took
-    3 versions of the 8 dynamo allows a function before it falls back to eager."""
-    from accelerate.utils import compile_regions
-
+    """`--compile` compiles the regions with dynamic shapes (`spider_training.compile.compile_model`), so over 8
+    padded segment counts no region recompiles for a size: the only recompiles left are structural (layers with and
+    without Engram, the first loop's aliasing of the state and its input, the first loop index, the halting step's
+    first loop, whose output sum starts without a gradient). With static first compiles, each new count recompiled
+    the layers until dynamo's automatic dynamic shapes caught up, and a layer took 3 versions of the 8 dynamo allows
+    a function before it falls back to eager."""
+    from spider_training.compile import compile_model
     from tests.helpers import tiny_model
 
     log = _RecompileReasons()
@@ -116,7 +115,7 @@ def test_regions_compile_once_for_every_segment_count():
     try:
         torch._dynamo.reset()
         model = tiny_model(seed=0).train()
-        block = compile_regions(model, backend="eager").model.recurrent_block
+        block = compile_model(model, backend="eager").model.recurrent_block
         config, B = model.config, 2
         memory_size = next(m for m in model.modules() if type(m).__name__ == "SpiderEngram").key_proj.in_features
         for S in (16, 32, 48, 64, 80, 96, 112, 128):
@@ -145,7 +144,8 @@ def test_engram_layer_compiles_once_for_every_segment_count_with_inductor():
     and backward) serves three segment counts."""
     from torch._dynamo.utils import counters
 
-    from modeling_spider import RowWeights, dynamic_segment_axis
+    from modeling_spider import RowWeights
+    from spider_training.compile import COMPILE_OPTIONS
     from tests.helpers import tiny_model
 
     model = tiny_model(seed=0).train()
@@ -155,19 +155,17 @@ def test_engram_layer_compiles_once_for_every_segment_count_with_inductor():
     torch._dynamo.reset()
     counters.clear()
     try:
-        compiled = torch.compile(layer, backend="inductor")
+        compiled = torch.compile(layer, backend="inductor", **COMPILE_OPTIONS)
         B = 2
         for S in (16, 32, 48):
-            # the inputs as SpiderRecurrentBlock hands them over: the segment axis marked dynamic, a padded row
-            hidden = dynamic_segment_axis(torch.randn(B, S, config.hidden_size, requires_grad=True))
+            # the inputs as SpiderRecurrentBlock hands them over, with a padded row
+            hidden = torch.randn(B, S, config.hidden_size, requires_grad=True)
             positions = torch.arange(S)[None].expand(B, S)
-            rope = tuple(dynamic_segment_axis(t) for t in model.model.rotary_emb(hidden, positions))
+            rope = model.model.rotary_emb(hidden, positions)
             mask = torch.ones(B, S, dtype=torch.bool)
             mask[1, S // 2:] = False
             row_weights = RowWeights.of(mask, config.num_experts_per_tok, config.n_routed_experts)
-            for tensor in row_weights:
-                dynamic_segment_axis(tensor, dim=0)
-            memory = dynamic_segment_axis(torch.randn(B, S, memory_size))
+            memory = torch.randn(B, S, memory_size)
             out = compiled(hidden, rope, None, None, memory, row_weights)
             out[0].sum().backward()
             assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
