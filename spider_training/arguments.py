@@ -12,6 +12,7 @@ tk-train.py did: ``steps = TARGET_TOKENS // (world_size * micro_batch * grad_acc
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -22,11 +23,14 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import HfArgumentParser, TrainingArguments
 
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
+from .compile import compile_by_default
 from .data import is_hub_repo_id
 from .fp8 import FP8_LAYER_FILTERS
 from .fp8_moe import FP8_EXPERTS_MODES
 from .optim import DEFAULT_MUON_LR
 from .sdpa import check_sdpa_backend
+
+logger = logging.getLogger(__name__)
 
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
 DEFAULT_MAX_STEPS = 500
@@ -102,7 +106,11 @@ class SpiderArguments:
                   "(spider_training.sdpa; measured by python -m bench.gpu_check --only attention_backends). auto: "
                   "torch's choice. flash pads MLA's narrower value head dim to the query/key head dim"},
     )
-    compile: bool = field(default=False, metadata={"help": "torch.compile the model (sets torch_compile)"})
+    compile: bool = field(
+        default=False, metadata={"help": "torch.compile the model's regions (sets torch_compile). Default: compiled on "
+                                         "CUDA where the run is long enough to pay (spider_training.compile."
+                                         "COMPILE_PAYS_AFTER_STEPS: a 1b run of 410+ steps), eager otherwise"})
+    no_compile: bool = field(default=False, metadata={"help": "never torch.compile (overrides the default)"})
     resume: str | None = field(
         default=None, metadata={"help": "checkpoint folder to resume from (default: the newest complete one in ckpt_dir)"}
     )
@@ -350,4 +358,12 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
             training["accelerator_config"] = {**(config or {}), "non_blocking": True}
     if not training.get("eval_steps"):  # held-out bits per byte ten times per run (the card's held-out curve)
         training["eval_steps"] = max(1, training["max_steps"] // 10)
+    if spider.compile and spider.no_compile:
+        raise ValueError("--compile and --no_compile contradict each other: give one")
+    if spider.no_compile:
+        training["torch_compile"] = False
+    elif not spider.compile and not training.get("torch_compile"):
+        compiled, why = compile_by_default(spider.preset, training["max_steps"], _cuda_available())
+        training["torch_compile"] = compiled
+        logger.info("--compile not given: %s", why)
     return spider, TrainingArguments(**training)

@@ -34,3 +34,25 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str |
 
     configure_dynamo()
     return compile_regions(model, backend=backend, mode=mode, **COMPILE_OPTIONS)
+
+
+#: Optimizer steps after which ``--compile`` pays for its compilation on a GPU, per preset: compile time over the
+#: time a compiled step saves. Measured on one H200 (bench/gpu_check_h200.json, bf16, fused AdamW): the 1b preset
+#: compiled for 82-86 s before its first step and then stepped in 0.305-0.346 s against 0.530-0.560 s eager at 8 x 2048
+#: bytes (0.218-0.291 s against 0.355-0.375 s at 32 x 256), so ~86 / 0.21 = 410 steps. The small preset's whole
+#: 500-step main job trains in 38 s eager, less than compiling takes: no entry, so it never compiles by default.
+COMPILE_PAYS_AFTER_STEPS: dict[str, int] = {"1b": 410}
+
+
+def compile_by_default(preset: str | None, max_steps: int, cuda: bool) -> tuple[bool, str]:
+    """Whether ``--compile`` is on when neither ``--compile`` nor ``--no_compile`` is given, and why: on a CUDA
+    device, for a preset whose run of `max_steps` optimizer steps is longer than :data:`COMPILE_PAYS_AFTER_STEPS`
+    says compiling takes to pay; eager otherwise (on CPU compiling a region costs minutes and saved no step time)."""
+    pays_after = COMPILE_PAYS_AFTER_STEPS.get(preset or "")
+    if not cuda:
+        return False, "eager: no CUDA device (compiling does not pay on CPU)"
+    if pays_after is None:
+        return False, f"eager: compiling the {preset!r} preset was not measured to pay on a GPU"
+    if max_steps < pays_after:
+        return False, f"eager: {max_steps} steps is shorter than the {pays_after} the {preset!r} compile pays after"
+    return True, f"compiled: {max_steps} steps, the {preset!r} compile pays after {pays_after}"

@@ -99,6 +99,28 @@ def test_batches_are_copied_to_a_gpu_without_waiting_for_it(monkeypatch, tmp_pat
     assert not args.accelerator_config.non_blocking and args.accelerator_config.split_batches
 
 
+def test_compile_default_follows_the_measured_rule(monkeypatch):
+    """Without --compile/--no_compile the run compiles on CUDA when its preset's compile was measured to pay within
+    the run (`COMPILE_PAYS_AFTER_STEPS`: a 1b run of 410+ steps), and runs eagerly on CPU, for the small main job and
+    for short runs; the flags override it, and contradict each other."""
+    from spider_training import arguments
+    from spider_training.compile import COMPILE_PAYS_AFTER_STEPS
+
+    monkeypatch.delenv("TARGET_TOKENS", raising=False)
+    pays = COMPILE_PAYS_AFTER_STEPS["1b"]
+    long_1b = ["--preset", "1b", "--max_steps", str(pays)]
+    assert parse_args(long_1b)[1].torch_compile is False  # this machine: no CUDA
+    monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
+    assert parse_args(long_1b)[1].torch_compile is True
+    assert parse_args(["--preset", "1b", "--max_steps", str(pays - 1)])[1].torch_compile is False
+    assert parse_args([])[1].torch_compile is False  # the small preset's 500-step main job
+    assert parse_args([*long_1b, "--no_compile"])[1].torch_compile is False
+    assert parse_args(["--compile"])[1].torch_compile is True
+    assert parse_args(["--torch_compile"])[1].torch_compile is True  # TrainingArguments' own flag is kept
+    with pytest.raises(ValueError, match="--compile and --no_compile"):
+        parse_args(["--compile", "--no_compile"])
+
+
 def test_activation_checkpointing_default_follows_the_preset():
     """On for the seed's 1B model (as the seed trains it), off for the CPU presets; either flag overrides."""
     assert parse_args(["--preset", "1b"])[1].activation_checkpointing is True
