@@ -2384,57 +2384,28 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
             return_dict=True,
-            **(
-                {"output_attentions": kwargs["output_attentions"]}
-                if "output_attentions" in kwargs
-                else {}
-            ),
+            **{k: v for k, v in kwargs.items() if k == "output_attentions"},
         )
         hidden_states = outputs.last_hidden_state
         if not keep_all:
-            kept = (
-                slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            )
-            hidden_states = hidden_states[:, kept, :]
+            if isinstance(logits_to_keep, int):
+                logits_to_keep = slice(-logits_to_keep, None)
+            hidden_states = hidden_states[:, logits_to_keep, :]
         logits = self.lm_head(as_weight_dtype(self.lm_head, hidden_states))
         loss = lm_loss = None
         # pre-shifted targets (sequence/context parallelism)
         shift_labels = kwargs.get("shift_labels")
         if labels is not None or shift_labels is not None:
-            if labels is not None and labels.shape != input_ids.shape:
-                raise ValueError(
-                    f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
-                )
-            targets = shift_labels if shift_labels is not None else labels[:, 1:]
-            bad = (targets != -100) & ((targets < 0) | (targets >= self.vocab_size))
-            check_values(
-                bad,
-                self.training,
-                lambda on_host: (
-                    f"labels contains token id {int(targets[bad][0]) if on_host else '(on device)'}, outside the "
-                    f"vocabulary [0, {self.vocab_size}) (-100 = ignored)"
-                ),
-            )
-            if num_items_in_batch is None:
-                # the mean as a sum over a tensor count (no host sync; 0 when there is no target)
-                num_items_in_batch = (targets != -100).sum().clamp_min(1)
-            lm_loss = self.loss_function(
-                logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch,
-                shift_labels=shift_labels,
-            )
-            loss = lm_loss
-        terms = (
-            self.loss_terms(outputs, input_ids, attention_mask)
-            if outputs.segment_mask is not None
-            else {}
-        )
+            loss = lm_loss = self.lm_loss(logits, input_ids, labels, shift_labels,
+                                          num_items_in_batch)
+        terms = {}
+        if outputs.segment_mask is not None:  # a full forward (a decode step has no loss terms)
+            terms = self.loss_terms(outputs, input_ids, attention_mask)
         if loss is not None:
             for coef, name in ((self.config.router_aux_loss_coef, "aux_loss"),
                                (self.config.boundary_loss_coef, "boundary_loss"),
                                (self.config.ponder_loss_coef, "ponder_loss")):
-                # a term weighted 0 would add only its backward (zeros, through the whole
-                # recurrence)
-                if coef != 0:
+                if coef != 0:  # weighted 0 it would add only its backward (zeros, through the loops)
                     loss = loss + coef * terms[name]
         return SpiderCausalLMOutput(
             loss=loss,
@@ -2446,6 +2417,27 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
             attentions=outputs.attentions,
         )
+
+    def lm_loss(self, logits: torch.Tensor, input_ids: torch.LongTensor,
+                labels: torch.LongTensor | None, shift_labels: torch.LongTensor | None,
+                num_items_in_batch) -> torch.Tensor:
+        """Next-byte cross-entropy in nats, fp32 scalar: `logits` `(B, L, V)` against `labels`
+        `(B, L)` shifted inside (or pre-shifted `shift_labels`), -100 ignored, summed over
+        `num_items_in_batch` targets (default: the targets here). Raises ValueError for `labels`
+        of another shape than `input_ids` or an id outside the vocabulary."""
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+        targets = shift_labels if shift_labels is not None else labels[:, 1:]
+        bad = (targets != -100) & ((targets < 0) | (targets >= self.vocab_size))
+        check_values(bad, self.training, lambda on_host: (
+            f"labels contains token id {int(targets[bad][0]) if on_host else '(on device)'}, "
+            f"outside the vocabulary [0, {self.vocab_size}) (-100 = ignored)"))
+        if num_items_in_batch is None:
+            # the mean as a sum over a tensor count (no host sync; 0 when there is no target)
+            num_items_in_batch = (targets != -100).sum().clamp_min(1)
+        return self.loss_function(logits, labels, self.vocab_size,
+                                  num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
 
     def loss_terms(self, outputs: SpiderModelOutput, input_ids: torch.LongTensor,
                    attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
