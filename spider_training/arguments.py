@@ -25,7 +25,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .compile import compile_by_default
 from .data import is_hub_repo_id
-from .fp8 import FP8_LAYER_FILTERS
+from .fp8 import FP8_LAYER_ALIASES, FP8_LAYER_FILTERS, canonical_fp8_layers
 from .fp8_moe import FP8_EXPERTS_MODES
 from .optim import DEFAULT_MUON_LR
 from .sdpa import check_sdpa_backend
@@ -92,8 +92,8 @@ class SpiderArguments:
     fp8_recipe: str = field(default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"})
     fp8_layers: str = field(
         default="auto",
-        metadata={"help": "with fp8: auto (the linear layers where torchao's auto filter expects FP8 to gain) | seed "
-                  "(every layer the seed converted); the routed experts: --fp8_experts"},
+        metadata={"help": "with fp8: auto (the linear layers where torchao's auto filter expects FP8 to gain) | tk_train "
+                  "(every layer tk-train.py converted; 'seed' is its deprecated name); the routed experts: --fp8_experts"},
     )
     fp8_experts: str = field(
         default="auto",
@@ -209,7 +209,7 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
     if os.path.isfile(path):
         hint = ""
         if path.endswith((".pt", ".pth")):
-            hint = (" -- a tk-train.py .pt checkpoint is converted first: python -m spider_training.convert_seed "
+            hint = (" -- a tk-train.py .pt checkpoint is converted first: python -m spider_training.convert_tk_train "
                     f"{value} OUTPUT_DIR")
         raise ValueError(f"{flag} {value}: is a file; expected a folder saved with save_pretrained (config.json + "
                          f"model.safetensors){hint}")
@@ -307,8 +307,9 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
     if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
-    if spider.fp8_layers not in FP8_LAYER_FILTERS:
+    if spider.fp8_layers not in (*FP8_LAYER_FILTERS, *FP8_LAYER_ALIASES):
         raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}; got {spider.fp8_layers!r}")
+    spider.fp8_layers = canonical_fp8_layers(spider.fp8_layers)  # a deprecated name -> the current one (warned once)
     if spider.fp8_experts not in FP8_EXPERTS_MODES:
         raise ValueError(f"--fp8_experts must be one of {FP8_EXPERTS_MODES}; got {spider.fp8_experts!r}")
     if spider.reset_steps and not spider.resume:

@@ -1,21 +1,22 @@
-"""FP8 training for Spider with torchao's ``Float8Linear`` (seed ``tk-train.py``: ``configure_fp8_training``,
+"""FP8 training for Spider with torchao's ``Float8Linear`` (as in ``tk-train.py``, the original training script: ``configure_fp8_training``,
 ``detect_precision_mode``).
 
 What gets converted (:func:`fp8_skip_reason`, ``--fp8_layers``):
 
 - ``"auto"`` (default): the layers where torchao's own filter (``torchao.float8.float8_linear_utils.
   _auto_filter_for_recipe``, thresholds from its H100 benchmarks) expects FP8 to beat bf16, among the plain
-  ``nn.Linear`` layers the seed's filter allows. On the small and tiny presets no layer is large enough, so nothing is
+  ``nn.Linear`` layers tk-train.py's filter allows. On the small and tiny presets no layer is large enough, so nothing is
   converted and the run says so.
-- ``"seed"``: every layer the seed's filter allows: a plain ``nn.Linear`` whose qualified name contains none of the
-  seed's skip words (:data:`SEED_FP8_SKIP`) and whose ``in_features`` and ``out_features`` both divide by 16 (torchao /
+- ``"tk_train"``: every layer tk-train.py's filter allows: a plain ``nn.Linear`` whose qualified name contains none of
+  its skip words (:data:`TK_TRAIN_FP8_SKIP`) and whose ``in_features`` and ``out_features`` both divide by 16 (torchao /
   ``torch._scaled_mm`` needs it). In Spider that is the MLA projections, the dense prelude/coda SwiGLUs and the shared
   experts; the router, ``lm_head``, boundary predictor, Engram projections and halt predictor stay in high precision
-  (the module names are fixed so that the seed's filter keeps selecting the same layers).
+  (the module names are fixed so that tk-train.py's filter keeps selecting the same layers). ``"seed"`` is the
+  deprecated name of ``"tk_train"`` (:data:`FP8_LAYER_ALIASES`) and still works, with a warning.
 
 The routed experts are fused 3-D parameters (``modeling_spider.SpiderExperts``), not ``nn.Linear`` layers:
 ``Float8Linear`` does not reach them under either filter, and they run through the model's ``experts_implementation``
-in high precision. (The seed converted every expert's ``nn.Linear``; on an H200 that made a 1b step 5.8 s against
+in high precision. (tk-train.py converted every expert's ``nn.Linear``; on an H200 that made a 1b step 5.8 s against
 0.85 s in bf16: each expert multiplies only the few rows routed to it.) Their FP8 path is torchao's grouped GEMM,
 :mod:`spider_training.fp8_moe`.
 
@@ -55,9 +56,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: The seed's FP8 skip list (``tk-train.py`` ``configure_fp8_training``): a module whose qualified name contains any
+#: tk-train.py's FP8 skip list (its ``configure_fp8_training``): a module whose qualified name contains any
 #: of these substrings is never converted.
-SEED_FP8_SKIP = (
+TK_TRAIN_FP8_SKIP = (
     "boundary_predictor",
     "loop_embedding",
     "engram",
@@ -76,7 +77,10 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 PRECISIONS = ("auto", "fp8", "bf16", "fp32")
 
 #: Values of ``--fp8_layers``: which linear layers :func:`convert_model_to_fp8` converts (module docstring).
-FP8_LAYER_FILTERS = ("auto", "seed")
+FP8_LAYER_FILTERS = ("auto", "tk_train")
+
+#: Deprecated values of ``--fp8_layers`` -> their current name; accepted with a warning (logged once per value).
+FP8_LAYER_ALIASES = {"seed": "tk_train"}
 
 #: Minimum CUDA compute capability with FP8 tensor-core matmuls (Ada Lovelace sm_89).
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -85,7 +89,7 @@ FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 #: ``python -m bench.gpu_check``: ``{(compute capability, preset): {...}}``. ``--precision auto`` picks FP8 for a
 #: (GPU class, preset) only when its entry has ``fp8_seconds < bf16_seconds``; a pair without an entry gets bf16.
 #: The entries are what ``--precision fp8`` converts (``Float8Linear`` where torchao's filter expects a gain, the
-#: experts through torchao's FP8 grouped GEMM; ``small``: the ``fp8`` part's seed layers), measured on an H200 on
+#: experts through torchao's FP8 grouped GEMM; ``small``: the ``fp8`` part's tk_train layers), measured on an H200 on
 #: 2026-11-26 (``bench/gpu_check_h200.json``, docs/results.md "Performance on a GPU"); at 1 x 2048 bytes the 1b step
 #: was 0.288 s bf16 against 0.690 s FP8 tensorwise (0.256 / 0.377 s rowwise).
 FP8_MEASURED: dict[tuple[tuple[int, int], str], dict] = {
@@ -97,7 +101,7 @@ FP8_MEASURED: dict[tuple[tuple[int, int], str], dict] = {
     },
     ((9, 0), "small"): {
         "gpu": "NVIDIA H200", "batch": "8 x 256 bytes", "bf16_seconds": 0.082, "fp8_seconds": 0.209,
-        "fp8": "tensorwise Float8Linear on the seed's 32 layers, 2 experts modules FP8 grouped GEMM",
+        "fp8": "tensorwise Float8Linear on tk-train.py's 32 layers, 2 experts modules FP8 grouped GEMM",
         "versions": "torch 2.11.0+cu130, transformers 5.24.0, torchao 0.18.0",
     },
 }
@@ -131,34 +135,34 @@ def _is_float8_linear(module: nn.Module) -> bool:
 @functools.cache
 def _torchao_auto_filter(recipe: str):
     """torchao's ``_auto_filter_for_recipe`` for `recipe` (its ``rowwise`` one for ``rowwise_with_gw_hp``, which has
-    the same forward GEMM shapes and no filter of its own), without fqn filtering (the seed's words are checked
+    the same forward GEMM shapes and no filter of its own), without fqn filtering (tk-train.py's words are checked
     here)."""
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
     return _auto_filter_for_recipe("rowwise" if recipe == "rowwise_with_gw_hp" else recipe, filter_fqns=[])
 
 
-#: The reason of :func:`fp8_skip_reason` that ``--fp8_layers auto`` adds to the seed's (prefix of the text).
+#: The reason of :func:`fp8_skip_reason` that ``--fp8_layers auto`` adds to tk-train.py's (prefix of the text).
 AUTO_SKIP_SIZE = "torchao's auto filter"
 
 
-def fp8_skip_reason(module: nn.Module, fqn: str, layers: str = "seed", recipe: str = "tensorwise") -> str | None:
+def fp8_skip_reason(module: nn.Module, fqn: str, layers: str = "tk_train", recipe: str = "tensorwise") -> str | None:
     """Why `module` (qualified name `fqn`) stays in high precision under ``--fp8_layers`` `layers` (None: it is
     converted). See the module docstring for the two filters.
 
-    Reasons (the seed's): ``"not nn.Linear"``, ``"already Float8Linear"``, ``"name contains '<word>'"`` (first
-    matching word of :data:`SEED_FP8_SKIP`), ``"in_features=<n> / out_features=<m> not divisible by 16"``; and with
+    Reasons (tk-train.py's): ``"not nn.Linear"``, ``"already Float8Linear"``, ``"name contains '<word>'"`` (first
+    matching word of :data:`TK_TRAIN_FP8_SKIP`), ``"in_features=<n> / out_features=<m> not divisible by 16"``; and with
     ``layers="auto"``: ``"torchao's auto filter (<recipe>) expects no gain at in_features=<K>, out_features=<N>"``.
 
     Raises:
         ValueError: `layers` not in :data:`FP8_LAYER_FILTERS`.
     """
-    _check_layers(layers)
+    layers = canonical_fp8_layers(layers)
     if not isinstance(module, nn.Linear):
         return "not nn.Linear"
     if _is_float8_linear(module):
         return "already Float8Linear"
-    for word in SEED_FP8_SKIP:
+    for word in TK_TRAIN_FP8_SKIP:
         if word in fqn:
             return f"name contains {word!r}"
     if module.in_features % FP8_DIM_MULTIPLE or module.out_features % FP8_DIM_MULTIPLE:
@@ -174,11 +178,11 @@ def fp8_skip_reason(module: nn.Module, fqn: str, layers: str = "seed", recipe: s
 
 
 def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
-    """The seed's ``module_filter_fn`` for ``torchao.float8.convert_to_float8_training`` (``--fp8_layers seed``).
+    """tk-train.py's ``module_filter_fn`` for ``torchao.float8.convert_to_float8_training`` (``--fp8_layers tk_train``).
 
     True exactly for a plain ``nn.Linear`` (not already a ``Float8Linear``: a second conversion pass, e.g. accelerate's
-    after ours, leaves converted layers alone) whose qualified name `fqn` contains none of :data:`SEED_FP8_SKIP` (the
-    seed's filter, ``tk-train.py``) and whose ``in_features`` and ``out_features`` are both multiples of 16.
+    after ours, leaves converted layers alone) whose qualified name `fqn` contains none of :data:`TK_TRAIN_FP8_SKIP` (its
+    filter) and whose ``in_features`` and ``out_features`` are both multiples of 16.
     :func:`fp8_layer_filter` gives the filter of either ``--fp8_layers`` value.
     """
     return fp8_skip_reason(module, fqn) is None
@@ -190,7 +194,7 @@ def fp8_layer_filter(layers: str = "auto", recipe: str = "tensorwise"):
     Raises:
         ValueError: unknown `layers` or `recipe`.
     """
-    recipe, layers = _check_recipe(recipe), _check_layers(layers)
+    recipe, layers = _check_recipe(recipe), canonical_fp8_layers(layers)
     return lambda module, fqn: fp8_skip_reason(module, fqn, layers, recipe) is None
 
 
@@ -208,7 +212,7 @@ class Fp8Report:
         converted_fqns: qualified names of the ``Float8Linear`` layers, in module order.
         already_converted: True when the model already held ``Float8Linear`` layers and nothing was converted.
         skipped: qualified name -> reason (see :func:`fp8_skip_reason`) for every ``nn.Linear`` left in high precision.
-        layers: the ``--fp8_layers`` filter used (``"auto"`` or ``"seed"``).
+        layers: the ``--fp8_layers`` filter used (``"auto"`` or ``"tk_train"``).
     """
 
     converted: int
@@ -218,7 +222,7 @@ class Fp8Report:
     converted_fqns: list[str] = field(default_factory=list)
     already_converted: bool = False
     skipped: dict[str, str] = field(default_factory=dict)
-    layers: str = "seed"
+    layers: str = "tk_train"
 
     def skipped_by_reason(self) -> dict[str, int]:
         """Linear layers left in high precision, counted by the kind of reason: the reason's text up to its first
@@ -250,7 +254,17 @@ class Fp8Report:
         return text
 
 
-def _check_layers(layers: str) -> str:
+_warned_layer_aliases: set[str] = set()
+
+
+def canonical_fp8_layers(layers: str) -> str:
+    """`layers` as a value of :data:`FP8_LAYER_FILTERS`: a deprecated alias is mapped (and warned about once)."""
+    if layers in FP8_LAYER_ALIASES:
+        new = FP8_LAYER_ALIASES[layers]
+        if layers not in _warned_layer_aliases:
+            _warned_layer_aliases.add(layers)
+            logger.warning("--fp8_layers %s is deprecated; use --fp8_layers %s (the same layers)", layers, new)
+        layers = new
     if layers not in FP8_LAYER_FILTERS:
         raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}, got {layers!r}")
     return layers
@@ -268,7 +282,7 @@ def default_emulate() -> bool:
 
 
 def build_float8_config(recipe: str = "tensorwise", emulate: bool | None = None):
-    """torchao ``Float8LinearConfig`` for `recipe` with ``emulate`` and the seed's ``pad_inner_dim=True``.
+    """torchao ``Float8LinearConfig`` for `recipe` with ``emulate`` and tk-train.py's ``pad_inner_dim=True``.
 
     Built as ``dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=..., pad_inner_dim=True)``
     (torchao 0.18 has both fields). FSDP float8 all-gather stays off (the recipes' default), so weights stay plain
@@ -308,16 +322,16 @@ def _config_recipe_name(config) -> str:
 
 def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: bool | None = None,
                          layers: str = "auto") -> Fp8Report:
-    """Convert `model`'s eligible ``nn.Linear`` layers to torchao ``Float8Linear`` in place (seed
+    """Convert `model`'s eligible ``nn.Linear`` layers to torchao ``Float8Linear`` in place (tk-train.py's
     ``configure_fp8_training``).
 
     Args:
         model: any ``nn.Module`` (a Spider model in practice); converted in place.
-        recipe: ``"tensorwise"`` (seed default; dynamic per-tensor scales), ``"rowwise"`` or ``"rowwise_with_gw_hp"``
+        recipe: ``"tensorwise"`` (tk-train.py's default; dynamic per-tensor scales), ``"rowwise"`` or ``"rowwise_with_gw_hp"``
             (torchao ``Float8LinearRecipeName``). All three run forward+backward on CPU in emulate mode (tested).
         emulate: emulate the float8 matmuls in high precision; ``None`` = True exactly when CUDA is unavailable.
-        layers: ``"auto"`` (default: where torchao's filter expects a gain, routed experts excluded) or ``"seed"``
-            (every layer the seed converted); see the module docstring.
+        layers: ``"auto"`` (default: where torchao's filter expects a gain, routed experts excluded) or ``"tk_train"``
+            (every layer tk-train.py converted); see the module docstring.
 
     Layers are chosen by :func:`fp8_layer_filter`. Idempotent: a model that already holds ``Float8Linear`` layers
     (from an earlier call, or from accelerate's ``mixed_precision="fp8"`` / ``AORecipeKwargs`` path) is not converted
@@ -331,7 +345,7 @@ def convert_model_to_fp8(model: nn.Module, recipe: str = "tensorwise", emulate: 
         TypeError: `model` is not an ``nn.Module``.
         ImportError: torchao missing.
     """
-    recipe = _check_recipe(recipe)
+    recipe, layers = _check_recipe(recipe), canonical_fp8_layers(layers)
     module_filter = fp8_layer_filter(layers, recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_model_to_fp8 expects an nn.Module, got {type(model).__name__}")
@@ -482,12 +496,12 @@ def fp8_measured_faster(preset: str | None, capability: tuple[int, int] | None =
 
 
 def resolve_precision(precision: str, preset: str | None = None) -> str:
-    """Resolve ``--precision`` (seed ``detect_precision_mode``) to ``"fp8"``, ``"bf16"`` or ``"fp32"``.
+    """Resolve ``--precision`` (tk-train.py's ``detect_precision_mode``) to ``"fp8"``, ``"bf16"`` or ``"fp32"``.
 
     ``auto`` chooses by measurement, not by capability alone: ``fp8`` on a CUDA device with FP8 matmuls (compute
     capability >= 8.9) when torchao's float8 module imports *and* an FP8 step of `preset` measured faster than bf16 on
     that GPU class (:func:`fp8_measured_faster`); ``bf16`` on every other CUDA device; ``fp32`` on CPU (FP8 is only
-    emulated there, ~8x slower than bf16, and bf16 is slower than fp32 for small models on a 2-core CPU). The seed
+    emulated there, ~8x slower than bf16, and bf16 is slower than fp32 for small models on a 2-core CPU). tk-train.py
     returned FP8 from compute capability 8.0 on; on an H200 its FP8 step of the 1b preset took 5.8 s against 0.85 s
     in bf16. Explicit ``fp8`` / ``bf16`` / ``fp32`` are returned as given (case-insensitive); ``fp8`` on CPU runs
     emulated.
@@ -524,9 +538,11 @@ def resolve_precision(precision: str, preset: str | None = None) -> str:
 
 
 __all__ = [
-    "SEED_FP8_SKIP",
+    "TK_TRAIN_FP8_SKIP",
     "FP8_RECIPES",
     "PRECISIONS",
+    "FP8_LAYER_ALIASES",
+    "canonical_fp8_layers",
     "FP8_LAYER_FILTERS",
     "FP8_MIN_COMPUTE_CAPABILITY",
     "FP8_MEASURED",

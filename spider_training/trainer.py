@@ -24,7 +24,7 @@ Six private Trainer methods are overridden, in one marked section at the end of 
 does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
-  once, in ``__init__``, with the seed's module filter; accelerate is then told bf16 so it does not convert again.
+  once, in ``__init__``, with tk-train.py's module filter; accelerate is then told bf16 so it does not convert again.
   ``--compile`` (``torch_compile``) asks accelerate's dynamo plugin for regional compilation with dynamic shapes
   (:mod:`spider_training.compile`).
 - ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
@@ -111,7 +111,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see :func:`spider_training.fp8.resolve_precision`).
         fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``.
         fp8_layers: which linear layers ``precision="fp8"`` converts: ``"auto"`` (default; where torchao's filter
-            expects a gain) or ``"seed"`` (every layer the seed converted); see :mod:`spider_training.fp8`.
+            expects a gain) or ``"tk_train"`` (every layer tk-train.py converted); see :mod:`spider_training.fp8`.
         fp8_experts: what ``precision="fp8"`` does to the routed experts: ``"auto"`` (default; torchao's FP8 grouped
             GEMM where this GPU has it, bf16 elsewhere), ``"on"`` (raise where it cannot run) or ``"off"``; see
             :func:`spider_training.fp8_moe.convert_experts_for_training`.
@@ -349,7 +349,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
         if self.fp8_report is not None and args.get("mixed_precision") == "fp8":
-            logger.info("accelerate asked for fp8: converted once by SpiderTrainer (seed filter); accelerate runs bf16")
+            logger.info("accelerate asked for fp8: converted once by SpiderTrainer (--fp8_layers filter); accelerate runs bf16")
             args["mixed_precision"] = "bf16"
         if args.get("dynamo_plugin") is not None:
             # --compile compiles regions (accelerate's compile_regions): each prelude, recurrent and coda layer and

@@ -167,7 +167,7 @@ def main(out_dir: str) -> None:
     from spider_training.fp8 import convert_model_to_fp8
 
     fp8_reference = make_model()
-    report = convert_model_to_fp8(fp8_reference, emulate=True, layers="seed")
+    report = convert_model_to_fp8(fp8_reference, emulate=True, layers="tk_train")
     fp8_model = copy.deepcopy(fp8_reference)
     fp8_model, _, _ = shard(fp8_model, world)
     float8 = [m for m in fp8_model.modules() if type(m).__name__ == "Float8Linear"]

@@ -24,9 +24,9 @@ from spider_training.fp8 import (  # noqa: E402
 )
 from tests.helpers import tiny_model, train_step  # noqa: E402
 
-# The seed's skip list, restated here (tk-train.py configure_fp8_training.module_filter_fn).
-SEED_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm", "norm", "embed_tokens", "lm_head",
-                   "halt_predictor", "router"]
+# tk-train.py's skip list, restated here (its configure_fp8_training.module_filter_fn).
+TK_TRAIN_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm", "norm", "embed_tokens",
+                       "lm_head", "halt_predictor", "router"]
 
 
 
@@ -70,20 +70,20 @@ def test_converts_exactly_the_intended_modules():
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     expected = {
         fqn for fqn, m in linears.items()
-        if not any(word in fqn for word in SEED_SKIP_WORDS) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        if not any(word in fqn for word in TK_TRAIN_SKIP_WORDS) and m.in_features % 16 == 0 and m.out_features % 16 == 0
     }
-    report = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="seed")
+    report = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="tk_train")
     converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    skipped_words = {}  # first seed word in each skipped layer's name (the tiny preset's dims all divide by 16)
+    skipped_words = {}  # first tk-train.py skip word in each skipped layer's name (the tiny preset's dims all divide by 16)
     for fqn in set(linears) - expected:
-        word = next(w for w in SEED_SKIP_WORDS if w in fqn)
+        word = next(w for w in TK_TRAIN_SKIP_WORDS if w in fqn)
         skipped_words[word] = skipped_words.get(word, 0) + 1
     assert converted == expected == set(report.converted_fqns)
     assert report.converted == len(expected) and report.linear_total == len(linears)
     assert not report.already_converted and report.recipe == "tensorwise" and report.emulate is True
     assert report.message == (
         f"FP8: converted {len(expected)} of {len(linears)} linear layers (recipe=tensorwise, emulate=True, "
-        f"layers=seed); left in high precision: " + ", ".join(
+        f"layers=tk_train); left in high precision: " + ", ".join(
             f"{n} name contains {w!r}" for w, n in sorted(skipped_words.items(), key=lambda kv: f"name contains {kv[0]!r}"))
     )
     assert set(report.skipped) == set(linears) - expected
@@ -110,14 +110,29 @@ def test_converts_exactly_the_intended_modules():
     assert report.skipped["model.recurrent_block.layers.1.engram.key_proj"] == "name contains 'engram'"
 
 
+def test_deprecated_layers_name_seed_still_converts_the_tk_train_layers(caplog):
+    """``--fp8_layers seed`` (the old name of ``tk_train``) converts the same layers, reports ``tk_train`` and warns
+    once per process that it is deprecated."""
+    from spider_training import fp8 as fp8_module
+
+    fp8_module._warned_layer_aliases.discard("seed")
+    new = convert_model_to_fp8(tiny_model(), emulate=True, layers="tk_train")
+    with caplog.at_level("WARNING", logger="spider_training.fp8"):
+        old = convert_model_to_fp8(tiny_model(), emulate=True, layers="seed")
+        convert_model_to_fp8(tiny_model(), emulate=True, layers="seed")
+    assert old.converted == new.converted and old.skipped == new.skipped and old.layers == "tk_train"
+    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert warnings == ["--fp8_layers seed is deprecated; use --fp8_layers tk_train (the same layers)"]
+
+
 def test_emulate_default_follows_cuda_availability():
     model = tiny_model()
-    report = convert_model_to_fp8(model, layers="seed")
+    report = convert_model_to_fp8(model, layers="tk_train")
     assert report.emulate is (not torch.cuda.is_available())
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
     assert layers and all(m.config.emulate is report.emulate and m.config.pad_inner_dim for m in layers)
     with pytest.raises(ValueError, match="unknown FP8 recipe"):
-        convert_model_to_fp8(tiny_model(), recipe="axiswise", layers="seed")
+        convert_model_to_fp8(tiny_model(), recipe="axiswise", layers="tk_train")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -132,7 +147,7 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
     reference = pin_boundaries(tiny_model())
     ref_loss, ref_grads = loss_and_grads(reference, input_ids)
     model = pin_boundaries(tiny_model())
-    report = convert_model_to_fp8(model, recipe=recipe, emulate=True, layers="seed")
+    report = convert_model_to_fp8(model, recipe=recipe, emulate=True, layers="tk_train")
     assert report.recipe == recipe and report.converted > 0
     loss, grads = loss_and_grads(model, input_ids)
     assert torch.isfinite(loss)
@@ -151,9 +166,9 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
 
 def test_double_conversion_is_a_noop(input_ids):
     model = tiny_model()
-    first = convert_model_to_fp8(model, recipe="rowwise", emulate=True, layers="seed")
+    first = convert_model_to_fp8(model, recipe="rowwise", emulate=True, layers="tk_train")
     modules_before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    second = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="seed")
+    second = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="tk_train")
     modules_after = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert second.already_converted and second.converted == first.converted
     assert second.recipe == "rowwise"  # recovered from the existing layers' config
@@ -171,13 +186,13 @@ def test_accelerate_ao_path_and_ours_do_not_convert_twice():
     model = tiny_model()
     convert_model_to_fp8_ao(model, config=Float8LinearConfig(emulate=True, pad_inner_dim=True))
     converted = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    report = convert_model_to_fp8(model, emulate=True, layers="seed")
+    report = convert_model_to_fp8(model, emulate=True, layers="tk_train")
     assert report.already_converted and set(report.converted_fqns) == set(converted)
     assert all(m is converted[fqn] for fqn, m in model.named_modules() if isinstance(m, Float8Linear))
 
     # ours first, then accelerate's pass with ao_recipe_kwargs: the filter rejects Float8Linear, nothing changes
     model = tiny_model()
-    ours = convert_model_to_fp8(model, emulate=True, layers="seed")
+    ours = convert_model_to_fp8(model, emulate=True, layers="tk_train")
     before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     kwargs = ao_recipe_kwargs("tensorwise", emulate=True)
     assert kwargs.config.emulate is True and kwargs.config.pad_inner_dim is True
@@ -199,7 +214,7 @@ def test_fused_experts_stay_high_precision_on_their_implementation(implementatio
     experts_implementation (no switch is needed any more: with per-expert Linears, converting them forced
     grouped_mm to "sorted"), and a training step gives them gradients."""
     model = tiny_model(experts_implementation=implementation)
-    report = convert_model_to_fp8(model, emulate=True, layers="seed")
+    report = convert_model_to_fp8(model, emulate=True, layers="tk_train")
     assert report.converted > 0 and model.config._experts_implementation == implementation
     for layer in model.model.recurrent_block.layers:
         experts = layer.mlp.experts
@@ -218,7 +233,7 @@ def test_fused_experts_stay_high_precision_on_their_implementation(implementatio
 def test_converted_checkpoint_loads_into_plain_model(tmp_path, input_ids):
     plain_reference = tiny_model()
     model = tiny_model()
-    convert_model_to_fp8(model, emulate=True, layers="seed")
+    convert_model_to_fp8(model, emulate=True, layers="tk_train")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_and_grads(model, input_ids)
     optimizer.step()  # weights now differ from the initialisation
@@ -320,7 +335,7 @@ def test_auto_layers_follow_torchaos_filter_on_the_1b_preset():
     with torch.device("meta"):  # the 1b shapes without the memory
         model = SpiderForConditionalGeneration(SpiderConfig.from_preset("1b"))
     for recipe in ("tensorwise", "rowwise"):
-        torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=SEED_SKIP_WORDS)
+        torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=TK_TRAIN_SKIP_WORDS)
         chosen = fp8.fp8_layer_filter("auto", recipe)
         converted = {fqn for fqn, m in model.named_modules() if chosen(m, fqn)}
         expected = {fqn for fqn, m in model.named_modules() if torchao_filter(m, fqn)}

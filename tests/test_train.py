@@ -121,8 +121,15 @@ def test_compile_default_follows_the_measured_rule(monkeypatch):
         parse_args(["--compile", "--no_compile"])
 
 
+def test_fp8_layers_seed_is_a_deprecated_name_of_tk_train():
+    assert parse_args(["--fp8_layers", "seed"])[0].fp8_layers == "tk_train"
+    assert parse_args(["--fp8_layers", "tk_train"])[0].fp8_layers == "tk_train"
+    with pytest.raises(ValueError, match="--fp8_layers must be one of"):
+        parse_args(["--fp8_layers", "all"])
+
+
 def test_activation_checkpointing_default_follows_the_preset():
-    """On for the seed's 1B model (as the seed trains it), off for the CPU presets; either flag overrides."""
+    """On for tk-train.py's 1B model (as tk-train.py trains it), off for the CPU presets; either flag overrides."""
     assert parse_args(["--preset", "1b"])[1].activation_checkpointing is True
     assert parse_args([])[1].activation_checkpointing is False
     assert parse_args(["--preset", "tiny"])[1].activation_checkpointing is False
@@ -221,8 +228,8 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_smoke_bf16_and_emulated_fp8(tmp_path, precision):
-    # --fp8_layers seed: the default (auto) leaves every layer of the tiny preset in bf16, too small for FP8 to pay
-    extra = ["--fp8_layers", "seed"] if precision == "fp8" else []
+    # --fp8_layers tk_train: the default (auto) leaves every layer of the tiny preset in bf16, too small for FP8 to pay
+    extra = ["--fp8_layers", "tk_train"] if precision == "fp8" else []
     out, summary = run(tmp_path, precision, "--max_steps", "3", "--save_steps", "3", "--precision", precision,
                        "--sample_bytes", "0", *extra)
     assert summary["precision"] == precision
@@ -314,7 +321,7 @@ def test_launcher_mismatch_is_refused(tmp_path):
 
 
 def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
-    """FP8 asked through accelerate's own config: SpiderTrainer converts once (seed filter); accelerate does not."""
+    """FP8 asked through accelerate's own config: SpiderTrainer converts once (its --fp8_layers filter); accelerate does not."""
     from transformers import TrainingArguments, default_data_collator
 
     from configuration_spider import SpiderConfig
@@ -328,7 +335,7 @@ def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
                              per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="no")
     trainer = SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
-                            data_collator=default_data_collator, precision="fp32", fp8_layers="seed")
+                            data_collator=default_data_collator, precision="fp32", fp8_layers="tk_train")
     assert trainer.precision == "fp8" and trainer.fp8_report.converted > 0
     assert trainer.accelerator.mixed_precision == "bf16"
     trainer.train()
