@@ -641,8 +641,8 @@ def _flags() -> list[BadInput]:
         BadInput("--reset_steps without --resume", c, _cli("--reset_steps"), ValueError, r"--reset_steps needs --resume"),
         BadInput("--resume of a missing folder", c, _cli(files=lambda t: ["--resume", str(t / "gone")]),
                  FileNotFoundError, r"--resume {tmp}/gone: no such folder"),
-        BadInput("--init_from a seed .pt file", c, _cli(files=_pt_file), ValueError,
-                 r"--init_from {tmp}/spider-step50\.pt: is a file.*convert_seed"),
+        BadInput("--init_from a tk-train.py .pt file", c, _cli(files=_pt_file), ValueError,
+                 r"--init_from {tmp}/spider-step50\.pt: is a file.*convert_tk_train"),
         BadInput("--init_from a missing local folder", c, _cli(files=lambda t: ["--init_from", str(t / "nope")]),
                  FileNotFoundError, r"--init_from {tmp}/nope: no such folder"),
     ]
