@@ -6,8 +6,9 @@ document becomes ``[BOS] + utf8 + [EOS]`` (``spider_training.data.encode_documen
 documents are skipped and counted); documents are concatenated and cut into shards of ``--tokens_per_shard`` tokens
 (a document may continue in the next shard: readers treat the shards as one stream).
 
-Formats (docs/design.md, "Data formats"): ``--format seed`` (default) writes little-endian ``uint16`` tokens without
-header, the seed's format; ``--format header`` writes the parameter-golf / modded-nanogpt layout (256 ``int32``
+Formats (docs/design.md, "Data formats"): ``--format headerless`` (default) writes little-endian ``uint16`` tokens
+without header, tk-train.py's format (``--format seed`` is its deprecated name); ``--format header`` writes the
+parameter-golf / modded-nanogpt layout (256 ``int32``
 header: magic 20240520, version 1, token count at ``[2]``; then ``uint16`` tokens). Shards are named
 ``<prefix>_<split>_<NNNNNN>.bin`` so that :func:`spider_training.data.split_of_path` finds their split, written to a
 temporary file in ``DIR`` and moved into place with ``os.replace`` (atomic). ``DIR/metadata.json`` lists every shard
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -36,8 +38,12 @@ from spider_training.data import (
     METADATA_NAME, PAD_ID, SHARD_SUFFIX, TOKEN_DTYPE, VOCAB_SIZE, DocumentStats, encode_texts, classify_source,
     open_text_source, split_of_path,
 )
+from spider_training.data.shards import SHARD_FORMAT_ALIASES, SHARD_FORMATS
 
 __all__ = ["write_shards", "main"]
+
+logger = logging.getLogger(__name__)
+_warned_formats: set[str] = set()
 
 _MAX_HEADER_TOKENS = 2**31 - 1
 
@@ -67,7 +73,7 @@ def _write_atomic(path: Path, chunks: Sequence[bytes | np.ndarray]) -> None:
 
 
 def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train", text_column: str = "text",
-                 tokens_per_shard: int = 100_000_000, fmt: str = "seed", prefix: str | None = None,
+                 tokens_per_shard: int = 100_000_000, fmt: str = "headerless", prefix: str | None = None,
                  streaming: bool = True, eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
                  text_sample_by: str = "document", num_samples: int = 1000, max_documents: int | None = None,
                  overwrite: bool = False) -> dict[str, Any]:
@@ -78,7 +84,7 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
             :func:`spider_training.data.open_text_source` (``split`` must be ``"train"`` or ``"eval"`` for
             the shard names; for a Hub source it is also the Hub split read).
         tokens_per_shard: tokens per shard (the last shard holds the rest); shard bytes = 2 x tokens (+1024 header).
-        fmt: ``"seed"`` (no header) or ``"header"`` (magic 20240520).
+        fmt: ``"headerless"`` (no header; ``"seed"`` is its deprecated name) or ``"header"`` (magic 20240520).
         prefix: shard name prefix (default: derived from the source, e.g. ``sotu``).
         max_documents: stop after this many non-empty documents (``None`` = all).
         overwrite: replace existing shards of this split in ``out_dir``.
@@ -90,8 +96,13 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
         ValueError: bad argument, or a source without non-empty documents (names the source).
         FileExistsError: shards of this split already exist and ``overwrite`` is false.
     """
-    if fmt not in ("seed", "header"):
-        raise ValueError(f"fmt must be 'seed' or 'header', got {fmt!r}")
+    if fmt in SHARD_FORMAT_ALIASES:
+        if fmt not in _warned_formats:
+            _warned_formats.add(fmt)
+            logger.warning("shard format %r is deprecated; use %r (the same format)", fmt, SHARD_FORMAT_ALIASES[fmt])
+        fmt = SHARD_FORMAT_ALIASES[fmt]
+    if fmt not in SHARD_FORMATS:
+        raise ValueError(f"fmt must be 'headerless' or 'header', got {fmt!r}")
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if tokens_per_shard < 2 or (fmt == "header" and tokens_per_shard > _MAX_HEADER_TOKENS):
@@ -220,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--split", default="train", choices=["train", "eval"])
     p.add_argument("--text_column", default="text")
     p.add_argument("--tokens_per_shard", type=int, default=100_000_000)
-    p.add_argument("--format", dest="fmt", default="seed", choices=["seed", "header"])
+    p.add_argument("--format", dest="fmt", default="headerless", choices=[*SHARD_FORMATS, *SHARD_FORMAT_ALIASES])
     p.add_argument("--prefix", default=None)
     p.add_argument("--no_streaming", dest="streaming", action="store_false")
     p.add_argument("--eval_from_year", type=int, default=DEFAULT_SOTU_EVAL_FROM_YEAR)

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 
-from tests.helpers import write_header_shard, write_seed_shard
+from tests.helpers import write_header_shard, write_headerless_shard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,7 +238,7 @@ def _shards() -> list[BadInput]:
     shard_case("header cut short (12 bytes)",
                lambda t: _bytes(t / "short.bin", np.array([20240520, 1, 5], dtype="<i4").tobytes()),
                r"{tmp}/short\.bin.*only 12 bytes")
-    shard_case("token id 272 in a seed shard", lambda t: write_seed_shard(t / "big_id.bin", [257, 65, 272, 258]),
+    shard_case("token id 272 in a headerless shard", lambda t: write_headerless_shard(t / "big_id.bin", [257, 65, 272, 258]),
                r"{tmp}/big_id\.bin.*token id 272 at token 2")
     shard_case("GPT-2 token ids in a header shard", lambda t: write_header_shard(t / "gpt2.bin", [50256, 464]),
                r"{tmp}/gpt2\.bin.*token id 50256")
@@ -246,7 +246,7 @@ def _shards() -> list[BadInput]:
     def late_bad_id(tmp: Path):
         from spider_training import data as D
 
-        bad = write_seed_shard(tmp / "late_bad.bin", [65] * 20 + [999] + [66] * 9)
+        bad = write_headerless_shard(tmp / "late_bad.bin", [65] * 20 + [999] + [66] * 9)
         ds = D.ByteShardDataset(str(bad), 9, check_ids=False)
         return lambda: ds.window(2)
 
@@ -267,9 +267,9 @@ def _shards() -> list[BadInput]:
     def metadata(tmp: Path, edit):
         d = tmp / "ds"
         d.mkdir()
-        write_seed_shard(d / "data_train_000000.bin", np.arange(40) % 259)
+        write_headerless_shard(d / "data_train_000000.bin", np.arange(40) % 259)
         meta = {"vocab": {"pad": 256, "bos": 257, "eos": 258, "vocab_size": 272},
-                "shards": [{"name": "data_train_000000.bin", "split": "train", "format": "seed", "tokens": 40}]}
+                "shards": [{"name": "data_train_000000.bin", "split": "train", "format": "headerless", "tokens": 40}]}
         edit(d, meta)
         return lambda: _build(d)
 

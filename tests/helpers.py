@@ -32,8 +32,8 @@ def train_step(model, input_ids: torch.Tensor, seed: int = 1):
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def write_seed_shard(path: Path, tokens) -> Path:
-    """A headerless little-endian ``uint16`` byte shard (the seed's format) holding `tokens`; returns `path`."""
+def write_headerless_shard(path: Path, tokens) -> Path:
+    """A headerless little-endian ``uint16`` byte shard (tk-train.py's format) holding `tokens`; returns `path`."""
     np.asarray(tokens, dtype="<u2").tofile(path)
     return path
 

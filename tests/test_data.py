@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from spider_training import data as D
 from spider_training.write_shards import write_shards
-from tests.helpers import write_header_shard, write_seed_shard
+from tests.helpers import write_header_shard, write_headerless_shard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,14 +87,14 @@ def _chunks(stream, width):
 
 @pytest.fixture
 def random_shards(tmp_path):
-    """Two seed-format shards of random ids (windows are unique with overwhelming probability)."""
+    """Two headerless shards of random ids (windows are unique with overwhelming probability)."""
     rng = np.random.default_rng(123)
     d = tmp_path / "shards"
     d.mkdir()
     a = rng.integers(0, 259, size=1000)
     b = rng.integers(0, 259, size=540)
-    write_seed_shard(d / "part_000.bin", a)
-    write_seed_shard(d / "part_001.bin", b)
+    write_headerless_shard(d / "part_000.bin", a)
+    write_headerless_shard(d / "part_001.bin", b)
     return d, np.concatenate([a, b])
 
 
@@ -628,17 +628,17 @@ def test_stream_rank_validation(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_seed_and_header_formats_read_the_same_stream(tmp_path):
+def test_headerless_and_header_formats_read_the_same_stream(tmp_path):
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 272, size=333)
-    seed_dir, head_dir = tmp_path / "seed", tmp_path / "head"
-    seed_dir.mkdir()
+    bare_dir, head_dir = tmp_path / "headerless", tmp_path / "head"
+    bare_dir.mkdir()
     head_dir.mkdir()
-    write_seed_shard(seed_dir / "a.bin", tokens)
+    write_headerless_shard(bare_dir / "a.bin", tokens)
     write_header_shard(head_dir / "a.bin", tokens)
-    a = D.ByteShardDataset(str(seed_dir), 31)
+    a = D.ByteShardDataset(str(bare_dir), 31)
     b = D.ByteShardDataset(str(head_dir), 31)
-    assert [s.format for s in a.shards] == ["seed"] and [s.format for s in b.shards] == ["header"]
+    assert [s.format for s in a.shards] == ["headerless"] and [s.format for s in b.shards] == ["header"]
     wa = np.concatenate(list(a.iter_windows()))
     assert (wa == np.concatenate(list(b.iter_windows()))).all()
     assert (wa[:333] == tokens).all() and (wa[333:] == D.PAD_ID).all()
@@ -682,7 +682,7 @@ def test_shard_errors_name_the_file(tmp_path):
     short.write_bytes(np.array([D.HEADER_MAGIC, 1, 5], dtype="<i4").tobytes())
     _expect_shard_error(short, "only 12 bytes")
 
-    big_id = write_seed_shard(tmp_path / "big_id.bin", [257, 65, 272, 258])
+    big_id = write_headerless_shard(tmp_path / "big_id.bin", [257, 65, 272, 258])
     _expect_shard_error(big_id, "token id 272 at token 2")
 
     gpt2 = write_header_shard(tmp_path / "gpt2.bin", [50256, 464, 2068])
@@ -690,7 +690,7 @@ def test_shard_errors_name_the_file(tmp_path):
 
 
 def test_unchecked_shard_ids_fail_when_the_window_is_read(tmp_path):
-    bad = write_seed_shard(tmp_path / "late_bad.bin", [65] * 20 + [999] + [66] * 9)
+    bad = write_headerless_shard(tmp_path / "late_bad.bin", [65] * 20 + [999] + [66] * 9)
     ds = D.ByteShardDataset(str(bad), 9, check_ids=False)
     assert ds.window(0).max() == 65
     with pytest.raises(D.ShardFormatError, match=re.escape(str(bad)) + ".*token id 999"):
@@ -702,7 +702,26 @@ def test_unchecked_shard_ids_fail_when_the_window_is_read(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["seed", "header"])
+def test_format_seed_is_a_deprecated_name_of_headerless(tmp_path):
+    """``fmt="seed"`` (the old name) writes headerless shards, and a metadata.json written under the old name (its
+    shards say ``"format": "seed"``) still reads."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(20)), encoding="utf-8")
+    new = write_shards(str(src), tmp_path / "new", tokens_per_shard=100, fmt="headerless")
+    old = write_shards(str(src), tmp_path / "old", tokens_per_shard=100, fmt="seed")
+    assert old["shards"] == new["shards"]
+    for name in new["shards"]:
+        assert (tmp_path / "old" / name).read_bytes() == (tmp_path / "new" / name).read_bytes()
+    meta_path = tmp_path / "old" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    assert {s["format"] for s in meta["shards"]} == {"headerless"}
+    for shard in meta["shards"]:
+        shard["format"] = "seed"  # as written before the rename
+    meta_path.write_text(json.dumps(meta))
+    assert as_pairs(D.build_dataset(str(tmp_path / "old"), 37)) == as_pairs(D.build_dataset(str(tmp_path / "new"), 37))
+
+
+@pytest.mark.parametrize("fmt", ["headerless", "header"])
 def test_write_shards_round_trip(tmp_path, fmt):
     src = tmp_path / "docs.jsonl"
     texts = [f"round trip document {i}: {'é' * (i % 5)}" for i in range(50)] + ["  "]

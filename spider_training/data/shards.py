@@ -1,4 +1,4 @@
-"""Byte shards (``.bin``): the seed's format (``uint16``, no header) and the modded-nanogpt / parameter-golf format
+"""Byte shards (``.bin``): tk-train.py's headerless format (``uint16``, no header) and the modded-nanogpt / parameter-golf format
 (256 ``int32`` header: magic ``20240520``, version 1, token count), their ``metadata.json``, and
 :class:`ByteShardDataset`, the shards memory-mapped as one stream of windows."""
 
@@ -29,6 +29,11 @@ HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
 SHARD_SUFFIX = ".bin"
 METADATA_NAME = "metadata.json"
+
+#: Shard formats: ``headerless`` (tk-train.py's: ``uint16`` tokens, no header) and ``header`` (parameter-golf's).
+SHARD_FORMATS = ("headerless", "header")
+#: Deprecated format names -> their current name (``metadata.json`` files written before the rename say ``seed``).
+SHARD_FORMAT_ALIASES = {"seed": "headerless"}
 
 _ID_CHECK_CHUNK = 1 << 24  # tokens per vectorised max() when validating a shard
 
@@ -67,7 +72,7 @@ def _glob_files(pattern: str, what: str) -> list[Path]:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One validated shard: ``format`` is ``"seed"`` (no header) or ``"header"``; tokens start at ``offset`` bytes."""
+    """One validated shard: ``format`` is ``"headerless"`` or ``"header"``; tokens start at ``offset`` bytes."""
 
     path: str
     format: str
@@ -90,8 +95,8 @@ def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True) -> ShardIn
     """Validate one ``.bin`` shard and detect its format.
 
     The header format is recognised by the magic ``20240520`` in the first 4 bytes; it must then have version 1 and
-    a file size of exactly ``1024 + 2 * header[2]``. (A seed-format shard cannot start with the magic: as ``uint16``
-    its first two tokens would be 54600 and 308, both > 271.) Anything else is read as the seed format.
+    a file size of exactly ``1024 + 2 * header[2]``. (A headerless shard cannot start with the magic: as ``uint16``
+    its first two tokens would be 54600 and 308, both > 271.) Anything else is read as headerless.
 
     Args:
         check_ids: scan all tokens (vectorised ``max`` over the memmap, 16M tokens per step) for ids > 271.
@@ -135,7 +140,7 @@ def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True) -> ShardIn
         if size % TOKEN_DTYPE.itemsize:
             raise ShardFormatError(p, f"odd byte length {size}: a headerless uint16 shard needs an even size "
                                       f"(and a header shard starts with magic {HEADER_MAGIC})")
-        info = ShardInfo(str(p), "seed", 0, size // TOKEN_DTYPE.itemsize)
+        info = ShardInfo(str(p), "headerless", 0, size // TOKEN_DTYPE.itemsize)
     if check_ids:
         _check_ids(p, info.offset, info.num_tokens)
     return info
@@ -145,8 +150,8 @@ def _check_metadata(root: Path, infos: list[ShardInfo], split: str) -> None:
     """Cross-check shards against ``root/metadata.json`` when it exists (written by ``write_shards``)."""
     meta_path = root / METADATA_NAME
     if not meta_path.is_file():
-        if any(i.format == "seed" for i in infos):
-            logger.warning("no %s beside the shards in %s; reading them as seed-format byte shards", METADATA_NAME,
+        if any(i.format == "headerless" for i in infos):
+            logger.warning("no %s beside the shards in %s; reading them as headerless byte shards", METADATA_NAME,
                            root)
         return
     try:
@@ -170,7 +175,7 @@ def _check_metadata(root: Path, infos: list[ShardInfo], split: str) -> None:
             continue
         if "tokens" in entry and int(entry["tokens"]) != info.num_tokens:
             raise ShardFormatError(info.path, f"holds {info.num_tokens} tokens but {meta_path} says {entry['tokens']}")
-        if entry.get("format") not in (None, info.format):
+        if SHARD_FORMAT_ALIASES.get(entry.get("format"), entry.get("format")) not in (None, info.format):
             raise ShardFormatError(info.path, f"is in {info.format} format but {meta_path} says {entry['format']}")
     for name, entry in entries.items():
         if name not in by_name and entry.get("split", split) == split:
@@ -214,7 +219,7 @@ def discover_shards(source: str | os.PathLike, split: str = "train", *, check_id
 
 
 class ByteShardDataset(ByteWindowDataset):
-    """Pre-encoded byte shards read through ``np.memmap`` (seed ``LocalByteLevelDataset``, both formats above), as
+    """Pre-encoded byte shards read through ``np.memmap`` (tk-train.py's ``LocalByteLevelDataset``, both formats above), as
     one concatenated stream (windows may span two files).
 
     Args:
