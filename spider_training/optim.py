@@ -1,7 +1,7 @@
 """Muon for the hidden matrices, AdamW for everything else, as one optimizer that Trainer and accelerate can drive.
 
-Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/; used by modded-nanogpt and the parameter-golf seed
-``seeds/param-golf-train_gpt.py``) replaces each 2-D weight's momentum update by its nearest semi-orthogonal matrix
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/; used by modded-nanogpt and the parameter-golf script
+``param-golf-train_gpt.py``) replaces each 2-D weight's momentum update by its nearest semi-orthogonal matrix
 (5 Newton-Schulz steps). It applies to the matrices inside the transformer layers; embeddings, the LM head, routers,
 norms and other vectors stay with AdamW, as in those recipes. Both halves are torch's own optimizers
 (``torch.optim.Muon``, ``torch.optim.AdamW``): :class:`MuonWithAdamW` only presents them to ``transformers.Trainer`` as

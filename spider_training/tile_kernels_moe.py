@@ -1,4 +1,4 @@
-"""TileKernels (deepseek-ai/TileKernels) MoE routing kernels for Spider, with torch fallbacks (seed ``tk-train.py``).
+"""TileKernels (deepseek-ai/TileKernels) MoE routing kernels for Spider, with torch fallbacks (as in tk-train.py, the original training script).
 
 ``modeling_spider.SpiderMoE`` calls its ``kernels`` attribute for the routing ops (class default: the torch reference
 ``SpiderMoEKernels``; an instance attribute overrides it per layer). :class:`TileKernelsMoEKernels` is the same
@@ -63,7 +63,7 @@ from spider_training.moe_layout import FusedMapping
 
 logger = logging.getLogger(__name__)
 
-#: Functions of ``tile_kernels.moe`` 1.x used by the adapter (the seed's fused MoE routing).
+#: Functions of ``tile_kernels.moe`` 1.x used by the adapter (tk-train.py's fused MoE routing).
 TILE_KERNELS_1X_FUNCTIONS = (
     "topk_gate", "normalize_weight", "get_fused_mapping", "expand_to_fused", "reduce_fused", "aux_fi"
 )
@@ -342,7 +342,7 @@ def spider_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def swap_in_tile_kernels(model: torch.nn.Module, tile_kernels_module=None, alignment: int = 1) -> MoEBackend:
-    """Set ``.kernels`` of every SpiderMoE in `model` to a :class:`TileKernelsMoEKernels` when possible (seed
+    """Set ``.kernels`` of every SpiderMoE in `model` to a :class:`TileKernelsMoEKernels` when possible (tk-train.py
     ``tk-train.py``: "Falls back to Python MoE loop if TileKernels is unavailable").
 
     Without `tile_kernels_module`: uses ``tile_kernels.moe`` if CUDA is available and it imports (any exception while

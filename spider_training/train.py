@@ -6,7 +6,7 @@ from 2000 on held out), scores the held-out split before, during and after train
 prints a sample generation, and writes a release folder (safetensors, config with ``auto_map``, model and tokenizer
 code, tokenizer files, model card with the loss curves) that loads anywhere with
 ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``. ``--help`` lists every flag
-(``TrainingArguments`` plus Spider's own, including the seed's flags and environment variables).
+(``TrainingArguments`` plus Spider's own, including tk-train.py's flags and environment variables).
 """
 
 from __future__ import annotations

