@@ -1158,7 +1158,7 @@ def _median_step_seconds(model, ids, device, repeats: int = 5) -> float:
 
 
 def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repeats: int = 5,
-              layers: str = "seed") -> dict:
+              layers: str = "tk_train") -> dict:
     """torchao FP8 against bf16 autocast on one training step of `preset` (see the module docstring)."""
     from spider_training.fp8 import convert_for_fp8_training
 
@@ -1313,7 +1313,7 @@ def _fp8_part(options, deadline: Deadline) -> list[dict]:
                 entries.append(_entry(name, "skipped", TIME_BUDGET))
                 continue
             try:
-                entries.append(fp8_check(preset, recipe, repeats=options.step_repeats, layers=options.fp8_layers or ("auto" if preset == "1b" else "seed")))
+                entries.append(fp8_check(preset, recipe, repeats=options.step_repeats, layers=options.fp8_layers or ("auto" if preset == "1b" else "tk_train")))
             except PartTimeout as exc:  # the hard limit: keep the entries measured so far
                 entries.append(_entry(name, "skipped", f"{TIME_BUDGET}: {exc}"))
                 deadline.end = time.monotonic()
@@ -1442,8 +1442,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'")
     parser.add_argument("--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES),
                         help="presets of the FP8 comparison")
-    parser.add_argument("--fp8_layers", default=None, choices=("seed", "auto"),
-                        help="FP8 layer selection (spider_training.fp8); default: auto for 1b, seed for smaller presets")
+    parser.add_argument("--fp8_layers", default=None, choices=("tk_train", "auto", "seed"),
+                        help="FP8 layer selection (spider_training.fp8); default: auto for 1b, tk_train for smaller presets; seed: deprecated name of tk_train")
     return parser
 
 
