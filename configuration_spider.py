@@ -8,7 +8,7 @@ pools bytes into segments, a *recurrent* block of MLA-attention + mixture-of-exp
 Field names follow transformers' DeepseekV3 / Qwen3-MoE configs wherever a concept exists there (``hidden_size``,
 ``q_lora_rank``, ``n_routed_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``, ...). Named presets:
 
->>> SpiderConfig()                      # the seed's ~1B model (hidden 2048, 6 recurrent layers, 32 experts top-2)
+>>> SpiderConfig()                      # tk-train.py's ~1B model (hidden 2048, 6 recurrent layers, 32 experts top-2)
 >>> SpiderConfig.from_preset("small")   # a few million parameters: the default CPU training run
 >>> SpiderConfig.from_preset("tiny", n_loops=3)   # for tests; keyword arguments override the preset
 """
@@ -29,16 +29,16 @@ try:  # loaded as part of a package (trust_remote_code, or `spider` installed as
 except ImportError:  # loaded as a top-level module from the repository root
     from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
-# Presets are deltas against the defaults below (the seed's ~1B model). Each one keeps every linear layer's dimensions
+# Presets are deltas against the defaults below (tk-train.py's ~1B model). Each one keeps every linear layer's dimensions
 # divisible by 16, so the FP8 trainer converts the same modules at every size.
 #: The training choices measured on the small preset with bench/quality.py (README "Model quality"). The small and 1b
-#: presets both carry them. At 1B they are not yet measured one by one; the seed's own settings, tried on a GPU at 1B
-#: (6 steps on the seed's mock data), closed one segment per window by step 3 and halted after one loop, and the GPU
+#: presets both carry them. At 1B they are not yet measured one by one; the original script's own settings, tried on a GPU at 1B
+#: (6 steps on its mock data), closed one segment per window by step 3 and halted after one loop, and the GPU
 #: check's 300-step 1b run (bench/gpu_check.py) checks the boundary rate and the held-out loss with these.
 MEASURED_TRAINING_CHOICES: dict = dict(
     # Local byte attention is the largest single gain at the small budget, and a 4-byte window (about one open
     # segment) beats 8 and 16; without a ponder cost the loops keep their weight instead of halting at loop 1; with
-    # hard boundaries the seed's boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and the
+    # hard boundaries the original boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and the
     # MoE balancing loss both cost held-out bits per byte.
     sliding_window=4, ponder_loss_coef=0.0, boundary_loss_coef=1.0, router_aux_loss_coef=0.0,
     # Segments: end-to-end learned boundaries land on arbitrary bytes at this budget and the global path then adds
@@ -51,15 +51,15 @@ MEASURED_TRAINING_CHOICES: dict = dict(
 )
 
 SPIDER_PRESETS: dict[str, dict] = {
-    # SpiderConfig()'s shape (the seed's ~1B model) with the measured choices; SpiderConfig() itself stays the seed's
-    # (spider_training.convert_seed builds seed checkpoints on it)
+    # SpiderConfig()'s shape (tk-train.py's ~1B model) with the measured choices; SpiderConfig() itself stays
+    # tk-train.py's (spider_training.convert_tk_train builds its checkpoints on it)
     "1b": dict(MEASURED_TRAINING_CHOICES),
     "small": dict(
         hidden_size=256, intermediate_size=768, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64,
         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_prelude_layers=1, num_recurrent_layers=2,
         num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
         engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=32, engram_table_size=4096,
-        n_loops=2, max_loop_iters=8, lora_rank=16, max_position_embeddings=2048,
+        n_loops=2, max_loop_iters=8, loop_adapter_rank=16, max_position_embeddings=2048,
         **MEASURED_TRAINING_CHOICES,
     ),
     "tiny": dict(
@@ -67,7 +67,7 @@ SPIDER_PRESETS: dict[str, dict] = {
         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, num_prelude_layers=1, num_recurrent_layers=2,
         num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=16, engram_table_size=257,
-        n_loops=2, max_loop_iters=4, lora_rank=16, max_position_embeddings=512,
+        n_loops=2, max_loop_iters=4, loop_adapter_rank=16, max_position_embeddings=512,
         # the tests check the global path's machinery (cache, padding, gradients): it must reach the output at init
         upsample_scale_init=1.0,
     ),
@@ -91,7 +91,7 @@ SPIDER_AUTO_MAP = {
 class SpiderConfig(PreTrainedConfig):
     r"""Configuration of a Spider model (:class:`SpiderForConditionalGeneration`).
 
-    ``SpiderConfig()`` with no arguments is the seed's ~1B model (about 1.0B parameters). Fields are checked by
+    ``SpiderConfig()`` with no arguments is tk-train.py's ~1B model (about 1.0B parameters). Fields are checked by
     ``huggingface_hub``'s ``@strict``, as transformers' own configs are: a value of the wrong type (a string for an
     int, a bool for an int, a non-list for the Engram lists) raises ``StrictDataclassFieldValidationError`` naming the
     field, at construction and on assignment; a value that breaks a constraint raises ``ValueError`` naming the field
@@ -120,7 +120,7 @@ class SpiderConfig(PreTrainedConfig):
             (:class:`~modeling_spider.SpiderExperts`, fused 3-D ``gate_up_proj`` / ``down_proj``) compute: transformers'
             experts interface (``transformers.integrations.moe``): ``"grouped_mm"`` (one grouped GEMM over the
             expert-sorted token-slots, offsets on the device, no host sync), ``"batched_mm"`` (per-slot ``bmm``; memory
-            grows with tokens x k x expert size), ``"eager"`` (the seed's per-expert loop), or any other name registered
+            grows with tokens x k x expert size), ``"eager"`` (the original per-expert loop), or any other name registered
             in ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``. Stored as transformers stores it
             (``config._experts_implementation``, not written to ``config.json``); also settable with
             ``from_pretrained(..., experts_implementation=...)`` and ``model.set_experts_implementation(...)``.
@@ -141,7 +141,7 @@ class SpiderConfig(PreTrainedConfig):
             boundaries. ``"hard"``: ``p > boundary_threshold`` in training and evaluation alike, with a straight-through
             gradient to ``p`` (H-Net's hard routing), so the model is evaluated on the segmentation it trains on.
             ``"relaxed"``: FlexiTokens' relaxed-Bernoulli samples in training and the threshold at evaluation (the
-            seed's rule; the two segment at different rates once ``p`` sits near the prior). ``"fixed"``: no learned
+            original script's rule; the two segment at different rates once ``p`` sits near the prior). ``"fixed"``: no learned
             boundaries, a segment closes every ``round(1 / boundary_prior)`` bytes of position (the fixed-stride
             patching of MegaByte; the ablation that shows what learned boundaries add).
         boundary_temperature (`float`, defaults to 0.5): relaxed-Bernoulli temperature (``boundary_mode="relaxed"``).
@@ -170,7 +170,7 @@ class SpiderConfig(PreTrainedConfig):
             held constant in the gradient): the global stream reaches every byte at a fixed share of the byte
             stream's own RMS, so the path can neither drown the bytes nor be switched off. ``"residual_proj"`` (H-Net):
             ``RMSNorm(h) + residual_proj(x)`` with ``residual_proj`` initialised to zero, so at initialisation every
-            prediction must go through the global path. ``"add"`` (the seed): ``h + x``, where the unnormalised
+            prediction must go through the global path. ``"add"`` (the original script): ``h + x``, where the unnormalised
             loop output drowns the byte stream at initialisation.
         upsample_scale_init (`float`, defaults to 0.0): initial per-channel scale of the global stream with
             ``upsample_mixing="scaled_norm"`` (ReZero-style: the byte layers start unperturbed and the global path's
@@ -198,7 +198,8 @@ class SpiderConfig(PreTrainedConfig):
             provides keys and values to the segments that go on). Cached and uncached decoding follow the same rule.
             Training always runs every loop.
         ponder_loss_coef (`float`, defaults to 0.01).
-        lora_rank (`int`, defaults to 16): rank of the per-loop LoRA adapter.
+        loop_adapter_rank (`int`, defaults to 16): rank of the per-loop adapter (``SpiderLoopAdapter``, the
+            recurrence's depth-wise LoRA; not PEFT's). ``lora_rank``, its name in older configs, still loads.
         rope_parameters (`dict`, defaults to ``{"rope_type": "default", "rope_theta": 10000.0}``): transformers' RoPE
             parameters (``modeling_rope_utils``: any ``rope_type`` of ``ROPE_INIT_FUNCTIONS``); a ``rope_theta``
             argument or config.json key (older releases) is moved into it.
@@ -207,7 +208,9 @@ class SpiderConfig(PreTrainedConfig):
 
     model_type = "spider"
     keys_to_ignore_at_inference = ["cache"]
-    attribute_map = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts"}
+    # older names still read: lora_rank was the per-loop adapter's rank before the rename
+    attribute_map = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+                     "lora_rank": "loop_adapter_rank"}
 
     vocab_size: int = VOCAB_SIZE
     hidden_size: int = 2048
@@ -258,7 +261,7 @@ class SpiderConfig(PreTrainedConfig):
     act_threshold: float | int = 0.99
     act_early_exit: bool = False
     ponder_loss_coef: float | int = 0.01
-    lora_rank: int = 16
+    loop_adapter_rank: int = 16
     rms_norm_eps: float | int = 1e-6
     initializer_range: float | int = 0.02
     max_position_embeddings: int = 8192
@@ -413,7 +416,7 @@ class SpiderConfig(PreTrainedConfig):
             "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "kv_lora_rank",
             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_recurrent_layers", "n_routed_experts",
             "num_experts_per_tok", "moe_intermediate_size", "engram_num_heads", "engram_head_dim",
-            "engram_table_size", "engram_conv_kernel_size", "n_loops", "max_loop_iters", "lora_rank",
+            "engram_table_size", "engram_conv_kernel_size", "n_loops", "max_loop_iters", "loop_adapter_rank",
             "max_position_embeddings",
         ]
         for field in positive:

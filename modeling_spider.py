@@ -10,7 +10,7 @@ The file reads top-down like the forward pass (docs/design.md, "The forward pass
     h_out = recurrent_block(e, engram_memory, n_loops)    # SpiderRecurrentBlock, shared weights per loop t:
         z = loop_norm(h + e + loop_embedding[t])
         z = layers(z, engram_memory)                      #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
-        z = z + loop_lora(z, t);  h = A*h + B*e + z       #   per-loop LoRA, LTI injection
+        z = z + loop_lora(z, t);  h = A*h + B*e + z       #   per-loop adapter, LTI injection
         ACT halting: h_out += w_t * h                     #   Graves 2016
     y  = flexitokens.dechunk(b, h_out, x)                 # causal upsample, mixed into the byte stream
     logits = lm_head(norm(coda(y)))
@@ -25,7 +25,7 @@ pooling of Nawrot et al. 2023, OpenMythos / Parcae (LTI injection, ACT, per-loop
 
 Imports only torch, transformers, numpy and the standard library (the Hub serves this file). On
 import it registers a checkpoint conversion for model type ``"spider"``
-(:func:`per_expert_checkpoint_conversions`).
+(:func:`older_checkpoint_conversions`).
 """
 
 from __future__ import annotations
@@ -719,9 +719,9 @@ class SpiderExperts(nn.Module):
         return out.to(hidden_states.dtype)
 
 
-def per_expert_checkpoint_conversions() -> list:
+def older_checkpoint_conversions() -> list:
     """transformers weight conversions from the per-expert layout of older releases
-    (``...mlp.experts.{e}.gate_proj .weight`` etc.) to :class:`SpiderExperts`' fused parameters, as
+    (``...mlp.experts.{e}.gate_proj.weight`` etc.) to :class:`SpiderExperts`' fused parameters, as
     transformers registers for ``deepseek_v3``; registered for model type ``"spider"`` on import, so
     ``from_pretrained`` converts while it loads."""
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
@@ -740,17 +740,17 @@ def per_expert_checkpoint_conversions() -> list:
     ]
 
 
-def _register_per_expert_checkpoint_conversions() -> None:
+def _register_older_checkpoint_conversions() -> None:
     # overwrite: this file is imported once per location (repository root, each trust_remote_code
     # copy)
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
     register_checkpoint_conversion_mapping(
-        SpiderConfig.model_type, per_expert_checkpoint_conversions(), overwrite=True
+        SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
     )
 
 
-_register_per_expert_checkpoint_conversions()
+_register_older_checkpoint_conversions()
 
 
 class RowWeights(NamedTuple):
@@ -1386,22 +1386,24 @@ class SpiderFlexiTokens(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------
-# Recurrence: loop LoRA, LTI injection, ACT halting
+# Recurrence: loop adapter, LTI injection, ACT halting
 # --------------------------------------------------------------------------------------------------
 
 
-class SpiderLoopLoRA(nn.Module):
-    """Per-loop low-rank adapter `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`:
-    A and B shared, one scale vector per loop (OpenMythos); B starts at zero; loops past
-    `max_loop_iters` reuse the last scale.
-    """
+class SpiderLoopAdapter(nn.Module):
+    """Per-loop low-rank adapter (OpenMythos' form of Relaxed Recursive Transformers' depth-wise
+    LoRA) `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`: `lora_A` `(r, D)` and
+    `lora_B` `(D, r)` shared by the loops, one scale vector per loop; `lora_B` starts at zero; loops
+    past `max_loop_iters` reuse the last scale. A part of the model, not a PEFT adapter
+    (``config.loop_adapter_rank``; the parameter names are those of every release)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
         self.max_loop_iters = config.max_loop_iters
-        self.lora_A = nn.Parameter(torch.empty(config.lora_rank, config.hidden_size))
-        self.lora_B = nn.Parameter(torch.empty(config.hidden_size, config.lora_rank))
-        self.loop_scale = nn.Parameter(torch.empty(config.max_loop_iters, config.lora_rank))
+        rank = config.loop_adapter_rank
+        self.lora_A = nn.Parameter(torch.empty(rank, config.hidden_size))
+        self.lora_B = nn.Parameter(torch.empty(config.hidden_size, rank))
+        self.loop_scale = nn.Parameter(torch.empty(config.max_loop_iters, rank))
 
     def forward(self, hidden_states: torch.Tensor, loop_idx: int) -> torch.Tensor:
         scale = self.loop_scale[min(loop_idx, self.max_loop_iters - 1)].to(hidden_states.dtype)
@@ -1503,7 +1505,7 @@ class SpiderRecurrentBlock(nn.Module):
         self.layers = nn.ModuleList(
             SpiderRecurrentLayer(config, i, memory_size) for i in range(config.num_recurrent_layers)
         )
-        self.loop_lora = SpiderLoopLoRA(config)
+        self.loop_lora = SpiderLoopAdapter(config)
         self.injection = SpiderLTIInjection(config)
         self.halt_predictor = nn.Linear(D, 1, dtype=torch.float32)
         self.halting_step = SpiderHaltingStep()
@@ -1905,7 +1907,7 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, SpiderRMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, SpiderLoopLoRA):
+        elif isinstance(module, SpiderLoopAdapter):
             init.normal_(module.lora_A, mean=0.0, std=std)
             init.zeros_(module.lora_B)
             init.ones_(module.loop_scale)

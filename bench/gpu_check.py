@@ -217,7 +217,7 @@ SEED_RECIPE_SHAPE = (112, 256)
 #: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
 _WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
-                 "engram_head_dim", "engram_table_size", "lora_rank", "max_position_embeddings")
+                 "engram_head_dim", "engram_table_size", "loop_adapter_rank", "max_position_embeddings")
 TIME_BUDGET = "time budget"
 #: a training step slower than this x the run's median step counts as slow (``step_seconds.slow_steps``)
 SLOW_STEP_FACTOR = 2.0

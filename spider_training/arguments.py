@@ -44,7 +44,7 @@ class SpiderArguments:
     preset: str = field(default="small", metadata={"help": "model preset: tiny, small, 1b (SpiderConfig.from_preset)"})
     config_overrides: str | None = field(
         default=None, metadata={"help": "config overrides in transformers' key=value,... format (SpiderConfig."
-                                        "update_from_string), e.g. 'n_loops=3,lora_rank=8,engram_layer_ids=[1]'"}
+                                        "update_from_string), e.g. 'n_loops=3,loop_adapter_rank=8,engram_layer_ids=[1]'"}
     )
     init_from: str | None = field(default=None, metadata={"help": "start from the weights of a saved Spider folder"})
     model_name: str | None = field(

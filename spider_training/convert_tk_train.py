@@ -350,6 +350,7 @@ def map_state_dict(
 #: n_experts_per_tok, expert_dim``) and common transformers spellings. A field that *is* a SpiderConfig field is
 #: taken under its own name; an exact name wins over an alias.
 TK_TRAIN_CFG_ALIASES: dict[str, str] = {
+    "lora_rank": "loop_adapter_rank",
     "dim": "hidden_size",
     "d_model": "hidden_size",
     "n_heads": "num_attention_heads",

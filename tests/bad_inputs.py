@@ -472,7 +472,7 @@ POSITIVE_INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",
     "qk_nope_head_dim", "v_head_dim", "num_recurrent_layers", "n_routed_experts", "num_experts_per_tok",
     "moe_intermediate_size", "engram_num_heads", "engram_head_dim", "engram_table_size", "engram_conv_kernel_size",
-    "n_loops", "max_loop_iters", "lora_rank", "max_position_embeddings",
+    "n_loops", "max_loop_iters", "loop_adapter_rank", "max_position_embeddings",
 )
 NON_NEGATIVE_INT_FIELDS = ("num_prelude_layers", "num_coda_layers", "n_shared_experts")
 #: float field -> an out-of-range value

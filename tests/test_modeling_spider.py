@@ -43,7 +43,7 @@ class SpiderModelTester:
         return SpiderConfig.from_preset(
             "tiny", hidden_size=self.hidden_size, intermediate_size=64, num_attention_heads=self.num_attention_heads,
             q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-            moe_intermediate_size=16, n_routed_experts=4, engram_head_dim=8, engram_table_size=101, lora_rank=4,
+            moe_intermediate_size=16, n_routed_experts=4, engram_head_dim=8, engram_table_size=101, loop_adapter_rank=4,
             max_position_embeddings=64, num_prelude_layers=1, num_recurrent_layers=1, num_coda_layers=0,
             engram_layer_ids=[0],
         )
@@ -265,3 +265,19 @@ def test_rope_parameters_pick_transformers_rope(tmp_path):
     expected = 1.0 / (500000.0 ** (torch.arange(0, loaded.config.qk_rope_head_dim, 2).float()
                                    / loaded.config.qk_rope_head_dim))
     torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
+
+
+def test_older_config_key_lora_rank_loads_as_loop_adapter_rank(tmp_path):
+    """The per-loop adapter's rank was `lora_rank` (which read as PEFT's LoRA): configs written with it still load,
+    arguments and overrides with it still apply, and new configs write `loop_adapter_rank`."""
+    config = SpiderConfig.from_preset("tiny", lora_rank=8)
+    assert config.loop_adapter_rank == 8 and config.lora_rank == 8
+    config.update_from_string("lora_rank=4")
+    assert config.loop_adapter_rank == 4
+    saved = config.to_dict()
+    assert "lora_rank" not in saved and saved["loop_adapter_rank"] == 4
+    saved.pop("loop_adapter_rank")
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "lora_rank": 2}))
+    loaded = SpiderConfig.from_pretrained(tmp_path)
+    assert loaded.loop_adapter_rank == 2
+    assert SpiderForConditionalGeneration(loaded).model.recurrent_block.loop_lora.lora_A.shape[0] == 2
