@@ -97,6 +97,10 @@ class SpiderModelOutput(ModelOutput):
             segment and the remainder paid at its halting loop (the ponder cost is their sum).
         expert_loads, mean_scores (`tuple[torch.FloatTensor]`): per (loop, recurrent layer),
             DeepSeek's `f_i` and `P_i` `(E,)` (the balancing loss is the mean of `sum_i f_i * P_i`).
+        loop_weights (`torch.FloatTensor` `(B, 1+S, T)`, *optional*): with
+            `output_router_logits=True`, each loop's ACT weight in a segment's output (a real
+            segment's sum to 1; 0 from its halting step on). With `boundaries`, `halting_step` and
+            `router_logits` it is where the forward spent its compute (the compute map).
         attentions (`tuple[torch.FloatTensor]`, *optional*): with `output_attentions=True` and
             ``"eager"``, per attention call in forward order: `(B, H, L, L)` for byte layers,
             `(B, H, 1+S, 1+S)` per (loop, recurrent layer); empty for other implementations.
@@ -116,6 +120,7 @@ class SpiderModelOutput(ModelOutput):
     halting_remainder: torch.FloatTensor | None = None
     expert_loads: tuple[torch.FloatTensor, ...] | None = None
     mean_scores: tuple[torch.FloatTensor, ...] | None = None
+    loop_weights: torch.FloatTensor | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
@@ -138,9 +143,11 @@ class SpiderCausalLMOutput(ModelOutput):
             mean ACT loops.
         expert_load (`torch.FloatTensor` `(E,)`): aux_fi load per expert (1.0 everywhere at perfect
             balance).
+        boundaries, boundary_probs, segment_mask, halting_step, loop_weights: the base model's
+            (:class:`SpiderModelOutput`): per byte and per segment, where the forward spent its
+            compute.
         Other fields as in :class:`SpiderModelOutput`; the loss terms and diagnostics are None for a
-            cached decode
-        step.
+        cached decode step.
     """
 
     loss: torch.FloatTensor | None = None
@@ -156,6 +163,11 @@ class SpiderCausalLMOutput(ModelOutput):
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     cache: object | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
+    boundaries: torch.FloatTensor | None = None
+    boundary_probs: torch.FloatTensor | None = None
+    segment_mask: torch.FloatTensor | None = None
+    halting_step: torch.FloatTensor | None = None
+    loop_weights: torch.FloatTensor | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1479,13 +1491,15 @@ class SpiderHaltingStep(nn.Module):
 class SpiderRecurrentBlockOutput(NamedTuple):
     """What :class:`SpiderRecurrentBlock` returns: `h_out` fp32 `(B, S, D)` (ACT-weighted sum of the
     loops' states), `act` (:class:`ACTState` after the last loop), per (loop, layer) the MoE's
-    `expert_loads` and `mean_scores` `(E,)` and, when asked for, `router_logits` `(N, E)`."""
+    `expert_loads` and `mean_scores` `(E,)` and, when asked for, `router_logits` `(N, E)` and each
+    loop's ACT weight `loop_weights` `(B, S)` (detached)."""
 
     h_out: torch.Tensor
     act: ACTState
     expert_loads: list
     mean_scores: list
     router_logits: list
+    loop_weights: list
 
 
 class SpiderRecurrentBlock(nn.Module):
@@ -1534,7 +1548,7 @@ class SpiderRecurrentBlock(nn.Module):
         h = e
         act = ACTState(*(torch.zeros(B, S, dtype=torch.float32, device=e.device) for _ in range(3)))
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
-        expert_loads, mean_scores, router_logits = [], [], []
+        expert_loads, mean_scores, router_logits, loop_weights = [], [], [], []
         # through the embedding's forward (hooks such as accelerate's offloading load its weight
         # there), once
         loop_ids = torch.arange(n_loops, device=e.device).clamp(max=self.max_loop_iters - 1)
@@ -1578,10 +1592,13 @@ class SpiderRecurrentBlock(nn.Module):
                 halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(
                     -1
                 )
-                h_out, act, _ = self.halting_step(
+                h_out, act, weight = self.halting_step(
                     halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1,
                 )
-        return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits)
+                if output_router_logits:
+                    loop_weights.append(weight.detach())
+        return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits,
+                                          loop_weights)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2136,6 +2153,7 @@ class SpiderModel(SpiderPreTrainedModel):
             halting_remainder=block.act.remainders,
             expert_loads=tuple(block.expert_loads),
             mean_scores=tuple(block.mean_scores),
+            loop_weights=torch.stack(block.loop_weights, -1) if output_router_logits else None,
         )
 
     def prefill_cache(
@@ -2418,6 +2436,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
             attentions=outputs.attentions,
+            **{name: getattr(outputs, name) for name in
+               ("boundaries", "boundary_probs", "segment_mask", "halting_step", "loop_weights")},
         )
 
     def lm_loss(self, logits: torch.Tensor, input_ids: torch.LongTensor,

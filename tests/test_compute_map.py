@@ -119,6 +119,27 @@ def test_map_agrees_with_the_forward_it_was_read_from(early_exit):
     assert model.training is False and not model.model.recurrent_block.halting_step._forward_hooks
 
 
+def test_the_model_call_returns_what_the_map_shows():
+    """One call on the model is the map's source too: `model(ids, output_router_logits=True)` returns per byte the
+    boundaries and their probabilities, per segment the loops ACT ran and each loop's weight, and the router logits
+    per (loop, layer) -- equal to the map read through hooks from the same kind of call."""
+    model = varied_halting_model().eval()
+    ids = encode(TEXT, model)
+    cmap = compute_map(model, ids, n_loops=4)
+    with torch.no_grad():
+        out = model(ids, n_loops=4, output_router_logits=True)
+    mask = out.segment_mask > 0.5
+    assert torch.equal(mask, cmap.segment_mask)
+    assert torch.equal(out.boundaries > 0.5, cmap.boundaries)
+    assert torch.equal(out.boundary_probs, cmap.boundary_probs)
+    assert torch.equal(out.halting_step.round().long() * mask, cmap.halting_step)
+    assert out.loop_weights.shape == (*mask.shape, 4)
+    assert torch.equal(out.loop_weights * mask[..., None], cmap.loop_weights)
+    torch.testing.assert_close(out.loop_weights.sum(-1)[mask], torch.ones(int(mask.sum())))
+    assert len(out.router_logits) == 4 * model.config.num_recurrent_layers
+    assert model(ids, n_loops=4).loop_weights is None  # only asked for with the router logits
+
+
 def test_left_padded_batch():
     model = varied_halting_model()
     tok = SpiderTokenizer()
