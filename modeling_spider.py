@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -605,53 +604,14 @@ class SpiderMoEKernels:
         )
 
 
-_SHARED_WEIGHT_CASTS: ContextVar[dict | None] = ContextVar(
-    "spider_shared_weight_casts", default=None
-)
-
-
-@contextmanager
-def shared_weight_casts() -> Iterator[None]:
-    """Inside, :func:`cast_weight` casts each parameter once per dtype and hands every later call
-    the same cast, as autocast's own weight cache does for the layers it casts (their gradients add
-    up in the cast's dtype before the one cast back). The recurrent block opens it around its loops,
-    so the routed experts' weights, which autocast does not cast (torch's grouped GEMM is no
-    autocast op), are cast once per forward instead of once per loop: on the `1b` preset 100M
-    parameters per layer, a copy each loop in memory and in the backward otherwise. Nothing is
-    shared under ``torch.compile`` (a traced region casts its own)."""
-    token = _SHARED_WEIGHT_CASTS.set({})
-    try:
-        yield
-    finally:
-        _SHARED_WEIGHT_CASTS.reset(token)
-
-
-def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight.to(dtype)``; inside :func:`shared_weight_casts` the same result for the same
-    parameter (an ``nn.Parameter`` not written in place since), so a weight used by every loop is
-    cast once. A tensor computed from the parameters (PEFT's LoRA on experts) is cast anew each
-    call."""
-    casts = None if torch.compiler.is_compiling() else _SHARED_WEIGHT_CASTS.get()
-    if casts is None or not isinstance(weight, nn.Parameter) or weight.dtype == dtype:
-        return weight.to(dtype)
-    key = (id(weight), dtype)
-    cached = casts.get(key)
-    # the parameter itself is kept with its cast: its id is not reused while the cache lives
-    if cached is not None and cached[0] is weight and cached[1] == weight._version:
-        return cached[2]
-    cast = weight.to(dtype)
-    casts[key] = (weight, weight._version, cast)
-    return cast
-
-
 class _ExpertsWeightsIn:
     """`experts` seen with its fused weights cast to `dtype` (every other attribute is the module's
     own), for an experts function of transformers' interface to read."""
 
     def __init__(self, experts: nn.Module, dtype: torch.dtype):
         self._experts = experts
-        self.gate_up_proj = cast_weight(experts.gate_up_proj, dtype)
-        self.down_proj = cast_weight(experts.down_proj, dtype)
+        self.gate_up_proj = experts.cast_weight(experts.gate_up_proj, dtype)
+        self.down_proj = experts.cast_weight(experts.down_proj, dtype)
 
     def __getattr__(self, name: str):
         return getattr(self._experts, name)
@@ -663,9 +623,9 @@ def _experts_in_autocast_dtype(
     """Run the experts `function` in the autocast dtype when autocast is on: torch's grouped GEMM is
     no autocast op, and transformers' functions cast the input to the weights' dtype, so fp32 master
     weights would run it in fp32, which on CUDA is torch's fallback (a loop over experts that reads
-    the offsets on the host) instead of the bf16 kernel. The weights are cast as autocast casts a
-    linear layer's, once for all their uses inside the recurrent block's loops (:func:`cast_weight`
-    under :func:`shared_weight_casts`); torchao's FP8 weight wrappers quantise from the master
+    the offsets on the host) instead of the bf16 kernel. The weights are cast by the experts'
+    ``cast_weight`` (a training loop may share one cast across the loops:
+    ``spider_training.mixed_precision``); torchao's FP8 weight wrappers quantise from the master
     weights themselves and are left alone."""
     device_type = hidden_states.device.type
     weights = (experts.gate_up_proj, experts.down_proj)
@@ -714,6 +674,13 @@ class SpiderExperts(nn.Module):
             torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
         )
         self.act_fn = ACT2FN[config.hidden_act]
+
+    @staticmethod
+    def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`weight` in `dtype` for one experts call under autocast (``weight.to(dtype)``). A training
+        loop may set an instance's own (``spider_training.mixed_precision``: one cast per forward
+        for all loops)."""
+        return weight.to(dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -1561,42 +1528,39 @@ class SpiderRecurrentBlock(nn.Module):
             real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(
                 0, segment_index, True
             )
-        # the routed experts' weights cast once for all loops (autocast caches the other layers'
-        # casts itself)
-        with nullcontext() if torch.compiler.is_compiling() else shared_weight_casts():
-            for t in range(n_loops):
-                if early_exit and t > 0:
-                    # ACT exit: halted segments keep their state and leave the MoE but still serve
-                    # keys and values; without a cache the loop stops once every segment has halted.
-                    running = act.halting_prob < self.act_threshold
-                    if cache is None and not bool(running.any()):
-                        break
-                    keep = (
-                        running.reshape(-1) if segment_index is None else running.reshape(-1) & real
-                    )
-                    routed = keep.nonzero().squeeze(1)
-                z = self.loop_norm(h + e + loop_embeddings[t])
-                for i, layer in enumerate(self.layers):
-                    z, logits, load, scores = layer(
-                        z, position_embeddings, attention_mask, routed, engram_memory,
-                        row_weights, cache=cache.recurrent[t][i] if cache is not None else None,
-                    )
-                    expert_loads.append(load)
-                    mean_scores.append(scores)
-                    if output_router_logits:
-                        router_logits.append(logits)
-                z = z + self.loop_lora(z, t)
-                h_next = self.injection(h, e, z)
-                # exited segments stay
-                h = h_next if running is None else torch.where(running[..., None], h_next, h)
-                halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(
-                    -1
+        for t in range(n_loops):
+            if early_exit and t > 0:
+                # ACT exit: halted segments keep their state and leave the MoE but still serve
+                # keys and values; without a cache the loop stops once every segment has halted.
+                running = act.halting_prob < self.act_threshold
+                if cache is None and not bool(running.any()):
+                    break
+                keep = (
+                    running.reshape(-1) if segment_index is None else running.reshape(-1) & real
                 )
-                h_out, act, weight = self.halting_step(
-                    halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1,
+                routed = keep.nonzero().squeeze(1)
+            z = self.loop_norm(h + e + loop_embeddings[t])
+            for i, layer in enumerate(self.layers):
+                z, logits, load, scores = layer(
+                    z, position_embeddings, attention_mask, routed, engram_memory,
+                    row_weights, cache=cache.recurrent[t][i] if cache is not None else None,
                 )
+                expert_loads.append(load)
+                mean_scores.append(scores)
                 if output_router_logits:
-                    loop_weights.append(weight.detach())
+                    router_logits.append(logits)
+            z = z + self.loop_lora(z, t)
+            h_next = self.injection(h, e, z)
+            # exited segments stay
+            h = h_next if running is None else torch.where(running[..., None], h_next, h)
+            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(
+                -1
+            )
+            h_out, act, weight = self.halting_step(
+                halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1,
+            )
+            if output_router_logits:
+                loop_weights.append(weight.detach())
         return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits,
                                           loop_weights)
 

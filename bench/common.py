@@ -33,6 +33,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spider_training.mixed_precision import share_expert_weight_casts, shared_weight_casts
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
     sys.path.insert(0, str(REPO_ROOT))
@@ -208,9 +210,10 @@ def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
 
 
 class TrainStep:
-    """One training step as the trainer does it: ``model.train()``, forward with labels, backward, AdamW step,
-    ``zero_grad``. ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments; the two
-    halves are :meth:`forward_backward` and :meth:`optimizer_step`.
+    """One training step as the trainer does it: ``model.train()``, forward with labels (the experts' autocast weight
+    casts shared across the loops, :mod:`spider_training.mixed_precision`), backward, AdamW step, ``zero_grad``.
+    ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments; the two halves are
+    :meth:`forward_backward` and :meth:`optimizer_step`.
 
     `autocast_dtype` (e.g. ``torch.bfloat16``): the forward under ``torch.autocast`` on the inputs' device (None:
     none). `fused`: torch's fused AdamW (CUDA)."""
@@ -223,12 +226,13 @@ class TrainStep:
         self.autocast_dtype = autocast_dtype
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
         self.model.train()
+        share_expert_weight_casts(model)
 
     def forward_backward(self):
         """Forward with labels and backward; returns the model output."""
         autocast = (torch.autocast(self.input_ids.device.type, dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())
-        with autocast:
+        with autocast, shared_weight_casts():
             out = self.model(input_ids=self.input_ids, labels=self.input_ids, **self.forward_kwargs)
         out.loss.backward()
         return out

@@ -6,13 +6,14 @@ overrides public, documented methods:
 
 - ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and the fused experts
   to torchao's FP8 grouped GEMM where the GPU has it (:mod:`spider_training.fp8_moe`), and swaps in the TileKernels MoE
-  routing (:mod:`spider_training.tile_kernels_moe`) before Trainer/accelerate wrap the model, and
+  routing (:mod:`spider_training.tile_kernels_moe`) and shares the experts' autocast weight casts across the loops
+  (:mod:`spider_training.mixed_precision`) before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
 - ``get_train_dataloader``: only for a streamed Hub source (:class:`spider_training.data.StreamingTextDataset`, which
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
   re-sharded. Local sources are map-style datasets and keep Trainer's own loader (seeded random sampler, accelerate's
   split across processes, ``skip_first_batches`` on resume).
-- ``compute_loss`` / ``log``: pass ``n_loops`` (in training drawn per step with ``extra_train_loops``) and log every
+- ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in training drawn per step with ``extra_train_loops``) and log every
   loss term, bits-per-byte, compression rate, expert load balance, mean halting step, tokens/s and peak memory.
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
@@ -67,6 +68,7 @@ from .data import StreamingTextDataset, make_dataloader
 from .fp8 import convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers
 from .hub import HubPushMixin
 from .metrics import bits_per_byte
+from .mixed_precision import share_expert_weight_casts, shared_weight_casts
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
 from .optim import muon_with_adamw
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
@@ -171,6 +173,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
             self.precision = "fp8"
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
+        share_expert_weight_casts(model)  # under autocast: the experts' weights cast once per forward
         super().__init__(model=model, args=args, **kwargs)
         # Spider's loss is a per-batch mean plus per-batch regularisers: let Trainer divide by the accumulation steps.
         self.model_accepts_loss_kwargs = False
@@ -239,7 +242,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
                                                                self.state.global_step)}
         elif self.n_loops is not None:
             inputs = {**inputs, "n_loops": self.n_loops}
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        with shared_weight_casts():  # spider_training.mixed_precision: one cast of each expert weight per forward
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
         if model.training and self.nonfinite_guard.observe_loss(loss):  # a skipped step's terms are not averaged in
             self._record(outputs, inputs)
         return (loss, outputs) if return_outputs else loss

@@ -101,11 +101,11 @@ def test_lora_on_the_fused_experts_trains_only_the_adapters():
     assert base.gate_up_proj.grad is None and base.down_proj.grad is None
 
 
-def test_lora_on_the_fused_experts_under_autocast_reads_the_adapted_weights_every_loop(monkeypatch):
+def test_lora_on_the_fused_experts_under_autocast_reads_the_adapted_weights_every_loop():
     """Under bf16 autocast the experts' weights are cast once per forward for all loops (`shared_weight_casts`); with
     LoRA on them the weight each loop reads is computed (base + adapter), so it is cast afresh each call: the loss is
     the one a cast per call gives, to the bit, and the adapters get gradients."""
-    import modeling_spider
+    from spider_training.mixed_precision import share_expert_weight_casts, shared_weight_casts
 
     wrapped = with_lora(tiny_model(seed=0, n_loops=3), TARGETS["routed experts"], seed=2).train()
     adapters = [p for n, p in wrapped.named_parameters() if ".lora_" in n and ".default." in n]
@@ -114,12 +114,11 @@ def test_lora_on_the_fused_experts_under_autocast_reads_the_adapted_weights_ever
             p.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     losses = []
+    assert share_expert_weight_casts(wrapped) == wrapped.config.num_recurrent_layers
     for shared in (True, False):
-        if not shared:
-            monkeypatch.setattr(modeling_spider, "shared_weight_casts", contextlib.nullcontext)
         wrapped.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), shared_weight_casts() if shared else contextlib.nullcontext():
             loss = wrapped(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())

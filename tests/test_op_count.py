@@ -20,11 +20,10 @@ from modeling_spider import (
     SpiderMoEKernels,
     SpiderRMSNorm,
     apply_rotary_pos_emb,
-    cast_weight,
     rotate_half,
-    shared_weight_casts,
     to_autocast_dtype,
 )
+from spider_training.mixed_precision import cast_weight, share_expert_weight_casts, shared_weight_casts
 from tests.helpers import float_tol, model_terms, tiny_model
 
 
@@ -184,12 +183,15 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _autocast_step(model, ids):
+def _autocast_step(model, ids, shared_casts: bool = True):
+    """A bf16-autocast training forward+backward as SpiderTrainer runs it (the experts' weight casts shared across the
+    loops: spider_training.mixed_precision), or with a cast per experts call. Returns the casts and the gradients."""
     model.train()
     model.zero_grad(set_to_none=True)
+    share_expert_weight_casts(model)
     torch.manual_seed(1)
     with _Casts() as seen:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), shared_weight_casts() if shared_casts else nullcontext():
             loss = model(ids, labels=ids).loss
         loss.backward()
     return seen.casts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -256,7 +258,7 @@ def test_attention_hands_rotated_queries_and_keys_in_the_autocast_dtype(monkeypa
 
 
 
-def test_experts_weights_are_cast_once_per_forward(monkeypatch):
+def test_experts_weights_are_cast_once_per_forward():
     """Under autocast the routed experts' fp32 weights are cast to bf16 once per forward and layer, not once per loop
     (autocast casts the other layers' weights once itself; the grouped GEMM is no autocast op): one bf16 copy per layer
     kept for the backward instead of `n_loops`. The gradients are those of a cast per call up to the loops' bf16
@@ -270,8 +272,7 @@ def test_experts_weights_are_cast_once_per_forward(monkeypatch):
 
     casts, grads = _autocast_step(model, ids)
     assert len(expert_casts(casts)) == 2 * config.num_recurrent_layers  # gate_up_proj and down_proj, per layer
-    monkeypatch.setattr(modeling_spider, "shared_weight_casts", nullcontext)
-    casts, per_call = _autocast_step(model, ids)
+    casts, per_call = _autocast_step(model, ids, shared_casts=False)
     assert len(expert_casts(casts)) == 2 * config.num_recurrent_layers * config.n_loops
     assert grads.keys() == per_call.keys()
     for name in grads:
