@@ -1,5 +1,6 @@
-"""bench/gpu_check.py: every part that can run on CPU runs here at toy sizes; the GPU-only parts
-say they need CUDA and skip."""
+"""bench/gpu_check.py and the modules of its parts (bench/parts.py, training_runs.py, step_table.py, diagnostics.py,
+correctness.py): every part that can run on CPU runs here at toy sizes; the GPU-only parts say they need CUDA and
+skip."""
 
 import argparse
 import json
@@ -9,8 +10,8 @@ import time
 import pytest
 import torch
 
-from bench import gpu_check
-from bench.common import HostSyncCounter, eager_aten_ops, graphs_compiled, spider_config
+from bench import correctness, diagnostics, gpu_check, parts, step_table, training_runs
+from bench.common import HostSyncCounter, eager_aten_ops, graphs_compiled, spider_config, spider_model
 from tests.test_tile_kernels_moe import FakeTileKernels1x
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
@@ -55,7 +56,7 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     table = by_name["step_table"]
     assert table["status"] == "passed", table
     rows = {row["model"]: row for row in table["rows"]}
-    comparison = [label for label in gpu_check.STEP_TABLE_MODELS if label not in ("spider_compiled", "spider_fp8")]
+    comparison = [label for label in step_table.STEP_TABLE_MODELS if label not in ("spider_compiled", "spider_fp8")]
     # the slow rows last: compiled (compilation), then FP8 (on the H200 its first step took 54 s)
     assert [row["model"] for row in table["rows"]] == [*comparison, "spider_seed_recipe", "spider_compiled",
                                                        "spider_fp8"]
@@ -100,15 +101,15 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
         # each step's segment axis (the trainer hook on flexitokens): the first step meets the first size
         assert times["new_axis_steps"][0] == 1 and len(times["new_axis_steps"]) == len(times["axis_sizes"]) >= 1
     config = spider_config("tiny")
-    status, reason, _ = gpu_check.judge_1b_run(run["held_out_bits_per_byte"], run["compression_rate"],
+    status, reason, _ = training_runs.judge_1b_run(run["held_out_bits_per_byte"], run["compression_rate"],
                                                config.boundary_prior, config.boundary_prior_std,
                                                config.boundary_prior_k)
     assert (run["status"], run["reason"]) == (status, reason)  # the entry is the judgement of its own curves
 
-    for recipe in gpu_check.FP8_RECIPES:
+    for recipe in correctness.FP8_RECIPES:
         tiny = by_name[f"fp8_{recipe}_tiny"]
         assert tiny["status"] == "passed" and tiny["emulated"] and tiny["converted_layers"] > 0, tiny
-        assert tiny["loss_rel_difference"] <= gpu_check.FP8_LOSS_RTOL and "not FP8's" in tiny["note"]
+        assert tiny["loss_rel_difference"] <= correctness.FP8_LOSS_RTOL and "not FP8's" in tiny["note"]
         assert tiny["step_s_bf16"] > 0 and tiny["step_s_fp8"] > 0
         assert by_name[f"fp8_{recipe}_1b"]["status"] == "skipped"
     for name in ("fp8_tensorwise_1b", "tile_kernels_moe", "fsdp2_fp8_all_gather"):
@@ -120,12 +121,12 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
 def test_step_time_summary_counts_the_slow_steps():
     """Steps over twice the median are named (1-based); the percentiles come from the sorted times."""
     times = [0.25, 0.26, 1.4, 0.25, 0.24, 0.26, 0.25, 1.3, 0.25, 0.26]
-    summary = gpu_check.step_time_summary(times)
+    summary = diagnostics.step_time_summary(times)
     assert summary["steps"] == 10 and summary["median_s"] == 0.255 and summary["max_s"] == 1.4
     assert summary["slow_steps"] == 2 and summary["slow_step_numbers"] == [3, 8]
     assert summary["p90_s"] == 1.3 and summary["mean_s"] == round(sum(times) / 10, 4)
-    assert gpu_check.step_time_summary([]) is None
-    assert gpu_check.step_time_summary(times, slow_factor=6.0)["slow_steps"] == 0
+    assert diagnostics.step_time_summary([]) is None
+    assert diagnostics.step_time_summary(times, slow_factor=6.0)["slow_steps"] == 0
     assert "new_axis_steps" not in summary  # no axes given
 
 
@@ -134,17 +135,17 @@ def test_step_time_summary_with_each_steps_segment_axis():
     steps they were, and takes the median of the others."""
     times = [3.0, 0.25, 1.4, 0.26, 0.25, 1.3, 0.24]
     axes = [64, 64, 80, 64, 80, 96, 80]
-    summary = gpu_check.step_time_summary(times, step_axes=axes)
+    summary = diagnostics.step_time_summary(times, step_axes=axes)
     assert summary["axis_sizes"] == [64, 80, 96] and summary["new_axis_steps"] == [1, 3, 6]
     assert summary["slow_step_numbers"] == [1, 3, 6] and summary["slow_steps_at_new_axis"] == 3
     assert summary["median_s_repeated_axis"] == 0.25  # of 0.25, 0.26, 0.25, 0.24
-    assert "new_axis_steps" not in gpu_check.step_time_summary(times, step_axes=axes[:3])  # lengths differ
+    assert "new_axis_steps" not in diagnostics.step_time_summary(times, step_axes=axes[:3])  # lengths differ
 
 
 def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
     """Without size flags the 1b run and the 1b step table say they need CUDA (they would take hours on a CPU)."""
-    table = gpu_check.step_table_check("1b")
-    run = gpu_check.run_1b_check()
+    table = step_table.step_table_check("1b")
+    run = training_runs.run_1b_check()
     assert table["status"] == run["status"] == "skipped"
     assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
 
@@ -153,7 +154,7 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows():
     """``spider_word_rate_compiled`` and ``spider_seed_recipe_compiled`` (on request): the word-rate model and
     activation checkpointing under regional compilation, each timed with its eager twin's FLOPs, after the compiled
     row and before FP8's."""
-    table = gpu_check.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
+    table = step_table.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
                                        models=("spider", "spider_word_rate", "spider_compiled", "spider_fp8",
                                                "spider_word_rate_compiled", "spider_seed_recipe_compiled"),
                                        compile_backend="eager", seed_recipe_shape=(2, 32))
@@ -176,7 +177,7 @@ def test_attention_backends_at_toy_sizes_on_cpu():
     """Every SDPA kernel over the same shuffled segment counts: CPU has math and flash (the value padded to the
     query/key head dim), torch's default runs math for MLA's unequal head dims; cuDNN and memory-efficient are
     skipped with torch's reason."""
-    entry = gpu_check.attention_backends_check("tiny", batch=2, segment_counts=(16, 48), visits=3,
+    entry = diagnostics.attention_backends_check("tiny", batch=2, segment_counts=(16, 48), visits=3,
                                                device=torch.device("cpu"))
     assert entry["status"] == "passed" and entry["reason"] == "", entry
     assert entry["shape"] == {"batch": 2, "heads": 4, "qk_head_dim": 32, "v_head_dim": 16}
@@ -200,8 +201,8 @@ def test_attention_backends_at_toy_sizes_on_cpu():
 
 
 def test_attention_backends_stop_at_the_deadline():
-    entry = gpu_check.attention_backends_check("tiny", batch=1, segment_counts=(16,), visits=1,
-                                               device=torch.device("cpu"), deadline=gpu_check.Deadline(0.0))
+    entry = diagnostics.attention_backends_check("tiny", batch=1, segment_counts=(16,), visits=1,
+                                               device=torch.device("cpu"), deadline=parts.Deadline(0.0))
     assert entry["status"] == "skipped" and entry["reason"] == "time budget"
     assert {r["reason"] for r in entry["backends"].values()} == {"time budget"}
 
@@ -228,14 +229,14 @@ def test_1b_run_judgement():
     band = dict(boundary_prior=0.2, boundary_prior_std=0.023, boundary_prior_k=3.0)  # rate in [0.131, 0.2]
     falling, rising = [(0, 3.1), (50, 2.6), (100, 2.3)], [(0, 2.3), (50, 2.6), (100, 2.9)]
     in_band, too_few = [(10, 9.0), (100, 6.0)], [(10, 9.0), (100, 12.0)]  # bytes per segment: rate 1/6, 1/12
-    assert gpu_check.judge_1b_run(falling, in_band, **band)[:2] == ("passed", "")
-    status, reason, figures = gpu_check.judge_1b_run(rising, in_band, **band)
+    assert training_runs.judge_1b_run(falling, in_band, **band)[:2] == ("passed", "")
+    status, reason, figures = training_runs.judge_1b_run(rising, in_band, **band)
     assert status == "failed" and "did not fall" in reason and figures["bits_per_byte_last"] == 2.9
-    status, reason, figures = gpu_check.judge_1b_run(falling, too_few, **band)
+    status, reason, figures = training_runs.judge_1b_run(falling, too_few, **band)
     assert status == "failed" and "outside the prior's band" in reason
     assert figures["boundary_rate_end"] == pytest.approx(1 / 12)
     assert figures["boundary_rate_band"] == pytest.approx([0.2 - 3 * 0.023, 0.2])
-    assert gpu_check.judge_1b_run(falling[:1], in_band, **band)[0] == "failed"  # one scoring shows no trend
+    assert training_runs.judge_1b_run(falling[:1], in_band, **band)[0] == "failed"  # one scoring shows no trend
 
 
 def test_held_out_and_compression_curves_from_a_log_history():
@@ -243,9 +244,9 @@ def test_held_out_and_compression_curves_from_a_log_history():
                                                                 "bits_per_byte": 7.5, "step": 10},
                {"eval_bits_per_byte": 7.0, "eval_compression_rate": 3.0, "step": 10},
                {"eval_after_bits_per_byte": 6.5, "step": 12}]
-    assert gpu_check.held_out_curve(history) == [(0, 8.0), (10, 7.0), (12, 6.5)]  # training's bpb is not held-out
-    assert gpu_check.compression_curve(history) == [(10, 2.0)]
-    assert gpu_check.training_curve(history, "bits_per_byte") == [(10, 7.5)]
+    assert training_runs.held_out_curve(history) == [(0, 8.0), (10, 7.0), (12, 6.5)]  # training's bpb is not held-out
+    assert training_runs.compression_curve(history) == [(10, 2.0)]
+    assert training_runs.training_curve(history, "bits_per_byte") == [(10, 7.5)]
 
 
 def test_budget_skips_parts_that_do_not_fit():
@@ -275,7 +276,7 @@ def test_a_part_running_past_its_allowance_is_cut_off(monkeypatch):
     def slow_part(deadline):
         seen["allowed"] = deadline.seconds
         time.sleep(30)
-        return [gpu_check._entry("host_syncs", "passed")]
+        return [parts.entry("host_syncs", "passed")]
 
     monkeypatch.setattr(gpu_check, "MIN_PART_S", 0.1)
     monkeypatch.setattr(gpu_check, "_part_functions", lambda options: {"host_syncs": slow_part})
@@ -289,7 +290,7 @@ def test_a_part_running_past_its_allowance_is_cut_off(monkeypatch):
 def test_main_job_stops_training_at_its_deadline():
     """A deadline that leaves no time for training: the trainer stops after its first step, and the run still
     scores, writes and reloads its release (the time kept for them is not the training's)."""
-    entry = gpu_check.main_job_check(steps=50, preset="tiny", deadline=gpu_check.Deadline(1.0),
+    entry = training_runs.main_job_check(steps=50, preset="tiny", deadline=parts.Deadline(1.0),
                                      extra_args=("--eval_windows", "4", "--save_strategy", "no"))
     assert entry["steps"] == 1 and entry["stopped_by_time_budget_at_step"] == 1, entry
     assert "time budget at step 1 of 50" in entry["note"] and entry["release_reload_ok"]
@@ -297,10 +298,10 @@ def test_main_job_stops_training_at_its_deadline():
 
 def test_profile_kernels_on_cpu_sees_no_device_events():
     model = torch.nn.Linear(8, 8)
-    entry = gpu_check._profile_kernels(lambda: model(torch.randn(4, 8)).sum().backward(), torch.device("cpu"))
+    entry = diagnostics._profile_kernels(lambda: model(torch.randn(4, 8)).sum().backward(), torch.device("cpu"))
     assert entry["kernel_launches"] == entry["device_events"] == 0 and entry["profiled_step_s"] > 0
     top = entry["top_host_ops"]  # where the host's time went, most first
-    assert 0 < len(top) <= gpu_check.TOP_HOST_OPS and any("addmm" in name for name in top), top
+    assert 0 < len(top) <= diagnostics.TOP_HOST_OPS and any("addmm" in name for name in top), top
     times = [op["self_host_ms"] for op in top.values()]
     assert times == sorted(times, reverse=True) and all(op["calls"] >= 1 for op in top.values())
     assert entry["top_kernels"] == {}
@@ -358,9 +359,9 @@ def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
 
     long_name = "void at::native::elementwise_kernel<" + "x" * 300 + ">"
     events = [kernel("gemm", 30.0), kernel(long_name, 1000.0), kernel(long_name, 2000.0), kernel(long_name, 1500.0),
-              kernel("gemm", 10.0)] + [kernel(f"k{i}", 1.0) for i in range(gpu_check.TOP_BY_COUNT)]
-    ranked = gpu_check._kernels_by_launches(events)
-    assert len(ranked) == gpu_check.TOP_BY_COUNT
+              kernel("gemm", 10.0)] + [kernel(f"k{i}", 1.0) for i in range(diagnostics.TOP_BY_COUNT)]
+    ranked = diagnostics._kernels_by_launches(events)
+    assert len(ranked) == diagnostics.TOP_BY_COUNT
     assert list(ranked.items())[:2] == [(long_name[:120], {"launches": 3, "device_ms": 4.5}),
                                          ("gemm", {"launches": 2, "device_ms": 0.04})]
 
@@ -374,7 +375,7 @@ class BrokenTileKernels(FakeTileKernels1x):
 
 @pytest.mark.parametrize("double, status", [(FakeTileKernels1x, "passed"), (BrokenTileKernels, "failed")])
 def test_tile_kernels_comparison_with_a_cpu_double(double, status):
-    entry = gpu_check.tile_kernels_check(double(), preset="tiny", repeats=1)
+    entry = correctness.tile_kernels_check(double(), preset="tiny", repeats=1)
     assert entry["status"] == status, entry
     assert entry["backend"] == "tile_kernels 1.x fused"
     assert entry["step_s_torch"] > 0 and entry["step_s_tile_kernels"] > 0
@@ -407,19 +408,19 @@ def test_a_row_whose_counting_step_fails_is_still_timed(monkeypatch):
         step.forward_backward()  # fails halfway: gradients were written
         raise RuntimeError("a counting mode tripped")
 
-    monkeypatch.setattr(gpu_check, "_instrumented_step", failing)
-    model = gpu_check.spider_model("tiny")
-    row = gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=1e9, flops=123)
+    monkeypatch.setattr(step_table, "_instrumented_step", failing)
+    model = spider_model("tiny")
+    row = step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=1e9, flops=123)
     assert row["status"] == "passed" and row["step_s"] > 0 and "a counting mode tripped" in row["instrument_error"]
     assert row["flops_per_step"] == 123 and row["aten_ops_per_step"] is None and row["mfu"] > 0
 
 
 def test_repeated_axis_summary_times_the_steps_at_an_axis_met_before():
     """A timed step counts as repeated when a warm-up, instrumented or earlier timed step ran its segment axis."""
-    summary = gpu_check.repeated_axis_summary([64, 80], [80, 96, 96, 112, 64], [0.25, 1.4, 0.26, 1.3, 0.24])
+    summary = diagnostics.repeated_axis_summary([64, 80], [80, 96, 96, 112, 64], [0.25, 1.4, 0.26, 1.3, 0.24])
     assert summary["timed_steps_at_new_axis"] == 2  # 96 first, 112
     assert summary["step_s_repeated_axis"] == 0.25  # median of 0.25 (80), 0.26 (96 again), 0.24 (64)
-    assert gpu_check.repeated_axis_summary([], [48, 64], [1.0, 1.1]) == {"timed_steps_at_new_axis": 2,
+    assert diagnostics.repeated_axis_summary([], [48, 64], [1.0, 1.1]) == {"timed_steps_at_new_axis": 2,
                                                                          "step_s_repeated_axis": None}
 
 
@@ -429,7 +430,7 @@ def test_step_rows_record_the_segment_axis_of_each_step():
     none; no row leaves its hook behind."""
     config = spider_config("tiny")
     batch, length = 2, 64
-    table = gpu_check.step_table_check("tiny", shapes=[(batch, length)], repeats=2, device=torch.device("cpu"),
+    table = step_table.step_table_check("tiny", shapes=[(batch, length)], repeats=2, device=torch.device("cpu"),
                                        models=("spider", "spider_word_rate", "deepseek_v3", "spider_compiled"),
                                        compile_backend="eager", seed_recipe_shape=None)
     assert table["status"] == "passed", table
@@ -443,22 +444,22 @@ def test_step_rows_record_the_segment_axis_of_each_step():
     assert word["timed_steps_at_new_axis"] == 0 and word["step_s_repeated_axis"] > 0
     for label in ("spider", "spider_compiled"):
         axis = rows[label]["segment_axis"]
-        assert len(axis["timed"]) == 2 and len(axis["warmup"]) == gpu_check.STEP_TABLE_WARMUP.get(label, 1), axis
+        assert len(axis["timed"]) == 2 and len(axis["warmup"]) == step_table.STEP_TABLE_WARMUP.get(label, 1), axis
         assert all(size % pad == 0 and pad <= size <= -(-(1 + length) // pad) * pad
                    for size in axis["warmup"] + axis["instrumented"] + axis["timed"]), axis
     assert "segment_axis" not in rows["deepseek_v3"] and "step_s_repeated_axis" not in rows["deepseek_v3"]
 
-    model = gpu_check.spider_model("tiny")
-    gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=None)
+    model = spider_model("tiny")
+    step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=None)
     assert not model.model.flexitokens._forward_hooks
 
 
 def test_device_allocations_per_timed_step(monkeypatch):
     """Off CUDA there is no allocator count and the row has no such field; with a stand-in for the CUDA caching
     allocator's ``num_device_alloc`` counter (no CUDA here), each timed step records the calls it made."""
-    assert gpu_check.device_allocations(torch.device("cpu")) is None
-    model = gpu_check.spider_model("tiny")
-    row = gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
+    assert diagnostics.device_allocations(torch.device("cpu")) is None
+    model = spider_model("tiny")
+    row = step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
     assert "device_allocations_per_step" not in row
 
     calls = iter([10, 13, 13, 20])  # before / after each of the two timed steps
@@ -466,6 +467,6 @@ def test_device_allocations_per_timed_step(monkeypatch):
     def fake_allocator_counter(device):  # test double: the CUDA caching allocator's num_device_alloc
         return next(calls)
 
-    monkeypatch.setattr(gpu_check, "device_allocations", fake_allocator_counter)
-    row = gpu_check._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
+    monkeypatch.setattr(step_table, "device_allocations", fake_allocator_counter)
+    row = step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
     assert row["device_allocations_per_step"] == [3, 7]

@@ -12,7 +12,7 @@ import torch
 import modeling_spider
 
 from bench.common import HostSyncCounter, peer_model, random_bytes
-from bench.gpu_check import proxy_1b_config
+from bench.diagnostics import proxy_1b_config
 from modeling_spider import (
     ALL_ATTENTION_FUNCTIONS,
     RowWeights,

@@ -1,0 +1,323 @@
+"""Diagnostics of a training step: host syncs, aten ops, kernel launches and profiles, the segment axis of each
+step, and two parts of ``python -m bench.gpu_check``:
+
+- ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
+  default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
+  recorded (:class:`bench.common.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
+  dispatch-level count by op and source line (:class:`bench.common.HostSyncCounter`: ``.item()``, ``nonzero``,
+  boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset runs at the
+  ``tiny`` preset's widths with the ``1b`` depth, loops and experts (the sync count depends on the structure, not
+  the width; the full ``1b`` takes minutes per step there). Beside each count, the aten ops dispatched by the same
+  forward+backward (``aten_ops_forward_backward``: every op but views, ``detach`` and ``empty*``; a proxy for the
+  kernels a GPU launches, which tracked it on the H200: 32,344 ops, 40,967 launches) and those of transformers'
+  ``DeepseekV3ForCausalLM`` of the same config (``deepseek_v3_aten_ops_forward_backward``). A measurement: passes
+  when it ran.
+- ``attention_backends``: which of torch's SDPA kernels the recurrent layers' attention should run
+  (:func:`bench.attention.sdpa_backend_timings`): forward+backward at the ``1b`` preset's heads and head dims (query/key
+  96, value 64), batch 32, bf16, causal without a mask (``is_causal``, as the training forward's recurrent layers call
+  it), over the padded segment counts 80, 96, 112 (``1 + S`` at about one segment per 3 bytes of 32 x 256), each
+  visited 5 times in a seeded shuffled order after one warm-up call at 32, for ``default`` (torch's own choice, run
+  first as training runs it) and each of ``cudnn``, ``flash`` (the value zero-padded to 96), ``efficient`` and
+  ``math`` alone (``torch.nn.attention.sdpa_kernel``). Per backend: the kernel that ran at each count (profiler op
+  names), the first call at each new count (where cuDNN builds its execution plan) and the steady-state median,
+  ``torch.cuda.synchronize`` before and after each call, the host's share (until the call has been launched), the
+  whole sequence's total, and ``first_calls_after`` where an earlier row ran the same kernel at these shapes (its plans
+  were cached); a kernel that does not take the call is skipped with torch's reason. ``fastest_steady`` and
+  ``fastest_sequence_total`` name the winners (the latter among the rows whose first calls were their own: on the
+  H200 the ``cudnn`` row reused the plans ``default`` built, and its total of 6 ms against ``default``'s 307 ms hid
+  the planning); ``--sdpa_backend`` (``spider_training.sdpa``) makes one the training
+  default. On CPU at batch 4 (math, flash on CPU, the rest skipped). A measurement: passes when the default and every
+  kernel that takes the call ran (``--attention_*`` flags change the sizes).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import statistics
+import time
+
+import torch
+
+from bench.common import (CudaSyncWarnings, HostSyncCounter, TrainStep, count_flops, eager_aten_ops, peer_model,
+                          random_bytes, spider_config, synchronize)
+from bench.parts import MIN_PART_S, TIME_BUDGET, Deadline, build_on, default_device, entry, free_memory, train_step_of
+
+#: ops named in a profiled step's ``top_host_ops``
+TOP_HOST_OPS = 8
+#: kernels and aten ops named in a profiled step's ``top_kernels`` and ``top_aten_ops`` (by launches / calls)
+TOP_BY_COUNT = 20
+#: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
+_WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
+                 "engram_head_dim", "engram_table_size", "loop_adapter_rank", "max_position_embeddings")
+#: a training step slower than this x the run's median step counts as slow (``step_seconds.slow_steps``)
+SLOW_STEP_FACTOR = 2.0
+
+
+def _profile_kernels(step, device: torch.device) -> dict:
+    """Kernels launched by one `step` and the GPU's busy time (``torch.profiler`` with CUDA activity): device-side
+    events (kernels, memcpy, memset), the host-side launch calls, the summed device time, the profiled wall time and
+    the :data:`TOP_HOST_OPS` ops with the most self host time (``top_host_ops``: where a slow step's host time goes,
+    e.g. a cuDNN plan built at a new segment count), and the aten ops run outside compiled regions
+    (``eager_aten_ops``, :func:`bench.common.eager_aten_ops`: a compiled model's glue between its regions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    wall = time.perf_counter() - start
+    events = prof.events()
+    device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in device_events if not e.name.lower().startswith(("memcpy", "memset"))]
+    launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                   "cuLaunchKernelEx")]
+    busy_us = sum(e.time_range.elapsed_us() for e in device_events)
+    averages = prof.key_averages()
+    top = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST_OPS]
+    return {"kernel_launches": len(kernels), "device_events": len(device_events), "launch_calls": len(launches),
+            "gpu_busy_s": busy_us / 1e6, "profiled_step_s": wall,
+            "top_host_ops": {a.key: {"self_host_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
+                             for a in top},
+            "top_kernels": _kernels_by_launches(kernels),
+            "top_aten_ops": {a.key: a.count for a in sorted((a for a in averages if a.key.startswith("aten::")),
+                                                            key=lambda a: a.count, reverse=True)[:TOP_BY_COUNT]},
+            "eager_aten_ops": eager_aten_ops(events)}
+
+
+def _kernels_by_launches(kernels: list) -> dict:
+    """The :data:`TOP_BY_COUNT` kernel names launched most often among the profiler's device `kernels`, each with its
+    ``launches`` and summed device milliseconds (``device_ms``): which ops a launch-bound step's launches come from.
+    A name is cut to 120 characters (template arguments make some thousands long)."""
+    by_name: dict[str, list] = {}
+    for event in kernels:
+        entry = by_name.setdefault(event.name[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us() / 1e3
+    ranked = sorted(by_name.items(), key=lambda item: item[1][0], reverse=True)[:TOP_BY_COUNT]
+    return {name: {"launches": launches, "device_ms": round(ms, 3)} for name, (launches, ms) in ranked}
+
+
+def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
+    """One instrumented step: FLOPs, aten ops and host syncs, those of forward+backward and of the optimizer apart
+    (torch's CPU AdamW reads each parameter's step count on the host; the fused CUDA one does not)."""
+    flops = 0
+    counted = {}
+    for phase, call in (("forward_backward", step.forward_backward), ("optimizer", step.optimizer_step)):
+        cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
+        with HostSyncCounter() as syncs, cuda_syncs:
+            flops += count_flops(call)["total"]
+        synchronize(device)  # outside: an explicit synchronize is not one of the step's syncs
+        counted[phase] = (syncs, cuda_syncs)
+    fwd_bwd, optimizer = counted["forward_backward"][0], counted["optimizer"][0]
+    figures = dict(flops_per_step=flops, aten_ops_per_step=fwd_bwd.ops + optimizer.ops,
+                   aten_ops_forward_backward=fwd_bwd.ops, host_syncs=fwd_bwd.total + optimizer.total,
+                   host_syncs_forward_backward=fwd_bwd.total, host_syncs_optimizer=optimizer.total,
+                   host_syncs_by_op=dict((fwd_bwd.counts + optimizer.counts).most_common()))
+    if device.type == "cuda":
+        figures["cuda_sync_warnings"] = sum(cuda.count for _, cuda in counted.values())
+        figures["cuda_sync_warnings_forward_backward"] = counted["forward_backward"][1].count
+        figures["cuda_sync_sources"] = dict(sum((cuda.sources for _, cuda in counted.values()),
+                                                collections.Counter()).most_common())
+    return figures
+
+
+class SegmentAxisRecorder:
+    """The segment axis ``1 + S`` (padded to ``pad_segments_to_multiple_of``) of each forward of a Spider model: a
+    forward hook on ``model.model.flexitokens``, compiled (accelerate's ``compile_regions`` wraps it) or not, reading
+    the segments' shape (no host sync). Inert (:attr:`active` False) for a model without one (the transformers peers).
+
+    On the H200 some steps took several times the others, most likely those at an axis size the process had not met
+    (cuDNN plans attention once per shape; not yet traced): :meth:`step` tells which steps met one."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.sizes: list[int] = []
+        flexitokens = getattr(getattr(model, "model", None), "flexitokens", None)
+        self._handle = flexitokens.register_forward_hook(self._record) if flexitokens is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self._handle is not None
+
+    def _record(self, module, args, output) -> None:
+        self.sizes.append(int(output[2].shape[1]))
+
+    def step(self, call):
+        """Run `call()`; returns its result and the axis size of its first forward (None: no forward was
+        recorded)."""
+        before = len(self.sizes)
+        result = call()
+        return result, (self.sizes[before] if len(self.sizes) > before else None)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def device_allocations(device: torch.device) -> int | None:
+    """How many times the CUDA caching allocator has called ``cudaMalloc`` so far (``torch.cuda.memory_stats``'
+    ``num_device_alloc``); None off CUDA or where torch does not count them."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_device_alloc")
+
+
+def repeated_axis_summary(axis_before: list, timed_axis: list, times: list[float]) -> dict:
+    """Which timed steps ran at a segment axis an earlier step of the row (`axis_before`: warm-up and instrumented
+    steps; then the earlier timed steps) had met, and the median seconds of those (``step_s_repeated_axis``, None when
+    none had): what a long run's steps cost once its few axis sizes have all been met (the main job met 11 in 500
+    steps, the last new one at step 86). Inputs in step order; `timed_axis` and `times` of equal length."""
+    new, repeated = split_by_axis(timed_axis, times, met_before=axis_before)
+    return {"timed_steps_at_new_axis": len(new),
+            "step_s_repeated_axis": statistics.median(repeated) if repeated else None}
+
+
+
+def step_time_summary(step_times: list[float], slow_factor: float = SLOW_STEP_FACTOR,
+                      step_axes: list[int | None] | None = None) -> dict | None:
+    """Wall seconds of a run's training steps (the trainer hook's ``step_times``): count, median, mean, 90th
+    percentile, max, and the steps slower than `slow_factor` x the median (1-based step numbers; on the H200 a step at
+    a segment count not seen before took 5x a repeated one). With `step_axes` (each step's padded segment axis, as
+    long as `step_times`): the axis sizes met (``axis_sizes``), the steps that met one first (``new_axis_steps``,
+    1-based), how many slow steps were among them (``slow_steps_at_new_axis``) and the median of the other steps
+    (``median_s_repeated_axis``). None for no steps."""
+    if not step_times:
+        return None
+    median = statistics.median(step_times)
+    ordered = sorted(step_times)
+    slow = [i + 1 for i, t in enumerate(step_times) if t > slow_factor * median]
+    summary = {"steps": len(step_times), "median_s": round(median, 4),
+               "mean_s": round(statistics.fmean(step_times), 4),
+               "p90_s": round(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)], 4),
+               "max_s": round(ordered[-1], 4), "slow_factor": slow_factor, "slow_steps": len(slow),
+               "slow_step_numbers": slow[:50]}
+    if step_axes and len(step_axes) == len(step_times):
+        new, repeated = split_by_axis(step_axes, step_times)
+        new = [i + 1 for i in new]
+        summary.update(axis_sizes=sorted({size for size in step_axes if size is not None}), new_axis_steps=new[:50],
+                       slow_steps_at_new_axis=len(set(slow) & set(new)),
+                       median_s_repeated_axis=round(statistics.median(repeated), 4) if repeated else None)
+    return summary
+
+
+def split_by_axis(axes: list, times: list[float], met_before=()) -> tuple[list[int], list[float]]:
+    """Steps in order, each with its segment axis size in `axes` and its seconds in `times` (equal lengths): the
+    0-based indices of the steps that met their size first (not in `met_before`, nor at an earlier step), and the
+    seconds of the others (steps at a size already met)."""
+    seen, new, repeated = set(met_before), [], []
+    for index, (size, seconds) in enumerate(zip(axes, times)):
+        if size in seen:
+            repeated.append(seconds)
+        else:
+            new.append(index)
+            seen.add(size)
+    return new, repeated
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def proxy_1b_config(**overrides):
+    """The ``1b`` preset's structure (layers, loops, experts, Engram layers, boundaries) at the ``tiny`` preset's
+    widths: a CPU stand-in for counting host syncs, which depend on the structure and not the width."""
+    tiny = spider_config("tiny")
+    return spider_config("1b", **{**{k: getattr(tiny, k) for k in _WIDTH_FIELDS}, **overrides})
+
+
+def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, device: torch.device | None = None,
+                     deadline: Deadline | None = None, variants: tuple[str | None, ...] = (None, "eager"),
+                     top: int = 10) -> dict:
+    """Device-to-host syncs of one training forward+backward of `preset` (see the module docstring). `variants`:
+    experts implementations (None: the preset's own)."""
+    from modeling_spider import SpiderForConditionalGeneration
+
+    device = device or default_device()
+    deadline = deadline or Deadline(None)
+    name = "host_syncs"
+    shape = shape or ((32, 256) if device.type == "cuda" else (2, 256))
+    proxy = preset == "1b" and device.type != "cuda"
+    config = proxy_1b_config() if proxy else spider_config(preset)
+    torch.manual_seed(0)
+    model = build_on(lambda: SpiderForConditionalGeneration(config), device).train()
+    step = train_step_of(model, random_bytes(*shape).to(device), device)  # forward+backward only, grads reset
+    results = {}
+    for variant in variants:
+        label = variant or config._experts_implementation
+        if deadline.expired(MIN_PART_S):
+            results[label] = {"status": "skipped", "reason": TIME_BUDGET}
+            continue
+        model.set_experts_implementation(variant or config._experts_implementation)
+        model.zero_grad(set_to_none=True)
+        step.forward_backward()  # warm-up: first-call plans and allocations are not the steady state
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        cuda_syncs = CudaSyncWarnings() if device.type == "cuda" else contextlib.nullcontext()
+        with cuda_syncs, HostSyncCounter() as counter:
+            step.forward_backward()
+        synchronize(device)  # outside the count: an explicit synchronize is not one of the step's syncs
+        result = {"status": "passed", "dispatch_count": counter.total, "aten_ops_forward_backward": counter.ops,
+                  "dispatch_by_op": dict(counter.counts.most_common()),
+                  "dispatch_top_sources": dict(counter.sources.most_common(top))}
+        if device.type == "cuda":
+            result.update(cuda_sync_warnings=cuda_syncs.count,
+                          cuda_top_sources=dict(cuda_syncs.sources.most_common(top)))
+        results[label] = result
+    del model, step
+    free_memory()
+    peer_ops = None  # the launch proxy's yardstick: transformers' DeepseekV3 of the same config, same batch
+    if not deadline.expired(MIN_PART_S):
+        peer = build_on(lambda: peer_model(config), device).train()
+        peer_step = train_step_of(peer, random_bytes(*shape).to(device), device)
+        peer_step.forward_backward()
+        peer.zero_grad(set_to_none=True)
+        with HostSyncCounter(record_sources=False) as counter:
+            peer_step.forward_backward()
+        peer_ops = counter.ops
+        del peer, peer_step
+        free_memory()
+    ran = [r for r in results.values() if r["status"] == "passed"]
+    return entry(name, "passed" if ran else "skipped", "" if len(ran) == len(results) else TIME_BUDGET,
+                  deepseek_v3_aten_ops_forward_backward=peer_ops,
+                  device=str(device), preset=preset + (" structure at tiny widths (CPU proxy)" if proxy else ""),
+                  shape=f"{shape[0]}x{shape[1]}", method=("torch.cuda.set_sync_debug_mode('warn') warnings and "
+                                                          "HostSyncCounter" if device.type == "cuda"
+                                                          else "HostSyncCounter (TorchDispatchMode + Tensor.tolist)"),
+                  variants=results)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# attention_backends
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def attention_backends_check(preset: str = "1b", batch: int | None = None, segment_counts=None, visits: int = 5,
+                             device: torch.device | None = None, deadline: Deadline | None = None) -> dict:
+    """SDPA forward+backward per kernel at `preset`'s recurrent-layer attention over a shuffled sequence of padded
+    segment counts (:func:`bench.attention.sdpa_backend_timings`; see the module docstring). `batch`: default 32 on
+    CUDA, 4 on CPU. A measurement: passes when torch's default and every kernel that takes the call ran."""
+    from bench.attention import SDPA_SEGMENT_COUNTS, sdpa_backend_timings
+
+    device = device or default_device()
+    deadline = deadline or Deadline(None)
+    batch = batch or (32 if device.type == "cuda" else 4)
+    timings = sdpa_backend_timings(preset, batch, tuple(segment_counts or SDPA_SEGMENT_COUNTS), visits, device,
+                                   stop_at=deadline.at_fraction(0.9))
+    backends = timings["backends"]
+    failed = [f"{name}: {r['reason']}" for name, r in backends.items() if r["status"] == "failed"]
+    if failed:
+        status, reason = "failed", "; ".join(failed)
+    elif backends.get("default", {}).get("status") != "ran":
+        status, reason = "skipped", backends.get("default", {}).get("reason", "the default did not run")
+    else:
+        timed_out = [name for name, r in backends.items() if r.get("reason") == TIME_BUDGET]
+        status, reason = "passed", f"{TIME_BUDGET}: {', '.join(timed_out)} not timed" if timed_out else ""
+    return entry("attention_backends", status, reason, **timings)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# fp8, tile_kernels_moe, fsdp2_fp8_all_gather

@@ -1,0 +1,133 @@
+"""The frame every part of ``python -m bench.gpu_check`` runs in: its JSON entry, its device, its time budget
+(:class:`Deadline`, the hard limit :func:`hard_limit`) and building its models on the device.
+
+Time budget: ``--budget_s`` (default 460 s, so that the command with its imports stays under 8 minutes) is shared
+by the parts in the order of ``bench.gpu_check.PARTS``; each part gets at most its own cap (``PART_CAPS_S``; ``--part_cap
+step_table=400`` replaces one) and at most what is left, and is skipped with the reason "time budget" when less than
+:data:`MIN_PART_S` is left. Inside its allowance a part
+stops itself (the training runs stop early, keeping time for their final scoring and release; tables skip the rows
+that no longer fit), and a hard limit (``SIGALRM``, main thread) cuts off a part still running at the end of its
+allowance, reported as skipped for the time budget. The order: the main job is what every user runs; the step table,
+the host syncs and the attention kernels are the GPU figures the project's performance work is judged by; the 1b
+run is the only check of the 1b preset's training dynamics on a GPU; FP8 and TileKernels come last because their
+GPU figures are recorded (FP8 slower than bf16 at every size measured, TileKernels 0.98x; H200, 2026-11-26) and
+neither is on the default training path (``--precision auto`` picks bf16 on every CUDA device). The caps follow what
+each part took on the H200 at c2bcf51 (``bench/gpu_check_h200.json``: main job 60 s, host syncs 7, attention 1, the
+1b run 108 s for 237 of its 300 steps; the table's rows ~10 s each, a compiled one ~95 s). A default run there spends
+its budget on the first five parts, and FP8 / TileKernels get what they leave; ``--only fp8 tile_kernels_moe`` runs
+them alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import signal
+import threading
+import time
+import traceback
+
+import torch
+
+from bench.common import TrainStep
+
+#: a part that would get less than this is skipped ("time budget")
+MIN_PART_S = 5.0
+TIME_BUDGET = "time budget"
+
+
+def entry(name: str, status: str, reason: str = "", **figures) -> dict:
+    return {"name": name, "status": status, "reason": reason, **figures}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def error_reason(exc: BaseException) -> str:
+    """``Type: message`` and the innermost frame, for a JSON reason."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"[:2000]
+
+
+# step_table
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def build_on(fn, device: torch.device):
+    """`fn()` built on `device` directly (fast for 1B parameters on a GPU), else on CPU and moved."""
+    if device.type != "cpu":
+        try:
+            with torch.device(device):
+                return fn()
+        except Exception:  # noqa: BLE001 - a constructor that insists on CPU tensors
+            free_memory()
+    return fn().to(device)
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
+def train_step_of(model, ids: torch.Tensor, device: torch.device) -> TrainStep:
+    """One training step as a user trains: bf16 autocast and fused AdamW on CUDA, fp32 and torch's AdamW on CPU."""
+    return TrainStep(model, ids, autocast_dtype=autocast_dtype(device), fused=device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Deadline:
+    """A point in time (``time.monotonic``); ``Deadline(None)`` never expires."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float:
+        return math.inf if self.end is None else self.end - time.monotonic()
+
+    def expired(self, needed: float = 0.0) -> bool:
+        return self.left() <= needed
+
+    def at_fraction(self, fraction: float, keep_s: float = 0.0) -> float | None:
+        """The monotonic time at which a part should stop its main work: `fraction` of what is left from now, and at
+        least `keep_s` before the end. None when unlimited."""
+        if self.end is None:
+            return None
+        left = self.left()
+        return time.monotonic() + max(0.0, min(fraction * left, left - keep_s))
+
+
+class PartTimeout(BaseException):
+    """Raised inside a part by the hard limit of its allowance (a ``BaseException``, like ``KeyboardInterrupt``, so
+    that library code catching ``Exception`` does not swallow it)."""
+
+
+@contextlib.contextmanager
+def hard_limit(seconds: float | None):
+    """Raise :class:`PartTimeout` in the main thread after `seconds` (``SIGALRM``); no limit elsewhere."""
+    usable = (seconds is not None and math.isfinite(seconds) and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise PartTimeout(f"cut off after its allowance of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,335 @@
+"""The training-step table of ``python -m bench.gpu_check`` (:func:`step_table_check`):
+
+- ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
+  at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default config,
+  the fused experts on ``grouped_mm``; freshly initialised on uniform random bytes, its boundary predictor closes
+  about 0.4 segments per byte, 1 + S = 128 slots at 32 x 256 on CPU), Spider at a trained model's segment rate
+  (``spider_word_rate``: ``boundary_mode="fixed"``, a segment every ``round(1 / boundary_prior)`` bytes, 5 for
+  ``1b``, so 1 + S = 64 slots at 256 bytes, the same slot count the SpaceByte teacher's 0.167 segments per byte on
+  the SOTU text gives, where the 1b run's boundaries settle; the same modules and ops, and one axis size every step),
+  transformers' ``DeepseekV3ForCausalLM`` of the same shape
+  (:func:`bench.common.peer_config`; with fp32 master weights under autocast, as every row, its experts' grouped GEMMs
+  run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense ``LlamaForCausalLM`` of about the same parameter count
+  (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
+  ``Float8Linear`` where torchao's filter expects a gain, the experts through torchao's FP8 grouped GEMM where the GPU
+  has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
+  (``spider_compiled``: accelerate's ``compile_regions``, ``--compile_backend``; three warm-up steps, whose times
+  ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
+  the word-rate model compiled the same way (``spider_word_rate_compiled``) and Spider with
+  ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the per-expert layout ran
+  them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
+  x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks, and on request compiled too
+  (``spider_seed_recipe_compiled``, for the 40,000 bytes/s target). The order: the comparison rows
+  shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), the seed's recipe, then the
+  compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
+  compiled word-rate model and the compiled seed's recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
+  row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
+  a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
+  instrumented, timed and profiled step, ``segment_axis`` (:class:`bench.diagnostics.SegmentAxisRecorder`), how many timed steps met a
+  new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``; on CUDA each timed
+  step's ``cudaMalloc`` calls, ``device_allocations_per_step``: a larger axis grows the allocator's pool; for a
+  compiled model the graphs each warm-up and timed step compiled, ``graphs_compiled_per_step``), host seconds
+  (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
+  issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
+  optimizer state included; null on CPU), FLOPs per step (:func:`bench.common.count_flops`), MFU against the matmul
+  peak measured in-process (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten
+  ops dispatched per step,
+  host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the
+  ``set_sync_debug_mode`` warnings and the lines they point at, ``cuda_sync_sources``; torch's CPU AdamW reads each
+  parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
+  post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
+  launched in one profiled step, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
+  ``gpu_busy_fraction`` = busy time / median step time; for Spider also ``gpu_busy_fraction_repeated_axis``, over
+  ``step_s_repeated_axis``), the ops with the most host time (``top_host_ops``), the kernels launched most often
+  (``top_kernels``: launches and device milliseconds by kernel name) and the aten ops called most often
+  (``top_aten_ops``). A
+  measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is given.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.common import (dense_llama_config, device_peak_matmul_flops, graphs_compiled, num_params, peer_model,
+                          random_bytes, spider_config, spider_model, synchronize)
+from bench.diagnostics import (SegmentAxisRecorder, _instrumented_step, _profile_kernels, device_allocations,
+                               repeated_axis_summary)
+from bench.parts import (MIN_PART_S, TIME_BUDGET, Deadline, PartTimeout, autocast_dtype, build_on, default_device,
+                         entry, error_reason, free_memory, train_step_of)
+
+STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
+#: the step table's rows at each shape (module docstring: the order they run in)
+STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
+#: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
+#: per-expert layout ran them)
+STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_word_rate_compiled",
+                            "spider_seed_recipe_compiled")
+#: the rows that run first, shape by shape (the compiled, seed-recipe and FP8 rows follow: ``step_table_check``)
+_COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_eager_experts")
+#: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
+#: they get no instrumented step)
+_EAGER_TWIN = {"spider_compiled": "spider", "spider_word_rate_compiled": "spider_word_rate",
+               "spider_seed_recipe_compiled": "spider_seed_recipe"}
+#: warm-up steps before a row's timed steps (a compiled row compiles its regions and their structural variants, such
+#: as the first loop's, during its first steps: ``graphs_compiled_per_step``)
+STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_seed_recipe_compiled": 3}
+#: the seed's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_seed_recipe``
+#: row after the table
+SEED_RECIPE_SHAPE = (112, 256)
+
+
+def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, repeats: int,
+              peak_flops: float | None, profile: bool = True, warmup: int = 1, instrument: bool = True,
+              flops: int | None = None) -> dict:
+    """One row of the step table. `instrument`: run one instrumented step (FLOPs, aten ops, host syncs); off for a
+    compiled model, whose graphs a dispatch mode does not see into: its FLOPs are then `flops` (its eager twin's,
+    None when unknown), as they are when the instrumented step fails (``instrument_error``; the row is still timed)."""
+    batch, length = shape
+    row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
+    ids = random_bytes(batch, length).to(device)
+    step = train_step_of(model, ids, device)
+    axis = SegmentAxisRecorder(model)
+    try:
+        return _timed_row(row, (batch, length), model, step, axis, device, repeats, peak_flops, profile, warmup,
+                          instrument, flops)
+    finally:
+        axis.close()
+
+
+def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxisRecorder, device: torch.device,
+               repeats: int, peak_flops: float | None, profile: bool, warmup: int, instrument: bool,
+               flops: int | None) -> dict:
+    """:func:`_step_row`'s measurements of `step` at `shape` (batch, bytes) into `row`; `axis` records Spider's
+    segment axis per step."""
+    batch, length = shape
+    warmup_s, warmup_axis, compiled = [], [], {"warmup": [], "timed": []}
+
+    def recorded_step(phase: str):
+        """One step; its segment axis size, and the graphs it compiled recorded under `phase`."""
+        (_, size), graphs = graphs_compiled(lambda: axis.step(step))
+        compiled[phase].append(graphs)
+        return size
+
+    for _ in range(warmup):  # optimizer state, kernels' plans, compilation
+        synchronize(device)
+        start = time.perf_counter()
+        warmup_axis.append(recorded_step("warmup"))
+        synchronize(device)
+        warmup_s.append(time.perf_counter() - start)
+    row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
+    figures = dict(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
+    instrumented_axis = []
+    if instrument:
+        try:
+            figures, size = axis.step(lambda: _instrumented_step(step, device))
+            instrumented_axis = [size] if size is not None else []
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a tensor subclass a counting mode trips on: time the row anyway
+            model.zero_grad(set_to_none=True)
+            figures["instrument_error"] = error_reason(exc)
+    row.update(figures)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, host, timed_axis, allocations = [], [], [], []
+    for _ in range(repeats):
+        allocated_before = device_allocations(device)
+        synchronize(device)
+        start = time.perf_counter()
+        timed_axis.append(recorded_step("timed"))
+        host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        allocated_after = device_allocations(device)
+        if allocated_before is not None and allocated_after is not None:
+            allocations.append(allocated_after - allocated_before)
+    if allocations:  # a step that grows the allocator's pool (a larger segment axis) pays for each cudaMalloc
+        row["device_allocations_per_step"] = allocations
+    if any(compiled["warmup"]) or any(compiled["timed"]):  # a compiled model: which steps compiled graphs, how many
+        row["graphs_compiled_per_step"] = compiled
+    median = statistics.median(times)
+    if axis.active:
+        row.update(segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},
+                   **repeated_axis_summary(warmup_axis + instrumented_axis, timed_axis, times))
+    row.update(step_s=median, step_s_min=min(times), step_times_s=[round(t, 5) for t in times],
+               host_s=statistics.median(host),
+               bytes_per_s=batch * length / median,
+               peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+               mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None)
+    if device.type == "cuda" and profile:
+        try:
+            profiled, size = axis.step(lambda: _profile_kernels(step, device))
+            row.update(profiled, gpu_busy_fraction=profiled["gpu_busy_s"] / median)
+            if axis.active:  # a profiled step at a new axis size times the planning too
+                row["segment_axis"]["profiled"] = [size] if size is not None else []
+                if row["step_s_repeated_axis"]:  # the share of a step whose plans and graphs exist
+                    row["gpu_busy_fraction_repeated_axis"] = profiled["gpu_busy_s"] / row["step_s_repeated_axis"]
+        except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
+            row["profile_error"] = error_reason(exc)
+    return row
+
+
+def _spider_fp8(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """Spider converted as ``--precision fp8`` converts it (``--fp8_layers auto``, ``--fp8_experts auto``; emulated
+    ``Float8Linear`` off CUDA), with what was converted."""
+    from spider_training.fp8 import convert_for_fp8_training
+
+    model = build_on(lambda: spider_model(preset), device)
+    linear, experts = convert_for_fp8_training(model, emulate=device.type != "cuda", device=device)
+    return model, {"fp8_linear_layers": linear.converted, "fp8_linear_skipped": linear.skipped_by_reason(),
+                   "fp8_experts_modules": len(experts.converted_fqns),
+                   "fp8_experts_skipped": sorted(set(experts.skipped.values()))}
+
+
+def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str | None = None,
+                     **overrides) -> tuple[torch.nn.Module, dict]:
+    """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it: accelerate's
+    ``compile_regions`` (each layer and submodule on its own; the loops and the segment count in eager Python between
+    them), with ``torch.compile``'s `backend` and `mode` (``--torch_compile_mode`` of the trainer; e.g.
+    ``"reduce-overhead"``: CUDA graphs per region)."""
+    return _compile_regions(build_on(lambda: spider_model(preset, **overrides), device), backend, mode)
+
+
+def _compile_regions(model, backend: str, mode: str | None) -> tuple[torch.nn.Module, dict]:
+    """`model` compiled as ``--compile`` compiles it (:func:`spider_training.compile.compile_model`), after a dynamo
+    reset; and what the row adds about it."""
+    from spider_training.compile import compile_model
+
+    torch._dynamo.reset()
+    return compile_model(model, backend=backend, mode=mode), {"compile_backend": backend, "compile_mode": mode or "default"}
+
+
+def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
+                        compile_mode: str | None = None) -> tuple[torch.nn.Module, dict]:
+    """The seed's own training configuration: `preset` with activation checkpointing (``gradient_checkpointing_enable``,
+    as ``--preset 1b`` trains by default), in the precision ``--precision auto`` picks on this device (bf16 autocast on
+    CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`). With `compile_backend` also compiled as
+    ``--compile`` compiles it (the ``spider_seed_recipe_compiled`` row, as :func:`_spider_compiled`)."""
+    from spider_training.fp8 import resolve_precision
+
+    precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
+    model = _spider_fp8(preset, device)[0] if precision == "fp8" else build_on(lambda: spider_model(preset), device)
+    model.gradient_checkpointing_enable()
+    autocast = str(autocast_dtype(device) or torch.float32).replace("torch.", "")
+    extra = {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
+    if compile_backend is not None:
+        model, compiled = _compile_regions(model, compile_backend, compile_mode)
+        extra.update(compiled)
+    return model, extra
+
+
+def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
+                     deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS,
+                     compile_backend: str = "inductor", seed_recipe_shape: tuple[int, int] | None = SEED_RECIPE_SHAPE,
+                     compile_mode: str | None = None) -> dict:
+    """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
+    :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
+    (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
+    `seed_recipe_shape`: the ``spider_seed_recipe`` row's batch (None: no such row); `compile_mode`: ``torch.compile``'s
+    mode for the compiled rows."""
+    from transformers import LlamaForCausalLM
+
+    device = device or default_device()
+    deadline = deadline or Deadline(None)
+    name = "step_table"
+    if preset == "1b" and device.type != "cuda" and shapes is None:
+        return entry(name, "skipped", "needs CUDA for the 1b rows (pass --step_table_shapes, or --step_table_preset "
+                                       "tiny, to run the table on CPU)")
+    shapes = [tuple(s) for s in (shapes or STEP_TABLE_SHAPES)]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    peak = device_peak_matmul_flops(device, dtype)
+    config = spider_config(preset)
+    llama_config = dense_llama_config(config)
+    default_experts = config._experts_implementation
+    plain = {  # built on the device by build_on
+        "spider": lambda: spider_model(preset),
+        "deepseek_v3": lambda: peer_model(config),
+        "llama_dense": lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1],
+    }
+    # each builder returns (model on the device, what the row adds about it)
+    builders = {key: (lambda fn=fn: (build_on(fn, device), {})) for key, fn in plain.items()}
+    # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
+    # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest), then
+    # FP8's (on the H200 its first step took 54 s and each new segment count ~5 s).
+    seed_shapes = [] if seed_recipe_shape is None else [tuple(seed_recipe_shape)]
+    plan = [(label, shape) for shape in shapes for label in models if label in _COMPARISON_ROWS]
+    plan += [("spider_seed_recipe", shape) for shape in seed_shapes if "spider" in models]
+    plan += [(label, shape) for label in ("spider_compiled", "spider_word_rate_compiled") for shape in shapes
+             if label in models]
+    plan += [("spider_seed_recipe_compiled", shape) for shape in seed_shapes if "spider_seed_recipe_compiled" in models]
+    plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
+
+    def word_rate(model, extra: dict) -> tuple[torch.nn.Module, dict]:
+        """A model built with ``boundary_mode="fixed"``, and the stride its boundary predictor closes segments at."""
+        stride = model.model.flexitokens.boundary_predictor.stride
+        return model, {**extra, "boundary_mode": "fixed", "bytes_per_segment": stride}
+
+    builders.update(spider_word_rate=lambda: word_rate(
+                        build_on(lambda: spider_model(preset, boundary_mode="fixed"), device), {}),
+                    spider_word_rate_compiled=lambda: word_rate(
+                        *_spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")),
+                    spider_fp8=lambda: _spider_fp8(preset, device),
+                    spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
+                    spider_seed_recipe_compiled=lambda: _spider_seed_recipe(preset, device, compile_backend,
+                                                                            compile_mode),
+                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
+    rows, params, spider_flops = [], {}, {}  # spider_flops: by (eager row, shape), for the compiled twins
+    held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
+    needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
+    for label, (batch, length) in plan:
+        row_name = {"model": label, "shape": f"{batch}x{length}"}
+        if deadline.expired(needed):
+            rows.append({**row_name, "status": "skipped", "reason": TIME_BUDGET})
+            continue
+        row_start = time.monotonic()
+        key = "spider" if label == "spider_eager_experts" else label
+        try:
+            if held is None or held[0] != key:
+                held = None
+                free_memory()
+                held = (key, *builders[key]())
+            _, model, extra = held
+            if key == "spider":
+                model.set_experts_implementation("eager" if label == "spider_eager_experts" else default_experts)
+            params[label] = num_params(model)
+            row = _step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
+                            profile=(batch, length) == shapes[0], warmup=STEP_TABLE_WARMUP.get(label, 1),
+                            instrument=label not in _EAGER_TWIN,
+                            flops=spider_flops.get((_EAGER_TWIN.get(label), batch, length)))
+            rows.append({**row, **extra})
+            if label in _EAGER_TWIN.values():
+                spider_flops[(label, batch, length)] = row["flops_per_step"]
+        except PartTimeout as exc:  # the hard limit: keep the rows measured so far
+            rows.append({**row_name, "status": "skipped", "reason": f"{TIME_BUDGET}: {exc}"})
+            deadline.end = time.monotonic()  # every later row is skipped
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the other rows still run
+            rows.append({**row_name, "status": "failed", "reason": error_reason(exc)})
+            held = None
+        if held is not None:
+            held[1].zero_grad(set_to_none=True)
+        free_memory()
+        needed = max(needed, 1.5 * (time.monotonic() - row_start))
+    held = None
+    free_memory()
+    failed = [f"{r['model']} {r['shape']}: {r['reason']}" for r in rows if r["status"] == "failed"]
+    ran = [r for r in rows if r["status"] == "passed"]
+    if failed:
+        status, reason = "failed", "; ".join(failed)
+    elif not ran:
+        status, reason = "skipped", TIME_BUDGET
+    else:
+        status = "passed"
+        reason = TIME_BUDGET + ": some rows skipped" if len(ran) < len(rows) else ""
+    return entry(name, status, reason, device=str(device), preset=preset, dtype=str(dtype).replace("torch.", ""),
+                  peak_matmul=peak, parameters=params, repeats=repeats,
+                  llama_dense_layers=llama_config.num_hidden_layers,
+                  llama_params_over_spider=(params["llama_dense"] / params["spider"]
+                                            if {"llama_dense", "spider"} <= params.keys() else None),
+                  rows=rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# host_syncs

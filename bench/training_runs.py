@@ -1,0 +1,312 @@
+"""The two parts of ``python -m bench.gpu_check`` that train through :func:`spider_training.train.main` (with a
+``TrainerCallback`` that times each step and can stop the run at the part's time budget):
+
+- ``main_job``: the README's main job end to end, :func:`spider_training.train.main` with its defaults (the
+  ``small`` preset on the embedded SOTU corpus, 500 steps, held-out scoring before, during and after, a sample, a
+  release folder) in a temporary output folder; then the release is loaded with
+  ``AutoModelForCausalLM.from_pretrained(release, trust_remote_code=True)`` onto the device and generates a few bytes
+  there (``--main_job_steps``, ``--main_job_preset`` and ``--main_job_args`` change the run). Figures: steps,
+  seconds, held-out bits per byte before / after and by loop count, the sample, the reload's device and bytes.
+  Passes when the run finishes, held-out bits per byte fell, and the reloaded release generates on the device.
+  (500 steps took 151 s on an H200 at f114b7e, 38 s at c2bcf51; the part 60 s.)
+- ``run_1b``: ``--run_1b_steps`` (300) training steps of ``--preset 1b`` on the embedded corpus through
+  :func:`spider_training.train.main` (bf16, 32 x 256 bytes per step, no activation checkpointing, the
+  preset's experts implementation, ``grouped_mm``), held-out bits per
+  byte scored 6 times along the way and the compression rate (bytes per segment) logged every few steps. Passes when
+  the boundary rate of the last logged steps (``1 / compression_rate``) lies inside the prior's band, where the
+  hinge ``relu(r - prior) + relu(prior - k*std - r)`` is zero (``boundary_prior``, ``boundary_prior_std``,
+  ``boundary_prior_k`` of the trained config), and held-out bits per byte fell (last < first). Skipped without CUDA
+  unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
+  ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
+  and the entry says how many. Reported beside the judgement: each step's wall time summarised (``step_seconds``,
+  :func:`bench.diagnostics.step_time_summary`: median, mean, 90th percentile, max, and how many steps took over twice the median,
+  which is what a segment count not seen before costs in a real run; with each step's padded segment axis, the
+  sizes met, the steps that met one first, how many of the slow steps those were and the median of the other
+  steps), the mean ACT halting step along the run
+  (``mean_halting_step``: loops per segment; near 1 means the later loops get no weight) and the held-out bits per
+  byte at 1, 2 and 4 loops after training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.diagnostics import SegmentAxisRecorder, step_time_summary
+from bench.parts import Deadline, PartTimeout, default_device, entry, error_reason, free_memory
+
+
+def _trainer_hook_class():
+    from transformers import TrainerCallback
+
+    class TrainerHook(TrainerCallback):
+        """A ``TrainerCallback`` handed to :func:`spider_training.train.main` (``callbacks=``): keeps the run's
+        ``state`` (``log_history``), the trained model's config and each step's wall time (``step_times``: from
+        ``on_step_begin`` to ``on_step_end``, so evaluation and the next batch's loading are outside it; the step's
+        one host sync keeps the host within a step of the device), each step's largest padded segment axis
+        (``step_axes``, :class:`SegmentAxisRecorder`; empty for a model without one or under ``--compile``) and, with
+        `stop_at` (``time.monotonic``), stops training at the first step that ends after it
+        (``control.should_training_stop``: the run then scores, samples and writes its release as after its last
+        step)."""
+
+        def __init__(self, stop_at: float | None):
+            self.stop_at = stop_at
+            self.state = None
+            self.config = None
+            self.stopped_at_step = None
+            self.step_times: list[float] = []
+            self.step_axes: list[int | None] = []
+            self._step_start = None
+            self._axis = None
+            self._axis_mark = 0
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.state = state
+            self.config = getattr(model, "config", None)
+            # not under --compile: a hook inside a compiled region would be traced (and could specialise the axis)
+            if model is not None and self._axis is None and not getattr(args, "torch_compile", False):
+                recorder = SegmentAxisRecorder(model)
+                self._axis = recorder if recorder.active else None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self._axis is not None:
+                self._axis.close()
+                self._axis = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._step_start = time.perf_counter()
+            self._axis_mark = len(self._axis.sizes) if self._axis is not None else 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self._step_start is not None:
+                self.step_times.append(time.perf_counter() - self._step_start)
+                self._step_start = None
+                if self._axis is not None:  # the step's forwards (micro-batches) only: evaluation runs after this
+                    sizes = self._axis.sizes[self._axis_mark:]
+                    self.step_axes.append(max(sizes) if sizes else None)
+            if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
+                control.should_training_stop = True
+                self.stopped_at_step = state.global_step
+            return control
+
+    return TrainerHook
+
+
+def _train_main(argv: list[str], stop_at: float | None):
+    """``spider_training.train.main(argv)`` with a trainer hook (:func:`_trainer_hook_class`); returns (summary, hook,
+    seconds)."""
+    from spider_training import train as train_module
+
+    hook = _trainer_hook_class()(stop_at)
+    start = time.perf_counter()
+    summary = train_module.main(argv, callbacks=[hook])
+    return summary, hook, time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# main_job
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main_job_check(steps: int = 500, preset: str = "small", device: torch.device | None = None,
+                   deadline: Deadline | None = None, extra_args: tuple[str, ...] = (),
+                   prompt: str = "The state of the union is", new_bytes: int = 16) -> dict:
+    """The README's main job in a temporary folder, then its release reloaded onto `device` to generate (see the
+    module docstring). `extra_args` are appended to the training command line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or default_device()
+    deadline = deadline or Deadline(None)
+    name = "main_job"
+    figures = {"device": str(device), "preset": preset, "steps_requested": steps}
+    with tempfile.TemporaryDirectory(prefix="spider_gpu_check_main_") as tmp:
+        argv = ["--preset", preset, "--max_steps", str(steps), "--output_dir", os.path.join(tmp, "run"), *extra_args]
+        # training stops early enough to keep 15% of the allowance (at least 20 s) for the final scoring, the sample,
+        # the release and its reload
+        stop_at = deadline.at_fraction(0.85, keep_s=max(20.0, 0.15 * min(deadline.left(), 1e9)))
+        try:
+            summary, hook, seconds = _train_main(argv, stop_at)
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the check reports what broke
+            return entry(name, "failed", f"spider_training.train.main raised {error_reason(exc)}",
+                          command=["spider_training.train.main", *argv], **figures)
+        before = summary.get("eval_before_bits_per_byte")
+        after = summary.get("eval_after_bits_per_byte")
+        figures.update(steps=summary.get("steps"), seconds=round(seconds, 2),
+                       train_runtime_s=_train_runtime(hook),
+                       step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
+                       precision=summary.get("precision"),
+                       moe_backend=summary.get("moe_backend"), parameters=summary.get("parameters"),
+                       bits_per_byte_before=before, bits_per_byte_after=after,
+                       bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
+                       compression_rate_after=summary.get("eval_after_compression_rate"),
+                       sample=summary.get("sample"), stopped_by_time_budget_at_step=hook.stopped_at_step)
+        hook.state = hook.config = None  # nothing of the trained run outlives the part
+        free_memory()
+        problems = []
+        if hook.stopped_at_step is not None:
+            figures["note"] = f"training stopped by the time budget at step {hook.stopped_at_step} of {steps}"
+        if before is None or after is None:
+            problems.append("no held-out bits per byte before/after in the run's summary")
+        elif not after < before:
+            problems.append(f"held-out bits per byte did not fall ({before:.4f} -> {after:.4f})")
+        release = summary.get("release_dir")
+        figures["release_written"] = bool(release) and Path(release, "config.json").is_file()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(release, trust_remote_code=True).to(device).eval()
+            tokenizer = AutoTokenizer.from_pretrained(release, trust_remote_code=True)
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1).to(device)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_bytes,
+                                     min_new_tokens=new_bytes, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            generated = out[0, ids.shape[1]:]
+            reload_ok = out.device.type == device.type and generated.numel() == new_bytes
+            figures.update(release_reload_ok=reload_ok, reload_device=str(out.device),
+                           reload_class=type(model).__name__, generated_bytes=int(generated.numel()),
+                           generated_text=tokenizer.decode(generated, skip_special_tokens=True))
+            if not reload_ok:
+                problems.append(f"the reloaded release generated {generated.numel()} of {new_bytes} bytes on "
+                                f"{out.device}")
+            del model
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            figures["release_reload_ok"] = False
+            problems.append(f"reloading the release and generating on {device} raised {error_reason(exc)}")
+    if problems and "note" in figures:
+        problems.append(figures["note"])
+    return entry(name, "failed" if problems else "passed", "; ".join(problems), **figures)
+
+
+def _train_runtime(hook) -> float | None:
+    history = hook.state.log_history if hook.state is not None else []
+    runtime = next((e["train_runtime"] for e in reversed(history) if "train_runtime" in e), None)
+    return None if runtime is None else round(float(runtime), 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# run_1b
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def held_out_curve(log_history: list[dict]) -> list[tuple[int, float]]:
+    """``[(step, bits_per_byte)]`` of every held-out scoring in a trainer's ``log_history`` (``eval_before_``,
+    ``eval_``, ``eval_after_`` prefixes), in logging order."""
+    curve = []
+    for logged in log_history:
+        for key, value in logged.items():
+            if key.startswith("eval") and key.endswith("_bits_per_byte") and isinstance(value, (int, float)):
+                curve.append((int(logged.get("step", 0)), float(value)))
+    return curve
+
+
+def training_curve(log_history: list[dict], key: str) -> list[tuple[int, float]]:
+    """``[(step, value)]`` of `key` in the training logs (averaged over each logging window; evaluation entries,
+    whose keys carry the ``eval_`` prefix, are not read)."""
+    return [(int(e.get("step", 0)), float(e[key])) for e in log_history
+            if key in e and isinstance(e[key], (int, float))]
+
+
+def compression_curve(log_history: list[dict]) -> list[tuple[int, float]]:
+    """``[(step, compression_rate)]`` of the training logs (bytes per segment, averaged over each logging window)."""
+    return training_curve(log_history, "compression_rate")
+
+
+def judge_1b_run(held_out: list[tuple[int, float]], compression: list[tuple[int, float]], boundary_prior: float,
+                 boundary_prior_std: float, boundary_prior_k: float) -> tuple[str, str, dict]:
+    """The ``run_1b`` checks on a run's curves: the last logged boundary rate ``1 / compression_rate`` inside
+    ``[prior - k*std, prior]`` (where the rate hinge is zero) and held-out bits per byte falling (last < first).
+    Returns ``(status, reason, figures)``."""
+    low, high = boundary_prior - boundary_prior_k * boundary_prior_std, boundary_prior
+    figures = {"boundary_rate_band": [low, high], "bytes_per_segment_band": [1 / high, 1 / low if low > 0 else None]}
+    problems = []
+    if not compression:
+        problems.append("no compression_rate in the training logs")
+    else:
+        rate = 1.0 / compression[-1][1]
+        figures.update(boundary_rate_end=rate, compression_rate_end=compression[-1][1])
+        if not low <= rate <= high:
+            problems.append(f"boundary rate {rate:.4f} at step {compression[-1][0]} is outside the prior's band "
+                            f"[{low:.4f}, {high:.4f}]")
+    if len(held_out) < 2:
+        problems.append(f"{len(held_out)} held-out scoring(s) logged, need 2 to see a trend")
+    else:
+        first, last = held_out[0][1], held_out[-1][1]
+        figures.update(bits_per_byte_first=first, bits_per_byte_last=last)
+        if not last < first:
+            problems.append(f"held-out bits per byte did not fall ({first:.4f} at step {held_out[0][0]} -> "
+                            f"{last:.4f} at step {held_out[-1][0]})")
+    return ("failed" if problems else "passed"), "; ".join(problems), figures
+
+
+def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len: int = 256,
+                 device: torch.device | None = None, deadline: Deadline | None = None,
+                 experts_implementation: str | None = None, extra_args: tuple[str, ...] = ()) -> dict:
+    """`steps` training steps of `preset` on the embedded corpus, judged by :func:`judge_1b_run` (see the module
+    docstring). Skipped without CUDA for the ``1b`` preset."""
+    device = device or default_device()
+    deadline = deadline or Deadline(None)
+    name = "run_1b"
+    if preset == "1b" and device.type != "cuda":
+        return entry(name, "skipped", "needs CUDA (300 steps of the 1b preset take days on a CPU)")
+    figures = {"device": str(device), "preset": preset, "steps_requested": steps, "micro_batch": batch,
+               "seq_len": seq_len, "experts_implementation": experts_implementation or "the preset's"}
+    with tempfile.TemporaryDirectory(prefix="spider_gpu_check_1b_") as tmp:
+        argv = ["--preset", preset, "--max_steps", str(steps), "--micro_batch", str(batch), "--seq_len", str(seq_len),
+                "--output_dir", os.path.join(tmp, "run"), "--eval_steps", str(max(1, steps // 6)),
+                "--logging_steps", str(max(1, min(10, steps // 10))), "--save_strategy", "no", "--sample_bytes", "0",
+                "--no_gradient_checkpointing"]
+        if device.type == "cuda":
+            argv += ["--precision", "bf16"]
+        if experts_implementation:  # the config field of releases before the fused experts, still mapped
+            argv += ["--config_overrides", f"moe_implementation={experts_implementation}"]
+        argv += list(extra_args)
+        stop_at = deadline.at_fraction(0.8, keep_s=max(20.0, 0.2 * min(deadline.left(), 1e9)))
+        try:
+            summary, hook, seconds = _train_main(argv, stop_at)
+        except PartTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return entry(name, "failed", f"spider_training.train.main raised {error_reason(exc)}",
+                          command=["spider_training.train.main", *argv], **figures)
+        history = hook.state.log_history
+        config = hook.config
+        held_out, compression = held_out_curve(history), compression_curve(history)
+        status, reason, judged = judge_1b_run(held_out, compression, config.boundary_prior,
+                                              config.boundary_prior_std, config.boundary_prior_k)
+        figures.update(steps=summary.get("steps"), seconds=round(seconds, 2), train_runtime_s=_train_runtime(hook),
+                       precision=summary.get("precision"), parameters=summary.get("parameters"),
+                       held_out_bits_per_byte=held_out, compression_rate=_thin(compression, 40),
+                       eval_compression_rate_after=summary.get("eval_after_compression_rate"),
+                       # reported, not judged: whether ACT keeps using the loops (docs/research_log.md: on CPU, the
+                       # 1b preset at micro-batch 4 halted after about one loop from step 7 on)
+                       mean_halting_step=_thin(training_curve(history, "mean_halting_step"), 40),
+                       held_out_bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
+                       boundary_prior=config.boundary_prior, boundary_prior_std=config.boundary_prior_std,
+                       boundary_prior_k=config.boundary_prior_k,
+                       step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes), **judged)
+        if hook.stopped_at_step is not None:
+            figures["note"] = f"training stopped by the time budget at step {hook.stopped_at_step} of {steps}"
+            if status == "failed":
+                reason = f"{reason}; {figures['note']}"
+        peak = [e["peak_memory_mb"] for e in history if "peak_memory_mb" in e]
+        figures["peak_memory_mb"] = max(peak) if peak else None
+        hook.state = hook.config = config = None
+    return entry(name, status, reason, **figures)
+
+
+def _thin(points: list, at_most: int) -> list:
+    """At most `at_most` of `points`, evenly spaced, the last one kept."""
+    if len(points) <= at_most:
+        return list(points)
+    stride = math.ceil(len(points) / at_most)
+    kept = points[::stride]
+    return kept if kept[-1] == points[-1] else kept + [points[-1]]
+
