@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function, or_masks, padding_mask_function,
     sdpa_mask, sliding_window_overlay,
@@ -1586,21 +1586,17 @@ def write_segment_slots(
 
 
 class SpiderLayerCache:
-    """Keys `(B, H, S, qk_head_dim)` and values `(B, H, S, v_head_dim)` (post-RoPE) of one attention
-    layer, plus Engram conv inputs `(B, S, D)`; byte layers append, segment layers write row b at
-    ``segment_write_index[b]``."""
+    """One recurrent layer's cache for one loop: keys `(B, H, S, qk_head_dim)` and values
+    `(B, H, S, v_head_dim)` (post-RoPE) and Engram conv inputs `(B, S, D)` per segment slot; a
+    decode step writes row b at ``segment_write_index[b]`` (rows close segments at different
+    bytes, which no transformers cache layer can say)."""
 
-    def __init__(self, cache: "SpiderCache", per_row_slots: bool):
+    def __init__(self, cache: "SpiderCache"):
         self.cache = cache
-        self.per_row_slots = per_row_slots
         self.keys = self.values = self.conv_inputs = None
 
     def _write(self, buffer: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
-        if buffer is None:
-            return new
-        if not self.per_row_slots:
-            return torch.cat([buffer, new], dim=dim)
-        return write_segment_slots(self.cache, buffer, new, dim)
+        return new if buffer is None else write_segment_slots(self.cache, buffer, new, dim)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's `keys`/`values` `(B, H, T, d)`; return every key/value the queries may
@@ -1629,6 +1625,42 @@ class SpiderLayerCache:
         _select_rows(self, ("keys", "values", "conv_inputs"), rows)
 
 
+class SpiderRecurrentLayerCache(CacheLayerMixin):
+    """The transformers cache layer of one recurrent layer: its :class:`SpiderLayerCache` of each
+    loop (`loops`), so that a :class:`SpiderCache` holds one layer per model layer. The model writes
+    the loops' caches directly; ``update`` is not used."""
+
+    is_croppable = True  # its slots stay on crop: the mask hides stale ones, the next write replaces
+
+    def __init__(self, loops: list[SpiderLayerCache]):
+        super().__init__()
+        self.loops = loops
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update")
+
+    def get_seq_length(self) -> int:
+        """Segment slots held (the null group included)."""
+        keys = self.loops[0].keys if self.loops else None
+        return 0 if keys is None else keys.shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def batch_select_indices(self, indices: torch.LongTensor) -> None:
+        for loop in self.loops:
+            loop.select_rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+
 def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
     """Replace each tensor attribute `names` of `holder` (None ones skipped) by its batch rows
     `rows`."""
@@ -1645,16 +1677,17 @@ class SpiderCache(Cache):
     ``n_loops`` it was built with (docs/design.md, "Generation cache")."""
 
     def __init__(self, config: SpiderConfig, n_loops: int):
-        # Spider's layer caches do not follow transformers' one-list-per-layer layout
-        super().__init__(layers=[])
         self.config = config
         self.n_loops = n_loops
-        self.prelude = [SpiderLayerCache(self, False) for _ in range(config.num_prelude_layers)]
-        self.coda = [SpiderLayerCache(self, False) for _ in range(config.num_coda_layers)]
-        self.recurrent = [
-            [SpiderLayerCache(self, True) for _ in range(config.num_recurrent_layers)]
-            for _ in range(n_loops)
-        ]
+        # one transformers cache layer per model layer: the byte layers' DynamicLayer, the recurrent
+        # layers' per-loop segment caches; `recurrent[t][i]` is loop t's cache of recurrent layer i
+        self.prelude = [DynamicLayer() for _ in range(config.num_prelude_layers)]
+        self.coda = [DynamicLayer() for _ in range(config.num_coda_layers)]
+        self.recurrent = [[SpiderLayerCache(self) for _ in range(config.num_recurrent_layers)]
+                          for _ in range(n_loops)]
+        recurrent_layers = [SpiderRecurrentLayerCache([loop[i] for loop in self.recurrent])
+                            for i in range(config.num_recurrent_layers)]
+        super().__init__(layers=[*self.prelude, *recurrent_layers, *self.coda])
         self.seen_bytes = 0  # columns of input_ids consumed so far, padding included
         self.byte_mask = None  # (B, n) bool, or None while no column is padding
         # the per-byte record (RECORD): (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32; buffers
@@ -1721,7 +1754,7 @@ class SpiderCache(Cache):
             self.reset()
             return
         for layer in self.prelude + self.coda:
-            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+            layer.crop(keep - self.seen_bytes)
         self.record_length = keep
         self.byte_mask = None if self.byte_mask is None else self.byte_mask[:, :keep]
         self.seen_bytes = keep
@@ -1735,10 +1768,8 @@ class SpiderCache(Cache):
 
     def batch_select_indices(self, indices: torch.LongTensor) -> None:
         """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
-        for layer in (
-            self.prelude + self.coda + [layer for loop in self.recurrent for layer in loop]
-        ):
-            layer.select_rows(indices)
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
         _select_rows(
             self,
             (

@@ -230,6 +230,34 @@ def test_spider_cache_is_a_transformers_cache():
         model.generate(inputs_embeds=model.get_input_embeddings()(_prompt(1, 8)), max_new_tokens=2, **GREEDY)
 
 
+def test_cache_holds_one_transformers_layer_per_model_layer():
+    """As transformers' generation utilities expect of a `Cache`: `len(cache) == config.num_hidden_layers`, one layer
+    per model layer in order; the byte layers' are transformers' own `DynamicLayer`s (keys and values `(B, H, bytes,
+    d)`), the recurrent layers' hold one segment cache per loop (the same objects the model writes); beam reordering
+    through the layers keeps the chosen rows."""
+    from transformers.cache_utils import DynamicLayer
+
+    from modeling_spider import SpiderRecurrentLayerCache
+
+    model = tiny_model(seed=0, n_loops=3).eval()
+    config = model.config
+    cache = model(_prompt(2, 24), use_cache=True).cache
+    assert len(cache) == config.num_hidden_layers
+    P, R = config.num_prelude_layers, config.num_recurrent_layers
+    byte_layers = cache.layers[:P] + cache.layers[P + R:]
+    assert all(type(layer) is DynamicLayer and layer.get_seq_length() == 24 for layer in byte_layers)
+    assert byte_layers == cache.prelude + cache.coda
+    recurrent = cache.layers[P:P + R]
+    assert all(isinstance(layer, SpiderRecurrentLayerCache) and len(layer.loops) == 3 for layer in recurrent)
+    assert all(recurrent[i].loops[t] is cache.recurrent[t][i] for t in range(3) for i in range(R))
+    assert recurrent[0].get_seq_length() == cache.recurrent[0][0].keys.shape[2] > 1
+    keys = cache.prelude[0].keys.clone()
+    segment_keys = cache.recurrent[2][R - 1].keys.clone()
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(cache.prelude[0].keys, keys[[1, 1]])
+    assert torch.equal(cache.recurrent[2][R - 1].keys, segment_keys[[1, 1]])
+
+
 @pytest.mark.parametrize("keep", [45, 22, 0])
 def test_crop_decodes_as_if_the_removed_bytes_were_never_seen(keep):
     """Prefill 30 bytes, decode 20, crop back to `keep` (inside the decoded bytes, inside the prompt, or nothing),
