@@ -28,8 +28,9 @@ import time
 import torch
 
 from bench.common import (
-    DTYPES, check, count_flops, finish, info, main_for, peak_matmul_flops, profile_top, spider_config, time_interleaved,
+    DTYPES, check, finish, info, main_for, peak_matmul_flops, profile_top, spider_config, time_interleaved,
 )
+from bench.flops import count_flops
 
 TARGET = 1.5
 FAST = ("grouped_mm",)
