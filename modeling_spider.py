@@ -31,7 +31,6 @@ import it registers a checkpoint conversion for model type ``"spider"``
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
