@@ -2,8 +2,9 @@
 
 :func:`compute_map` runs the model once and returns a :class:`ComputeMap`: per byte the boundary probability, the
 decision and its segment; per segment the loops ACT ran and each loop's weight; per loop and recurrent layer the
-routed experts and their weights. Everything is read from that one forward (hooks on the ACT halting step and on
-each layer's MoE), so the map is what the model did, not a re-computation of it. The command draws the map as a
+routed experts and their weights. Everything is read from what that one forward returns (``output_router_logits=True``:
+the ACT loop weights and each layer's router logits, whose top-k is taken with the MoE's own ops), so the map is what
+the model did, not a re-computation of it. The command draws the map as a
 self-contained HTML page (``PREFIX.html``: bytes as text coloured by segment, a segment's loops and experts on hover)
 and a PNG (``PREFIX.png``); :func:`write_card_map` draws the PNG a release's model card shows.
 
@@ -77,7 +78,7 @@ class ComputeMap:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The map: one forward, read through hooks
+# The map: what one forward returns
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -85,8 +86,9 @@ def compute_map(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
                 n_loops: int | None = None) -> ComputeMap:
     """The :class:`ComputeMap` of one eval-mode forward of `model` (a ``SpiderForConditionalGeneration`` or its
     ``SpiderModel``) on `input_ids` int64 `(B, L)` with `attention_mask` `(B, L)` (1 real, 0 padding; None: all real)
-    and `n_loops` (default ``config.n_loops``). The forward runs with ``output_router_logits=True``, which routes the
-    real segments exactly (no padding slots); the model is put back in its former mode and its hooks removed.
+    and `n_loops` (default ``config.n_loops``). The map is what that call returns with ``output_router_logits=True``
+    (which routes the real segments exactly, no padding slots): boundaries, ACT steps and loop weights, and the router
+    logits per (loop, layer); the model is put back in its former mode.
 
     Raises:
         TypeError: `input_ids` is not a tensor of integer ids.
@@ -96,20 +98,7 @@ def compute_map(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.LongTensor (batch, length), got {type(input_ids).__name__}")
     base = getattr(model, "model", model)
-    block = base.recurrent_block
-    weights: list[torch.Tensor] = []  # per loop, (B, 1+S)
-    router: dict[tuple[int, int], tuple[torch.nn.Module, torch.Tensor]] = {}  # (loop, layer) -> (mlp, logits)
-
-    def on_halting_step(module, args, output):
-        weights.append(output[2].detach().to(torch.float32))
-
-    def on_moe(layer: int):
-        def hook(module, args, output):  # called before this loop's halting step: the loop is len(weights)
-            router[len(weights), layer] = module, output[1].detach()
-        return hook
-
-    handles = [block.halting_step.register_forward_hook(on_halting_step)]
-    handles += [layer.mlp.register_forward_hook(on_moe(i)) for i, layer in enumerate(block.layers)]
+    layers = base.recurrent_block.layers
     was_training = model.training
     model.eval()
     try:
@@ -117,14 +106,15 @@ def compute_map(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
             out = base(input_ids, attention_mask=attention_mask, n_loops=n_loops, use_cache=False,
                        output_router_logits=True)
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
-    return _assemble(input_ids, attention_mask, out, weights, router, len(block.layers), block.layers[0].mlp.top_k)
+    # the router logits come per loop, then per recurrent layer: (loop, layer) -> (that layer's MoE, logits)
+    router = {divmod(n, len(layers)): (layers[n % len(layers)].mlp, logits)
+              for n, logits in enumerate(out.router_logits)}
+    return _assemble(input_ids, attention_mask, out, router, len(layers), layers[0].mlp.top_k)
 
 
-def _assemble(input_ids, attention_mask, out, weights, router, num_layers: int, top_k: int) -> ComputeMap:
-    """The :class:`ComputeMap` from the forward's output `out`, the hooked loop `weights` and `router` logits."""
+def _assemble(input_ids, attention_mask, out, router, num_layers: int, top_k: int) -> ComputeMap:
+    """The :class:`ComputeMap` from the forward's output `out` and its `router` logits per (loop, layer)."""
     boundaries = out.boundaries.detach() > 0.5
     B, L = boundaries.shape
     byte_mask = torch.ones(B, L, dtype=torch.bool) if attention_mask is None else attention_mask.detach().cpu().bool()
@@ -134,8 +124,9 @@ def _assemble(input_ids, attention_mask, out, weights, router, num_layers: int, 
     read_segment_ids = torch.where(byte_mask, closed_so_far, -1)
     segment_mask = out.segment_mask.detach().cpu() > 0.5
     halting_step = torch.where(segment_mask, out.halting_step.detach().cpu().round().long(), 0)
-    loop_weights = torch.stack(weights, dim=-1).cpu() if weights else torch.zeros(*segment_mask.shape, 0)
-    experts, expert_weights = _routed_experts(router, segment_mask, halting_step, len(weights), num_layers, top_k)
+    loop_weights = out.loop_weights.cpu().to(torch.float32)
+    experts, expert_weights = _routed_experts(router, segment_mask, halting_step, loop_weights.shape[-1], num_layers,
+                                              top_k)
     return ComputeMap(
         input_ids=input_ids.detach().cpu(), byte_mask=byte_mask,
         boundary_probs=out.boundary_probs.detach().cpu().to(torch.float32),
@@ -146,7 +137,7 @@ def _assemble(input_ids, attention_mask, out, weights, router, num_layers: int, 
 
 
 def _routed_experts(router, segment_mask, halting_step, loops: int, num_layers: int, k: int):
-    """Top-k experts and weights `(B, 1+S, T, R, k)` from the captured router logits, by the MoE's own ops (its
+    """Top-k experts and weights `(B, 1+S, T, R, k)` from the forward's router logits, by the MoE's own ops (its
     ``kernels.topk_gate`` and ``normalize_weight`` as ``SpiderMoE.forward`` calls them). The routed rows are the
     real segments in flattened `(B * (1+S))` order; with ACT early exit, those still running at that loop."""
     B, S1 = segment_mask.shape

@@ -23,7 +23,8 @@ class SpiderSFTTrainer(SFTTrainer):
     router row per token (Spider routes segments: a size mismatch). This trainer turns TRL's Mixtral loss off
     (``router_aux_loss_coef=0.0`` on a copy of `args`), puts the model config's coefficient back so the saved config is
     the release's, and adds Spider's terms, computed by the LM head's ``loss_terms`` from the backbone's output (a
-    forward hook on ``SpiderModel``: TRL's fused loss skips the head), averaged over gradient-accumulation steps as TRL averages its own auxiliary loss. Each term is logged under its name.
+    forward hook on ``SpiderModel``: TRL's fused loss skips the head), averaged over gradient-accumulation steps as
+    TRL averages its own auxiliary loss. Each term is logged under its name.
 
     Args: as ``SFTTrainer``; `model` a Spider model (a ``PreTrainedModel`` whose base model is a ``SpiderModel``).
     Raises: ``ValueError`` if `args.router_aux_loss_coef` is set to a non-zero value (Spider weighs its balancing loss

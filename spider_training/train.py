@@ -27,6 +27,7 @@ from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
 from spider_training import checkpointing
 from spider_training.arguments import SpiderArguments, parse_args
+from spider_training.compute_map import held_out_paragraph
 from spider_training.data import build_dataset
 from spider_training.fp8 import resolve_precision
 from spider_training.generate import sample
@@ -207,8 +208,6 @@ def _sample_and_release(spider: SpiderArguments, args, trainer: SpiderTrainer, p
         print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
               f"after {after['eval_after_bits_per_byte']:.4f}")
     release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
-    from spider_training.compute_map import held_out_paragraph
-
     write_release(release_dir, plain, tokenizer, spider=spider, args=args, summary=summary,
                   log_history=trainer.state.log_history, card_map_text=held_out_paragraph(trainer.eval_dataset))
     summary["release_dir"] = release_dir

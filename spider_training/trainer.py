@@ -13,8 +13,9 @@ overrides public, documented methods:
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
   re-sharded. Local sources are map-style datasets and keep Trainer's own loader (seeded random sampler, accelerate's
   split across processes, ``skip_first_batches`` on resume).
-- ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in training drawn per step with ``extra_train_loops``) and log every
-  loss term, bits-per-byte, compression rate, expert load balance, mean halting step, tokens/s and peak memory.
+- ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in
+  training drawn per step with ``extra_train_loops``) and log every loss term, bits-per-byte, compression rate,
+  expert load balance, mean halting step, tokens/s and peak memory.
 - ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).

@@ -122,7 +122,7 @@ def test_map_agrees_with_the_forward_it_was_read_from(early_exit):
 def test_the_model_call_returns_what_the_map_shows():
     """One call on the model is the map's source too: `model(ids, output_router_logits=True)` returns per byte the
     boundaries and their probabilities, per segment the loops ACT ran and each loop's weight, and the router logits
-    per (loop, layer) -- equal to the map read through hooks from the same kind of call."""
+    per (loop, layer) -- equal to the map compute_map reads from the same kind of call."""
     model = varied_halting_model().eval()
     ids = encode(TEXT, model)
     cmap = compute_map(model, ids, n_loops=4)
