@@ -61,21 +61,27 @@ from bench.parts import (MIN_PART_S, TIME_BUDGET, Deadline, PartTimeout, autocas
                          entry, error_reason, free_memory, train_step_of)
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
+#: the compiled FP8 rows (on request; issue 51): row -> (torchao recipe, ``--fp8_experts``). FP8 is judged under
+#: ``torch.compile``, where torchao states its gains (eager ``Float8Linear`` pays separate amax and cast kernels)
+FP8_COMPILED_ROWS = {"spider_fp8_compiled": ("tensorwise", "auto"),
+                     "spider_fp8_bf16_experts_compiled": ("tensorwise", "off"),
+                     "spider_fp8_rowwise_compiled": ("rowwise", "auto")}
 #: the step table's rows at each shape (module docstring: the order they run in)
 STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
 STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_word_rate_compiled",
-                            "spider_seed_recipe_compiled")
+                            "spider_seed_recipe_compiled", *FP8_COMPILED_ROWS)
 #: the rows that run first, shape by shape (the compiled, seed-recipe and FP8 rows follow: ``step_table_check``)
 _COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_eager_experts")
 #: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
 #: they get no instrumented step)
 _EAGER_TWIN = {"spider_compiled": "spider", "spider_word_rate_compiled": "spider_word_rate",
-               "spider_seed_recipe_compiled": "spider_seed_recipe"}
+               "spider_seed_recipe_compiled": "spider_seed_recipe", **dict.fromkeys(FP8_COMPILED_ROWS, "spider")}
 #: warm-up steps before a row's timed steps (a compiled row compiles its regions and their structural variants, such
 #: as the first loop's, during its first steps: ``graphs_compiled_per_step``)
-STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_seed_recipe_compiled": 3}
+STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_seed_recipe_compiled": 3,
+                     **dict.fromkeys(FP8_COMPILED_ROWS, 3)}
 #: the seed's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_seed_recipe``
 #: row after the table
 SEED_RECIPE_SHAPE = (112, 256)
@@ -172,14 +178,16 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
     return row
 
 
-def _spider_fp8(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
-    """Spider converted as ``--precision fp8`` converts it (``--fp8_layers auto``, ``--fp8_experts auto``; emulated
-    ``Float8Linear`` off CUDA), with what was converted."""
+def _spider_fp8(preset: str, device: torch.device, recipe: str = "tensorwise",
+                experts_mode: str = "auto") -> tuple[torch.nn.Module, dict]:
+    """Spider converted as ``--precision fp8 --fp8_recipe RECIPE --fp8_experts EXPERTS_MODE`` converts it
+    (``--fp8_layers auto``; emulated ``Float8Linear`` off CUDA), with what was converted."""
     from spider_training.fp8 import convert_for_fp8_training
 
     model = build_on(lambda: spider_model(preset), device)
-    linear, experts = convert_for_fp8_training(model, emulate=device.type != "cuda", device=device)
-    return model, {"fp8_linear_layers": linear.converted, "fp8_linear_skipped": linear.skipped_by_reason(),
+    linear, experts = convert_for_fp8_training(model, recipe=recipe, experts=experts_mode,
+                                               emulate=device.type != "cuda", device=device)
+    return model, {"fp8_recipe": recipe, "fp8_linear_layers": linear.converted, "fp8_linear_skipped": linear.skipped_by_reason(),
                    "fp8_experts_modules": len(experts.converted_fqns),
                    "fp8_experts_skipped": sorted(set(experts.skipped.values()))}
 
@@ -200,6 +208,14 @@ def _compile_regions(model, backend: str, mode: str | None) -> tuple[torch.nn.Mo
 
     torch._dynamo.reset()
     return compile_model(model, backend=backend, mode=mode), {"compile_backend": backend, "compile_mode": mode or "default"}
+
+
+def _fp8_compiled(converted: tuple[torch.nn.Module, dict], backend: str,
+                  mode: str | None) -> tuple[torch.nn.Module, dict]:
+    """A model converted by :func:`_spider_fp8`, compiled as ``--compile`` compiles it; both rows' notes."""
+    model, extra = converted
+    model, compiled = _compile_regions(model, backend, mode)
+    return model, {**extra, **compiled}
 
 
 def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
@@ -261,6 +277,7 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
              if label in models]
     plan += [("spider_seed_recipe_compiled", shape) for shape in seed_shapes if "spider_seed_recipe_compiled" in models]
     plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
+    plan += [(label, shape) for label in FP8_COMPILED_ROWS for shape in shapes if label in models]
 
     def word_rate(model, extra: dict) -> tuple[torch.nn.Module, dict]:
         """A model built with ``boundary_mode="fixed"``, and the stride its boundary predictor closes segments at."""
@@ -276,6 +293,9 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
                     spider_seed_recipe_compiled=lambda: _spider_seed_recipe(preset, device, compile_backend,
                                                                             compile_mode),
                     spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
+    for label, (recipe, experts_mode) in FP8_COMPILED_ROWS.items():
+        builders[label] = lambda recipe=recipe, experts_mode=experts_mode: _fp8_compiled(
+            _spider_fp8(preset, device, recipe, experts_mode), compile_backend, compile_mode)
     rows, params, spider_flops = [], {}, {}  # spider_flops: by (eager row, shape), for the compiled twins
     held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
     needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
