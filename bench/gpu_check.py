@@ -198,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "only when given)")
     parser.add_argument("--step_table_models", nargs="+", default=list(STEP_TABLE_MODELS),
                         choices=STEP_TABLE_MODEL_CHOICES,
-                        help="rows of each shape (default: all but spider_eager_experts and spider_seed_recipe_compiled; the "
-                             "compiled and FP8 rows run last)")
+                        help="rows of each shape (default: all but spider_eager_experts, the word-rate and seed-recipe "
+                             "compiled rows and the compiled FP8 rows; the compiled and FP8 rows run last)")
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
     parser.add_argument("--compile_mode", default=None,

@@ -19,7 +19,10 @@
   ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the per-expert layout ran
   them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
   x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks, and on request compiled too
-  (``spider_seed_recipe_compiled``, for the 40,000 bytes/s target). The order: the comparison rows
+  (``spider_seed_recipe_compiled``, for the 40,000 bytes/s target); and on request FP8 judged under compile,
+  where torchao states its gains (:data:`FP8_COMPILED_ROWS`: ``spider_fp8_compiled``, tensorwise with the experts
+  through the FP8 grouped GEMM; ``spider_fp8_bf16_experts_compiled``; ``spider_fp8_rowwise_compiled``), last of
+  all. The order: the comparison rows
   shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), the seed's recipe, then the
   compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
   compiled word-rate model and the compiled seed's recipe), then the FP8 rows (the first FP8 step took 54 s there). Per

@@ -37,11 +37,12 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str |
 
 
 #: Optimizer steps after which ``--compile`` pays for its compilation on a GPU, per preset: compile time over the
-#: time a compiled step saves. Measured on one H200 (bench/gpu_check_h200.json, bf16, fused AdamW): the 1b preset
-#: compiled for 82-86 s before its first step and then stepped in 0.305-0.346 s against 0.530-0.560 s eager at 8 x 2048
-#: bytes (0.218-0.291 s against 0.355-0.375 s at 32 x 256), so ~86 / 0.21 = 410 steps. The small preset's whole
-#: 500-step main job trains in 38 s eager, less than compiling takes: no entry, so it never compiles by default.
-COMPILE_PAYS_AFTER_STEPS: dict[str, int] = {"1b": 410}
+#: time a compiled step saves. Measured on one H200 (bench/gpu_check_h200.json, 2026-11-27, bf16, fused AdamW,
+#: dynamic-shape regions): the 1b preset's first two steps took 119-125 s (compilation), then a step took 0.398 s
+#: against 0.602 s eager at 8 x 2048 bytes (119 / 0.204 = 583 steps) and 0.246 s against 0.361 s at 32 x 256 at
+#: repeated segment axes (about 1,100 steps). The small preset's whole 500-step main job trains in 38 s eager, less
+#: than compiling takes: no entry, so it never compiles by default.
+COMPILE_PAYS_AFTER_STEPS: dict[str, int] = {"1b": 600}
 
 
 def compile_by_default(preset: str | None, max_steps: int, cuda: bool) -> tuple[bool, str]:

@@ -153,16 +153,28 @@ def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
 def test_compiled_rows_on_request_run_before_the_fp8_rows():
     """``spider_word_rate_compiled`` and ``spider_seed_recipe_compiled`` (on request): the word-rate model and
     activation checkpointing under regional compilation, each timed with its eager twin's FLOPs, after the compiled
-    row and before FP8's."""
+    row and before FP8's; the compiled FP8 rows (on request) last: Spider converted as ``--precision fp8`` with the
+    row's recipe and ``--fp8_experts`` (emulated ``Float8Linear`` on CPU, where the experts stay in bf16 and the row
+    says why), then compiled as ``--compile`` compiles, with the eager row's FLOPs."""
     table = step_table.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
-                                       models=("spider", "spider_word_rate", "spider_compiled", "spider_fp8",
+                                       models=("spider_fp8_rowwise_compiled", "spider_fp8_bf16_experts_compiled",
+                                               "spider", "spider_word_rate", "spider_compiled", "spider_fp8",
                                                "spider_word_rate_compiled", "spider_seed_recipe_compiled"),
                                        compile_backend="eager", seed_recipe_shape=(2, 32))
     assert table["status"] == "passed", table
     assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "spider_seed_recipe",
                                                        "spider_compiled", "spider_word_rate_compiled",
-                                                       "spider_seed_recipe_compiled", "spider_fp8"]
+                                                       "spider_seed_recipe_compiled", "spider_fp8",
+                                                       "spider_fp8_bf16_experts_compiled",
+                                                       "spider_fp8_rowwise_compiled"]
     rows = {row["model"]: row for row in table["rows"]}
+    bf16_experts, rowwise = rows["spider_fp8_bf16_experts_compiled"], rows["spider_fp8_rowwise_compiled"]
+    assert bf16_experts["fp8_recipe"] == "tensorwise" and rowwise["fp8_recipe"] == "rowwise"
+    assert bf16_experts["fp8_experts_skipped"] == ["--fp8_experts off"]
+    assert any("needs CUDA" in reason for reason in rowwise["fp8_experts_skipped"])
+    for row in (bf16_experts, rowwise):
+        assert row["compile_backend"] == "eager" and len(row["warmup_step_s"]) == 3, row
+        assert row["flops_per_step"] == rows["spider"]["flops_per_step"] > 0 and row["aten_ops_per_step"] is None
     word = rows["spider_word_rate_compiled"]
     assert word["boundary_mode"] == "fixed" and word["compile_backend"] == "eager" and word["aten_ops_per_step"] is None
     assert word["flops_per_step"] == rows["spider_word_rate"]["flops_per_step"] > 0
