@@ -14,6 +14,8 @@ The parts, in the order they run (most important first), and the module that say
 - ``main_job``: the README's main job end to end, then its release reloaded onto the GPU (``bench.training_runs``)
 - ``step_table``: one training step of Spider 1b and its peers, timed and counted (``bench.step_table``)
 - ``host_syncs``: the device-to-host syncs of one 1b forward+backward (``bench.diagnostics``)
+- ``distributed``: DDP and FSDP2 at world size 1 over NCCL: losses against the unwrapped model's, FSDP2's sharded
+  checkpoint saved, resumed and gathered into a release that loads (``bench.distributed``)
 - ``attention_backends``: SDPA forward+backward per kernel at the 1b attention's shapes (``bench.diagnostics``)
 - ``run_1b``: 300 training steps of the 1b preset, judged by its boundary rate and held-out loss
   (``bench.training_runs``)
@@ -43,15 +45,18 @@ import torch
 from bench.common import environment
 from bench.correctness import FP8_RECIPES, SHAPES, fp8_check, fsdp2_fp8_all_gather_check, tile_kernels_check
 from bench.diagnostics import attention_backends_check, host_syncs_check
+from bench.distributed import distributed_check
 from bench.parts import (MIN_PART_S, TIME_BUDGET, Deadline, PartTimeout, default_device, entry, error_reason,
                          free_memory, hard_limit)
 from bench.step_table import SEED_RECIPE_SHAPE, STEP_TABLE_MODEL_CHOICES, STEP_TABLE_MODELS, step_table_check
 from bench.training_runs import main_job_check, run_1b_check
 
-PARTS = ("main_job", "step_table", "host_syncs", "attention_backends", "run_1b", "fp8", "tile_kernels_moe", "fsdp2_fp8_all_gather")
+PARTS = ("main_job", "step_table", "host_syncs", "distributed", "attention_backends", "run_1b", "fp8",
+         "tile_kernels_moe", "fsdp2_fp8_all_gather")
 CHECKS = PARTS  # the name earlier versions used
 #: each part's largest time allowance in seconds (see bench.parts: "Time budget")
-PART_CAPS_S = {"main_job": 90, "step_table": 220, "host_syncs": 20, "attention_backends": 15, "run_1b": 150,
+PART_CAPS_S = {"main_job": 90, "step_table": 220, "host_syncs": 20, "distributed": 90, "attention_backends": 15,
+               "run_1b": 150,
                "fp8": 90, "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
 DEFAULT_BUDGET_S = 460.0
 
@@ -118,6 +123,8 @@ def _part_functions(options) -> dict:
                                                   seed_recipe_shape=options.seed_recipe_shape or None,
                                                   compile_mode=options.compile_mode)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
+        "distributed": lambda d: [distributed_check(options.distributed_preset, options.distributed_steps,
+                                                    options.distributed_shape, timeout_s=max(d.left(), 1.0))],
         "attention_backends": lambda d: [attention_backends_check(options.attention_preset, options.attention_batch,
                                                                   options.attention_segments,
                                                                   options.attention_visits, deadline=d)],
@@ -211,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host_syncs_preset", default="1b")
     parser.add_argument("--host_syncs_shape", type=parse_shape, default=None,
                         help="BATCHxBYTES (default 32x256 on CUDA, 2x256 on CPU)")
+    parser.add_argument("--distributed_preset", default="small", help="preset of the DDP/FSDP2 world-size-1 part")
+    parser.add_argument("--distributed_steps", type=int, default=4,
+                        help="steps before the FSDP2 checkpoint (2 more follow, straight on and resumed)")
+    parser.add_argument("--distributed_shape", type=parse_shape, default=(4, 256), help="BATCHxBYTES per step")
     parser.add_argument("--attention_preset", default="1b", help="preset whose attention heads and dims are timed")
     parser.add_argument("--attention_batch", type=int, default=None,
                         help="batch of the attention timings (default 32 on CUDA, 4 on CPU)")

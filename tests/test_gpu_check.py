@@ -33,6 +33,7 @@ TOY_ARGS = [
     "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1", "--compile_backend", "eager",
     "--seed_recipe_shape", "2x32",
     "--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64",
+    "--distributed_preset", "tiny", "--distributed_steps", "2", "--distributed_shape", "2x48",
     "--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48",
     "--attention_visits", "2",
     "--run_1b_preset", "tiny", "--run_1b_steps", "4", "--run_1b_batch", "2x64", "--run_1b_args", "--eval_windows 8",
@@ -85,6 +86,15 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
         assert variant["dispatch_count"] == sum(variant["dispatch_by_op"].values())
         assert variant["aten_ops_forward_backward"] > syncs["deepseek_v3_aten_ops_forward_backward"] > 0
     assert "tolist" not in syncs["variants"]["grouped_mm"]["dispatch_by_op"]  # the fused experts read no row count
+
+    distributed = by_name["distributed_world_size_1"]  # gloo here; NCCL on a GPU
+    assert distributed["status"] == "passed", distributed
+    assert distributed["backend"] == "gloo" and distributed["world_size"] == 1
+    assert len(distributed["ddp_losses"]) == len(distributed["fsdp2_losses"]) == 4  # 2 steps, the checkpoint, 2 more
+    assert distributed["fsdp2_dtensor_parameters"] == distributed["parameters"] > 0
+    assert distributed["fsdp2_units"].count("FSDPSpiderRecurrentLayer") == spider_config("tiny").num_recurrent_layers
+    assert any(f.endswith(".distcp") for f in distributed["checkpoint_files"])
+    assert distributed["reference_losses"][-1] != distributed["reference_losses"][0]  # the weights moved
 
     attention = by_name["attention_backends"]
     assert attention["status"] == "passed" and attention["backends"]["default"]["kernel"] == ["math"], attention
@@ -183,6 +193,19 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows():
     assert compiled["activation_checkpointing"] and compiled["compile_backend"] == "eager", compiled
     assert len(compiled["warmup_step_s"]) == 3 and compiled["aten_ops_per_step"] is None
     assert compiled["flops_per_step"] == rows["spider_seed_recipe"]["flops_per_step"] > 0
+
+
+def test_distributed_judgement_names_what_differs():
+    from bench import distributed
+
+    figures = dict(rtol=distributed.loss_rtol(torch.float32), ddp_max_rel_diff=0.0, fsdp2_max_rel_diff=0.0,
+                   resumed_max_rel_diff=0.0, release_logits_max_rel_diff=0.0, release_has_dtensors=False)
+    assert distributed.judge(figures) == ("passed", "")
+    # a gradient summed twice or a lost optimizer state moves the losses after the first step far past rtol
+    status, reason = distributed.judge({**figures, "resumed_max_rel_diff": 0.02, "ddp_max_rel_diff": float("nan")})
+    assert status == "failed" and "resumed_max_rel_diff 0.02" in reason and "ddp_max_rel_diff nan" in reason
+    assert "DTensor" in distributed.judge({**figures, "release_has_dtensors": True})[1]
+    assert distributed.loss_rtol(torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
 
 
 def test_attention_backends_at_toy_sizes_on_cpu():
