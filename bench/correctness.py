@@ -9,7 +9,7 @@ routing, FSDP2 with float8 all-gather.
   times mean nothing and are labelled so). Recipes
   ``tensorwise`` and ``rowwise``; presets ``small`` and ``1b`` (``1b`` needs CUDA); ``--fp8_layers`` by default ``auto`` for ``1b``
   (the layers ``--precision fp8`` converts there, so the step times are what ``--precision auto`` chooses by:
-  ``spider_training.fp8.FP8_MEASURED``) and ``seed`` for the smaller presets (every layer kind the seed converted;
+  ``spider_training.fp8.FP8_MEASURED``) and ``tk_train`` for the smaller presets (every layer kind tk-train.py converted;
   ``auto`` converts none of their layers).
 - ``tile_kernels_moe``: the TileKernels MoE routing (:func:`spider_training.tile_kernels_moe.swap_in_tile_kernels`)
   against the torch path on one MoE layer in fp32: outputs and gradients (input, expert weights) equal within

@@ -48,7 +48,8 @@ from bench.diagnostics import attention_backends_check, host_syncs_check
 from bench.distributed import distributed_check
 from bench.parts import (MIN_PART_S, TIME_BUDGET, Deadline, PartTimeout, default_device, entry, error_reason,
                          free_memory, hard_limit)
-from bench.step_table import SEED_RECIPE_SHAPE, STEP_TABLE_MODEL_CHOICES, STEP_TABLE_MODELS, step_table_check
+from bench.step_table import (DEPRECATED_ROW_NAMES, STEP_TABLE_MODEL_CHOICES, STEP_TABLE_MODELS,
+                              TK_TRAIN_RECIPE_SHAPE, step_table_check)
 from bench.training_runs import main_job_check, run_1b_check
 
 PARTS = ("main_job", "step_table", "host_syncs", "distributed", "attention_backends", "run_1b", "fp8",
@@ -120,7 +121,7 @@ def _part_functions(options) -> dict:
                                                   options.step_repeats, deadline=d,
                                                   models=tuple(options.step_table_models),
                                                   compile_backend=options.compile_backend,
-                                                  seed_recipe_shape=options.seed_recipe_shape or None,
+                                                  tk_train_recipe_shape=options.tk_train_recipe_shape or None,
                                                   compile_mode=options.compile_mode)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
         "distributed": lambda d: [distributed_check(options.distributed_preset, options.distributed_steps,
@@ -204,15 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="BATCHxBYTES shapes of the step table (default 32x256 8x2048; on CPU the 1b rows run "
                              "only when given)")
     parser.add_argument("--step_table_models", nargs="+", default=list(STEP_TABLE_MODELS),
-                        choices=STEP_TABLE_MODEL_CHOICES,
-                        help="rows of each shape (default: all but spider_eager_experts, the word-rate and seed-recipe "
+                        choices=(*STEP_TABLE_MODEL_CHOICES, *DEPRECATED_ROW_NAMES),
+                        help="rows of each shape (default: all but spider_eager_experts, the word-rate and tk-train-recipe "
                              "compiled rows and the compiled FP8 rows; the compiled and FP8 rows run last)")
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
     parser.add_argument("--compile_mode", default=None,
                         help="torch.compile mode of the spider_compiled row, e.g. reduce-overhead (CUDA graphs)")
-    parser.add_argument("--seed_recipe_shape", type=parse_shape, default=SEED_RECIPE_SHAPE,
-                        help="BATCHxBYTES of the step table's last row, the seed's recipe (activation checkpointing)")
+    parser.add_argument("--tk_train_recipe_shape", "--seed_recipe_shape", type=parse_shape,
+                        default=TK_TRAIN_RECIPE_SHAPE,
+                        help="BATCHxBYTES of the step table's last row, tk-train.py's recipe (activation checkpointing)")
     parser.add_argument("--step_repeats", type=int, default=3,
                         help="timed steps (after a warm-up) per step-table row and per FP8 variant; the median is used")
     parser.add_argument("--host_syncs_preset", default="1b")

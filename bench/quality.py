@@ -556,7 +556,7 @@ DRAWN_LOOPS_NAME = "loop count drawn from {2, 3} each step (extra_train_loops=1)
 #: The AdamW recipe's default run, the reference of every AdamW ablation row.
 ADAMW_DEFAULT = "spider, AdamW for every parameter"
 #: The segmentation of every row measured before the boundary teacher (2026-11-24): boundaries learned end to end at
-#: the seed's 3-byte prior. The AdamW rows, the longer-budget pairs and the Muon learning-rate rows run with it, so that
+#: tk-train.py's 3-byte prior. The AdamW rows, the longer-budget pairs and the Muon learning-rate rows run with it, so that
 #: a rerun reproduces them; each is compared with the default run of its own segmentation and optimizer.
 END_TO_END_SEGMENTS = {"boundary_teacher": None, "boundary_prior": 0.333}
 #: The default run with END_TO_END_SEGMENTS (the default before the teacher), the reference of the Muon rows with it.

@@ -17,15 +17,15 @@
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
   the word-rate model compiled the same way (``spider_word_rate_compiled``) and Spider with
   ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the per-expert layout ran
-  them); and ``spider_seed_recipe``: the seed's configuration, activation checkpointing at 112
-  x 256 bytes (``--seed_recipe_shape``), in the precision ``--precision auto`` picks, and on request compiled too
-  (``spider_seed_recipe_compiled``, for the 40,000 bytes/s target); and on request FP8 judged under compile,
+  them); and ``spider_tk_train_recipe``: tk-train.py's configuration, activation checkpointing at 112
+  x 256 bytes (``--tk_train_recipe_shape``), in the precision ``--precision auto`` picks, and on request compiled too
+  (``spider_tk_train_recipe_compiled``, for the 40,000 bytes/s target); and on request FP8 judged under compile,
   where torchao states its gains (:data:`FP8_COMPILED_ROWS`: ``spider_fp8_compiled``, tensorwise with the experts
   through the FP8 grouped GEMM; ``spider_fp8_bf16_experts_compiled``; ``spider_fp8_rowwise_compiled``), last of
   all. The order: the comparison rows
-  shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), the seed's recipe, then the
+  shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), tk-train.py's recipe, then the
   compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
-  compiled word-rate model and the compiled seed's recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
+  compiled word-rate model and the compiled tk-train.py recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
   row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
   a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
   instrumented, timed and profiled step, ``segment_axis`` (:class:`bench.diagnostics.SegmentAxisRecorder`), how many timed steps met a
@@ -74,20 +74,22 @@ STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense",
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
 STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_word_rate_compiled",
-                            "spider_seed_recipe_compiled", *FP8_COMPILED_ROWS)
-#: the rows that run first, shape by shape (the compiled, seed-recipe and FP8 rows follow: ``step_table_check``)
+                            "spider_tk_train_recipe_compiled", *FP8_COMPILED_ROWS)
+#: row names of earlier versions, still accepted by ``--step_table_models`` (tk-train.py was called "the seed")
+DEPRECATED_ROW_NAMES = {"spider_seed_recipe_compiled": "spider_tk_train_recipe_compiled"}
+#: the rows that run first, shape by shape (the compiled, tk-train-recipe and FP8 rows follow: ``step_table_check``)
 _COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_eager_experts")
 #: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
 #: they get no instrumented step)
 _EAGER_TWIN = {"spider_compiled": "spider", "spider_word_rate_compiled": "spider_word_rate",
-               "spider_seed_recipe_compiled": "spider_seed_recipe", **dict.fromkeys(FP8_COMPILED_ROWS, "spider")}
+               "spider_tk_train_recipe_compiled": "spider_tk_train_recipe", **dict.fromkeys(FP8_COMPILED_ROWS, "spider")}
 #: warm-up steps before a row's timed steps (a compiled row compiles its regions and their structural variants, such
 #: as the first loop's, during its first steps: ``graphs_compiled_per_step``)
-STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_seed_recipe_compiled": 3,
+STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_tk_train_recipe_compiled": 3,
                      **dict.fromkeys(FP8_COMPILED_ROWS, 3)}
-#: the seed's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_seed_recipe``
+#: tk-train.py's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_tk_train_recipe``
 #: row after the table
-SEED_RECIPE_SHAPE = (112, 256)
+TK_TRAIN_RECIPE_SHAPE = (112, 256)
 
 
 def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, repeats: int,
@@ -221,12 +223,12 @@ def _fp8_compiled(converted: tuple[torch.nn.Module, dict], backend: str,
     return model, {**extra, **compiled}
 
 
-def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
+def _spider_tk_train_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
                         compile_mode: str | None = None) -> tuple[torch.nn.Module, dict]:
-    """The seed's own training configuration: `preset` with activation checkpointing (``gradient_checkpointing_enable``,
+    """tk-train.py's own training configuration: `preset` with activation checkpointing (``gradient_checkpointing_enable``,
     as ``--preset 1b`` trains by default), in the precision ``--precision auto`` picks on this device (bf16 autocast on
     CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`). With `compile_backend` also compiled as
-    ``--compile`` compiles it (the ``spider_seed_recipe_compiled`` row, as :func:`_spider_compiled`)."""
+    ``--compile`` compiles it (the ``spider_tk_train_recipe_compiled`` row, as :func:`_spider_compiled`)."""
     from spider_training.fp8 import resolve_precision
 
     precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
@@ -242,15 +244,16 @@ def _spider_seed_recipe(preset: str, device: torch.device, compile_backend: str 
 
 def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
                      deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS,
-                     compile_backend: str = "inductor", seed_recipe_shape: tuple[int, int] | None = SEED_RECIPE_SHAPE,
+                     compile_backend: str = "inductor", tk_train_recipe_shape: tuple[int, int] | None = TK_TRAIN_RECIPE_SHAPE,
                      compile_mode: str | None = None) -> dict:
     """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
     :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
     (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
-    `seed_recipe_shape`: the ``spider_seed_recipe`` row's batch (None: no such row); `compile_mode`: ``torch.compile``'s
+    `tk_train_recipe_shape`: the ``spider_tk_train_recipe`` row's batch (None: no such row); `compile_mode`: ``torch.compile``'s
     mode for the compiled rows."""
     from transformers import LlamaForCausalLM
 
+    models = tuple(DEPRECATED_ROW_NAMES.get(label, label) for label in models)
     device = device or default_device()
     deadline = deadline or Deadline(None)
     name = "step_table"
@@ -271,14 +274,14 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     # each builder returns (model on the device, what the row adds about it)
     builders = {key: (lambda fn=fn: (build_on(fn, device), {})) for key, fn in plain.items()}
     # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
-    # first shape complete), then the seed's recipe, then the compiled rows (compilation takes the longest), then
+    # first shape complete), then tk-train.py's recipe, then the compiled rows (compilation takes the longest), then
     # FP8's (on the H200 its first step took 54 s and each new segment count ~5 s).
-    seed_shapes = [] if seed_recipe_shape is None else [tuple(seed_recipe_shape)]
+    recipe_shapes = [] if tk_train_recipe_shape is None else [tuple(tk_train_recipe_shape)]
     plan = [(label, shape) for shape in shapes for label in models if label in _COMPARISON_ROWS]
-    plan += [("spider_seed_recipe", shape) for shape in seed_shapes if "spider" in models]
+    plan += [("spider_tk_train_recipe", shape) for shape in recipe_shapes if "spider" in models]
     plan += [(label, shape) for label in ("spider_compiled", "spider_word_rate_compiled") for shape in shapes
              if label in models]
-    plan += [("spider_seed_recipe_compiled", shape) for shape in seed_shapes if "spider_seed_recipe_compiled" in models]
+    plan += [("spider_tk_train_recipe_compiled", shape) for shape in recipe_shapes if "spider_tk_train_recipe_compiled" in models]
     plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
     plan += [(label, shape) for label in FP8_COMPILED_ROWS for shape in shapes if label in models]
 
@@ -292,8 +295,8 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
                     spider_word_rate_compiled=lambda: word_rate(
                         *_spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")),
                     spider_fp8=lambda: _spider_fp8(preset, device),
-                    spider_seed_recipe=lambda: _spider_seed_recipe(preset, device),
-                    spider_seed_recipe_compiled=lambda: _spider_seed_recipe(preset, device, compile_backend,
+                    spider_tk_train_recipe=lambda: _spider_tk_train_recipe(preset, device),
+                    spider_tk_train_recipe_compiled=lambda: _spider_tk_train_recipe(preset, device, compile_backend,
                                                                             compile_mode),
                     spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
     for label, (recipe, experts_mode) in FP8_COMPILED_ROWS.items():

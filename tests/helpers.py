@@ -123,7 +123,7 @@ def checkpoint_names(output_dir) -> list[str]:
 
 
 def per_expert_state_dict(state: dict) -> dict:
-    """`state` (a Spider state dict) in the routed experts' per-expert layout of older releases, which is also the seed's: each
+    """`state` (a Spider state dict) in the routed experts' per-expert layout of older releases, which is also tk-train.py's: each
     fused ``P.experts.gate_up_proj`` `(E, 2I, D)` / ``P.experts.down_proj`` `(E, D, I)` pair split into
     ``P.experts.{e}.gate_proj.weight``, ``up_proj.weight`` `(I, D)` and ``down_proj.weight`` `(D, I)`, at the position
     the ModuleList of experts held (after the router, before the shared experts). Written by hand, independently of

@@ -274,7 +274,7 @@ def per_expert_mlps(moe: SpiderMoE) -> list[SpiderMLP]:
 
 
 def per_expert_reference(moe: SpiderMoE, x: torch.Tensor) -> torch.Tensor:
-    """The MoE output as the per-expert layout computed it (the seed's masked loop, each expert an nn.Linear SwiGLU,
+    """The MoE output as the per-expert layout computed it (tk-train.py's masked loop, each expert an nn.Linear SwiGLU,
     fp32 accumulation), from the same weights: `(T, D)` in `x.dtype`."""
     scores = moe.route(x).softmax(-1)
     topk_idx = SpiderMoEKernels.topk_gate(scores, moe.top_k)

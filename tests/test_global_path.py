@@ -43,7 +43,7 @@ def test_relaxed_boundaries_sample_in_training():
         a = model.train().model(ids).boundaries
         torch.manual_seed(1)
         b = model.train().model(ids).boundaries
-    assert not torch.equal(a, b)  # the seed's rule: training samples, so it does not match evaluation
+    assert not torch.equal(a, b)  # tk-train.py's rule: training samples, so it does not match evaluation
 
 
 def test_hard_boundary_gradient_is_straight_through_to_the_probability():
@@ -414,14 +414,14 @@ def test_short_run_learns_and_segments_as_it_trains(short_run):
     # 100 steps of 8 windows (measured 2.62): far below a uniform byte model (8 bits) and below an order-0 byte model
     # of English (~4.5 bits)
     assert result["bits_per_byte"] < 3.5, result
-    # evaluation segments at the rate training did (one rule; the seed's relaxed rule was 20x apart). The two rates
+    # evaluation segments at the rate training did (one rule; tk-train.py's relaxed rule was 20x apart). The two rates
     # are counts on different text, so the bound is 4 standard deviations of the held-out count's Poisson noise, plus
     # 25% for the difference between the two texts (the quality target in docs/results.md).
     ratio = result["bytes_per_segment"] / stats["train_bytes_per_segment"]
     boundaries = windows.numel() / result["bytes_per_segment"]
     slack = 1.25 * (1 + 4 / math.sqrt(boundaries))
     assert 1 / slack < ratio < slack, (result, stats, slack)
-    # and training did not collapse to no boundaries (the seed's relaxed rule with boundary_loss_coef=1.0 reached a
+    # and training did not collapse to no boundaries (tk-train.py's relaxed rule with boundary_loss_coef=1.0 reached a
     # segment per 256-byte window within ~50 steps). Under the plain teacher cross-entropy the predictor closed none
     # from about step 20 to step 100; the class-balanced one segments all along (about 6 bytes each from step 70)
     assert 2.0 <= stats["train_bytes_per_segment"] <= 100.0, stats

@@ -31,7 +31,7 @@ TOY_ARGS = [
     "--presets", "tiny", "1b",
     "--main_job_preset", "tiny", "--main_job_steps", "3", "--main_job_args", "--eval_windows 8",
     "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1", "--compile_backend", "eager",
-    "--seed_recipe_shape", "2x32",
+    "--tk_train_recipe_shape", "2x32",
     "--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64",
     "--distributed_preset", "tiny", "--distributed_steps", "2", "--distributed_shape", "2x48",
     "--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48",
@@ -59,9 +59,9 @@ def test_cpu_run_of_every_part(tmp_path, capsys):
     rows = {row["model"]: row for row in table["rows"]}
     comparison = [label for label in step_table.STEP_TABLE_MODELS if label not in ("spider_compiled", "spider_fp8")]
     # the slow rows last: compiled (compilation), then FP8 (on the H200 its first step took 54 s)
-    assert [row["model"] for row in table["rows"]] == [*comparison, "spider_seed_recipe", "spider_compiled",
+    assert [row["model"] for row in table["rows"]] == [*comparison, "spider_tk_train_recipe", "spider_compiled",
                                                        "spider_fp8"]
-    assert rows["spider_seed_recipe"]["activation_checkpointing"] and rows["spider_seed_recipe"]["precision"] == "float32"
+    assert rows["spider_tk_train_recipe"]["activation_checkpointing"] and rows["spider_tk_train_recipe"]["precision"] == "float32"
     for row in table["rows"]:
         assert row["status"] == "passed" and row["shape"] == "2x32", row
         assert row["bytes_per_s"] > 0 and row["step_s"] > 0 and row["flops_per_step"] > 0 and 0 < row["mfu"]
@@ -161,7 +161,7 @@ def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
 
 
 def test_compiled_rows_on_request_run_before_the_fp8_rows():
-    """``spider_word_rate_compiled`` and ``spider_seed_recipe_compiled`` (on request): the word-rate model and
+    """``spider_word_rate_compiled`` and ``spider_tk_train_recipe_compiled`` (on request): the word-rate model and
     activation checkpointing under regional compilation, each timed with its eager twin's FLOPs, after the compiled
     row and before FP8's; the compiled FP8 rows (on request) last: Spider converted as ``--precision fp8`` with the
     row's recipe and ``--fp8_experts`` (emulated ``Float8Linear`` on CPU, where the experts stay in bf16 and the row
@@ -169,12 +169,12 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows():
     table = step_table.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
                                        models=("spider_fp8_rowwise_compiled", "spider_fp8_bf16_experts_compiled",
                                                "spider", "spider_word_rate", "spider_compiled", "spider_fp8",
-                                               "spider_word_rate_compiled", "spider_seed_recipe_compiled"),
-                                       compile_backend="eager", seed_recipe_shape=(2, 32))
+                                               "spider_word_rate_compiled", "spider_tk_train_recipe_compiled"),
+                                       compile_backend="eager", tk_train_recipe_shape=(2, 32))
     assert table["status"] == "passed", table
-    assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "spider_seed_recipe",
+    assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "spider_tk_train_recipe",
                                                        "spider_compiled", "spider_word_rate_compiled",
-                                                       "spider_seed_recipe_compiled", "spider_fp8",
+                                                       "spider_tk_train_recipe_compiled", "spider_fp8",
                                                        "spider_fp8_bf16_experts_compiled",
                                                        "spider_fp8_rowwise_compiled"]
     rows = {row["model"]: row for row in table["rows"]}
@@ -189,10 +189,20 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows():
     assert word["boundary_mode"] == "fixed" and word["compile_backend"] == "eager" and word["aten_ops_per_step"] is None
     assert word["flops_per_step"] == rows["spider_word_rate"]["flops_per_step"] > 0
     assert word["segment_axis"]["timed"] == rows["spider_word_rate"]["segment_axis"]["timed"]
-    compiled = rows["spider_seed_recipe_compiled"]
+    compiled = rows["spider_tk_train_recipe_compiled"]
     assert compiled["activation_checkpointing"] and compiled["compile_backend"] == "eager", compiled
     assert len(compiled["warmup_step_s"]) == 3 and compiled["aten_ops_per_step"] is None
-    assert compiled["flops_per_step"] == rows["spider_seed_recipe"]["flops_per_step"] > 0
+    assert compiled["flops_per_step"] == rows["spider_tk_train_recipe"]["flops_per_step"] > 0
+
+
+def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
+    """tk-train.py was once called "the seed": ``--seed_recipe_shape`` and the ``spider_seed_recipe_compiled`` row
+    still parse, as the ``tk_train`` names."""
+    args = gpu_check.build_parser().parse_args(["--seed_recipe_shape", "2x32", "--step_table_models",
+                                                "spider_seed_recipe_compiled"])
+    assert args.tk_train_recipe_shape == (2, 32)
+    renamed = step_table.DEPRECATED_ROW_NAMES[args.step_table_models[0]]
+    assert renamed == "spider_tk_train_recipe_compiled" and renamed in step_table.STEP_TABLE_MODEL_CHOICES
 
 
 def test_distributed_judgement_names_what_differs():
@@ -467,7 +477,7 @@ def test_step_rows_record_the_segment_axis_of_each_step():
     batch, length = 2, 64
     table = step_table.step_table_check("tiny", shapes=[(batch, length)], repeats=2, device=torch.device("cpu"),
                                        models=("spider", "spider_word_rate", "deepseek_v3", "spider_compiled"),
-                                       compile_backend="eager", seed_recipe_shape=None)
+                                       compile_backend="eager", tk_train_recipe_shape=None)
     assert table["status"] == "passed", table
     rows = {row["model"]: row for row in table["rows"]}
     pad = config.pad_segments_to_multiple_of

@@ -313,7 +313,7 @@ def test_shipped_reference_matches_the_committed_benchmark():
 
 def test_boundary_predictor_paragraph_follows_the_configured_teacher(release, config):
     """The architecture section says how the boundary predictor was trained: from the spacelike teacher (the small
-    preset) or end to end under the rate hinge (the `1b` preset, the seed's)."""
+    preset) or end to end under the rate hinge (the `1b` preset, tk-train.py's)."""
     taught = write(release, {**config, "boundary_teacher": "spacelike"}).read_text()
     assert "learns a\n   teacher segmentation (the byte after each word" in taught and "hinge loss" not in taught
     end_to_end = write(release, {**config, "boundary_teacher": None, "boundary_prior": 0.333}).read_text()

@@ -1,9 +1,9 @@
 """Tests of SpiderTokenizer (tokenization_spider.py).
 
 1. ``SpiderTokenizationTest`` runs transformers' own ``TokenizerTesterMixin`` suite (from the transformers sdist,
-   see tests/hf_suites.py) against SpiderTokenizer, with the suite's integration check fed by the seed's
+   see tests/hf_suites.py) against SpiderTokenizer, with the suite's integration check fed by tk-train.py's
    ``encode`` rule.
-2. Our own tests: ids equal the seed's ``encode``/``decode`` (hub-README.md), padding, reserved ids, errors,
+2. Our own tests: ids equal tk-train.py's ``encode``/``decode`` (hub-README.md), padding, reserved ids, errors,
    save/load, AutoTokenizer from a saved folder in a fresh process, and hypothesis properties.
 3. A few tests of the tests/hf_suites.py infrastructure (failure paths).
 """
@@ -33,7 +33,7 @@ from tokenization_spider import SENTINEL_TOKENS, SpiderTokenizer
 
 REPO_ROOT = Path(tokenization_spider.__file__).resolve().parent
 
-# The seed's tokenizer, verbatim from seeds/hub-README.md ("## Tokenizer"): the oracle for ids.
+# tk-train.py's tokenizer, verbatim from seeds/hub-README.md ("## Tokenizer"): the oracle for ids.
 def seed_encode(text: str) -> list[int]:
     return [257] + list(text.encode("utf-8")) + [258]  # BOS + bytes + EOS
 
@@ -47,7 +47,7 @@ SAMPLES = [
     "text",
     "Hello, world!",
     "Héllo wörld — ça va? 生活的真谛是 😊 🕷️",
-    "nul\x00byte and \x01\x02\x03 control bytes",  # bytes 0-3: the seed's old image-sentinel ids
+    "nul\x00byte and \x01\x02\x03 control bytes",  # bytes 0-3: tk-train.py's old image-sentinel ids
     "literal <s>, </s>, <pad> and <img_start> are text",
     "<s>",
     "  leading and trailing spaces  \n\t",
@@ -83,7 +83,7 @@ class SpiderTokenizationTest(TokenizerTesterMixin, unittest.TestCase):
         cls.from_pretrained_id = [cls._source_dir]
         text = getattr(cls, "integration_test_input_string", None)
         if text is not None:
-            # Expected values from the seed's rule (bytes, no specials), not from the tokenizer under test.
+            # Expected values from tk-train.py's rule (bytes, no specials), not from the tokenizer under test.
             cls.integration_expected_token_ids = list(text.encode("utf-8"))
             cls.integration_expected_tokens = [chr(b) for b in text.encode("utf-8")]
             cls.integration_expected_decoded_text = text
@@ -205,7 +205,7 @@ def test_sentinel_tokens_table(tok):
     assert len(set(ids)) == len(ids) == 16
     assert min(ids) >= 256, "a sentinel collides with a byte id"
     assert set(ids) == set(range(256, tok.vocab_size))
-    # the seed's ids (hub-README: PAD=256, BOS=257, EOS=258) and the tokenizer's attributes agree
+    # tk-train.py's ids (hub-README: PAD=256, BOS=257, EOS=258) and the tokenizer's attributes agree
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (256, 257, 258)
     assert (SENTINEL_TOKENS["PAD"], SENTINEL_TOKENS["BOS"], SENTINEL_TOKENS["EOS"]) == (256, 257, 258)
     assert tok.vocab_size == len(tok) == len(tok.get_vocab()) == 272 == tokenization_spider.VOCAB_SIZE
