@@ -4,7 +4,8 @@
     python -m bench.gpu_check --only fp8 tile_kernels_moe --budget_s 300           # a subset, another budget
     torchrun --nproc_per_node 2 -m bench.gpu_check --only fsdp2_fp8_all_gather     # FSDP2 over NCCL (>= 2 GPUs)
 
-It prints one JSON result (``--out FILE`` also writes it; everything the parts print, the trainer's progress
+It prints one JSON result (``--out FILE`` also writes it, and rewrites it after each part and each step-table row with
+``"complete": false`` until the end, so a run killed from outside keeps what it measured; everything the parts print, the trainer's progress
 included, goes to stderr). ``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or
 ``"skipped"``, a ``reason`` (empty when passed) and its figures; ``passed`` is true when no check failed; ``parts``
 records each part's time allowance and wall time. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import sys
 import time
@@ -113,7 +115,7 @@ def _fp8_part(options, deadline: Deadline) -> list[dict]:
     return entries
 
 
-def _part_functions(options) -> dict:
+def _part_functions(options, on_row=None) -> dict:
     return {
         "main_job": lambda d: [main_job_check(options.main_job_steps, options.main_job_preset, deadline=d,
                                                 extra_args=tuple(options.main_job_args))],
@@ -122,7 +124,7 @@ def _part_functions(options) -> dict:
                                                   models=tuple(options.step_table_models),
                                                   compile_backend=options.compile_backend,
                                                   tk_train_recipe_shape=options.tk_train_recipe_shape or None,
-                                                  compile_mode=options.compile_mode)],
+                                                  compile_mode=options.compile_mode, on_row=on_row)],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
         "distributed": lambda d: [distributed_check(options.distributed_preset, options.distributed_steps,
                                                     options.distributed_shape, timeout_s=max(d.left(), 1.0))],
@@ -145,16 +147,24 @@ def _placeholder_names(part: str, options) -> list[str]:
 
 
 def run(presets=("small", "1b"), only: tuple[str, ...] = PARTS, budget_s: float | None = DEFAULT_BUDGET_S,
-        caps: dict | None = None, **options) -> dict:
+        caps: dict | None = None, progress=None, **options) -> dict:
     """Run the selected parts in :data:`PARTS` order under the time budget; returns the JSON-ready result. Keyword
-    `options` are the command's size/steps flags (see :func:`build_parser`)."""
+    `options` are the command's size/steps flags (see :func:`build_parser`). `progress`, if given, is called with the
+    result so far (``"complete": False``; a step table still running appears with status ``"running"`` and its rows)
+    after each part and each step-table row."""
     namespace = build_parser().parse_args([])
     vars(namespace).update(presets=list(presets), **options)
     caps = {**PART_CAPS_S, **(caps or {})}
     start = time.perf_counter()
     total = Deadline(budget_s)
     checks, parts = [], []
-    functions = _part_functions(namespace)
+
+    def report(running: list[dict] = ()) -> None:
+        if progress is not None:
+            progress({"benchmark": "gpu_check", "complete": False, "budget_s": budget_s, "parts": list(parts),
+                      "checks": [*checks, *running], "seconds": time.perf_counter() - start})
+
+    functions = _part_functions(namespace, on_row=lambda rows: report([entry("step_table", "running", rows=rows)]))
     for part in PARTS:
         if part not in only:
             continue
@@ -177,11 +187,13 @@ def run(presets=("small", "1b"), only: tuple[str, ...] = PARTS, budget_s: float 
         checks += entries
         parts.append({"name": part, "allowed_s": None if allowed is None else round(allowed, 1),
                       "seconds": round(time.perf_counter() - part_start, 2), "ran": True})
+        report()
     env = environment()
     env.update(cuda=torch.cuda.is_available(),
                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                device=str(default_device()))
-    return {"benchmark": "gpu_check", "environment": env, "budget_s": budget_s, "parts": parts, "checks": checks,
+    return {"benchmark": "gpu_check", "complete": True, "environment": env, "budget_s": budget_s, "parts": parts,
+            "checks": checks,
             "passed": all(c["status"] != "failed" for c in checks), "seconds": time.perf_counter() - start}
 
 
@@ -244,14 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _write_json(path: str, result: dict) -> None:
+    """`result` as JSON at `path`, atomically (a temporary file beside it, then renamed): a reader, or a run killed
+    mid-write, never sees half a file."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, target)
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k not in ("only", "out", "budget_s", "presets", "part_cap")}
+    progress = (lambda partial: _write_json(args.out, partial)) if args.out else None
     result = run(tuple(args.presets), tuple(args.only), args.budget_s if args.budget_s > 0 else None,
-                 caps=dict(args.part_cap), **options)
+                 caps=dict(args.part_cap), progress=progress, **options)
     text = json.dumps(result, indent=1, default=str)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        _write_json(args.out, result)
     print(text)
     return json.loads(text)
 

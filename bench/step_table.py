@@ -245,12 +245,13 @@ def _spider_tk_train_recipe(preset: str, device: torch.device, compile_backend: 
 def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
                      deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS,
                      compile_backend: str = "inductor", tk_train_recipe_shape: tuple[int, int] | None = TK_TRAIN_RECIPE_SHAPE,
-                     compile_mode: str | None = None) -> dict:
+                     compile_mode: str | None = None, on_row=None) -> dict:
     """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
     :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
     (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
     `tk_train_recipe_shape`: the ``spider_tk_train_recipe`` row's batch (None: no such row); `compile_mode`: ``torch.compile``'s
-    mode for the compiled rows."""
+    mode for the compiled rows; `on_row`: called with the list of rows so far after each row (``python -m
+    bench.gpu_check --out`` writes them, so a run killed from outside keeps the rows it measured)."""
     from transformers import LlamaForCausalLM
 
     models = tuple(DEPRECATED_ROW_NAMES.get(label, label) for label in models)
@@ -338,6 +339,8 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
             held[1].zero_grad(set_to_none=True)
         free_memory()
         needed = max(needed, 1.5 * (time.monotonic() - row_start))
+        if on_row is not None:
+            on_row(list(rows))
     held = None
     free_memory()
     failed = [f"{r['model']} {r['shape']}: {r['reason']}" for r in rows if r["status"] == "failed"]

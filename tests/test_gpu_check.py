@@ -195,6 +195,30 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows():
     assert compiled["flops_per_step"] == rows["spider_tk_train_recipe"]["flops_per_step"] > 0
 
 
+def test_out_file_holds_each_row_as_it_is_measured(tmp_path, monkeypatch):
+    """``--out`` is rewritten after every step-table row and part, so a run killed from outside (as ``timeout``
+    kills a device call) keeps the rows it measured: each snapshot on disk is whole JSON marked incomplete."""
+    out = tmp_path / "gpu_check.json"
+    snapshots = []
+    write = gpu_check._write_json
+
+    def recording_write(path, result):
+        write(path, result)
+        snapshots.append(json.loads(out.read_text()))  # what a kill at this moment leaves
+
+    monkeypatch.setattr(gpu_check, "_write_json", recording_write)
+    result = gpu_check.main(["--only", "step_table", "--step_table_preset", "tiny", "--step_table_shapes", "2x32",
+                             "--step_repeats", "1", "--step_table_models", "spider", "deepseek_v3",
+                             "--tk_train_recipe_shape", "2x32", "--out", str(out)])
+    partial = [snap for snap in snapshots if not snap["complete"]]
+    running = [snap["checks"][0] for snap in partial if snap["checks"] and snap["checks"][0]["status"] == "running"]
+    assert [[row["model"] for row in check["rows"]] for check in running] == [
+        ["spider"], ["spider", "deepseek_v3"], ["spider", "deepseek_v3", "spider_tk_train_recipe"]]
+    assert partial[-1]["checks"][0]["status"] == "passed"  # after the part: its entry, judged
+    assert snapshots[-1] == json.loads(out.read_text()) == result and result["complete"]
+    assert not (tmp_path / "gpu_check.json.tmp").exists()
+
+
 def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
     """tk-train.py was once called "the seed": ``--seed_recipe_shape`` and the ``spider_seed_recipe_compiled`` row
     still parse, as the ``tk_train`` names."""
