@@ -22,7 +22,9 @@
   (``spider_tk_train_recipe_compiled``, for the 40,000 bytes/s target); and on request FP8 judged under compile,
   where torchao states its gains (:data:`FP8_COMPILED_ROWS`: ``spider_fp8_compiled``, tensorwise with the experts
   through the FP8 grouped GEMM; ``spider_fp8_bf16_experts_compiled``; ``spider_fp8_rowwise_compiled``), last of
-  all. The order: the comparison rows
+  all; and ``spider_compiled_automatic_dynamic`` (on request): compiled with torch's automatic dynamic shapes
+  (``dynamic=None``: static first, then dynamic only in the dims that change, such as the segment axis) instead of
+  ``--compile``'s ``dynamic=True``, to see what symbolic batch and length dims cost the host. The order: the comparison rows
   shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), tk-train.py's recipe, then the
   compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
   compiled word-rate model and the compiled tk-train.py recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
@@ -74,18 +76,21 @@ STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense",
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
 STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_word_rate_compiled",
-                            "spider_tk_train_recipe_compiled", *FP8_COMPILED_ROWS)
+                            "spider_tk_train_recipe_compiled", "spider_compiled_automatic_dynamic",
+                            *FP8_COMPILED_ROWS)
 #: row names of earlier versions, still accepted by ``--step_table_models`` (tk-train.py was called "the seed")
 DEPRECATED_ROW_NAMES = {"spider_seed_recipe_compiled": "spider_tk_train_recipe_compiled"}
 #: the rows that run first, shape by shape (the compiled, tk-train-recipe and FP8 rows follow: ``step_table_check``)
 _COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_eager_experts")
 #: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
 #: they get no instrumented step)
-_EAGER_TWIN = {"spider_compiled": "spider", "spider_word_rate_compiled": "spider_word_rate",
+_EAGER_TWIN = {"spider_compiled": "spider", "spider_compiled_automatic_dynamic": "spider",
+               "spider_word_rate_compiled": "spider_word_rate",
                "spider_tk_train_recipe_compiled": "spider_tk_train_recipe", **dict.fromkeys(FP8_COMPILED_ROWS, "spider")}
 #: warm-up steps before a row's timed steps (a compiled row compiles its regions and their structural variants, such
 #: as the first loop's, during its first steps: ``graphs_compiled_per_step``)
-STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_word_rate_compiled": 3, "spider_tk_train_recipe_compiled": 3,
+STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_compiled_automatic_dynamic": 3, "spider_word_rate_compiled": 3,
+                     "spider_tk_train_recipe_compiled": 3,
                      **dict.fromkeys(FP8_COMPILED_ROWS, 3)}
 #: tk-train.py's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_tk_train_recipe``
 #: row after the table
@@ -198,21 +203,24 @@ def _spider_fp8(preset: str, device: torch.device, recipe: str = "tensorwise",
 
 
 def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str | None = None,
-                     **overrides) -> tuple[torch.nn.Module, dict]:
+                     compile_options: dict | None = None, **overrides) -> tuple[torch.nn.Module, dict]:
     """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it: accelerate's
     ``compile_regions`` (each layer and submodule on its own; the loops and the segment count in eager Python between
     them), with ``torch.compile``'s `backend` and `mode` (``--torch_compile_mode`` of the trainer; e.g.
     ``"reduce-overhead"``: CUDA graphs per region)."""
-    return _compile_regions(build_on(lambda: spider_model(preset, **overrides), device), backend, mode)
+    return _compile_regions(build_on(lambda: spider_model(preset, **overrides), device), backend, mode,
+                            **(compile_options or {}))
 
 
-def _compile_regions(model, backend: str, mode: str | None) -> tuple[torch.nn.Module, dict]:
-    """`model` compiled as ``--compile`` compiles it (:func:`spider_training.compile.compile_model`), after a dynamo
-    reset; and what the row adds about it."""
-    from spider_training.compile import compile_model
+def _compile_regions(model, backend: str, mode: str | None, **options) -> tuple[torch.nn.Module, dict]:
+    """`model` compiled as ``--compile`` compiles it (:func:`spider_training.compile.compile_model`, with `options`
+    over its defaults), after a dynamo reset; and what the row adds about it."""
+    from spider_training.compile import COMPILE_OPTIONS, compile_model
 
     torch._dynamo.reset()
-    return compile_model(model, backend=backend, mode=mode), {"compile_backend": backend, "compile_mode": mode or "default"}
+    return compile_model(model, backend=backend, mode=mode, **options), {
+        "compile_backend": backend, "compile_mode": mode or "default",
+        "compile_dynamic": {**COMPILE_OPTIONS, **options}["dynamic"]}
 
 
 def _fp8_compiled(converted: tuple[torch.nn.Module, dict], backend: str,
@@ -280,8 +288,8 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     recipe_shapes = [] if tk_train_recipe_shape is None else [tuple(tk_train_recipe_shape)]
     plan = [(label, shape) for shape in shapes for label in models if label in _COMPARISON_ROWS]
     plan += [("spider_tk_train_recipe", shape) for shape in recipe_shapes if "spider" in models]
-    plan += [(label, shape) for label in ("spider_compiled", "spider_word_rate_compiled") for shape in shapes
-             if label in models]
+    plan += [(label, shape) for label in ("spider_compiled", "spider_compiled_automatic_dynamic",
+                                          "spider_word_rate_compiled") for shape in shapes if label in models]
     plan += [("spider_tk_train_recipe_compiled", shape) for shape in recipe_shapes if "spider_tk_train_recipe_compiled" in models]
     plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
     plan += [(label, shape) for label in FP8_COMPILED_ROWS for shape in shapes if label in models]
@@ -299,7 +307,9 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
                     spider_tk_train_recipe=lambda: _spider_tk_train_recipe(preset, device),
                     spider_tk_train_recipe_compiled=lambda: _spider_tk_train_recipe(preset, device, compile_backend,
                                                                             compile_mode),
-                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode))
+                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode),
+                    spider_compiled_automatic_dynamic=lambda: _spider_compiled(
+                        preset, device, compile_backend, compile_mode, compile_options={"dynamic": None}))
     for label, (recipe, experts_mode) in FP8_COMPILED_ROWS.items():
         builders[label] = lambda recipe=recipe, experts_mode=experts_mode: _fp8_compiled(
             _spider_fp8(preset, device, recipe, experts_mode), compile_backend, compile_mode)

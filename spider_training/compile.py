@@ -27,13 +27,16 @@ def configure_dynamo() -> None:
     fx_config.use_duck_shape = False
 
 
-def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str | None = None,
+                  **options) -> torch.nn.Module:
     """`model` compiled as ``--compile`` compiles it: :func:`configure_dynamo`, then accelerate's ``compile_regions``
-    with :data:`COMPILE_OPTIONS`. Returns the new module (the regions wrapped; parameters shared with `model`)."""
+    with :data:`COMPILE_OPTIONS`, updated by `options` (``dynamic=None``: torch's automatic dynamic shapes, static
+    first and dynamic only in the dims seen to change, the benchmarks' alternative). Returns the new module (the
+    regions wrapped; parameters shared with `model`)."""
     from accelerate.utils import compile_regions
 
     configure_dynamo()
-    return compile_regions(model, backend=backend, mode=mode, **COMPILE_OPTIONS)
+    return compile_regions(model, backend=backend, mode=mode, **{**COMPILE_OPTIONS, **options})
 
 
 #: Optimizer steps after which ``--compile`` pays for its compilation on a GPU, per preset: compile time over the

@@ -169,15 +169,20 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows():
     table = step_table.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
                                        models=("spider_fp8_rowwise_compiled", "spider_fp8_bf16_experts_compiled",
                                                "spider", "spider_word_rate", "spider_compiled", "spider_fp8",
+                                               "spider_compiled_automatic_dynamic",
                                                "spider_word_rate_compiled", "spider_tk_train_recipe_compiled"),
                                        compile_backend="eager", tk_train_recipe_shape=(2, 32))
     assert table["status"] == "passed", table
     assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "spider_tk_train_recipe",
-                                                       "spider_compiled", "spider_word_rate_compiled",
+                                                       "spider_compiled", "spider_compiled_automatic_dynamic",
+                                                       "spider_word_rate_compiled",
                                                        "spider_tk_train_recipe_compiled", "spider_fp8",
                                                        "spider_fp8_bf16_experts_compiled",
                                                        "spider_fp8_rowwise_compiled"]
     rows = {row["model"]: row for row in table["rows"]}
+    automatic = rows["spider_compiled_automatic_dynamic"]  # torch's automatic dynamic shapes, not dynamic=True
+    assert automatic["compile_dynamic"] is None and rows["spider_compiled"]["compile_dynamic"] is True
+    assert automatic["flops_per_step"] == rows["spider"]["flops_per_step"] and automatic["graphs_compiled_per_step"]
     bf16_experts, rowwise = rows["spider_fp8_bf16_experts_compiled"], rows["spider_fp8_rowwise_compiled"]
     assert bf16_experts["fp8_recipe"] == "tensorwise" and rowwise["fp8_recipe"] == "rowwise"
     assert bf16_experts["fp8_experts_skipped"] == ["--fp8_experts off"]
