@@ -353,7 +353,7 @@ def test_a_part_running_past_its_allowance_is_cut_off(monkeypatch):
         return [parts.entry("host_syncs", "passed")]
 
     monkeypatch.setattr(gpu_check, "MIN_PART_S", 0.1)
-    monkeypatch.setattr(gpu_check, "_part_functions", lambda options: {"host_syncs": slow_part})
+    monkeypatch.setattr(gpu_check, "_part_functions", lambda options, on_row=None: {"host_syncs": slow_part})
     start = time.monotonic()
     result = gpu_check.run(only=("host_syncs",), caps={"host_syncs": 0.5})
     assert time.monotonic() - start < 10 and seen["allowed"] == 0.5
