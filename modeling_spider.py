@@ -1880,20 +1880,15 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = True
-    # a function registered with transformers.AttentionInterface is used
     _supports_attention_backend = True
     _can_compile_fullgraph = False
-    # output_attentions=True: capture_outputs hooks every attention call and collects eager's
-    # weights.
     _can_record_outputs = {"attentions": OutputRecorder(SpiderAttention, index=1)}
     # SpiderCache crops back to accepted candidates: assisted decoding and prompt lookup work
-    # (transformers reads this).
     _is_stateful = False
 
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """transformers' ``save_pretrained``, writing the fused expert layout by default (Trainer's
-        resume reads a checkpoint with ``load_state_dict``, which knows only the fused names);
-        ``save_original_format=True`` writes the per-expert layout of older releases."""
+        """transformers' ``save_pretrained``, in the fused expert layout by default (Trainer's
+        resume reads checkpoints with ``load_state_dict``, which knows only the fused names)."""
         return super().save_pretrained(
             save_directory, *args, save_original_format=save_original_format, **kwargs
         )
@@ -1901,18 +1896,14 @@ class SpiderPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
-        if isinstance(module, SpiderRotaryEmbedding):  # transformers' own rule for rotary buffers
+        if isinstance(module, SpiderRotaryEmbedding):
             super()._init_weights(module)
         elif isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                # the halt predictor's halt_bias_init
+            if module.bias is not None:  # the halt predictor's halt_bias_init
                 init.constant_(module.bias, getattr(module, "bias_init", 0.0))
-        elif isinstance(module, nn.Embedding):
+        elif isinstance(module, (nn.Embedding, nn.Conv1d)):
             init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.Conv1d):
-            init.normal_(module.weight, mean=0.0, std=std)
-        # the per-expert nn.Linear init: every weight element N(0, std)
         elif isinstance(module, SpiderExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -1935,10 +1926,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
 
 
 class SpiderBytes(NamedTuple):
-    """Where the bytes of a full forward sit: `token_mask` `(B, L)` bool or None (no padding),
-    `byte_mask` `(B, L)` bool (True for real bytes), RoPE `position_ids` `(B, L)` int64 counting
-    real bytes only (a left-padded row sees the positions it has alone), the byte layers'
-    `attention_mask` and `position_embeddings`."""
+    """The bytes of a full forward: `token_mask` `(B, L)` bool or None (no padding), `byte_mask`
+    `(B, L)` bool, RoPE `position_ids` `(B, L)` int64 counting real bytes only, and the byte
+    layers' `attention_mask` and `position_embeddings`."""
 
     token_mask: torch.Tensor | None
     byte_mask: torch.Tensor
@@ -1948,12 +1938,11 @@ class SpiderBytes(NamedTuple):
 
 
 class SpiderSegments(NamedTuple):
-    """What segmentation hands the recurrent block: `boundaries` `(B, L)` fp32 0/1 (straight-through
-    in training), `boundary_probs` `(B, L)`, `segments` `(B, 1+S, D)` normed (segment 0 the null
-    group), their Engram `memory` `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers'
-    `position_embeddings` and `attention_mask`, `segment_index` int64 `(N,)` (the rows the MoE
-    routes, None: all) and `routed_mask` (`(B, 1+S)` bool: rows routed with weight 1, the rest with
-    0; None: all)."""
+    """What segmentation hands the recurrent block: `boundaries` and `boundary_probs` `(B, L)` fp32,
+    `segments` `(B, 1+S, D)` normed (segment 0 the null group), their Engram `memory`
+    `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers' `position_embeddings` and
+    `attention_mask`, `segment_index` int64 `(N,)` (the rows the MoE routes; None: all) and
+    `routed_mask` `(B, 1+S)` bool (rows routed with weight 1, the rest 0; None: all)."""
 
     boundaries: torch.Tensor
     boundary_probs: torch.Tensor
@@ -1970,9 +1959,7 @@ class SpiderModel(SpiderPreTrainedModel):
     """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments ->
     coda (module names: docs/design.md, "Names that FP8 and PEFT rely on")."""
 
-    # Routing, boundary and halting decisions stay fp32 and unquantised; the two lists must not
-    # share an entry, so the modules are named twice (docs/design.md, "Names that FP8 and PEFT rely
-    # on").
+    # Routing, boundary and halting decisions stay fp32; the two lists must not share an entry.
     _keep_in_fp32_modules = ["recurrent_block.halt_predictor", "flexitokens.boundary_predictor",
                              "recurrent_block.layers.*.router"]
     _keep_in_fp32_modules_strict = [
@@ -2009,68 +1996,53 @@ class SpiderModel(SpiderPreTrainedModel):
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, n_loops: int,
         cache: SpiderCache | None = None,
     ) -> None:
-        """Raise ``TypeError`` for non-integer `input_ids`; ``ValueError`` for a shape other than
-        `(B >= 1, L >= 1)`, ids on another device, ids outside `[0, vocab_size)`, more than
-        `max_position_embeddings` bytes (with the cache's), `n_loops` not an int >= 1 or not the
-        cache's, or an `attention_mask` of another shape."""
+        """Raises:
+        TypeError: non-integer `input_ids`.
+        ValueError: a shape other than `(B >= 1, L >= 1)`, ids on another device or outside
+            `[0, vocab_size)`, more than `max_position_embeddings` bytes (the cache's included),
+            `n_loops` not an int >= 1 or not the cache's, an `attention_mask` of another shape.
+        """
+        max_length = self.config.max_position_embeddings
         if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(
-                f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}"
-            )
-        if (
-            input_ids.dtype.is_floating_point
-            or input_ids.dtype.is_complex
-            or input_ids.dtype == torch.bool
-        ):
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+            raise TypeError("input_ids must be a torch.LongTensor of shape (batch, length), got "
+                            f"{type(input_ids).__name__}")
+        dtype = input_ids.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {dtype}")
         if input_ids.dim() != 2 or 0 in input_ids.shape:
-            raise ValueError(
-                f"input_ids must have shape (batch, length) with batch, length >= 1, got {tuple(input_ids.shape)}"
-            )
-        if input_ids.shape[1] > self.config.max_position_embeddings:
-            raise ValueError(
-                f"input length {input_ids.shape[1]} exceeds max_position_embeddings="
-                f"{self.config.max_position_embeddings}"
-            )
+            raise ValueError("input_ids must have shape (batch, length) with batch, length >= 1, "
+                             f"got {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > max_length:
+            raise ValueError(f"input length {input_ids.shape[1]} exceeds "
+                             f"max_position_embeddings={max_length}")
         weight_device = self.embed_tokens.weight.device
         if weight_device.type != "meta" and input_ids.device != weight_device:
             raise ValueError(
-                f"input_ids is on {input_ids.device} but the model's embeddings are on {weight_device}: "
-                "build the inputs on model.device (or move them with .to(model.device))"
+                f"input_ids is on {input_ids.device} but the model's embeddings are on "
+                f"{weight_device}: build the inputs on model.device (or move them with "
+                ".to(model.device))"
             )
-        out_of_vocabulary = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        # the offending id is looked up only on the error path (and only where reading it costs no
-        # training sync)
-        check_values(
-            out_of_vocabulary,
-            self.training,
-            lambda on_host: (
-                f"input_ids contains token id {int(input_ids[out_of_vocabulary][0]) if on_host else '(on device)'}, "
-                f"outside the vocabulary [0, {self.config.vocab_size})"
-            ),
-        )
+        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+        check_values(bad, self.training, lambda on_host: (
+            f"input_ids contains token id {int(input_ids[bad][0]) if on_host else '(on device)'}, "
+            f"outside the vocabulary [0, {self.config.vocab_size})"))
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
         if cache is not None and n_loops != cache.n_loops:
-            raise ValueError(
-                f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with"
-            )
+            raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this "
+                             "cache was built with")
         decoding = cache is not None and cache.seen_bytes > 0
-        if decoding and cache.seen_bytes + input_ids.shape[1] > self.config.max_position_embeddings:
+        if decoding and cache.seen_bytes + input_ids.shape[1] > max_length:
             raise ValueError(
-                f"decoding past max_position_embeddings={self.config.max_position_embeddings}: the cache holds "
-                f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
-                f"{self.config.max_position_embeddings} bytes in total (prompt included)"
+                f"decoding past max_position_embeddings={max_length}: the cache holds "
+                f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at "
+                f"most {max_length} bytes in total (prompt included)"
             )
-        if (
-            not decoding
-            and attention_mask is not None
-            and tuple(attention_mask.shape) != tuple(input_ids.shape)
+        if not decoding and attention_mask is not None and (
+            tuple(attention_mask.shape) != tuple(input_ids.shape)
         ):
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
-                f"{tuple(input_ids.shape)}"
-            )
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal "
+                             f"input_ids shape {tuple(input_ids.shape)}")
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers 5.24's rename
     @capture_outputs
@@ -2107,20 +2079,16 @@ class SpiderModel(SpiderPreTrainedModel):
         cache = self.prefill_cache(cache, use_cache, n_loops)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        # hidden_states are collected here, not by capture_outputs hooks: the layout holds the mixed
-        # upsampled stream, and the cached decode runs byte layers one byte at a time.
+        # collected here, not by capture_outputs: the layout holds the mixed upsampled stream
         hidden_states = [] if output_hidden_states else None
 
         x = self.embed_tokens(input_ids)
         byte_inputs = self.byte_inputs(x, attention_mask)
         x = self.prelude(x, byte_inputs, cache, hidden_states)
-        # Every slot of a padded segment axis runs the block; exact rows, picked by index, only for
-        # a cache, returned router logits or ACT early exit (docs/design.md, "Shapes that repeat,
-        # one host sync per training step").
-        exact = (
-            cache is not None
-            or output_router_logits
-            or (self.config.act_early_exit and not self.training)
+        # the segment axis is exact (real rows routed by index) for a cache, returned router
+        # logits or ACT early exit; else padded to a repeating length (docs/design.md)
+        exact = cache is not None or output_router_logits or (
+            self.config.act_early_exit and not self.training
         )
         engram_bytes = self.engram_embeddings(input_ids, byte_inputs.byte_mask)
         segments = self.segment(x, engram_bytes, byte_inputs, exact)
@@ -2131,10 +2099,8 @@ class SpiderModel(SpiderPreTrainedModel):
         )
         y = self.coda(segments.boundaries, block.h_out, x, byte_inputs, cache, hidden_states)
         if cache is not None:
-            cache.start(
-                input_ids, x.detach(), engram_bytes.detach(), segments.boundaries,
-                byte_inputs.token_mask, block.h_out,
-            )
+            cache.start(input_ids, x.detach(), engram_bytes.detach(), segments.boundaries,
+                        byte_inputs.token_mask, block.h_out)
         return SpiderModelOutput(
             last_hidden_state=y,
             cache=cache,
@@ -2153,37 +2119,30 @@ class SpiderModel(SpiderPreTrainedModel):
     def prefill_cache(
         self, cache: SpiderCache | None, use_cache: bool | None, n_loops: int
     ) -> SpiderCache | None:
-        """The cache a full forward fills: `cache` (empty), a new one when `use_cache` (default
-        `config.use_cache` in eval mode), or None; never one under activation checkpointing in
-        training."""
+        """`cache` (empty), a new one when `use_cache` (default `config.use_cache` in eval mode),
+        or None; none under activation checkpointing in training."""
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
-            logger.warning_once(
-                "use_cache=True is incompatible with activation checkpointing in training; no cache built"
-            )
+            logger.warning_once("use_cache=True is incompatible with activation checkpointing in "
+                                "training; no cache built")
             use_cache = False
-        return (
-            cache
-            if cache is not None
-            else (SpiderCache(self.config, n_loops) if use_cache else None)
-        )
+        if cache is None and use_cache:
+            cache = SpiderCache(self.config, n_loops)
+        return cache
 
     def byte_inputs(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> SpiderBytes:
-        """Masks and positions of the embedded bytes `x` `(B, L, D)` (:class:`SpiderBytes`); one
-        host read of `attention_mask` tells whether any byte is padding."""
+        """Masks and positions of the embedded bytes `x` `(B, L, D)`; one host read of
+        `attention_mask` tells whether any byte is padding."""
         B, L, _ = x.shape
         token_mask = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             token_mask = attention_mask.bool()
             position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)
+            byte_mask = token_mask
         else:
             position_ids = torch.arange(L, device=x.device).expand(B, L)
-        byte_mask = (
-            token_mask
-            if token_mask is not None
-            else torch.ones(B, L, dtype=torch.bool, device=x.device)
-        )
+            byte_mask = torch.ones(B, L, dtype=torch.bool, device=x.device)
         mask = create_attention_mask(
             self.config, x, L, attention_mask_function(token_mask, self.config.sliding_window)
         )
@@ -2213,26 +2172,19 @@ class SpiderModel(SpiderPreTrainedModel):
             1 if exact else self.config.pad_segments_to_multiple_of,
         )
         B, S1 = segment_mask.shape
-        positions = torch.arange(S1, device=e.device).expand(B, S1)
-        rope = self.rotary_emb(e, positions)
+        rope = self.rotary_emb(e, torch.arange(S1, device=e.device).expand(B, S1))
         window = self.config.recurrent_sliding_window
-        # padding sits at each row's end: the causal mask hides it and the MoE routes it with weight
-        # 0
-        if not exact:
+        segments = (boundaries, boundary_probs, e, memory, segment_mask, rope)
+        if not exact:  # padding sits at each row's end: the causal mask hides it
             mask = create_attention_mask(self.config, e, S1, attention_mask_function(None, window))
-            return SpiderSegments(
-                boundaries, boundary_probs, e, memory, segment_mask, rope, mask, None, segment_mask
-            )
+            return SpiderSegments(*segments, mask, None, segment_mask)
         padded = not bool(segment_mask.all())
         mask = create_attention_mask(
             self.config, e, S1, attention_mask_function(segment_mask if padded else None, window)
         )
-        # the segments the MoE routes, as flat row indices: computed once here, none per loop and
-        # layer
+        # the rows the MoE routes, once here rather than per loop and layer
         index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded else None
-        return SpiderSegments(
-            boundaries, boundary_probs, e, memory, segment_mask, rope, mask, index, None
-        )
+        return SpiderSegments(*segments, mask, index, None)
 
     def coda(
         self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor,
@@ -2254,10 +2206,9 @@ class SpiderModel(SpiderPreTrainedModel):
     def decode(
         self, input_ids, cache: SpiderCache, output_hidden_states: bool = False
     ) -> SpiderModelOutput:
-        """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time.
-        Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries`
-        `(B, T)`, the cache and, with `output_hidden_states`, the new bytes' `hidden_states` (each
-        `(B, T, D)`); no loss terms."""
+        """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time:
+        `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the cache and, with
+        `output_hidden_states`, the new bytes' `hidden_states`; no loss terms."""
         states, boundaries, per_byte = [], [], []
         for j in range(input_ids.shape[1]):
             y, b, hidden = self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
@@ -2275,9 +2226,8 @@ class SpiderModel(SpiderPreTrainedModel):
     def decode_byte(
         self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """One new byte per row, `input_ids` `(B, 1)` ->
-        `(byte state (B, 1, D), boundary (B, 1) fp32, hidden states in the full forward's layout or
-        None)`."""
+        """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1)
+        fp32, hidden states in the full forward's layout or None)`."""
         B = input_ids.shape[0]
         if cache.byte_mask is not None:
             cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
@@ -2324,17 +2274,14 @@ class SpiderModel(SpiderPreTrainedModel):
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
-    """Spider with a byte LM head. `labels` align with `input_ids` (shifted inside), -100 ignored;
-    every loss term is returned (:class:`SpiderCausalLMOutput`). `generate()` decodes incrementally
-    with a :class:`SpiderCache`."""
+    """Spider with a byte LM head; `generate()` decodes incrementally (:class:`SpiderCache`)."""
 
-    # See SpiderModel: the same modules under this class's names, and the output logits.
+    # SpiderModel's fp32 modules under this class's names, and the output logits
     _keep_in_fp32_modules = [
         "lm_head", "model.recurrent_block.halt_predictor", "model.flexitokens.boundary_predictor",
         "model.recurrent_block.layers.*.router",
     ]
     _keep_in_fp32_modules_strict = ["lm_head.weight"]
-
     _tied_weights_keys = {}
 
     def __init__(self, config: SpiderConfig):
@@ -2374,30 +2321,27 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> SpiderCausalLMOutput:
-        """Args: as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100 = ignore),
-        `num_items_in_batch`, `shift_labels` and `logits_to_keep` (k > 0: last k positions; 1-D
-        tensor: those; 0: all). Returns :class:`SpiderCausalLMOutput`, logits `(B, L, vocab_size)`
-        in the model dtype. Raises: ValueError for out-of-vocabulary ids, too-long inputs,
-        `n_loops < 1`, mis-shaped labels, labels with a non-empty cache, or labels with
-        `logits_to_keep`."""
+        """Args as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100: ignored),
+        `num_items_in_batch`, `shift_labels` and `logits_to_keep` (k > 0: the last k positions; a
+        1-D tensor: those; 0: all). Returns logits `(B, L, vocab_size)` and every loss term.
+
+        Raises:
+            ValueError: as :meth:`SpiderModel.check_inputs`; mis-shaped labels, labels with a
+                non-empty cache or with `logits_to_keep`.
+        """
         if labels is not None and cache is not None and cache.seen_bytes > 0:
             raise ValueError(
                 "labels cannot be scored against a non-empty cache; pass the whole sequence"
             )
+        shift_labels = kwargs.get("shift_labels")  # pre-shifted targets (sequence parallelism)
         keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        if (labels is not None or kwargs.get("shift_labels") is not None) and not keep_all:
-            raise ValueError(
-                f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the logits of every position"
-            )
+        if (labels is not None or shift_labels is not None) and not keep_all:
+            raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the "
+                             "logits of every position")
         outputs = self.model(
-            input_ids,
-            attention_mask=attention_mask,
-            n_loops=n_loops,
-            cache=cache,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
-            return_dict=True,
+            input_ids, attention_mask=attention_mask, n_loops=n_loops, cache=cache,
+            use_cache=use_cache, output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits, return_dict=True,
             **{k: v for k, v in kwargs.items() if k == "output_attentions"},
         )
         hidden_states = outputs.last_hidden_state
@@ -2407,8 +2351,6 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, logits_to_keep, :]
         logits = self.lm_head(as_weight_dtype(self.lm_head, hidden_states))
         loss = lm_loss = None
-        # pre-shifted targets (sequence/context parallelism)
-        shift_labels = kwargs.get("shift_labels")
         if labels is not None or shift_labels is not None:
             loss = lm_loss = self.lm_loss(logits, input_ids, labels, shift_labels,
                                           num_items_in_batch)
@@ -2419,16 +2361,11 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             for coef, name in ((self.config.router_aux_loss_coef, "aux_loss"),
                                (self.config.boundary_loss_coef, "boundary_loss"),
                                (self.config.ponder_loss_coef, "ponder_loss")):
-                if coef != 0:  # weighted 0 it would add only its backward (zeros, through the loops)
+                if coef != 0:  # a term weighted 0 would add only its backward through the loops
                     loss = loss + coef * terms[name]
         return SpiderCausalLMOutput(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            lm_loss=lm_loss,
-            **terms,
-            hidden_states=outputs.hidden_states,
-            router_logits=outputs.router_logits,
+            loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, **terms,
+            hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
             attentions=outputs.attentions,
             **{name: getattr(outputs, name) for name in
                ("boundaries", "boundary_probs", "segment_mask", "halting_step", "loop_weights")},
@@ -2437,10 +2374,13 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     def lm_loss(self, logits: torch.Tensor, input_ids: torch.LongTensor,
                 labels: torch.LongTensor | None, shift_labels: torch.LongTensor | None,
                 num_items_in_batch) -> torch.Tensor:
-        """Next-byte cross-entropy in nats, fp32 scalar: `logits` `(B, L, V)` against `labels`
-        `(B, L)` shifted inside (or pre-shifted `shift_labels`), -100 ignored, summed over
-        `num_items_in_batch` targets (default: the targets here). Raises ValueError for `labels`
-        of another shape than `input_ids` or an id outside the vocabulary."""
+        """Next-byte cross-entropy in nats, fp32 scalar, of `logits` `(B, L, V)` against `labels`
+        `(B, L)` (shifted inside) or `shift_labels`, summed over `num_items_in_batch` targets
+        (default: the targets here).
+
+        Raises:
+            ValueError: `labels` of another shape than `input_ids`, an id outside the vocabulary.
+        """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
                              f"{tuple(input_ids.shape)}")
@@ -2449,45 +2389,30 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         check_values(bad, self.training, lambda on_host: (
             f"labels contains token id {int(targets[bad][0]) if on_host else '(on device)'}, "
             f"outside the vocabulary [0, {self.vocab_size}) (-100 = ignored)"))
-        if num_items_in_batch is None:
-            # the mean as a sum over a tensor count (no host sync; 0 when there is no target)
+        if num_items_in_batch is None:  # a tensor count: no host sync
             num_items_in_batch = (targets != -100).sum().clamp_min(1)
         return self.loss_function(logits, labels, self.vocab_size,
                                   num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
 
     def loss_terms(self, outputs: SpiderModelOutput, input_ids: torch.LongTensor,
                    attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Spider's loss terms and diagnostics from what :class:`SpiderModel` returned for
-        `input_ids` `(B, L)`: ``aux_loss`` (DeepSeek's aux_fi balancing loss, the mean over (loop,
-        layer) of `sum_i f_i * P_i`), ``boundary_loss`` (FlexiTokens' rate hinge, plus the teacher's
-        cross-entropy with ``boundary_teacher``), ``ponder_loss`` (ACT,
-        `mean(n_updates + remainders)` over real segments), ``compression_rate`` (bytes per
-        segment), ``mean_halting_step`` and ``expert_load`` `(E,)`; fp32, the diagnostics
-        detached."""
+        """The loss terms and diagnostics of :class:`SpiderCausalLMOutput` from the base model's
+        `outputs` for `input_ids` `(B, L)`; fp32, the diagnostics detached."""
         byte_mask = None if attention_mask is None else attention_mask.bool()
         segment_weight = outputs.segment_mask
-        ponder_loss = (
-            (outputs.halting_step + outputs.halting_remainder) * segment_weight
-        ).sum() / segment_weight.sum()
+        ponder_loss = ((outputs.halting_step + outputs.halting_remainder) * segment_weight).sum()
+        ponder_loss = ponder_loss / segment_weight.sum()
         mean_halting_step = (
             (outputs.halting_step * segment_weight).sum() / segment_weight.sum()
         ).detach()
         boundary_loss, rate = boundary_rate_loss(outputs.boundaries, byte_mask, self.config)
         if self.config.boundary_teacher is not None:
-            boundary_loss = (
-                boundary_loss
-                + self.config.boundary_teacher_coef
-                * boundary_teacher_loss(
-                    outputs.boundary_probs,
-                    input_ids,
-                    (
-                        torch.ones_like(input_ids, dtype=torch.bool)
-                        if byte_mask is None
-                        else byte_mask
-                    ),
-                    self.config.boundary_teacher,
-                )
-            )
+            teacher_mask = byte_mask
+            if teacher_mask is None:
+                teacher_mask = torch.ones_like(input_ids, dtype=torch.bool)
+            boundary_loss = boundary_loss + self.config.boundary_teacher_coef * (
+                boundary_teacher_loss(outputs.boundary_probs, input_ids, teacher_mask,
+                                      self.config.boundary_teacher))
         aux_losses = [
             (load * scores).sum() for load, scores in zip(outputs.expert_loads, outputs.mean_scores)
         ]
@@ -2503,18 +2428,20 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):
-        """generate()'s cache: an empty :class:`SpiderCache` for the call's `n_loops`; a caller's
-        cache is used as is.
+        """An empty :class:`SpiderCache` for the call's `n_loops`; a caller's cache is used as is.
 
-        Raises: ValueError for a `cache_implementation`: Spider has its own cache."""
+        Raises:
+            ValueError: a `cache_implementation` (Spider has its own cache).
+        """
         if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported: Spider decodes "
-                "with its own SpiderCache (per-byte layers plus per-segment recurrent state); leave it unset"
+                f"cache_implementation={generation_config.cache_implementation!r} is not "
+                "supported: Spider decodes with its own SpiderCache (per-byte layers plus "
+                "per-segment recurrent state); leave it unset"
             )
         n_loops = model_kwargs.get("n_loops") or self.config.n_loops
         model_kwargs["cache"] = SpiderCache(self.config, n_loops)
@@ -2523,23 +2450,21 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         self, input_ids, cache=None, attention_mask=None, n_loops=None, use_cache=None,
         inputs_embeds=None, **kwargs,
     ):
-        """Feed only the bytes `cache` has not seen; other model kwargs pass through to
-        :meth:`forward`.
+        """The bytes `cache` has not seen; other model kwargs pass through to :meth:`forward`.
 
-        Raises: ValueError for `inputs_embeds`: Spider reads byte ids."""
+        Raises:
+            ValueError: `inputs_embeds` (the Engram memory hashes the n-grams of `input_ids`).
+        """
         if inputs_embeds is not None:
             raise ValueError(
-                "generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram memory "
-                "hashes the n-grams of input_ids); pass input_ids"
+                "generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram "
+                "memory hashes the n-grams of input_ids); pass input_ids"
             )
         if cache is not None:
             input_ids = input_ids[:, cache.seen_bytes :]
         return {
-            **{k: v for k, v in kwargs.items() if v is not None},
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "n_loops": n_loops,
-            "cache": cache,
+            **{k: v for k, v in kwargs.items() if v is not None}, "input_ids": input_ids,
+            "attention_mask": attention_mask, "n_loops": n_loops, "cache": cache,
             "use_cache": use_cache,
         }
 
