@@ -1084,17 +1084,14 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
 
 class SpiderBoundaryPredictor(nn.Module):
-    """FlexiTokens boundary predictor (arXiv 2507.12720 §3): `Linear(D, D) -> GELU -> Linear(D, 1)`
-    per byte.
-
-    `boundary_mode`: ``"hard"`` (H-Net, arXiv 2507.07955): `sigmoid(logit) > boundary_threshold`,
-    straight-through; ``"relaxed"`` (FlexiTokens): relaxed-Bernoulli samples in training;
-    ``"fixed"``: every `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` (Nawrot et al.
-    2023, arXiv 2211.09761) only the teacher's loss trains it.
+    """FlexiTokens boundary predictor (arXiv 2507.12720 §3), `Linear(D, D) -> GELU -> Linear(D, 1)`
+    per byte, in fp32. `boundary_mode` ``"hard"`` (H-Net): `sigmoid(logit) > boundary_threshold`,
+    straight-through; ``"relaxed"``: relaxed-Bernoulli samples in training; ``"fixed"``: every
+    `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` only the teacher's loss trains it
+    (on detached states).
 
     Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)`
-    int64 or None. Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in
-    value."""
+    int64 or None. Returns `(boundaries, probs)`, fp32 `(B, L)`, boundaries 0/1 in value."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1114,8 +1111,6 @@ class SpiderBoundaryPredictor(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None):
-        # With a teacher: a supervised classifier on detached states, without a straight-through
-        # gradient.
         supervised = self.config.boundary_teacher is not None
         logits = self.logits(hidden_states.detach() if supervised else hidden_states)
         probs = torch.sigmoid(logits)
@@ -1126,16 +1121,12 @@ class SpiderBoundaryPredictor(nn.Module):
                 ).expand_as(probs)
             boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
         elif self.training and self.mode == "relaxed":
-            # RelaxedBernoulli's sample, built from its parts: a float temperature and no argument
-            # validation (a tensor made from host data and the validation's `.all()` are host syncs
-            # on an accelerator; RelaxedBernoulli does not pass `validate_args` on to its base
-            # distribution)
+            # RelaxedBernoulli's sample from its parts: no argument validation (a host sync)
             logit_sample = torch.distributions.relaxed_bernoulli.LogitRelaxedBernoulli(
                 self.temperature, logits=logits, validate_args=False
             ).rsample()
             soft = torch.distributions.transforms.SigmoidTransform()(logit_sample)
             boundaries = (soft > 0.5).to(soft.dtype)
-            # exactly 0/1 in value
             boundaries = boundaries if supervised else boundaries + (soft - soft.detach())
         elif self.training and not supervised:
             boundaries = (probs > self.threshold).to(torch.float32) + (probs - probs.detach())
@@ -1147,41 +1138,32 @@ class SpiderBoundaryPredictor(nn.Module):
 
 
 def downsample(
-    boundaries: torch.Tensor,
-    hidden_states: torch.Tensor,
-    null_group: torch.Tensor | None,
-    token_mask: torch.Tensor | None = None,
-    pad_to_multiple_of: int = 1,
+    boundaries: torch.Tensor, hidden_states: torch.Tensor, null_group: torch.Tensor | None,
+    token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean-pool bytes into the segments their boundaries close (FlexiTokens / Nawrot et al. 2023);
-    the open tail is dropped, padding never enters a mean, `null_group` (zeros if None) is segment
-    0, no gradient reaches `boundaries`.
+    """Mean-pool bytes into the segments their boundaries close (Nawrot et al. 2023); the open tail
+    is dropped, padding never enters a mean, no gradient reaches `boundaries`.
 
     Args:
-        boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`. null_group: `(D,)` or
-            None.
-        token_mask: `(B, L)` bool or None. pad_to_multiple_of: round the segment axis `1+S` up to a
-            multiple of this.
+        boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`.
+        null_group: `(D,)`, segment 0 (None: zeros). token_mask: `(B, L)` bool or None.
+        pad_to_multiple_of: round the segment axis `1+S` up to a multiple of this.
     Returns:
         `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)`, S the most
-            closed segments of
-        any row (rounded up); shorter rows are right-padded with zeros.
+        closed segments of any row (rounded up); shorter rows right-padded with zeros.
     """
     B, L, D = hidden_states.shape
     hard = boundaries.detach()
     cum_inclusive = hard.cumsum(dim=1)
-    # segment holding byte l (0-based among closed segments)
-    segment_idx = (cum_inclusive - hard).long()
+    segment_idx = (cum_inclusive - hard).long()  # the segment holding byte l
     n_closed = cum_inclusive[:, -1].long() if L > 0 else boundaries.new_zeros(B).long()
     closed = int(n_closed.max()) if B > 0 and L > 0 else 0  # the forward's one host sync
-    # 1 + S a multiple of pad_to_multiple_of
     S = -(-(closed + 1) // pad_to_multiple_of) * pad_to_multiple_of - 1
     inside = segment_idx < n_closed[:, None]
     if token_mask is not None:
         inside = inside & token_mask
     weight = inside.to(torch.float32)
-    # No closed segment: an empty slice of the bytes keeps a (zero) gradient upstream, which FSDP2
-    # needs on every rank.
+    # an empty slice of the bytes keeps a (zero) gradient upstream, which FSDP2 needs on every rank
     pooled = hidden_states[:, :0]
     if closed > 0:
         index = segment_idx.clamp(max=S - 1)
@@ -1192,9 +1174,7 @@ def downsample(
             1, index, weight
         )
         pooled = (sums / counts.clamp_min(1e-6)[..., None]).to(hidden_states.dtype)
-    # no segment closed, but the axis is padded: zeros tied to the bytes (their gradient stays
-    # defined)
-    elif S > 0:
+    elif S > 0:  # no segment closed but the axis is padded: zeros tied to the bytes
         pooled = torch.cat([pooled, hidden_states.new_zeros(B, S, D)], dim=1)
     null = hidden_states.new_zeros(D) if null_group is None else null_group.to(hidden_states.dtype)
     segments = torch.cat([null.expand(B, 1, D), pooled], dim=1)
@@ -1204,9 +1184,8 @@ def downsample(
 
 def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """Byte l reads the last segment closed at or before l (segment 0 before the first), times the
-    confidence of its own decision (`b` or `1 - b`: 1 in value, a per-byte boundary gradient; H-Net,
-    arXiv 2507.07955 §2.2). `boundaries` `(B, L)` 0/1 float, `segments` `(B, 1+S, D)` ->
-    `(B, L, D)`."""
+    confidence of its own decision (1 in value, a boundary gradient; H-Net §2.2). `boundaries`
+    `(B, L)` 0/1 float, `segments` `(B, 1+S, D)` -> `(B, L, D)`."""
     hard = boundaries.detach()
     index = hard.cumsum(dim=1).long()
     confidence = torch.where(hard > 0, boundaries, 1.0 - boundaries).to(segments.dtype)
@@ -1217,9 +1196,8 @@ def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
 def boundary_rate_loss(
     boundaries: torch.Tensor, token_mask: torch.Tensor | None, config: SpiderConfig
 ):
-    """FlexiTokens' hinge on the boundary rate r (boundaries per real byte; `token_mask` `(B, L)`
-    bool, None: every byte is real): `relu(r - prior) + relu(prior - k*std - r)`. Returns
-    `(loss, rate)`, fp32 scalars."""
+    """FlexiTokens' hinge on the boundary rate r per real byte, `relu(r - prior) +
+    relu(prior - k*std - r)`. Returns `(loss, rate)`, fp32 scalars."""
     if token_mask is None:
         rate = boundaries.sum() / max(boundaries.numel(), 1)
     else:
@@ -1229,25 +1207,22 @@ def boundary_rate_loss(
 
 
 def word_bytes(input_ids: torch.LongTensor) -> torch.Tensor:
-    """SpaceByte's word bytes (Slagle 2024, arXiv 2404.14408 §2): ASCII letters, digits and UTF-8
-    continuation bytes; every other byte and special id is *spacelike*. `input_ids` int64 `(B, L)`
-    -> bool `(B, L)`."""
+    """SpaceByte's word bytes (Slagle 2024, §2): ASCII letters and digits and UTF-8 continuation
+    bytes; the rest is spacelike. int64 `(B, L)` -> bool `(B, L)`."""
     ids = input_ids
     return (((ids >= 48) & (ids <= 57)) | ((ids >= 65) & (ids <= 90)) | ((ids >= 97) & (ids <= 122))
             | ((ids >= 0x80) & (ids <= 0xBF)))
 
 
 def spacelike_boundaries(input_ids: torch.LongTensor) -> torch.Tensor:
-    """SpaceByte's word boundaries (Slagle 2024, arXiv 2404.14408 §2),
-    ``boundary_teacher="spacelike"``: a spacelike byte right after a word byte closes a segment.
-    `input_ids` int64 `(B, L)` -> fp32 `(B, L)`, exactly 0/1."""
+    """SpaceByte's word boundaries: a spacelike byte right after a word byte closes a segment.
+    int64 `(B, L)` -> fp32 `(B, L)`, 0/1."""
     word_byte = word_bytes(input_ids)
     previous = F.pad(word_byte[:, :-1], (1, 0), value=False)
     return (~word_byte & previous).to(torch.float32)
 
 
-#: `boundary_teacher` name -> rule, `input_ids (B, L) -> fp32 0/1 boundaries (B, L)`
-#: (``BOUNDARY_TEACHERS``)
+#: `boundary_teacher` -> rule, `input_ids (B, L) -> fp32 0/1 boundaries (B, L)`
 BOUNDARY_TEACHER_RULES = {"spacelike": spacelike_boundaries}
 
 
@@ -1256,8 +1231,11 @@ def boundary_teacher_loss(
     teacher: str,
 ) -> torch.Tensor:
     """Class-balanced BCE of `boundary_probs` fp32 `(B, L)` against the `teacher`'s segmentation of
-    `input_ids` (Nawrot et al. 2023, arXiv 2211.09761 §3.2; docs/design.md, "Segmentation"), over
-    `token_mask`. fp32 scalar. Raises: ValueError for an unknown teacher."""
+    `input_ids` over `token_mask` (Nawrot et al. 2023 §3.2). fp32 scalar.
+
+    Raises:
+        ValueError: an unknown teacher.
+    """
     if teacher not in BOUNDARY_TEACHER_RULES:
         raise ValueError(
             f"unknown boundary_teacher {teacher!r}; known: {sorted(BOUNDARY_TEACHER_RULES)}"
@@ -1273,9 +1251,7 @@ def boundary_teacher_loss(
 
 class SpiderFlexiTokens(nn.Module):
     """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`chunk_step`) and
-    segments -> bytes (:meth:`dechunk`, :meth:`dechunk_step`). Holds `boundary_predictor`,
-    `null_group` (segment 0), `down_norm` and, per `config.upsample_mixing`, `upsample_norm` /
-    `residual_proj`."""
+    segments -> bytes (:meth:`dechunk`, :meth:`dechunk_step`)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1295,10 +1271,9 @@ class SpiderFlexiTokens(nn.Module):
         self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor,
         position_ids: torch.LongTensor, pad_to_multiple_of: int = 1,
     ):
-        """Chunk: `x` `(B, L, D)`, `memory` `(B, L, M)`, `byte_mask` `(B, L)` bool, `position_ids`
-        `(B, L)`. Returns `(boundaries (B, L) fp32, boundary_probs (B,
-        L) fp32, segments (B, 1+S, D) normed, segment_memory (B, 1+S, M), segment_mask (B,
-        1+S) bool)`."""
+        """Chunk `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries,
+        boundary_probs` fp32 `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory
+        (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
@@ -1309,20 +1284,16 @@ class SpiderFlexiTokens(nn.Module):
         return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
-        """What each segment `(B, S, D)` hands back to the bytes, per `upsample_mixing`:
-        `upsample_norm(h_out)`, a weightless RMSNorm (``"rms_matched"``) or `h_out`; normed before
-        :func:`upsample`."""
+        """What each segment `(B, S, D)` hands back to the bytes, per `upsample_mixing`."""
         if self.mixing == "rms_matched":
             return F.rms_norm(h_out, (h_out.shape[-1],), eps=self.eps)
-        return (
-            self.upsample_norm(h_out) if self.mixing in ("residual_proj", "scaled_norm") else h_out
-        )
+        if self.mixing in ("residual_proj", "scaled_norm"):
+            return self.upsample_norm(h_out)
+        return h_out
 
     def mix(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The coda's input from `upsampled` and the byte states `x`, both `(B, L, D)`:
-        ``"rms_matched"`` `x + upsample_rms_ratio * rms(x) * upsampled` (`rms(x)` detached),
-        ``"residual_proj"`` `upsampled + residual_proj(x)`, else `upsampled + x` (docs/design.md,
-        "Mixing the global path into the bytes")."""
+        """The coda's input from `upsampled` and the byte states `x`, both `(B, L, D)`
+        (docs/design.md, "Mixing the global path into the bytes")."""
         if self.mixing == "rms_matched":
             rms = x.detach().to(torch.float32).pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
             return x + (self.rms_ratio * rms).to(x.dtype) * upsampled
@@ -1333,15 +1304,13 @@ class SpiderFlexiTokens(nn.Module):
     def dechunk(
         self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
-        """Segments -> bytes: byte l reads the last segment closed at or before l
-        (:func:`upsample`), mixed with its own state. `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)`
-        fp32, `x` `(B, L, D)` -> `(B, L, D)` in `x.dtype`."""
+        """Segments -> bytes: `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)`
+        -> `(B, L, D)` in `x.dtype`."""
         return self.mix(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
 
     def chunk_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
-        """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns
-        `(boundary (B, 1) fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B,
-        1, M))`."""
+        """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns `(boundary (B, 1)
+        fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B, 1, M))`."""
         boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
         open_sum = cache.open_sum + x[:, 0].to(torch.float32)
         open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
@@ -1350,16 +1319,13 @@ class SpiderFlexiTokens(nn.Module):
         segment = self.down_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
         segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
         keep = (~closing).to(torch.float32)
-        cache.open_sum, cache.open_memory_sum = (
-            open_sum * keep[:, None],
-            open_memory_sum * keep[:, None],
-        )
+        cache.open_sum = open_sum * keep[:, None]
+        cache.open_memory_sum = open_memory_sum * keep[:, None]
         cache.open_count = open_count * keep
         return boundary, closing, segment, segment_memory
 
     def dechunk_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
-        """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed as
-        :meth:`dechunk`."""
+        """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed."""
         return self.mix(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
 
 
@@ -1369,11 +1335,10 @@ class SpiderFlexiTokens(nn.Module):
 
 
 class SpiderLoopAdapter(nn.Module):
-    """Per-loop low-rank adapter (OpenMythos' form of Relaxed Recursive Transformers' depth-wise
-    LoRA) `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`: `lora_A` `(r, D)` and
-    `lora_B` `(D, r)` shared by the loops, one scale vector per loop; `lora_B` starts at zero; loops
-    past `max_loop_iters` reuse the last scale. A part of the model, not a PEFT adapter
-    (``config.loop_adapter_rank``; the parameter names are those of every release)."""
+    """Per-loop low-rank adapter (Relaxed Recursive Transformers' depth-wise LoRA, OpenMythos' form)
+    `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`: `lora_A` `(r, D)` and
+    `lora_B` `(D, r)` shared by the loops, one scale per loop (loops past `max_loop_iters` reuse the
+    last). Part of the model, not a PEFT adapter (``config.loop_adapter_rank``)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1391,8 +1356,8 @@ class SpiderLoopAdapter(nn.Module):
 
 class SpiderLTIInjection(nn.Module):
     """Stable linear time-invariant update (Parcae / OpenMythos): `h = A*h + B*e + z` per channel,
-    with `A = exp(-exp(log_dt + log_A))` strictly inside (0, 1). Shapes `(B, S, D)`.
-    """
+    `A = exp(-exp(log_dt + log_A))` in (0, 1), computed in fp32 (a decay near 1 rounds to 1 in
+    bf16). Shapes `(B, S, D)`, returned in `h.dtype`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1401,19 +1366,17 @@ class SpiderLTIInjection(nn.Module):
         self.B = nn.Parameter(torch.empty(config.hidden_size))
 
     def decay(self) -> torch.Tensor:
-        """A, fp32 `(D,)`, strictly in (0, 1)."""
+        """A, fp32 `(D,)`."""
         return torch.exp(-torch.exp((self.log_dt + self.log_A).to(torch.float32).clamp(-10.0, 4.0)))
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """`A * h` in fp32 (a decay near 1 would round to 1 in bf16). Returns `h.dtype`."""
-        f32 = torch.float32  # a no-op for fp32 activations: the same operations in the same order
+        f32 = torch.float32
         return (self.decay() * h.to(f32) + self.B.to(f32) * e.to(f32) + z.to(f32)).to(h.dtype)
 
 
 class ACTState(NamedTuple):
-    """Adaptive computation time state per segment (Graves 2016, arXiv 1603.08983), fp32 `(B, S)`:
-    the halting probability accumulated so far, the remainder paid at the halting loop, and the
-    loops run (`n_updates`); the ponder cost is `n_updates + remainders`."""
+    """Adaptive computation time state per segment (Graves 2016), fp32 `(B, S)`: the accumulated
+    halting probability, the remainder paid at the halting loop and the loops run."""
 
     halting_prob: torch.Tensor
     remainders: torch.Tensor
@@ -1421,15 +1384,12 @@ class ACTState(NamedTuple):
 
 
 class SpiderHaltingStep(nn.Module):
-    """One loop of ACT (Graves 2016; OpenMythos' loop form) and its share of the block's output:
-    `p = sigmoid(halt_logits)`; a segment accumulates `p` until `threshold`, then halts with the
-    remainder (every segment halts at the last loop, so its weights sum to 1); `h_out + w * h` in
-    fp32. A parameterless module so that regional compilation compiles these elementwise ops as one
-    region.
+    """One loop of ACT (Graves 2016, OpenMythos' loop form): `p = sigmoid(halt_logits)`; a segment
+    accumulates `p` until `threshold`, then halts with the remainder (all halt at the last loop, so
+    a segment's weights sum to 1). Parameterless, so regional compilation makes it one region.
 
-    Args: `halt_logits` `(B, S)`, `h` `(B, S, D)`, `h_out` fp32 `(B, S, D)`, `state`
-    (:class:`ACTState`), `threshold`, `is_last`. Returns `(h_out, state, weight)`: the new sum, the
-    new state and this loop's weight fp32 `(B, S)`."""
+    Args: `halt_logits` `(B, S)`, `h` `(B, S, D)`, `h_out` fp32 `(B, S, D)`, `state`, `threshold`,
+    `is_last`. Returns `(h_out + weight * h, new state, weight fp32 (B, S))`."""
 
     def forward(
         self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
@@ -1455,10 +1415,9 @@ class SpiderHaltingStep(nn.Module):
 
 
 class SpiderRecurrentBlockOutput(NamedTuple):
-    """What :class:`SpiderRecurrentBlock` returns: `h_out` fp32 `(B, S, D)` (ACT-weighted sum of the
-    loops' states), `act` (:class:`ACTState` after the last loop), per (loop, layer) the MoE's
-    `expert_loads` and `mean_scores` `(E,)` and, when asked for, `router_logits` `(N, E)` and each
-    loop's ACT weight `loop_weights` `(B, S)` (detached)."""
+    """`h_out` fp32 `(B, S, D)` (the ACT-weighted sum of the loops' states), `act` after the last
+    loop, per (loop, layer) the MoE's `expert_loads` and `mean_scores` `(E,)` and, when asked for,
+    `router_logits` `(N, E)` and per loop the ACT weights `loop_weights` `(B, S)` (detached)."""
 
     h_out: torch.Tensor
     act: ACTState
@@ -1470,15 +1429,13 @@ class SpiderRecurrentBlockOutput(NamedTuple):
 
 class SpiderRecurrentBlock(nn.Module):
     """The looped block over segments (Huginn / OpenMythos), weights shared across loops: the loop
-    of the module docstring's map. Loops past `max_loop_iters` reuse the last loop embedding and
-    LoRA scale."""
+    of the module docstring's map. Loops past `max_loop_iters` reuse the last loop embedding."""
 
     def __init__(self, config: SpiderConfig, memory_size: int):
         super().__init__()
         D = config.hidden_size
         self.max_loop_iters = config.max_loop_iters
-        # act_early_exit is read at each forward (model.config.act_early_exit = True works)
-        self.config = config
+        self.config = config  # act_early_exit is read at each forward
         self.act_threshold = config.act_threshold
         self.loop_embedding = nn.Embedding(config.max_loop_iters, D)
         self.loop_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
@@ -1489,34 +1446,25 @@ class SpiderRecurrentBlock(nn.Module):
         self.injection = SpiderLTIInjection(config)
         self.halt_predictor = nn.Linear(D, 1, dtype=torch.float32)
         self.halting_step = SpiderHaltingStep()
-        # read by SpiderPreTrainedModel._init_weights (this block holds no parameters of its own)
-        self.halt_predictor.bias_init = config.halt_bias_init
+        self.halt_predictor.bias_init = config.halt_bias_init  # read by _init_weights
 
     def forward(
-        self,
-        segments: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        segment_index: torch.Tensor | None,
-        engram_memory: torch.Tensor,
-        n_loops: int,
-        cache: "SpiderCache | None" = None,
-        output_router_logits: bool = False,
-        segment_mask: torch.Tensor | None = None,
+        self, segments: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None, segment_index: torch.Tensor | None,
+        engram_memory: torch.Tensor, n_loops: int, cache: "SpiderCache | None" = None,
+        output_router_logits: bool = False, segment_mask: torch.Tensor | None = None,
     ) -> SpiderRecurrentBlockOutput:
-        """`segments` `(B, S, D)`, their RoPE, `attention_mask` bool `(B, 1, S, S_keys)` or None,
-        `segment_index` int64 `(N,)` (None: all), `engram_memory` `(B, S, M)`, `n_loops`, `cache`,
-        `segment_mask` `(B, S)` bool or None."""
+        """`segments` `(B, S, D)` and their RoPE, `attention_mask` bool `(B, 1, S, S_keys)` or
+        None, `segment_index` int64 `(N,)` (the rows to route; None: all), `engram_memory`
+        `(B, S, M)`, `segment_mask` `(B, S)` bool (rows routed with weight 1) or None."""
         e = segments
         B, S, D = e.shape
-        # read by the Engram layers in every loop: cast once
-        engram_memory = to_autocast_dtype(engram_memory)
+        engram_memory = to_autocast_dtype(engram_memory)  # read by every loop: cast once
         h = e
         act = ACTState(*(torch.zeros(B, S, dtype=torch.float32, device=e.device) for _ in range(3)))
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
         expert_loads, mean_scores, router_logits, loop_weights = [], [], [], []
-        # through the embedding's forward (hooks such as accelerate's offloading load its weight
-        # there), once
+        # once, through the embedding's forward (where offloading hooks load its weight)
         loop_ids = torch.arange(n_loops, device=e.device).clamp(max=self.max_loop_iters - 1)
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
@@ -1524,25 +1472,22 @@ class SpiderRecurrentBlock(nn.Module):
         row_weights = None if segment_mask is None else RowWeights.of(
             segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
-            real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(
-                0, segment_index, True
-            )
+            real = torch.zeros(B * S, dtype=torch.bool, device=e.device)
+            real = real.index_fill(0, segment_index, True)
         for t in range(n_loops):
             if early_exit and t > 0:
-                # ACT exit: halted segments keep their state and leave the MoE but still serve
-                # keys and values; without a cache the loop stops once every segment has halted.
+                # halted segments keep their state and serve keys and values but leave the MoE;
+                # without a cache the loop stops once every segment has halted
                 running = act.halting_prob < self.act_threshold
                 if cache is None and not bool(running.any()):
                     break
-                keep = (
-                    running.reshape(-1) if segment_index is None else running.reshape(-1) & real
-                )
+                keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
                 routed = keep.nonzero().squeeze(1)
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, load, scores = layer(
-                    z, position_embeddings, attention_mask, routed, engram_memory,
-                    row_weights, cache=cache.recurrent[t][i] if cache is not None else None,
+                    z, position_embeddings, attention_mask, routed, engram_memory, row_weights,
+                    cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 expert_loads.append(load)
                 mean_scores.append(scores)
@@ -1550,18 +1495,16 @@ class SpiderRecurrentBlock(nn.Module):
                     router_logits.append(logits)
             z = z + self.loop_lora(z, t)
             h_next = self.injection(h, e, z)
-            # exited segments stay
             h = h_next if running is None else torch.where(running[..., None], h_next, h)
-            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(
-                -1
-            )
+            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
             h_out, act, weight = self.halting_step(
-                halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1,
+                halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1
             )
             if output_router_logits:
                 loop_weights.append(weight.detach())
-        return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits,
-                                          loop_weights)
+        return SpiderRecurrentBlockOutput(
+            h_out, act, expert_loads, mean_scores, router_logits, loop_weights
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1572,9 +1515,8 @@ class SpiderRecurrentBlock(nn.Module):
 def write_segment_slots(
     cache: "SpiderCache", buffer: torch.Tensor, new: torch.Tensor, dim: int
 ) -> torch.Tensor:
-    """Write `new` (one segment per row along `dim`) into `buffer` at each row's slot
-    `cache.segment_write_index` `(B,)`, growing `buffer` to `cache.segment_slots` along `dim` first
-    (zeros)."""
+    """`buffer` grown (zeros) to `cache.segment_slots` along `dim`, with `new` (one segment per
+    row) written at each row's slot `cache.segment_write_index` `(B,)`."""
     slots = cache.segment_slots
     if buffer.shape[dim] < slots:
         grow = list(buffer.shape)
@@ -1584,11 +1526,18 @@ def write_segment_slots(
     return buffer.scatter(dim, index, new)
 
 
+def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
+    """Replace each tensor attribute `names` of `holder` (None skipped) by its batch rows `rows`."""
+    for name in names:
+        if getattr(holder, name) is not None:
+            setattr(holder, name, getattr(holder, name).index_select(0, rows))
+
+
 class SpiderLayerCache:
-    """One recurrent layer's cache for one loop: keys `(B, H, S, qk_head_dim)` and values
-    `(B, H, S, v_head_dim)` (post-RoPE) and Engram conv inputs `(B, S, D)` per segment slot; a
-    decode step writes row b at ``segment_write_index[b]`` (rows close segments at different
-    bytes, which no transformers cache layer can say)."""
+    """One recurrent layer's cache for one loop: keys `(B, H, S, qk_head_dim)`, values
+    `(B, H, S, v_head_dim)` (post-RoPE) and Engram conv inputs `(B, S, D)` per segment slot. A
+    decode step writes row b at ``segment_write_index[b]``: rows close segments at different bytes,
+    which no transformers cache layer can express."""
 
     def __init__(self, cache: "SpiderCache"):
         self.cache = cache
@@ -1598,15 +1547,13 @@ class SpiderLayerCache:
         return new if buffer is None else write_segment_slots(self.cache, buffer, new, dim)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's `keys`/`values` `(B, H, T, d)`; return every key/value the queries may
-        attend to."""
+        """Store `keys`/`values` `(B, H, T, d)`; return every key/value the queries may see."""
         self.keys = self._write(self.keys, keys, dim=2)
         self.values = self._write(self.values, values, dim=2)
         return self.keys, self.values
 
     def conv_window(self, conv_inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """Causal window of the Engram short convolution: `(B, S, D)` ->
-        `(B, kernel_size - 1 + S, D)`."""
+        """The Engram convolution's causal window: `(B, S, D)` -> `(B, kernel_size - 1 + S, D)`."""
         first = self.conv_inputs is None
         self.conv_inputs = self._write(self.conv_inputs, conv_inputs, dim=1)
         if first:
@@ -1619,17 +1566,14 @@ class SpiderLayerCache:
         return window * (positions >= 0)[..., None].to(window.dtype)
 
     def select_rows(self, rows: torch.LongTensor) -> None:
-        """Keep batch rows `rows` `(B,)` int64 of every cached tensor (beam search reorders beams
-        this way)."""
         _select_rows(self, ("keys", "values", "conv_inputs"), rows)
 
 
 class SpiderRecurrentLayerCache(CacheLayerMixin):
-    """The transformers cache layer of one recurrent layer: its :class:`SpiderLayerCache` of each
-    loop (`loops`), so that a :class:`SpiderCache` holds one layer per model layer. The model writes
-    the loops' caches directly; ``update`` is not used."""
+    """The transformers cache layer of one recurrent layer: its :class:`SpiderLayerCache` per loop
+    (`loops`). The model writes the loops' caches directly."""
 
-    is_croppable = True  # its slots stay on crop: the mask hides stale ones, the next write replaces
+    is_croppable = True  # stale slots stay: the mask hides them and the next write replaces them
 
     def __init__(self, loops: list[SpiderLayerCache]):
         super().__init__()
@@ -1639,7 +1583,9 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update")
+        raise NotImplementedError(
+            "a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update"
+        )
 
     def get_seq_length(self) -> int:
         """Segment slots held (the null group included)."""
@@ -1660,58 +1606,47 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
 
-def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
-    """Replace each tensor attribute `names` of `holder` (None ones skipped) by its batch rows
-    `rows`."""
-    for name in names:
-        if getattr(holder, name) is not None:
-            setattr(holder, name, getattr(holder, name).index_select(0, rows))
-
-
 class SpiderCache(Cache):
-    """Incremental-decoding state of :class:`SpiderModel`, a transformers
-    :class:`~transformers.Cache` (crop, beam reordering; not compileable). Byte layers cache per
-    byte; the recurrent block keeps one :class:`SpiderLayerCache` per loop and layer and runs when a
-    byte closes a segment. A per-byte record rebuilds the rest (:meth:`restore`). Valid for the
+    """Incremental-decoding state of :class:`SpiderModel`, a transformers ``Cache`` with one layer
+    per model layer (crop, beam reordering; not compileable). The recurrent block runs when a byte
+    closes a segment; a per-byte record rebuilds the rest (:meth:`restore`). Valid for the
     ``n_loops`` it was built with (docs/design.md, "Generation cache")."""
+
+    RECORD = ("input_ids", "byte_states", "byte_memory", "boundaries")
+    ROW_STATE = ("byte_mask", "segment_outputs", "byte_positions", "open_sum", "open_memory_sum",
+                 "open_count", "num_segments", "last_segment_output")
 
     def __init__(self, config: SpiderConfig, n_loops: int):
         self.config = config
         self.n_loops = n_loops
-        # one transformers cache layer per model layer: the byte layers' DynamicLayer, the recurrent
-        # layers' per-loop segment caches; `recurrent[t][i]` is loop t's cache of recurrent layer i
         self.prelude = [DynamicLayer() for _ in range(config.num_prelude_layers)]
         self.coda = [DynamicLayer() for _ in range(config.num_coda_layers)]
+        # recurrent[t][i]: loop t's cache of recurrent layer i
         self.recurrent = [[SpiderLayerCache(self) for _ in range(config.num_recurrent_layers)]
                           for _ in range(n_loops)]
         recurrent_layers = [SpiderRecurrentLayerCache([loop[i] for loop in self.recurrent])
                             for i in range(config.num_recurrent_layers)]
         super().__init__(layers=[*self.prelude, *recurrent_layers, *self.coda])
-        self.seen_bytes = 0  # columns of input_ids consumed so far, padding included
+        self.seen_bytes = 0  # columns of input_ids consumed, padding included
         self.byte_mask = None  # (B, n) bool, or None while no column is padding
-        # the per-byte record (RECORD): (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32; buffers
-        # grow by doubling
+        # RECORD's (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32, in buffers that double
         self.record = dict.fromkeys(self.RECORD)
         self.record_length = 0
-        # (B, slots, D) fp32: recurrent output of each closed segment (slot 0: null group)
-        self.segment_outputs = None
-        # derived from the record by restore()
-        # (B,) int64: RoPE position of the next byte (= real bytes so far)
+        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null group)
+        # derived from the record by restore(): (B,) int64 RoPE position of the next byte
         self.byte_positions = None
         self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
         self.num_segments = None  # (B,) int64: closed segments (the null group excluded)
-        self.last_segment_output = None  # (B, D) fp32: recurrent output of the last closed segment
+        self.last_segment_output = None  # (B, D) fp32
         self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
         self.segment_slots = 0
-
-    RECORD = ("input_ids", "byte_states", "byte_memory", "boundaries")
 
     def _recorded(name: str):  # noqa: N805 (a property factory used in the class body)
         return property(
             lambda self: (
                 None if self.record[name] is None else self.record[name][:, : self.record_length]
             ),
-            doc=f"The record's {name}: the first `record_length` columns of its buffer (read-only).",
+            doc=f"The record's {name}: the first `record_length` columns of its buffer.",
         )
 
     input_ids, byte_states = _recorded("input_ids"), _recorded("byte_states")
@@ -1726,40 +1661,35 @@ class SpiderCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False  # grows per byte and per segment; no static shapes
+        return False  # grows per byte and per segment
 
     @property
     def is_croppable(self) -> bool:
         return True
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last `-tokens_to_remove` bytes (transformers' convention: 0 or negative), as
-        if never seen.
+        """Forget the last `-tokens_to_remove` bytes (0 or negative, transformers' convention).
 
-        Raises: ValueError for a positive value, or one that removes more bytes than the cache
-        holds."""
+        Raises:
+            ValueError: a positive value, or more bytes than the cache holds.
+        """
         if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): pass minus the number of bytes to remove (0 or negative)"
-            )
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of bytes to remove "
+                             "(0 or negative)")
         keep = self.seen_bytes + tokens_to_remove
         if tokens_to_remove == 0 or self.seen_bytes == 0:
             return
         if keep < 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}) removes more bytes than the cache holds ({self.seen_bytes})"
-            )
+            raise ValueError(f"crop({tokens_to_remove}) removes more bytes than the cache holds "
+                             f"({self.seen_bytes})")
         if keep == 0:
-            self.reset()
-            return
+            return self.reset()
         for layer in self.prelude + self.coda:
             layer.crop(keep - self.seen_bytes)
         self.record_length = keep
         self.byte_mask = None if self.byte_mask is None else self.byte_mask[:, :keep]
         self.seen_bytes = keep
-        # Recurrent caches keep their slots: the mask hides stale ones and the next segment
-        # overwrites them.
-        self.restore()
+        self.restore()  # recurrent caches keep their slots (see SpiderRecurrentLayerCache)
 
     def reset(self) -> None:
         """Empty the cache (the next forward is a prefill)."""
@@ -1769,31 +1699,21 @@ class SpiderCache(Cache):
         """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
         for layer in self.layers:
             layer.batch_select_indices(indices)
-        _select_rows(
-            self,
-            (
-                "byte_mask", "segment_outputs", "byte_positions", "open_sum", "open_memory_sum",
-                "open_count", "num_segments", "last_segment_output",
-            ),
-            indices,
-        )
+        _select_rows(self, self.ROW_STATE, indices)
         self.record = {
             name: None if t is None else t.index_select(0, indices)
             for name, t in self.record.items()
         }
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep rows `beam_idx` `(B,)` int64 (beam search)."""
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row `repeats` times in place (row b becomes rows b*repeats .. b*repeats +
-        repeats - 1)."""
+        """Repeat every row `repeats` times in place."""
         rows = self.num_segments.shape[0] if self.num_segments is not None else 0
         self.batch_select_indices(
             torch.arange(rows, device=self.num_segments.device).repeat_interleave(repeats)
-            if rows
-            else torch.zeros(0, dtype=torch.long)
+            if rows else torch.zeros(0, dtype=torch.long)
         )
 
     # --- what the model writes --------------------------------------------------------------------
@@ -1802,7 +1722,7 @@ class SpiderCache(Cache):
         self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs
     ) -> None:
         """After a full forward over `input_ids` `(B, n)`: the record (prelude output `(B, n, D)`,
-        Engram memory `(B, n, M)`, boundaries `(B, n)`, `byte_mask` `(B, n)` bool or None) and
+        Engram memory `(B, n, M)`, boundaries `(B, n)`), `byte_mask` `(B, n)` bool or None, and the
         segment outputs `(B, 1+S, D)` fp32."""
         self.seen_bytes = input_ids.shape[1]
         self.byte_mask = byte_mask
@@ -1815,8 +1735,8 @@ class SpiderCache(Cache):
         self.restore()
 
     def append(self, input_ids, byte_state, memory, boundary) -> None:
-        """Add one decoded byte per row to the record: ids `(B, 1)`, prelude output `(B, 1, D)`,
-        memory `(B, M)`, boundary `(B, 1)`."""
+        """Record one decoded byte per row: ids `(B, 1)`, prelude output `(B, 1, D)`, memory
+        `(B, M)`, boundary `(B, 1)`."""
         n = self.record_length
         for name, column in zip(
             self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())
@@ -1830,13 +1750,10 @@ class SpiderCache(Cache):
         self.record_length = n + 1
 
     def restore(self) -> None:
-        """Recompute the decoding state (segment counts and outputs, open-segment sums, positions)
-        from the record."""
-        byte_mask = (
-            self.byte_mask
-            if self.byte_mask is not None
-            else torch.ones_like(self.input_ids, dtype=torch.bool)
-        )
+        """Recompute segment counts and outputs, open-segment sums and positions from the record."""
+        byte_mask = self.byte_mask
+        if byte_mask is None:
+            byte_mask = torch.ones_like(self.input_ids, dtype=torch.bool)
         self.byte_positions = byte_mask.long().sum(-1)
         self.num_segments = self.boundaries.sum(-1).long()
         index = self.num_segments[:, None, None].expand(-1, 1, self.segment_outputs.shape[-1])
@@ -1850,15 +1767,14 @@ class SpiderCache(Cache):
         self.open_count = open_bytes.to(torch.float32).sum(-1)
 
     def begin_segment_step(self) -> torch.LongTensor:
-        """Point every row at the slot of its next segment (the null group is slot 0); returns it,
-        `(B,)` int64."""
+        """Point every row at its next segment's slot (slot 0 is the null group); `(B,)` int64."""
         self.segment_write_index = self.num_segments + 1
         self.segment_slots = max(self.segment_slots, int(self.segment_write_index.max()) + 1)
         return self.segment_write_index
 
     def end_segment_step(self, closing: torch.Tensor, h_out: torch.Tensor) -> None:
-        """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out` `(B, 1, D)`
-        fp32."""
+        """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out`
+        `(B, 1, D)` fp32."""
         self.segment_outputs = write_segment_slots(self, self.segment_outputs, h_out, dim=1)
         self.last_segment_output = torch.where(
             closing[:, None], h_out[:, 0], self.last_segment_output
