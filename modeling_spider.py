@@ -3,16 +3,16 @@
 
 The file reads top-down like the forward pass (docs/design.md, "The forward pass")::
 
-    x  = embed_tokens(input_ids)                          # (B, L, D) bytes
-    x  = prelude(x)                                       # SpiderDecoderLayer: dense MLA + SwiGLU over bytes
-    b, e = flexitokens(x)                                 # SpiderFlexiTokens: hard 0/1 boundary per byte,
-                                                          #   e = down_norm(downsample(b, x, null_group)) (B, 1+S, D)
-    h_out = recurrent_block(e, engram_memory, n_loops)    # SpiderRecurrentBlock, shared weights per loop t:
+    x = embed_tokens(input_ids)                   # (B, L, D) bytes
+    x = prelude(x)                                # SpiderDecoderLayer: dense MLA + SwiGLU
+    b, e = flexitokens(x)                         # SpiderFlexiTokens: 0/1 boundary per byte,
+                                                  #   e = down_norm(downsample(b, x)) (B, 1+S, D)
+    h_out = recurrent_block(e, engram_memory)     # SpiderRecurrentBlock, per loop t:
         z = loop_norm(h + e + loop_embedding[t])
-        z = layers(z, engram_memory)                      #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
-        z = z + loop_lora(z, t);  h = A*h + B*e + z       #   per-loop adapter, LTI injection
-        ACT halting: h_out += w_t * h                     #   Graves 2016
-    y  = flexitokens.dechunk(b, h_out, x)                 # causal upsample, mixed into the byte stream
+        z = layers(z, engram_memory)              #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
+        z = z + loop_lora(z, t);  h = A*h + B*e + z   # per-loop adapter, LTI injection
+        ACT halting: h_out += w_t * h             #   Graves 2016
+    y = flexitokens.dechunk(b, h_out, x)          # causal upsample, mixed into the byte stream
     logits = lm_head(norm(coda(y)))
 
 The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time.
@@ -75,36 +75,29 @@ logger = logging.get_logger(__name__)
 
 @dataclass
 class SpiderModelOutput(ModelOutput):
-    """Output of :class:`SpiderModel`.
+    """Output of :class:`SpiderModel` (a cached decode step fills `last_hidden_state`, `cache`,
+    `boundaries` and `hidden_states` only).
 
     Attributes:
-        last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and the
-            final norm.
+        last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and norm.
         cache (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
-        hidden_states (`tuple[torch.FloatTensor]`, *optional*): byte states `(B, L, D)`: the
-            embeddings, each prelude layer's output, the upsampled recurrent output (plus the
-            residual), each coda layer's output.
-        router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer),
-            `(N, E)` fp32 logits.
-        boundaries (`torch.FloatTensor` `(B, L)`): the hard 0/1 boundary decisions (straight-through
-            in training).
-        boundary_probs (`torch.FloatTensor` `(B, L)`): the boundary predictor's probabilities.
-        segment_mask (`torch.FloatTensor` `(B, 1+S)`): 1.0 for real segments (segment 0 is the null
-            group), 0.0 for the padding of the segment axis.
+        hidden_states (`tuple[torch.FloatTensor]`, *optional*): `(B, L, D)` each: the embeddings,
+            each prelude layer's output, the upsampled recurrent output mixed into the bytes, each
+            coda layer's output.
+        router_logits (`tuple[torch.FloatTensor]`, *optional*): fp32 `(N, E)` per (loop, layer).
+        boundaries, boundary_probs (`torch.FloatTensor` `(B, L)`): the 0/1 boundary decisions
+            (straight-through in training) and the predictor's probabilities.
+        segment_mask (`torch.FloatTensor` `(B, 1+S)`): 1.0 for real segments (segment 0 is the
+            null group), 0.0 for the padding of the segment axis.
         halting_step, halting_remainder (`torch.FloatTensor` `(B, 1+S)`): ACT's loops run per
-            segment and the remainder paid at its halting loop (the ponder cost is their sum).
-        expert_loads, mean_scores (`tuple[torch.FloatTensor]`): per (loop, recurrent layer),
-            DeepSeek's `f_i` and `P_i` `(E,)` (the balancing loss is the mean of `sum_i f_i * P_i`).
+            segment and the remainder paid at its halting loop.
+        expert_loads, mean_scores (`tuple[torch.FloatTensor]`): DeepSeek's `f_i` and `P_i` `(E,)`
+            per (loop, layer).
         loop_weights (`torch.FloatTensor` `(B, 1+S, T)`, *optional*): with
-            `output_router_logits=True`, each loop's ACT weight in a segment's output (a real
-            segment's sum to 1; 0 from its halting step on). With `boundaries`, `halting_step` and
-            `router_logits` it is where the forward spent its compute (the compute map).
+            `output_router_logits=True`, each loop's ACT weight in a segment's output.
         attentions (`tuple[torch.FloatTensor]`, *optional*): with `output_attentions=True` and
-            ``"eager"``, per attention call in forward order: `(B, H, L, L)` for byte layers,
-            `(B, H, 1+S, 1+S)` per (loop, recurrent layer); empty for other implementations.
-
-    A cached decode step returns `last_hidden_state`, `cache`, `boundaries` and `hidden_states`
-    only.
+            ``"eager"``, per attention call: `(B, H, L, L)` for byte layers, `(B, H, 1+S, 1+S)`
+            per (loop, recurrent layer).
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -124,28 +117,21 @@ class SpiderModelOutput(ModelOutput):
 
 @dataclass
 class SpiderCausalLMOutput(ModelOutput):
-    """Output of :class:`SpiderForConditionalGeneration`.
+    """Output of :class:`SpiderForConditionalGeneration`; fields it shares with
+    :class:`SpiderModelOutput` as there, the loss terms None for a cached decode step.
 
     Attributes:
-        loss (`torch.FloatTensor` scalar, with `labels`):
-            ``lm_loss + router_aux_loss_coef * aux_loss + boundary_loss_coef * boundary_loss +
-            ponder_loss_coef * ponder_loss``; a term whose coefficient is 0 is left out (the same
-            value and gradients, without that term's backward through the recurrence).
+        loss (`torch.FloatTensor` scalar, with `labels`): ``lm_loss + router_aux_loss_coef *
+            aux_loss + boundary_loss_coef * boundary_loss + ponder_loss_coef * ponder_loss``
+            (a term whose coefficient is 0 is left out).
         logits (`torch.FloatTensor` `(B, L, vocab_size)`).
-        lm_loss (`torch.FloatTensor` scalar, with `labels`): next-byte cross-entropy in nats (-100
-            ignored).
-        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms;
-            `boundary_loss` adds `boundary_teacher_coef` times the teacher's cross-entropy to the
-            rate hinge.
-        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed segment;
-            mean ACT loops.
-        expert_load (`torch.FloatTensor` `(E,)`): aux_fi load per expert (1.0 everywhere at perfect
-            balance).
-        boundaries, boundary_probs, segment_mask, halting_step, loop_weights: the base model's
-            (:class:`SpiderModelOutput`): per byte and per segment, where the forward spent its
-            compute.
-        Other fields as in :class:`SpiderModelOutput`; the loss terms and diagnostics are None for a
-        cached decode step.
+        lm_loss (`torch.FloatTensor` scalar): next-byte cross-entropy in nats (-100 ignored).
+        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted; the mean
+            over (loop, layer) of `sum_i f_i * P_i`; the rate hinge plus `boundary_teacher_coef`
+            times the teacher's cross-entropy; the mean of ACT's loops and remainders.
+        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed
+            segment; mean ACT loops.
+        expert_load (`torch.FloatTensor` `(E,)`): `f_i` per expert (1.0 at perfect balance).
     """
 
     loss: torch.FloatTensor | None = None
@@ -174,8 +160,8 @@ class SpiderCausalLMOutput(ModelOutput):
 
 
 def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`x` cast to `module.weight`'s dtype when that is a floating-point dtype other than `x`'s
-    (fp32 modules in a bf16 model); a quantised weight takes `x` as it is."""
+    """`x` in `module.weight`'s floating dtype where that differs (fp32 modules in a bf16 model);
+    a quantised weight takes `x` as it is."""
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != x.dtype:
         return x.to(weight.dtype)
@@ -183,8 +169,7 @@ def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled(device_type)``, False for a device type autocast does not know
-    (``meta``)."""
+    """``torch.is_autocast_enabled(device_type)``; False for one autocast does not know."""
     try:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:
@@ -192,22 +177,16 @@ def autocast_enabled(device_type: str) -> bool:
 
 
 def autocast_off(device_type: str) -> AbstractContextManager:
-    """A context with autocast turned off for `device_type` where it is on
-    (``torch.autocast(..., enabled=False)``), else a null context: for an op that must see its
-    operands' own dtypes under autocast."""
-    return (
-        torch.autocast(device_type, enabled=False)
-        if autocast_enabled(device_type)
-        else nullcontext()
-    )
+    """Autocast turned off for `device_type` where it is on, for an op that must see its operands'
+    own dtypes."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """`x` cast to the autocast dtype when autocast is on for its device and `x` is floating point,
-    else `x` itself. For a tensor that several layers read under autocast: autocast casts it once
-    per layer that reads it (a kernel each way per layer), this once; the layers' gradients then add
-    up in the autocast dtype before the one cast back, as for a weight that autocast casts once for
-    all its uses."""
+    """Floating `x` in the autocast dtype where autocast is on, for a tensor several layers read:
+    cast once, not once per layer (their gradients then add up before the one cast back)."""
     device_type = x.device.type
     if not x.is_floating_point() or not autocast_enabled(device_type):
         return x
@@ -215,15 +194,13 @@ def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
-    """Whether a value check of `tensor` may read it on the host: on the CPU, or outside
-    training."""
+    """Whether a value check may read `tensor` on the host: on the CPU, or outside training."""
     return tensor.device.type == "cpu" or not training
 
 
 def check_values(bad: torch.Tensor, training: bool, message: Callable[[bool], str]) -> None:
-    """Raise ``ValueError(message(True))`` when any element of bool `bad` is True; where that read
-    would sync in training (:func:`value_checks_sync`), assert on the device instead
-    (``torch._assert_async`` with ``message(False)``: a message that reads no tensor value)."""
+    """Raise ``ValueError(message(True))`` where bool `bad` has a True element; where reading it
+    would sync in training, assert on the device instead (``message(False)`` reads no value)."""
     if value_checks_sync(bad, training):
         if bool(bad.any()):
             raise ValueError(message(True))
@@ -232,8 +209,8 @@ def check_values(bad: torch.Tensor, training: bool, message: Callable[[bool], st
 
 
 class SpiderRMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype promoted with
-    the weight's. Shape-preserving `(..., D)`."""
+    """RMSNorm (Zhang & Sennrich 2019) computed in fp32, returned in the input dtype promoted with
+    the weight's. `(..., D) -> (..., D)`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -241,26 +218,20 @@ class SpiderRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm: one fused kernel each way on CUDA (docs/design.md, "Shapes that repeat, one
-        # host sync per training step"). It scales by the weight before its cast back to the input
-        # dtype, so only an fp32 input takes the weight inside; another is normalised in fp32,
-        # rounded to its dtype, then scaled, as in transformers. The kernel computes in fp32
-        # whatever the input dtype, so autocast, whose CUDA policy runs rms_norm on an fp32 copy, is
-        # turned off around it: no cast of a bf16 input to fp32 and back, each way.
+        # F.rms_norm computes in fp32 for any input and scales before its cast back: only an fp32
+        # input takes the weight inside (else rounded, then scaled, as in transformers)
         shape = (hidden_states.shape[-1],)
         if hidden_states.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
-        with autocast_off(hidden_states.device.type):
+        with autocast_off(hidden_states.device.type):  # no fp32 copy of a bf16 input
             normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon)
         return self.weight * normed
 
 
 class SpiderRotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021) for the `qk_rope_head_dim` part of MLA heads
-    (``config.head_dim``), from ``config.rope_parameters`` as transformers'
-    ``DeepseekV3RotaryEmbedding`` (any ``rope_type`` of ``ROPE_INIT_FUNCTIONS``). `inv_freq` is a
-    non-persistent buffer that ``_init_weights`` fills (``from_pretrained`` builds on the meta
-    device)."""
+    """Rotary position embedding for the `qk_rope_head_dim` part of MLA heads, from
+    ``config.rope_parameters`` as ``DeepseekV3RotaryEmbedding`` (any ``rope_type`` of
+    ``ROPE_INIT_FUNCTIONS``). `inv_freq` is a non-persistent buffer that ``_init_weights`` fills."""
 
     inv_freq: torch.Tensor
 
@@ -280,23 +251,19 @@ class SpiderRotaryEmbedding(nn.Module):
     def compute_default_rope_parameters(
         config: SpiderConfig, device=None, seq_len=None
     ) -> tuple[torch.Tensor, float]:
-        """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)` for
-        ``rope_parameters["rope_theta"]``, scaling 1."""
+        """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)`, scaling 1."""
         base, dim = config.rope_parameters["rope_theta"], config.head_dim
-        return (
-            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)),
-            1.0,
-        )
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        return inv_freq, 1.0
 
     @dynamic_rope_update
     def forward(
         self, x: torch.Tensor, position_ids: torch.LongTensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`position_ids` (B, T) int64 -> `(cos, sin)`, each (B, T, qk_rope_head_dim) in
+        """`position_ids` int64 `(B, T)` -> `(cos, sin)`, each `(B, T, qk_rope_head_dim)` in
         `x.dtype`."""
-        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(
-            device=x.device, dtype=torch.float32
-        )
+        inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
+        freqs = position_ids[..., None].to(torch.float32) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:
@@ -310,7 +277,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (B, H, T, d) by `cos`/`sin` (B, T, d)."""
+    """Rotate `x` `(B, H, T, d)` by `cos`/`sin` `(B, T, d)`."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
 
@@ -319,8 +286,7 @@ def positional_sliding_window_overlay(
     query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int
 ) -> Callable:
     """Mask function: query `q` of row `b` sees key `kv` when
-    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``, positions counting real
-    tokens only. `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)`."""
+    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
         return query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx] < sliding_window
@@ -331,9 +297,8 @@ def positional_sliding_window_overlay(
 def positional_causal_mask_function(
     query_positions: torch.Tensor, key_positions: torch.Tensor
 ) -> Callable:
-    """Mask function for a decode step: query `q` of row `b` sees key `kv` when
-    ``key_positions[b, kv] <= query_positions[b, q]``. `query_positions` `(B, T_q)`, `key_positions`
-    `(B, T_k)` int64."""
+    """Mask function: query `q` of row `b` sees key `kv` when
+    ``key_positions[b, kv] <= query_positions[b, q]``."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
         return key_positions[batch_idx, kv_idx] <= query_positions[batch_idx, q_idx]
@@ -342,36 +307,28 @@ def positional_causal_mask_function(
 
 
 def _self_mask_function(batch_idx, head_idx, q_idx, kv_idx):
-    """A padding query attends to itself, so no row of the mask is empty (SDPA and softmax give NaN
-    for one)."""
+    """A padding query sees itself, so no row is empty (SDPA and softmax give NaN for one)."""
     return q_idx == kv_idx
 
 
 def attention_mask_function(
-    token_mask: torch.Tensor | None,
-    sliding_window: int | None = None,
-    query_positions: torch.Tensor | None = None,
-    key_positions: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None, sliding_window: int | None = None,
+    query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
 ) -> Callable | None:
-    """Spider's attention pattern as a ``transformers.masking_utils`` mask function
-    (`(batch_idx, head_idx, q_idx, kv_idx) -> bool`, True = may attend): causal, real keys only, a
-    sliding window, a padding query seeing itself. Padding is contiguous (left or right), so a
-    window over indices counts real bytes.
+    """Spider's attention pattern as a ``transformers.masking_utils`` mask function: causal, real
+    keys only, a sliding window, a padding query seeing itself (padding is contiguous, so a window
+    over indices counts real bytes).
 
     Args:
         token_mask: `(B, T_k)` bool, True for real tokens, or None (no padding).
-        sliding_window: a query at index q sees keys at indices `q - sliding_window < k <= q`, or
-            None.
-        query_positions, key_positions: a recurrent decode step's per-row segment slots, `(B, T_q)`
-            / `(B, T_k)` int64: queries see keys at their own or earlier slots (and inside the
-            window), not the index order. None for the full forward and the byte decode step (whose
-            query index is offset by the bytes seen: ``q_offset``).
+        sliding_window: a query at index q sees keys at `q - sliding_window < k <= q`, or None.
+        query_positions, key_positions: a recurrent decode step's per-row segment slots,
+            `(B, T_q)` / `(B, T_k)` int64: queries see keys at their own or earlier slots.
     Returns:
         The mask function, or None for the plain causal mask.
     Raises:
         ValueError: `query_positions` without `key_positions`.
     """
-    # a recurrent decode step: each row's query sits at its own segment slot
     if query_positions is not None:
         if key_positions is None:
             raise ValueError("a decode step's query_positions need key_positions")
@@ -397,17 +354,11 @@ def create_attention_mask(
     config: SpiderConfig, inputs: torch.Tensor, kv_length: int, mask_function: Callable | None,
     q_offset: int = 0,
 ) -> torch.Tensor | BlockMask | None:
-    """The mask of `mask_function` (:func:`attention_mask_function`; None: causal) for the queries
-    of `inputs` `(B, T_q, D)`, the first at key index `q_offset`, over `kv_length` keys, in the
-    format of ``config._attn_implementation`` (``masking_utils.ALL_MASK_ATTENTION_FUNCTIONS``: bool
-    `(B, 1, T_q, T_k)` for SDPA, additive float for eager, a ``BlockMask`` for flex; a registered
-    attention function without a mask format of its own gets SDPA's). None for SDPA where its
-    ``is_causal`` (or, for one query at the end, no mask) is exact."""
-    implementation = config._attn_implementation
-    if implementation in ALL_MASK_ATTENTION_FUNCTIONS:
-        mask_interface = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
-    else:
-        mask_interface = sdpa_mask
+    """The mask of `mask_function` (None: causal) for the queries of `inputs` `(B, T_q, D)`, the
+    first at key index `q_offset`, over `kv_length` keys, in the format of
+    ``config._attn_implementation`` (``ALL_MASK_ATTENTION_FUNCTIONS``, else SDPA's). None where
+    SDPA's ``is_causal`` is exact."""
+    mask_interface = ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation, sdpa_mask)
     batch_size, q_length = inputs.shape[:2]
     if mask_function is None:
         if mask_interface is sdpa_mask and q_offset + q_length in (q_length, kv_length):
@@ -421,19 +372,12 @@ def create_attention_mask(
 
 
 def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``"eager"`` attention (attention-interface signature): `query` `(B, H, T_q, d_qk)`, `key`
-    `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`, `attention_mask` additive float
-    `(B, 1, T_q, T_k)` (masking_utils' ``eager_mask``) or None. Returns
-    `(attn_output (B, T_q, H, d_v), attn_weights (B, H, T_q, T_k) in query.dtype)`."""
+    """`query` `(B, H, T_q, d_qk)`, `key` `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`,
+    additive `attention_mask` `(B, 1, T_q, T_k)` or None -> `(attn_output (B, T_q, H, d_v),
+    attn_weights (B, H, T_q, T_k))`."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
@@ -443,11 +387,10 @@ def eager_attention_forward(
 
 
 class SpiderAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2 §2.1; `DeepseekV3Attention` names),
-    `(B, T, D) -> (B, T, D)`, through the function `config._attn_implementation` names
-    (docs/design.md, "Attention backends")."""
+    """Multi-head latent attention (DeepSeek-V2 §2.1, ``DeepseekV3Attention``'s names),
+    `(B, T, D) -> (B, T, D)`, through the function ``config._attn_implementation`` names."""
 
-    is_causal = True  # read by transformers' sdpa_attention_forward when the mask is None
+    is_causal = True  # read by sdpa_attention_forward when the mask is None
 
     def __init__(self, config: SpiderConfig, layer_idx: int):
         super().__init__()
@@ -477,46 +420,37 @@ class SpiderAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=False)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: SpiderLayerCache | None = None,
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None, cache: SpiderLayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None; `cache`
-        this layer's cache, updated in place. Returns `(output (B, T, D), attention weights (B, H,
-        T, T_keys) or None)`."""
+        """`hidden_states` `(B, T, D)`; `attention_mask` `(B, 1, T, T_keys)` or None; `cache` this
+        layer's, updated in place. Returns `(output (B, T, D), weights (B, H, T, T_keys) or
+        None)`."""
         B, T, _ = hidden_states.shape
-        # read by the query and the key-value projections
-        hidden_states = to_autocast_dtype(hidden_states)
+        H, rope_dim = self.num_heads, self.qk_rope_head_dim
+        hidden_states = to_autocast_dtype(hidden_states)  # read by the q and kv projections
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = q.view(B, T, H, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, rope_dim], dim=-1)
 
         compressed_kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+            [self.kv_lora_rank, rope_dim], dim=-1
         )
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv))
-        kv = kv.view(B, T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+        kv = kv.view(B, T, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, value_states = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
-        # the query heads and the one shared key head rotated together: one set of kernels, the same
-        # math per element. Under autocast the rotation runs in the embeddings' dtype (fp32) and its
-        # result is rounded once to the projections' dtype, which is where attention would round it
-        # anyway: one cast, not the three that promoting the concatenated queries and keys to fp32
-        # and attention casting them back cost.
+        # the query heads and the shared key head rotated together, rounded once to the
+        # projections' dtype (where attention would round them anyway)
         rotated = apply_rotary_pos_emb(
-            torch.cat((q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim)), dim=1),
-            *position_embeddings,
+            torch.cat((q_pe, k_pe.view(B, 1, T, rope_dim)), dim=1), *position_embeddings
         ).to(q_nope.dtype)
-        q_pe, k_pe = rotated.split([self.num_heads, 1], dim=1)
+        q_pe, k_pe = rotated.split([H, 1], dim=1)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
-        key_states = torch.cat(
-            (k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1
-        )
+        key_states = torch.cat((k_nope, k_pe.expand(B, H, T, rope_dim)), dim=-1)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states)
 
@@ -524,23 +458,14 @@ class SpiderAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling,
         )
-        return (
-            self.o_proj(attn_output.reshape(B, T, self.num_heads * self.v_head_dim)),
-            attn_weights,
-        )
+        return self.o_proj(attn_output.reshape(B, T, H * self.v_head_dim)), attn_weights
 
 
 class SpiderMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`,
-    `(..., D) -> (..., D)`."""
+    """SwiGLU (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`, `(..., D)`."""
 
     def __init__(self, config: SpiderConfig, intermediate_size: int):
         super().__init__()
@@ -560,30 +485,26 @@ class SpiderMLP(nn.Module):
 
 
 class SpiderMoEKernels:
-    """Torch reference of the TileKernels 1.x MoE routing ops (same names, shapes, rules; any
-    device). The trainer may swap in a `tile_kernels` adapter; the fused-layout ops are a reference
-    only."""
+    """Torch reference of the TileKernels 1.x MoE routing ops (same names, shapes and rules); the
+    trainer may swap in a ``tile_kernels`` adapter."""
 
     name = "torch"
     alignment = 1
 
     @staticmethod
     def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
-        """`scores` fp32 `(T, E)` -> int64 `(T, k)` expert ids, best first; ties go to the smaller
-        index."""
+        """fp32 `(T, E)` -> int64 `(T, k)` expert ids, best first; ties go to the smaller index."""
         return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :num_topk]
 
     @staticmethod
     def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(T, k)` -> `(denominator (T,), normalized (T, k))`; the sum starts at 1e-20 as in
-        TileKernels."""
+        """`(T, k)` -> `(denominator (T,), normalized (T, k))`; the sum starts at 1e-20."""
         denominator = topk_weights.sum(dim=-1) + 1e-20
         return denominator, topk_weights / denominator[:, None]
 
     @staticmethod
     def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_topk: int) -> torch.Tensor:
-        """DeepSeek's f_i: `count_i * E / (T * k)`, fp32 `(E,)`; 1.0 for every expert at perfect
-        balance."""
+        """DeepSeek's f_i, `count_i * E / (T * k)`, fp32 `(E,)` (1.0 at perfect balance)."""
         counts = SpiderMoEKernels.expert_counts(topk_idx, num_experts).to(torch.float32)
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
 
@@ -591,9 +512,8 @@ class SpiderMoEKernels:
     def expert_counts(
         topk_idx: torch.Tensor, num_experts: int, slot_weight: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike
-        `torch.bincount`); with `slot_weight` fp32 `(T*k,)`, slot `j` of the flattened `topk_idx`
-        counts `slot_weight[j]` and the counts are fp32."""
+        """Token-slots per expert, int64 `(E,)`, by scatter-add (no host sync, unlike
+        `torch.bincount`); with `slot_weight` fp32 `(T*k,)` each slot counts its weight (fp32)."""
         flat = topk_idx.reshape(-1)
         if slot_weight is None:
             return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
@@ -604,8 +524,7 @@ class SpiderMoEKernels:
 
 
 class _ExpertsWeightsIn:
-    """`experts` seen with its fused weights cast to `dtype` (every other attribute is the module's
-    own), for an experts function of transformers' interface to read."""
+    """`experts` seen with its fused weights cast to `dtype`, for an experts function to read."""
 
     def __init__(self, experts: nn.Module, dtype: torch.dtype):
         self._experts = experts
@@ -619,13 +538,9 @@ class _ExpertsWeightsIn:
 def _experts_in_autocast_dtype(
     function: Callable, experts: nn.Module, hidden_states: torch.Tensor, *args
 ):
-    """Run the experts `function` in the autocast dtype when autocast is on: torch's grouped GEMM is
-    no autocast op, and transformers' functions cast the input to the weights' dtype, so fp32 master
-    weights would run it in fp32, which on CUDA is torch's fallback (a loop over experts that reads
-    the offsets on the host) instead of the bf16 kernel. The weights are cast by the experts'
-    ``cast_weight`` (a training loop may share one cast across the loops:
-    ``spider_training.mixed_precision``); torchao's FP8 weight wrappers quantise from the master
-    weights themselves and are left alone."""
+    """Run the experts `function` in the autocast dtype under autocast: grouped GEMM is no autocast
+    op, and fp32 weights would run it in fp32 (on CUDA a per-expert loop that syncs). torchao's FP8
+    weight wrappers quantise from the master weights and are left alone."""
     device_type = hidden_states.device.type
     weights = (experts.gate_up_proj, experts.down_proj)
     if not autocast_enabled(device_type):
@@ -639,10 +554,8 @@ def _experts_in_autocast_dtype(
 
 
 class SpiderExpertsInterface(ExpertsInterface):
-    """transformers' experts functions (``ALL_EXPERTS_FUNCTIONS``: ``grouped_mm``, ``batched_mm``,
-    anything registered there) run in the autocast dtype under autocast
-    (:func:`_experts_in_autocast_dtype`); ``eager`` is :class:`SpiderExperts`' own forward, whose
-    ``F.linear`` calls autocast casts itself."""
+    """transformers' experts functions, run in the autocast dtype under autocast; ``eager`` is
+    :class:`SpiderExperts`' own forward, whose ``F.linear`` calls autocast casts itself."""
 
     def get_interface(self, experts_implementation: str, default: Callable) -> Callable:
         function = ALL_EXPERTS_FUNCTIONS.get_interface(experts_implementation, default)
@@ -653,13 +566,13 @@ class SpiderExpertsInterface(ExpertsInterface):
 
 @use_experts_implementation(experts_interface=SpiderExpertsInterface())
 class SpiderExperts(nn.Module):
-    """The routed SwiGLU experts of one MoE layer in transformers 5.x's MoE layout
-    (``integrations/moe.py``): `gate_up_proj` `(E, 2I, D)` (expert e's gate rows, then its up rows)
-    and `down_proj` `(E, D, I)`.
+    """The routed SwiGLU experts of one MoE layer in transformers' MoE layout: `gate_up_proj`
+    `(E, 2I, D)` (expert e's gate rows, then its up rows) and `down_proj` `(E, D, I)`.
+    ``config._experts_implementation`` picks ``"grouped_mm"`` (default), ``"batched_mm"`` or
+    ``"eager"``.
 
     ``forward(hidden_states (T, D), top_k_index int64 (T, k), top_k_weights (T, k)) -> (T, D)`` in
-    ``hidden_states.dtype``, accumulated in fp32. ``config._experts_implementation`` picks
-    ``"grouped_mm"`` (default), ``"batched_mm"`` or ``"eager"`` (docs/design.md, "MoE experts")."""
+    ``hidden_states.dtype``, accumulated in fp32."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -676,16 +589,14 @@ class SpiderExperts(nn.Module):
 
     @staticmethod
     def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`weight` in `dtype` for one experts call under autocast (``weight.to(dtype)``). A training
-        loop may set an instance's own (``spider_training.mixed_precision``: one cast per forward
-        for all loops)."""
+        """`weight` in `dtype` for one experts call under autocast; a training loop may set an
+        instance's own (``spider_training.mixed_precision``)."""
         return weight.to(dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """``"eager"``: a loop over experts (a host sync per expert). Shapes as in the class
-        docstring."""
+        """``"eager"``: a loop over experts (a host sync per expert)."""
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         for e in range(self.num_experts):
             token_idx, slot = torch.where(top_k_index == e)
@@ -698,10 +609,9 @@ class SpiderExperts(nn.Module):
 
 
 def older_checkpoint_conversions() -> list:
-    """transformers weight conversions from the per-expert layout of older releases
-    (``...mlp.experts.{e}.gate_proj.weight`` etc.) to :class:`SpiderExperts`' fused parameters, as
-    transformers registers for ``deepseek_v3``; registered for model type ``"spider"`` on import, so
-    ``from_pretrained`` converts while it loads."""
+    """Weight conversions from the per-expert layout of older releases
+    (``...mlp.experts.{e}.gate_proj.weight``) to :class:`SpiderExperts`' fused parameters,
+    registered for model type ``"spider"`` on import so that ``from_pretrained`` converts."""
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
     return [
@@ -719,8 +629,7 @@ def older_checkpoint_conversions() -> list:
 
 
 def _register_older_checkpoint_conversions() -> None:
-    # overwrite: this file is imported once per location (repository root, each trust_remote_code
-    # copy)
+    # overwrite: this file is imported once per location (repository root, remote-code copies)
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
     register_checkpoint_conversion_mapping(
@@ -732,12 +641,10 @@ _register_older_checkpoint_conversions()
 
 
 class RowWeights(NamedTuple):
-    """The rows :class:`SpiderMoE` routes from a padded segment axis, weighed once per forward
-    (:meth:`of`), not per loop and layer, with the balancing statistics' normalisers folded in:
-    `weight` fp32 `(T,)` (1 real, 0 padding), `mean_weight` fp32 `(T,)` (`weight` over the real
-    rows: a weighted sum with it is the mean over the real rows), `load_weight` fp32 `(T*k,)`
-    (`weight` per token-slot times `E` over the real token-slots: summed per expert it is DeepSeek's
-    `f_i`). The real rows and token-slots are each clamped at 1 (all padding: zero statistics)."""
+    """Weights of the rows :class:`SpiderMoE` routes from a padded segment axis, made once per
+    forward: `weight` fp32 `(T,)` (1 real, 0 padding), `mean_weight` (`weight` over the real rows)
+    and `load_weight` fp32 `(T*k,)` (per token-slot, times `E` over the real slots: summed per
+    expert it is DeepSeek's `f_i`); the real counts are clamped at 1."""
 
     weight: torch.Tensor
     mean_weight: torch.Tensor
@@ -745,8 +652,7 @@ class RowWeights(NamedTuple):
 
     @classmethod
     def of(cls, row_mask: torch.Tensor, top_k: int, num_experts: int) -> "RowWeights":
-        """From `row_mask` bool (any shape, flattened to `(T,)`), for `top_k` of `num_experts` slots
-        per row."""
+        """From `row_mask` bool (flattened to `(T,)`), for `top_k` of `num_experts` per row."""
         weight = row_mask.reshape(-1).to(torch.float32)
         real = weight.sum()
         slot_weight = weight[:, None].expand(-1, top_k).reshape(-1)
@@ -757,10 +663,9 @@ class RowWeights(NamedTuple):
 
 
 class SpiderMoE(nn.Module):
-    """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts` (:class:`SpiderExperts`),
-    `shared_experts` (:class:`SpiderMLP`). Routing ops come from ``self.kernels``
-    (:class:`SpiderMoEKernels`); balancing is DeepSeek's aux_fi loss `sum_i f_i * P_i` (= 1 at
-    perfect balance)."""
+    """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts`, `shared_experts`; routing ops
+    from ``self.kernels``. Balancing is DeepSeek's aux_fi loss `sum_i f_i * P_i` (1 at perfect
+    balance)."""
 
     kernels = SpiderMoEKernels
 
@@ -773,22 +678,17 @@ class SpiderMoE(nn.Module):
             config.hidden_size, self.num_experts, bias=False, dtype=torch.float32
         )
         self.experts = SpiderExperts(config)
+        self.shared_experts = None
         if config.n_shared_experts > 0:
-            self.shared_experts = SpiderMLP(
-                config, config.moe_intermediate_size * config.n_shared_experts
-            )
-        else:
-            self.shared_experts = None
+            shared_size = config.moe_intermediate_size * config.n_shared_experts
+            self.shared_experts = SpiderMLP(config, shared_size)
 
     def forward(
         self, x: torch.Tensor, row_weights: RowWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)`; with `row_weights` (:class:`RowWeights` of the `T` rows), padding
-        rows weigh zero and stay out of the statistics.
-
-        Returns `(out (T, D) in x.dtype, router_logits fp32
-        (T, E), expert_load fp32 (E,), mean_scores fp32 (E,))`: DeepSeek's `f_i` and `P_i`, whose
-        `sum_i f_i * P_i` is the layer's balancing loss (computed by the LM head)."""
+        """Route `x` `(T, D)`; with `row_weights`, padding rows weigh zero and stay out of the
+        statistics. Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), expert_load fp32
+        (E,), mean_scores fp32 (E,))`: DeepSeek's `f_i` and `P_i`."""
         router_logits = self.route(x)
         scores = router_logits.softmax(dim=-1)
         topk_idx = self.kernels.topk_gate(scores, self.top_k)
@@ -798,8 +698,7 @@ class SpiderMoE(nn.Module):
         if row_weights is not None:
             topk_weights = topk_weights * row_weights.weight[:, None]
 
-        # read by the routed and the shared experts (the router reads x)
-        x_experts = to_autocast_dtype(x)
+        x_experts = to_autocast_dtype(x)  # read by the routed and the shared experts
         out = self.experts(x_experts, topk_idx, topk_weights).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_experts)
@@ -807,7 +706,7 @@ class SpiderMoE(nn.Module):
         if row_weights is None:
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
             mean_scores = scores.mean(dim=0)
-        else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
+        else:  # over the real rows only (a tensor count: no host sync)
             expert_load = SpiderMoEKernels.expert_counts(
                 topk_idx, self.num_experts, row_weights.load_weight
             )
@@ -815,10 +714,8 @@ class SpiderMoE(nn.Module):
         return out, router_logits, expert_load, mean_scores
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a
-        PEFT or quantised router applies), in the router's dtype also under autocast: DeepSeek-V3
-        keeps its MoE gating in full precision, and autocast would run the fp32 router's matmul in
-        bf16 (and add a cast each way)."""
+        """Router logits, fp32 `(T, E)`, from `x` `(T, D)` through the router's own forward (so a
+        PEFT or quantised router applies), with autocast off: DeepSeek-V3 gates in fp32."""
         with autocast_off(x.device.type):
             return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
@@ -839,10 +736,10 @@ def _primes_from(start: int, count: int) -> list[int]:
 
 
 class SpiderEngramEmbeddings(nn.Module):
-    """Hashed byte n-gram memory tables (one per n-gram order and head, all in one `nn.Embedding`),
+    """Hashed byte n-gram memory tables (one per n-gram order and head, in one `nn.Embedding`),
     looked up per byte: `XOR_i(id[l-i] * m_{n,h,i}) mod p_{n,h}`, constants from
     `numpy.random.default_rng(engram_hash_seed)`; positions before the start and padding read as id
-    `vocab_size`. Output `(B, L, M)`, `M = n_tables * engram_head_dim`."""
+    `vocab_size`. `(B, L)` -> `(B, L, M)`, `M = n_tables * engram_head_dim`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -852,18 +749,15 @@ class SpiderEngramEmbeddings(nn.Module):
         self.fill_id = config.vocab_size
         n_tables = len(self.ngram_sizes) * self.num_heads
         rng = np.random.default_rng(config.engram_hash_seed)
-        # multipliers[n_idx][h] = list of n odd 31-bit ints
+        # multipliers[n_idx][h]: n odd 31-bit ints
         self.multipliers = [
-            [
-                [int(m) | 1 for m in rng.integers(1 << 20, 1 << 31, size=n)]
-                for _ in range(self.num_heads)
-            ]
+            [[int(m) | 1 for m in rng.integers(1 << 20, 1 << 31, size=n)]
+             for _ in range(self.num_heads)]
             for n in self.ngram_sizes
         ]
         self.moduli = _primes_from(config.engram_table_size, n_tables)
         self.offsets = [int(o) for o in np.cumsum([0] + self.moduli[:-1])]
-        # multiplier_table[table][i] multiplies id[l - i]; 0 past the table's n (x ^ 0 == x, so it
-        # drops out).
+        # multiplier_table[table][i] multiplies id[l - i]; 0 past the table's n (x ^ 0 == x)
         max_n = max(self.ngram_sizes)
         self.multiplier_table = [
             mult + [0] * (max_n - len(mult)) for per_n in self.multipliers for mult in per_n
@@ -876,10 +770,8 @@ class SpiderEngramEmbeddings(nn.Module):
         self, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """int64 `multiplier_table` `(n_tables, max_n)`, `moduli` and `offsets` `(n_tables,)` on
-        `device`, made once per device: a tensor made from Python data is a blocking host-to-device
-        copy on an accelerator (a host sync at every forward and every decoded byte otherwise). Not
-        buffers: they are a function of the config, so checkpoints do not carry them and loading on
-        the meta device leaves nothing to re-initialise."""
+        `device`, made once per device (a host-to-device copy syncs). Not buffers: a function of
+        the config, so checkpoints do not carry them."""
         constants = self._hash_constants.get(device)
         if constants is None:
             constants = self._hash_constants[device] = tuple(
@@ -891,12 +783,11 @@ class SpiderEngramEmbeddings(nn.Module):
     def hash_ids(
         self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None
     ) -> torch.LongTensor:
-        """Table row of every (byte, head): int64 `(B, L, n_tables)`, already offset into
-        `self.embedding`."""
+        """Table row of every (byte, table), offset into `self.embedding`: int64
+        `(B, L, n_tables)`."""
         ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, self.fill_id)
         max_n = max(self.ngram_sizes)
-        # context[b, l, i] = id[l - i]: (B, L, max_n), all tables hashed at once (max_n XORs, not
-        # one op per table).
+        # context[b, l, i] = id[l - i], (B, L, max_n): all tables hashed at once
         context = F.pad(ids, (max_n - 1, 0), value=self.fill_id).unfold(1, max_n, 1).flip(-1)
         multipliers, moduli, offsets = self.hash_constants(ids.device)
         products = context[:, :, None, :] * multipliers  # (B, L, n_tables, max_n)
@@ -910,16 +801,14 @@ class SpiderEngramEmbeddings(nn.Module):
         input_ids: torch.LongTensor,
     ):
         """The decode step's lookup of one new byte per row: `past_ids` `(B, n)`, `past_mask`
-        `(B, n)` bool or None, `input_ids` `(B, 1)` -> `(B, M)`, equal to the full forward's output
-        at that byte."""
+        `(B, n)` bool or None, `input_ids` `(B, 1)` -> `(B, M)`."""
         context = max(self.ngram_sizes) - 1
         past_ids = past_ids[:, past_ids.shape[1] - context:]
         if past_mask is not None:
             past_ids = past_ids.masked_fill(
                 ~past_mask[:, past_mask.shape[1] - past_ids.shape[1] :], self.fill_id
             )
-        window = torch.cat([past_ids, input_ids], dim=1)
-        return self(window)[:, -1]
+        return self(torch.cat([past_ids, input_ids], dim=1))[:, -1]
 
     def forward(
         self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None
@@ -930,30 +819,20 @@ class SpiderEngramEmbeddings(nn.Module):
 
 
 def depthwise_conv1d(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.conv1d(input, weight, groups=D)`` (stride 1, no padding) for `input` `(B, D, L)` and
-    `weight` `(D, 1, K)`, returned `(B, D, L - K + 1)` in `input`'s dtype:
-    ``out[b, d, s] = sum_k weight[d, 0, k] * input[b, d, s + k]``.
-
-    Written as a weighted sum over ``unfold``'s K-wide windows instead of calling the convolution:
-    under ``torch.compile`` inductor's convolution-backward lowering fixes the strides of the
-    input's gradient to integers (torch 2.13, ``convolution_backward_lowering``), which specialises
-    the length, so the recurrent layers holding Engram recompiled at every new segment count (and
-    ran eagerly past dynamo's recompile limit); a product and a sum compile once for every count
-    (tests/test_compile.py). The windows are unfolded channels-last, along the middle axis of
-    `(B, L, D)`: unfolding the last axis of `(B, D, L)` (a transposed view in the Engram) made
-    inductor's backward fix the length again."""
+    """``F.conv1d(input, weight, groups=D)`` (stride 1, no padding), `input` `(B, D, L)`, `weight`
+    `(D, 1, K)` -> `(B, D, L - K + 1)` in `input`'s dtype. A weighted sum over channels-last
+    ``unfold`` windows: under ``torch.compile`` inductor's convolution backward specialises the
+    length, which recompiled the Engram layers at every segment count (tests/test_compile.py)."""
     kernel_size = weight.shape[-1]
     channels_last = input.transpose(1, 2)  # (B, L, D)
-    # (B, S, D)
     out = (channels_last.unfold(1, kernel_size, 1) * weight.squeeze(1).to(input.dtype)).sum(-1)
     return out.transpose(1, 2)
 
 
 class SpiderShortConv(nn.Conv1d):
-    """Engram's depthwise ShortConv: an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (the same
-    interface, weight `(D, 1, K)`, init and checkpoint key) computed by :func:`depthwise_conv1d`:
-    `(B, D, L)` -> `(B, D, L - K + 1)`. Causal because the Engram puts the `K - 1` steps before the
-    first segment in front (zeros or cached segments)."""
+    """Engram's depthwise ShortConv, an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (its weight,
+    init and checkpoint key) computed by :func:`depthwise_conv1d`: `(B, D, L)` ->
+    `(B, D, L - K + 1)`."""
 
     def __init__(self, hidden_size: int, kernel_size: int):
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)
@@ -963,9 +842,9 @@ class SpiderShortConv(nn.Conv1d):
 
 
 class SpiderEngram(nn.Module):
-    """Engram gating into one recurrent layer (Engram §3): `alpha = sigmoid(signed_sqrt(<RMSNorm(h),
-    RMSNorm(W_k e)> / sqrt(D)))`, `v = alpha * W_v e`, `out = v + SiLU(ShortConv(RMSNorm(v)))`; `h`
-    `(B, S, D)`, memory `(B, S, M)`."""
+    """Engram gating into one recurrent layer (Engram §3):
+    `alpha = sigmoid(signed_sqrt(<RMSNorm(h), RMSNorm(W_k e)> / sqrt(D)))`, `v = alpha * W_v e`,
+    `out = v + SiLU(ShortConv(RMSNorm(v)))`; `h` `(B, S, D)`, memory `(B, S, M)`."""
 
     def __init__(self, config: SpiderConfig, memory_size: int):
         super().__init__()
@@ -982,22 +861,18 @@ class SpiderEngram(nn.Module):
         self, hidden_states: torch.Tensor, memory: torch.Tensor,
         cache: SpiderLayerCache | None = None,
     ) -> torch.Tensor:
-        # read by the key and the value projection: in the autocast dtype under autocast, else in
-        # the hidden dtype
-        memory = (
-            to_autocast_dtype(memory)
-            if autocast_enabled(memory.device.type)
-            else memory.to(hidden_states.dtype)
-        )
+        # read by the key and the value projection: cast once
+        if autocast_enabled(memory.device.type):
+            memory = to_autocast_dtype(memory)
+        else:
+            memory = memory.to(hidden_states.dtype)
         key = self.key_norm(self.key_proj(memory))
         score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / math.sqrt(
             hidden_states.shape[-1]
         )
         score = score.to(torch.float32)
-        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt()).to(
-            hidden_states.dtype
-        )
-        value = gate * self.value_proj(memory)
+        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt())
+        value = gate.to(hidden_states.dtype) * self.value_proj(memory)
         conv_in = self.conv_norm(value)
         if cache is None:
             window = F.pad(conv_in, (0, 0, self.kernel_size - 1, 0))
@@ -1012,7 +887,7 @@ class SpiderEngram(nn.Module):
 
 
 class SpiderDecoderLayer(GradientCheckpointingLayer):
-    """Dense pre-norm layer over bytes (prelude and coda): MLA attention + SwiGLU.
+    """Dense pre-norm layer over bytes (prelude and coda): MLA attention + SwiGLU,
     `(B, L, D) -> (B, L, D)`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int):
@@ -1030,14 +905,13 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
 
 
 class SpiderRecurrentLayer(GradientCheckpointingLayer):
-    """One layer of the looped block over segments: (Engram memory) + MLA attention + MoE, pre-norm.
+    """One layer of the looped block over segments, pre-norm: (Engram memory) + MLA + MoE.
 
-    Forward args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`,
+    Args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`,
     `position_embeddings`, `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64
-    `(N,)` rows to route (None: all), `engram_memory` `(B, S, M)` or None, `row_weights`
-    (:class:`RowWeights` of the `B*S` rows, when `segment_index` is None) or None; keyword `cache`.
-    Returns `(hidden_states, router_logits (N, E), expert_load (E,), mean_scores (E,))` (see
-    :class:`SpiderMoE`)."""
+    `(N,)` (the rows to route; None: all), `engram_memory` `(B, S, M)` or None, `row_weights` of the
+    `B*S` rows or None; keyword `cache`. Returns `(hidden_states, router_logits (N, E),
+    expert_load (E,), mean_scores (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
@@ -1060,12 +934,10 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache
         )[0]
         normed = self.post_attention_layernorm(hidden_states)
-        # Routed rows packed by index (gather / scatter-add): no boolean mask, so no host sync
-        # inside the loop.
+        # routed rows packed by index (gather / scatter-add): no boolean mask, no host sync
         flat = normed.reshape(-1, normed.shape[-1])
         rows = flat if segment_index is None else flat.index_select(0, segment_index)
-        # nothing to route (every segment has exited, SpiderConfig.act_early_exit)
-        if rows.shape[0] == 0:
+        if rows.shape[0] == 0:  # every segment has exited (act_early_exit)
             E = self.mlp.num_experts
             zeros = rows.new_zeros(E, dtype=torch.float32)
             return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), zeros, zeros
