@@ -1872,7 +1872,8 @@ class SpiderModel(SpiderPreTrainedModel):
 
         x = self.embed_tokens(input_ids)
         byte_inputs = self.byte_inputs(x, attention_mask)
-        x = self.prelude(x, byte_inputs, cache, hidden_states)
+        x = self.prelude(x, byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
+                         hidden_states)
         # the segment axis is exact (real rows routed by index) for a cache, returned router
         # logits or ACT early exit; else padded to a repeating length (docs/design.md)
         exact = cache is not None or output_router_logits or (
@@ -1885,7 +1886,9 @@ class SpiderModel(SpiderPreTrainedModel):
             segments.segment_index, segments.memory, n_loops, cache, output_router_logits,
             segments.routed_mask,
         )
-        y = self.coda(segments.boundaries, block.h_out, x, byte_inputs, cache, hidden_states)
+        y = self.coda(self.flexitokens.dechunk(segments.boundaries, block.h_out, x),
+                      byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
+                      hidden_states)
         if cache is not None:
             cache.start(input_ids, x.detach(), engram_bytes.detach(), segments.boundaries,
                         byte_inputs.token_mask, block.h_out)
@@ -1937,14 +1940,29 @@ class SpiderModel(SpiderPreTrainedModel):
         rope = self.rotary_emb(x, position_ids)
         return SpiderBytes(token_mask, byte_mask, position_ids, mask, rope)
 
-    def prelude(self, x: torch.Tensor, byte_inputs: SpiderBytes, cache: SpiderCache | None,
-                hidden_states: list | None) -> torch.Tensor:
-        """The dense byte layers over the embedded bytes `x` `(B, L, D)`. Returns `(B, L, D)`."""
+    def prelude(self, x, position_embeddings, attention_mask, cache, hidden_states):
+        """The prelude layers over the embedded bytes `x` `(B, L, D)` (:meth:`byte_layers`)."""
+        caches = None if cache is None else cache.prelude
+        return self.byte_layers(self.prelude_layers, caches, x, position_embeddings,
+                                attention_mask, hidden_states)
+
+    def coda(self, y, position_embeddings, attention_mask, cache, hidden_states):
+        """The coda layers and the final norm over `y` `(B, L, D)`, the segments mixed into the
+        byte stream (:meth:`byte_layers`)."""
+        caches = None if cache is None else cache.coda
+        y = self.byte_layers(self.coda_layers, caches, y, position_embeddings, attention_mask,
+                             hidden_states)
+        return self.norm(y)
+
+    @staticmethod
+    def byte_layers(layers, caches, x, position_embeddings, attention_mask, hidden_states):
+        """Dense byte `layers` over `x` `(B, L, D)` with their `caches` (or None), appending `x`
+        and each output to `hidden_states` (or None). Returns `(B, L, D)`."""
         if hidden_states is not None:
             hidden_states.append(x)
-        for i, layer in enumerate(self.prelude_layers):
-            x = layer(x, byte_inputs.position_embeddings, byte_inputs.attention_mask,
-                      cache=cache.prelude[i] if cache is not None else None)
+        for i, layer in enumerate(layers):
+            x = layer(x, position_embeddings, attention_mask,
+                      cache=caches[i] if caches is not None else None)
             if hidden_states is not None:
                 hidden_states.append(x)
         return x
@@ -1973,22 +1991,6 @@ class SpiderModel(SpiderPreTrainedModel):
         # the rows the MoE routes, once here rather than per loop and layer
         index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded else None
         return SpiderSegments(*segments, mask, index, None)
-
-    def coda(
-        self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor,
-        byte_inputs: SpiderBytes, cache: SpiderCache | None, hidden_states: list | None,
-    ) -> torch.Tensor:
-        """Back to bytes (causal upsample, mixed into the byte stream `x`), the coda layers and the
-        final norm. Returns `(B, L, D)`."""
-        y = self.flexitokens.dechunk(boundaries, h_out, x)
-        if hidden_states is not None:
-            hidden_states.append(y)
-        for i, layer in enumerate(self.coda_layers):
-            y = layer(y, byte_inputs.position_embeddings, byte_inputs.attention_mask,
-                      cache=cache.coda[i] if cache is not None else None)
-            if hidden_states is not None:
-                hidden_states.append(y)
-        return self.norm(y)
 
     @torch.no_grad()
     def decode(
@@ -2025,40 +2027,36 @@ class SpiderModel(SpiderPreTrainedModel):
             self.config, x, cache.seen_bytes + 1, mask_function, q_offset=cache.seen_bytes
         )
         byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
-        hidden = [x]
-        for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
-            x = layer(x, byte_rope, byte_attention_mask, cache=layer_cache)
-            hidden.append(x)
-
+        hidden = [] if output_hidden_states else None
+        x = self.prelude(x, byte_rope, byte_attention_mask, cache, hidden)
         past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
         memory = self.engram_embeddings.step(cache.input_ids, past_mask, input_ids)
         boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, memory, cache)
         cache.append(input_ids, x, memory, boundary)
-        # the block runs on every row; rows that closed no segment keep their last output
-        if bool(closing.any()):
-            slot = cache.begin_segment_step()
-            segment_rope = self.rotary_emb(e, slot[:, None])
-            slots = torch.arange(cache.segment_slots, device=e.device).expand(B, -1)
-            mask_function = attention_mask_function(
-                None, self.config.recurrent_sliding_window, query_positions=slot[:, None],
-                key_positions=slots,
-            )
-            segment_attention_mask = create_attention_mask(
-                self.config, e, cache.segment_slots, mask_function
-            )
-            h_out = self.recurrent_block(
-                e, segment_rope, segment_attention_mask, None, segment_memory, cache.n_loops, cache
-            ).h_out
-            cache.end_segment_step(closing, h_out)
-
-        y = self.flexitokens.dechunk_step(cache, x)
-        hidden.append(y)
-        for layer, layer_cache in zip(self.coda_layers, cache.coda):
-            y = layer(y, byte_rope, byte_attention_mask, cache=layer_cache)
-            hidden.append(y)
+        if bool(closing.any()):  # every row runs the block; the others keep their last output
+            self.decode_segment(e, segment_memory, closing, cache)
+        y = self.coda(self.flexitokens.dechunk_step(cache, x), byte_rope, byte_attention_mask,
+                      cache, hidden)
         cache.byte_positions = cache.byte_positions + 1
         cache.seen_bytes += 1
-        return self.norm(y), boundary, tuple(hidden) if output_hidden_states else None
+        return y, boundary, tuple(hidden) if output_hidden_states else None
+
+    def decode_segment(self, e: torch.Tensor, segment_memory: torch.Tensor, closing: torch.Tensor,
+                       cache: SpiderCache) -> None:
+        """The recurrent block over one new segment per row, `e` `(B, 1, D)` and its memory
+        `(B, 1, M)`, at each row's next slot; rows `closing` `(B,)` bool keep its output."""
+        slot = cache.begin_segment_step()
+        segment_rope = self.rotary_emb(e, slot[:, None])
+        slots = torch.arange(cache.segment_slots, device=e.device).expand(e.shape[0], -1)
+        mask_function = attention_mask_function(
+            None, self.config.recurrent_sliding_window, query_positions=slot[:, None],
+            key_positions=slots,
+        )
+        mask = create_attention_mask(self.config, e, cache.segment_slots, mask_function)
+        h_out = self.recurrent_block(
+            e, segment_rope, mask, None, segment_memory, cache.n_loops, cache
+        ).h_out
+        cache.end_segment_step(closing, h_out)
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
