@@ -515,12 +515,9 @@ class SpiderMoEKernels:
         """Token-slots per expert, int64 `(E,)`, by scatter-add (no host sync, unlike
         `torch.bincount`); with `slot_weight` fp32 `(T*k,)` each slot counts its weight (fp32)."""
         flat = topk_idx.reshape(-1)
-        if slot_weight is None:
-            return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-                0, flat, torch.ones_like(flat))
-        return torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device).scatter_add_(
-            0, flat, slot_weight
-        )
+        slot_weight = torch.ones_like(flat) if slot_weight is None else slot_weight
+        counts = torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device)
+        return counts.scatter_add_(0, flat, slot_weight)
 
 
 class _ExpertsWeightsIn:
@@ -576,15 +573,10 @@ class SpiderExperts(nn.Module):
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
-        self.num_experts = config.n_routed_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
-        )
+        E, D, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.hidden_dim, self.intermediate_dim = E, D, inner
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, inner))
         self.act_fn = ACT2FN[config.hidden_act]
 
     @staticmethod
@@ -602,9 +594,8 @@ class SpiderExperts(nn.Module):
             token_idx, slot = torch.where(top_k_index == e)
             gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[e])
-            out.index_add_(
-                0, token_idx, (expert_out * top_k_weights[token_idx, slot, None]).to(torch.float32)
-            )
+            weighted = expert_out * top_k_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, weighted.to(torch.float32))
         return out.to(hidden_states.dtype)
 
 
@@ -632,9 +623,8 @@ def _register_older_checkpoint_conversions() -> None:
     # overwrite: this file is imported once per location (repository root, remote-code copies)
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
-    register_checkpoint_conversion_mapping(
-        SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
-    )
+    conversions = older_checkpoint_conversions()
+    register_checkpoint_conversion_mapping(SpiderConfig.model_type, conversions, overwrite=True)
 
 
 _register_older_checkpoint_conversions()
@@ -656,10 +646,8 @@ class RowWeights(NamedTuple):
         weight = row_mask.reshape(-1).to(torch.float32)
         real = weight.sum()
         slot_weight = weight[:, None].expand(-1, top_k).reshape(-1)
-        return cls(
-            weight, weight / real.clamp_min(1),
-            slot_weight * (num_experts / (real * top_k).clamp_min(1)),
-        )
+        load_weight = slot_weight * (num_experts / (real * top_k).clamp_min(1))
+        return cls(weight, weight / real.clamp_min(1), load_weight)
 
 
 class SpiderMoE(nn.Module):
@@ -674,9 +662,8 @@ class SpiderMoE(nn.Module):
         self.config = config
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Linear(
-            config.hidden_size, self.num_experts, bias=False, dtype=torch.float32
-        )
+        self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False,
+                                dtype=torch.float32)
         self.experts = SpiderExperts(config)
         self.shared_experts = None
         if config.n_shared_experts > 0:
@@ -707,9 +694,8 @@ class SpiderMoE(nn.Module):
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
             mean_scores = scores.mean(dim=0)
         else:  # over the real rows only (a tensor count: no host sync)
-            expert_load = SpiderMoEKernels.expert_counts(
-                topk_idx, self.num_experts, row_weights.load_weight
-            )
+            expert_load = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts,
+                                                         row_weights.load_weight)
             mean_scores = (scores * row_weights.mean_weight[:, None]).sum(dim=0)
         return out, router_logits, expert_load, mean_scores
 
@@ -766,9 +752,7 @@ class SpiderEngramEmbeddings(nn.Module):
         self.output_size = n_tables * self.head_dim
         self._hash_constants = {}
 
-    def hash_constants(
-        self, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def hash_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """int64 `multiplier_table` `(n_tables, max_n)`, `moduli` and `offsets` `(n_tables,)` on
         `device`, made once per device (a host-to-device copy syncs). Not buffers: a function of
         the config, so checkpoints do not carry them."""
@@ -780,11 +764,8 @@ class SpiderEngramEmbeddings(nn.Module):
             )
         return constants
 
-    def hash_ids(
-        self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None
-    ) -> torch.LongTensor:
-        """Table row of every (byte, table), offset into `self.embedding`: int64
-        `(B, L, n_tables)`."""
+    def hash_ids(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None):
+        """Row of `self.embedding` of every (byte, table): int64 `(B, L, n_tables)`."""
         ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, self.fill_id)
         max_n = max(self.ngram_sizes)
         # context[b, l, i] = id[l - i], (B, L, max_n): all tables hashed at once
@@ -796,23 +777,18 @@ class SpiderEngramEmbeddings(nn.Module):
             hashed = torch.bitwise_xor(hashed, products[..., i])
         return hashed % moduli + offsets
 
-    def step(
-        self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None,
-        input_ids: torch.LongTensor,
-    ):
+    def step(self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None,
+             input_ids: torch.LongTensor) -> torch.Tensor:
         """The decode step's lookup of one new byte per row: `past_ids` `(B, n)`, `past_mask`
         `(B, n)` bool or None, `input_ids` `(B, 1)` -> `(B, M)`."""
         context = max(self.ngram_sizes) - 1
         past_ids = past_ids[:, past_ids.shape[1] - context:]
         if past_mask is not None:
-            past_ids = past_ids.masked_fill(
-                ~past_mask[:, past_mask.shape[1] - past_ids.shape[1] :], self.fill_id
-            )
+            past_mask = past_mask[:, past_mask.shape[1] - past_ids.shape[1] :]
+            past_ids = past_ids.masked_fill(~past_mask, self.fill_id)
         return self(torch.cat([past_ids, input_ids], dim=1))[:, -1]
 
-    def forward(
-        self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None):
         rows = self.hash_ids(input_ids, token_mask)
         B, L, n_tables = rows.shape
         return self.embedding(rows).view(B, L, n_tables * self.head_dim)
@@ -857,20 +833,16 @@ class SpiderEngram(nn.Module):
         self.kernel_size = config.engram_conv_kernel_size
         self.short_conv = SpiderShortConv(D, self.kernel_size)
 
-    def forward(
-        self, hidden_states: torch.Tensor, memory: torch.Tensor,
-        cache: SpiderLayerCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor,
+                cache: SpiderLayerCache | None = None) -> torch.Tensor:
         # read by the key and the value projection: cast once
         if autocast_enabled(memory.device.type):
             memory = to_autocast_dtype(memory)
         else:
             memory = memory.to(hidden_states.dtype)
         key = self.key_norm(self.key_proj(memory))
-        score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / math.sqrt(
-            hidden_states.shape[-1]
-        )
-        score = score.to(torch.float32)
+        score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True)
+        score = (score / math.sqrt(hidden_states.shape[-1])).to(torch.float32)
         gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt())
         value = gate.to(hidden_states.dtype) * self.value_proj(memory)
         conv_in = self.conv_norm(value)
@@ -916,9 +888,8 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.engram = (
-            SpiderEngram(config, memory_size) if layer_idx in config.engram_layer_ids else None
-        )
+        has_engram = layer_idx in config.engram_layer_ids
+        self.engram = SpiderEngram(config, memory_size) if has_engram else None
         self.input_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = SpiderAttention(config, layer_idx)
         self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -941,9 +912,8 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             E = self.mlp.num_experts
             zeros = rows.new_zeros(E, dtype=torch.float32)
             return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), zeros, zeros
-        moe_out, router_logits, expert_load, mean_scores = self.mlp(
-            rows, row_weights if segment_index is None else None
-        )
+        row_weights = row_weights if segment_index is None else None
+        moe_out, router_logits, expert_load, mean_scores = self.mlp(rows, row_weights)
         if segment_index is not None:
             moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
         hidden_states = hidden_states + moe_out.view_as(hidden_states)
@@ -988,9 +958,7 @@ class SpiderBoundaryPredictor(nn.Module):
         probs = torch.sigmoid(logits)
         if self.mode == "fixed":
             if position_ids is None:
-                position_ids = torch.arange(
-                    hidden_states.shape[1], device=hidden_states.device
-                ).expand_as(probs)
+                position_ids = torch.arange(probs.shape[1], device=probs.device).expand_as(probs)
             boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
         elif self.training and self.mode == "relaxed":
             # RelaxedBernoulli's sample from its parts: no argument validation (a host sync)
