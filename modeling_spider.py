@@ -1742,12 +1742,6 @@ class SpiderModel(SpiderPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def check_inputs(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, n_loops: int,
         cache: SpiderCache | None = None,
@@ -2046,18 +2040,6 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32
         )
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
