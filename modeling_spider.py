@@ -49,6 +49,7 @@ from transformers.masking_utils import (
     sdpa_mask, sliding_window_overlay,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import (
@@ -371,26 +372,12 @@ def create_attention_mask(
     )
 
 
-def eager_attention_forward(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`query` `(B, H, T_q, d_qk)`, `key` `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`,
-    additive `attention_mask` `(B, 1, T_q, T_k)` or None -> `(attn_output (B, T_q, H, d_v),
-    attn_weights (B, H, T_q, T_k))`."""
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    weights = F.softmax(scores.to(torch.float32), dim=-1).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
 class SpiderAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 §2.1, ``DeepseekV3Attention``'s names),
     `(B, T, D) -> (B, T, D)`, through the function ``config._attn_implementation`` names."""
 
     is_causal = True  # read by sdpa_attention_forward when the mask is None
+    num_key_value_groups = 1  # read by eager_attention_forward: one key-value head per query head
 
     def __init__(self, config: SpiderConfig, layer_idx: int):
         super().__init__()
