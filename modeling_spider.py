@@ -3,16 +3,16 @@
 
 The file reads top-down like the forward pass (docs/design.md, "The forward pass")::
 
-    x  = embed_tokens(input_ids)                          # (B, L, D) bytes
-    x  = prelude(x)                                       # SpiderDecoderLayer: dense MLA + SwiGLU over bytes
-    b, e = flexitokens(x)                                 # SpiderFlexiTokens: hard 0/1 boundary per byte,
-                                                          #   e = down_norm(downsample(b, x, null_group)) (B, 1+S, D)
-    h_out = recurrent_block(e, engram_memory, n_loops)    # SpiderRecurrentBlock, shared weights per loop t:
+    x = embed_tokens(input_ids)                   # (B, L, D) bytes
+    x = prelude(x)                                # SpiderDecoderLayer: dense MLA + SwiGLU
+    b, e = flexitokens(x)                         # SpiderFlexiTokens: 0/1 boundary per byte,
+                                                  #   e = down_norm(downsample(b, x)) (B, 1+S, D)
+    h_out = recurrent_block(e, engram_memory)     # SpiderRecurrentBlock, per loop t:
         z = loop_norm(h + e + loop_embedding[t])
-        z = layers(z, engram_memory)                      #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
-        z = z + loop_lora(z, t);  h = A*h + B*e + z       #   per-loop adapter, LTI injection
-        ACT halting: h_out += w_t * h                     #   Graves 2016
-    y  = flexitokens.dechunk(b, h_out, x)                 # causal upsample, mixed into the byte stream
+        z = layers(z, engram_memory)              #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
+        z = z + loop_lora(z, t);  h = A*h + B*e + z   # per-loop adapter, LTI injection
+        ACT halting: h_out += w_t * h             #   Graves 2016
+    y = flexitokens.dechunk(b, h_out, x)          # causal upsample, mixed into the byte stream
     logits = lm_head(norm(coda(y)))
 
 The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time.
@@ -49,6 +49,7 @@ from transformers.masking_utils import (
     sdpa_mask, sliding_window_overlay,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import (
@@ -75,36 +76,29 @@ logger = logging.get_logger(__name__)
 
 @dataclass
 class SpiderModelOutput(ModelOutput):
-    """Output of :class:`SpiderModel`.
+    """Output of :class:`SpiderModel` (a cached decode step fills `last_hidden_state`, `cache`,
+    `boundaries` and `hidden_states` only).
 
     Attributes:
-        last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and the
-            final norm.
+        last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and norm.
         cache (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
-        hidden_states (`tuple[torch.FloatTensor]`, *optional*): byte states `(B, L, D)`: the
-            embeddings, each prelude layer's output, the upsampled recurrent output (plus the
-            residual), each coda layer's output.
-        router_logits (`tuple[torch.FloatTensor]`, *optional*): per (loop, recurrent layer),
-            `(N, E)` fp32 logits.
-        boundaries (`torch.FloatTensor` `(B, L)`): the hard 0/1 boundary decisions (straight-through
-            in training).
-        boundary_probs (`torch.FloatTensor` `(B, L)`): the boundary predictor's probabilities.
-        segment_mask (`torch.FloatTensor` `(B, 1+S)`): 1.0 for real segments (segment 0 is the null
-            group), 0.0 for the padding of the segment axis.
+        hidden_states (`tuple[torch.FloatTensor]`, *optional*): `(B, L, D)` each: the embeddings,
+            each prelude layer's output, the upsampled recurrent output mixed into the bytes, each
+            coda layer's output.
+        router_logits (`tuple[torch.FloatTensor]`, *optional*): fp32 `(N, E)` per (loop, layer).
+        boundaries, boundary_probs (`torch.FloatTensor` `(B, L)`): the 0/1 boundary decisions
+            (straight-through in training) and the predictor's probabilities.
+        segment_mask (`torch.FloatTensor` `(B, 1+S)`): 1.0 for real segments (segment 0 is the
+            null group), 0.0 for the padding of the segment axis.
         halting_step, halting_remainder (`torch.FloatTensor` `(B, 1+S)`): ACT's loops run per
-            segment and the remainder paid at its halting loop (the ponder cost is their sum).
-        expert_loads, mean_scores (`tuple[torch.FloatTensor]`): per (loop, recurrent layer),
-            DeepSeek's `f_i` and `P_i` `(E,)` (the balancing loss is the mean of `sum_i f_i * P_i`).
+            segment and the remainder paid at its halting loop.
+        expert_loads, mean_scores (`tuple[torch.FloatTensor]`): DeepSeek's `f_i` and `P_i` `(E,)`
+            per (loop, layer).
         loop_weights (`torch.FloatTensor` `(B, 1+S, T)`, *optional*): with
-            `output_router_logits=True`, each loop's ACT weight in a segment's output (a real
-            segment's sum to 1; 0 from its halting step on). With `boundaries`, `halting_step` and
-            `router_logits` it is where the forward spent its compute (the compute map).
+            `output_router_logits=True`, each loop's ACT weight in a segment's output.
         attentions (`tuple[torch.FloatTensor]`, *optional*): with `output_attentions=True` and
-            ``"eager"``, per attention call in forward order: `(B, H, L, L)` for byte layers,
-            `(B, H, 1+S, 1+S)` per (loop, recurrent layer); empty for other implementations.
-
-    A cached decode step returns `last_hidden_state`, `cache`, `boundaries` and `hidden_states`
-    only.
+            ``"eager"``, per attention call: `(B, H, L, L)` for byte layers, `(B, H, 1+S, 1+S)`
+            per (loop, recurrent layer).
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -124,28 +118,21 @@ class SpiderModelOutput(ModelOutput):
 
 @dataclass
 class SpiderCausalLMOutput(ModelOutput):
-    """Output of :class:`SpiderForConditionalGeneration`.
+    """Output of :class:`SpiderForConditionalGeneration`; fields it shares with
+    :class:`SpiderModelOutput` as there, the loss terms None for a cached decode step.
 
     Attributes:
-        loss (`torch.FloatTensor` scalar, with `labels`):
-            ``lm_loss + router_aux_loss_coef * aux_loss + boundary_loss_coef * boundary_loss +
-            ponder_loss_coef * ponder_loss``; a term whose coefficient is 0 is left out (the same
-            value and gradients, without that term's backward through the recurrence).
+        loss (`torch.FloatTensor` scalar, with `labels`): ``lm_loss + router_aux_loss_coef *
+            aux_loss + boundary_loss_coef * boundary_loss + ponder_loss_coef * ponder_loss``
+            (a term whose coefficient is 0 is left out).
         logits (`torch.FloatTensor` `(B, L, vocab_size)`).
-        lm_loss (`torch.FloatTensor` scalar, with `labels`): next-byte cross-entropy in nats (-100
-            ignored).
-        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted loss terms;
-            `boundary_loss` adds `boundary_teacher_coef` times the teacher's cross-entropy to the
-            rate hinge.
-        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed segment;
-            mean ACT loops.
-        expert_load (`torch.FloatTensor` `(E,)`): aux_fi load per expert (1.0 everywhere at perfect
-            balance).
-        boundaries, boundary_probs, segment_mask, halting_step, loop_weights: the base model's
-            (:class:`SpiderModelOutput`): per byte and per segment, where the forward spent its
-            compute.
-        Other fields as in :class:`SpiderModelOutput`; the loss terms and diagnostics are None for a
-        cached decode step.
+        lm_loss (`torch.FloatTensor` scalar): next-byte cross-entropy in nats (-100 ignored).
+        aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted; the mean
+            over (loop, layer) of `sum_i f_i * P_i`; the rate hinge plus `boundary_teacher_coef`
+            times the teacher's cross-entropy; the mean of ACT's loops and remainders.
+        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed
+            segment; mean ACT loops.
+        expert_load (`torch.FloatTensor` `(E,)`): `f_i` per expert (1.0 at perfect balance).
     """
 
     loss: torch.FloatTensor | None = None
@@ -174,8 +161,8 @@ class SpiderCausalLMOutput(ModelOutput):
 
 
 def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`x` cast to `module.weight`'s dtype when that is a floating-point dtype other than `x`'s
-    (fp32 modules in a bf16 model); a quantised weight takes `x` as it is."""
+    """`x` in `module.weight`'s floating dtype where that differs (fp32 modules in a bf16 model);
+    a quantised weight takes `x` as it is."""
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != x.dtype:
         return x.to(weight.dtype)
@@ -183,8 +170,7 @@ def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled(device_type)``, False for a device type autocast does not know
-    (``meta``)."""
+    """``torch.is_autocast_enabled(device_type)``; False for one autocast does not know."""
     try:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:
@@ -192,22 +178,16 @@ def autocast_enabled(device_type: str) -> bool:
 
 
 def autocast_off(device_type: str) -> AbstractContextManager:
-    """A context with autocast turned off for `device_type` where it is on
-    (``torch.autocast(..., enabled=False)``), else a null context: for an op that must see its
-    operands' own dtypes under autocast."""
-    return (
-        torch.autocast(device_type, enabled=False)
-        if autocast_enabled(device_type)
-        else nullcontext()
-    )
+    """Autocast turned off for `device_type` where it is on, for an op that must see its operands'
+    own dtypes."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """`x` cast to the autocast dtype when autocast is on for its device and `x` is floating point,
-    else `x` itself. For a tensor that several layers read under autocast: autocast casts it once
-    per layer that reads it (a kernel each way per layer), this once; the layers' gradients then add
-    up in the autocast dtype before the one cast back, as for a weight that autocast casts once for
-    all its uses."""
+    """Floating `x` in the autocast dtype where autocast is on, for a tensor several layers read:
+    cast once, not once per layer (their gradients then add up before the one cast back)."""
     device_type = x.device.type
     if not x.is_floating_point() or not autocast_enabled(device_type):
         return x
@@ -215,15 +195,13 @@ def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
-    """Whether a value check of `tensor` may read it on the host: on the CPU, or outside
-    training."""
+    """Whether a value check may read `tensor` on the host: on the CPU, or outside training."""
     return tensor.device.type == "cpu" or not training
 
 
 def check_values(bad: torch.Tensor, training: bool, message: Callable[[bool], str]) -> None:
-    """Raise ``ValueError(message(True))`` when any element of bool `bad` is True; where that read
-    would sync in training (:func:`value_checks_sync`), assert on the device instead
-    (``torch._assert_async`` with ``message(False)``: a message that reads no tensor value)."""
+    """Raise ``ValueError(message(True))`` where bool `bad` has a True element; where reading it
+    would sync in training, assert on the device instead (``message(False)`` reads no value)."""
     if value_checks_sync(bad, training):
         if bool(bad.any()):
             raise ValueError(message(True))
@@ -232,8 +210,8 @@ def check_values(bad: torch.Tensor, training: bool, message: Callable[[bool], st
 
 
 class SpiderRMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in fp32, returned in the input dtype promoted with
-    the weight's. Shape-preserving `(..., D)`."""
+    """RMSNorm (Zhang & Sennrich 2019) computed in fp32, returned in the input dtype promoted with
+    the weight's. `(..., D) -> (..., D)`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -241,26 +219,20 @@ class SpiderRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm: one fused kernel each way on CUDA (docs/design.md, "Shapes that repeat, one
-        # host sync per training step"). It scales by the weight before its cast back to the input
-        # dtype, so only an fp32 input takes the weight inside; another is normalised in fp32,
-        # rounded to its dtype, then scaled, as in transformers. The kernel computes in fp32
-        # whatever the input dtype, so autocast, whose CUDA policy runs rms_norm on an fp32 copy, is
-        # turned off around it: no cast of a bf16 input to fp32 and back, each way.
+        # F.rms_norm computes in fp32 for any input and scales before its cast back: only an fp32
+        # input takes the weight inside (else rounded, then scaled, as in transformers)
         shape = (hidden_states.shape[-1],)
         if hidden_states.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
-        with autocast_off(hidden_states.device.type):
+        with autocast_off(hidden_states.device.type):  # no fp32 copy of a bf16 input
             normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon)
         return self.weight * normed
 
 
 class SpiderRotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021) for the `qk_rope_head_dim` part of MLA heads
-    (``config.head_dim``), from ``config.rope_parameters`` as transformers'
-    ``DeepseekV3RotaryEmbedding`` (any ``rope_type`` of ``ROPE_INIT_FUNCTIONS``). `inv_freq` is a
-    non-persistent buffer that ``_init_weights`` fills (``from_pretrained`` builds on the meta
-    device)."""
+    """Rotary position embedding for the `qk_rope_head_dim` part of MLA heads, from
+    ``config.rope_parameters`` as ``DeepseekV3RotaryEmbedding`` (any ``rope_type`` of
+    ``ROPE_INIT_FUNCTIONS``). `inv_freq` is a non-persistent buffer that ``_init_weights`` fills."""
 
     inv_freq: torch.Tensor
 
@@ -280,23 +252,19 @@ class SpiderRotaryEmbedding(nn.Module):
     def compute_default_rope_parameters(
         config: SpiderConfig, device=None, seq_len=None
     ) -> tuple[torch.Tensor, float]:
-        """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)` for
-        ``rope_parameters["rope_theta"]``, scaling 1."""
+        """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)`, scaling 1."""
         base, dim = config.rope_parameters["rope_theta"], config.head_dim
-        return (
-            1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)),
-            1.0,
-        )
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        return inv_freq, 1.0
 
     @dynamic_rope_update
     def forward(
         self, x: torch.Tensor, position_ids: torch.LongTensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`position_ids` (B, T) int64 -> `(cos, sin)`, each (B, T, qk_rope_head_dim) in
+        """`position_ids` int64 `(B, T)` -> `(cos, sin)`, each `(B, T, qk_rope_head_dim)` in
         `x.dtype`."""
-        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(
-            device=x.device, dtype=torch.float32
-        )
+        inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
+        freqs = position_ids[..., None].to(torch.float32) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:
@@ -310,7 +278,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (B, H, T, d) by `cos`/`sin` (B, T, d)."""
+    """Rotate `x` `(B, H, T, d)` by `cos`/`sin` `(B, T, d)`."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
 
@@ -319,8 +287,7 @@ def positional_sliding_window_overlay(
     query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int
 ) -> Callable:
     """Mask function: query `q` of row `b` sees key `kv` when
-    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``, positions counting real
-    tokens only. `query_positions` `(B, T_q)`, `key_positions` `(B, T_k)`."""
+    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
         return query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx] < sliding_window
@@ -331,9 +298,8 @@ def positional_sliding_window_overlay(
 def positional_causal_mask_function(
     query_positions: torch.Tensor, key_positions: torch.Tensor
 ) -> Callable:
-    """Mask function for a decode step: query `q` of row `b` sees key `kv` when
-    ``key_positions[b, kv] <= query_positions[b, q]``. `query_positions` `(B, T_q)`, `key_positions`
-    `(B, T_k)` int64."""
+    """Mask function: query `q` of row `b` sees key `kv` when
+    ``key_positions[b, kv] <= query_positions[b, q]``."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
         return key_positions[batch_idx, kv_idx] <= query_positions[batch_idx, q_idx]
@@ -342,36 +308,28 @@ def positional_causal_mask_function(
 
 
 def _self_mask_function(batch_idx, head_idx, q_idx, kv_idx):
-    """A padding query attends to itself, so no row of the mask is empty (SDPA and softmax give NaN
-    for one)."""
+    """A padding query sees itself, so no row is empty (SDPA and softmax give NaN for one)."""
     return q_idx == kv_idx
 
 
 def attention_mask_function(
-    token_mask: torch.Tensor | None,
-    sliding_window: int | None = None,
-    query_positions: torch.Tensor | None = None,
-    key_positions: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None, sliding_window: int | None = None,
+    query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
 ) -> Callable | None:
-    """Spider's attention pattern as a ``transformers.masking_utils`` mask function
-    (`(batch_idx, head_idx, q_idx, kv_idx) -> bool`, True = may attend): causal, real keys only, a
-    sliding window, a padding query seeing itself. Padding is contiguous (left or right), so a
-    window over indices counts real bytes.
+    """Spider's attention pattern as a ``transformers.masking_utils`` mask function: causal, real
+    keys only, a sliding window, a padding query seeing itself (padding is contiguous, so a window
+    over indices counts real bytes).
 
     Args:
         token_mask: `(B, T_k)` bool, True for real tokens, or None (no padding).
-        sliding_window: a query at index q sees keys at indices `q - sliding_window < k <= q`, or
-            None.
-        query_positions, key_positions: a recurrent decode step's per-row segment slots, `(B, T_q)`
-            / `(B, T_k)` int64: queries see keys at their own or earlier slots (and inside the
-            window), not the index order. None for the full forward and the byte decode step (whose
-            query index is offset by the bytes seen: ``q_offset``).
+        sliding_window: a query at index q sees keys at `q - sliding_window < k <= q`, or None.
+        query_positions, key_positions: a recurrent decode step's per-row segment slots,
+            `(B, T_q)` / `(B, T_k)` int64: queries see keys at their own or earlier slots.
     Returns:
         The mask function, or None for the plain causal mask.
     Raises:
         ValueError: `query_positions` without `key_positions`.
     """
-    # a recurrent decode step: each row's query sits at its own segment slot
     if query_positions is not None:
         if key_positions is None:
             raise ValueError("a decode step's query_positions need key_positions")
@@ -397,17 +355,11 @@ def create_attention_mask(
     config: SpiderConfig, inputs: torch.Tensor, kv_length: int, mask_function: Callable | None,
     q_offset: int = 0,
 ) -> torch.Tensor | BlockMask | None:
-    """The mask of `mask_function` (:func:`attention_mask_function`; None: causal) for the queries
-    of `inputs` `(B, T_q, D)`, the first at key index `q_offset`, over `kv_length` keys, in the
-    format of ``config._attn_implementation`` (``masking_utils.ALL_MASK_ATTENTION_FUNCTIONS``: bool
-    `(B, 1, T_q, T_k)` for SDPA, additive float for eager, a ``BlockMask`` for flex; a registered
-    attention function without a mask format of its own gets SDPA's). None for SDPA where its
-    ``is_causal`` (or, for one query at the end, no mask) is exact."""
-    implementation = config._attn_implementation
-    if implementation in ALL_MASK_ATTENTION_FUNCTIONS:
-        mask_interface = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
-    else:
-        mask_interface = sdpa_mask
+    """The mask of `mask_function` (None: causal) for the queries of `inputs` `(B, T_q, D)`, the
+    first at key index `q_offset`, over `kv_length` keys, in the format of
+    ``config._attn_implementation`` (``ALL_MASK_ATTENTION_FUNCTIONS``, else SDPA's). None where
+    SDPA's ``is_causal`` is exact."""
+    mask_interface = ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation, sdpa_mask)
     batch_size, q_length = inputs.shape[:2]
     if mask_function is None:
         if mask_interface is sdpa_mask and q_offset + q_length in (q_length, kv_length):
@@ -420,34 +372,12 @@ def create_attention_mask(
     )
 
 
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``"eager"`` attention (attention-interface signature): `query` `(B, H, T_q, d_qk)`, `key`
-    `(B, H, T_k, d_qk)`, `value` `(B, H, T_k, d_v)`, `attention_mask` additive float
-    `(B, 1, T_q, T_k)` (masking_utils' ``eager_mask``) or None. Returns
-    `(attn_output (B, T_q, H, d_v), attn_weights (B, H, T_q, T_k) in query.dtype)`."""
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    weights = F.softmax(scores.to(torch.float32), dim=-1).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
 class SpiderAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2 §2.1; `DeepseekV3Attention` names),
-    `(B, T, D) -> (B, T, D)`, through the function `config._attn_implementation` names
-    (docs/design.md, "Attention backends")."""
+    """Multi-head latent attention (DeepSeek-V2 §2.1, ``DeepseekV3Attention``'s names),
+    `(B, T, D) -> (B, T, D)`, through the function ``config._attn_implementation`` names."""
 
-    is_causal = True  # read by transformers' sdpa_attention_forward when the mask is None
+    is_causal = True  # read by sdpa_attention_forward when the mask is None
+    num_key_value_groups = 1  # read by eager_attention_forward: one key-value head per query head
 
     def __init__(self, config: SpiderConfig, layer_idx: int):
         super().__init__()
@@ -477,46 +407,37 @@ class SpiderAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=False)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: SpiderLayerCache | None = None,
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None, cache: SpiderLayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`hidden_states` `(B, T, D)`; `attention_mask` bool `(B, 1, T, T_keys)` or None; `cache`
-        this layer's cache, updated in place. Returns `(output (B, T, D), attention weights (B, H,
-        T, T_keys) or None)`."""
+        """`hidden_states` `(B, T, D)`; `attention_mask` `(B, 1, T, T_keys)` or None; `cache` this
+        layer's, updated in place. Returns `(output (B, T, D), weights (B, H, T, T_keys) or
+        None)`."""
         B, T, _ = hidden_states.shape
-        # read by the query and the key-value projections
-        hidden_states = to_autocast_dtype(hidden_states)
+        H, rope_dim = self.num_heads, self.qk_rope_head_dim
+        hidden_states = to_autocast_dtype(hidden_states)  # read by the q and kv projections
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = q.view(B, T, H, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, rope_dim], dim=-1)
 
         compressed_kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+            [self.kv_lora_rank, rope_dim], dim=-1
         )
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv))
-        kv = kv.view(B, T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+        kv = kv.view(B, T, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, value_states = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
-        # the query heads and the one shared key head rotated together: one set of kernels, the same
-        # math per element. Under autocast the rotation runs in the embeddings' dtype (fp32) and its
-        # result is rounded once to the projections' dtype, which is where attention would round it
-        # anyway: one cast, not the three that promoting the concatenated queries and keys to fp32
-        # and attention casting them back cost.
+        # the query heads and the shared key head rotated together, rounded once to the
+        # projections' dtype (where attention would round them anyway)
         rotated = apply_rotary_pos_emb(
-            torch.cat((q_pe, k_pe.view(B, 1, T, self.qk_rope_head_dim)), dim=1),
-            *position_embeddings,
+            torch.cat((q_pe, k_pe.view(B, 1, T, rope_dim)), dim=1), *position_embeddings
         ).to(q_nope.dtype)
-        q_pe, k_pe = rotated.split([self.num_heads, 1], dim=1)
+        q_pe, k_pe = rotated.split([H, 1], dim=1)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
-        key_states = torch.cat(
-            (k_nope, k_pe.expand(B, self.num_heads, T, self.qk_rope_head_dim)), dim=-1
-        )
+        key_states = torch.cat((k_nope, k_pe.expand(B, H, T, rope_dim)), dim=-1)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states)
 
@@ -524,23 +445,14 @@ class SpiderAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling,
         )
-        return (
-            self.o_proj(attn_output.reshape(B, T, self.num_heads * self.v_head_dim)),
-            attn_weights,
-        )
+        return self.o_proj(attn_output.reshape(B, T, H * self.v_head_dim)), attn_weights
 
 
 class SpiderMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`,
-    `(..., D) -> (..., D)`."""
+    """SwiGLU (Shazeer 2020): `down_proj(act(gate_proj(x)) * up_proj(x))`, `(..., D)`."""
 
     def __init__(self, config: SpiderConfig, intermediate_size: int):
         super().__init__()
@@ -560,30 +472,26 @@ class SpiderMLP(nn.Module):
 
 
 class SpiderMoEKernels:
-    """Torch reference of the TileKernels 1.x MoE routing ops (same names, shapes, rules; any
-    device). The trainer may swap in a `tile_kernels` adapter; the fused-layout ops are a reference
-    only."""
+    """Torch reference of the TileKernels 1.x MoE routing ops (same names, shapes and rules); the
+    trainer may swap in a ``tile_kernels`` adapter."""
 
     name = "torch"
     alignment = 1
 
     @staticmethod
     def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
-        """`scores` fp32 `(T, E)` -> int64 `(T, k)` expert ids, best first; ties go to the smaller
-        index."""
+        """fp32 `(T, E)` -> int64 `(T, k)` expert ids, best first; ties go to the smaller index."""
         return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :num_topk]
 
     @staticmethod
     def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(T, k)` -> `(denominator (T,), normalized (T, k))`; the sum starts at 1e-20 as in
-        TileKernels."""
+        """`(T, k)` -> `(denominator (T,), normalized (T, k))`; the sum starts at 1e-20."""
         denominator = topk_weights.sum(dim=-1) + 1e-20
         return denominator, topk_weights / denominator[:, None]
 
     @staticmethod
     def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_topk: int) -> torch.Tensor:
-        """DeepSeek's f_i: `count_i * E / (T * k)`, fp32 `(E,)`; 1.0 for every expert at perfect
-        balance."""
+        """DeepSeek's f_i, `count_i * E / (T * k)`, fp32 `(E,)` (1.0 at perfect balance)."""
         counts = SpiderMoEKernels.expert_counts(topk_idx, num_experts).to(torch.float32)
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
 
@@ -591,21 +499,16 @@ class SpiderMoEKernels:
     def expert_counts(
         topk_idx: torch.Tensor, num_experts: int, slot_weight: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Token-slots per expert, int64 `(E,)` (a scatter-add: no host sync, unlike
-        `torch.bincount`); with `slot_weight` fp32 `(T*k,)`, slot `j` of the flattened `topk_idx`
-        counts `slot_weight[j]` and the counts are fp32."""
+        """Token-slots per expert, int64 `(E,)`, by scatter-add (no host sync, unlike
+        `torch.bincount`); with `slot_weight` fp32 `(T*k,)` each slot counts its weight (fp32)."""
         flat = topk_idx.reshape(-1)
-        if slot_weight is None:
-            return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-                0, flat, torch.ones_like(flat))
-        return torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device).scatter_add_(
-            0, flat, slot_weight
-        )
+        slot_weight = torch.ones_like(flat) if slot_weight is None else slot_weight
+        counts = torch.zeros(num_experts, dtype=slot_weight.dtype, device=flat.device)
+        return counts.scatter_add_(0, flat, slot_weight)
 
 
 class _ExpertsWeightsIn:
-    """`experts` seen with its fused weights cast to `dtype` (every other attribute is the module's
-    own), for an experts function of transformers' interface to read."""
+    """`experts` seen with its fused weights cast to `dtype`, for an experts function to read."""
 
     def __init__(self, experts: nn.Module, dtype: torch.dtype):
         self._experts = experts
@@ -619,13 +522,9 @@ class _ExpertsWeightsIn:
 def _experts_in_autocast_dtype(
     function: Callable, experts: nn.Module, hidden_states: torch.Tensor, *args
 ):
-    """Run the experts `function` in the autocast dtype when autocast is on: torch's grouped GEMM is
-    no autocast op, and transformers' functions cast the input to the weights' dtype, so fp32 master
-    weights would run it in fp32, which on CUDA is torch's fallback (a loop over experts that reads
-    the offsets on the host) instead of the bf16 kernel. The weights are cast by the experts'
-    ``cast_weight`` (a training loop may share one cast across the loops:
-    ``spider_training.mixed_precision``); torchao's FP8 weight wrappers quantise from the master
-    weights themselves and are left alone."""
+    """Run the experts `function` in the autocast dtype under autocast: grouped GEMM is no autocast
+    op, and fp32 weights would run it in fp32 (on CUDA a per-expert loop that syncs). torchao's FP8
+    weight wrappers quantise from the master weights and are left alone."""
     device_type = hidden_states.device.type
     weights = (experts.gate_up_proj, experts.down_proj)
     if not autocast_enabled(device_type):
@@ -639,10 +538,8 @@ def _experts_in_autocast_dtype(
 
 
 class SpiderExpertsInterface(ExpertsInterface):
-    """transformers' experts functions (``ALL_EXPERTS_FUNCTIONS``: ``grouped_mm``, ``batched_mm``,
-    anything registered there) run in the autocast dtype under autocast
-    (:func:`_experts_in_autocast_dtype`); ``eager`` is :class:`SpiderExperts`' own forward, whose
-    ``F.linear`` calls autocast casts itself."""
+    """transformers' experts functions, run in the autocast dtype under autocast; ``eager`` is
+    :class:`SpiderExperts`' own forward, whose ``F.linear`` calls autocast casts itself."""
 
     def get_interface(self, experts_implementation: str, default: Callable) -> Callable:
         function = ALL_EXPERTS_FUNCTIONS.get_interface(experts_implementation, default)
@@ -653,55 +550,46 @@ class SpiderExpertsInterface(ExpertsInterface):
 
 @use_experts_implementation(experts_interface=SpiderExpertsInterface())
 class SpiderExperts(nn.Module):
-    """The routed SwiGLU experts of one MoE layer in transformers 5.x's MoE layout
-    (``integrations/moe.py``): `gate_up_proj` `(E, 2I, D)` (expert e's gate rows, then its up rows)
-    and `down_proj` `(E, D, I)`.
+    """The routed SwiGLU experts of one MoE layer in transformers' MoE layout: `gate_up_proj`
+    `(E, 2I, D)` (expert e's gate rows, then its up rows) and `down_proj` `(E, D, I)`.
+    ``config._experts_implementation`` picks ``"grouped_mm"`` (default), ``"batched_mm"`` or
+    ``"eager"``.
 
     ``forward(hidden_states (T, D), top_k_index int64 (T, k), top_k_weights (T, k)) -> (T, D)`` in
-    ``hidden_states.dtype``, accumulated in fp32. ``config._experts_implementation`` picks
-    ``"grouped_mm"`` (default), ``"batched_mm"`` or ``"eager"`` (docs/design.md, "MoE experts")."""
+    ``hidden_states.dtype``, accumulated in fp32."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
-        self.num_experts = config.n_routed_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
-        )
+        E, D, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.hidden_dim, self.intermediate_dim = E, D, inner
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, inner))
         self.act_fn = ACT2FN[config.hidden_act]
 
     @staticmethod
     def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`weight` in `dtype` for one experts call under autocast (``weight.to(dtype)``). A training
-        loop may set an instance's own (``spider_training.mixed_precision``: one cast per forward
-        for all loops)."""
+        """`weight` in `dtype` for one experts call under autocast; a training loop may set an
+        instance's own (``spider_training.mixed_precision``)."""
         return weight.to(dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """``"eager"``: a loop over experts (a host sync per expert). Shapes as in the class
-        docstring."""
+        """``"eager"``: a loop over experts (a host sync per expert)."""
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         for e in range(self.num_experts):
             token_idx, slot = torch.where(top_k_index == e)
             gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[e])
-            out.index_add_(
-                0, token_idx, (expert_out * top_k_weights[token_idx, slot, None]).to(torch.float32)
-            )
+            weighted = expert_out * top_k_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, weighted.to(torch.float32))
         return out.to(hidden_states.dtype)
 
 
 def older_checkpoint_conversions() -> list:
-    """transformers weight conversions from the per-expert layout of older releases
-    (``...mlp.experts.{e}.gate_proj.weight`` etc.) to :class:`SpiderExperts`' fused parameters, as
-    transformers registers for ``deepseek_v3``; registered for model type ``"spider"`` on import, so
-    ``from_pretrained`` converts while it loads."""
+    """Weight conversions from the per-expert layout of older releases
+    (``...mlp.experts.{e}.gate_proj.weight``) to :class:`SpiderExperts`' fused parameters,
+    registered for model type ``"spider"`` on import so that ``from_pretrained`` converts."""
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
     return [
@@ -719,25 +607,21 @@ def older_checkpoint_conversions() -> list:
 
 
 def _register_older_checkpoint_conversions() -> None:
-    # overwrite: this file is imported once per location (repository root, each trust_remote_code
-    # copy)
+    # overwrite: this file is imported once per location (repository root, remote-code copies)
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
-    register_checkpoint_conversion_mapping(
-        SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
-    )
+    conversions = older_checkpoint_conversions()
+    register_checkpoint_conversion_mapping(SpiderConfig.model_type, conversions, overwrite=True)
 
 
 _register_older_checkpoint_conversions()
 
 
 class RowWeights(NamedTuple):
-    """The rows :class:`SpiderMoE` routes from a padded segment axis, weighed once per forward
-    (:meth:`of`), not per loop and layer, with the balancing statistics' normalisers folded in:
-    `weight` fp32 `(T,)` (1 real, 0 padding), `mean_weight` fp32 `(T,)` (`weight` over the real
-    rows: a weighted sum with it is the mean over the real rows), `load_weight` fp32 `(T*k,)`
-    (`weight` per token-slot times `E` over the real token-slots: summed per expert it is DeepSeek's
-    `f_i`). The real rows and token-slots are each clamped at 1 (all padding: zero statistics)."""
+    """Weights of the rows :class:`SpiderMoE` routes from a padded segment axis, made once per
+    forward: `weight` fp32 `(T,)` (1 real, 0 padding), `mean_weight` (`weight` over the real rows)
+    and `load_weight` fp32 `(T*k,)` (per token-slot, times `E` over the real slots: summed per
+    expert it is DeepSeek's `f_i`); the real counts are clamped at 1."""
 
     weight: torch.Tensor
     mean_weight: torch.Tensor
@@ -745,22 +629,18 @@ class RowWeights(NamedTuple):
 
     @classmethod
     def of(cls, row_mask: torch.Tensor, top_k: int, num_experts: int) -> "RowWeights":
-        """From `row_mask` bool (any shape, flattened to `(T,)`), for `top_k` of `num_experts` slots
-        per row."""
+        """From `row_mask` bool (flattened to `(T,)`), for `top_k` of `num_experts` per row."""
         weight = row_mask.reshape(-1).to(torch.float32)
         real = weight.sum()
         slot_weight = weight[:, None].expand(-1, top_k).reshape(-1)
-        return cls(
-            weight, weight / real.clamp_min(1),
-            slot_weight * (num_experts / (real * top_k).clamp_min(1)),
-        )
+        load_weight = slot_weight * (num_experts / (real * top_k).clamp_min(1))
+        return cls(weight, weight / real.clamp_min(1), load_weight)
 
 
 class SpiderMoE(nn.Module):
-    """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts` (:class:`SpiderExperts`),
-    `shared_experts` (:class:`SpiderMLP`). Routing ops come from ``self.kernels``
-    (:class:`SpiderMoEKernels`); balancing is DeepSeek's aux_fi loss `sum_i f_i * P_i` (= 1 at
-    perfect balance)."""
+    """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts`, `shared_experts`; routing ops
+    from ``self.kernels``. Balancing is DeepSeek's aux_fi loss `sum_i f_i * P_i` (1 at perfect
+    balance)."""
 
     kernels = SpiderMoEKernels
 
@@ -769,26 +649,20 @@ class SpiderMoE(nn.Module):
         self.config = config
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Linear(
-            config.hidden_size, self.num_experts, bias=False, dtype=torch.float32
-        )
+        self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False,
+                                dtype=torch.float32)
         self.experts = SpiderExperts(config)
+        self.shared_experts = None
         if config.n_shared_experts > 0:
-            self.shared_experts = SpiderMLP(
-                config, config.moe_intermediate_size * config.n_shared_experts
-            )
-        else:
-            self.shared_experts = None
+            shared_size = config.moe_intermediate_size * config.n_shared_experts
+            self.shared_experts = SpiderMLP(config, shared_size)
 
     def forward(
         self, x: torch.Tensor, row_weights: RowWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)`; with `row_weights` (:class:`RowWeights` of the `T` rows), padding
-        rows weigh zero and stay out of the statistics.
-
-        Returns `(out (T, D) in x.dtype, router_logits fp32
-        (T, E), expert_load fp32 (E,), mean_scores fp32 (E,))`: DeepSeek's `f_i` and `P_i`, whose
-        `sum_i f_i * P_i` is the layer's balancing loss (computed by the LM head)."""
+        """Route `x` `(T, D)`; with `row_weights`, padding rows weigh zero and stay out of the
+        statistics. Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), expert_load fp32
+        (E,), mean_scores fp32 (E,))`: DeepSeek's `f_i` and `P_i`."""
         router_logits = self.route(x)
         scores = router_logits.softmax(dim=-1)
         topk_idx = self.kernels.topk_gate(scores, self.top_k)
@@ -798,8 +672,7 @@ class SpiderMoE(nn.Module):
         if row_weights is not None:
             topk_weights = topk_weights * row_weights.weight[:, None]
 
-        # read by the routed and the shared experts (the router reads x)
-        x_experts = to_autocast_dtype(x)
+        x_experts = to_autocast_dtype(x)  # read by the routed and the shared experts
         out = self.experts(x_experts, topk_idx, topk_weights).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_experts)
@@ -807,18 +680,15 @@ class SpiderMoE(nn.Module):
         if row_weights is None:
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
             mean_scores = scores.mean(dim=0)
-        else:  # aux_fi and the mean score over the real rows (a tensor count: no host sync)
-            expert_load = SpiderMoEKernels.expert_counts(
-                topk_idx, self.num_experts, row_weights.load_weight
-            )
+        else:  # over the real rows only (a tensor count: no host sync)
+            expert_load = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts,
+                                                         row_weights.load_weight)
             mean_scores = (scores * row_weights.mean_weight[:, None]).sum(dim=0)
         return out, router_logits, expert_load, mean_scores
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits, fp32 `(T, E)`, from `x` `(T, D)`, through the router's own forward (so a
-        PEFT or quantised router applies), in the router's dtype also under autocast: DeepSeek-V3
-        keeps its MoE gating in full precision, and autocast would run the fp32 router's matmul in
-        bf16 (and add a cast each way)."""
+        """Router logits, fp32 `(T, E)`, from `x` `(T, D)` through the router's own forward (so a
+        PEFT or quantised router applies), with autocast off: DeepSeek-V3 gates in fp32."""
         with autocast_off(x.device.type):
             return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
@@ -839,10 +709,10 @@ def _primes_from(start: int, count: int) -> list[int]:
 
 
 class SpiderEngramEmbeddings(nn.Module):
-    """Hashed byte n-gram memory tables (one per n-gram order and head, all in one `nn.Embedding`),
+    """Hashed byte n-gram memory tables (one per n-gram order and head, in one `nn.Embedding`),
     looked up per byte: `XOR_i(id[l-i] * m_{n,h,i}) mod p_{n,h}`, constants from
     `numpy.random.default_rng(engram_hash_seed)`; positions before the start and padding read as id
-    `vocab_size`. Output `(B, L, M)`, `M = n_tables * engram_head_dim`."""
+    `vocab_size`. `(B, L)` -> `(B, L, M)`, `M = n_tables * engram_head_dim`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -852,18 +722,15 @@ class SpiderEngramEmbeddings(nn.Module):
         self.fill_id = config.vocab_size
         n_tables = len(self.ngram_sizes) * self.num_heads
         rng = np.random.default_rng(config.engram_hash_seed)
-        # multipliers[n_idx][h] = list of n odd 31-bit ints
+        # multipliers[n_idx][h]: n odd 31-bit ints
         self.multipliers = [
-            [
-                [int(m) | 1 for m in rng.integers(1 << 20, 1 << 31, size=n)]
-                for _ in range(self.num_heads)
-            ]
+            [[int(m) | 1 for m in rng.integers(1 << 20, 1 << 31, size=n)]
+             for _ in range(self.num_heads)]
             for n in self.ngram_sizes
         ]
         self.moduli = _primes_from(config.engram_table_size, n_tables)
         self.offsets = [int(o) for o in np.cumsum([0] + self.moduli[:-1])]
-        # multiplier_table[table][i] multiplies id[l - i]; 0 past the table's n (x ^ 0 == x, so it
-        # drops out).
+        # multiplier_table[table][i] multiplies id[l - i]; 0 past the table's n (x ^ 0 == x)
         max_n = max(self.ngram_sizes)
         self.multiplier_table = [
             mult + [0] * (max_n - len(mult)) for per_n in self.multipliers for mult in per_n
@@ -872,14 +739,10 @@ class SpiderEngramEmbeddings(nn.Module):
         self.output_size = n_tables * self.head_dim
         self._hash_constants = {}
 
-    def hash_constants(
-        self, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def hash_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """int64 `multiplier_table` `(n_tables, max_n)`, `moduli` and `offsets` `(n_tables,)` on
-        `device`, made once per device: a tensor made from Python data is a blocking host-to-device
-        copy on an accelerator (a host sync at every forward and every decoded byte otherwise). Not
-        buffers: they are a function of the config, so checkpoints do not carry them and loading on
-        the meta device leaves nothing to re-initialise."""
+        `device`, made once per device (a host-to-device copy syncs). Not buffers: a function of
+        the config, so checkpoints do not carry them."""
         constants = self._hash_constants.get(device)
         if constants is None:
             constants = self._hash_constants[device] = tuple(
@@ -888,15 +751,11 @@ class SpiderEngramEmbeddings(nn.Module):
             )
         return constants
 
-    def hash_ids(
-        self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None
-    ) -> torch.LongTensor:
-        """Table row of every (byte, head): int64 `(B, L, n_tables)`, already offset into
-        `self.embedding`."""
+    def hash_ids(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None):
+        """Row of `self.embedding` of every (byte, table): int64 `(B, L, n_tables)`."""
         ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, self.fill_id)
         max_n = max(self.ngram_sizes)
-        # context[b, l, i] = id[l - i]: (B, L, max_n), all tables hashed at once (max_n XORs, not
-        # one op per table).
+        # context[b, l, i] = id[l - i], (B, L, max_n): all tables hashed at once
         context = F.pad(ids, (max_n - 1, 0), value=self.fill_id).unfold(1, max_n, 1).flip(-1)
         multipliers, moduli, offsets = self.hash_constants(ids.device)
         products = context[:, :, None, :] * multipliers  # (B, L, n_tables, max_n)
@@ -905,55 +764,38 @@ class SpiderEngramEmbeddings(nn.Module):
             hashed = torch.bitwise_xor(hashed, products[..., i])
         return hashed % moduli + offsets
 
-    def step(
-        self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None,
-        input_ids: torch.LongTensor,
-    ):
+    def step(self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None,
+             input_ids: torch.LongTensor) -> torch.Tensor:
         """The decode step's lookup of one new byte per row: `past_ids` `(B, n)`, `past_mask`
-        `(B, n)` bool or None, `input_ids` `(B, 1)` -> `(B, M)`, equal to the full forward's output
-        at that byte."""
+        `(B, n)` bool or None, `input_ids` `(B, 1)` -> `(B, M)`."""
         context = max(self.ngram_sizes) - 1
         past_ids = past_ids[:, past_ids.shape[1] - context:]
         if past_mask is not None:
-            past_ids = past_ids.masked_fill(
-                ~past_mask[:, past_mask.shape[1] - past_ids.shape[1] :], self.fill_id
-            )
-        window = torch.cat([past_ids, input_ids], dim=1)
-        return self(window)[:, -1]
+            past_mask = past_mask[:, past_mask.shape[1] - past_ids.shape[1] :]
+            past_ids = past_ids.masked_fill(~past_mask, self.fill_id)
+        return self(torch.cat([past_ids, input_ids], dim=1))[:, -1]
 
-    def forward(
-        self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None):
         rows = self.hash_ids(input_ids, token_mask)
         B, L, n_tables = rows.shape
         return self.embedding(rows).view(B, L, n_tables * self.head_dim)
 
 
 def depthwise_conv1d(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.conv1d(input, weight, groups=D)`` (stride 1, no padding) for `input` `(B, D, L)` and
-    `weight` `(D, 1, K)`, returned `(B, D, L - K + 1)` in `input`'s dtype:
-    ``out[b, d, s] = sum_k weight[d, 0, k] * input[b, d, s + k]``.
-
-    Written as a weighted sum over ``unfold``'s K-wide windows instead of calling the convolution:
-    under ``torch.compile`` inductor's convolution-backward lowering fixes the strides of the
-    input's gradient to integers (torch 2.13, ``convolution_backward_lowering``), which specialises
-    the length, so the recurrent layers holding Engram recompiled at every new segment count (and
-    ran eagerly past dynamo's recompile limit); a product and a sum compile once for every count
-    (tests/test_compile.py). The windows are unfolded channels-last, along the middle axis of
-    `(B, L, D)`: unfolding the last axis of `(B, D, L)` (a transposed view in the Engram) made
-    inductor's backward fix the length again."""
+    """``F.conv1d(input, weight, groups=D)`` (stride 1, no padding), `input` `(B, D, L)`, `weight`
+    `(D, 1, K)` -> `(B, D, L - K + 1)` in `input`'s dtype. A weighted sum over channels-last
+    ``unfold`` windows: under ``torch.compile`` inductor's convolution backward specialises the
+    length, which recompiled the Engram layers at every segment count (tests/test_compile.py)."""
     kernel_size = weight.shape[-1]
     channels_last = input.transpose(1, 2)  # (B, L, D)
-    # (B, S, D)
     out = (channels_last.unfold(1, kernel_size, 1) * weight.squeeze(1).to(input.dtype)).sum(-1)
     return out.transpose(1, 2)
 
 
 class SpiderShortConv(nn.Conv1d):
-    """Engram's depthwise ShortConv: an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (the same
-    interface, weight `(D, 1, K)`, init and checkpoint key) computed by :func:`depthwise_conv1d`:
-    `(B, D, L)` -> `(B, D, L - K + 1)`. Causal because the Engram puts the `K - 1` steps before the
-    first segment in front (zeros or cached segments)."""
+    """Engram's depthwise ShortConv, an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (its weight,
+    init and checkpoint key) computed by :func:`depthwise_conv1d`: `(B, D, L)` ->
+    `(B, D, L - K + 1)`."""
 
     def __init__(self, hidden_size: int, kernel_size: int):
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)
@@ -963,9 +805,9 @@ class SpiderShortConv(nn.Conv1d):
 
 
 class SpiderEngram(nn.Module):
-    """Engram gating into one recurrent layer (Engram §3): `alpha = sigmoid(signed_sqrt(<RMSNorm(h),
-    RMSNorm(W_k e)> / sqrt(D)))`, `v = alpha * W_v e`, `out = v + SiLU(ShortConv(RMSNorm(v)))`; `h`
-    `(B, S, D)`, memory `(B, S, M)`."""
+    """Engram gating into one recurrent layer (Engram §3):
+    `alpha = sigmoid(signed_sqrt(<RMSNorm(h), RMSNorm(W_k e)> / sqrt(D)))`, `v = alpha * W_v e`,
+    `out = v + SiLU(ShortConv(RMSNorm(v)))`; `h` `(B, S, D)`, memory `(B, S, M)`."""
 
     def __init__(self, config: SpiderConfig, memory_size: int):
         super().__init__()
@@ -978,26 +820,18 @@ class SpiderEngram(nn.Module):
         self.kernel_size = config.engram_conv_kernel_size
         self.short_conv = SpiderShortConv(D, self.kernel_size)
 
-    def forward(
-        self, hidden_states: torch.Tensor, memory: torch.Tensor,
-        cache: SpiderLayerCache | None = None,
-    ) -> torch.Tensor:
-        # read by the key and the value projection: in the autocast dtype under autocast, else in
-        # the hidden dtype
-        memory = (
-            to_autocast_dtype(memory)
-            if autocast_enabled(memory.device.type)
-            else memory.to(hidden_states.dtype)
-        )
+    def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor,
+                cache: SpiderLayerCache | None = None) -> torch.Tensor:
+        # read by the key and the value projection: cast once
+        if autocast_enabled(memory.device.type):
+            memory = to_autocast_dtype(memory)
+        else:
+            memory = memory.to(hidden_states.dtype)
         key = self.key_norm(self.key_proj(memory))
-        score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / math.sqrt(
-            hidden_states.shape[-1]
-        )
-        score = score.to(torch.float32)
-        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt()).to(
-            hidden_states.dtype
-        )
-        value = gate * self.value_proj(memory)
+        score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True)
+        score = (score / math.sqrt(hidden_states.shape[-1])).to(torch.float32)
+        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp_min(1e-6).sqrt())
+        value = gate.to(hidden_states.dtype) * self.value_proj(memory)
         conv_in = self.conv_norm(value)
         if cache is None:
             window = F.pad(conv_in, (0, 0, self.kernel_size - 1, 0))
@@ -1012,7 +846,7 @@ class SpiderEngram(nn.Module):
 
 
 class SpiderDecoderLayer(GradientCheckpointingLayer):
-    """Dense pre-norm layer over bytes (prelude and coda): MLA attention + SwiGLU.
+    """Dense pre-norm layer over bytes (prelude and coda): MLA attention + SwiGLU,
     `(B, L, D) -> (B, L, D)`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int):
@@ -1030,21 +864,19 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
 
 
 class SpiderRecurrentLayer(GradientCheckpointingLayer):
-    """One layer of the looped block over segments: (Engram memory) + MLA attention + MoE, pre-norm.
+    """One layer of the looped block over segments, pre-norm: (Engram memory) + MLA + MoE.
 
-    Forward args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`,
+    Args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`,
     `position_embeddings`, `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64
-    `(N,)` rows to route (None: all), `engram_memory` `(B, S, M)` or None, `row_weights`
-    (:class:`RowWeights` of the `B*S` rows, when `segment_index` is None) or None; keyword `cache`.
-    Returns `(hidden_states, router_logits (N, E), expert_load (E,), mean_scores (E,))` (see
-    :class:`SpiderMoE`)."""
+    `(N,)` (the rows to route; None: all), `engram_memory` `(B, S, M)` or None, `row_weights` of the
+    `B*S` rows or None; keyword `cache`. Returns `(hidden_states, router_logits (N, E),
+    expert_load (E,), mean_scores (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.engram = (
-            SpiderEngram(config, memory_size) if layer_idx in config.engram_layer_ids else None
-        )
+        has_engram = layer_idx in config.engram_layer_ids
+        self.engram = SpiderEngram(config, memory_size) if has_engram else None
         self.input_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = SpiderAttention(config, layer_idx)
         self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -1060,18 +892,15 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache
         )[0]
         normed = self.post_attention_layernorm(hidden_states)
-        # Routed rows packed by index (gather / scatter-add): no boolean mask, so no host sync
-        # inside the loop.
+        # routed rows packed by index (gather / scatter-add): no boolean mask, no host sync
         flat = normed.reshape(-1, normed.shape[-1])
         rows = flat if segment_index is None else flat.index_select(0, segment_index)
-        # nothing to route (every segment has exited, SpiderConfig.act_early_exit)
-        if rows.shape[0] == 0:
+        if rows.shape[0] == 0:  # every segment has exited (act_early_exit)
             E = self.mlp.num_experts
             zeros = rows.new_zeros(E, dtype=torch.float32)
             return hidden_states, rows.new_zeros(0, E, dtype=torch.float32), zeros, zeros
-        moe_out, router_logits, expert_load, mean_scores = self.mlp(
-            rows, row_weights if segment_index is None else None
-        )
+        row_weights = row_weights if segment_index is None else None
+        moe_out, router_logits, expert_load, mean_scores = self.mlp(rows, row_weights)
         if segment_index is not None:
             moe_out = torch.zeros_like(flat).index_add(0, segment_index, moe_out)
         hidden_states = hidden_states + moe_out.view_as(hidden_states)
@@ -1084,17 +913,14 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
 
 class SpiderBoundaryPredictor(nn.Module):
-    """FlexiTokens boundary predictor (arXiv 2507.12720 §3): `Linear(D, D) -> GELU -> Linear(D, 1)`
-    per byte.
-
-    `boundary_mode`: ``"hard"`` (H-Net, arXiv 2507.07955): `sigmoid(logit) > boundary_threshold`,
-    straight-through; ``"relaxed"`` (FlexiTokens): relaxed-Bernoulli samples in training;
-    ``"fixed"``: every `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` (Nawrot et al.
-    2023, arXiv 2211.09761) only the teacher's loss trains it.
+    """FlexiTokens boundary predictor (arXiv 2507.12720 §3), `Linear(D, D) -> GELU -> Linear(D, 1)`
+    per byte, in fp32. `boundary_mode` ``"hard"`` (H-Net): `sigmoid(logit) > boundary_threshold`,
+    straight-through; ``"relaxed"``: relaxed-Bernoulli samples in training; ``"fixed"``: every
+    `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` only the teacher's loss trains it
+    (on detached states).
 
     Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)`
-    int64 or None. Returns `(boundaries, probs)`, both fp32 `(B, L)`; boundaries are exactly 0/1 in
-    value."""
+    int64 or None. Returns `(boundaries, probs)`, fp32 `(B, L)`, boundaries 0/1 in value."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1114,28 +940,20 @@ class SpiderBoundaryPredictor(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None):
-        # With a teacher: a supervised classifier on detached states, without a straight-through
-        # gradient.
         supervised = self.config.boundary_teacher is not None
         logits = self.logits(hidden_states.detach() if supervised else hidden_states)
         probs = torch.sigmoid(logits)
         if self.mode == "fixed":
             if position_ids is None:
-                position_ids = torch.arange(
-                    hidden_states.shape[1], device=hidden_states.device
-                ).expand_as(probs)
+                position_ids = torch.arange(probs.shape[1], device=probs.device).expand_as(probs)
             boundaries = ((position_ids + 1) % self.stride == 0).to(torch.float32)
         elif self.training and self.mode == "relaxed":
-            # RelaxedBernoulli's sample, built from its parts: a float temperature and no argument
-            # validation (a tensor made from host data and the validation's `.all()` are host syncs
-            # on an accelerator; RelaxedBernoulli does not pass `validate_args` on to its base
-            # distribution)
+            # RelaxedBernoulli's sample from its parts: no argument validation (a host sync)
             logit_sample = torch.distributions.relaxed_bernoulli.LogitRelaxedBernoulli(
                 self.temperature, logits=logits, validate_args=False
             ).rsample()
             soft = torch.distributions.transforms.SigmoidTransform()(logit_sample)
             boundaries = (soft > 0.5).to(soft.dtype)
-            # exactly 0/1 in value
             boundaries = boundaries if supervised else boundaries + (soft - soft.detach())
         elif self.training and not supervised:
             boundaries = (probs > self.threshold).to(torch.float32) + (probs - probs.detach())
@@ -1147,41 +965,32 @@ class SpiderBoundaryPredictor(nn.Module):
 
 
 def downsample(
-    boundaries: torch.Tensor,
-    hidden_states: torch.Tensor,
-    null_group: torch.Tensor | None,
-    token_mask: torch.Tensor | None = None,
-    pad_to_multiple_of: int = 1,
+    boundaries: torch.Tensor, hidden_states: torch.Tensor, null_group: torch.Tensor | None,
+    token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean-pool bytes into the segments their boundaries close (FlexiTokens / Nawrot et al. 2023);
-    the open tail is dropped, padding never enters a mean, `null_group` (zeros if None) is segment
-    0, no gradient reaches `boundaries`.
+    """Mean-pool bytes into the segments their boundaries close (Nawrot et al. 2023); the open tail
+    is dropped, padding never enters a mean, no gradient reaches `boundaries`.
 
     Args:
-        boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`. null_group: `(D,)` or
-            None.
-        token_mask: `(B, L)` bool or None. pad_to_multiple_of: round the segment axis `1+S` up to a
-            multiple of this.
+        boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`.
+        null_group: `(D,)`, segment 0 (None: zeros). token_mask: `(B, L)` bool or None.
+        pad_to_multiple_of: round the segment axis `1+S` up to a multiple of this.
     Returns:
         `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)`, S the most
-            closed segments of
-        any row (rounded up); shorter rows are right-padded with zeros.
+        closed segments of any row (rounded up); shorter rows right-padded with zeros.
     """
     B, L, D = hidden_states.shape
     hard = boundaries.detach()
     cum_inclusive = hard.cumsum(dim=1)
-    # segment holding byte l (0-based among closed segments)
-    segment_idx = (cum_inclusive - hard).long()
+    segment_idx = (cum_inclusive - hard).long()  # the segment holding byte l
     n_closed = cum_inclusive[:, -1].long() if L > 0 else boundaries.new_zeros(B).long()
     closed = int(n_closed.max()) if B > 0 and L > 0 else 0  # the forward's one host sync
-    # 1 + S a multiple of pad_to_multiple_of
     S = -(-(closed + 1) // pad_to_multiple_of) * pad_to_multiple_of - 1
     inside = segment_idx < n_closed[:, None]
     if token_mask is not None:
         inside = inside & token_mask
     weight = inside.to(torch.float32)
-    # No closed segment: an empty slice of the bytes keeps a (zero) gradient upstream, which FSDP2
-    # needs on every rank.
+    # an empty slice of the bytes keeps a (zero) gradient upstream, which FSDP2 needs on every rank
     pooled = hidden_states[:, :0]
     if closed > 0:
         index = segment_idx.clamp(max=S - 1)
@@ -1192,9 +1001,7 @@ def downsample(
             1, index, weight
         )
         pooled = (sums / counts.clamp_min(1e-6)[..., None]).to(hidden_states.dtype)
-    # no segment closed, but the axis is padded: zeros tied to the bytes (their gradient stays
-    # defined)
-    elif S > 0:
+    elif S > 0:  # no segment closed but the axis is padded: zeros tied to the bytes
         pooled = torch.cat([pooled, hidden_states.new_zeros(B, S, D)], dim=1)
     null = hidden_states.new_zeros(D) if null_group is None else null_group.to(hidden_states.dtype)
     segments = torch.cat([null.expand(B, 1, D), pooled], dim=1)
@@ -1204,9 +1011,8 @@ def downsample(
 
 def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """Byte l reads the last segment closed at or before l (segment 0 before the first), times the
-    confidence of its own decision (`b` or `1 - b`: 1 in value, a per-byte boundary gradient; H-Net,
-    arXiv 2507.07955 §2.2). `boundaries` `(B, L)` 0/1 float, `segments` `(B, 1+S, D)` ->
-    `(B, L, D)`."""
+    confidence of its own decision (1 in value, a boundary gradient; H-Net §2.2). `boundaries`
+    `(B, L)` 0/1 float, `segments` `(B, 1+S, D)` -> `(B, L, D)`."""
     hard = boundaries.detach()
     index = hard.cumsum(dim=1).long()
     confidence = torch.where(hard > 0, boundaries, 1.0 - boundaries).to(segments.dtype)
@@ -1217,9 +1023,8 @@ def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
 def boundary_rate_loss(
     boundaries: torch.Tensor, token_mask: torch.Tensor | None, config: SpiderConfig
 ):
-    """FlexiTokens' hinge on the boundary rate r (boundaries per real byte; `token_mask` `(B, L)`
-    bool, None: every byte is real): `relu(r - prior) + relu(prior - k*std - r)`. Returns
-    `(loss, rate)`, fp32 scalars."""
+    """FlexiTokens' hinge on the boundary rate r per real byte, `relu(r - prior) +
+    relu(prior - k*std - r)`. Returns `(loss, rate)`, fp32 scalars."""
     if token_mask is None:
         rate = boundaries.sum() / max(boundaries.numel(), 1)
     else:
@@ -1229,25 +1034,22 @@ def boundary_rate_loss(
 
 
 def word_bytes(input_ids: torch.LongTensor) -> torch.Tensor:
-    """SpaceByte's word bytes (Slagle 2024, arXiv 2404.14408 §2): ASCII letters, digits and UTF-8
-    continuation bytes; every other byte and special id is *spacelike*. `input_ids` int64 `(B, L)`
-    -> bool `(B, L)`."""
+    """SpaceByte's word bytes (Slagle 2024, §2): ASCII letters and digits and UTF-8 continuation
+    bytes; the rest is spacelike. int64 `(B, L)` -> bool `(B, L)`."""
     ids = input_ids
     return (((ids >= 48) & (ids <= 57)) | ((ids >= 65) & (ids <= 90)) | ((ids >= 97) & (ids <= 122))
             | ((ids >= 0x80) & (ids <= 0xBF)))
 
 
 def spacelike_boundaries(input_ids: torch.LongTensor) -> torch.Tensor:
-    """SpaceByte's word boundaries (Slagle 2024, arXiv 2404.14408 §2),
-    ``boundary_teacher="spacelike"``: a spacelike byte right after a word byte closes a segment.
-    `input_ids` int64 `(B, L)` -> fp32 `(B, L)`, exactly 0/1."""
+    """SpaceByte's word boundaries: a spacelike byte right after a word byte closes a segment.
+    int64 `(B, L)` -> fp32 `(B, L)`, 0/1."""
     word_byte = word_bytes(input_ids)
     previous = F.pad(word_byte[:, :-1], (1, 0), value=False)
     return (~word_byte & previous).to(torch.float32)
 
 
-#: `boundary_teacher` name -> rule, `input_ids (B, L) -> fp32 0/1 boundaries (B, L)`
-#: (``BOUNDARY_TEACHERS``)
+#: `boundary_teacher` -> rule, `input_ids (B, L) -> fp32 0/1 boundaries (B, L)`
 BOUNDARY_TEACHER_RULES = {"spacelike": spacelike_boundaries}
 
 
@@ -1256,8 +1058,11 @@ def boundary_teacher_loss(
     teacher: str,
 ) -> torch.Tensor:
     """Class-balanced BCE of `boundary_probs` fp32 `(B, L)` against the `teacher`'s segmentation of
-    `input_ids` (Nawrot et al. 2023, arXiv 2211.09761 §3.2; docs/design.md, "Segmentation"), over
-    `token_mask`. fp32 scalar. Raises: ValueError for an unknown teacher."""
+    `input_ids` over `token_mask` (Nawrot et al. 2023 §3.2). fp32 scalar.
+
+    Raises:
+        ValueError: an unknown teacher.
+    """
     if teacher not in BOUNDARY_TEACHER_RULES:
         raise ValueError(
             f"unknown boundary_teacher {teacher!r}; known: {sorted(BOUNDARY_TEACHER_RULES)}"
@@ -1273,9 +1078,7 @@ def boundary_teacher_loss(
 
 class SpiderFlexiTokens(nn.Module):
     """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`chunk_step`) and
-    segments -> bytes (:meth:`dechunk`, :meth:`dechunk_step`). Holds `boundary_predictor`,
-    `null_group` (segment 0), `down_norm` and, per `config.upsample_mixing`, `upsample_norm` /
-    `residual_proj`."""
+    segments -> bytes (:meth:`dechunk`, :meth:`dechunk_step`)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1295,10 +1098,9 @@ class SpiderFlexiTokens(nn.Module):
         self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor,
         position_ids: torch.LongTensor, pad_to_multiple_of: int = 1,
     ):
-        """Chunk: `x` `(B, L, D)`, `memory` `(B, L, M)`, `byte_mask` `(B, L)` bool, `position_ids`
-        `(B, L)`. Returns `(boundaries (B, L) fp32, boundary_probs (B,
-        L) fp32, segments (B, 1+S, D) normed, segment_memory (B, 1+S, M), segment_mask (B,
-        1+S) bool)`."""
+        """Chunk `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries,
+        boundary_probs` fp32 `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory
+        (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
@@ -1309,20 +1111,16 @@ class SpiderFlexiTokens(nn.Module):
         return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
-        """What each segment `(B, S, D)` hands back to the bytes, per `upsample_mixing`:
-        `upsample_norm(h_out)`, a weightless RMSNorm (``"rms_matched"``) or `h_out`; normed before
-        :func:`upsample`."""
+        """What each segment `(B, S, D)` hands back to the bytes, per `upsample_mixing`."""
         if self.mixing == "rms_matched":
             return F.rms_norm(h_out, (h_out.shape[-1],), eps=self.eps)
-        return (
-            self.upsample_norm(h_out) if self.mixing in ("residual_proj", "scaled_norm") else h_out
-        )
+        if self.mixing in ("residual_proj", "scaled_norm"):
+            return self.upsample_norm(h_out)
+        return h_out
 
     def mix(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The coda's input from `upsampled` and the byte states `x`, both `(B, L, D)`:
-        ``"rms_matched"`` `x + upsample_rms_ratio * rms(x) * upsampled` (`rms(x)` detached),
-        ``"residual_proj"`` `upsampled + residual_proj(x)`, else `upsampled + x` (docs/design.md,
-        "Mixing the global path into the bytes")."""
+        """The coda's input from `upsampled` and the byte states `x`, both `(B, L, D)`
+        (docs/design.md, "Mixing the global path into the bytes")."""
         if self.mixing == "rms_matched":
             rms = x.detach().to(torch.float32).pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
             return x + (self.rms_ratio * rms).to(x.dtype) * upsampled
@@ -1333,15 +1131,13 @@ class SpiderFlexiTokens(nn.Module):
     def dechunk(
         self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
-        """Segments -> bytes: byte l reads the last segment closed at or before l
-        (:func:`upsample`), mixed with its own state. `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)`
-        fp32, `x` `(B, L, D)` -> `(B, L, D)` in `x.dtype`."""
+        """Segments -> bytes: `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)`
+        -> `(B, L, D)` in `x.dtype`."""
         return self.mix(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
 
     def chunk_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
-        """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns
-        `(boundary (B, 1) fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B,
-        1, M))`."""
+        """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns `(boundary (B, 1)
+        fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B, 1, M))`."""
         boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
         open_sum = cache.open_sum + x[:, 0].to(torch.float32)
         open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
@@ -1350,16 +1146,13 @@ class SpiderFlexiTokens(nn.Module):
         segment = self.down_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
         segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
         keep = (~closing).to(torch.float32)
-        cache.open_sum, cache.open_memory_sum = (
-            open_sum * keep[:, None],
-            open_memory_sum * keep[:, None],
-        )
+        cache.open_sum = open_sum * keep[:, None]
+        cache.open_memory_sum = open_memory_sum * keep[:, None]
         cache.open_count = open_count * keep
         return boundary, closing, segment, segment_memory
 
     def dechunk_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
-        """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed as
-        :meth:`dechunk`."""
+        """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed."""
         return self.mix(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
 
 
@@ -1369,11 +1162,10 @@ class SpiderFlexiTokens(nn.Module):
 
 
 class SpiderLoopAdapter(nn.Module):
-    """Per-loop low-rank adapter (OpenMythos' form of Relaxed Recursive Transformers' depth-wise
-    LoRA) `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`: `lora_A` `(r, D)` and
-    `lora_B` `(D, r)` shared by the loops, one scale vector per loop; `lora_B` starts at zero; loops
-    past `max_loop_iters` reuse the last scale. A part of the model, not a PEFT adapter
-    (``config.loop_adapter_rank``; the parameter names are those of every release)."""
+    """Per-loop low-rank adapter (Relaxed Recursive Transformers' depth-wise LoRA, OpenMythos' form)
+    `z -> lora_B(loop_scale[t] * lora_A(z))`, `(B, S, D) -> (B, S, D)`: `lora_A` `(r, D)` and
+    `lora_B` `(D, r)` shared by the loops, one scale per loop (loops past `max_loop_iters` reuse the
+    last). Part of the model, not a PEFT adapter (``config.loop_adapter_rank``)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1391,8 +1183,8 @@ class SpiderLoopAdapter(nn.Module):
 
 class SpiderLTIInjection(nn.Module):
     """Stable linear time-invariant update (Parcae / OpenMythos): `h = A*h + B*e + z` per channel,
-    with `A = exp(-exp(log_dt + log_A))` strictly inside (0, 1). Shapes `(B, S, D)`.
-    """
+    `A = exp(-exp(log_dt + log_A))` in (0, 1), computed in fp32 (a decay near 1 rounds to 1 in
+    bf16). Shapes `(B, S, D)`, returned in `h.dtype`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1401,19 +1193,17 @@ class SpiderLTIInjection(nn.Module):
         self.B = nn.Parameter(torch.empty(config.hidden_size))
 
     def decay(self) -> torch.Tensor:
-        """A, fp32 `(D,)`, strictly in (0, 1)."""
+        """A, fp32 `(D,)`."""
         return torch.exp(-torch.exp((self.log_dt + self.log_A).to(torch.float32).clamp(-10.0, 4.0)))
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """`A * h` in fp32 (a decay near 1 would round to 1 in bf16). Returns `h.dtype`."""
-        f32 = torch.float32  # a no-op for fp32 activations: the same operations in the same order
+        f32 = torch.float32
         return (self.decay() * h.to(f32) + self.B.to(f32) * e.to(f32) + z.to(f32)).to(h.dtype)
 
 
 class ACTState(NamedTuple):
-    """Adaptive computation time state per segment (Graves 2016, arXiv 1603.08983), fp32 `(B, S)`:
-    the halting probability accumulated so far, the remainder paid at the halting loop, and the
-    loops run (`n_updates`); the ponder cost is `n_updates + remainders`."""
+    """Adaptive computation time state per segment (Graves 2016), fp32 `(B, S)`: the accumulated
+    halting probability, the remainder paid at the halting loop and the loops run."""
 
     halting_prob: torch.Tensor
     remainders: torch.Tensor
@@ -1421,15 +1211,12 @@ class ACTState(NamedTuple):
 
 
 class SpiderHaltingStep(nn.Module):
-    """One loop of ACT (Graves 2016; OpenMythos' loop form) and its share of the block's output:
-    `p = sigmoid(halt_logits)`; a segment accumulates `p` until `threshold`, then halts with the
-    remainder (every segment halts at the last loop, so its weights sum to 1); `h_out + w * h` in
-    fp32. A parameterless module so that regional compilation compiles these elementwise ops as one
-    region.
+    """One loop of ACT (Graves 2016, OpenMythos' loop form): `p = sigmoid(halt_logits)`; a segment
+    accumulates `p` until `threshold`, then halts with the remainder (all halt at the last loop, so
+    a segment's weights sum to 1). Parameterless, so regional compilation makes it one region.
 
-    Args: `halt_logits` `(B, S)`, `h` `(B, S, D)`, `h_out` fp32 `(B, S, D)`, `state`
-    (:class:`ACTState`), `threshold`, `is_last`. Returns `(h_out, state, weight)`: the new sum, the
-    new state and this loop's weight fp32 `(B, S)`."""
+    Args: `halt_logits` `(B, S)`, `h` `(B, S, D)`, `h_out` fp32 `(B, S, D)`, `state`, `threshold`,
+    `is_last`. Returns `(h_out + weight * h, new state, weight fp32 (B, S))`."""
 
     def forward(
         self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
@@ -1455,10 +1242,9 @@ class SpiderHaltingStep(nn.Module):
 
 
 class SpiderRecurrentBlockOutput(NamedTuple):
-    """What :class:`SpiderRecurrentBlock` returns: `h_out` fp32 `(B, S, D)` (ACT-weighted sum of the
-    loops' states), `act` (:class:`ACTState` after the last loop), per (loop, layer) the MoE's
-    `expert_loads` and `mean_scores` `(E,)` and, when asked for, `router_logits` `(N, E)` and each
-    loop's ACT weight `loop_weights` `(B, S)` (detached)."""
+    """`h_out` fp32 `(B, S, D)` (the ACT-weighted sum of the loops' states), `act` after the last
+    loop, per (loop, layer) the MoE's `expert_loads` and `mean_scores` `(E,)` and, when asked for,
+    `router_logits` `(N, E)` and per loop the ACT weights `loop_weights` `(B, S)` (detached)."""
 
     h_out: torch.Tensor
     act: ACTState
@@ -1470,15 +1256,13 @@ class SpiderRecurrentBlockOutput(NamedTuple):
 
 class SpiderRecurrentBlock(nn.Module):
     """The looped block over segments (Huginn / OpenMythos), weights shared across loops: the loop
-    of the module docstring's map. Loops past `max_loop_iters` reuse the last loop embedding and
-    LoRA scale."""
+    of the module docstring's map. Loops past `max_loop_iters` reuse the last loop embedding."""
 
     def __init__(self, config: SpiderConfig, memory_size: int):
         super().__init__()
         D = config.hidden_size
         self.max_loop_iters = config.max_loop_iters
-        # act_early_exit is read at each forward (model.config.act_early_exit = True works)
-        self.config = config
+        self.config = config  # act_early_exit is read at each forward
         self.act_threshold = config.act_threshold
         self.loop_embedding = nn.Embedding(config.max_loop_iters, D)
         self.loop_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
@@ -1489,34 +1273,25 @@ class SpiderRecurrentBlock(nn.Module):
         self.injection = SpiderLTIInjection(config)
         self.halt_predictor = nn.Linear(D, 1, dtype=torch.float32)
         self.halting_step = SpiderHaltingStep()
-        # read by SpiderPreTrainedModel._init_weights (this block holds no parameters of its own)
-        self.halt_predictor.bias_init = config.halt_bias_init
+        self.halt_predictor.bias_init = config.halt_bias_init  # read by _init_weights
 
     def forward(
-        self,
-        segments: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        segment_index: torch.Tensor | None,
-        engram_memory: torch.Tensor,
-        n_loops: int,
-        cache: "SpiderCache | None" = None,
-        output_router_logits: bool = False,
-        segment_mask: torch.Tensor | None = None,
+        self, segments: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None, segment_index: torch.Tensor | None,
+        engram_memory: torch.Tensor, n_loops: int, cache: "SpiderCache | None" = None,
+        output_router_logits: bool = False, segment_mask: torch.Tensor | None = None,
     ) -> SpiderRecurrentBlockOutput:
-        """`segments` `(B, S, D)`, their RoPE, `attention_mask` bool `(B, 1, S, S_keys)` or None,
-        `segment_index` int64 `(N,)` (None: all), `engram_memory` `(B, S, M)`, `n_loops`, `cache`,
-        `segment_mask` `(B, S)` bool or None."""
+        """`segments` `(B, S, D)` and their RoPE, `attention_mask` bool `(B, 1, S, S_keys)` or
+        None, `segment_index` int64 `(N,)` (the rows to route; None: all), `engram_memory`
+        `(B, S, M)`, `segment_mask` `(B, S)` bool (rows routed with weight 1) or None."""
         e = segments
         B, S, D = e.shape
-        # read by the Engram layers in every loop: cast once
-        engram_memory = to_autocast_dtype(engram_memory)
+        engram_memory = to_autocast_dtype(engram_memory)  # read by every loop: cast once
         h = e
         act = ACTState(*(torch.zeros(B, S, dtype=torch.float32, device=e.device) for _ in range(3)))
         h_out = torch.zeros(B, S, D, dtype=torch.float32, device=e.device)
         expert_loads, mean_scores, router_logits, loop_weights = [], [], [], []
-        # through the embedding's forward (hooks such as accelerate's offloading load its weight
-        # there), once
+        # once, through the embedding's forward (where offloading hooks load its weight)
         loop_ids = torch.arange(n_loops, device=e.device).clamp(max=self.max_loop_iters - 1)
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
@@ -1524,25 +1299,22 @@ class SpiderRecurrentBlock(nn.Module):
         row_weights = None if segment_mask is None else RowWeights.of(
             segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
-            real = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(
-                0, segment_index, True
-            )
+            real = torch.zeros(B * S, dtype=torch.bool, device=e.device)
+            real = real.index_fill(0, segment_index, True)
         for t in range(n_loops):
             if early_exit and t > 0:
-                # ACT exit: halted segments keep their state and leave the MoE but still serve
-                # keys and values; without a cache the loop stops once every segment has halted.
+                # halted segments keep their state and serve keys and values but leave the MoE;
+                # without a cache the loop stops once every segment has halted
                 running = act.halting_prob < self.act_threshold
                 if cache is None and not bool(running.any()):
                     break
-                keep = (
-                    running.reshape(-1) if segment_index is None else running.reshape(-1) & real
-                )
+                keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
                 routed = keep.nonzero().squeeze(1)
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, load, scores = layer(
-                    z, position_embeddings, attention_mask, routed, engram_memory,
-                    row_weights, cache=cache.recurrent[t][i] if cache is not None else None,
+                    z, position_embeddings, attention_mask, routed, engram_memory, row_weights,
+                    cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 expert_loads.append(load)
                 mean_scores.append(scores)
@@ -1550,18 +1322,16 @@ class SpiderRecurrentBlock(nn.Module):
                     router_logits.append(logits)
             z = z + self.loop_lora(z, t)
             h_next = self.injection(h, e, z)
-            # exited segments stay
             h = h_next if running is None else torch.where(running[..., None], h_next, h)
-            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(
-                -1
-            )
+            halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
             h_out, act, weight = self.halting_step(
-                halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1,
+                halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1
             )
             if output_router_logits:
                 loop_weights.append(weight.detach())
-        return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits,
-                                          loop_weights)
+        return SpiderRecurrentBlockOutput(
+            h_out, act, expert_loads, mean_scores, router_logits, loop_weights
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1572,9 +1342,8 @@ class SpiderRecurrentBlock(nn.Module):
 def write_segment_slots(
     cache: "SpiderCache", buffer: torch.Tensor, new: torch.Tensor, dim: int
 ) -> torch.Tensor:
-    """Write `new` (one segment per row along `dim`) into `buffer` at each row's slot
-    `cache.segment_write_index` `(B,)`, growing `buffer` to `cache.segment_slots` along `dim` first
-    (zeros)."""
+    """`buffer` grown (zeros) to `cache.segment_slots` along `dim`, with `new` (one segment per
+    row) written at each row's slot `cache.segment_write_index` `(B,)`."""
     slots = cache.segment_slots
     if buffer.shape[dim] < slots:
         grow = list(buffer.shape)
@@ -1584,11 +1353,18 @@ def write_segment_slots(
     return buffer.scatter(dim, index, new)
 
 
+def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
+    """Replace each tensor attribute `names` of `holder` (None skipped) by its batch rows `rows`."""
+    for name in names:
+        if getattr(holder, name) is not None:
+            setattr(holder, name, getattr(holder, name).index_select(0, rows))
+
+
 class SpiderLayerCache:
-    """One recurrent layer's cache for one loop: keys `(B, H, S, qk_head_dim)` and values
-    `(B, H, S, v_head_dim)` (post-RoPE) and Engram conv inputs `(B, S, D)` per segment slot; a
-    decode step writes row b at ``segment_write_index[b]`` (rows close segments at different
-    bytes, which no transformers cache layer can say)."""
+    """One recurrent layer's cache for one loop: keys `(B, H, S, qk_head_dim)`, values
+    `(B, H, S, v_head_dim)` (post-RoPE) and Engram conv inputs `(B, S, D)` per segment slot. A
+    decode step writes row b at ``segment_write_index[b]``: rows close segments at different bytes,
+    which no transformers cache layer can express."""
 
     def __init__(self, cache: "SpiderCache"):
         self.cache = cache
@@ -1598,15 +1374,13 @@ class SpiderLayerCache:
         return new if buffer is None else write_segment_slots(self.cache, buffer, new, dim)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's `keys`/`values` `(B, H, T, d)`; return every key/value the queries may
-        attend to."""
+        """Store `keys`/`values` `(B, H, T, d)`; return every key/value the queries may see."""
         self.keys = self._write(self.keys, keys, dim=2)
         self.values = self._write(self.values, values, dim=2)
         return self.keys, self.values
 
     def conv_window(self, conv_inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
-        """Causal window of the Engram short convolution: `(B, S, D)` ->
-        `(B, kernel_size - 1 + S, D)`."""
+        """The Engram convolution's causal window: `(B, S, D)` -> `(B, kernel_size - 1 + S, D)`."""
         first = self.conv_inputs is None
         self.conv_inputs = self._write(self.conv_inputs, conv_inputs, dim=1)
         if first:
@@ -1619,17 +1393,14 @@ class SpiderLayerCache:
         return window * (positions >= 0)[..., None].to(window.dtype)
 
     def select_rows(self, rows: torch.LongTensor) -> None:
-        """Keep batch rows `rows` `(B,)` int64 of every cached tensor (beam search reorders beams
-        this way)."""
         _select_rows(self, ("keys", "values", "conv_inputs"), rows)
 
 
 class SpiderRecurrentLayerCache(CacheLayerMixin):
-    """The transformers cache layer of one recurrent layer: its :class:`SpiderLayerCache` of each
-    loop (`loops`), so that a :class:`SpiderCache` holds one layer per model layer. The model writes
-    the loops' caches directly; ``update`` is not used."""
+    """The transformers cache layer of one recurrent layer: its :class:`SpiderLayerCache` per loop
+    (`loops`). The model writes the loops' caches directly."""
 
-    is_croppable = True  # its slots stay on crop: the mask hides stale ones, the next write replaces
+    is_croppable = True  # stale slots stay: the mask hides them and the next write replaces them
 
     def __init__(self, loops: list[SpiderLayerCache]):
         super().__init__()
@@ -1639,7 +1410,9 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update")
+        raise NotImplementedError(
+            "a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update"
+        )
 
     def get_seq_length(self) -> int:
         """Segment slots held (the null group included)."""
@@ -1660,58 +1433,47 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
 
-def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
-    """Replace each tensor attribute `names` of `holder` (None ones skipped) by its batch rows
-    `rows`."""
-    for name in names:
-        if getattr(holder, name) is not None:
-            setattr(holder, name, getattr(holder, name).index_select(0, rows))
-
-
 class SpiderCache(Cache):
-    """Incremental-decoding state of :class:`SpiderModel`, a transformers
-    :class:`~transformers.Cache` (crop, beam reordering; not compileable). Byte layers cache per
-    byte; the recurrent block keeps one :class:`SpiderLayerCache` per loop and layer and runs when a
-    byte closes a segment. A per-byte record rebuilds the rest (:meth:`restore`). Valid for the
+    """Incremental-decoding state of :class:`SpiderModel`, a transformers ``Cache`` with one layer
+    per model layer (crop, beam reordering; not compileable). The recurrent block runs when a byte
+    closes a segment; a per-byte record rebuilds the rest (:meth:`restore`). Valid for the
     ``n_loops`` it was built with (docs/design.md, "Generation cache")."""
+
+    RECORD = ("input_ids", "byte_states", "byte_memory", "boundaries")
+    ROW_STATE = ("byte_mask", "segment_outputs", "byte_positions", "open_sum", "open_memory_sum",
+                 "open_count", "num_segments", "last_segment_output")
 
     def __init__(self, config: SpiderConfig, n_loops: int):
         self.config = config
         self.n_loops = n_loops
-        # one transformers cache layer per model layer: the byte layers' DynamicLayer, the recurrent
-        # layers' per-loop segment caches; `recurrent[t][i]` is loop t's cache of recurrent layer i
         self.prelude = [DynamicLayer() for _ in range(config.num_prelude_layers)]
         self.coda = [DynamicLayer() for _ in range(config.num_coda_layers)]
+        # recurrent[t][i]: loop t's cache of recurrent layer i
         self.recurrent = [[SpiderLayerCache(self) for _ in range(config.num_recurrent_layers)]
                           for _ in range(n_loops)]
         recurrent_layers = [SpiderRecurrentLayerCache([loop[i] for loop in self.recurrent])
                             for i in range(config.num_recurrent_layers)]
         super().__init__(layers=[*self.prelude, *recurrent_layers, *self.coda])
-        self.seen_bytes = 0  # columns of input_ids consumed so far, padding included
+        self.seen_bytes = 0  # columns of input_ids consumed, padding included
         self.byte_mask = None  # (B, n) bool, or None while no column is padding
-        # the per-byte record (RECORD): (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32; buffers
-        # grow by doubling
+        # RECORD's (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32, in buffers that double
         self.record = dict.fromkeys(self.RECORD)
         self.record_length = 0
-        # (B, slots, D) fp32: recurrent output of each closed segment (slot 0: null group)
-        self.segment_outputs = None
-        # derived from the record by restore()
-        # (B,) int64: RoPE position of the next byte (= real bytes so far)
+        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null group)
+        # derived from the record by restore(): (B,) int64 RoPE position of the next byte
         self.byte_positions = None
         self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
         self.num_segments = None  # (B,) int64: closed segments (the null group excluded)
-        self.last_segment_output = None  # (B, D) fp32: recurrent output of the last closed segment
+        self.last_segment_output = None  # (B, D) fp32
         self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
         self.segment_slots = 0
-
-    RECORD = ("input_ids", "byte_states", "byte_memory", "boundaries")
 
     def _recorded(name: str):  # noqa: N805 (a property factory used in the class body)
         return property(
             lambda self: (
                 None if self.record[name] is None else self.record[name][:, : self.record_length]
             ),
-            doc=f"The record's {name}: the first `record_length` columns of its buffer (read-only).",
+            doc=f"The record's {name}: the first `record_length` columns of its buffer.",
         )
 
     input_ids, byte_states = _recorded("input_ids"), _recorded("byte_states")
@@ -1726,40 +1488,35 @@ class SpiderCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False  # grows per byte and per segment; no static shapes
+        return False  # grows per byte and per segment
 
     @property
     def is_croppable(self) -> bool:
         return True
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last `-tokens_to_remove` bytes (transformers' convention: 0 or negative), as
-        if never seen.
+        """Forget the last `-tokens_to_remove` bytes (0 or negative, transformers' convention).
 
-        Raises: ValueError for a positive value, or one that removes more bytes than the cache
-        holds."""
+        Raises:
+            ValueError: a positive value, or more bytes than the cache holds.
+        """
         if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): pass minus the number of bytes to remove (0 or negative)"
-            )
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of bytes to remove "
+                             "(0 or negative)")
         keep = self.seen_bytes + tokens_to_remove
         if tokens_to_remove == 0 or self.seen_bytes == 0:
             return
         if keep < 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}) removes more bytes than the cache holds ({self.seen_bytes})"
-            )
+            raise ValueError(f"crop({tokens_to_remove}) removes more bytes than the cache holds "
+                             f"({self.seen_bytes})")
         if keep == 0:
-            self.reset()
-            return
+            return self.reset()
         for layer in self.prelude + self.coda:
             layer.crop(keep - self.seen_bytes)
         self.record_length = keep
         self.byte_mask = None if self.byte_mask is None else self.byte_mask[:, :keep]
         self.seen_bytes = keep
-        # Recurrent caches keep their slots: the mask hides stale ones and the next segment
-        # overwrites them.
-        self.restore()
+        self.restore()  # recurrent caches keep their slots (see SpiderRecurrentLayerCache)
 
     def reset(self) -> None:
         """Empty the cache (the next forward is a prefill)."""
@@ -1769,31 +1526,21 @@ class SpiderCache(Cache):
         """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
         for layer in self.layers:
             layer.batch_select_indices(indices)
-        _select_rows(
-            self,
-            (
-                "byte_mask", "segment_outputs", "byte_positions", "open_sum", "open_memory_sum",
-                "open_count", "num_segments", "last_segment_output",
-            ),
-            indices,
-        )
+        _select_rows(self, self.ROW_STATE, indices)
         self.record = {
             name: None if t is None else t.index_select(0, indices)
             for name, t in self.record.items()
         }
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep rows `beam_idx` `(B,)` int64 (beam search)."""
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row `repeats` times in place (row b becomes rows b*repeats .. b*repeats +
-        repeats - 1)."""
+        """Repeat every row `repeats` times in place."""
         rows = self.num_segments.shape[0] if self.num_segments is not None else 0
         self.batch_select_indices(
             torch.arange(rows, device=self.num_segments.device).repeat_interleave(repeats)
-            if rows
-            else torch.zeros(0, dtype=torch.long)
+            if rows else torch.zeros(0, dtype=torch.long)
         )
 
     # --- what the model writes --------------------------------------------------------------------
@@ -1802,7 +1549,7 @@ class SpiderCache(Cache):
         self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs
     ) -> None:
         """After a full forward over `input_ids` `(B, n)`: the record (prelude output `(B, n, D)`,
-        Engram memory `(B, n, M)`, boundaries `(B, n)`, `byte_mask` `(B, n)` bool or None) and
+        Engram memory `(B, n, M)`, boundaries `(B, n)`), `byte_mask` `(B, n)` bool or None, and the
         segment outputs `(B, 1+S, D)` fp32."""
         self.seen_bytes = input_ids.shape[1]
         self.byte_mask = byte_mask
@@ -1815,8 +1562,8 @@ class SpiderCache(Cache):
         self.restore()
 
     def append(self, input_ids, byte_state, memory, boundary) -> None:
-        """Add one decoded byte per row to the record: ids `(B, 1)`, prelude output `(B, 1, D)`,
-        memory `(B, M)`, boundary `(B, 1)`."""
+        """Record one decoded byte per row: ids `(B, 1)`, prelude output `(B, 1, D)`, memory
+        `(B, M)`, boundary `(B, 1)`."""
         n = self.record_length
         for name, column in zip(
             self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())
@@ -1830,13 +1577,10 @@ class SpiderCache(Cache):
         self.record_length = n + 1
 
     def restore(self) -> None:
-        """Recompute the decoding state (segment counts and outputs, open-segment sums, positions)
-        from the record."""
-        byte_mask = (
-            self.byte_mask
-            if self.byte_mask is not None
-            else torch.ones_like(self.input_ids, dtype=torch.bool)
-        )
+        """Recompute segment counts and outputs, open-segment sums and positions from the record."""
+        byte_mask = self.byte_mask
+        if byte_mask is None:
+            byte_mask = torch.ones_like(self.input_ids, dtype=torch.bool)
         self.byte_positions = byte_mask.long().sum(-1)
         self.num_segments = self.boundaries.sum(-1).long()
         index = self.num_segments[:, None, None].expand(-1, 1, self.segment_outputs.shape[-1])
@@ -1850,15 +1594,14 @@ class SpiderCache(Cache):
         self.open_count = open_bytes.to(torch.float32).sum(-1)
 
     def begin_segment_step(self) -> torch.LongTensor:
-        """Point every row at the slot of its next segment (the null group is slot 0); returns it,
-        `(B,)` int64."""
+        """Point every row at its next segment's slot (slot 0 is the null group); `(B,)` int64."""
         self.segment_write_index = self.num_segments + 1
         self.segment_slots = max(self.segment_slots, int(self.segment_write_index.max()) + 1)
         return self.segment_write_index
 
     def end_segment_step(self, closing: torch.Tensor, h_out: torch.Tensor) -> None:
-        """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out` `(B, 1, D)`
-        fp32."""
+        """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out`
+        `(B, 1, D)` fp32."""
         self.segment_outputs = write_segment_slots(self, self.segment_outputs, h_out, dim=1)
         self.last_segment_output = torch.where(
             closing[:, None], h_out[:, 0], self.last_segment_output
@@ -1880,20 +1623,15 @@ class SpiderPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = True
-    # a function registered with transformers.AttentionInterface is used
     _supports_attention_backend = True
     _can_compile_fullgraph = False
-    # output_attentions=True: capture_outputs hooks every attention call and collects eager's
-    # weights.
     _can_record_outputs = {"attentions": OutputRecorder(SpiderAttention, index=1)}
     # SpiderCache crops back to accepted candidates: assisted decoding and prompt lookup work
-    # (transformers reads this).
     _is_stateful = False
 
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """transformers' ``save_pretrained``, writing the fused expert layout by default (Trainer's
-        resume reads a checkpoint with ``load_state_dict``, which knows only the fused names);
-        ``save_original_format=True`` writes the per-expert layout of older releases."""
+        """transformers' ``save_pretrained``, in the fused expert layout by default (Trainer's
+        resume reads checkpoints with ``load_state_dict``, which knows only the fused names)."""
         return super().save_pretrained(
             save_directory, *args, save_original_format=save_original_format, **kwargs
         )
@@ -1901,18 +1639,14 @@ class SpiderPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
-        if isinstance(module, SpiderRotaryEmbedding):  # transformers' own rule for rotary buffers
+        if isinstance(module, SpiderRotaryEmbedding):
             super()._init_weights(module)
         elif isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                # the halt predictor's halt_bias_init
+            if module.bias is not None:  # the halt predictor's halt_bias_init
                 init.constant_(module.bias, getattr(module, "bias_init", 0.0))
-        elif isinstance(module, nn.Embedding):
+        elif isinstance(module, (nn.Embedding, nn.Conv1d)):
             init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.Conv1d):
-            init.normal_(module.weight, mean=0.0, std=std)
-        # the per-expert nn.Linear init: every weight element N(0, std)
         elif isinstance(module, SpiderExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -1935,10 +1669,9 @@ class SpiderPreTrainedModel(PreTrainedModel):
 
 
 class SpiderBytes(NamedTuple):
-    """Where the bytes of a full forward sit: `token_mask` `(B, L)` bool or None (no padding),
-    `byte_mask` `(B, L)` bool (True for real bytes), RoPE `position_ids` `(B, L)` int64 counting
-    real bytes only (a left-padded row sees the positions it has alone), the byte layers'
-    `attention_mask` and `position_embeddings`."""
+    """The bytes of a full forward: `token_mask` `(B, L)` bool or None (no padding), `byte_mask`
+    `(B, L)` bool, RoPE `position_ids` `(B, L)` int64 counting real bytes only, and the byte
+    layers' `attention_mask` and `position_embeddings`."""
 
     token_mask: torch.Tensor | None
     byte_mask: torch.Tensor
@@ -1948,12 +1681,11 @@ class SpiderBytes(NamedTuple):
 
 
 class SpiderSegments(NamedTuple):
-    """What segmentation hands the recurrent block: `boundaries` `(B, L)` fp32 0/1 (straight-through
-    in training), `boundary_probs` `(B, L)`, `segments` `(B, 1+S, D)` normed (segment 0 the null
-    group), their Engram `memory` `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers'
-    `position_embeddings` and `attention_mask`, `segment_index` int64 `(N,)` (the rows the MoE
-    routes, None: all) and `routed_mask` (`(B, 1+S)` bool: rows routed with weight 1, the rest with
-    0; None: all)."""
+    """What segmentation hands the recurrent block: `boundaries` and `boundary_probs` `(B, L)` fp32,
+    `segments` `(B, 1+S, D)` normed (segment 0 the null group), their Engram `memory`
+    `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers' `position_embeddings` and
+    `attention_mask`, `segment_index` int64 `(N,)` (the rows the MoE routes; None: all) and
+    `routed_mask` `(B, 1+S)` bool (rows routed with weight 1, the rest 0; None: all)."""
 
     boundaries: torch.Tensor
     boundary_probs: torch.Tensor
@@ -1970,9 +1702,7 @@ class SpiderModel(SpiderPreTrainedModel):
     """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments ->
     coda (module names: docs/design.md, "Names that FP8 and PEFT rely on")."""
 
-    # Routing, boundary and halting decisions stay fp32 and unquantised; the two lists must not
-    # share an entry, so the modules are named twice (docs/design.md, "Names that FP8 and PEFT rely
-    # on").
+    # Routing, boundary and halting decisions stay fp32; the two lists must not share an entry.
     _keep_in_fp32_modules = ["recurrent_block.halt_predictor", "flexitokens.boundary_predictor",
                              "recurrent_block.layers.*.router"]
     _keep_in_fp32_modules_strict = [
@@ -1999,78 +1729,57 @@ class SpiderModel(SpiderPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def check_inputs(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, n_loops: int,
         cache: SpiderCache | None = None,
     ) -> None:
-        """Raise ``TypeError`` for non-integer `input_ids`; ``ValueError`` for a shape other than
-        `(B >= 1, L >= 1)`, ids on another device, ids outside `[0, vocab_size)`, more than
-        `max_position_embeddings` bytes (with the cache's), `n_loops` not an int >= 1 or not the
-        cache's, or an `attention_mask` of another shape."""
+        """Raises:
+        TypeError: non-integer `input_ids`.
+        ValueError: a shape other than `(B >= 1, L >= 1)`, ids on another device or outside
+            `[0, vocab_size)`, more than `max_position_embeddings` bytes (the cache's included),
+            `n_loops` not an int >= 1 or not the cache's, an `attention_mask` of another shape.
+        """
+        max_length = self.config.max_position_embeddings
         if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(
-                f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}"
-            )
-        if (
-            input_ids.dtype.is_floating_point
-            or input_ids.dtype.is_complex
-            or input_ids.dtype == torch.bool
-        ):
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+            raise TypeError("input_ids must be a torch.LongTensor of shape (batch, length), got "
+                            f"{type(input_ids).__name__}")
+        dtype = input_ids.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {dtype}")
         if input_ids.dim() != 2 or 0 in input_ids.shape:
-            raise ValueError(
-                f"input_ids must have shape (batch, length) with batch, length >= 1, got {tuple(input_ids.shape)}"
-            )
-        if input_ids.shape[1] > self.config.max_position_embeddings:
-            raise ValueError(
-                f"input length {input_ids.shape[1]} exceeds max_position_embeddings="
-                f"{self.config.max_position_embeddings}"
-            )
+            raise ValueError("input_ids must have shape (batch, length) with batch, length >= 1, "
+                             f"got {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > max_length:
+            raise ValueError(f"input length {input_ids.shape[1]} exceeds "
+                             f"max_position_embeddings={max_length}")
         weight_device = self.embed_tokens.weight.device
         if weight_device.type != "meta" and input_ids.device != weight_device:
             raise ValueError(
-                f"input_ids is on {input_ids.device} but the model's embeddings are on {weight_device}: "
-                "build the inputs on model.device (or move them with .to(model.device))"
+                f"input_ids is on {input_ids.device} but the model's embeddings are on "
+                f"{weight_device}: build the inputs on model.device (or move them with "
+                ".to(model.device))"
             )
-        out_of_vocabulary = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        # the offending id is looked up only on the error path (and only where reading it costs no
-        # training sync)
-        check_values(
-            out_of_vocabulary,
-            self.training,
-            lambda on_host: (
-                f"input_ids contains token id {int(input_ids[out_of_vocabulary][0]) if on_host else '(on device)'}, "
-                f"outside the vocabulary [0, {self.config.vocab_size})"
-            ),
-        )
+        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+        check_values(bad, self.training, lambda on_host: (
+            f"input_ids contains token id {int(input_ids[bad][0]) if on_host else '(on device)'}, "
+            f"outside the vocabulary [0, {self.config.vocab_size})"))
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
         if cache is not None and n_loops != cache.n_loops:
-            raise ValueError(
-                f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with"
-            )
+            raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this "
+                             "cache was built with")
         decoding = cache is not None and cache.seen_bytes > 0
-        if decoding and cache.seen_bytes + input_ids.shape[1] > self.config.max_position_embeddings:
+        if decoding and cache.seen_bytes + input_ids.shape[1] > max_length:
             raise ValueError(
-                f"decoding past max_position_embeddings={self.config.max_position_embeddings}: the cache holds "
-                f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at most "
-                f"{self.config.max_position_embeddings} bytes in total (prompt included)"
+                f"decoding past max_position_embeddings={max_length}: the cache holds "
+                f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at "
+                f"most {max_length} bytes in total (prompt included)"
             )
-        if (
-            not decoding
-            and attention_mask is not None
-            and tuple(attention_mask.shape) != tuple(input_ids.shape)
+        if not decoding and attention_mask is not None and (
+            tuple(attention_mask.shape) != tuple(input_ids.shape)
         ):
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
-                f"{tuple(input_ids.shape)}"
-            )
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal "
+                             f"input_ids shape {tuple(input_ids.shape)}")
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers 5.24's rename
     @capture_outputs
@@ -2107,20 +1816,17 @@ class SpiderModel(SpiderPreTrainedModel):
         cache = self.prefill_cache(cache, use_cache, n_loops)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        # hidden_states are collected here, not by capture_outputs hooks: the layout holds the mixed
-        # upsampled stream, and the cached decode runs byte layers one byte at a time.
+        # collected here, not by capture_outputs: the layout holds the mixed upsampled stream
         hidden_states = [] if output_hidden_states else None
 
         x = self.embed_tokens(input_ids)
         byte_inputs = self.byte_inputs(x, attention_mask)
-        x = self.prelude(x, byte_inputs, cache, hidden_states)
-        # Every slot of a padded segment axis runs the block; exact rows, picked by index, only for
-        # a cache, returned router logits or ACT early exit (docs/design.md, "Shapes that repeat,
-        # one host sync per training step").
-        exact = (
-            cache is not None
-            or output_router_logits
-            or (self.config.act_early_exit and not self.training)
+        x = self.prelude(x, byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
+                         hidden_states)
+        # the segment axis is exact (real rows routed by index) for a cache, returned router
+        # logits or ACT early exit; else padded to a repeating length (docs/design.md)
+        exact = cache is not None or output_router_logits or (
+            self.config.act_early_exit and not self.training
         )
         engram_bytes = self.engram_embeddings(input_ids, byte_inputs.byte_mask)
         segments = self.segment(x, engram_bytes, byte_inputs, exact)
@@ -2129,12 +1835,12 @@ class SpiderModel(SpiderPreTrainedModel):
             segments.segment_index, segments.memory, n_loops, cache, output_router_logits,
             segments.routed_mask,
         )
-        y = self.coda(segments.boundaries, block.h_out, x, byte_inputs, cache, hidden_states)
+        y = self.coda(self.flexitokens.dechunk(segments.boundaries, block.h_out, x),
+                      byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
+                      hidden_states)
         if cache is not None:
-            cache.start(
-                input_ids, x.detach(), engram_bytes.detach(), segments.boundaries,
-                byte_inputs.token_mask, block.h_out,
-            )
+            cache.start(input_ids, x.detach(), engram_bytes.detach(), segments.boundaries,
+                        byte_inputs.token_mask, block.h_out)
         return SpiderModelOutput(
             last_hidden_state=y,
             cache=cache,
@@ -2153,51 +1859,59 @@ class SpiderModel(SpiderPreTrainedModel):
     def prefill_cache(
         self, cache: SpiderCache | None, use_cache: bool | None, n_loops: int
     ) -> SpiderCache | None:
-        """The cache a full forward fills: `cache` (empty), a new one when `use_cache` (default
-        `config.use_cache` in eval mode), or None; never one under activation checkpointing in
-        training."""
+        """`cache` (empty), a new one when `use_cache` (default `config.use_cache` in eval mode),
+        or None; none under activation checkpointing in training."""
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
-            logger.warning_once(
-                "use_cache=True is incompatible with activation checkpointing in training; no cache built"
-            )
+            logger.warning_once("use_cache=True is incompatible with activation checkpointing in "
+                                "training; no cache built")
             use_cache = False
-        return (
-            cache
-            if cache is not None
-            else (SpiderCache(self.config, n_loops) if use_cache else None)
-        )
+        if cache is None and use_cache:
+            cache = SpiderCache(self.config, n_loops)
+        return cache
 
     def byte_inputs(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> SpiderBytes:
-        """Masks and positions of the embedded bytes `x` `(B, L, D)` (:class:`SpiderBytes`); one
-        host read of `attention_mask` tells whether any byte is padding."""
+        """Masks and positions of the embedded bytes `x` `(B, L, D)`; one host read of
+        `attention_mask` tells whether any byte is padding."""
         B, L, _ = x.shape
         token_mask = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             token_mask = attention_mask.bool()
             position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)
+            byte_mask = token_mask
         else:
             position_ids = torch.arange(L, device=x.device).expand(B, L)
-        byte_mask = (
-            token_mask
-            if token_mask is not None
-            else torch.ones(B, L, dtype=torch.bool, device=x.device)
-        )
+            byte_mask = torch.ones(B, L, dtype=torch.bool, device=x.device)
         mask = create_attention_mask(
             self.config, x, L, attention_mask_function(token_mask, self.config.sliding_window)
         )
         rope = self.rotary_emb(x, position_ids)
         return SpiderBytes(token_mask, byte_mask, position_ids, mask, rope)
 
-    def prelude(self, x: torch.Tensor, byte_inputs: SpiderBytes, cache: SpiderCache | None,
-                hidden_states: list | None) -> torch.Tensor:
-        """The dense byte layers over the embedded bytes `x` `(B, L, D)`. Returns `(B, L, D)`."""
+    def prelude(self, x, position_embeddings, attention_mask, cache, hidden_states):
+        """The prelude layers over the embedded bytes `x` `(B, L, D)` (:meth:`byte_layers`)."""
+        caches = None if cache is None else cache.prelude
+        return self.byte_layers(self.prelude_layers, caches, x, position_embeddings,
+                                attention_mask, hidden_states)
+
+    def coda(self, y, position_embeddings, attention_mask, cache, hidden_states):
+        """The coda layers and the final norm over `y` `(B, L, D)`, the segments mixed into the
+        byte stream (:meth:`byte_layers`)."""
+        caches = None if cache is None else cache.coda
+        y = self.byte_layers(self.coda_layers, caches, y, position_embeddings, attention_mask,
+                             hidden_states)
+        return self.norm(y)
+
+    @staticmethod
+    def byte_layers(layers, caches, x, position_embeddings, attention_mask, hidden_states):
+        """Dense byte `layers` over `x` `(B, L, D)` with their `caches` (or None), appending `x`
+        and each output to `hidden_states` (or None). Returns `(B, L, D)`."""
         if hidden_states is not None:
             hidden_states.append(x)
-        for i, layer in enumerate(self.prelude_layers):
-            x = layer(x, byte_inputs.position_embeddings, byte_inputs.attention_mask,
-                      cache=cache.prelude[i] if cache is not None else None)
+        for i, layer in enumerate(layers):
+            x = layer(x, position_embeddings, attention_mask,
+                      cache=caches[i] if caches is not None else None)
             if hidden_states is not None:
                 hidden_states.append(x)
         return x
@@ -2213,51 +1927,27 @@ class SpiderModel(SpiderPreTrainedModel):
             1 if exact else self.config.pad_segments_to_multiple_of,
         )
         B, S1 = segment_mask.shape
-        positions = torch.arange(S1, device=e.device).expand(B, S1)
-        rope = self.rotary_emb(e, positions)
+        rope = self.rotary_emb(e, torch.arange(S1, device=e.device).expand(B, S1))
         window = self.config.recurrent_sliding_window
-        # padding sits at each row's end: the causal mask hides it and the MoE routes it with weight
-        # 0
-        if not exact:
+        segments = (boundaries, boundary_probs, e, memory, segment_mask, rope)
+        if not exact:  # padding sits at each row's end: the causal mask hides it
             mask = create_attention_mask(self.config, e, S1, attention_mask_function(None, window))
-            return SpiderSegments(
-                boundaries, boundary_probs, e, memory, segment_mask, rope, mask, None, segment_mask
-            )
+            return SpiderSegments(*segments, mask, None, segment_mask)
         padded = not bool(segment_mask.all())
         mask = create_attention_mask(
             self.config, e, S1, attention_mask_function(segment_mask if padded else None, window)
         )
-        # the segments the MoE routes, as flat row indices: computed once here, none per loop and
-        # layer
+        # the rows the MoE routes, once here rather than per loop and layer
         index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded else None
-        return SpiderSegments(
-            boundaries, boundary_probs, e, memory, segment_mask, rope, mask, index, None
-        )
-
-    def coda(
-        self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor,
-        byte_inputs: SpiderBytes, cache: SpiderCache | None, hidden_states: list | None,
-    ) -> torch.Tensor:
-        """Back to bytes (causal upsample, mixed into the byte stream `x`), the coda layers and the
-        final norm. Returns `(B, L, D)`."""
-        y = self.flexitokens.dechunk(boundaries, h_out, x)
-        if hidden_states is not None:
-            hidden_states.append(y)
-        for i, layer in enumerate(self.coda_layers):
-            y = layer(y, byte_inputs.position_embeddings, byte_inputs.attention_mask,
-                      cache=cache.coda[i] if cache is not None else None)
-            if hidden_states is not None:
-                hidden_states.append(y)
-        return self.norm(y)
+        return SpiderSegments(*segments, mask, index, None)
 
     @torch.no_grad()
     def decode(
         self, input_ids, cache: SpiderCache, output_hidden_states: bool = False
     ) -> SpiderModelOutput:
-        """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time.
-        Returns a :class:`SpiderModelOutput` with `last_hidden_state` `(B, T, D)`, `boundaries`
-        `(B, T)`, the cache and, with `output_hidden_states`, the new bytes' `hidden_states` (each
-        `(B, T, D)`); no loss terms."""
+        """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time:
+        `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the cache and, with
+        `output_hidden_states`, the new bytes' `hidden_states`; no loss terms."""
         states, boundaries, per_byte = [], [], []
         for j in range(input_ids.shape[1]):
             y, b, hidden = self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
@@ -2275,9 +1965,8 @@ class SpiderModel(SpiderPreTrainedModel):
     def decode_byte(
         self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """One new byte per row, `input_ids` `(B, 1)` ->
-        `(byte state (B, 1, D), boundary (B, 1) fp32, hidden states in the full forward's layout or
-        None)`."""
+        """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1)
+        fp32, hidden states in the full forward's layout or None)`."""
         B = input_ids.shape[0]
         if cache.byte_mask is not None:
             cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
@@ -2287,54 +1976,47 @@ class SpiderModel(SpiderPreTrainedModel):
             self.config, x, cache.seen_bytes + 1, mask_function, q_offset=cache.seen_bytes
         )
         byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
-        hidden = [x]
-        for layer, layer_cache in zip(self.prelude_layers, cache.prelude):
-            x = layer(x, byte_rope, byte_attention_mask, cache=layer_cache)
-            hidden.append(x)
-
+        hidden = [] if output_hidden_states else None
+        x = self.prelude(x, byte_rope, byte_attention_mask, cache, hidden)
         past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
         memory = self.engram_embeddings.step(cache.input_ids, past_mask, input_ids)
         boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, memory, cache)
         cache.append(input_ids, x, memory, boundary)
-        # the block runs on every row; rows that closed no segment keep their last output
-        if bool(closing.any()):
-            slot = cache.begin_segment_step()
-            segment_rope = self.rotary_emb(e, slot[:, None])
-            slots = torch.arange(cache.segment_slots, device=e.device).expand(B, -1)
-            mask_function = attention_mask_function(
-                None, self.config.recurrent_sliding_window, query_positions=slot[:, None],
-                key_positions=slots,
-            )
-            segment_attention_mask = create_attention_mask(
-                self.config, e, cache.segment_slots, mask_function
-            )
-            h_out = self.recurrent_block(
-                e, segment_rope, segment_attention_mask, None, segment_memory, cache.n_loops, cache
-            ).h_out
-            cache.end_segment_step(closing, h_out)
-
-        y = self.flexitokens.dechunk_step(cache, x)
-        hidden.append(y)
-        for layer, layer_cache in zip(self.coda_layers, cache.coda):
-            y = layer(y, byte_rope, byte_attention_mask, cache=layer_cache)
-            hidden.append(y)
+        if bool(closing.any()):  # every row runs the block; the others keep their last output
+            self.decode_segment(e, segment_memory, closing, cache)
+        y = self.coda(self.flexitokens.dechunk_step(cache, x), byte_rope, byte_attention_mask,
+                      cache, hidden)
         cache.byte_positions = cache.byte_positions + 1
         cache.seen_bytes += 1
-        return self.norm(y), boundary, tuple(hidden) if output_hidden_states else None
+        return y, boundary, tuple(hidden) if output_hidden_states else None
+
+    def decode_segment(self, e: torch.Tensor, segment_memory: torch.Tensor, closing: torch.Tensor,
+                       cache: SpiderCache) -> None:
+        """The recurrent block over one new segment per row, `e` `(B, 1, D)` and its memory
+        `(B, 1, M)`, at each row's next slot; rows `closing` `(B,)` bool keep its output."""
+        slot = cache.begin_segment_step()
+        segment_rope = self.rotary_emb(e, slot[:, None])
+        slots = torch.arange(cache.segment_slots, device=e.device).expand(e.shape[0], -1)
+        mask_function = attention_mask_function(
+            None, self.config.recurrent_sliding_window, query_positions=slot[:, None],
+            key_positions=slots,
+        )
+        mask = create_attention_mask(self.config, e, cache.segment_slots, mask_function)
+        h_out = self.recurrent_block(
+            e, segment_rope, mask, None, segment_memory, cache.n_loops, cache
+        ).h_out
+        cache.end_segment_step(closing, h_out)
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
-    """Spider with a byte LM head. `labels` align with `input_ids` (shifted inside), -100 ignored;
-    every loss term is returned (:class:`SpiderCausalLMOutput`). `generate()` decodes incrementally
-    with a :class:`SpiderCache`."""
+    """Spider with a byte LM head; `generate()` decodes incrementally (:class:`SpiderCache`)."""
 
-    # See SpiderModel: the same modules under this class's names, and the output logits.
+    # SpiderModel's fp32 modules under this class's names, and the output logits
     _keep_in_fp32_modules = [
         "lm_head", "model.recurrent_block.halt_predictor", "model.flexitokens.boundary_predictor",
         "model.recurrent_block.layers.*.router",
     ]
     _keep_in_fp32_modules_strict = ["lm_head.weight"]
-
     _tied_weights_keys = {}
 
     def __init__(self, config: SpiderConfig):
@@ -2345,18 +2027,6 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32
         )
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
@@ -2374,30 +2044,27 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> SpiderCausalLMOutput:
-        """Args: as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100 = ignore),
-        `num_items_in_batch`, `shift_labels` and `logits_to_keep` (k > 0: last k positions; 1-D
-        tensor: those; 0: all). Returns :class:`SpiderCausalLMOutput`, logits `(B, L, vocab_size)`
-        in the model dtype. Raises: ValueError for out-of-vocabulary ids, too-long inputs,
-        `n_loops < 1`, mis-shaped labels, labels with a non-empty cache, or labels with
-        `logits_to_keep`."""
+        """Args as :meth:`SpiderModel.forward`, plus `labels` int64 `(B, L)` (-100: ignored),
+        `num_items_in_batch`, `shift_labels` and `logits_to_keep` (k > 0: the last k positions; a
+        1-D tensor: those; 0: all). Returns logits `(B, L, vocab_size)` and every loss term.
+
+        Raises:
+            ValueError: as :meth:`SpiderModel.check_inputs`; mis-shaped labels, labels with a
+                non-empty cache or with `logits_to_keep`.
+        """
         if labels is not None and cache is not None and cache.seen_bytes > 0:
             raise ValueError(
                 "labels cannot be scored against a non-empty cache; pass the whole sequence"
             )
+        shift_labels = kwargs.get("shift_labels")  # pre-shifted targets (sequence parallelism)
         keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        if (labels is not None or kwargs.get("shift_labels") is not None) and not keep_all:
-            raise ValueError(
-                f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the logits of every position"
-            )
+        if (labels is not None or shift_labels is not None) and not keep_all:
+            raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the "
+                             "logits of every position")
         outputs = self.model(
-            input_ids,
-            attention_mask=attention_mask,
-            n_loops=n_loops,
-            cache=cache,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
-            return_dict=True,
+            input_ids, attention_mask=attention_mask, n_loops=n_loops, cache=cache,
+            use_cache=use_cache, output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits, return_dict=True,
             **{k: v for k, v in kwargs.items() if k == "output_attentions"},
         )
         hidden_states = outputs.last_hidden_state
@@ -2407,8 +2074,6 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, logits_to_keep, :]
         logits = self.lm_head(as_weight_dtype(self.lm_head, hidden_states))
         loss = lm_loss = None
-        # pre-shifted targets (sequence/context parallelism)
-        shift_labels = kwargs.get("shift_labels")
         if labels is not None or shift_labels is not None:
             loss = lm_loss = self.lm_loss(logits, input_ids, labels, shift_labels,
                                           num_items_in_batch)
@@ -2419,16 +2084,11 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
             for coef, name in ((self.config.router_aux_loss_coef, "aux_loss"),
                                (self.config.boundary_loss_coef, "boundary_loss"),
                                (self.config.ponder_loss_coef, "ponder_loss")):
-                if coef != 0:  # weighted 0 it would add only its backward (zeros, through the loops)
+                if coef != 0:  # a term weighted 0 would add only its backward through the loops
                     loss = loss + coef * terms[name]
         return SpiderCausalLMOutput(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            lm_loss=lm_loss,
-            **terms,
-            hidden_states=outputs.hidden_states,
-            router_logits=outputs.router_logits,
+            loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, **terms,
+            hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
             attentions=outputs.attentions,
             **{name: getattr(outputs, name) for name in
                ("boundaries", "boundary_probs", "segment_mask", "halting_step", "loop_weights")},
@@ -2437,10 +2097,13 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     def lm_loss(self, logits: torch.Tensor, input_ids: torch.LongTensor,
                 labels: torch.LongTensor | None, shift_labels: torch.LongTensor | None,
                 num_items_in_batch) -> torch.Tensor:
-        """Next-byte cross-entropy in nats, fp32 scalar: `logits` `(B, L, V)` against `labels`
-        `(B, L)` shifted inside (or pre-shifted `shift_labels`), -100 ignored, summed over
-        `num_items_in_batch` targets (default: the targets here). Raises ValueError for `labels`
-        of another shape than `input_ids` or an id outside the vocabulary."""
+        """Next-byte cross-entropy in nats, fp32 scalar, of `logits` `(B, L, V)` against `labels`
+        `(B, L)` (shifted inside) or `shift_labels`, summed over `num_items_in_batch` targets
+        (default: the targets here).
+
+        Raises:
+            ValueError: `labels` of another shape than `input_ids`, an id outside the vocabulary.
+        """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
                              f"{tuple(input_ids.shape)}")
@@ -2449,45 +2112,30 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         check_values(bad, self.training, lambda on_host: (
             f"labels contains token id {int(targets[bad][0]) if on_host else '(on device)'}, "
             f"outside the vocabulary [0, {self.vocab_size}) (-100 = ignored)"))
-        if num_items_in_batch is None:
-            # the mean as a sum over a tensor count (no host sync; 0 when there is no target)
+        if num_items_in_batch is None:  # a tensor count: no host sync
             num_items_in_batch = (targets != -100).sum().clamp_min(1)
         return self.loss_function(logits, labels, self.vocab_size,
                                   num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
 
     def loss_terms(self, outputs: SpiderModelOutput, input_ids: torch.LongTensor,
                    attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Spider's loss terms and diagnostics from what :class:`SpiderModel` returned for
-        `input_ids` `(B, L)`: ``aux_loss`` (DeepSeek's aux_fi balancing loss, the mean over (loop,
-        layer) of `sum_i f_i * P_i`), ``boundary_loss`` (FlexiTokens' rate hinge, plus the teacher's
-        cross-entropy with ``boundary_teacher``), ``ponder_loss`` (ACT,
-        `mean(n_updates + remainders)` over real segments), ``compression_rate`` (bytes per
-        segment), ``mean_halting_step`` and ``expert_load`` `(E,)`; fp32, the diagnostics
-        detached."""
+        """The loss terms and diagnostics of :class:`SpiderCausalLMOutput` from the base model's
+        `outputs` for `input_ids` `(B, L)`; fp32, the diagnostics detached."""
         byte_mask = None if attention_mask is None else attention_mask.bool()
         segment_weight = outputs.segment_mask
-        ponder_loss = (
-            (outputs.halting_step + outputs.halting_remainder) * segment_weight
-        ).sum() / segment_weight.sum()
+        ponder_loss = ((outputs.halting_step + outputs.halting_remainder) * segment_weight).sum()
+        ponder_loss = ponder_loss / segment_weight.sum()
         mean_halting_step = (
             (outputs.halting_step * segment_weight).sum() / segment_weight.sum()
         ).detach()
         boundary_loss, rate = boundary_rate_loss(outputs.boundaries, byte_mask, self.config)
         if self.config.boundary_teacher is not None:
-            boundary_loss = (
-                boundary_loss
-                + self.config.boundary_teacher_coef
-                * boundary_teacher_loss(
-                    outputs.boundary_probs,
-                    input_ids,
-                    (
-                        torch.ones_like(input_ids, dtype=torch.bool)
-                        if byte_mask is None
-                        else byte_mask
-                    ),
-                    self.config.boundary_teacher,
-                )
-            )
+            teacher_mask = byte_mask
+            if teacher_mask is None:
+                teacher_mask = torch.ones_like(input_ids, dtype=torch.bool)
+            boundary_loss = boundary_loss + self.config.boundary_teacher_coef * (
+                boundary_teacher_loss(outputs.boundary_probs, input_ids, teacher_mask,
+                                      self.config.boundary_teacher))
         aux_losses = [
             (load * scores).sum() for load, scores in zip(outputs.expert_loads, outputs.mean_scores)
         ]
@@ -2503,18 +2151,20 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):
-        """generate()'s cache: an empty :class:`SpiderCache` for the call's `n_loops`; a caller's
-        cache is used as is.
+        """An empty :class:`SpiderCache` for the call's `n_loops`; a caller's cache is used as is.
 
-        Raises: ValueError for a `cache_implementation`: Spider has its own cache."""
+        Raises:
+            ValueError: a `cache_implementation` (Spider has its own cache).
+        """
         if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported: Spider decodes "
-                "with its own SpiderCache (per-byte layers plus per-segment recurrent state); leave it unset"
+                f"cache_implementation={generation_config.cache_implementation!r} is not "
+                "supported: Spider decodes with its own SpiderCache (per-byte layers plus "
+                "per-segment recurrent state); leave it unset"
             )
         n_loops = model_kwargs.get("n_loops") or self.config.n_loops
         model_kwargs["cache"] = SpiderCache(self.config, n_loops)
@@ -2523,23 +2173,21 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, GenerationMixin):
         self, input_ids, cache=None, attention_mask=None, n_loops=None, use_cache=None,
         inputs_embeds=None, **kwargs,
     ):
-        """Feed only the bytes `cache` has not seen; other model kwargs pass through to
-        :meth:`forward`.
+        """The bytes `cache` has not seen; other model kwargs pass through to :meth:`forward`.
 
-        Raises: ValueError for `inputs_embeds`: Spider reads byte ids."""
+        Raises:
+            ValueError: `inputs_embeds` (the Engram memory hashes the n-grams of `input_ids`).
+        """
         if inputs_embeds is not None:
             raise ValueError(
-                "generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram memory "
-                "hashes the n-grams of input_ids); pass input_ids"
+                "generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram "
+                "memory hashes the n-grams of input_ids); pass input_ids"
             )
         if cache is not None:
             input_ids = input_ids[:, cache.seen_bytes :]
         return {
-            **{k: v for k, v in kwargs.items() if v is not None},
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "n_loops": n_loops,
-            "cache": cache,
+            **{k: v for k, v in kwargs.items() if v is not None}, "input_ids": input_ids,
+            "attention_mask": attention_mask, "n_loops": n_loops, "cache": cache,
             "use_cache": use_cache,
         }
 
