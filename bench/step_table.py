@@ -88,10 +88,8 @@ _EAGER_TWIN = {"spider_compiled": "spider", "spider_compiled_automatic_dynamic":
                "spider_word_rate_compiled": "spider_word_rate",
                "spider_tk_train_recipe_compiled": "spider_tk_train_recipe", **dict.fromkeys(FP8_COMPILED_ROWS, "spider")}
 #: warm-up steps before a row's timed steps (a compiled row compiles its regions and their structural variants, such
-#: as the first loop's, during its first steps: ``graphs_compiled_per_step``)
-STEP_TABLE_WARMUP = {"spider_compiled": 3, "spider_compiled_automatic_dynamic": 3, "spider_word_rate_compiled": 3,
-                     "spider_tk_train_recipe_compiled": 3,
-                     **dict.fromkeys(FP8_COMPILED_ROWS, 3)}
+#: as the first loop's, during its first steps: ``graphs_compiled_per_step``); every compiled row is an eager row's twin
+STEP_TABLE_WARMUP = dict.fromkeys(_EAGER_TWIN, 3)
 #: tk-train.py's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_tk_train_recipe``
 #: row after the table
 TK_TRAIN_RECIPE_SHAPE = (112, 256)
