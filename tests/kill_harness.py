@@ -16,7 +16,14 @@ save; the dead run's lock must not block the start). A kill is *survived* when a
 completes, and its loss trajectory (``log_history`` of the last checkpoint) is compared step by step with an
 uninterrupted run of the same command (run alongside, on the other core).
 
-The subprocesses run with ``OMP_NUM_THREADS=1``: on the 2-core development machine two intra-op threads make a tiny
+Each life is a fresh process running ``train_hf.py``'s entry point (:func:`spider_training.train.cli`) with the same
+argument list, forked from a ``multiprocessing`` fork server that imported the training modules once
+(:func:`_life_context`): importing torch, transformers, peft, bitsandbytes and torchao costs 10-20 s of the 2-core
+machine per process, several times a tiny life's training, so a fork server keeps the kills on the training code
+(the run lock, resume, steps, saves, pushes) rather than on library imports. Nothing of a life survives it: every
+life starts from the fork server's import-only state, and SIGKILL ends it as it ends a ``python train_hf.py``.
+
+The lives run with ``OMP_NUM_THREADS=1``: on the 2-core development machine two intra-op threads make a tiny
 step 10-100x slower (0.5-7 s instead of 0.05 s); one thread per process also lets the reference run use the other
 core.
 
@@ -28,12 +35,14 @@ Command line (for the reliability table)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import multiprocessing
 import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,19 +62,83 @@ LOSS_ATOL = 1e-5
 
 
 def command(output_dir: Path, max_steps: int, hub_url: str) -> list[str]:
-    """The training command every life runs (identical each time)."""
-    return [sys.executable, str(REPO / "train_hf.py"), "--preset", "tiny", "--data", "mock", "--seq_len", "32",
+    """The training command every life runs (identical each time): ``train_hf.py``'s arguments."""
+    return ["--preset", "tiny", "--data", "mock", "--seq_len", "32",
             "--micro_batch", "2", "--logging_steps", "1", "--dataloader_num_workers", "0", "--sample_bytes", "4",
             "--ckpt_dir", str(output_dir), "--max_steps", str(max_steps), "--save_steps", "1",
             "--save_total_limit", "2", "--push_to_hub", "--hub_model_id", "spider/kills", "--hub_token", "hf_fake",
             "--hub_endpoint", hub_url]
 
 
-def environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    return env
+#: the lives' environment, set before the fork server imports anything (huggingface_hub reads its constants at
+#: import; torch its thread count at its first parallel op)
+LIFE_ENVIRONMENT = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0",
+                        TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+#: imported once by the fork server, before any life: train_hf.py's entry point and everything it imports
+PRELOADED_MODULES = ["spider_training.train", "tests.kill_harness"]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _life_context():
+    """The ``forkserver`` multiprocessing context, its server started (once per process) in
+    :data:`LIFE_ENVIRONMENT` with :data:`PRELOADED_MODULES` imported."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED_MODULES)
+    from multiprocessing import forkserver
+
+    with _environment(LIFE_ENVIRONMENT):
+        forkserver.ensure_running()
+    return context
+
+
+def _life(argv: list[str], log_path: str) -> None:
+    """One life, in a process forked from the fork server: stdout and stderr unbuffered into `log_path`, then
+    ``train_hf.py``'s entry point on `argv` (its exit status is the process's)."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    sys.stdout = sys.stderr = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
+    os.chdir(REPO)
+    sys.argv = [str(REPO / "train_hf.py"), *argv]
+    from spider_training.train import cli
+
+    sys.exit(cli())
+
+
+class _Life:
+    """A running life: ``poll``/``kill``/``wait``/``returncode`` as on a ``subprocess.Popen`` (killed: -9)."""
+
+    def __init__(self, context, argv: list[str], log_path: Path):
+        self.process = context.Process(target=_life, args=(argv, str(log_path)), daemon=True)
+        self.process.start()
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()  # SIGKILL
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
 
 
 def checkpoint_problem(folder: Path) -> str | None:
@@ -107,10 +180,8 @@ def losses(output_dir: Path, step: int) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
 
 
-def _start(cmd, log_path: Path) -> tuple[subprocess.Popen, object]:
-    handle = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=environment(), stdout=handle, stderr=subprocess.STDOUT)
-    return proc, handle
+def _start(context, cmd: list[str], log_path: Path) -> _Life:
+    return _Life(context, cmd, log_path)
 
 
 def _resumed_from(log_text: str) -> str | None:
@@ -143,18 +214,19 @@ def run_kill_harness(n_kills: int, workdir: Path, seed: int, max_steps: int = 80
     violations: list[str] = []
     phases = {phase: 0 for phase in PHASES}
     kills = survived = 0
+    context = _life_context()
     with FakeHubServer(token="hf_fake") as hub:
         cmd = command(out, max_steps, hub.url)
         ref_cmd = command(ref_out, max_steps, hub.url)
         ref_cmd[ref_cmd.index("spider/kills")] = "spider/reference"
-        reference, ref_log = _start(ref_cmd, workdir / "reference.log")
+        reference = _start(context, ref_cmd, workdir / "reference.log")
         life = 0
         pending_check = None  # (expected resume folder, step) of the kill to confirm on the next life
         while True:
             life += 1
             start_step = newest_step(out)
             log_path = workdir / f"life{life:02d}.log"
-            proc, handle = _start(cmd, log_path)
+            proc = _start(context, cmd, log_path)
             phase = rng.choice(PHASES) if kills < n_kills else None
             delay = rng.uniform(0.0, 0.4) if phase == "step" else rng.uniform(0.0, 0.05)
             deadline = time.monotonic() + life_timeout_s
@@ -180,7 +252,6 @@ def run_kill_harness(n_kills: int, workdir: Path, seed: int, max_steps: int = 80
                         break
                 time.sleep(0.005)
             proc.wait()
-            handle.close()
             text = log_path.read_text(errors="replace")
             # the previous kill is survived if this life resumed from the newest complete checkpoint and got further
             if pending_check is not None:
@@ -207,7 +278,6 @@ def run_kill_harness(n_kills: int, workdir: Path, seed: int, max_steps: int = 80
                 violations.append(f"life {life}: exited {proc.returncode}: {text[-1500:]}")
             break
         reference.wait(timeout=600)
-        ref_log.close()
     final_step = newest_step(out)
     max_diff, trajectory_equal = float("inf"), False
     if final_step == max_steps and reference.returncode == 0:
