@@ -3,6 +3,7 @@
     python -m bench.gpu_check [--out gpu_check.json]                               # one GPU, under 8 minutes
     python -m bench.gpu_check --only fp8 tile_kernels_moe --budget_s 300           # a subset, another budget
     torchrun --nproc_per_node 2 -m bench.gpu_check --only fsdp2_fp8_all_gather     # FSDP2 over NCCL (>= 2 GPUs)
+    python -m pytest -m gpu                                                        # the correctness checks as tests
 
 It prints one JSON result (``--out FILE`` also writes it, and rewrites it after each part and each step-table row with
 ``"complete": false`` until the end, so a run killed from outside keeps what it measured; everything the parts print, the trainer's progress

@@ -100,6 +100,7 @@ def test_the_model_names_both_devices_when_input_ids_are_elsewhere():
 
 
 @pytest.mark.slow
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the main job end to end on a GPU")
 def test_main_job_on_cuda_writes_a_release_that_generates_on_cuda(tmp_path):
     """The README's main job for a few steps on CUDA: trains, scores, samples, writes the release; the release loads
