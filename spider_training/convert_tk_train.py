@@ -104,16 +104,9 @@ class TkTrainConfigData:
         return f"TkTrainConfigData({self.pickle_global}, {len(self.fields)} fields)"
 
 
-def _stand_ins() -> list[tuple[type, str]]:
-    """One :class:`TkTrainConfigData` subclass per name in :data:`TK_TRAIN_CFG_GLOBALS`, as ``safe_globals`` entries."""
-    entries = []
-    for name in TK_TRAIN_CFG_GLOBALS:
-        cls = type("TkTrainConfigData", (TkTrainConfigData,), {"pickle_global": name, "__module__": __name__})
-        entries.append((cls, name))
-    return entries
-
-
-_STAND_INS = _stand_ins()
+#: one :class:`TkTrainConfigData` subclass per name in :data:`TK_TRAIN_CFG_GLOBALS`, as ``safe_globals`` entries
+_STAND_INS = [(type("TkTrainConfigData", (TkTrainConfigData,), {"pickle_global": name, "__module__": __name__}), name)
+              for name in TK_TRAIN_CFG_GLOBALS]
 
 
 def _sniff_format(path: Path) -> str:
@@ -139,10 +132,8 @@ def _sniff_format(path: Path) -> str:
         return "zip"
     if head[:1] == b"\x80":  # pickle PROTO opcode: torch's legacy (pre-1.6) format starts with a pickled magic number
         return "legacy"
-    raise ValueError(
-        f"tk-train.py checkpoint {path} is not a torch checkpoint: neither a torch.save zip archive nor a pickle "
-        f"(first bytes {head!r})"
-    )
+    raise ValueError(f"tk-train.py checkpoint {path} is not a torch checkpoint: neither a torch.save zip archive nor "
+                     f"a pickle (first bytes {head!r})")
 
 
 def _offending_globals(message: str) -> list[str]:
@@ -194,10 +185,8 @@ def load_tk_train_checkpoint(path: str | os.PathLike) -> dict:
         except (RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"tk-train.py checkpoint {path} could not be read: {type(err).__name__}: {err}") from err
     if not isinstance(checkpoint, dict):
-        raise ValueError(
-            f"tk-train.py checkpoint {path} holds a {type(checkpoint).__name__}, expected tk-train.py's dict with keys "
-            "model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss"
-        )
+        raise ValueError(f"tk-train.py checkpoint {path} holds a {type(checkpoint).__name__}, expected tk-train.py's "
+                         "dict with keys model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss")
     return checkpoint
 
 
@@ -510,10 +499,9 @@ def convert_tk_train_checkpoint(
     if preset is not None and preset not in SPIDER_PRESETS:
         raise ValueError(f"unknown Spider preset {preset!r}; known presets: {sorted(SPIDER_PRESETS)}")
     if dtype in DEPRECATED_DTYPES:
-        if dtype not in _warned_dtypes:
-            _warned_dtypes.add(dtype)
-            logger.warning("dtype %r is deprecated; use %r (the same: keep the checkpoint's dtype)", dtype,
-                           DEPRECATED_DTYPES[dtype])
+        if dtype not in _warned_dtypes:  # once per name
+            logger.warning("dtype %r is deprecated; use %r (the same)", dtype, DEPRECATED_DTYPES[dtype])
+        _warned_dtypes.add(dtype)
         dtype = DEPRECATED_DTYPES[dtype]
     if dtype not in (None, "checkpoint", *DTYPES):
         raise ValueError(f"dtype {dtype!r} is not one of {['checkpoint', *DTYPES]}")
@@ -523,10 +511,8 @@ def convert_tk_train_checkpoint(
 
     checkpoint = load_tk_train_checkpoint(path)
     if "model_state_dict" not in checkpoint:
-        raise ValueError(
-            f"tk-train.py checkpoint {path} has no 'model_state_dict' (keys: {sorted(map(str, checkpoint))}); such a "
-            "checkpoint holds model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss"
-        )
+        raise ValueError(f"tk-train.py checkpoint {path} has no 'model_state_dict' (keys: {sorted(map(str, checkpoint))});"
+                         " such a checkpoint holds model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss")
     checkpoint_state = checkpoint["model_state_dict"]
     if not isinstance(checkpoint_state, dict):
         raise ValueError(f"tk-train.py checkpoint {path}: model_state_dict is a {type(checkpoint_state).__name__}, expected a dict")
@@ -552,22 +538,11 @@ def convert_tk_train_checkpoint(
         raise RuntimeError(f"internal error: unexpected keys {result.unexpected_keys}")
     model.eval()
 
-    report = {
-        "checkpoint": str(path),
-        "output_dir": str(output_dir),
-        "cfg_global": cfg_global,
-        "step": _jsonable(checkpoint.get("step")),
-        "epoch": _jsonable(checkpoint.get("epoch")),
-        "best_loss": _jsonable(checkpoint.get("best_loss")),
-        "preset": preset,
-        "dtype": str(target_dtype).removeprefix("torch."),
-        "mapped": len(mapped),
-        "model_keys": len(model.state_dict()),
-        **details,
-        "cfg_fields_used": cfg_used,
-        "cfg_fields_ignored": cfg_ignored,
-        "complete": complete,
-    }
+    report = {"checkpoint": str(path), "output_dir": str(output_dir), "cfg_global": cfg_global,
+              **{key: _jsonable(checkpoint.get(key)) for key in ("step", "epoch", "best_loss")},
+              "preset": preset, "dtype": str(target_dtype).removeprefix("torch."), "mapped": len(mapped),
+              "model_keys": len(model.state_dict()), **details, "cfg_fields_used": cfg_used,
+              "cfg_fields_ignored": cfg_ignored, "complete": complete}
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
