@@ -1,12 +1,41 @@
-"""Held-out metrics: bits-per-byte of a Spider model over a loader of byte windows."""
+"""Held-out metrics: bits per byte, counted in bytes (summed next-byte cross-entropy over the predicted bytes).
+
+:func:`byte_nll` is the one computation; :func:`bits_per_byte` scores a model over a loader of byte windows, and
+:func:`compute_bits_per_byte` is the ``compute_metrics`` of :class:`~spider_training.trainer.SpiderTrainer`, whose
+``prediction_step`` hands Trainer's evaluation loop each row's :func:`byte_nll`.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+def byte_nll(logits: torch.Tensor, labels: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-byte cross-entropy summed per row.
+
+    Args:
+        logits: ``(B, L, V)`` any float dtype (computed in fp32).
+        labels: int64 ``(B, L)`` aligned with the inputs (shifted here), -100 ignored.
+    Returns:
+        ``(nll, n_bytes)``: float64 ``(B,)`` summed negative log-likelihood in nats, and int64 ``(B,)`` the number
+        of predicted bytes per row.
+    """
+    target = labels[:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, ignore_index=-100, reduction="none")
+    return nll.double().sum(1), (target != -100).sum(1)
+
+
+def _summary(nll_sum: float, n_bytes: float, rate_mean: float, halting_mean: float) -> dict[str, float]:
+    if n_bytes == 0:
+        raise ValueError("bits_per_byte: the held-out data held no predicted byte (empty source or all labels -100)")
+    lm_loss = nll_sum / n_bytes
+    return {"bits_per_byte": lm_loss / math.log(2), "lm_loss": lm_loss, "compression_rate": rate_mean,
+            "mean_halting_step": halting_mean, "bytes": int(n_bytes)}
 
 
 @torch.no_grad()
@@ -19,7 +48,7 @@ def bits_per_byte(
     max_batches: int | None = None,
     reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Next-byte cross-entropy in bits per predicted byte, in eval mode (deterministic boundaries).
+    """Next-byte cross-entropy in bits per predicted byte, in eval mode (deterministic boundaries), outside a Trainer.
 
     Args:
         model: a :class:`SpiderForConditionalGeneration` (or a wrapper returning its output).
@@ -45,10 +74,8 @@ def bits_per_byte(
             batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
             labels = batch.pop("labels")
             out = model(**batch, n_loops=n_loops)
-            logits = out["logits"][:, :-1].float()
-            target = labels[:, 1:]
-            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
-            totals += torch.stack([nll.double(), (target != -100).sum().double(), out["compression_rate"].double(),
+            nll, n_bytes = byte_nll(out["logits"], labels)
+            totals += torch.stack([nll.sum(), n_bytes.sum().double(), out["compression_rate"].double(),
                                    out["mean_halting_step"].double()])
             n_batches += 1
     finally:
@@ -57,13 +84,23 @@ def bits_per_byte(
     if reduce is not None:
         totals, counts = reduce(totals, "sum"), reduce(counts, "sum")
     nll_sum, n_bytes, rate_sum, halting_sum = totals.tolist()
-    if n_bytes == 0:
-        raise ValueError("bits_per_byte: the held-out data held no predicted byte (empty source or all labels -100)")
-    lm_loss = nll_sum / n_bytes
-    return {
-        "bits_per_byte": lm_loss / math.log(2),
-        "lm_loss": lm_loss,
-        "compression_rate": rate_sum / max(counts.item(), 1),
-        "mean_halting_step": halting_sum / max(counts.item(), 1),
-        "bytes": int(n_bytes),
-    }
+    return _summary(nll_sum, n_bytes, rate_sum / max(counts.item(), 1), halting_sum / max(counts.item(), 1))
+
+
+def compute_bits_per_byte(eval_pred) -> dict[str, float]:
+    """``compute_metrics`` for Trainer's evaluation loop over :meth:`SpiderTrainer.prediction_step`'s rows.
+
+    Args:
+        eval_pred: a ``transformers.EvalPrediction`` whose ``predictions`` are float64 ``(N, 3)``, one row per
+            held-out window (summed next-byte NLL in nats, its batch's compression rate in bytes per segment, its
+            batch's mean ACT halting step) and whose ``label_ids`` are ``(N,)`` predicted bytes per window.
+    Returns:
+        ``{"bits_per_byte", "loss" (nats per byte, Trainer's ``eval_loss``), "lm_loss", "compression_rate",
+        "mean_halting_step" (means over windows), "bytes"}``.
+    Raises:
+        ValueError: no window held a single predicted byte.
+    """
+    rows, n_bytes = np.asarray(eval_pred.predictions, dtype=np.float64), np.asarray(eval_pred.label_ids)
+    summary = _summary(float(rows[:, 0].sum()), float(n_bytes.sum()), float(rows[:, 1].mean()),
+                       float(rows[:, 2].mean()))
+    return {**summary, "loss": summary["lm_loss"]}

@@ -16,7 +16,11 @@ overrides public, documented methods:
 - ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in
   training drawn per step with ``extra_train_loops``) and log every loss term, bits-per-byte, compression rate,
   expert load balance, mean halting step, tokens/s and peak memory.
-- ``evaluate``: held-out bits-per-byte (:func:`spider_training.metrics.bits_per_byte`).
+- ``get_eval_dataloader`` / ``prediction_step``: Trainer's own ``evaluate`` and evaluation loop score the first
+  ``eval_windows`` held-out windows; bits per byte is its metric (``compute_metrics`` defaults to
+  :func:`spider_training.metrics.compute_bits_per_byte`), counted in bytes, not tokens or batches: each window's summed
+  next-byte NLL and predicted-byte count pass through the loop (gathered across processes, duplicates dropped), and
+  ``eval_loss`` is the held-out next-byte loss (nats per byte) rather than the training objective's regularised sum.
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
 - ``training_step``: Trainer's step (forward and backward) inside :func:`spider_training.sdpa.sdpa_backend_context`,
@@ -59,16 +63,16 @@ import resource
 import time
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from transformers import Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
 from .compile import COMPILE_OPTIONS, configure_dynamo
-from .data import StreamingTextDataset, make_dataloader
+from .data import FirstWindows, StreamingTextDataset, make_dataloader
 from .fp8 import convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers
 from .hub import HubPushMixin
-from .metrics import bits_per_byte
+from .metrics import byte_nll, compute_bits_per_byte
 from .mixed_precision import share_expert_weight_casts, shared_weight_casts
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
 from .optim import muon_with_adamw
@@ -118,7 +122,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         fp8_experts: what ``precision="fp8"`` does to the routed experts: ``"auto"`` (default; torchao's FP8 grouped
             GEMM where this GPU has it, bf16 elsewhere), ``"on"`` (raise where it cannot run) or ``"off"``; see
             :func:`spider_training.fp8_moe.convert_experts_for_training`.
-        eval_windows: held-out windows scored by :meth:`evaluate`.
+        eval_windows: held-out windows scored by :meth:`evaluate` (rounded up to whole eval batches).
         tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
             ``tile_kernels`` when CUDA is available.
         max_consecutive_nonfinite: optimizer steps with a NaN/inf loss or gradient skipped in a row before the run
@@ -175,6 +179,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
         share_expert_weight_casts(model)  # under autocast: the experts' weights cast once per forward
+        kwargs.setdefault("compute_metrics", compute_bits_per_byte)
         super().__init__(model=model, args=args, **kwargs)
         # Spider's loss is a per-batch mean plus per-batch regularisers: let Trainer divide by the accumulation steps.
         self.model_accepts_loss_kwargs = False
@@ -277,23 +282,43 @@ class SpiderTrainer(HubPushMixin, Trainer):
         super().log(logs, start_time)
 
     # --- evaluation ----------------------------------------------------------------------------------------------
+    # Trainer's own evaluation loop scores the held-out set; bits per byte is its metric, counted in bytes: each
+    # window's summed next-byte NLL and predicted-byte count travel through the loop (gathered across processes,
+    # duplicates dropped) and compute_bits_per_byte divides the sums. eval_loss is the held-out lm_loss (nats/byte).
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Held-out bits-per-byte over up to `eval_windows` windows (all ranks; sums gathered across processes)."""
-        result = self._held_out_bits_per_byte(eval_dataset, self.n_loops)
-        if result is None:
-            return {}
-        metrics = {f"{metric_key_prefix}_{key}": value for key, value in result.items()}
-        metrics[f"{metric_key_prefix}_loss"] = result["lm_loss"]  # Trainer's name for the held-out loss (nats/byte)
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        """Trainer's loader over the first `eval_windows` held-out windows (rounded up to whole batches of
+        ``per_device_eval_batch_size``), split across processes by accelerate; for a rank-split stream
+        (:class:`StreamingTextDataset`) a loader of its own that stops after as many windows on each rank."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        batch_size = self.args.per_device_eval_batch_size
+        windows = max(1, math.ceil(self.eval_windows / batch_size)) * batch_size
+        if isinstance(dataset, StreamingTextDataset):
+            return make_dataloader(FirstWindows(dataset, windows), batch_size, collate_fn=self.data_collator)
+        if len(dataset) > windows:
+            dataset = dataset.select(range(windows)) if hasattr(dataset, "select") else Subset(dataset, range(windows))
+        return super().get_eval_dataloader(dataset)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """One held-out batch (``input_ids``, ``labels`` int64 ``(B, L)``) at the trainer's ``n_loops``: returns no
+        loss, as predictions float64 ``(B, 3)`` each window's summed next-byte NLL (nats), the batch's compression
+        rate and mean halting step, and as labels its predicted bytes ``(B,)`` (:func:`compute_bits_per_byte`)."""
+        inputs = self._prepare_inputs(inputs)
+        features = {name: value for name, value in inputs.items() if name != "labels"}
+        if self.n_loops is not None:
+            features["n_loops"] = self.n_loops
+        with torch.no_grad():
+            outputs = model(**features)
+        nll, n_bytes = byte_nll(outputs["logits"], inputs["labels"])
+        per_batch = torch.stack([outputs["compression_rate"], outputs["mean_halting_step"]]).double()
+        return None, torch.cat([nll[:, None], per_batch.expand(len(nll), 2)], 1), n_bytes
 
     def evaluate_loop_counts(self, counts, eval_dataset=None) -> dict[str, float]:
         """Held-out bits per byte at each inference loop count in `counts` (the recurrent depth's test-time curve):
         ``{str(n_loops): bits_per_byte}``, scored like :meth:`evaluate` (not logged)."""
-        results = {str(n): self._held_out_bits_per_byte(eval_dataset, n) for n in counts}
-        return {n: result["bits_per_byte"] for n, result in results.items() if result is not None}
+        return {str(n): self._held_out_bits_per_byte(eval_dataset, n)["bits_per_byte"] for n in counts}
 
     def evaluate_act_early_exit(self, eval_dataset=None) -> dict[str, float]:
         """Held-out bits per byte with ACT early exit at inference (``config.act_early_exit``, restored after), and
@@ -306,27 +331,20 @@ class SpiderTrainer(HubPushMixin, Trainer):
             result = self._held_out_bits_per_byte(eval_dataset, self.n_loops)
         finally:
             config.act_early_exit = before
-        if result is None:
-            return {}
         n_loops = self.n_loops or config.n_loops
         return {"bits_per_byte": result["bits_per_byte"], "mean_halting_step": result["mean_halting_step"],
                 "loops_saved_per_segment": n_loops - result["mean_halting_step"]}
 
-    def _held_out_bits_per_byte(self, eval_dataset, n_loops: int | None) -> dict[str, float] | None:
-        """:func:`~spider_training.metrics.bits_per_byte` over the first `eval_windows` windows of `eval_dataset`
-        (default: the Trainer's `eval_dataset`); None when there is none."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            return None
-        if isinstance(dataset, StreamingTextDataset):
-            loader = make_dataloader(dataset, self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
-        else:  # sequential, split across processes by accelerate
-            loader = self.get_eval_dataloader(dataset)
-        max_batches = max(1, math.ceil(self.eval_windows / self.args.per_device_eval_batch_size))
-        return bits_per_byte(
-            self.model, loader, device=self.args.device, n_loops=n_loops, max_batches=max_batches,
-            reduce=self.accelerator.reduce if self.accelerator.num_processes > 1 else None,
-        )
+    def _held_out_bits_per_byte(self, eval_dataset, n_loops: int | None) -> dict[str, float]:
+        """Trainer's evaluation loop at `n_loops` (None: the trainer's), not logged: :func:`compute_bits_per_byte`'s
+        figures without a prefix."""
+        trained_n_loops, self.n_loops = self.n_loops, n_loops
+        try:
+            output = self.evaluation_loop(self.get_eval_dataloader(eval_dataset), description="Evaluation",
+                                          metric_key_prefix="eval")
+        finally:
+            self.n_loops = trained_n_loops
+        return {name[len("eval_"):]: value for name, value in output.metrics.items()}
 
     # --- Hub ----------------------------------------------------------------------------------------------------
 

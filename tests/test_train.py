@@ -185,10 +185,10 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
 def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatch):
     from spider_training.trainer import SpiderTrainer
 
-    scored = []  # n_loops of every held-out scoring pass
-    original = SpiderTrainer._held_out_bits_per_byte
-    monkeypatch.setattr(SpiderTrainer, "_held_out_bits_per_byte",
-                        lambda self, dataset, n_loops: scored.append(n_loops) or original(self, dataset, n_loops))
+    scored = []  # n_loops of every held-out scoring pass (Trainer's evaluation loop)
+    original = SpiderTrainer.evaluation_loop
+    monkeypatch.setattr(SpiderTrainer, "evaluation_loop",
+                        lambda self, *args, **kwargs: scored.append(self.n_loops) or original(self, *args, **kwargs))
     out, summary = run(tmp_path, "fp32", "--max_steps", "6", "--save_steps", "2", "--precision", "fp32")
     # before training, at each of the 6 steps, then loops 1 and 4 only (the final step's score is reused for
     # eval_after and the trained loop count, not computed again), and once with ACT early exit (the configured count)
@@ -379,6 +379,61 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
     with pytest.raises(ValueError, match="extra_train_loops must be >= 0"):
         SpiderTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                       extra_train_loops=-1)
+
+
+def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path):
+    """evaluate() is Trainer's own (speed metrics, on_evaluate, the log) over the first eval_windows windows rounded
+    up to whole batches, and its bits per byte is the held-out NLL summed over predicted bytes divided by their
+    count: a window that is mostly padding weighs by its few bytes, not as one window or one batch. The same
+    figure as spider_training.metrics.bits_per_byte over the same windows."""
+    from torch.utils.data import DataLoader, Subset
+    from transformers import TrainingArguments, default_data_collator
+
+    from configuration_spider import SpiderConfig
+    from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.data import FirstWindows, build_dataset
+    from spider_training.metrics import bits_per_byte
+    from spider_training.trainer import SpiderTrainer
+
+    torch.manual_seed(0)
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", n_loops=2))
+    windows = [build_dataset("mock", 32)[k] for k in range(6)]
+    padded = {name: value.clone() for name, value in windows[1].items()}
+    padded["labels"][4:] = -100  # 3 predicted bytes in this window, 32 in the others
+    windows[1] = padded
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_eval_batch_size=2,
+                             remove_unused_columns=False)
+    trainer = SpiderTrainer(model=model, args=args, eval_dataset=windows, data_collator=default_data_collator,
+                            eval_windows=3)
+    metrics = trainer.evaluate()
+    assert metrics["eval_bytes"] == 3 * 32 + 3  # windows 0-3: eval_windows=3 rounded up to two batches of 2
+    assert {"eval_runtime", "eval_samples_per_second"} <= set(metrics)  # Trainer's evaluate, not a replacement
+    assert trainer.state.log_history[-1]["eval_bits_per_byte"] == metrics["eval_bits_per_byte"]
+    assert metrics["eval_loss"] == metrics["eval_lm_loss"] == pytest.approx(metrics["eval_bits_per_byte"] * math.log(2))
+    reference = bits_per_byte(model, DataLoader(Subset(windows, range(4)), batch_size=2))
+    # both sum float64 per-byte NLLs, in another order: within a few float64 roundings of the sum
+    assert metrics["eval_bits_per_byte"] == pytest.approx(reference["bits_per_byte"], rel=64 * 2.0 ** -52)
+    assert metrics["eval_bytes"] == reference["bytes"]
+    # the padded window counts by its 3 bytes: the byte-weighted mean differs from the mean of window means
+    per_window = [bits_per_byte(model, [{k: v[None] for k, v in w.items()}])["bits_per_byte"] for w in windows[:4]]
+    assert abs(sum(per_window) / 4 - metrics["eval_bits_per_byte"]) > 1e-6
+    # the loop sweep goes through the same loop at another count, and leaves the trainer's count alone
+    assert trainer.evaluate_loop_counts([1, 2])["2"] == metrics["eval_bits_per_byte"]
+    assert trainer.n_loops is None
+    assert [w["input_ids"].tolist() for w in FirstWindows(iter_windows(windows), 2)] == \
+        [w["input_ids"].tolist() for w in windows[:2]]
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        FirstWindows(iter_windows(windows), 0)
+
+
+def iter_windows(windows):
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(windows)
+
+    return Stream()
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ classification) and :mod:`~spider_training.data.loader` (:func:`build_dataset`, 
 
 from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE  # the vocabulary's one home; re-exported
 
-from spider_training.data.loader import StreamingTextDataset, build_dataset, make_dataloader
+from spider_training.data.loader import FirstWindows, StreamingTextDataset, build_dataset, make_dataloader
 from spider_training.data.shards import (HEADER_BYTES, HEADER_INTS, HEADER_MAGIC, HEADER_VERSION, METADATA_NAME,
                                          SHARD_SUFFIX, TOKEN_DTYPE, ByteShardDataset, ShardFormatError, ShardInfo,
                                          discover_shards, inspect_shard, split_of_path)
@@ -63,6 +63,6 @@ __all__ = [
     "TextSource", "ByteWindowDataset", "TextByteDataset", "ByteShardDataset", "StreamingTextDataset",
     "encode_document", "pack_windows",
     "window_to_example", "encode_texts", "sotu_speeches_dir", "sotu_documents", "sotu_dataset", "classify_source",
-    "parse_hub_source", "open_text_source", "inspect_shard", "discover_shards", "build_dataset", "make_dataloader",
+    "parse_hub_source", "open_text_source", "inspect_shard", "discover_shards", "build_dataset", "make_dataloader", "FirstWindows",
     "split_of_path", "is_hub_repo_id", "HEADER_INTS", "METADATA_NAME", "SHARD_SUFFIX", "TOKEN_DTYPE", "TEXT_SUFFIXES",
 ]

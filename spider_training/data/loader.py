@@ -3,6 +3,7 @@ source split by rank and packed on the fly) and :func:`make_dataloader` (a loade
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Callable, Iterator
 
@@ -158,6 +159,24 @@ def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int =
         return StreamingTextDataset(text_source, seq_len, rank=rank, world_size=world_size, seed=seed,
                                     shuffle=shuffle, shuffle_buffer=shuffle_buffer, max_doc_bytes=max_doc_bytes)
     return TextByteDataset(text_source, seq_len, max_doc_bytes=max_doc_bytes)
+
+
+class FirstWindows(IterableDataset):
+    """The first `count` examples of an iterable dataset, in its order: a held-out stream
+    (:class:`StreamingTextDataset`) scored on a fixed number of windows per rank.
+
+    Raises:
+        ValueError: `count` < 1.
+    """
+
+    def __init__(self, dataset: IterableDataset, count: int):
+        super().__init__()
+        if count < 1:
+            raise ValueError(f"FirstWindows: count must be >= 1, got {count}")
+        self.dataset, self.count = dataset, count
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return itertools.islice(iter(self.dataset), self.count)
 
 
 def make_dataloader(dataset: Dataset, batch_size: int, *, num_workers: int = 0,
