@@ -40,8 +40,19 @@ FSDP2_CONFIG = REPO / "configs" / "accelerate" / "fsdp2.yaml"
 
 
 class AcceleratorAttributes(SimpleNamespace):
-    """What accelerate's ``fsdp2_prepare_model`` and ``save/load_fsdp_model`` read of an ``Accelerator``, for a
-    process group of one rank (accelerate's state refuses FSDP on CPU without ``accelerate launch``)."""
+    """What accelerate's ``fsdp2_prepare_model`` and ``save/load_fsdp_model`` read of an ``Accelerator`` (whose state
+    refuses FSDP on CPU), for the current process group: build it with :meth:`for_fsdp2`. Also used by
+    ``tests/fsdp2_worker.py`` (FSDP2 on two CPU processes)."""
+
+    @classmethod
+    def for_fsdp2(cls, plugin, device: torch.device) -> "AcceleratorAttributes":
+        """The attributes for `plugin` (accelerate's ``FullyShardedDataParallelPlugin``, FSDP2) on `device`, with rank
+        and world size from the initialised ``torch.distributed`` process group; no mixed precision."""
+        import torch.distributed as dist
+
+        return cls(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, mixed_precision="no",
+                   is_main_process=dist.get_rank() == 0, device=device, num_processes=dist.get_world_size(),
+                   process_index=dist.get_rank(), is_fsdp2=True, wait_for_everyone=dist.barrier)
 
 
 def loss_rtol(dtype: torch.dtype) -> float:
@@ -123,10 +134,7 @@ def run_world_size_1(out_dir: Path, preset: str = "tiny", steps: int = 4, shape:
         del ddp_model
 
         plugin = fsdp2_plugin()
-        attributes = AcceleratorAttributes(
-            state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, mixed_precision="no",
-            is_main_process=True, device=device, num_processes=1, process_index=0, is_fsdp2=True,
-            wait_for_everyone=dist.barrier)
+        attributes = AcceleratorAttributes.for_fsdp2(plugin, device)
         sharded = fsdp2_prepare_model(attributes, copy.deepcopy(initial))
         units = sorted(type(m).__name__ for m in sharded.modules()
                        if type(m).__name__.startswith("FSDP") and m is not sharded)

@@ -2,7 +2,7 @@
 
 Run by ``tests/test_fsdp2.py`` as ``accelerate launch --config_file configs/accelerate/fsdp2.yaml
 --num_processes 2 tests/fsdp2_worker.py OUT_DIR``: the ``FSDP_*`` environment is the shipped config's. accelerate does not switch to FSDP on CPU (its ``AcceleratorState`` stays
-``MULTI_CPU``), so the worker calls accelerate's own ``fsdp2_prepare_model`` with :class:`AcceleratorStandIn` (a test
+``MULTI_CPU``), so the worker calls accelerate's own ``fsdp2_prepare_model`` with :class:`bench.distributed.AcceleratorAttributes` (a test
 double for the :class:`~accelerate.Accelerator`, exposing the attributes that function reads) and the real
 ``FullyShardedDataParallelPlugin`` built from that environment: the model is wrapped exactly as the shipped config
 wraps it on GPUs (one ``fully_shard`` per ``SpiderDecoderLayer`` / ``SpiderRecurrentLayer``, the embedding and the
@@ -20,7 +20,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -31,15 +30,11 @@ sys.path.insert(0, str(REPO))
 
 from configuration_spider import SpiderConfig  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
+from bench.distributed import AcceleratorAttributes  # noqa: E402
 from spider_training.release import gather_unsharded  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH, SEQ_LEN = 4, 48
-
-
-class AcceleratorStandIn(SimpleNamespace):
-    """Test double for :class:`accelerate.Accelerator` (whose state refuses FSDP on CPU): the attributes
-    ``fsdp2_prepare_model`` reads, with the real ``FullyShardedDataParallelPlugin``."""
 
 
 def make_model(seed: int = 0, **overrides) -> SpiderForConditionalGeneration:
@@ -64,11 +59,7 @@ def shard(model, world: int):
 
     plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* environment accelerate launch sets
     assert plugin.fsdp_version == 2, plugin.fsdp_version
-    stand_in = AcceleratorStandIn(
-        state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, mixed_precision="no",
-        is_main_process=dist.get_rank() == 0, device=torch.device("cpu"), num_processes=world,
-        process_index=dist.get_rank(), is_fsdp2=True, wait_for_everyone=dist.barrier,
-    )
+    stand_in = AcceleratorAttributes.for_fsdp2(plugin, torch.device("cpu"))  # test double for the Accelerator
     return fsdp2_prepare_model(stand_in, model), plugin, stand_in
 
 
