@@ -6,13 +6,13 @@ The file reads top-down like the forward pass (docs/design.md, "The forward pass
     x = embed_tokens(input_ids)                   # (B, L, D) bytes
     x = prelude(x)                                # SpiderDecoderLayer: dense MLA + SwiGLU
     b, e = flexitokens(x)                         # SpiderFlexiTokens: 0/1 boundary per byte,
-                                                  #   e = down_norm(downsample(b, x)) (B, 1+S, D)
+                                                  #   e = down_norm(pool_segments(b, x)) (B, 1+S, D)
     h_out = recurrent_block(e, engram_memory)     # SpiderRecurrentBlock, per loop t:
         z = loop_norm(h + e + loop_embedding[t])
         z = layers(z, engram_memory)              #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
         z = z + loop_lora(z, t);  h = A*h + B*e + z   # per-loop adapter, LTI injection
         ACT halting: h_out += w_t * h             #   Graves 2016
-    y = flexitokens.dechunk(b, h_out, x)          # causal upsample, mixed into the byte stream
+    y = flexitokens.expand(b, h_out, x)           # segments expanded to bytes, mixed in
     logits = lm_head(norm(coda(y)))
 
 The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time.
@@ -83,13 +83,13 @@ class SpiderModelOutput(ModelOutput):
         last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and norm.
         cache (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
         hidden_states (`tuple[torch.FloatTensor]`, *optional*): `(B, L, D)` each: the embeddings,
-            each prelude layer's output, the upsampled recurrent output mixed into the bytes, each
+            each prelude layer's output, the expanded recurrent output mixed into the bytes, each
             coda layer's output.
         router_logits (`tuple[torch.FloatTensor]`, *optional*): fp32 `(N, E)` per (loop, layer).
         boundaries, boundary_probs (`torch.FloatTensor` `(B, L)`): the 0/1 boundary decisions
             (straight-through in training) and the predictor's probabilities.
         segment_mask (`torch.FloatTensor` `(B, 1+S)`): 1.0 for real segments (segment 0 is the
-            null group), 0.0 for the padding of the segment axis.
+            null segment), 0.0 for the padding of the segment axis.
         halting_step, halting_remainder (`torch.FloatTensor` `(B, 1+S)`): ACT's loops run per
             segment and the remainder paid at its halting loop.
         expert_loads, mean_scores (`tuple[torch.FloatTensor]`): DeepSeek's `f_i` and `P_i` `(E,)`
@@ -908,7 +908,7 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
 
 # --------------------------------------------------------------------------------------------------
-# FlexiTokens: boundary predictor, downsample, upsample
+# FlexiTokens: boundary predictor, pooling bytes into segments, expanding segments to bytes
 # --------------------------------------------------------------------------------------------------
 
 
@@ -964,8 +964,8 @@ class SpiderBoundaryPredictor(nn.Module):
         return boundaries, probs
 
 
-def downsample(
-    boundaries: torch.Tensor, hidden_states: torch.Tensor, null_group: torch.Tensor | None,
+def pool_segments(
+    boundaries: torch.Tensor, hidden_states: torch.Tensor, null_segment: torch.Tensor | None,
     token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pool bytes into the segments their boundaries close (Nawrot et al. 2023); the open tail
@@ -973,7 +973,7 @@ def downsample(
 
     Args:
         boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`.
-        null_group: `(D,)`, segment 0 (None: zeros). token_mask: `(B, L)` bool or None.
+        null_segment: `(D,)`, segment 0 (None: zeros). token_mask: `(B, L)` bool or None.
         pad_to_multiple_of: round the segment axis `1+S` up to a multiple of this.
     Returns:
         `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)`, S the most
@@ -1003,13 +1003,13 @@ def downsample(
         pooled = (sums / counts.clamp_min(1e-6)[..., None]).to(hidden_states.dtype)
     elif S > 0:  # no segment closed but the axis is padded: zeros tied to the bytes
         pooled = torch.cat([pooled, hidden_states.new_zeros(B, S, D)], dim=1)
-    null = hidden_states.new_zeros(D) if null_group is None else null_group.to(hidden_states.dtype)
+    null = hidden_states.new_zeros(D) if null_segment is None else null_segment.to(pooled.dtype)
     segments = torch.cat([null.expand(B, 1, D), pooled], dim=1)
     segment_mask = torch.arange(S + 1, device=hidden_states.device)[None] <= n_closed[:, None]
     return segments, segment_mask
 
 
-def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+def expand_segments(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """Byte l reads the last segment closed at or before l (segment 0 before the first), times the
     confidence of its own decision (1 in value, a boundary gradient; H-Net §2.2). `boundaries`
     `(B, L)` 0/1 float, `segments` `(B, 1+S, D)` -> `(B, L, D)`."""
@@ -1077,16 +1077,18 @@ def boundary_teacher_loss(
 
 
 class SpiderFlexiTokens(nn.Module):
-    """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`chunk_step`) and
-    segments -> bytes (:meth:`dechunk`, :meth:`dechunk_step`)."""
+    """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`pool_step`) and
+    segments -> bytes (:meth:`expand`, :meth:`expand_step`)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
         D = config.hidden_size
-        self.mixing = config.upsample_mixing
-        self.rms_ratio = config.upsample_rms_ratio
+        self.mixing = config.expand_mixing
+        self.rms_ratio = config.expand_rms_ratio
         self.eps = config.rms_norm_eps
         self.boundary_predictor = SpiderBoundaryPredictor(config)
+        # the null segment, and below the pooled segments' and the expansion's norms, under the
+        # checkpoint keys of every release
         self.null_group = nn.Parameter(torch.empty(D))
         self.down_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         if self.mixing in ("residual_proj", "scaled_norm"):
@@ -1098,44 +1100,44 @@ class SpiderFlexiTokens(nn.Module):
         self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor,
         position_ids: torch.LongTensor, pad_to_multiple_of: int = 1,
     ):
-        """Chunk `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries,
+        """Pool `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries,
         boundary_probs` fp32 `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory
         (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
-        pooled, segment_mask = downsample(
+        pooled, segment_mask = pool_segments(
             boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask, pad_to_multiple_of
         )
         segments, segment_memory = pooled.split([D, M], dim=-1)
         return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
-        """What each segment `(B, S, D)` hands back to the bytes, per `upsample_mixing`."""
+        """What each segment `(B, S, D)` hands back to the bytes, per `expand_mixing`."""
         if self.mixing == "rms_matched":
             return F.rms_norm(h_out, (h_out.shape[-1],), eps=self.eps)
         if self.mixing in ("residual_proj", "scaled_norm"):
             return self.upsample_norm(h_out)
         return h_out
 
-    def mix(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The coda's input from `upsampled` and the byte states `x`, both `(B, L, D)`
+    def mix(self, expanded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The coda's input from `expanded` and the byte states `x`, both `(B, L, D)`
         (docs/design.md, "Mixing the global path into the bytes")."""
         if self.mixing == "rms_matched":
             rms = x.detach().to(torch.float32).pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
-            return x + (self.rms_ratio * rms).to(x.dtype) * upsampled
+            return x + (self.rms_ratio * rms).to(x.dtype) * expanded
         if self.mixing == "residual_proj":
-            return upsampled + self.residual_proj(x)
-        return upsampled + x
+            return expanded + self.residual_proj(x)
+        return expanded + x
 
-    def dechunk(
+    def expand(
         self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
         """Segments -> bytes: `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)`
         -> `(B, L, D)` in `x.dtype`."""
-        return self.mix(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
+        return self.mix(expand_segments(boundaries, self.global_stream(h_out).to(x.dtype)), x)
 
-    def chunk_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
+    def pool_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
         """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns `(boundary (B, 1)
         fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B, 1, M))`."""
         boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
@@ -1151,7 +1153,7 @@ class SpiderFlexiTokens(nn.Module):
         cache.open_count = open_count * keep
         return boundary, closing, segment, segment_memory
 
-    def dechunk_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
+    def expand_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
         """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed."""
         return self.mix(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
 
@@ -1415,7 +1417,7 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
         )
 
     def get_seq_length(self) -> int:
-        """Segment slots held (the null group included)."""
+        """Segment slots held (the null segment included)."""
         keys = self.loops[0].keys if self.loops else None
         return 0 if keys is None else keys.shape[2]
 
@@ -1459,11 +1461,11 @@ class SpiderCache(Cache):
         # RECORD's (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32, in buffers that double
         self.record = dict.fromkeys(self.RECORD)
         self.record_length = 0
-        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null group)
+        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null segment)
         # derived from the record by restore(): (B,) int64 RoPE position of the next byte
         self.byte_positions = None
         self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
-        self.num_segments = None  # (B,) int64: closed segments (the null group excluded)
+        self.num_segments = None  # (B,) int64: closed segments (the null segment excluded)
         self.last_segment_output = None  # (B, D) fp32
         self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
         self.segment_slots = 0
@@ -1594,7 +1596,7 @@ class SpiderCache(Cache):
         self.open_count = open_bytes.to(torch.float32).sum(-1)
 
     def begin_segment_step(self) -> torch.LongTensor:
-        """Point every row at its next segment's slot (slot 0 is the null group); `(B,)` int64."""
+        """Point every row at its next segment's slot (slot 0 is the null segment); `(B,)` int64."""
         self.segment_write_index = self.num_segments + 1
         self.segment_slots = max(self.segment_slots, int(self.segment_write_index.max()) + 1)
         return self.segment_write_index
@@ -1662,10 +1664,10 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.constant_(module.B, 0.5)
         elif isinstance(module, SpiderFlexiTokens):
             init.normal_(module.null_group, mean=0.0, std=std)
-            if self.config.upsample_mixing == "residual_proj":
+            if self.config.expand_mixing == "residual_proj":
                 init.zeros_(module.residual_proj.weight)  # H-Net: the byte skip starts closed
-            if self.config.upsample_mixing == "scaled_norm":
-                init.constant_(module.upsample_norm.weight, self.config.upsample_scale_init)
+            if self.config.expand_mixing == "scaled_norm":
+                init.constant_(module.upsample_norm.weight, self.config.expand_scale_init)
 
 
 class SpiderBytes(NamedTuple):
@@ -1682,7 +1684,7 @@ class SpiderBytes(NamedTuple):
 
 class SpiderSegments(NamedTuple):
     """What segmentation hands the recurrent block: `boundaries` and `boundary_probs` `(B, L)` fp32,
-    `segments` `(B, 1+S, D)` normed (segment 0 the null group), their Engram `memory`
+    `segments` `(B, 1+S, D)` normed (segment 0 the null segment), their Engram `memory`
     `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers' `position_embeddings` and
     `attention_mask`, `segment_index` int64 `(N,)` (the rows the MoE routes; None: all) and
     `routed_mask` `(B, 1+S)` bool (rows routed with weight 1, the rest 0; None: all)."""
@@ -1816,7 +1818,7 @@ class SpiderModel(SpiderPreTrainedModel):
         cache = self.prefill_cache(cache, use_cache, n_loops)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        # collected here, not by capture_outputs: the layout holds the mixed upsampled stream
+        # collected here, not by capture_outputs: the layout holds the mixed expanded stream
         hidden_states = [] if output_hidden_states else None
 
         x = self.embed_tokens(input_ids)
@@ -1835,7 +1837,7 @@ class SpiderModel(SpiderPreTrainedModel):
             segments.segment_index, segments.memory, n_loops, cache, output_router_logits,
             segments.routed_mask,
         )
-        y = self.coda(self.flexitokens.dechunk(segments.boundaries, block.h_out, x),
+        y = self.coda(self.flexitokens.expand(segments.boundaries, block.h_out, x),
                       byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
                       hidden_states)
         if cache is not None:
@@ -1980,11 +1982,11 @@ class SpiderModel(SpiderPreTrainedModel):
         x = self.prelude(x, byte_rope, byte_attention_mask, cache, hidden)
         past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
         memory = self.engram_embeddings.step(cache.input_ids, past_mask, input_ids)
-        boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, memory, cache)
+        boundary, closing, e, segment_memory = self.flexitokens.pool_step(x, memory, cache)
         cache.append(input_ids, x, memory, boundary)
         if bool(closing.any()):  # every row runs the block; the others keep their last output
             self.decode_segment(e, segment_memory, closing, cache)
-        y = self.coda(self.flexitokens.dechunk_step(cache, x), byte_rope, byte_attention_mask,
+        y = self.coda(self.flexitokens.expand_step(cache, x), byte_rope, byte_attention_mask,
                       cache, hidden)
         cache.byte_positions = cache.byte_positions + 1
         cache.seen_bytes += 1
@@ -2203,6 +2205,6 @@ __all__ = [
     "SpiderExperts",
     "SpiderMoE",
     "SpiderMoEKernels",
-    "downsample",
-    "upsample",
+    "expand_segments",
+    "pool_segments",
 ]

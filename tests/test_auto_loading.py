@@ -118,7 +118,7 @@ def test_release_with_flat_legacy_names_loads_with_the_legacy_key_mapping(tmp_pa
     from spider_training.release import LEGACY_KEY_MAPPING
 
     torch.manual_seed(0)
-    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", upsample_mixing="residual_proj")).eval()
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", expand_mixing="residual_proj")).eval()
     model.save_pretrained(tmp_path)
     current = model.state_dict()
     legacy = {k.replace("model.recurrent_block.", "model.").replace("model.flexitokens.", "model."): v.contiguous()

@@ -185,7 +185,7 @@ def tk_train(tmp_path_factory):
 
 def test_name_rules_round_trip_every_spider_key():
     keys = list(tiny_model().state_dict())
-    keys += [k for k in tiny_model(upsample_mixing="residual_proj").state_dict() if k not in keys]  # + residual_proj
+    keys += [k for k in tiny_model(expand_mixing="residual_proj").state_dict() if k not in keys]  # + residual_proj
     ckpt_names = [spider_to_tk_train_name(k) for k in keys]
     assert [tk_train_to_spider_name(n) for n in ckpt_names] == keys
     assert [tk_train_to_spider_name("module._orig_mod." + n) for n in ckpt_names] == keys
