@@ -44,6 +44,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function, or_masks, padding_mask_function,
     sdpa_mask, sliding_window_overlay,
@@ -170,8 +171,7 @@ def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled(device_type)``; False for one autocast does not know."""
-    try:
+    try:  # False for a device type autocast does not know
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:
         return False
@@ -195,7 +195,6 @@ def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
-    """Whether a value check may read `tensor` on the host: on the CPU, or outside training."""
     return tensor.device.type == "cpu" or not training
 
 
@@ -249,20 +248,15 @@ class SpiderRotaryEmbedding(nn.Module):
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
     @staticmethod
-    def compute_default_rope_parameters(
-        config: SpiderConfig, device=None, seq_len=None
-    ) -> tuple[torch.Tensor, float]:
+    def compute_default_rope_parameters(config: SpiderConfig, device=None, seq_len=None):
         """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)`, scaling 1."""
         base, dim = config.rope_parameters["rope_theta"], config.head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
         return inv_freq, 1.0
 
     @dynamic_rope_update
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.LongTensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`position_ids` int64 `(B, T)` -> `(cos, sin)`, each `(B, T, qk_rope_head_dim)` in
-        `x.dtype`."""
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor):
+        """`position_ids` int64 `(B, T)` -> `(cos, sin)` `(B, T, qk_rope_head_dim)` in `x.dtype`."""
         inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
         freqs = position_ids[..., None].to(torch.float32) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -283,26 +277,17 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return x * cos + rotate_half(x) * sin
 
 
-def positional_sliding_window_overlay(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int
-) -> Callable:
-    """Mask function: query `q` of row `b` sees key `kv` when
-    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``."""
-
-    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        return query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx] < sliding_window
-
-    return inner_mask
-
-
 def positional_causal_mask_function(
-    query_positions: torch.Tensor, key_positions: torch.Tensor
+    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
 ) -> Callable:
-    """Mask function: query `q` of row `b` sees key `kv` when
-    ``key_positions[b, kv] <= query_positions[b, q]``."""
+    """Mask function: query `q` of row `b` sees key `kv` at a position `<=` its own and, with a
+    `sliding_window`, less than `sliding_window` before it."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        return key_positions[batch_idx, kv_idx] <= query_positions[batch_idx, q_idx]
+        distance = query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx]
+        if sliding_window is None:
+            return distance >= 0
+        return (distance >= 0) & (distance < sliding_window)
 
     return inner_mask
 
@@ -316,29 +301,19 @@ def attention_mask_function(
     token_mask: torch.Tensor | None, sliding_window: int | None = None,
     query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
 ) -> Callable | None:
-    """Spider's attention pattern as a ``transformers.masking_utils`` mask function: causal, real
-    keys only, a sliding window, a padding query seeing itself (padding is contiguous, so a window
-    over indices counts real bytes).
+    """Spider's attention pattern as a ``transformers.masking_utils`` mask function (None: plain
+    causal): causal, real keys only (`token_mask` `(B, T_k)` bool or None), keys at `q -
+    sliding_window < k <= q`, a padding query seeing itself (padding is contiguous, so a window
+    over indices counts real bytes). A recurrent decode step passes its per-row segment slots,
+    `query_positions` `(B, T_q)` and `key_positions` `(B, T_k)` int64, instead of indices.
 
-    Args:
-        token_mask: `(B, T_k)` bool, True for real tokens, or None (no padding).
-        sliding_window: a query at index q sees keys at `q - sliding_window < k <= q`, or None.
-        query_positions, key_positions: a recurrent decode step's per-row segment slots,
-            `(B, T_q)` / `(B, T_k)` int64: queries see keys at their own or earlier slots.
-    Returns:
-        The mask function, or None for the plain causal mask.
     Raises:
         ValueError: `query_positions` without `key_positions`.
     """
     if query_positions is not None:
         if key_positions is None:
             raise ValueError("a decode step's query_positions need key_positions")
-        functions = [positional_causal_mask_function(query_positions, key_positions)]
-        if sliding_window is not None:
-            functions.append(
-                positional_sliding_window_overlay(query_positions, key_positions, sliding_window)
-            )
-        return and_masks(*functions)
+        return positional_causal_mask_function(query_positions, key_positions, sliding_window)
     if token_mask is None and sliding_window is None:
         return None
     mask_function = causal_mask_function
@@ -551,12 +526,9 @@ class SpiderExpertsInterface(ExpertsInterface):
 @use_experts_implementation(experts_interface=SpiderExpertsInterface())
 class SpiderExperts(nn.Module):
     """The routed SwiGLU experts of one MoE layer in transformers' MoE layout: `gate_up_proj`
-    `(E, 2I, D)` (expert e's gate rows, then its up rows) and `down_proj` `(E, D, I)`.
-    ``config._experts_implementation`` picks ``"grouped_mm"`` (default), ``"batched_mm"`` or
-    ``"eager"``.
-
-    ``forward(hidden_states (T, D), top_k_index int64 (T, k), top_k_weights (T, k)) -> (T, D)`` in
-    ``hidden_states.dtype``, accumulated in fp32."""
+    `(E, 2I, D)` (expert e's gate rows, then its up rows), `down_proj` `(E, D, I)`, run by
+    ``config._experts_implementation`` (``"grouped_mm"``, ``"batched_mm"`` or ``"eager"``):
+    `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` -> `(T, D)`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -572,10 +544,8 @@ class SpiderExperts(nn.Module):
         instance's own (``spider_training.mixed_precision``)."""
         return weight.to(dtype)
 
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """``"eager"``: a loop over experts (a host sync per expert)."""
+    def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """``"eager"``: a loop over experts (a host sync per expert), accumulated in fp32."""
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         for e in range(self.num_experts):
             token_idx, slot = torch.where(top_k_index == e)
@@ -587,9 +557,8 @@ class SpiderExperts(nn.Module):
 
 
 def older_checkpoint_conversions() -> list:
-    """Weight conversions from the per-expert layout of older releases
-    (``...mlp.experts.{e}.gate_proj.weight``) to :class:`SpiderExperts`' fused parameters,
-    registered for model type ``"spider"`` on import so that ``from_pretrained`` converts."""
+    """From older releases' per-expert layout (``mlp.experts.{e}.gate_proj.weight``) to
+    :class:`SpiderExperts`' fused parameters; registered for ``"spider"`` on import."""
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
     return [
@@ -606,22 +575,16 @@ def older_checkpoint_conversions() -> list:
     ]
 
 
-def _register_older_checkpoint_conversions() -> None:
-    # overwrite: this file is imported once per location (repository root, remote-code copies)
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-
-    conversions = older_checkpoint_conversions()
-    register_checkpoint_conversion_mapping(SpiderConfig.model_type, conversions, overwrite=True)
-
-
-_register_older_checkpoint_conversions()
+# overwrite: this file is imported once per location (repository root, remote-code copies)
+register_checkpoint_conversion_mapping(
+    SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
+)
 
 
 class RowWeights(NamedTuple):
     """Weights of the rows :class:`SpiderMoE` routes from a padded segment axis, made once per
-    forward: `weight` fp32 `(T,)` (1 real, 0 padding), `mean_weight` (`weight` over the real rows)
-    and `load_weight` fp32 `(T*k,)` (per token-slot, times `E` over the real slots: summed per
-    expert it is DeepSeek's `f_i`); the real counts are clamped at 1."""
+    forward: fp32 `weight` `(T,)` (1 real, 0 padding), `mean_weight` (`weight / real rows`) and
+    `load_weight` `(T*k,)` (per token-slot: summed per expert, DeepSeek's `f_i`)."""
 
     weight: torch.Tensor
     mean_weight: torch.Tensor
@@ -657,12 +620,10 @@ class SpiderMoE(nn.Module):
             shared_size = config.moe_intermediate_size * config.n_shared_experts
             self.shared_experts = SpiderMLP(config, shared_size)
 
-    def forward(
-        self, x: torch.Tensor, row_weights: RowWeights | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)`; with `row_weights`, padding rows weigh zero and stay out of the
-        statistics. Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), expert_load fp32
-        (E,), mean_scores fp32 (E,))`: DeepSeek's `f_i` and `P_i`."""
+    def forward(self, x: torch.Tensor, row_weights: RowWeights | None = None):
+        """Route `x` `(T, D)` (padding rows, per `row_weights`, weigh zero). Returns `(out (T, D)
+        in x.dtype, router_logits (T, E), expert_load (E,), mean_scores (E,))`, the last three fp32:
+        DeepSeek's `f_i` and `P_i`."""
         router_logits = self.route(x)
         scores = router_logits.softmax(dim=-1)
         topk_idx = self.kernels.topk_gate(scores, self.top_k)
@@ -687,8 +648,8 @@ class SpiderMoE(nn.Module):
         return out, router_logits, expert_load, mean_scores
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits, fp32 `(T, E)`, from `x` `(T, D)` through the router's own forward (so a
-        PEFT or quantised router applies), with autocast off: DeepSeek-V3 gates in fp32."""
+        """fp32 `(T, E)` logits of `x` `(T, D)` by the router's own forward (a PEFT or quantised
+        router applies), autocast off: DeepSeek-V3 gates in fp32."""
         with autocast_off(x.device.type):
             return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
@@ -740,9 +701,8 @@ class SpiderEngramEmbeddings(nn.Module):
         self._hash_constants = {}
 
     def hash_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """int64 `multiplier_table` `(n_tables, max_n)`, `moduli` and `offsets` `(n_tables,)` on
-        `device`, made once per device (a host-to-device copy syncs). Not buffers: a function of
-        the config, so checkpoints do not carry them."""
+        """int64 `multiplier_table` `(n_tables, max_n)`, `moduli`, `offsets` `(n_tables,)`, copied
+        once per device (a copy syncs); not buffers, so checkpoints do not carry them."""
         constants = self._hash_constants.get(device)
         if constants is None:
             constants = self._hash_constants[device] = tuple(
@@ -764,10 +724,9 @@ class SpiderEngramEmbeddings(nn.Module):
             hashed = torch.bitwise_xor(hashed, products[..., i])
         return hashed % moduli + offsets
 
-    def step(self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None,
-             input_ids: torch.LongTensor) -> torch.Tensor:
-        """The decode step's lookup of one new byte per row: `past_ids` `(B, n)`, `past_mask`
-        `(B, n)` bool or None, `input_ids` `(B, 1)` -> `(B, M)`."""
+    def step(self, past_ids, past_mask, input_ids: torch.LongTensor) -> torch.Tensor:
+        """One new byte per row, `input_ids` `(B, 1)` after `past_ids` `(B, n)` (`past_mask`
+        `(B, n)` bool or None) -> `(B, M)`."""
         context = max(self.ngram_sizes) - 1
         past_ids = past_ids[:, past_ids.shape[1] - context:]
         if past_mask is not None:
@@ -782,10 +741,8 @@ class SpiderEngramEmbeddings(nn.Module):
 
 
 def depthwise_conv1d(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.conv1d(input, weight, groups=D)`` (stride 1, no padding), `input` `(B, D, L)`, `weight`
-    `(D, 1, K)` -> `(B, D, L - K + 1)` in `input`'s dtype. A weighted sum over channels-last
-    ``unfold`` windows: under ``torch.compile`` inductor's convolution backward specialises the
-    length, which recompiled the Engram layers at every segment count (tests/test_compile.py)."""
+    """``F.conv1d(input, weight, groups=D)``, `(B, D, L)` and `(D, 1, K)` -> `(B, D, L - K + 1)`,
+    as a sum over ``unfold`` windows: inductor's convolution backward specialises the length."""
     kernel_size = weight.shape[-1]
     channels_last = input.transpose(1, 2)  # (B, L, D)
     out = (channels_last.unfold(1, kernel_size, 1) * weight.squeeze(1).to(input.dtype)).sum(-1)
@@ -793,9 +750,8 @@ def depthwise_conv1d(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class SpiderShortConv(nn.Conv1d):
-    """Engram's depthwise ShortConv, an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (its weight,
-    init and checkpoint key) computed by :func:`depthwise_conv1d`: `(B, D, L)` ->
-    `(B, D, L - K + 1)`."""
+    """Engram's depthwise ShortConv: an ``nn.Conv1d`` (weight, init, checkpoint key) computed by
+    :func:`depthwise_conv1d`."""
 
     def __init__(self, hidden_size: int, kernel_size: int):
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)
@@ -820,8 +776,7 @@ class SpiderEngram(nn.Module):
         self.kernel_size = config.engram_conv_kernel_size
         self.short_conv = SpiderShortConv(D, self.kernel_size)
 
-    def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor,
-                cache: SpiderLayerCache | None = None) -> torch.Tensor:
+    def forward(self, hidden_states, memory, cache: SpiderLayerCache | None = None):
         # read by the key and the value projection: cast once
         if autocast_enabled(memory.device.type):
             memory = to_autocast_dtype(memory)
@@ -864,13 +819,10 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
 
 
 class SpiderRecurrentLayer(GradientCheckpointingLayer):
-    """One layer of the looped block over segments, pre-norm: (Engram memory) + MLA + MoE.
-
-    Args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`,
-    `position_embeddings`, `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64
-    `(N,)` (the rows to route; None: all), `engram_memory` `(B, S, M)` or None, `row_weights` of the
-    `B*S` rows or None; keyword `cache`. Returns `(hidden_states, router_logits (N, E),
-    expert_load (E,), mean_scores (E,))`."""
+    """One layer of the looped block over segments `(B, S, D)`, pre-norm: (Engram) + MLA + MoE.
+    Positional arguments (for activation checkpointing); `segment_index` int64 `(N,)`: the rows
+    to route (None: all). Returns `(hidden_states, router_logits (N, E), expert_load (E,),
+    mean_scores (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
@@ -913,14 +865,11 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
 
 class SpiderBoundaryPredictor(nn.Module):
-    """FlexiTokens boundary predictor (arXiv 2507.12720 §3), `Linear(D, D) -> GELU -> Linear(D, 1)`
-    per byte, in fp32. `boundary_mode` ``"hard"`` (H-Net): `sigmoid(logit) > boundary_threshold`,
+    """FlexiTokens boundary predictor (arXiv 2507.12720 §3), `Linear -> GELU -> Linear(D, 1)` per
+    byte in fp32. `boundary_mode` ``"hard"`` (H-Net): `sigmoid(logit) > boundary_threshold`,
     straight-through; ``"relaxed"``: relaxed-Bernoulli samples in training; ``"fixed"``: every
-    `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` only the teacher's loss trains it
-    (on detached states).
-
-    Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)`
-    int64 or None. Returns `(boundaries, probs)`, fp32 `(B, L)`, boundaries 0/1 in value."""
+    `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` only the teacher's loss trains
+    it. `(B, L, D)` -> `(boundaries 0/1 in value, probs)`, fp32 `(B, L)`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -968,17 +917,11 @@ def pool_segments(
     boundaries: torch.Tensor, hidden_states: torch.Tensor, null_segment: torch.Tensor | None,
     token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean-pool bytes into the segments their boundaries close (Nawrot et al. 2023); the open tail
-    is dropped, padding never enters a mean, no gradient reaches `boundaries`.
-
-    Args:
-        boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`.
-        null_segment: `(D,)`, segment 0 (None: zeros). token_mask: `(B, L)` bool or None.
-        pad_to_multiple_of: round the segment axis `1+S` up to a multiple of this.
-    Returns:
-        `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)`, S the most
-        closed segments of any row (rounded up); shorter rows right-padded with zeros.
-    """
+    """Mean-pool bytes `(B, L, D)` into the segments their `boundaries` `(B, L)` (0/1) close
+    (Nawrot et al. 2023): the open segment is dropped, padding (`token_mask` `(B, L)` bool) never
+    enters a mean, no gradient reaches `boundaries`. Returns `(segments (B, 1+S, D), segment_mask
+    (B, 1+S) bool)`: `null_segment` `(D,)` (None: zeros) first, then each row's closed segments,
+    right-padded with zeros to the most any row closed, `1+S` rounded up to `pad_to_multiple_of`."""
     B, L, D = hidden_states.shape
     hard = boundaries.detach()
     cum_inclusive = hard.cumsum(dim=1)
@@ -1020,9 +963,7 @@ def expand_segments(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.T
     return gathered * confidence[..., None]
 
 
-def boundary_rate_loss(
-    boundaries: torch.Tensor, token_mask: torch.Tensor | None, config: SpiderConfig
-):
+def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor | None, config):
     """FlexiTokens' hinge on the boundary rate r per real byte, `relu(r - prior) +
     relu(prior - k*std - r)`. Returns `(loss, rate)`, fp32 scalars."""
     if token_mask is None:
@@ -1213,12 +1154,10 @@ class ACTState(NamedTuple):
 
 
 class SpiderHaltingStep(nn.Module):
-    """One loop of ACT (Graves 2016, OpenMythos' loop form): `p = sigmoid(halt_logits)`; a segment
-    accumulates `p` until `threshold`, then halts with the remainder (all halt at the last loop, so
-    a segment's weights sum to 1). Parameterless, so regional compilation makes it one region.
-
-    Args: `halt_logits` `(B, S)`, `h` `(B, S, D)`, `h_out` fp32 `(B, S, D)`, `state`, `threshold`,
-    `is_last`. Returns `(h_out + weight * h, new state, weight fp32 (B, S))`."""
+    """One loop of ACT (Graves 2016, OpenMythos' loop form): `p = sigmoid(halt_logits)` `(B, S)`;
+    a segment accumulates `p` until `threshold`, then halts with the remainder (all halt at the
+    last loop, so a segment's weights sum to 1). Returns `(h_out + weight * h` fp32 `(B, S, D)`,
+    the new state, `weight` fp32 `(B, S))`. A module: regional compilation makes it one region."""
 
     def forward(
         self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
@@ -1488,14 +1427,6 @@ class SpiderCache(Cache):
         """Bytes (input columns) already consumed."""
         return self.seen_bytes
 
-    @property
-    def is_compileable(self) -> bool:
-        return False  # grows per byte and per segment
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` bytes (0 or negative, transformers' convention).
 
@@ -1683,11 +1614,10 @@ class SpiderBytes(NamedTuple):
 
 
 class SpiderSegments(NamedTuple):
-    """What segmentation hands the recurrent block: `boundaries` and `boundary_probs` `(B, L)` fp32,
-    `segments` `(B, 1+S, D)` normed (segment 0 the null segment), their Engram `memory`
-    `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers' `position_embeddings` and
-    `attention_mask`, `segment_index` int64 `(N,)` (the rows the MoE routes; None: all) and
-    `routed_mask` `(B, 1+S)` bool (rows routed with weight 1, the rest 0; None: all)."""
+    """What segmentation hands the recurrent block: fp32 `boundaries`, `boundary_probs` `(B, L)`,
+    normed `segments` `(B, 1+S, D)`, their Engram `memory` `(B, 1+S, M)`, `segment_mask` bool
+    `(B, 1+S)`, RoPE and mask, and the rows the MoE routes: `segment_index` int64 `(N,)` or
+    `routed_mask` `(B, 1+S)` bool (the rest routed with weight 0), None for all."""
 
     boundaries: torch.Tensor
     boundary_probs: torch.Tensor
