@@ -1457,8 +1457,7 @@ class SpiderCache(Cache):
 
     def batch_select_indices(self, indices: torch.LongTensor) -> None:
         """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
-        for layer in self.layers:
-            layer.batch_select_indices(indices)
+        super().batch_select_indices(indices)
         _select_rows(self, self.ROW_STATE, indices)
         self.record = {
             name: None if t is None else t.index_select(0, indices)
@@ -1880,12 +1879,10 @@ class SpiderModel(SpiderPreTrainedModel):
         """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time:
         `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the cache and, with
         `output_hidden_states`, the new bytes' `hidden_states`; no loss terms."""
-        states, boundaries, per_byte = [], [], []
-        for j in range(input_ids.shape[1]):
-            y, b, hidden = self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
-            states.append(y)
-            boundaries.append(b)
-            per_byte.append(hidden)
+        states, boundaries, per_byte = zip(*(
+            self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
+            for j in range(input_ids.shape[1])
+        ))
         hidden_states = (
             tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
         )
