@@ -163,7 +163,7 @@ class SpiderConfig(PreTrainedConfig):
         boundary_teacher_coef (`float`, defaults to 1.0): weight of the teacher's cross-entropy inside
             ``boundary_loss`` (which ``boundary_loss_coef`` weighs again).
         expand_mixing (`str`, defaults to ``"scaled_norm"``): how the coda's input joins the expanded recurrent
-            output `h` and the prelude's byte states `x`. ``"scaled_norm"``: ``x + upsample_norm(h)``, an RMSNorm whose
+            output `h` and the prelude's byte states `x`. ``"scaled_norm"``: ``x + expand_norm(h)``, an RMSNorm whose
             per-channel weight (the global path's scale, initialised to ``expand_scale_init``) sets how loud the
             global stream is, whatever the loops' magnitude (a gate the model can keep nearly shut).
             ``"rms_matched"``: ``x + expand_rms_ratio * rms(x) * RMSNorm(h)`` (no weight, ``rms(x)`` per byte and

@@ -6,7 +6,7 @@ The file reads top-down like the forward pass (docs/design.md, "The forward pass
     x = embed_tokens(input_ids)                   # (B, L, D) bytes
     x = prelude(x)                                # SpiderDecoderLayer: dense MLA + SwiGLU
     b, e = flexitokens(x)                         # SpiderFlexiTokens: 0/1 boundary per byte,
-                                                  #   e = down_norm(pool_segments(b, x)) (B, 1+S, D)
+                                                  #   e = pool_norm(pool_segments(b, x)) (B, 1+S, D)
     h_out = recurrent_block(e, engram_memory)     # SpiderRecurrentBlock, per loop t:
         z = loop_norm(h + e + loop_embedding[t])
         z = layers(z, engram_memory)              #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
@@ -556,12 +556,22 @@ class SpiderExperts(nn.Module):
         return out.to(hidden_states.dtype)
 
 
+#: older releases' names of the segmentation's parameters -> today's (docs/design.md, "Glossary")
+OLDER_SEGMENTATION_KEYS = {r"flexitokens\.null_group": "flexitokens.null_segment",
+                           r"flexitokens\.down_norm\.": "flexitokens.pool_norm.",
+                           r"flexitokens\.upsample_norm\.": "flexitokens.expand_norm."}
+
+
 def older_checkpoint_conversions() -> list:
     """From older releases' per-expert layout (``mlp.experts.{e}.gate_proj.weight``) to
-    :class:`SpiderExperts`' fused parameters; registered for ``"spider"`` on import."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    :class:`SpiderExperts`' fused parameters, and their segmentation names
+    (:data:`OLDER_SEGMENTATION_KEYS`); registered for ``"spider"`` on import."""
+    from transformers.core_model_loading import (
+        Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
+    )
 
     return [
+        *(WeightRenaming(old, new) for old, new in OLDER_SEGMENTATION_KEYS.items()),
         WeightConverter(
             source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
             target_patterns="mlp.experts.gate_up_proj",
@@ -1028,12 +1038,10 @@ class SpiderFlexiTokens(nn.Module):
         self.rms_ratio = config.expand_rms_ratio
         self.eps = config.rms_norm_eps
         self.boundary_predictor = SpiderBoundaryPredictor(config)
-        # the null segment, and below the pooled segments' and the expansion's norms, under the
-        # checkpoint keys of every release
-        self.null_group = nn.Parameter(torch.empty(D))
-        self.down_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.null_segment = nn.Parameter(torch.empty(D))
+        self.pool_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         if self.mixing in ("residual_proj", "scaled_norm"):
-            self.upsample_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+            self.expand_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         if self.mixing == "residual_proj":
             self.residual_proj = nn.Linear(D, D, bias=False)
 
@@ -1046,19 +1054,19 @@ class SpiderFlexiTokens(nn.Module):
         (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
-        null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
+        null = torch.cat([self.null_segment.to(x.dtype), x.new_zeros(M)])
         pooled, segment_mask = pool_segments(
             boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask, pad_to_multiple_of
         )
         segments, segment_memory = pooled.split([D, M], dim=-1)
-        return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
+        return boundaries, boundary_probs, self.pool_norm(segments), segment_memory, segment_mask
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
         """What each segment `(B, S, D)` hands back to the bytes, per `expand_mixing`."""
         if self.mixing == "rms_matched":
             return F.rms_norm(h_out, (h_out.shape[-1],), eps=self.eps)
         if self.mixing in ("residual_proj", "scaled_norm"):
-            return self.upsample_norm(h_out)
+            return self.expand_norm(h_out)
         return h_out
 
     def mix(self, expanded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -1086,7 +1094,7 @@ class SpiderFlexiTokens(nn.Module):
         open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
         open_count = cache.open_count + 1.0
         closing = boundary[:, 0] > 0
-        segment = self.down_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
+        segment = self.pool_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
         segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
         keep = (~closing).to(torch.float32)
         cache.open_sum = open_sum * keep[:, None]
@@ -1593,11 +1601,11 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.constant_(module.log_dt, math.log(math.log(2.0)))  # A = 0.5 at start
             init.constant_(module.B, 0.5)
         elif isinstance(module, SpiderFlexiTokens):
-            init.normal_(module.null_group, mean=0.0, std=std)
+            init.normal_(module.null_segment, mean=0.0, std=std)
             if self.config.expand_mixing == "residual_proj":
                 init.zeros_(module.residual_proj.weight)  # H-Net: the byte skip starts closed
             if self.config.expand_mixing == "scaled_norm":
-                init.constant_(module.upsample_norm.weight, self.config.expand_scale_init)
+                init.constant_(module.expand_norm.weight, self.config.expand_scale_init)
 
 
 class SpiderBytes(NamedTuple):

@@ -138,6 +138,9 @@ TO_TK_TRAIN_NAMES = {
     r"^model\.coda_layers\.(\d+)\.": r"model.coda.\1.",
     r"^model\.flexitokens\.boundary_predictor\.dense\.": "model.boundary_predictor.0.",
     r"^model\.flexitokens\.boundary_predictor\.out_proj\.": "model.boundary_predictor.2.",
+    r"^model\.flexitokens\.null_segment$": "model.null_group",
+    r"^model\.flexitokens\.pool_norm\.": "model.down_norm.",
+    r"^model\.flexitokens\.expand_norm\.": "model.upsample_norm.",
     r"^model\.(?:recurrent_block|flexitokens)\.": "model.",
 }
 

@@ -126,7 +126,7 @@ def test_a_batch_without_a_closed_segment_still_gives_every_parameter_a_gradient
 
 def test_scaled_norm_mixing_starts_at_the_configured_scale():
     model = tiny_model(seed=0, expand_mixing="scaled_norm", expand_scale_init=0.04)
-    scale = model.model.flexitokens.upsample_norm.weight
+    scale = model.model.flexitokens.expand_norm.weight
     assert torch.equal(scale, torch.full_like(scale, 0.04))
     h = torch.randn(2, 3, model.config.hidden_size) * 50  # whatever the loops' magnitude ...
     g = model.model.flexitokens.global_stream(h)
@@ -146,7 +146,7 @@ def test_rms_matched_mixing_holds_the_global_stream_at_a_fixed_share_of_the_byte
     flexitokens = model.model.flexitokens
     # no gate to close: the mixing owns no parameter
     own = [n for n, _ in flexitokens.named_parameters() if not n.startswith("boundary_predictor.")]
-    assert own == ["null_group", "down_norm.weight"]
+    assert own == ["null_segment", "pool_norm.weight"]
     D = model.config.hidden_size
     x = torch.randn(2, 5, D) * torch.tensor([0.01, 0.1, 1.0, 10.0, 100.0])[:, None]  # bytes of any magnitude ...
     h = torch.randn(2, 5, D) * 50  # ... and loop outputs of any magnitude
