@@ -47,7 +47,7 @@ MEASURED_TRAINING_CHOICES: dict = dict(
     boundary_teacher="spacelike", boundary_prior=0.2,
     # Mixing: behind a learned gate that starts shut (scaled_norm) the model kept the global stream at ~10% of the
     # bytes' RMS; held at half of it (no gate to close), the loops and the global path carry more.
-    upsample_mixing="rms_matched", upsample_rms_ratio=0.5,
+    expand_mixing="rms_matched", expand_rms_ratio=0.5,
 )
 
 SPIDER_PRESETS: dict[str, dict] = {
@@ -69,7 +69,7 @@ SPIDER_PRESETS: dict[str, dict] = {
         engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=16, engram_table_size=257,
         n_loops=2, max_loop_iters=4, loop_adapter_rank=16, max_position_embeddings=512,
         # the tests check the global path's machinery (cache, padding, gradients): it must reach the output at init
-        upsample_scale_init=1.0,
+        expand_scale_init=1.0,
     ),
 }
 
@@ -79,7 +79,7 @@ LEGACY_MOE_IMPLEMENTATIONS = {"eager": "eager", "sorted": "grouped_mm", "grouped
 EXPERTS_KEYS = ("experts_implementation", "moe_implementation")
 BOUNDARY_MODES = ("hard", "relaxed", "fixed")
 BOUNDARY_TEACHERS = ("spacelike",)
-UPSAMPLE_MIXINGS = ("rms_matched", "residual_proj", "scaled_norm", "add")
+EXPAND_MIXINGS = ("rms_matched", "residual_proj", "scaled_norm", "add")
 SPIDER_AUTO_MAP = {
     "AutoConfig": "configuration_spider.SpiderConfig",
     "AutoModel": "modeling_spider.SpiderModel",
@@ -162,28 +162,28 @@ class SpiderConfig(PreTrainedConfig):
             per segment in English). `None`: boundaries learned end to end (FlexiTokens' rate loss only).
         boundary_teacher_coef (`float`, defaults to 1.0): weight of the teacher's cross-entropy inside
             ``boundary_loss`` (which ``boundary_loss_coef`` weighs again).
-        upsample_mixing (`str`, defaults to ``"scaled_norm"``): how the coda's input joins the upsampled recurrent
-            output `h` and the prelude's byte states `x`. ``"scaled_norm"``: ``x + upsample_norm(h)``, an RMSNorm whose
-            per-channel weight (the global path's scale, initialised to ``upsample_scale_init``) sets how loud the
+        expand_mixing (`str`, defaults to ``"scaled_norm"``): how the coda's input joins the expanded recurrent
+            output `h` and the prelude's byte states `x`. ``"scaled_norm"``: ``x + expand_norm(h)``, an RMSNorm whose
+            per-channel weight (the global path's scale, initialised to ``expand_scale_init``) sets how loud the
             global stream is, whatever the loops' magnitude (a gate the model can keep nearly shut).
-            ``"rms_matched"``: ``x + upsample_rms_ratio * rms(x) * RMSNorm(h)`` (no weight, ``rms(x)`` per byte and
+            ``"rms_matched"``: ``x + expand_rms_ratio * rms(x) * RMSNorm(h)`` (no weight, ``rms(x)`` per byte and
             held constant in the gradient): the global stream reaches every byte at a fixed share of the byte
             stream's own RMS, so the path can neither drown the bytes nor be switched off. ``"residual_proj"`` (H-Net):
             ``RMSNorm(h) + residual_proj(x)`` with ``residual_proj`` initialised to zero, so at initialisation every
             prediction must go through the global path. ``"add"`` (the original script): ``h + x``, where the unnormalised
             loop output drowns the byte stream at initialisation.
-        upsample_scale_init (`float`, defaults to 0.0): initial per-channel scale of the global stream with
-            ``upsample_mixing="scaled_norm"`` (ReZero-style: the byte layers start unperturbed and the global path's
+        expand_scale_init (`float`, defaults to 0.0): initial per-channel scale of the global stream with
+            ``expand_mixing="scaled_norm"`` (ReZero-style: the byte layers start unperturbed and the global path's
             gradient opens it as far as it helps).
-        upsample_rms_ratio (`float`, defaults to 0.5): with ``upsample_mixing="rms_matched"``, the global stream's
+        expand_rms_ratio (`float`, defaults to 0.5): with ``expand_mixing="rms_matched"``, the global stream's
             RMS at the coda's input as a fraction of the byte stream's (fixed, not learned).
         sliding_window (`int` or `None`, defaults to `None`): byte layers (prelude and coda) attend to the last
             ``sliding_window`` bytes only (Mistral's ``sliding_window``, BLT's local encoder/decoder); context beyond it
             reaches a byte through the global path. `None`: full causal attention.
         recurrent_sliding_window (`int` or `None`, defaults to `None`): recurrent layers attend to the last
-            ``recurrent_sliding_window`` segments only (the null group counts as segment 0). `None`: every segment.
+            ``recurrent_sliding_window`` segments only (the null segment counts as segment 0). `None`: every segment.
         pad_segments_to_multiple_of (`int`, defaults to 16): in the forward without a generation cache, the segment
-            axis (the null group plus the most segments any row closed) is rounded up to a multiple of this, as a
+            axis (the null segment plus the most segments any row closed) is rounded up to a multiple of this, as a
             tokenizer's ``pad_to_multiple_of`` pads sequences: the recurrent block then sees a few repeating shapes
             (a GPU plans attention once per shape, ``torch.compile`` compiles once per shape) instead of a new one
             each batch. Padding segments route through the MoE with zero weight and are never read by the bytes, so
@@ -208,9 +208,10 @@ class SpiderConfig(PreTrainedConfig):
 
     model_type = "spider"
     keys_to_ignore_at_inference = ["cache"]
-    # older names still read: lora_rank was the per-loop adapter's rank before the rename
+    # older names still read: lora_rank was the per-loop adapter's rank, upsample_* the expansion's fields
     attribute_map = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
-                     "lora_rank": "loop_adapter_rank"}
+                     "lora_rank": "loop_adapter_rank", "upsample_mixing": "expand_mixing",
+                     "upsample_scale_init": "expand_scale_init", "upsample_rms_ratio": "expand_rms_ratio"}
 
     vocab_size: int = VOCAB_SIZE
     hidden_size: int = 2048
@@ -249,9 +250,9 @@ class SpiderConfig(PreTrainedConfig):
     boundary_loss_coef: float | int = 1.0
     boundary_teacher: str | None = None
     boundary_teacher_coef: float | int = 1.0
-    upsample_mixing: str = "scaled_norm"
-    upsample_scale_init: float | int = 0.0
-    upsample_rms_ratio: float | int = 0.5
+    expand_mixing: str = "scaled_norm"
+    expand_scale_init: float | int = 0.0
+    expand_rms_ratio: float | int = 0.5
     sliding_window: int | None = None
     recurrent_sliding_window: int | None = None
     pad_segments_to_multiple_of: int = 16
@@ -452,7 +453,7 @@ class SpiderConfig(PreTrainedConfig):
         require(self.boundary_mode in BOUNDARY_MODES, "boundary_mode", f"must be one of {BOUNDARY_MODES}")
         require(self.boundary_teacher is None or self.boundary_teacher in BOUNDARY_TEACHERS, "boundary_teacher",
                 f"must be None or one of {BOUNDARY_TEACHERS}")
-        require(self.upsample_mixing in UPSAMPLE_MIXINGS, "upsample_mixing", f"must be one of {UPSAMPLE_MIXINGS}")
+        require(self.expand_mixing in EXPAND_MIXINGS, "expand_mixing", f"must be one of {EXPAND_MIXINGS}")
         require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", "must be None or >= 1")
         require(
             self.recurrent_sliding_window is None or self.recurrent_sliding_window >= 1,
@@ -462,8 +463,8 @@ class SpiderConfig(PreTrainedConfig):
             isinstance(self.pad_segments_to_multiple_of, int) and self.pad_segments_to_multiple_of >= 1,
             "pad_segments_to_multiple_of", "must be an integer >= 1",
         )
-        require(self.upsample_scale_init >= 0, "upsample_scale_init", "must be >= 0")
-        require(self.upsample_rms_ratio > 0, "upsample_rms_ratio", "must be > 0")
+        require(self.expand_scale_init >= 0, "expand_scale_init", "must be >= 0")
+        require(self.expand_rms_ratio > 0, "expand_rms_ratio", "must be > 0")
         require(self.boundary_temperature > 0, "boundary_temperature", "must be > 0")
         require(0 < self.boundary_threshold < 1, "boundary_threshold", "must be in (0, 1)")
         require(0 < self.boundary_prior < 1, "boundary_prior", "must be in (0, 1)")

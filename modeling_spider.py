@@ -6,13 +6,13 @@ The file reads top-down like the forward pass (docs/design.md, "The forward pass
     x = embed_tokens(input_ids)                   # (B, L, D) bytes
     x = prelude(x)                                # SpiderDecoderLayer: dense MLA + SwiGLU
     b, e = flexitokens(x)                         # SpiderFlexiTokens: 0/1 boundary per byte,
-                                                  #   e = down_norm(downsample(b, x)) (B, 1+S, D)
+                                                  #   e = pool_norm(pool_segments(b, x)) (B, 1+S, D)
     h_out = recurrent_block(e, engram_memory)     # SpiderRecurrentBlock, per loop t:
         z = loop_norm(h + e + loop_embedding[t])
         z = layers(z, engram_memory)              #   SpiderRecurrentLayer: MLA + MoE (+ Engram)
         z = z + loop_lora(z, t);  h = A*h + B*e + z   # per-loop adapter, LTI injection
         ACT halting: h_out += w_t * h             #   Graves 2016
-    y = flexitokens.dechunk(b, h_out, x)          # causal upsample, mixed into the byte stream
+    y = flexitokens.expand(b, h_out, x)           # segments expanded to bytes, mixed in
     logits = lm_head(norm(coda(y)))
 
 The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time.
@@ -44,6 +44,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function, or_masks, padding_mask_function,
     sdpa_mask, sliding_window_overlay,
@@ -83,13 +84,13 @@ class SpiderModelOutput(ModelOutput):
         last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and norm.
         cache (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
         hidden_states (`tuple[torch.FloatTensor]`, *optional*): `(B, L, D)` each: the embeddings,
-            each prelude layer's output, the upsampled recurrent output mixed into the bytes, each
+            each prelude layer's output, the expanded recurrent output mixed into the bytes, each
             coda layer's output.
         router_logits (`tuple[torch.FloatTensor]`, *optional*): fp32 `(N, E)` per (loop, layer).
         boundaries, boundary_probs (`torch.FloatTensor` `(B, L)`): the 0/1 boundary decisions
             (straight-through in training) and the predictor's probabilities.
         segment_mask (`torch.FloatTensor` `(B, 1+S)`): 1.0 for real segments (segment 0 is the
-            null group), 0.0 for the padding of the segment axis.
+            null segment), 0.0 for the padding of the segment axis.
         halting_step, halting_remainder (`torch.FloatTensor` `(B, 1+S)`): ACT's loops run per
             segment and the remainder paid at its halting loop.
         expert_loads, mean_scores (`tuple[torch.FloatTensor]`): DeepSeek's `f_i` and `P_i` `(E,)`
@@ -170,8 +171,7 @@ def as_weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled(device_type)``; False for one autocast does not know."""
-    try:
+    try:  # False for a device type autocast does not know
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:
         return False
@@ -195,7 +195,6 @@ def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 def value_checks_sync(tensor: torch.Tensor, training: bool) -> bool:
-    """Whether a value check may read `tensor` on the host: on the CPU, or outside training."""
     return tensor.device.type == "cpu" or not training
 
 
@@ -249,20 +248,15 @@ class SpiderRotaryEmbedding(nn.Module):
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
     @staticmethod
-    def compute_default_rope_parameters(
-        config: SpiderConfig, device=None, seq_len=None
-    ) -> tuple[torch.Tensor, float]:
+    def compute_default_rope_parameters(config: SpiderConfig, device=None, seq_len=None):
         """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)`, scaling 1."""
         base, dim = config.rope_parameters["rope_theta"], config.head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
         return inv_freq, 1.0
 
     @dynamic_rope_update
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.LongTensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`position_ids` int64 `(B, T)` -> `(cos, sin)`, each `(B, T, qk_rope_head_dim)` in
-        `x.dtype`."""
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor):
+        """`position_ids` int64 `(B, T)` -> `(cos, sin)` `(B, T, qk_rope_head_dim)` in `x.dtype`."""
         inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
         freqs = position_ids[..., None].to(torch.float32) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -283,26 +277,17 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return x * cos + rotate_half(x) * sin
 
 
-def positional_sliding_window_overlay(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int
-) -> Callable:
-    """Mask function: query `q` of row `b` sees key `kv` when
-    ``query_positions[b, q] - key_positions[b, kv] < sliding_window``."""
-
-    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        return query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx] < sliding_window
-
-    return inner_mask
-
-
 def positional_causal_mask_function(
-    query_positions: torch.Tensor, key_positions: torch.Tensor
+    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
 ) -> Callable:
-    """Mask function: query `q` of row `b` sees key `kv` when
-    ``key_positions[b, kv] <= query_positions[b, q]``."""
+    """Mask function: query `q` of row `b` sees key `kv` at a position `<=` its own and, with a
+    `sliding_window`, less than `sliding_window` before it."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        return key_positions[batch_idx, kv_idx] <= query_positions[batch_idx, q_idx]
+        distance = query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx]
+        if sliding_window is None:
+            return distance >= 0
+        return (distance >= 0) & (distance < sliding_window)
 
     return inner_mask
 
@@ -316,29 +301,19 @@ def attention_mask_function(
     token_mask: torch.Tensor | None, sliding_window: int | None = None,
     query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
 ) -> Callable | None:
-    """Spider's attention pattern as a ``transformers.masking_utils`` mask function: causal, real
-    keys only, a sliding window, a padding query seeing itself (padding is contiguous, so a window
-    over indices counts real bytes).
+    """Spider's attention pattern as a ``transformers.masking_utils`` mask function (None: plain
+    causal): causal, real keys only (`token_mask` `(B, T_k)` bool or None), keys at `q -
+    sliding_window < k <= q`, a padding query seeing itself (padding is contiguous, so a window
+    over indices counts real bytes). A recurrent decode step passes its per-row segment slots,
+    `query_positions` `(B, T_q)` and `key_positions` `(B, T_k)` int64, instead of indices.
 
-    Args:
-        token_mask: `(B, T_k)` bool, True for real tokens, or None (no padding).
-        sliding_window: a query at index q sees keys at `q - sliding_window < k <= q`, or None.
-        query_positions, key_positions: a recurrent decode step's per-row segment slots,
-            `(B, T_q)` / `(B, T_k)` int64: queries see keys at their own or earlier slots.
-    Returns:
-        The mask function, or None for the plain causal mask.
     Raises:
         ValueError: `query_positions` without `key_positions`.
     """
     if query_positions is not None:
         if key_positions is None:
             raise ValueError("a decode step's query_positions need key_positions")
-        functions = [positional_causal_mask_function(query_positions, key_positions)]
-        if sliding_window is not None:
-            functions.append(
-                positional_sliding_window_overlay(query_positions, key_positions, sliding_window)
-            )
-        return and_masks(*functions)
+        return positional_causal_mask_function(query_positions, key_positions, sliding_window)
     if token_mask is None and sliding_window is None:
         return None
     mask_function = causal_mask_function
@@ -551,12 +526,9 @@ class SpiderExpertsInterface(ExpertsInterface):
 @use_experts_implementation(experts_interface=SpiderExpertsInterface())
 class SpiderExperts(nn.Module):
     """The routed SwiGLU experts of one MoE layer in transformers' MoE layout: `gate_up_proj`
-    `(E, 2I, D)` (expert e's gate rows, then its up rows) and `down_proj` `(E, D, I)`.
-    ``config._experts_implementation`` picks ``"grouped_mm"`` (default), ``"batched_mm"`` or
-    ``"eager"``.
-
-    ``forward(hidden_states (T, D), top_k_index int64 (T, k), top_k_weights (T, k)) -> (T, D)`` in
-    ``hidden_states.dtype``, accumulated in fp32."""
+    `(E, 2I, D)` (expert e's gate rows, then its up rows), `down_proj` `(E, D, I)`, run by
+    ``config._experts_implementation`` (``"grouped_mm"``, ``"batched_mm"`` or ``"eager"``):
+    `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` -> `(T, D)`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -572,10 +544,8 @@ class SpiderExperts(nn.Module):
         instance's own (``spider_training.mixed_precision``)."""
         return weight.to(dtype)
 
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """``"eager"``: a loop over experts (a host sync per expert)."""
+    def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """``"eager"``: a loop over experts (a host sync per expert), accumulated in fp32."""
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         for e in range(self.num_experts):
             token_idx, slot = torch.where(top_k_index == e)
@@ -586,13 +556,22 @@ class SpiderExperts(nn.Module):
         return out.to(hidden_states.dtype)
 
 
+#: older releases' names of the segmentation's parameters -> today's (docs/design.md, "Glossary")
+OLDER_SEGMENTATION_KEYS = {r"flexitokens\.null_group": "flexitokens.null_segment",
+                           r"flexitokens\.down_norm\.": "flexitokens.pool_norm.",
+                           r"flexitokens\.upsample_norm\.": "flexitokens.expand_norm."}
+
+
 def older_checkpoint_conversions() -> list:
-    """Weight conversions from the per-expert layout of older releases
-    (``...mlp.experts.{e}.gate_proj.weight``) to :class:`SpiderExperts`' fused parameters,
-    registered for model type ``"spider"`` on import so that ``from_pretrained`` converts."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    """From older releases' per-expert layout (``mlp.experts.{e}.gate_proj.weight``) to
+    :class:`SpiderExperts`' fused parameters, and their segmentation names
+    (:data:`OLDER_SEGMENTATION_KEYS`); registered for ``"spider"`` on import."""
+    from transformers.core_model_loading import (
+        Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
+    )
 
     return [
+        *(WeightRenaming(old, new) for old, new in OLDER_SEGMENTATION_KEYS.items()),
         WeightConverter(
             source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
             target_patterns="mlp.experts.gate_up_proj",
@@ -606,22 +585,16 @@ def older_checkpoint_conversions() -> list:
     ]
 
 
-def _register_older_checkpoint_conversions() -> None:
-    # overwrite: this file is imported once per location (repository root, remote-code copies)
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-
-    conversions = older_checkpoint_conversions()
-    register_checkpoint_conversion_mapping(SpiderConfig.model_type, conversions, overwrite=True)
-
-
-_register_older_checkpoint_conversions()
+# overwrite: this file is imported once per location (repository root, remote-code copies)
+register_checkpoint_conversion_mapping(
+    SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
+)
 
 
 class RowWeights(NamedTuple):
     """Weights of the rows :class:`SpiderMoE` routes from a padded segment axis, made once per
-    forward: `weight` fp32 `(T,)` (1 real, 0 padding), `mean_weight` (`weight` over the real rows)
-    and `load_weight` fp32 `(T*k,)` (per token-slot, times `E` over the real slots: summed per
-    expert it is DeepSeek's `f_i`); the real counts are clamped at 1."""
+    forward: fp32 `weight` `(T,)` (1 real, 0 padding), `mean_weight` (`weight / real rows`) and
+    `load_weight` `(T*k,)` (per token-slot: summed per expert, DeepSeek's `f_i`)."""
 
     weight: torch.Tensor
     mean_weight: torch.Tensor
@@ -657,12 +630,10 @@ class SpiderMoE(nn.Module):
             shared_size = config.moe_intermediate_size * config.n_shared_experts
             self.shared_experts = SpiderMLP(config, shared_size)
 
-    def forward(
-        self, x: torch.Tensor, row_weights: RowWeights | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route `x` `(T, D)`; with `row_weights`, padding rows weigh zero and stay out of the
-        statistics. Returns `(out (T, D) in x.dtype, router_logits fp32 (T, E), expert_load fp32
-        (E,), mean_scores fp32 (E,))`: DeepSeek's `f_i` and `P_i`."""
+    def forward(self, x: torch.Tensor, row_weights: RowWeights | None = None):
+        """Route `x` `(T, D)` (padding rows, per `row_weights`, weigh zero). Returns `(out (T, D)
+        in x.dtype, router_logits (T, E), expert_load (E,), mean_scores (E,))`, the last three fp32:
+        DeepSeek's `f_i` and `P_i`."""
         router_logits = self.route(x)
         scores = router_logits.softmax(dim=-1)
         topk_idx = self.kernels.topk_gate(scores, self.top_k)
@@ -687,8 +658,8 @@ class SpiderMoE(nn.Module):
         return out, router_logits, expert_load, mean_scores
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits, fp32 `(T, E)`, from `x` `(T, D)` through the router's own forward (so a
-        PEFT or quantised router applies), with autocast off: DeepSeek-V3 gates in fp32."""
+        """fp32 `(T, E)` logits of `x` `(T, D)` by the router's own forward (a PEFT or quantised
+        router applies), autocast off: DeepSeek-V3 gates in fp32."""
         with autocast_off(x.device.type):
             return self.router(as_weight_dtype(self.router, x)).to(torch.float32)
 
@@ -740,9 +711,8 @@ class SpiderEngramEmbeddings(nn.Module):
         self._hash_constants = {}
 
     def hash_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """int64 `multiplier_table` `(n_tables, max_n)`, `moduli` and `offsets` `(n_tables,)` on
-        `device`, made once per device (a host-to-device copy syncs). Not buffers: a function of
-        the config, so checkpoints do not carry them."""
+        """int64 `multiplier_table` `(n_tables, max_n)`, `moduli`, `offsets` `(n_tables,)`, copied
+        once per device (a copy syncs); not buffers, so checkpoints do not carry them."""
         constants = self._hash_constants.get(device)
         if constants is None:
             constants = self._hash_constants[device] = tuple(
@@ -764,10 +734,9 @@ class SpiderEngramEmbeddings(nn.Module):
             hashed = torch.bitwise_xor(hashed, products[..., i])
         return hashed % moduli + offsets
 
-    def step(self, past_ids: torch.LongTensor, past_mask: torch.Tensor | None,
-             input_ids: torch.LongTensor) -> torch.Tensor:
-        """The decode step's lookup of one new byte per row: `past_ids` `(B, n)`, `past_mask`
-        `(B, n)` bool or None, `input_ids` `(B, 1)` -> `(B, M)`."""
+    def step(self, past_ids, past_mask, input_ids: torch.LongTensor) -> torch.Tensor:
+        """One new byte per row, `input_ids` `(B, 1)` after `past_ids` `(B, n)` (`past_mask`
+        `(B, n)` bool or None) -> `(B, M)`."""
         context = max(self.ngram_sizes) - 1
         past_ids = past_ids[:, past_ids.shape[1] - context:]
         if past_mask is not None:
@@ -782,10 +751,8 @@ class SpiderEngramEmbeddings(nn.Module):
 
 
 def depthwise_conv1d(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.conv1d(input, weight, groups=D)`` (stride 1, no padding), `input` `(B, D, L)`, `weight`
-    `(D, 1, K)` -> `(B, D, L - K + 1)` in `input`'s dtype. A weighted sum over channels-last
-    ``unfold`` windows: under ``torch.compile`` inductor's convolution backward specialises the
-    length, which recompiled the Engram layers at every segment count (tests/test_compile.py)."""
+    """``F.conv1d(input, weight, groups=D)``, `(B, D, L)` and `(D, 1, K)` -> `(B, D, L - K + 1)`,
+    as a sum over ``unfold`` windows: inductor's convolution backward specialises the length."""
     kernel_size = weight.shape[-1]
     channels_last = input.transpose(1, 2)  # (B, L, D)
     out = (channels_last.unfold(1, kernel_size, 1) * weight.squeeze(1).to(input.dtype)).sum(-1)
@@ -793,9 +760,8 @@ def depthwise_conv1d(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class SpiderShortConv(nn.Conv1d):
-    """Engram's depthwise ShortConv, an ``nn.Conv1d(D, D, K, groups=D, bias=False)`` (its weight,
-    init and checkpoint key) computed by :func:`depthwise_conv1d`: `(B, D, L)` ->
-    `(B, D, L - K + 1)`."""
+    """Engram's depthwise ShortConv: an ``nn.Conv1d`` (weight, init, checkpoint key) computed by
+    :func:`depthwise_conv1d`."""
 
     def __init__(self, hidden_size: int, kernel_size: int):
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)
@@ -820,8 +786,7 @@ class SpiderEngram(nn.Module):
         self.kernel_size = config.engram_conv_kernel_size
         self.short_conv = SpiderShortConv(D, self.kernel_size)
 
-    def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor,
-                cache: SpiderLayerCache | None = None) -> torch.Tensor:
+    def forward(self, hidden_states, memory, cache: SpiderLayerCache | None = None):
         # read by the key and the value projection: cast once
         if autocast_enabled(memory.device.type):
             memory = to_autocast_dtype(memory)
@@ -864,13 +829,10 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
 
 
 class SpiderRecurrentLayer(GradientCheckpointingLayer):
-    """One layer of the looped block over segments, pre-norm: (Engram memory) + MLA + MoE.
-
-    Args (positional, for activation checkpointing): `hidden_states` `(B, S, D)`,
-    `position_embeddings`, `attention_mask` `(B, 1, S, S)` bool or None, `segment_index` int64
-    `(N,)` (the rows to route; None: all), `engram_memory` `(B, S, M)` or None, `row_weights` of the
-    `B*S` rows or None; keyword `cache`. Returns `(hidden_states, router_logits (N, E),
-    expert_load (E,), mean_scores (E,))`."""
+    """One layer of the looped block over segments `(B, S, D)`, pre-norm: (Engram) + MLA + MoE.
+    Positional arguments (for activation checkpointing); `segment_index` int64 `(N,)`: the rows
+    to route (None: all). Returns `(hidden_states, router_logits (N, E), expert_load (E,),
+    mean_scores (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
@@ -908,19 +870,16 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
 
 
 # --------------------------------------------------------------------------------------------------
-# FlexiTokens: boundary predictor, downsample, upsample
+# FlexiTokens: boundary predictor, pooling bytes into segments, expanding segments to bytes
 # --------------------------------------------------------------------------------------------------
 
 
 class SpiderBoundaryPredictor(nn.Module):
-    """FlexiTokens boundary predictor (arXiv 2507.12720 §3), `Linear(D, D) -> GELU -> Linear(D, 1)`
-    per byte, in fp32. `boundary_mode` ``"hard"`` (H-Net): `sigmoid(logit) > boundary_threshold`,
+    """FlexiTokens boundary predictor (arXiv 2507.12720 §3), `Linear -> GELU -> Linear(D, 1)` per
+    byte in fp32. `boundary_mode` ``"hard"`` (H-Net): `sigmoid(logit) > boundary_threshold`,
     straight-through; ``"relaxed"``: relaxed-Bernoulli samples in training; ``"fixed"``: every
-    `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` only the teacher's loss trains it
-    (on detached states).
-
-    Args: `hidden_states` `(B, L, D)`, `token_mask` `(B, L)` bool or None, `position_ids` `(B, L)`
-    int64 or None. Returns `(boundaries, probs)`, fp32 `(B, L)`, boundaries 0/1 in value."""
+    `round(1 / boundary_prior)`-th byte. With a `boundary_teacher` only the teacher's loss trains
+    it. `(B, L, D)` -> `(boundaries 0/1 in value, probs)`, fp32 `(B, L)`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -964,21 +923,15 @@ class SpiderBoundaryPredictor(nn.Module):
         return boundaries, probs
 
 
-def downsample(
-    boundaries: torch.Tensor, hidden_states: torch.Tensor, null_group: torch.Tensor | None,
+def pool_segments(
+    boundaries: torch.Tensor, hidden_states: torch.Tensor, null_segment: torch.Tensor | None,
     token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean-pool bytes into the segments their boundaries close (Nawrot et al. 2023); the open tail
-    is dropped, padding never enters a mean, no gradient reaches `boundaries`.
-
-    Args:
-        boundaries: `(B, L)` float, 0/1 in value. hidden_states: `(B, L, D)`.
-        null_group: `(D,)`, segment 0 (None: zeros). token_mask: `(B, L)` bool or None.
-        pad_to_multiple_of: round the segment axis `1+S` up to a multiple of this.
-    Returns:
-        `(segments (B, 1+S, D) in hidden_states.dtype, segment_mask (B, 1+S) bool)`, S the most
-        closed segments of any row (rounded up); shorter rows right-padded with zeros.
-    """
+    """Mean-pool bytes `(B, L, D)` into the segments their `boundaries` `(B, L)` (0/1) close
+    (Nawrot et al. 2023): the open segment is dropped, padding (`token_mask` `(B, L)` bool) never
+    enters a mean, no gradient reaches `boundaries`. Returns `(segments (B, 1+S, D), segment_mask
+    (B, 1+S) bool)`: `null_segment` `(D,)` (None: zeros) first, then each row's closed segments,
+    right-padded with zeros to the most any row closed, `1+S` rounded up to `pad_to_multiple_of`."""
     B, L, D = hidden_states.shape
     hard = boundaries.detach()
     cum_inclusive = hard.cumsum(dim=1)
@@ -1003,13 +956,13 @@ def downsample(
         pooled = (sums / counts.clamp_min(1e-6)[..., None]).to(hidden_states.dtype)
     elif S > 0:  # no segment closed but the axis is padded: zeros tied to the bytes
         pooled = torch.cat([pooled, hidden_states.new_zeros(B, S, D)], dim=1)
-    null = hidden_states.new_zeros(D) if null_group is None else null_group.to(hidden_states.dtype)
+    null = hidden_states.new_zeros(D) if null_segment is None else null_segment.to(pooled.dtype)
     segments = torch.cat([null.expand(B, 1, D), pooled], dim=1)
     segment_mask = torch.arange(S + 1, device=hidden_states.device)[None] <= n_closed[:, None]
     return segments, segment_mask
 
 
-def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+def expand_segments(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """Byte l reads the last segment closed at or before l (segment 0 before the first), times the
     confidence of its own decision (1 in value, a boundary gradient; H-Net §2.2). `boundaries`
     `(B, L)` 0/1 float, `segments` `(B, 1+S, D)` -> `(B, L, D)`."""
@@ -1020,9 +973,7 @@ def upsample(boundaries: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     return gathered * confidence[..., None]
 
 
-def boundary_rate_loss(
-    boundaries: torch.Tensor, token_mask: torch.Tensor | None, config: SpiderConfig
-):
+def boundary_rate_loss(boundaries: torch.Tensor, token_mask: torch.Tensor | None, config):
     """FlexiTokens' hinge on the boundary rate r per real byte, `relu(r - prior) +
     relu(prior - k*std - r)`. Returns `(loss, rate)`, fp32 scalars."""
     if token_mask is None:
@@ -1077,20 +1028,20 @@ def boundary_teacher_loss(
 
 
 class SpiderFlexiTokens(nn.Module):
-    """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`chunk_step`) and
-    segments -> bytes (:meth:`dechunk`, :meth:`dechunk_step`)."""
+    """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`pool_step`) and
+    segments -> bytes (:meth:`expand`, :meth:`expand_step`)."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
         D = config.hidden_size
-        self.mixing = config.upsample_mixing
-        self.rms_ratio = config.upsample_rms_ratio
+        self.mixing = config.expand_mixing
+        self.rms_ratio = config.expand_rms_ratio
         self.eps = config.rms_norm_eps
         self.boundary_predictor = SpiderBoundaryPredictor(config)
-        self.null_group = nn.Parameter(torch.empty(D))
-        self.down_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+        self.null_segment = nn.Parameter(torch.empty(D))
+        self.pool_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         if self.mixing in ("residual_proj", "scaled_norm"):
-            self.upsample_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
+            self.expand_norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         if self.mixing == "residual_proj":
             self.residual_proj = nn.Linear(D, D, bias=False)
 
@@ -1098,44 +1049,44 @@ class SpiderFlexiTokens(nn.Module):
         self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor,
         position_ids: torch.LongTensor, pad_to_multiple_of: int = 1,
     ):
-        """Chunk `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries,
+        """Pool `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries,
         boundary_probs` fp32 `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory
         (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
-        null = torch.cat([self.null_group.to(x.dtype), x.new_zeros(M)])
-        pooled, segment_mask = downsample(
+        null = torch.cat([self.null_segment.to(x.dtype), x.new_zeros(M)])
+        pooled, segment_mask = pool_segments(
             boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask, pad_to_multiple_of
         )
         segments, segment_memory = pooled.split([D, M], dim=-1)
-        return boundaries, boundary_probs, self.down_norm(segments), segment_memory, segment_mask
+        return boundaries, boundary_probs, self.pool_norm(segments), segment_memory, segment_mask
 
     def global_stream(self, h_out: torch.Tensor) -> torch.Tensor:
-        """What each segment `(B, S, D)` hands back to the bytes, per `upsample_mixing`."""
+        """What each segment `(B, S, D)` hands back to the bytes, per `expand_mixing`."""
         if self.mixing == "rms_matched":
             return F.rms_norm(h_out, (h_out.shape[-1],), eps=self.eps)
         if self.mixing in ("residual_proj", "scaled_norm"):
-            return self.upsample_norm(h_out)
+            return self.expand_norm(h_out)
         return h_out
 
-    def mix(self, upsampled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The coda's input from `upsampled` and the byte states `x`, both `(B, L, D)`
+    def mix(self, expanded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The coda's input from `expanded` and the byte states `x`, both `(B, L, D)`
         (docs/design.md, "Mixing the global path into the bytes")."""
         if self.mixing == "rms_matched":
             rms = x.detach().to(torch.float32).pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
-            return x + (self.rms_ratio * rms).to(x.dtype) * upsampled
+            return x + (self.rms_ratio * rms).to(x.dtype) * expanded
         if self.mixing == "residual_proj":
-            return upsampled + self.residual_proj(x)
-        return upsampled + x
+            return expanded + self.residual_proj(x)
+        return expanded + x
 
-    def dechunk(
+    def expand(
         self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
         """Segments -> bytes: `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)`
         -> `(B, L, D)` in `x.dtype`."""
-        return self.mix(upsample(boundaries, self.global_stream(h_out).to(x.dtype)), x)
+        return self.mix(expand_segments(boundaries, self.global_stream(h_out).to(x.dtype)), x)
 
-    def chunk_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
+    def pool_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
         """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns `(boundary (B, 1)
         fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B, 1, M))`."""
         boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
@@ -1143,7 +1094,7 @@ class SpiderFlexiTokens(nn.Module):
         open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
         open_count = cache.open_count + 1.0
         closing = boundary[:, 0] > 0
-        segment = self.down_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
+        segment = self.pool_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
         segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
         keep = (~closing).to(torch.float32)
         cache.open_sum = open_sum * keep[:, None]
@@ -1151,7 +1102,7 @@ class SpiderFlexiTokens(nn.Module):
         cache.open_count = open_count * keep
         return boundary, closing, segment, segment_memory
 
-    def dechunk_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
+    def expand_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
         """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed."""
         return self.mix(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
 
@@ -1211,12 +1162,10 @@ class ACTState(NamedTuple):
 
 
 class SpiderHaltingStep(nn.Module):
-    """One loop of ACT (Graves 2016, OpenMythos' loop form): `p = sigmoid(halt_logits)`; a segment
-    accumulates `p` until `threshold`, then halts with the remainder (all halt at the last loop, so
-    a segment's weights sum to 1). Parameterless, so regional compilation makes it one region.
-
-    Args: `halt_logits` `(B, S)`, `h` `(B, S, D)`, `h_out` fp32 `(B, S, D)`, `state`, `threshold`,
-    `is_last`. Returns `(h_out + weight * h, new state, weight fp32 (B, S))`."""
+    """One loop of ACT (Graves 2016, OpenMythos' loop form): `p = sigmoid(halt_logits)` `(B, S)`;
+    a segment accumulates `p` until `threshold`, then halts with the remainder (all halt at the
+    last loop, so a segment's weights sum to 1). Returns `(h_out + weight * h` fp32 `(B, S, D)`,
+    the new state, `weight` fp32 `(B, S))`. A module: regional compilation makes it one region."""
 
     def forward(
         self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
@@ -1415,7 +1364,7 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
         )
 
     def get_seq_length(self) -> int:
-        """Segment slots held (the null group included)."""
+        """Segment slots held (the null segment included)."""
         keys = self.loops[0].keys if self.loops else None
         return 0 if keys is None else keys.shape[2]
 
@@ -1459,11 +1408,11 @@ class SpiderCache(Cache):
         # RECORD's (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32, in buffers that double
         self.record = dict.fromkeys(self.RECORD)
         self.record_length = 0
-        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null group)
+        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null segment)
         # derived from the record by restore(): (B,) int64 RoPE position of the next byte
         self.byte_positions = None
         self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
-        self.num_segments = None  # (B,) int64: closed segments (the null group excluded)
+        self.num_segments = None  # (B,) int64: closed segments (the null segment excluded)
         self.last_segment_output = None  # (B, D) fp32
         self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
         self.segment_slots = 0
@@ -1485,14 +1434,6 @@ class SpiderCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Bytes (input columns) already consumed."""
         return self.seen_bytes
-
-    @property
-    def is_compileable(self) -> bool:
-        return False  # grows per byte and per segment
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` bytes (0 or negative, transformers' convention).
@@ -1524,8 +1465,7 @@ class SpiderCache(Cache):
 
     def batch_select_indices(self, indices: torch.LongTensor) -> None:
         """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
-        for layer in self.layers:
-            layer.batch_select_indices(indices)
+        super().batch_select_indices(indices)
         _select_rows(self, self.ROW_STATE, indices)
         self.record = {
             name: None if t is None else t.index_select(0, indices)
@@ -1594,7 +1534,7 @@ class SpiderCache(Cache):
         self.open_count = open_bytes.to(torch.float32).sum(-1)
 
     def begin_segment_step(self) -> torch.LongTensor:
-        """Point every row at its next segment's slot (slot 0 is the null group); `(B,)` int64."""
+        """Point every row at its next segment's slot (slot 0 is the null segment); `(B,)` int64."""
         self.segment_write_index = self.num_segments + 1
         self.segment_slots = max(self.segment_slots, int(self.segment_write_index.max()) + 1)
         return self.segment_write_index
@@ -1661,11 +1601,11 @@ class SpiderPreTrainedModel(PreTrainedModel):
             init.constant_(module.log_dt, math.log(math.log(2.0)))  # A = 0.5 at start
             init.constant_(module.B, 0.5)
         elif isinstance(module, SpiderFlexiTokens):
-            init.normal_(module.null_group, mean=0.0, std=std)
-            if self.config.upsample_mixing == "residual_proj":
+            init.normal_(module.null_segment, mean=0.0, std=std)
+            if self.config.expand_mixing == "residual_proj":
                 init.zeros_(module.residual_proj.weight)  # H-Net: the byte skip starts closed
-            if self.config.upsample_mixing == "scaled_norm":
-                init.constant_(module.upsample_norm.weight, self.config.upsample_scale_init)
+            if self.config.expand_mixing == "scaled_norm":
+                init.constant_(module.expand_norm.weight, self.config.expand_scale_init)
 
 
 class SpiderBytes(NamedTuple):
@@ -1681,11 +1621,10 @@ class SpiderBytes(NamedTuple):
 
 
 class SpiderSegments(NamedTuple):
-    """What segmentation hands the recurrent block: `boundaries` and `boundary_probs` `(B, L)` fp32,
-    `segments` `(B, 1+S, D)` normed (segment 0 the null group), their Engram `memory`
-    `(B, 1+S, M)`, `segment_mask` `(B, 1+S)` bool, the segment layers' `position_embeddings` and
-    `attention_mask`, `segment_index` int64 `(N,)` (the rows the MoE routes; None: all) and
-    `routed_mask` `(B, 1+S)` bool (rows routed with weight 1, the rest 0; None: all)."""
+    """What segmentation hands the recurrent block: fp32 `boundaries`, `boundary_probs` `(B, L)`,
+    normed `segments` `(B, 1+S, D)`, their Engram `memory` `(B, 1+S, M)`, `segment_mask` bool
+    `(B, 1+S)`, RoPE and mask, and the rows the MoE routes: `segment_index` int64 `(N,)` or
+    `routed_mask` `(B, 1+S)` bool (the rest routed with weight 0), None for all."""
 
     boundaries: torch.Tensor
     boundary_probs: torch.Tensor
@@ -1816,7 +1755,7 @@ class SpiderModel(SpiderPreTrainedModel):
         cache = self.prefill_cache(cache, use_cache, n_loops)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        # collected here, not by capture_outputs: the layout holds the mixed upsampled stream
+        # collected here, not by capture_outputs: the layout holds the mixed expanded stream
         hidden_states = [] if output_hidden_states else None
 
         x = self.embed_tokens(input_ids)
@@ -1835,7 +1774,7 @@ class SpiderModel(SpiderPreTrainedModel):
             segments.segment_index, segments.memory, n_loops, cache, output_router_logits,
             segments.routed_mask,
         )
-        y = self.coda(self.flexitokens.dechunk(segments.boundaries, block.h_out, x),
+        y = self.coda(self.flexitokens.expand(segments.boundaries, block.h_out, x),
                       byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
                       hidden_states)
         if cache is not None:
@@ -1948,12 +1887,10 @@ class SpiderModel(SpiderPreTrainedModel):
         """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time:
         `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the cache and, with
         `output_hidden_states`, the new bytes' `hidden_states`; no loss terms."""
-        states, boundaries, per_byte = [], [], []
-        for j in range(input_ids.shape[1]):
-            y, b, hidden = self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
-            states.append(y)
-            boundaries.append(b)
-            per_byte.append(hidden)
+        states, boundaries, per_byte = zip(*(
+            self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
+            for j in range(input_ids.shape[1])
+        ))
         hidden_states = (
             tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
         )
@@ -1980,11 +1917,11 @@ class SpiderModel(SpiderPreTrainedModel):
         x = self.prelude(x, byte_rope, byte_attention_mask, cache, hidden)
         past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
         memory = self.engram_embeddings.step(cache.input_ids, past_mask, input_ids)
-        boundary, closing, e, segment_memory = self.flexitokens.chunk_step(x, memory, cache)
+        boundary, closing, e, segment_memory = self.flexitokens.pool_step(x, memory, cache)
         cache.append(input_ids, x, memory, boundary)
         if bool(closing.any()):  # every row runs the block; the others keep their last output
             self.decode_segment(e, segment_memory, closing, cache)
-        y = self.coda(self.flexitokens.dechunk_step(cache, x), byte_rope, byte_attention_mask,
+        y = self.coda(self.flexitokens.expand_step(cache, x), byte_rope, byte_attention_mask,
                       cache, hidden)
         cache.byte_positions = cache.byte_positions + 1
         cache.seen_bytes += 1
@@ -2203,6 +2140,6 @@ __all__ = [
     "SpiderExperts",
     "SpiderMoE",
     "SpiderMoEKernels",
-    "downsample",
-    "upsample",
+    "expand_segments",
+    "pool_segments",
 ]

@@ -88,7 +88,7 @@ class Recipe:
 
 
 #: Spider's byte layers, by parameter-name prefix; every other parameter belongs to the global path (boundary
-#: predictor, segments, Engram, the recurrent block and its loop machinery, the upsampled stream's scale).
+#: predictor, segments, Engram, the recurrent block and its loop machinery, the expanded stream's scale).
 BYTE_LAYERS = ("model.embed_tokens.", "model.prelude_layers.", "model.coda_layers.", "model.norm.", "lm_head.")
 
 
@@ -201,11 +201,11 @@ def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: 
 
 
 #: What :class:`_GlobalStreamProbe` hands the bytes instead of the trained global stream, `(B, 1+S, D) -> (B, 1+S, D)`:
-#: nothing; the same content-free vector everywhere (the null group's, segment 0, which the bytes before the first
+#: nothing; the same content-free vector everywhere (the null segment's, segment 0, which the bytes before the first
 #: boundary read); or every segment's stream one segment late (each byte reads the segment before its own).
 GLOBAL_STREAM_PROBES = {
     "removed": torch.zeros_like,
-    "the null group's for every byte": lambda stream: stream[:, :1].expand_as(stream),
+    "the null segment's for every byte": lambda stream: stream[:, :1].expand_as(stream),
     "one segment late": lambda stream: torch.cat([stream[:, :1], stream[:, :-1]], dim=1),
 }
 
@@ -358,7 +358,7 @@ def train(model, train_ids: np.ndarray, recipe: Recipe, eval_windows: torch.Tens
 
 class BytePathOnly(torch.nn.Module):
     """The "global path removed" ablation: Spider's own byte layers alone -- `embed_tokens -> prelude -> coda ->
-    norm -> lm_head` -- with no boundaries, segments, recurrent block or upsampling. Same byte layers, same init."""
+    norm -> lm_head` -- with no boundaries, segments, recurrent block or expansion. Same byte layers, same init."""
 
     def __init__(self, spider: SpiderForConditionalGeneration):
         super().__init__()
@@ -563,7 +563,7 @@ END_TO_END_SEGMENTS = {"boundary_teacher": None, "boundary_prior": 0.333}
 END_TO_END_DEFAULT = "boundaries learned end to end (no teacher, prior 0.333: the default before 2026-11-24)"
 #: The mixing of every row measured before 2026-11-25: the global stream behind a learned per-channel gate that starts
 #: shut (ReZero). Those rows carry it in their overrides, so that a rerun reproduces them.
-GATED_MIXING = {"upsample_mixing": "scaled_norm"}
+GATED_MIXING = {"expand_mixing": "scaled_norm"}
 #: The default run with GATED_MIXING (the default of 2026-11-24), the row the gate's ablation names.
 GATED_DEFAULT = "mixing: a learned gate that starts shut (scaled_norm, ReZero; the default before 2026-11-25)"
 
@@ -585,8 +585,8 @@ ABLATIONS: list[tuple] = [
     ("2-byte window in the byte layers", "spider", {"sliding_window": 2}),
     ("global path removed, 2-byte window", "bytes_only", {"sliding_window": 2}),
     ("2-byte window, segments a fixed stride of 3 bytes", "spider", {"sliding_window": 2, "boundary_mode": "fixed"}),
-    ("2-byte window, global stream at scale 0.1 from the start (upsample_scale_init=0.1)", "spider",
-     {"sliding_window": 2, "upsample_scale_init": 0.1}),
+    ("2-byte window, global stream at scale 0.1 from the start (expand_scale_init=0.1)", "spider",
+     {"sliding_window": 2, "expand_scale_init": 0.1}),
     ("global path at 3x the learning rate (H-Net's per-stage multiplier)", "spider", {}, {"global_lr_scale": 3.0}),
     ("loop count drawn from {1, 2, 3} each step (Huginn's randomised recurrence)", "spider", {},
      {"loop_counts": (1, 2, 3)}),
@@ -607,8 +607,8 @@ ABLATIONS: list[tuple] = [
      {"recurrent_sliding_window": 8}),
     ("prelude/coda 2 + 2 layers", "spider", {"num_prelude_layers": 2, "num_coda_layers": 2}),
     ("global path removed, prelude/coda 2 + 2 layers", "bytes_only", {"num_prelude_layers": 2, "num_coda_layers": 2}),
-    ("mixing: H-Net residual_proj (zero-init byte skip)", "spider", {"upsample_mixing": "residual_proj"}),
-    ("mixing: upsampled + bytes (the seed's)", "spider", {"upsample_mixing": "add"}),
+    ("mixing: H-Net residual_proj (zero-init byte skip)", "spider", {"expand_mixing": "residual_proj"}),
+    ("mixing: expanded + bytes (the seed's)", "spider", {"expand_mixing": "add"}),
     ("ACT with the seed's ponder_loss_coef=0.01", "spider", {"ponder_loss_coef": 0.01}),
     ("MoE balancing loss on (router_aux_loss_coef=0.01, the seed's)", "spider", {"router_aux_loss_coef": 0.01}),
     ("fixed loop count (halting bias -10)", "spider", {"halt_bias_init": -10.0}),
@@ -616,7 +616,7 @@ ABLATIONS: list[tuple] = [
     ("boundaries: relaxed Bernoulli in training, threshold at evaluation (the seed's)", "spider",
      {"boundary_mode": "relaxed"}),
     ("the seed's rules together (relaxed boundaries, seed mixing, ponder 0.01, full attention)", "spider",
-     {"boundary_mode": "relaxed", "upsample_mixing": "add", "ponder_loss_coef": 0.01, "sliding_window": None}),
+     {"boundary_mode": "relaxed", "expand_mixing": "add", "ponder_loss_coef": 0.01, "sliding_window": None}),
     (END_TO_END_DEFAULT, "spider", {**END_TO_END_SEGMENTS, **GATED_MIXING}, {"muon_lr": DEFAULT_MUON_LR}),
     ("boundaries learned end to end at the teacher's rate (prior 1/6)", "spider",
      {"boundary_teacher": None, "boundary_prior": 1 / 6}, {"muon_lr": DEFAULT_MUON_LR}),
@@ -631,9 +631,9 @@ ABLATIONS: list[tuple] = [
     (BATCH8_REMOVED_SEED43, "bytes_only", {}, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
     (GATED_DEFAULT, "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR}),
     (f"{GATED_DEFAULT}, seed 43", "spider", GATED_MIXING, {"muon_lr": DEFAULT_MUON_LR, "seed": 43}),
-    ("global stream at 0.25 of the bytes' RMS (upsample_rms_ratio=0.25)", "spider", {"upsample_rms_ratio": 0.25},
+    ("global stream at 0.25 of the bytes' RMS (expand_rms_ratio=0.25)", "spider", {"expand_rms_ratio": 0.25},
      {"muon_lr": DEFAULT_MUON_LR}),
-    ("global stream at the bytes' RMS (upsample_rms_ratio=1)", "spider", {"upsample_rms_ratio": 1.0},
+    ("global stream at the bytes' RMS (expand_rms_ratio=1)", "spider", {"expand_rms_ratio": 1.0},
      {"muon_lr": DEFAULT_MUON_LR}),
     ("n_loops=1, Muon", "spider", {"n_loops": 1}, {"muon_lr": DEFAULT_MUON_LR}),
     ("n_loops=3, Muon", "spider", {"n_loops": 3}, {"muon_lr": DEFAULT_MUON_LR}),

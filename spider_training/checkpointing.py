@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -170,28 +171,39 @@ def save_folder_atomically(final: str | os.PathLike, write) -> Path:
     return publish(tmp, final)
 
 
-def fuse_per_expert_checkpoint(folder: str | os.PathLike) -> bool:
-    """Rewrite `folder`'s ``model.safetensors`` once in the fused expert layout when it holds the per-expert one of
-    older checkpoints (``...experts.{e}.gate_proj.weight`` etc.; :func:`spider_training.moe_layout
-    .fuse_per_expert_state_dict`), so that Trainer's resume, which reads the file with ``load_state_dict``, finds
-    every expert weight. The new file replaces the old with one ``os.replace`` (a crash leaves the old file).
+def convert_older_checkpoint(folder: str | os.PathLike) -> bool:
+    """Rewrite `folder`'s ``model.safetensors`` once in today's names when it holds an older checkpoint's: the
+    per-expert layout (``...experts.{e}.gate_proj.weight`` etc.; :func:`spider_training.moe_layout
+    .fuse_per_expert_state_dict`) fused, the segmentation's older names (``null_group``, ``down_norm``,
+    ``upsample_norm``: ``modeling_spider.OLDER_SEGMENTATION_KEYS``) renamed, so that Trainer's resume, which reads the
+    file with ``load_state_dict``, finds every weight. The new file replaces the old with one ``os.replace`` (a crash
+    leaves the old file).
 
-    Returns: True when the file was rewritten; False for a fused, sharded or missing file.
+    Returns: True when the file was rewritten; False for a current, sharded or missing file.
     Raises: ValueError for an incomplete per-expert group (naming the missing keys)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    from modeling_spider import OLDER_SEGMENTATION_KEYS
     from spider_training.moe_layout import PER_EXPERT_KEY, fuse_per_expert_state_dict
+
+    def older(key: str) -> bool:
+        return bool(PER_EXPERT_KEY.match(key)) or any(re.search(old, key) for old in OLDER_SEGMENTATION_KEYS)
+
+    def renamed(key: str) -> str:
+        for old, new in OLDER_SEGMENTATION_KEYS.items():
+            key = re.sub(old, new, key)
+        return key
 
     path = Path(folder) / "model.safetensors"
     if not path.is_file():
         return False
     with safe_open(str(path), "pt") as f:
-        if not any(PER_EXPERT_KEY.match(key) for key in f.keys()):
+        if not any(older(key) for key in f.keys()):
             return False
         metadata = f.metadata()
     fused = fuse_per_expert_state_dict(load_file(str(path)))
-    staged = path.with_name(path.name + ".fusing")
-    save_file(fused, str(staged), metadata=metadata)
+    staged = path.with_name(path.name + ".converting")
+    save_file({renamed(key): value for key, value in fused.items()}, str(staged), metadata=metadata)
     os.replace(staged, path)
     return True

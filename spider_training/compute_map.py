@@ -9,7 +9,7 @@ self-contained HTML page (``PREFIX.html``: bytes as text coloured by segment, a 
 and a PNG (``PREFIX.png``); :func:`write_card_map` draws the PNG a release's model card shows.
 
 Words as in docs/design.md's glossary: a *segment* is the bytes up to and including a boundary; segment 0 is the
-null group (a learned vector, no bytes) that bytes before the first boundary read; the bytes after the last
+null segment (a learned vector, no bytes) that bytes before the first boundary read; the bytes after the last
 boundary form the *open* segment, which the recurrent block does not run (it is closed by a later byte).
 """
 
@@ -49,8 +49,8 @@ class ComputeMap:
         segment_ids: int64 `(B, L)`, the segment holding each byte (the one its state is pooled into): `1..n` for
             the `n` closed segments of the row, `n + 1` for the open segment after the last boundary, -1 for padding.
         read_segment_ids: int64 `(B, L)`, the segment whose recurrent output each byte reads: the last segment closed
-            at or before it (0, the null group, before the first boundary), -1 for padding.
-        segment_mask: bool `(B, 1+S)`, True for the row's real segments (the null group and its closed segments).
+            at or before it (0, the null segment, before the first boundary), -1 for padding.
+        segment_mask: bool `(B, 1+S)`, True for the row's real segments (the null segment and its closed segments).
         halting_step: int64 `(B, 1+S)`, the loops ACT ran per segment (0 for padding slots).
         loop_weights: fp32 `(B, 1+S, T)`, each loop's ACT weight in the segment's output (a real segment's sum to 1;
             0 from its halting step on).
@@ -73,7 +73,7 @@ class ComputeMap:
 
     @property
     def closed_segments(self) -> torch.Tensor:
-        """int64 `(B,)`: the closed segments of each row (the null group not counted)."""
+        """int64 `(B,)`: the closed segments of each row (the null segment not counted)."""
         return self.segment_mask.sum(dim=1) - 1
 
 
@@ -173,9 +173,9 @@ def _routed_rows(segment_mask, halting_step, loop: int, n_rows: int) -> torch.Te
 
 @dataclass
 class Segment:
-    """One segment of a row, for drawing: `index` (0 the null group, -1 the open segment), its `text` (the characters
-    whose last byte is in it; ``"∅"`` for the null group), its `bytes` range `[start, end)`, the closing byte's
-    boundary probability `prob` (None: the null group or the open segment), `loops`, `weights` (per loop) and
+    """One segment of a row, for drawing: `index` (0 the null segment, -1 the open segment), its `text` (the characters
+    whose last byte is in it; ``"∅"`` for the null segment), its `bytes` range `[start, end)`, the closing byte's
+    boundary probability `prob` (None: the null segment or the open segment), `loops`, `weights` (per loop) and
     `experts` (per loop, per layer, `[(expert, weight), ...]`)."""
 
     index: int
@@ -189,7 +189,7 @@ class Segment:
 
 
 def row_segments(cmap: ComputeMap, row: int = 0) -> list[Segment]:
-    """The segments of `row` of `cmap` in reading order: the null group, the closed segments, the open segment (if
+    """The segments of `row` of `cmap` in reading order: the null segment, the closed segments, the open segment (if
     any bytes follow the last boundary). The bytes are decoded as one UTF-8 stream (``errors="replace"``), each
     character given to the segment holding its last byte, so a character split by a boundary still shows whole.
     Reserved ids (BOS, ...) show as ``⟨s⟩`` / ``⟨id⟩``."""
@@ -249,7 +249,7 @@ max-width:560px;box-shadow:2px 2px 6px #0003;white-space:pre}h1{font-size:17px}p
 _HTML_SCRIPT = """const D=__DATA__;const tip=document.getElementById('tip');
 function info(i){if(i<0)return 'open segment: not closed yet, so not run (its bytes read the previous segment)';
 const s=D.s[i],p=x=>(x/100).toFixed(2);let r='segment '+i+(i?'  positions '+s[0]+'-'+(s[1]-1)+'  boundary p='+p(s[2])
-:'  (null group)')+'\\nACT loops: '+s[3]+'   weights: '+s[4].map(p).join(' ');
+:'  (null segment)')+'\\nACT loops: '+s[3]+'   weights: '+s[4].map(p).join(' ');
 s[5].forEach((loop,t)=>{r+='\\nloop '+(t+1)+': '+loop.map((l,j)=>'L'+j+' '+l.map((e,n)=>n%2?p(e):'e'+e).join(' ')
 .replace(/(\\d) e/g,'$1, e')).join(' | ')});
 return r}

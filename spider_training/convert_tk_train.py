@@ -212,8 +212,11 @@ TK_TRAIN_KEY_MAPPING: dict[str, str] = {
     r"^(?:model\.)?boundary_predictor\.2\.": "model.flexitokens.boundary_predictor.out_proj.",
     # tk-train.py's forward pass names the loop machinery and FlexiTokens' pieces at model level; Spider holds them in two modules
     r"^(?:model\.)?(loop_embedding|loop_norm|loop_lora|injection|halt_predictor)\.": r"model.recurrent_block.\1.",
-    r"^(?:model\.)?(boundary_predictor\.|null_group$|down_norm\.|upsample_norm\.|residual_proj\.)":
-        r"model.flexitokens.\1",
+    r"^(?:model\.)?(boundary_predictor\.|residual_proj\.)": r"model.flexitokens.\1",
+    # tk-train.py's names of the segmentation's parameters -> Spider's (docs/design.md, "Glossary")
+    r"^(?:model\.)?null_group$": "model.flexitokens.null_segment",
+    r"^(?:model\.)?down_norm\.": "model.flexitokens.pool_norm.",
+    r"^(?:model\.)?upsample_norm\.": "model.flexitokens.expand_norm.",
 }
 #: how many leading entries of :data:`TK_TRAIN_KEY_MAPPING` only remove wrapper names (counted, not listed, as renames)
 _WRAPPER_PATTERNS = 2

@@ -39,8 +39,9 @@ does their job (the section says why for each):
 - ``_save``: a model whose parameters are torchao weight wrappers (the FP8 grouped-GEMM experts, FSDP float8
   all-gather) is saved from its plain high-precision tensors (:func:`spider_training.fp8.fp8_to_plain_state_dict`):
   ``save_pretrained`` cannot write the wrappers, and the checkpoint loads as a plain model.
-- ``_load_from_checkpoint``: a checkpoint in the per-expert expert layout of older runs is rewritten fused once
-  (:func:`spider_training.checkpointing.fuse_per_expert_checkpoint`) before Trainer's resume reads it.
+- ``_load_from_checkpoint``: a checkpoint of older runs (per-expert expert layout, older segmentation names) is
+  rewritten in today's names once (:func:`spider_training.checkpointing.convert_older_checkpoint`) before Trainer's
+  resume reads it.
 - ``_push_from_checkpoint``: Trainer calls it inside the save, on rank 0, while other ranks may still be writing
   into the staged folder; it runs once the checkpoint is published, complete. Hub pushing (``args.push_to_hub``) is
   otherwise Trainer's own, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`; a run stopped by a
@@ -391,8 +392,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         super()._save(output_dir, state_dict=state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if self.args.should_save and checkpointing.fuse_per_expert_checkpoint(resume_from_checkpoint):
-            logger.info("%s: the per-expert layout of older checkpoints, rewritten fused", resume_from_checkpoint)
+        if self.args.should_save and checkpointing.convert_older_checkpoint(resume_from_checkpoint):
+            logger.info("%s: an older checkpoint's weights, rewritten in today's layout and names",
+                        resume_from_checkpoint)
         self.accelerator.wait_for_everyone()
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 

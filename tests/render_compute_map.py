@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     page, picture = write_map(model, args.text, args.out / "map")
     segments = int(compute_map(model, encode(args.text, model)).closed_segments[0]) + 1
     shot = check_screenshot(screenshot(page, args.out / "screenshot.png"), PALETTE, segments)
-    print(f"{page} ({page.stat().st_size} bytes, {segments} segments with the null group) -> "
+    print(f"{page} ({page.stat().st_size} bytes, {segments} segments with the null segment) -> "
           f"{args.out / 'screenshot.png'}")
     print(f"screenshot: {shot}")
 

@@ -110,19 +110,25 @@ def test_from_config_with_a_config_built_in_code(tmp_path):
 
 
 def test_release_with_flat_legacy_names_loads_with_the_legacy_key_mapping(tmp_path):
-    """A release written before the recurrent block and FlexiTokens were modules (parameters flat under `model.`)
-    loads every tensor with `key_mapping=LEGACY_KEY_MAPPING`; without it those tensors would be re-initialised."""
+    """A release written before the recurrent block and FlexiTokens were modules (parameters flat under `model.`, and
+    the segmentation's older names `null_group`, `down_norm`, `upsample_norm`) loads every tensor with
+    `key_mapping=LEGACY_KEY_MAPPING`; without it those tensors would be re-initialised."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from spider_training.release import LEGACY_KEY_MAPPING
 
     torch.manual_seed(0)
-    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", upsample_mixing="residual_proj")).eval()
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", expand_mixing="residual_proj")).eval()
     model.save_pretrained(tmp_path)
     current = model.state_dict()
-    legacy = {k.replace("model.recurrent_block.", "model.").replace("model.flexitokens.", "model."): v.contiguous()
-              for k, v in current.items()}
+    older_names = {"null_segment": "null_group", "pool_norm": "down_norm", "expand_norm": "upsample_norm"}
+    legacy = {}
+    for key, value in current.items():
+        for new, old in older_names.items():
+            key = key.replace(f"flexitokens.{new}", f"flexitokens.{old}")
+        key = key.replace("model.recurrent_block.", "model.").replace("model.flexitokens.", "model.")
+        legacy[key] = value.contiguous()
     assert {"model.layers.0.mlp.router.weight", "model.halt_predictor.weight", "model.null_group",
             "model.boundary_predictor.dense.weight", "model.residual_proj.weight"} <= set(legacy)
     save_file(legacy, tmp_path / "model.safetensors", metadata={"format": "pt"})

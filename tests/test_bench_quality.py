@@ -119,7 +119,7 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
                           "the default run, 4x the steps, loop count drawn from {2, 3}",
                           "the default run, 4x the steps, loop count drawn from {2, 3}, seed 43"}
     # ... and the gated mixing is not the default any more: the rows that name it differ from the default run
-    assert SpiderConfig.from_preset("small").upsample_mixing != quality.GATED_MIXING["upsample_mixing"]
+    assert SpiderConfig.from_preset("small").expand_mixing != quality.GATED_MIXING["expand_mixing"]
 
 
 def test_shards_keep_the_baselines_together_and_balance_the_rest():
@@ -384,7 +384,7 @@ def test_global_stream_probes_change_only_what_the_bytes_read_and_are_undone(pro
         after = model(input_ids=ids).logits
     assert torch.equal(after, plain)  # the class's global_stream is back
     assert not torch.equal(probed, plain)
-    if probe != "removed":  # bytes 0-2, before the first boundary, read the null group's stream in both: no change
+    if probe != "removed":  # bytes 0-2, before the first boundary, read the null segment's stream in both: no change
         assert torch.equal(probed[:, :3], plain[:, :3]) and not torch.equal(probed[:, 3:], plain[:, 3:])
 
 

@@ -1,7 +1,7 @@
 """Big-model loading: ``device_map="auto"`` with CPU + disk offload, and bf16 loads.
 
 accelerate's offload hooks load a module's weights when *that module's* forward runs, so the model may read no
-parameter outside the module that owns it (the loop embedding, the FlexiTokens null group and the stacked
+parameter outside the module that owns it (the loop embedding, the FlexiTokens null segment and the stacked
 ``grouped_mm`` expert weights did, and gave "Tensor on device meta" errors; the fused experts read theirs inside
 ``SpiderExperts.forward`` whatever the experts implementation).
 """

@@ -21,8 +21,8 @@ from modeling_spider import (
     SpiderMoEKernels,
     SpiderShortConv,
     depthwise_conv1d,
-    downsample,
-    upsample,
+    expand_segments,
+    pool_segments,
 )
 from spider_training import moe_layout
 from tests.helpers import float_tol, model_terms, tiny, tiny_model
@@ -32,30 +32,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 
-# --- FlexiTokens downsample / upsample ---------------------------------------------------------------------------
+# --- FlexiTokens: pool_segments / expand_segments --------------------------------------------------------------
 
 
-def test_downsample_upsample_worked_example():
+def test_pool_and_expand_segments_worked_example():
     # bytes:      0  1  2  3  4  5  6
     # boundary:   0  1  0  0  1  0  0   -> segments {0,1}, {2,3,4}; bytes 5,6 are the open tail (dropped)
     b = torch.tensor([[0.0, 1, 0, 0, 1, 0, 0]])
     h = torch.arange(7, dtype=torch.float32).view(1, 7, 1) * torch.tensor([1.0, 10.0])
     null = torch.tensor([-1.0, -2.0])
-    seg, mask = downsample(b, h, null)
+    seg, mask = pool_segments(b, h, null)
     expected = torch.tensor([[[-1.0, -2.0], [0.5, 5.0], [3.0, 30.0]]])
     torch.testing.assert_close(seg, expected)
     assert mask.tolist() == [[True, True, True]]
-    # upsample: byte l reads the last segment closed at or before l
-    up = upsample(b, seg)
+    # expand_segments: byte l reads the last segment closed at or before l
+    up = expand_segments(b, seg)
     reads = [0, 1, 1, 1, 2, 2, 2]
     torch.testing.assert_close(up, seg[0, reads].unsqueeze(0))
 
 
-def test_downsample_padding_and_ragged_rows():
+def test_pool_segments_padding_and_ragged_rows():
     b = torch.tensor([[1.0, 0, 1, 1], [0.0, 0, 0, 1]])
     mask = torch.tensor([[True, True, True, True], [False, False, True, True]])
     h = torch.randn(2, 4, 3)
-    seg, seg_mask = downsample(b, h, None, mask)
+    seg, seg_mask = pool_segments(b, h, None, mask)
     assert seg.shape == (2, 4, 3)
     assert seg_mask.tolist() == [[True] * 4, [True, True, False, False]]
     torch.testing.assert_close(seg[0, 2], h[0, 1:3].mean(0))
@@ -63,28 +63,28 @@ def test_downsample_padding_and_ragged_rows():
     assert torch.equal(seg[1, 2:], torch.zeros(2, 3))
 
 
-def test_downsample_of_concatenated_features_equals_separate_calls():
+def test_pool_segments_of_concatenated_features_equals_separate_calls():
     """The model pools byte states and Engram memory in one call over both; it must equal pooling each alone."""
     torch.manual_seed(0)
     b = (torch.rand(3, 17) > 0.6).float()
     mask = torch.ones(3, 17, dtype=torch.bool)
     mask[1, :5] = False
     x, memory, null = torch.randn(3, 17, 4), torch.randn(3, 17, 6), torch.randn(4)
-    joint, joint_mask = downsample(b, torch.cat([x, memory], -1), torch.cat([null, torch.zeros(6)]), mask)
-    seg_x, mask_x = downsample(b, x, null, mask)
-    seg_m, _ = downsample(b, memory, None, mask)
+    joint, joint_mask = pool_segments(b, torch.cat([x, memory], -1), torch.cat([null, torch.zeros(6)]), mask)
+    seg_x, mask_x = pool_segments(b, x, null, mask)
+    seg_m, _ = pool_segments(b, memory, None, mask)
     assert torch.equal(joint_mask, mask_x)
     assert torch.equal(joint[..., :4], seg_x) and torch.equal(joint[..., 4:], seg_m)
 
 
-def test_downsample_gradient_reaches_boundaries():
+def test_pool_segments_gradient_reaches_boundaries():
     logits = torch.zeros(1, 6, requires_grad=True)
     soft = torch.sigmoid(logits)
     hard = torch.tensor([[0.0, 1, 0, 1, 0, 1]])
     b = hard + soft - soft.detach()
     h = torch.randn(1, 6, 4)
-    seg, _ = downsample(b, h, torch.zeros(4))
-    upsample(b, seg).pow(2).sum().backward()
+    seg, _ = pool_segments(b, h, torch.zeros(4))
+    expand_segments(b, seg).pow(2).sum().backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
 
 

@@ -138,6 +138,9 @@ TO_TK_TRAIN_NAMES = {
     r"^model\.coda_layers\.(\d+)\.": r"model.coda.\1.",
     r"^model\.flexitokens\.boundary_predictor\.dense\.": "model.boundary_predictor.0.",
     r"^model\.flexitokens\.boundary_predictor\.out_proj\.": "model.boundary_predictor.2.",
+    r"^model\.flexitokens\.null_segment$": "model.null_group",
+    r"^model\.flexitokens\.pool_norm\.": "model.down_norm.",
+    r"^model\.flexitokens\.expand_norm\.": "model.upsample_norm.",
     r"^model\.(?:recurrent_block|flexitokens)\.": "model.",
 }
 
@@ -185,7 +188,7 @@ def tk_train(tmp_path_factory):
 
 def test_name_rules_round_trip_every_spider_key():
     keys = list(tiny_model().state_dict())
-    keys += [k for k in tiny_model(upsample_mixing="residual_proj").state_dict() if k not in keys]  # + residual_proj
+    keys += [k for k in tiny_model(expand_mixing="residual_proj").state_dict() if k not in keys]  # + residual_proj
     ckpt_names = [spider_to_tk_train_name(k) for k in keys]
     assert [tk_train_to_spider_name(n) for n in ckpt_names] == keys
     assert [tk_train_to_spider_name("module._orig_mod." + n) for n in ckpt_names] == keys

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from modeling_spider import SpiderForConditionalGeneration
-from spider_training.checkpointing import fuse_per_expert_checkpoint
+from spider_training.checkpointing import convert_older_checkpoint
 from spider_training.moe_layout import fuse_per_expert_state_dict
 from tests.helpers import per_expert_state_dict, tiny_model
 
@@ -74,21 +74,27 @@ def test_old_config_eager_maps_to_eager(old_release, tmp_path):
     assert loaded.config._experts_implementation == "batched_mm"
 
 
-def test_an_old_trainer_checkpoint_is_fused_once_for_resume(old_release, tmp_path):
-    """Trainer's resume reads ``model.safetensors`` with ``load_state_dict``, which knows only the fused names: a
-    checkpoint in the old layout is rewritten fused first, once (``SpiderTrainer._load_from_checkpoint``)."""
+def test_an_old_trainer_checkpoint_is_converted_once_for_resume(old_release, tmp_path):
+    """Trainer's resume reads ``model.safetensors`` with ``load_state_dict``, which knows only today's names: a
+    checkpoint in the old expert layout, with the segmentation's older names (``null_group``, ``down_norm``,
+    ``upsample_norm``), is rewritten first, once (``SpiderTrainer._load_from_checkpoint``)."""
     folder, model = old_release
     checkpoint = tmp_path / "checkpoint-7"
     checkpoint.mkdir()
-    (checkpoint / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
-    assert fuse_per_expert_checkpoint(checkpoint)
-    assert not fuse_per_expert_checkpoint(checkpoint)  # already fused: left alone
+    older_names = {"null_segment": "null_group", "pool_norm": "down_norm", "expand_norm": "upsample_norm"}
+    state = load_file(folder / "model.safetensors")
+    for new, old in older_names.items():
+        state = {key.replace(f"flexitokens.{new}", f"flexitokens.{old}"): value for key, value in state.items()}
+    assert {"model.flexitokens.null_group", "model.flexitokens.down_norm.weight"} <= set(state)
+    save_file(state, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    assert convert_older_checkpoint(checkpoint)
+    assert not convert_older_checkpoint(checkpoint)  # already converted: left alone
     fresh = tiny_model(seed=1)
     result = fresh.load_state_dict(load_file(checkpoint / "model.safetensors"))  # strict
     assert not result.missing_keys and not result.unexpected_keys
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
-    assert not fuse_per_expert_checkpoint(tmp_path)  # no weights file
+    assert not convert_older_checkpoint(tmp_path)  # no weights file
 
 
 def test_save_writes_fused_keys_and_the_old_layout_on_request(tmp_path):
@@ -96,9 +102,13 @@ def test_save_writes_fused_keys_and_the_old_layout_on_request(tmp_path):
     model.save_pretrained(tmp_path / "fused")
     with safe_open(str(tmp_path / "fused" / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(model.state_dict())
-    model.save_pretrained(tmp_path / "old", save_original_format=True)
+    model.save_pretrained(tmp_path / "old", save_original_format=True)  # older releases' layout and names
+    older_names = {"null_segment": "null_group", "pool_norm": "down_norm", "expand_norm": "upsample_norm"}
+    expected = set(per_expert_state_dict(model.state_dict()))
+    for new, old in older_names.items():
+        expected = {key.replace(f"flexitokens.{new}", f"flexitokens.{old}") for key in expected}
     with safe_open(str(tmp_path / "old" / "model.safetensors"), "pt") as f:
-        assert set(f.keys()) == set(per_expert_state_dict(model.state_dict()))
+        assert set(f.keys()) == expected
     reloaded = SpiderForConditionalGeneration.from_pretrained(tmp_path / "old")
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
 

@@ -169,7 +169,7 @@ def test_activation_checkpointing_in_training_refuses_the_cache():
 
 def test_decode_hidden_states_follow_the_full_forward_layout():
     """output_hidden_states in a cached step: one `(B, T, D)` tensor per entry of the full forward's tuple (embeddings,
-    each prelude layer, the mixed upsampled stream, each coda layer), equal to the full forward's at those bytes."""
+    each prelude layer, the mixed expanded stream, each coda layer), equal to the full forward's at those bytes."""
     model = tiny_model(seed=1).eval()
     ids = _prompt(2, 48, seed=4)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Spider's global path: one segmentation rule for training and evaluation, the per-byte boundary gradient, the
-mixing of the upsampled stream into the byte stream, sliding-window byte attention, and (slow) a short training run
+mixing of the expanded stream into the byte stream, sliding-window byte attention, and (slow) a short training run
 whose held-out bits per byte, segmentation rates and loop dependence are checked.
 """
 
@@ -10,8 +10,8 @@ import torch
 
 from configuration_spider import BOUNDARY_TEACHERS
 from modeling_spider import (
-    BOUNDARY_TEACHER_RULES, attention_mask_function, boundary_teacher_loss, downsample, spacelike_boundaries,
-    upsample,
+    BOUNDARY_TEACHER_RULES, attention_mask_function, boundary_teacher_loss, expand_segments, pool_segments,
+    spacelike_boundaries,
 )
 from tests.helpers import float_tol, model_terms, tiny, tiny_model
 
@@ -75,17 +75,17 @@ def test_fixed_stride_segments_follow_real_byte_positions_and_decode_as_the_full
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Down/upsampling
+# Pooling bytes into segments, expanding segments to bytes
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_upsample_gradient_reaches_only_each_bytes_own_decision():
+def test_expand_segments_gradient_reaches_only_each_bytes_own_decision():
     # boundaries at bytes 1 and 3 of 5: bytes read segments 0, 1, 1, 2, 2
     hard = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]])
     probs = torch.tensor([[0.2, 0.7, 0.4, 0.9, 0.1]], requires_grad=True)
     boundaries = hard + (probs - probs.detach())
     segments = torch.randn(1, 3, 4)
-    out = upsample(boundaries, segments)
+    out = expand_segments(boundaries, segments)
     torch.testing.assert_close(out, segments[:, [0, 1, 1, 2, 2]], rtol=0, atol=0)  # confidence is exactly 1 in value
     weights = torch.randn(1, 5, 4)
     (out * weights).sum().backward()
@@ -96,11 +96,11 @@ def test_upsample_gradient_reaches_only_each_bytes_own_decision():
     torch.testing.assert_close(probs.grad[0], expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
 
 
-def test_downsample_pools_without_a_boundary_gradient():
+def test_pool_segments_pools_without_a_boundary_gradient():
     probs = torch.tensor([[0.2, 0.7, 0.4, 0.9, 0.1]], requires_grad=True)
     boundaries = (probs > 0.5).float() + (probs - probs.detach())
     h = torch.randn(1, 5, 3, requires_grad=True)
-    segments, mask = downsample(boundaries, h, None)
+    segments, mask = pool_segments(boundaries, h, None)
     torch.testing.assert_close(segments[0, 1], h[0, :2].mean(0))
     torch.testing.assert_close(segments[0, 2], h[0, 2:4].mean(0))
     assert mask.tolist() == [[True, True, True]]
@@ -120,13 +120,13 @@ def test_a_batch_without_a_closed_segment_still_gives_every_parameter_a_gradient
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Mixing the upsampled stream into the bytes
+# Mixing the expanded stream into the bytes
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def test_scaled_norm_mixing_starts_at_the_configured_scale():
-    model = tiny_model(seed=0, upsample_mixing="scaled_norm", upsample_scale_init=0.04)
-    scale = model.model.flexitokens.upsample_norm.weight
+    model = tiny_model(seed=0, expand_mixing="scaled_norm", expand_scale_init=0.04)
+    scale = model.model.flexitokens.expand_norm.weight
     assert torch.equal(scale, torch.full_like(scale, 0.04))
     h = torch.randn(2, 3, model.config.hidden_size) * 50  # whatever the loops' magnitude ...
     g = model.model.flexitokens.global_stream(h)
@@ -135,18 +135,18 @@ def test_scaled_norm_mixing_starts_at_the_configured_scale():
 
 
 def test_residual_proj_mixing_starts_with_the_byte_skip_closed():
-    model = tiny_model(seed=0, upsample_mixing="residual_proj")
+    model = tiny_model(seed=0, expand_mixing="residual_proj")
     assert float(model.model.flexitokens.residual_proj.weight.detach().abs().sum()) == 0.0
     x, up = torch.randn(1, 4, model.config.hidden_size), torch.randn(1, 4, model.config.hidden_size)
     torch.testing.assert_close(model.model.flexitokens.mix(up, x), up, rtol=0, atol=0)
 
 
 def test_rms_matched_mixing_holds_the_global_stream_at_a_fixed_share_of_the_bytes():
-    model = tiny_model(seed=0, upsample_mixing="rms_matched", upsample_rms_ratio=0.3)
+    model = tiny_model(seed=0, expand_mixing="rms_matched", expand_rms_ratio=0.3)
     flexitokens = model.model.flexitokens
     # no gate to close: the mixing owns no parameter
     own = [n for n, _ in flexitokens.named_parameters() if not n.startswith("boundary_predictor.")]
-    assert own == ["null_group", "down_norm.weight"]
+    assert own == ["null_segment", "pool_norm.weight"]
     D = model.config.hidden_size
     x = torch.randn(2, 5, D) * torch.tensor([0.01, 0.1, 1.0, 10.0, 100.0])[:, None]  # bytes of any magnitude ...
     h = torch.randn(2, 5, D) * 50  # ... and loop outputs of any magnitude
@@ -164,7 +164,7 @@ def test_rms_matched_mixing_holds_the_global_stream_at_a_fixed_share_of_the_byte
 
 
 def test_rms_matched_mixing_decodes_as_the_full_forward_and_ignores_padding():
-    model = tiny_model(seed=1, upsample_mixing="rms_matched").eval()
+    model = tiny_model(seed=1, expand_mixing="rms_matched").eval()
     ids = _ids(length=80, seed=3)
     with torch.no_grad():
         full = model(ids)
@@ -182,16 +182,16 @@ def test_rms_matched_mixing_decodes_as_the_full_forward_and_ignores_padding():
 
 
 def test_language_model_loss_reaches_the_boundary_predictor():
-    model = tiny_model(seed=0, upsample_mixing="scaled_norm", upsample_scale_init=0.5).train()
+    model = tiny_model(seed=0, expand_mixing="scaled_norm", expand_scale_init=0.5).train()
     ids = _ids(length=64)
     model(ids, labels=ids).lm_loss.backward()
     grad = model.model.flexitokens.boundary_predictor.out_proj.weight.grad
     assert grad is not None and float(grad.abs().sum()) > 0
 
 
-@pytest.mark.parametrize("field, value", [("boundary_mode", "soft"), ("upsample_mixing", "concat"),
+@pytest.mark.parametrize("field, value", [("boundary_mode", "soft"), ("expand_mixing", "concat"),
                                           ("sliding_window", 0), ("recurrent_sliding_window", 0),
-                                          ("upsample_scale_init", -1.0), ("upsample_rms_ratio", 0.0)])
+                                          ("expand_scale_init", -1.0), ("expand_rms_ratio", 0.0)])
 def test_invalid_global_path_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         tiny(**{field: value})

@@ -35,7 +35,7 @@ class SpiderModelTester:
         self.hidden_size = 32
         self.num_hidden_layers = 2  # 1 prelude + 1 recurrent (the suite caps layers at 2; coda: tests/test_components)
         self.num_attention_heads = 2
-        # output_hidden_states gives byte states: embeddings, each prelude layer, the upsampled recurrent output and
+        # output_hidden_states gives byte states: embeddings, each prelude layer, the expanded recurrent output and
         # each coda layer (the recurrent layers run on segments, a different length).
         self.expected_num_hidden_layers = 1 + 1 + 1
 
@@ -281,3 +281,21 @@ def test_older_config_key_lora_rank_loads_as_loop_adapter_rank(tmp_path):
     loaded = SpiderConfig.from_pretrained(tmp_path)
     assert loaded.loop_adapter_rank == 2
     assert SpiderForConditionalGeneration(loaded).model.recurrent_block.loop_lora.lora_A.shape[0] == 2
+
+
+def test_older_config_keys_upsample_load_as_expand_fields(tmp_path):
+    """The expansion's fields were `upsample_mixing`, `upsample_scale_init` and `upsample_rms_ratio` (one vocabulary
+    since: segments are pooled from bytes and expanded back, docs/design.md's glossary): config.json files, arguments
+    and overrides with the older keys still load into the new fields, and new configs write only the new keys."""
+    config = SpiderConfig.from_preset("tiny", upsample_mixing="rms_matched", upsample_rms_ratio=0.3)
+    assert (config.expand_mixing, config.expand_rms_ratio) == ("rms_matched", 0.3)
+    config.update_from_string("upsample_scale_init=0.25")
+    assert config.expand_scale_init == 0.25
+    saved = config.to_dict()
+    assert not any(key.startswith("upsample_") for key in saved)
+    old = {key.replace("expand_", "upsample_"): value for key, value in saved.items()}
+    (tmp_path / "config.json").write_text(json.dumps({**old, "upsample_mixing": "residual_proj"}))
+    loaded = SpiderConfig.from_pretrained(tmp_path)
+    assert (loaded.expand_mixing, loaded.expand_scale_init, loaded.expand_rms_ratio) == ("residual_proj", 0.25, 0.3)
+    assert not any(key.startswith("expand_") for key in old)
+    assert hasattr(SpiderForConditionalGeneration(loaded).model.flexitokens, "residual_proj")
