@@ -210,10 +210,10 @@ TK_TRAIN_KEY_MAPPING: dict[str, str] = {
     # the boundary predictor as nn.Sequential(Linear(D, D), GELU, Linear(D, 1)) (FlexiTokens / Nawrot et al.)
     r"^(?:model\.)?boundary_predictor\.0\.": "model.flexitokens.boundary_predictor.dense.",
     r"^(?:model\.)?boundary_predictor\.2\.": "model.flexitokens.boundary_predictor.out_proj.",
-    # tk-train.py's forward pass names the loop machinery and FlexiTokens' pieces at model level; Spider holds them in two modules
+    # tk-train.py names the loop machinery and the segmentation at model level (segmentation parameters in its own
+    # words, docs/design.md "Glossary"); Spider holds them in two modules
     r"^(?:model\.)?(loop_embedding|loop_norm|loop_lora|injection|halt_predictor)\.": r"model.recurrent_block.\1.",
     r"^(?:model\.)?(boundary_predictor\.|residual_proj\.)": r"model.flexitokens.\1",
-    # tk-train.py's names of the segmentation's parameters -> Spider's (docs/design.md, "Glossary")
     r"^(?:model\.)?null_group$": "model.flexitokens.null_segment",
     r"^(?:model\.)?down_norm\.": "model.flexitokens.pool_norm.",
     r"^(?:model\.)?upsample_norm\.": "model.flexitokens.expand_norm.",
@@ -342,26 +342,14 @@ def map_state_dict(
 #: n_experts_per_tok, expert_dim``) and common transformers spellings. A field that *is* a SpiderConfig field is
 #: taken under its own name; an exact name wins over an alias.
 TK_TRAIN_CFG_ALIASES: dict[str, str] = {
-    "lora_rank": "loop_adapter_rank",
-    "dim": "hidden_size",
-    "d_model": "hidden_size",
-    "n_heads": "num_attention_heads",
-    "num_heads": "num_attention_heads",
-    "max_seq_len": "max_position_embeddings",
-    "prelude_layers": "num_prelude_layers",
-    "n_prelude_layers": "num_prelude_layers",
-    "recurrent_layers": "num_recurrent_layers",
-    "n_recurrent_layers": "num_recurrent_layers",
-    "coda_layers": "num_coda_layers",
-    "n_coda_layers": "num_coda_layers",
-    "n_experts": "n_routed_experts",
-    "num_experts": "n_routed_experts",
-    "num_local_experts": "n_routed_experts",
-    "n_experts_per_tok": "num_experts_per_tok",
-    "top_k": "num_experts_per_tok",
-    "expert_dim": "moe_intermediate_size",
-    "engram_layers": "engram_layer_ids",
-    "norm_eps": "rms_norm_eps",
+    "lora_rank": "loop_adapter_rank", "dim": "hidden_size", "d_model": "hidden_size",
+    "n_heads": "num_attention_heads", "num_heads": "num_attention_heads", "max_seq_len": "max_position_embeddings",
+    "prelude_layers": "num_prelude_layers", "n_prelude_layers": "num_prelude_layers",
+    "recurrent_layers": "num_recurrent_layers", "n_recurrent_layers": "num_recurrent_layers",
+    "coda_layers": "num_coda_layers", "n_coda_layers": "num_coda_layers",
+    "n_experts": "n_routed_experts", "num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+    "n_experts_per_tok": "num_experts_per_tok", "top_k": "num_experts_per_tok",
+    "expert_dim": "moe_intermediate_size", "engram_layers": "engram_layer_ids", "norm_eps": "rms_norm_eps",
 }
 
 #: SpiderConfig fields a checkpoint value must not set: ``num_hidden_layers`` is derived (prelude + recurrent + coda).
