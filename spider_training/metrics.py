@@ -96,11 +96,13 @@ def compute_bits_per_byte(eval_pred) -> dict[str, float]:
             batch's mean ACT halting step) and whose ``label_ids`` are ``(N,)`` predicted bytes per window.
     Returns:
         ``{"bits_per_byte", "loss" (nats per byte, Trainer's ``eval_loss``), "lm_loss", "compression_rate",
-        "mean_halting_step" (means over windows), "bytes"}``.
+        "mean_halting_step" (means over windows; absent for a model without segments or ACT), "bytes"}``.
     Raises:
         ValueError: no window held a single predicted byte.
     """
     rows, n_bytes = np.asarray(eval_pred.predictions, dtype=np.float64), np.asarray(eval_pred.label_ids)
     summary = _summary(float(rows[:, 0].sum()), float(n_bytes.sum()), float(rows[:, 1].mean()),
                        float(rows[:, 2].mean()))
+    # a model without segments or ACT (NaN rows) reports neither
+    summary = {name: value for name, value in summary.items() if not (isinstance(value, float) and math.isnan(value))}
     return {**summary, "loss": summary["lm_loss"]}

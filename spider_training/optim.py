@@ -234,6 +234,24 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
     )
 
 
+def scale_learning_rates(optimizer: torch.optim.Optimizer, model: torch.nn.Module, lr_scale_of) -> None:
+    """Give each parameter of `optimizer` (a torch optimizer or :class:`MuonWithAdamW`, freshly built) the learning
+    rate ``lr_scale_of(name) * `` its group's: a group whose parameters have several multipliers is split into one
+    group per multiplier, its other settings kept. Call it before a scheduler reads the groups' initial rates; the
+    schedule then scales every group alike (H-Net's per-stage multipliers, arXiv 2507.07955 §3)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    for opt in (optimizer.adamw, optimizer.muon) if isinstance(optimizer, MuonWithAdamW) else (optimizer,):
+        groups = []
+        for group in opt.param_groups:
+            by_scale: dict[float, list] = {}
+            for param in group["params"]:
+                by_scale.setdefault(float(lr_scale_of(names[id(param)])), []).append(param)
+            groups += [{**group, "params": params, "lr": group["lr"] * scale} for scale, params in by_scale.items()]
+        opt.param_groups = groups
+    if isinstance(optimizer, MuonWithAdamW):
+        optimizer.param_groups = optimizer.adamw.param_groups + optimizer.muon.param_groups
+
+
 def describe_optimizer(muon_lr: float, optim, muon_experts: bool = False) -> str:
     """The run's optimizer in words, for the start-up summary and the model card: ``"Muon (hidden matrices but the
     routed experts, peak lr 0.01) + adamw_torch"`` (``"hidden matrices"`` when `muon_experts`), or Trainer's

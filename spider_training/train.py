@@ -57,6 +57,45 @@ def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
     return SpiderForConditionalGeneration(config)
 
 
+def build_trainer(spider: SpiderArguments, args, model, *, callbacks: list | None = None,
+                  **trainer_kwargs) -> SpiderTrainer:
+    """The run's :class:`SpiderTrainer` for `model` (built under ``set_seed(args.seed)``): the precision resolved (bf16
+    turns on ``args.bf16``), the ``--data`` and held-out datasets built, every Spider flag passed. ``bench.quality``
+    trains its rows through this too, a dense model included; `trainer_kwargs` add to or replace SpiderTrainer's
+    arguments (its ``lr_scale_of``, ``train_loop_counts``; ``train_dataset`` / ``eval_dataset`` built beforehand,
+    ``eval_dataset=None`` for none)."""
+    precision = resolve_precision(spider.precision, spider.preset)
+    if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
+        # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
+        args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
+    train_dataset, eval_dataset = trainer_kwargs.pop("train_dataset", None), trainer_kwargs.pop("eval_dataset", ...)
+    train_dataset, eval_dataset = _datasets(spider, args) if train_dataset is None else (train_dataset, eval_dataset)
+    if eval_dataset is ...:
+        eval_dataset = _datasets(spider, args)[1]
+    if eval_dataset is None:
+        args = dataclasses.replace(args, eval_strategy="no")
+    kwargs = dict(
+        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=SpiderTokenizer(), data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
+        n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
+        fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, fp8_experts=spider.fp8_experts,
+        eval_windows=spider.eval_windows,
+        max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
+        muon_experts=spider.muon_experts, sdpa_backend=spider.sdpa_backend, callbacks=callbacks,
+    )
+    return SpiderTrainer(**{**kwargs, **trainer_kwargs})
+
+
+def _datasets(spider: SpiderArguments, args) -> tuple:
+    """The training dataset of ``--data`` and the held-out one (``--eval_data``, or the sotu split by year; None)."""
+    data_kwargs = dict(rank=args.process_index, world_size=args.world_size, seed=args.seed,
+                       text_column=spider.text_column, eval_from_year=spider.eval_from_year)
+    train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
+    eval_source = spider.eval_data or ("sotu" if spider.data == "sotu" else None)
+    eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None
+    return train_dataset, eval_dataset
+
+
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Train, evaluate, sample and write the release; returns the run summary. `callbacks`: extra
     ``transformers.TrainerCallback``s for the trainer (as ``Trainer(callbacks=...)``).
@@ -73,35 +112,15 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
     """The run inside the lock, step by step: build, train, evaluate (and sweep the loop count), sample and release,
     push. `callbacks` go to the trainer."""
-    precision = resolve_precision(spider.precision, spider.preset)
-    if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
-        # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
-        args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
     configure_logging(args.process_index)
-
     set_seed(args.seed)  # model initialisation is part of the run's reproducible state
     model = build_model(spider)
-    tokenizer = SpiderTokenizer()
-    data_kwargs = dict(rank=args.process_index, world_size=args.world_size, seed=args.seed,
-                       text_column=spider.text_column, eval_from_year=spider.eval_from_year)
-    train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
-    eval_source = spider.eval_data or ("sotu" if spider.data == "sotu" else None)
-    eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None
-
-    if eval_dataset is None:
-        args = dataclasses.replace(args, eval_strategy="no")
     if args.push_to_hub and not args.hub_model_id:
         raise ValueError("--push_to_hub needs --hub_model_id OWNER/NAME")
-
-    trainer = SpiderTrainer(
-        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
-        n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
-        fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, fp8_experts=spider.fp8_experts,
-        eval_windows=spider.eval_windows,
-        max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
-        muon_experts=spider.muon_experts, sdpa_backend=spider.sdpa_backend, callbacks=callbacks,
-    )
+    trainer = build_trainer(spider, args, model, callbacks=callbacks)
+    args, train_dataset, eval_dataset = trainer.args, trainer.train_dataset, trainer.eval_dataset
+    tokenizer = trainer.processing_class
+    eval_source = spider.eval_data or ("sotu" if spider.data == "sotu" else None)
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():
         _print_start_summary(spider, args, trainer, train_dataset, eval_source, n_params)

@@ -22,7 +22,8 @@ overrides public, documented methods:
   next-byte NLL and predicted-byte count pass through the loop (gathered across processes, duplicates dropped), and
   ``eval_loss`` is the held-out next-byte loss (nats per byte) rather than the training objective's regularised sum.
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
-  (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints).
+  (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints);
+  with ``lr_scale_of``, per-parameter learning-rate multipliers (``bench.quality``'s global-path rows).
 - ``training_step``: Trainer's step (forward and backward) inside :func:`spider_training.sdpa.sdpa_backend_context`,
   so that ``--sdpa_backend`` picks SDPA's kernel for the training forward, its backward and any recomputed forward.
 
@@ -76,7 +77,7 @@ from .hub import HubPushMixin
 from .metrics import byte_nll, compute_bits_per_byte
 from .mixed_precision import share_expert_weight_casts, shared_weight_casts
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
-from .optim import muon_with_adamw
+from .optim import muon_with_adamw, scale_learning_rates
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
 from .sdpa import attention_for_backend, sdpa_backend_context
 from .tile_kernels_moe import swap_in_tile_kernels
@@ -95,14 +96,16 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def training_loop_count(n_loops: int, extra_train_loops: int, seed: int, step: int) -> int:
-    """The loop count of training step `step`: uniform over ``n_loops .. n_loops + extra_train_loops``, a function of
-    `(seed, step)` alone (its own generator, so Trainer's RNG streams and their checkpointed state are untouched).
-    Returns an int; ``n_loops`` when ``extra_train_loops`` is 0."""
-    if not extra_train_loops:
-        return n_loops
+def training_loop_count(n_loops: int, extra_train_loops: int, seed: int, step: int,
+                        counts: tuple[int, ...] | None = None) -> int:
+    """The loop count of training step `step`: uniform over ``n_loops .. n_loops + extra_train_loops`` (or over
+    `counts` when given), a function of `(seed, step)` alone (its own generator, so Trainer's RNG streams and their
+    checkpointed state are untouched). Returns an int; ``n_loops`` when ``extra_train_loops`` is 0 and no `counts`."""
+    counts = tuple(counts) if counts else tuple(range(n_loops, n_loops + extra_train_loops + 1))
+    if len(counts) == 1:
+        return counts[0]
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return n_loops + int(torch.randint(0, extra_train_loops + 1, (), generator=generator))
+    return counts[int(torch.randint(0, len(counts), (), generator=generator))]
 
 
 class SpiderTrainer(HubPushMixin, Trainer):
@@ -134,6 +137,10 @@ class SpiderTrainer(HubPushMixin, Trainer):
             ``args.learning_rate`` trains the rest, both on ``args``' schedule. 0 (default): Trainer's own optimizer
             (``args.optim``) for every parameter.
         muon_experts: with `muon_lr`, Muon for the routed MoE experts' matrices too; False (default): AdamW for them.
+        lr_scale_of: a function of a parameter's name giving its learning-rate multiplier on top of the schedule
+            (:func:`spider_training.optim.scale_learning_rates`; ``bench.quality``'s global path at 3x); None: 1.
+        train_loop_counts: each training step's loop count drawn uniformly from these (Huginn's set, e.g. ``(1, 2,
+            3)``) instead of from `extra_train_loops`' range; same draw rule (:func:`training_loop_count`).
         hub_endpoint: Hub URL for ``args.push_to_hub`` (None: ``HF_ENDPOINT`` or huggingface.co); pushing is
             Trainer's, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`.
         sdpa_backend: the SDPA kernel training steps prefer (:mod:`spider_training.sdpa`): ``"auto"`` (default,
@@ -156,7 +163,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
                  fp8_layers="auto", fp8_experts="auto", eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
-                 muon_lr=0.0, muon_experts=False, hub_endpoint=None, sdpa_backend="auto", **kwargs):
+                 muon_lr=0.0, muon_experts=False, hub_endpoint=None, sdpa_backend="auto", lr_scale_of=None,
+                 train_loop_counts=None, **kwargs):
         self.hub_endpoint = hub_endpoint
         self.sdpa_backend = sdpa_backend
         attention = attention_for_backend(model.config, sdpa_backend) if model is not None else None
@@ -170,6 +178,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.extra_train_loops = extra_train_loops
         self.muon_lr = muon_lr
         self.muon_experts = muon_experts
+        self.lr_scale_of = lr_scale_of
+        self.train_loop_counts = tuple(train_loop_counts) if train_loop_counts else None
         self.precision = precision
         self.eval_windows = eval_windows
         self.fp8_report = self.fp8_experts_report = None
@@ -209,14 +219,19 @@ class SpiderTrainer(HubPushMixin, Trainer):
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         """Trainer's optimizer, or with `muon_lr` Muon for the hidden matrices and AdamW (``args``' learning rate,
         betas, epsilon, and weight decay on Trainer's decay parameters) for the rest."""
-        if not self.muon_lr or self.optimizer is not None:
+        if self.optimizer is not None:
             return super().create_optimizer(model)
         opt_model = self.model if model is None else model
-        self.optimizer = muon_with_adamw(
-            opt_model, self.muon_lr, self.args.learning_rate, self.args.weight_decay,
-            betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-            decay_parameter_names=set(self.get_decay_parameter_names(opt_model)), muon_experts=self.muon_experts,
-        )
+        if not self.muon_lr:
+            super().create_optimizer(model)
+        else:
+            self.optimizer = muon_with_adamw(
+                opt_model, self.muon_lr, self.args.learning_rate, self.args.weight_decay,
+                betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
+                decay_parameter_names=set(self.get_decay_parameter_names(opt_model)), muon_experts=self.muon_experts,
+            )
+        if self.lr_scale_of is not None:  # before the scheduler reads each group's initial learning rate
+            scale_learning_rates(self.optimizer, opt_model, self.lr_scale_of)
         return self.optimizer
 
     # --- data ----------------------------------------------------------------------------------------------------
@@ -243,10 +258,10 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # --- loss and logging ----------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if model.training and self.extra_train_loops:
+        if model.training and (self.extra_train_loops or self.train_loop_counts):
             n_loops = self.n_loops or self.accelerator.unwrap_model(model).config.n_loops
             inputs = {**inputs, "n_loops": training_loop_count(n_loops, self.extra_train_loops, self.args.seed,
-                                                               self.state.global_step)}
+                                                               self.state.global_step, self.train_loop_counts)}
         elif self.n_loops is not None:
             inputs = {**inputs, "n_loops": self.n_loops}
         with shared_weight_casts():  # spider_training.mixed_precision: one cast of each expert weight per forward
@@ -257,9 +272,13 @@ class SpiderTrainer(HubPushMixin, Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def _record(self, outputs, inputs) -> None:
-        terms = {name: outputs[name].detach().float() for name in
+        # another causal LM (bench.quality's dense baselines) has only `loss`, its LM loss
+        terms = {name: getattr(outputs, name, None) for name in
                  ("lm_loss", "aux_loss", "boundary_loss", "ponder_loss", "compression_rate", "mean_halting_step")}
-        terms["expert_load_max"] = outputs["expert_load"].max().float()  # 1.0 = perfect balance
+        terms = {name: value.detach().float() for name, value in terms.items() if value is not None}
+        terms.setdefault("lm_loss", outputs.loss.detach().float())
+        if getattr(outputs, "expert_load", None) is not None:
+            terms["expert_load_max"] = outputs.expert_load.max().float()  # 1.0 = perfect balance
         for name, value in terms.items():
             self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
         self._metric_count += 1
@@ -313,7 +332,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         with torch.no_grad():
             outputs = model(**features)
         nll, n_bytes = byte_nll(outputs["logits"], inputs["labels"])
-        per_batch = torch.stack([outputs["compression_rate"], outputs["mean_halting_step"]]).double()
+        nan = nll.new_tensor(float("nan"))  # another causal LM (bench.quality's dense rows) has no segments or ACT
+        per_batch = torch.stack([outputs.get("compression_rate", nan), outputs.get("mean_halting_step", nan)]).double()
         return None, torch.cat([nll[:, None], per_batch.expand(len(nll), 2)], 1), n_bytes
 
     def evaluate_loop_counts(self, counts, eval_dataset=None) -> dict[str, float]:

@@ -392,22 +392,20 @@ def test_with_a_teacher_the_predictor_learns_from_the_teacher_alone():
 
 @pytest.fixture(scope="module")
 def short_run():
-    from bench.quality import Recipe, corpus_bytes, heldout_windows, train
-    from configuration_spider import SpiderConfig
-    from modeling_spider import SpiderForConditionalGeneration
+    from bench.quality import Recipe, fit, initial_model
+    from bench.quality_scoring import corpus_bytes, heldout_windows
 
-    torch.manual_seed(0)
-    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("small"))
-    # the default recipe for 100 steps of 8 windows: about 100 s on one thread of this 2-core machine (150 steps of 16
-    # windows took 240 s, the longest item of the test run)
-    recipe = Recipe(steps=100, warmup_steps=15, batch_size=8)
-    stats = train(model, corpus_bytes("train"), recipe)
+    model = initial_model("spider", {}, seed=0)
+    # the default recipe for 100 steps of 8 windows, through train_hf.py's trainer (no held-out evaluation): about
+    # 100 s on one thread of this 2-core machine (150 steps of 16 windows took 240 s, the longest item of the test run)
+    recipe = Recipe(steps=100, warmup_steps=15, batch_size=8, eval_steps=0)
+    stats = fit(model, recipe)
     return model, stats, heldout_windows(corpus_bytes("eval"), recipe.seq_len)[:32]
 
 
 @pytest.mark.slow
 def test_short_run_learns_and_segments_as_it_trains(short_run):
-    from bench.quality import score
+    from bench.quality_scoring import score
 
     model, stats, windows = short_run
     result = score(model, windows)

@@ -303,8 +303,8 @@ def test_sample_and_the_recipes_dense_baseline_reference(release, config, tmp_pa
 
 
 def test_shipped_reference_matches_the_committed_benchmark():
-    """hub_card/reference_quality.json is what bench.quality derives from bench/quality_results.json."""
-    from bench.quality import card_reference
+    """hub_card/reference_quality.json is what bench.quality_report derives from bench/quality_results.json."""
+    from bench.quality_report import card_reference
     from spider_training.model_card import REFERENCE_QUALITY
 
     rows = json.loads((ROOT / "bench" / "quality_results.json").read_text())

@@ -426,6 +426,31 @@ def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path
         FirstWindows(iter_windows(windows), 0)
 
 
+def test_evaluation_scores_another_causal_lm_in_bits_per_byte(tmp_path):
+    """A dense byte model (bench.quality's peers) evaluates through the same loop: bits per byte from its logits, no
+    segment or halting figures (it has neither), equal to metrics.bits_per_byte's."""
+    from torch.utils.data import DataLoader
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments, default_data_collator
+
+    from spider_training.data import build_dataset
+    from spider_training.metrics import bits_per_byte
+    from spider_training.trainer import SpiderTrainer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    windows = [build_dataset("mock", 32)[k] for k in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_eval_batch_size=2,
+                             remove_unused_columns=False)
+    metrics = SpiderTrainer(model=model, args=args, eval_dataset=windows, data_collator=default_data_collator,
+                            eval_windows=4).evaluate()
+    assert "eval_compression_rate" not in metrics and "eval_mean_halting_step" not in metrics
+    nll = [torch.nn.functional.cross_entropy(model(input_ids=w["input_ids"][None]).logits[0, :-1], w["labels"][1:],
+                                             reduction="sum").item() for w in windows]
+    assert metrics["eval_bytes"] == 4 * 32
+    assert metrics["eval_bits_per_byte"] == pytest.approx(sum(nll) / (4 * 32) / math.log(2), rel=1e-5)
+
+
 def iter_windows(windows):
     from torch.utils.data import IterableDataset
 
