@@ -459,7 +459,9 @@ def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
     assert isinstance(get_sampler(loader), SeedableRandomSampler)  # Trainer's RandomSampler, seeded by accelerate
     assert Counter(rows(loader)) == Counter(rows(DataLoader(ds, batch_size=4)))
     eval_rows = rows(trainer.get_eval_dataloader(ds))
-    assert eval_rows == rows(DataLoader(ds, batch_size=8))  # eval stays in stream order
+    # eval stays in stream order and stops after the trainer's eval_windows (64, whole batches of 8)
+    assert len(ds) > trainer.eval_windows == 64
+    assert eval_rows == rows(DataLoader(ds, batch_size=8))[:64]
 
 
 @pytest.mark.parametrize("streamed", [False, True])
