@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 
-from tests.helpers import write_header_shard, write_headerless_shard
+from tests.helpers import environ, write_header_shard, write_headerless_shard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -157,21 +157,6 @@ def run_case(case: BadInput, tmp: Path) -> Outcome:
 # ----------------------------------------------------------------------------------------------------------------------
 # small builders
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def environ(**values: str):
-    """Set environment variables for the duration of the block, then restore them."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _MODEL = None

@@ -35,7 +35,6 @@ Command line (for the reliability table)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import multiprocessing
@@ -51,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from spider_training import checkpointing  # noqa: E402
+from tests.helpers import environ  # noqa: E402
 from tests.hub_server import FakeHubServer  # noqa: E402
 
 PHASES = ("step", "save", "push")
@@ -78,20 +78,6 @@ LIFE_ENVIRONMENT = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_DISABLE
 PRELOADED_MODULES = ["spider_training.train", "tests.kill_harness"]
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    previous = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _life_context():
     """The ``forkserver`` multiprocessing context, its server started (once per process) in
     :data:`LIFE_ENVIRONMENT` with :data:`PRELOADED_MODULES` imported."""
@@ -99,7 +85,7 @@ def _life_context():
     context.set_forkserver_preload(PRELOADED_MODULES)
     from multiprocessing import forkserver
 
-    with _environment(LIFE_ENVIRONMENT):
+    with environ(**LIFE_ENVIRONMENT):
         forkserver.ensure_running()
     return context
 
