@@ -68,10 +68,14 @@ def build_trainer(spider: SpiderArguments, args, model, *, callbacks: list | Non
     if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
         # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
         args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
-    train_dataset, eval_dataset = trainer_kwargs.pop("train_dataset", None), trainer_kwargs.pop("eval_dataset", ...)
-    train_dataset, eval_dataset = _datasets(spider, args) if train_dataset is None else (train_dataset, eval_dataset)
+    data_kwargs = dict(rank=args.process_index, world_size=args.world_size, seed=args.seed,
+                       text_column=spider.text_column, eval_from_year=spider.eval_from_year)
+    train_dataset = trainer_kwargs.pop("train_dataset", None)
+    if train_dataset is None:
+        train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
+    eval_dataset, eval_source = trainer_kwargs.pop("eval_dataset", ...), held_out_source(spider)
     if eval_dataset is ...:
-        eval_dataset = _datasets(spider, args)[1]
+        eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None
     if eval_dataset is None:
         args = dataclasses.replace(args, eval_strategy="no")
     kwargs = dict(
@@ -86,14 +90,9 @@ def build_trainer(spider: SpiderArguments, args, model, *, callbacks: list | Non
     return SpiderTrainer(**{**kwargs, **trainer_kwargs})
 
 
-def _datasets(spider: SpiderArguments, args) -> tuple:
-    """The training dataset of ``--data`` and the held-out one (``--eval_data``, or the sotu split by year; None)."""
-    data_kwargs = dict(rank=args.process_index, world_size=args.world_size, seed=args.seed,
-                       text_column=spider.text_column, eval_from_year=spider.eval_from_year)
-    train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
-    eval_source = spider.eval_data or ("sotu" if spider.data == "sotu" else None)
-    eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None
-    return train_dataset, eval_dataset
+def held_out_source(spider: SpiderArguments) -> str | None:
+    """The held-out source: ``--eval_data``, or sotu's split by year when training on sotu; None otherwise."""
+    return spider.eval_data or ("sotu" if spider.data == "sotu" else None)
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
@@ -120,7 +119,7 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
     trainer = build_trainer(spider, args, model, callbacks=callbacks)
     args, train_dataset, eval_dataset = trainer.args, trainer.train_dataset, trainer.eval_dataset
     tokenizer = trainer.processing_class
-    eval_source = spider.eval_data or ("sotu" if spider.data == "sotu" else None)
+    eval_source = held_out_source(spider)
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():
         _print_start_summary(spider, args, trainer, train_dataset, eval_source, n_params)
