@@ -237,7 +237,7 @@ def test_cache_holds_one_transformers_layer_per_model_layer():
     through the layers keeps the chosen rows."""
     from transformers.cache_utils import DynamicLayer
 
-    from modeling_spider import SpiderRecurrentLayerCache
+    from generation_spider import SpiderRecurrentLayerCache
 
     model = tiny_model(seed=0, n_loops=3).eval()
     config = model.config

@@ -1,0 +1,338 @@
+# Copyright 2026 The Spider authors. Licensed under the Apache License, Version 2.0.
+"""Incremental decoding for Spider: :class:`SpiderCache` and the hooks ``generate()`` calls.
+
+:class:`SpiderCache` is a transformers ``Cache`` with one layer per model layer, in the model's
+order: a ``DynamicLayer`` per prelude and coda layer (byte keys and values), a
+:class:`SpiderRecurrentLayerCache` per recurrent layer holding one :class:`SpiderLayerCache` per
+loop (segment keys and values written at per-row slots, which no transformers cache layer can
+express). Beside the layers it keeps the segment-level state: a per-byte record of the prelude
+outputs, Engram memory and boundaries, from which :meth:`SpiderCache.restore` rebuilds segment
+counts, positions and the open segment's sums (docs/design.md, "Generation cache").
+:class:`SpiderGenerationMixin` builds one per ``generate()`` call and hands the model only the
+bytes it has not seen; :meth:`modeling_spider.SpiderModel.decode` writes it.
+
+Ships beside ``modeling_spider.py`` (``trust_remote_code`` copies it); imports only torch and
+transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from transformers import GenerationMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
+    from .configuration_spider import SpiderConfig
+except ImportError:  # loaded as a top-level module from the repository root
+    from configuration_spider import SpiderConfig
+
+
+def write_segment_slots(
+    cache: "SpiderCache", buffer: torch.Tensor, new: torch.Tensor, dim: int
+) -> torch.Tensor:
+    """`buffer` grown (zeros) to `cache.segment_slots` along `dim`, with `new` (one segment per
+    row) written at each row's slot `cache.segment_write_index` `(B,)`."""
+    slots = cache.segment_slots
+    if buffer.shape[dim] < slots:
+        grow = list(buffer.shape)
+        grow[dim] = slots - buffer.shape[dim]
+        buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
+    index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
+    return buffer.scatter(dim, index, new)
+
+
+def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
+    """Replace each tensor attribute `names` of `holder` (None skipped) by its batch rows `rows`."""
+    for name in names:
+        if getattr(holder, name) is not None:
+            setattr(holder, name, getattr(holder, name).index_select(0, rows))
+
+
+class SpiderLayerCache:
+    """One recurrent layer's cache for one loop: keys `(B, H, S, qk_head_dim)`, values
+    `(B, H, S, v_head_dim)` (post-RoPE) and Engram conv inputs `(B, S, D)` per segment slot. A
+    decode step writes row b at ``segment_write_index[b]``: rows close segments at different bytes,
+    which no transformers cache layer can express."""
+
+    def __init__(self, cache: "SpiderCache"):
+        self.cache = cache
+        self.keys = self.values = self.conv_inputs = None
+
+    def _write(self, buffer: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
+        return new if buffer is None else write_segment_slots(self.cache, buffer, new, dim)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `keys`/`values` `(B, H, T, d)`; return every key/value the queries may see."""
+        self.keys = self._write(self.keys, keys, dim=2)
+        self.values = self._write(self.values, values, dim=2)
+        return self.keys, self.values
+
+    def conv_window(self, conv_inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """The Engram convolution's causal window: `(B, S, D)` -> `(B, kernel_size - 1 + S, D)`."""
+        first = self.conv_inputs is None
+        self.conv_inputs = self._write(self.conv_inputs, conv_inputs, dim=1)
+        if first:
+            return F.pad(conv_inputs, (0, 0, kernel_size - 1, 0))
+        offsets = torch.arange(-(kernel_size - 1), 1, device=conv_inputs.device)
+        positions = self.cache.segment_write_index[:, None] + offsets  # (B, kernel_size)
+        window = self.conv_inputs.gather(
+            1, positions.clamp(min=0)[..., None].expand(-1, -1, conv_inputs.shape[-1])
+        )
+        return window * (positions >= 0)[..., None].to(window.dtype)
+
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        _select_rows(self, ("keys", "values", "conv_inputs"), rows)
+
+
+class SpiderRecurrentLayerCache(CacheLayerMixin):
+    """The transformers cache layer of one recurrent layer: its :class:`SpiderLayerCache` per loop
+    (`loops`). The model writes the loops' caches directly."""
+
+    is_croppable = True  # stale slots stay: the mask hides them and the next write replaces them
+
+    def __init__(self, loops: list[SpiderLayerCache]):
+        super().__init__()
+        self.loops = loops
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update"
+        )
+
+    def get_seq_length(self) -> int:
+        """Segment slots held (the null segment included)."""
+        keys = self.loops[0].keys if self.loops else None
+        return 0 if keys is None else keys.shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def batch_select_indices(self, indices: torch.LongTensor) -> None:
+        for loop in self.loops:
+            loop.select_rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+
+class SpiderCache(Cache):
+    """Incremental-decoding state of :class:`SpiderModel`, a transformers ``Cache`` with one layer
+    per model layer (crop, beam reordering; not compileable). The recurrent block runs when a byte
+    closes a segment; a per-byte record rebuilds the rest (:meth:`restore`). Valid for the
+    ``n_loops`` it was built with (docs/design.md, "Generation cache")."""
+
+    RECORD = ("input_ids", "byte_states", "byte_memory", "boundaries")
+    ROW_STATE = ("byte_mask", "segment_outputs", "byte_positions", "open_sum", "open_memory_sum",
+                 "open_count", "num_segments", "last_segment_output")
+
+    def __init__(self, config: SpiderConfig, n_loops: int):
+        self.config = config
+        self.n_loops = n_loops
+        self.prelude = [DynamicLayer() for _ in range(config.num_prelude_layers)]
+        self.coda = [DynamicLayer() for _ in range(config.num_coda_layers)]
+        # recurrent[t][i]: loop t's cache of recurrent layer i
+        self.recurrent = [[SpiderLayerCache(self) for _ in range(config.num_recurrent_layers)]
+                          for _ in range(n_loops)]
+        recurrent_layers = [SpiderRecurrentLayerCache([loop[i] for loop in self.recurrent])
+                            for i in range(config.num_recurrent_layers)]
+        super().__init__(layers=[*self.prelude, *recurrent_layers, *self.coda])
+        self.seen_bytes = 0  # columns of input_ids consumed, padding included
+        self.byte_mask = None  # (B, n) bool, or None while no column is padding
+        # RECORD's (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32, in buffers that double
+        self.record = dict.fromkeys(self.RECORD)
+        self.record_length = 0
+        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null segment)
+        # derived from the record by restore(): (B,) int64 RoPE position of the next byte
+        self.byte_positions = None
+        self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
+        self.num_segments = None  # (B,) int64: closed segments (the null segment excluded)
+        self.last_segment_output = None  # (B, D) fp32
+        self.segment_write_index = None  # (B,) int64, set for one recurrent decode step
+        self.segment_slots = 0
+
+    def _recorded(name: str):  # noqa: N805 (a property factory used in the class body)
+        return property(
+            lambda self: (
+                None if self.record[name] is None else self.record[name][:, : self.record_length]
+            ),
+            doc=f"The record's {name}: the first `record_length` columns of its buffer.",
+        )
+
+    input_ids, byte_states = _recorded("input_ids"), _recorded("byte_states")
+    byte_memory, boundaries = _recorded("byte_memory"), _recorded("boundaries")
+    del _recorded
+
+    # --- what generate() reads --------------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Bytes (input columns) already consumed."""
+        return self.seen_bytes
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` bytes (0 or negative, transformers' convention).
+
+        Raises:
+            ValueError: a positive value, or more bytes than the cache holds.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of bytes to remove "
+                             "(0 or negative)")
+        keep = self.seen_bytes + tokens_to_remove
+        if tokens_to_remove == 0 or self.seen_bytes == 0:
+            return
+        if keep < 0:
+            raise ValueError(f"crop({tokens_to_remove}) removes more bytes than the cache holds "
+                             f"({self.seen_bytes})")
+        if keep == 0:
+            return self.reset()
+        for layer in self.prelude + self.coda:
+            layer.crop(keep - self.seen_bytes)
+        self.record_length = keep
+        self.byte_mask = None if self.byte_mask is None else self.byte_mask[:, :keep]
+        self.seen_bytes = keep
+        self.restore()  # recurrent caches keep their slots (see SpiderRecurrentLayerCache)
+
+    def reset(self) -> None:
+        """Empty the cache (the next forward is a prefill)."""
+        self.__init__(self.config, self.n_loops)
+
+    def batch_select_indices(self, indices: torch.LongTensor) -> None:
+        """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
+        super().batch_select_indices(indices)
+        _select_rows(self, self.ROW_STATE, indices)
+        self.record = {
+            name: None if t is None else t.index_select(0, indices)
+            for name, t in self.record.items()
+        }
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place."""
+        rows = self.num_segments.shape[0] if self.num_segments is not None else 0
+        self.batch_select_indices(
+            torch.arange(rows, device=self.num_segments.device).repeat_interleave(repeats)
+            if rows else torch.zeros(0, dtype=torch.long)
+        )
+
+    # --- what the model writes --------------------------------------------------------------------
+
+    def start(
+        self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs
+    ) -> None:
+        """After a full forward over `input_ids` `(B, n)`: the record (prelude output `(B, n, D)`,
+        Engram memory `(B, n, M)`, boundaries `(B, n)`), `byte_mask` `(B, n)` bool or None, and the
+        segment outputs `(B, 1+S, D)` fp32."""
+        self.seen_bytes = input_ids.shape[1]
+        self.byte_mask = byte_mask
+        self.record = dict(
+            zip(self.RECORD, (input_ids, byte_states, byte_memory, boundaries.detach().float()))
+        )
+        self.record_length = input_ids.shape[1]
+        self.segment_outputs = segment_outputs.detach()
+        self.segment_slots = segment_outputs.shape[1]
+        self.restore()
+
+    def append(self, input_ids, byte_state, memory, boundary) -> None:
+        """Record one decoded byte per row: ids `(B, 1)`, prelude output `(B, 1, D)`, memory
+        `(B, M)`, boundary `(B, 1)`."""
+        n = self.record_length
+        for name, column in zip(
+            self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())
+        ):
+            buffer = self.record[name]
+            if buffer.shape[1] == n:  # full: double the capacity
+                buffer = self.record[name] = torch.cat(
+                    [buffer, buffer.new_empty(buffer[:, : max(n, 16)].shape)], 1
+                )
+            buffer[:, n : n + 1] = column
+        self.record_length = n + 1
+
+    def restore(self) -> None:
+        """Recompute segment counts and outputs, open-segment sums and positions from the record."""
+        byte_mask = self.byte_mask
+        if byte_mask is None:
+            byte_mask = torch.ones_like(self.input_ids, dtype=torch.bool)
+        self.byte_positions = byte_mask.long().sum(-1)
+        self.num_segments = self.boundaries.sum(-1).long()
+        index = self.num_segments[:, None, None].expand(-1, 1, self.segment_outputs.shape[-1])
+        self.last_segment_output = self.segment_outputs.gather(1, index)[:, 0]
+        open_bytes = (
+            (self.boundaries.cumsum(1) - self.boundaries).long() == self.num_segments[:, None]
+        ) & byte_mask
+        weight = open_bytes[..., None].to(torch.float32)
+        self.open_sum = (self.byte_states.to(torch.float32) * weight).cumsum(1)[:, -1]
+        self.open_memory_sum = (self.byte_memory.to(torch.float32) * weight).cumsum(1)[:, -1]
+        self.open_count = open_bytes.to(torch.float32).sum(-1)
+
+    def begin_segment_step(self) -> torch.LongTensor:
+        """Point every row at its next segment's slot (slot 0 is the null segment); `(B,)` int64."""
+        self.segment_write_index = self.num_segments + 1
+        self.segment_slots = max(self.segment_slots, int(self.segment_write_index.max()) + 1)
+        return self.segment_write_index
+
+    def end_segment_step(self, closing: torch.Tensor, h_out: torch.Tensor) -> None:
+        """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out`
+        `(B, 1, D)` fp32."""
+        self.segment_outputs = write_segment_slots(self, self.segment_outputs, h_out, dim=1)
+        self.last_segment_output = torch.where(
+            closing[:, None], h_out[:, 0], self.last_segment_output
+        )
+        self.num_segments = self.num_segments + closing.long()
+
+
+class SpiderGenerationMixin(GenerationMixin):
+    """``generate()`` for ``SpiderForConditionalGeneration``: a :class:`SpiderCache` per call
+    and, per step, only the bytes the cache has not seen."""
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """An empty :class:`SpiderCache` for the call's `n_loops`; a caller's cache is used as is.
+
+        Raises:
+            ValueError: a `cache_implementation` (Spider has its own cache).
+        """
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not "
+                "supported: Spider decodes with its own SpiderCache (per-byte layers plus "
+                "per-segment recurrent state); leave it unset"
+            )
+        n_loops = model_kwargs.get("n_loops") or self.config.n_loops
+        model_kwargs["cache"] = SpiderCache(self.config, n_loops)
+
+    def prepare_inputs_for_generation(
+        self, input_ids, cache=None, attention_mask=None, n_loops=None, use_cache=None,
+        inputs_embeds=None, **kwargs,
+    ):
+        """The bytes `cache` has not seen; other model kwargs pass through to :meth:`forward`.
+
+        Raises:
+            ValueError: `inputs_embeds` (the Engram memory hashes the n-grams of `input_ids`).
+        """
+        if inputs_embeds is not None:
+            raise ValueError(
+                "generate(inputs_embeds=...) is not supported: Spider reads byte ids (its Engram "
+                "memory hashes the n-grams of input_ids); pass input_ids"
+            )
+        if cache is not None:
+            input_ids = input_ids[:, cache.seen_bytes :]
+        return {
+            **{k: v for k, v in kwargs.items() if v is not None}, "input_ids": input_ids,
+            "attention_mask": attention_mask, "n_loops": n_loops, "cache": cache,
+            "use_cache": use_cache,
+        }
