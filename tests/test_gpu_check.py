@@ -160,21 +160,30 @@ def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
     assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
 
 
-def test_compiled_rows_on_request_run_before_the_fp8_rows():
+@pytest.fixture(scope="module")
+def requested_rows():
+    """One step table at 2 x 64 (two timed steps) with the rows on request and the regionally compiled ones (each
+    costs a compilation, ~15 s here), shared by the tests that read them."""
+    table = step_table.step_table_check("tiny", shapes=[(2, 64)], repeats=2, device=torch.device("cpu"),
+                                       models=("spider_fp8_rowwise_compiled", "spider", "spider_word_rate",
+                                               "deepseek_v3", "spider_compiled", "spider_fp8",
+                                               "spider_compiled_automatic_dynamic", "spider_word_rate_compiled",
+                                               "spider_tk_train_recipe_compiled"),
+                                       compile_backend="eager", tk_train_recipe_shape=(2, 32))
+    assert table["status"] == "passed", table
+    return table
+
+
+def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
     """``spider_word_rate_compiled`` and ``spider_tk_train_recipe_compiled`` (on request): the word-rate model and
     activation checkpointing under regional compilation, each timed with its eager twin's FLOPs, after the compiled
     row and before FP8's; the compiled FP8 rows (on request) last: Spider converted as ``--precision fp8`` with the
     row's recipe and ``--fp8_experts`` (emulated ``Float8Linear`` on CPU, where the experts stay in bf16 and the row
     says why; one row here, each costs a compilation), then compiled as ``--compile`` compiles, with the eager row's
     FLOPs."""
-    table = step_table.step_table_check("tiny", shapes=[(2, 32)], repeats=1, device=torch.device("cpu"),
-                                       models=("spider_fp8_rowwise_compiled",
-                                               "spider", "spider_word_rate", "spider_compiled", "spider_fp8",
-                                               "spider_compiled_automatic_dynamic",
-                                               "spider_word_rate_compiled", "spider_tk_train_recipe_compiled"),
-                                       compile_backend="eager", tk_train_recipe_shape=(2, 32))
-    assert table["status"] == "passed", table
-    assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "spider_tk_train_recipe",
+    table = requested_rows
+    assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "deepseek_v3",
+                                                       "spider_tk_train_recipe",
                                                        "spider_compiled", "spider_compiled_automatic_dynamic",
                                                        "spider_word_rate_compiled",
                                                        "spider_tk_train_recipe_compiled", "spider_fp8",
@@ -496,17 +505,13 @@ def test_repeated_axis_summary_times_the_steps_at_an_axis_met_before():
                                                                          "step_s_repeated_axis": None}
 
 
-def test_step_rows_record_the_segment_axis_of_each_step():
+def test_step_rows_record_the_segment_axis_of_each_step(requested_rows):
     """Spider's rows (eager and regionally compiled) record the padded segment axis of every step; the word-rate row
     closes a segment every round(1 / boundary_prior) bytes, so its axis is fixed by the length; the peer records
     none; no row leaves its hook behind."""
     config = spider_config("tiny")
-    batch, length = 2, 64
-    table = step_table.step_table_check("tiny", shapes=[(batch, length)], repeats=2, device=torch.device("cpu"),
-                                       models=("spider", "spider_word_rate", "deepseek_v3", "spider_compiled"),
-                                       compile_backend="eager", tk_train_recipe_shape=None)
-    assert table["status"] == "passed", table
-    rows = {row["model"]: row for row in table["rows"]}
+    length = 64  # requested_rows' shape
+    rows = {row["model"]: row for row in requested_rows["rows"]}
     pad = config.pad_segments_to_multiple_of
     stride = round(1 / config.boundary_prior)
     word_axis = -(-(1 + length // stride) // pad) * pad
