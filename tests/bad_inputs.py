@@ -35,11 +35,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import numpy as np
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 
-from tests.helpers import environ, write_header_shard, write_headerless_shard
+from tests.helpers import write_header_shard, write_headerless_shard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -577,7 +578,7 @@ def _cli(*argv: str, env: dict[str, str] | None = None, files: Callable[[Path], 
         args = [*argv, "--ckpt_dir", str(tmp / "run"), *(files(tmp) if files else [])]
 
         def run():
-            with environ(**(env or {})):
+            with mock.patch.dict(os.environ, env or {}):
                 return parse_args(args)
 
         return run

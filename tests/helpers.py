@@ -1,7 +1,5 @@
 """Small builders shared by the test modules."""
 
-import contextlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -144,17 +142,3 @@ def per_expert_state_dict(state: dict) -> dict:
             out[key] = value.clone()
     return out
 
-
-@contextlib.contextmanager
-def environ(**values: str):
-    """Set environment variables for the duration of the block, then restore them."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

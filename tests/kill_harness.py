@@ -45,12 +45,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from spider_training import checkpointing  # noqa: E402
-from tests.helpers import environ  # noqa: E402
 from tests.hub_server import FakeHubServer  # noqa: E402
 
 PHASES = ("step", "save", "push")
@@ -85,7 +85,7 @@ def _life_context():
     context.set_forkserver_preload(PRELOADED_MODULES)
     from multiprocessing import forkserver
 
-    with environ(**LIFE_ENVIRONMENT):
+    with mock.patch.dict(os.environ, LIFE_ENVIRONMENT):
         forkserver.ensure_running()
     return context
 
