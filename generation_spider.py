@@ -8,8 +8,10 @@ loop (segment keys and values written at per-row slots, which no transformers ca
 express). Beside the layers it keeps the segment-level state: a per-byte record of the prelude
 outputs, Engram memory and boundaries, from which :meth:`SpiderCache.restore` rebuilds segment
 counts, positions and the open segment's sums (docs/design.md, "Generation cache").
-:class:`SpiderGenerationMixin` builds one per ``generate()`` call and hands the model only the
-bytes it has not seen; :meth:`modeling_spider.SpiderModel.decode` writes it.
+
+:class:`SpiderDecodingMixin` gives ``SpiderModel`` its cached decode step, which runs the model's
+own modules one byte at a time and writes the cache; :class:`SpiderGenerationMixin` builds a cache
+per ``generate()`` call and hands the model only the bytes it has not seen.
 
 Ships beside ``modeling_spider.py`` (``trust_remote_code`` copies it); imports only torch and
 transformers.
@@ -288,6 +290,113 @@ class SpiderCache(Cache):
             closing[:, None], h_out[:, 0], self.last_segment_output
         )
         self.num_segments = self.num_segments + closing.long()
+
+
+class SpiderDecodingMixin:
+    """The cached decode step of ``SpiderModel``: the full forward's modules, one byte at a time.
+    A byte runs the prelude, joins its row's open segment and the coda; where it closes the
+    segment, the recurrent block runs over that one segment at the row's next slot (every row
+    runs it, the others keep their last output)."""
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.LongTensor, cache: SpiderCache,
+               output_hidden_states: bool = False) -> dict:
+        """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time.
+        Returns the fields of a ``SpiderModelOutput``: `last_hidden_state` `(B, T, D)`,
+        `boundaries` fp32 `(B, T)`, the cache and, with `output_hidden_states`, the new bytes'
+        `hidden_states` in the full forward's layout; no loss terms."""
+        states, boundaries, per_byte = zip(*(
+            self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
+            for j in range(input_ids.shape[1])
+        ))
+        hidden_states = (
+            tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
+        )
+        return dict(last_hidden_state=torch.cat(states, 1), cache=cache,
+                    boundaries=torch.cat(boundaries, 1), hidden_states=hidden_states)
+
+    def decode_byte(
+        self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1)
+        fp32, hidden states in the full forward's layout or None)`."""
+        B = input_ids.shape[0]
+        if cache.byte_mask is not None:
+            cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
+        x = self.embed_tokens(input_ids)
+        byte_attention_mask = self.attention_mask(
+            x, cache.seen_bytes + 1, cache.byte_mask, self.config.sliding_window,
+            q_offset=cache.seen_bytes,
+        )
+        byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
+        hidden = [] if output_hidden_states else None
+        x = self.prelude(x, byte_rope, byte_attention_mask, cache, hidden)
+        past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
+        memory = engram_step(self.engram_embeddings, cache.input_ids, past_mask, input_ids)
+        boundary, closing, e, segment_memory = pool_step(self.flexitokens, x, memory, cache)
+        cache.append(input_ids, x, memory, boundary)
+        if bool(closing.any()):  # every row runs the block; the others keep their last output
+            self.decode_segment(e, segment_memory, closing, cache)
+        y = self.coda(expand_step(self.flexitokens, cache, x), byte_rope, byte_attention_mask,
+                      cache, hidden)
+        cache.byte_positions = cache.byte_positions + 1
+        cache.seen_bytes += 1
+        return y, boundary, tuple(hidden) if output_hidden_states else None
+
+    def decode_segment(self, e: torch.Tensor, segment_memory: torch.Tensor, closing: torch.Tensor,
+                       cache: SpiderCache) -> None:
+        """The recurrent block over one new segment per row, `e` `(B, 1, D)` and its memory
+        `(B, 1, M)`, at each row's next slot; rows `closing` `(B,)` bool keep its output."""
+        slot = cache.begin_segment_step()
+        segment_rope = self.rotary_emb(e, slot[:, None])
+        slots = torch.arange(cache.segment_slots, device=e.device).expand(e.shape[0], -1)
+        mask = self.attention_mask(
+            e, cache.segment_slots, None, self.config.recurrent_sliding_window,
+            query_positions=slot[:, None], key_positions=slots,
+        )
+        h_out = self.recurrent_block(
+            e, segment_rope, mask, None, segment_memory, cache.n_loops, cache
+        ).h_out
+        cache.end_segment_step(closing, h_out)
+
+
+def engram_step(engram_embeddings, past_ids, past_mask, input_ids: torch.LongTensor):
+    """``SpiderEngramEmbeddings`` for one new byte per row, `input_ids` `(B, 1)` after `past_ids`
+    `(B, n)` (`past_mask` `(B, n)` bool or None) -> `(B, M)`: the full lookup over the last
+    n-gram's context."""
+    context = max(engram_embeddings.ngram_sizes) - 1
+    past_ids = past_ids[:, past_ids.shape[1] - context:]
+    if past_mask is not None:
+        past_mask = past_mask[:, past_mask.shape[1] - past_ids.shape[1] :]
+        past_ids = past_ids.masked_fill(~past_mask, engram_embeddings.fill_id)
+    return engram_embeddings(torch.cat([past_ids, input_ids], dim=1))[:, -1]
+
+
+def pool_step(flexitokens, x: torch.Tensor, memory: torch.Tensor, cache: SpiderCache):
+    """``SpiderFlexiTokens`` pooling for one new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`:
+    the byte joins its row's open segment (running fp32 sums in `cache`), which it closes on a
+    boundary. Returns `(boundary (B, 1) fp32, closing (B,) bool, segment (B, 1, D) normed,
+    segment_memory (B, 1, M))`."""
+    boundary, _ = flexitokens.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
+    open_sum = cache.open_sum + x[:, 0].to(torch.float32)
+    open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
+    open_count = cache.open_count + 1.0
+    closing = boundary[:, 0] > 0
+    segment = flexitokens.pool_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
+    segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
+    keep = (~closing).to(torch.float32)
+    cache.open_sum = open_sum * keep[:, None]
+    cache.open_memory_sum = open_memory_sum * keep[:, None]
+    cache.open_count = open_count * keep
+    return boundary, closing, segment, segment_memory
+
+
+def expand_step(flexitokens, cache: SpiderCache, x: torch.Tensor) -> torch.Tensor:
+    """The coda's input for a new byte `x` `(B, 1, D)`: its row's last closed segment, mixed in
+    as ``SpiderFlexiTokens.expand`` does."""
+    return flexitokens.mix(
+        flexitokens.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x
+    )
 
 
 class SpiderGenerationMixin(GenerationMixin):

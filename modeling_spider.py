@@ -15,8 +15,8 @@ The file reads top-down like the forward pass (docs/design.md, "The forward pass
     y = flexitokens.expand(b, h_out, x)           # segments expanded to bytes, mixed in
     logits = lm_head(norm(coda(y)))
 
-The cached decode step (:meth:`SpiderModel.decode_byte`) runs the same modules one byte at a time;
-its state, :class:`SpiderCache`, lives in `generation_spider.py` beside this file.
+The cached decode step (``SpiderDecodingMixin.decode_byte``) runs the same modules one byte at a
+time; it and its state, :class:`SpiderCache`, live in `generation_spider.py` beside this file.
 
 Sources: DeepSeek-V2/V3 (MLA, MoE, aux_fi load balancing; transformers ``models/deepseek_v3``),
 Engram (DeepSeek, arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the
@@ -64,10 +64,14 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
     from .configuration_spider import SpiderConfig
-    from .generation_spider import SpiderCache, SpiderGenerationMixin, SpiderLayerCache
+    from .generation_spider import (
+        SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache,
+    )
 except ImportError:  # loaded as a top-level module from the repository root
     from configuration_spider import SpiderConfig
-    from generation_spider import SpiderCache, SpiderGenerationMixin, SpiderLayerCache
+    from generation_spider import (
+        SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache,
+    )
 
 logger = logging.get_logger(__name__)
 
@@ -736,16 +740,6 @@ class SpiderEngramEmbeddings(nn.Module):
             hashed = torch.bitwise_xor(hashed, products[..., i])
         return hashed % moduli + offsets
 
-    def step(self, past_ids, past_mask, input_ids: torch.LongTensor) -> torch.Tensor:
-        """One new byte per row, `input_ids` `(B, 1)` after `past_ids` `(B, n)` (`past_mask`
-        `(B, n)` bool or None) -> `(B, M)`."""
-        context = max(self.ngram_sizes) - 1
-        past_ids = past_ids[:, past_ids.shape[1] - context:]
-        if past_mask is not None:
-            past_mask = past_mask[:, past_mask.shape[1] - past_ids.shape[1] :]
-            past_ids = past_ids.masked_fill(~past_mask, self.fill_id)
-        return self(torch.cat([past_ids, input_ids], dim=1))[:, -1]
-
     def forward(self, input_ids: torch.LongTensor, token_mask: torch.Tensor | None = None):
         rows = self.hash_ids(input_ids, token_mask)
         B, L, n_tables = rows.shape
@@ -1030,8 +1024,8 @@ def boundary_teacher_loss(
 
 
 class SpiderFlexiTokens(nn.Module):
-    """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`, :meth:`pool_step`) and
-    segments -> bytes (:meth:`expand`, :meth:`expand_step`)."""
+    """FlexiTokens (arXiv 2507.12720): bytes -> segments (:meth:`forward`) and segments -> bytes
+    (:meth:`expand`); one byte at a time, `generation_spider.pool_step` and `expand_step`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -1087,26 +1081,6 @@ class SpiderFlexiTokens(nn.Module):
         """Segments -> bytes: `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)`
         -> `(B, L, D)` in `x.dtype`."""
         return self.mix(expand_segments(boundaries, self.global_stream(h_out).to(x.dtype)), x)
-
-    def pool_step(self, x: torch.Tensor, memory: torch.Tensor, cache: "SpiderCache"):
-        """One new byte per row, `x` `(B, 1, D)`, `memory` `(B, M)`. Returns `(boundary (B, 1)
-        fp32, closing (B,) bool, segment (B, 1, D) normed, segment_memory (B, 1, M))`."""
-        boundary, _ = self.boundary_predictor(x, position_ids=cache.byte_positions[:, None])
-        open_sum = cache.open_sum + x[:, 0].to(torch.float32)
-        open_memory_sum = cache.open_memory_sum + memory.to(torch.float32)
-        open_count = cache.open_count + 1.0
-        closing = boundary[:, 0] > 0
-        segment = self.pool_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
-        segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
-        keep = (~closing).to(torch.float32)
-        cache.open_sum = open_sum * keep[:, None]
-        cache.open_memory_sum = open_memory_sum * keep[:, None]
-        cache.open_count = open_count * keep
-        return boundary, closing, segment, segment_memory
-
-    def expand_step(self, cache: "SpiderCache", x: torch.Tensor) -> torch.Tensor:
-        """The coda's input for a new byte `x` `(B, 1, D)`: the row's last closed segment, mixed."""
-        return self.mix(self.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1373,7 +1347,7 @@ class SpiderSegments(NamedTuple):
     routed_mask: torch.Tensor | None
 
 
-class SpiderModel(SpiderPreTrainedModel):
+class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
     """The Spider trunk: bytes -> prelude -> boundaries -> looped recurrent block over segments ->
     coda (module names: docs/design.md, "Names that FP8 and PEFT rely on")."""
 
@@ -1487,7 +1461,7 @@ class SpiderModel(SpiderPreTrainedModel):
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         if cache is not None and cache.seen_bytes > 0:
-            return self.decode(input_ids, cache, output_hidden_states=bool(output_hidden_states))
+            return SpiderModelOutput(**self.decode(input_ids, cache, bool(output_hidden_states)))
         cache = self.prefill_cache(cache, use_cache, n_loops)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -1558,11 +1532,20 @@ class SpiderModel(SpiderPreTrainedModel):
         else:
             position_ids = torch.arange(L, device=x.device).expand(B, L)
             byte_mask = torch.ones(B, L, dtype=torch.bool, device=x.device)
-        mask = create_attention_mask(
-            self.config, x, L, attention_mask_function(token_mask, self.config.sliding_window)
-        )
+        mask = self.attention_mask(x, L, token_mask, self.config.sliding_window)
         rope = self.rotary_emb(x, position_ids)
         return SpiderBytes(token_mask, byte_mask, position_ids, mask, rope)
+
+    def attention_mask(
+        self, inputs: torch.Tensor, kv_length: int, token_mask: torch.Tensor | None,
+        sliding_window: int | None, q_offset: int = 0, **positions: torch.Tensor,
+    ) -> torch.Tensor | BlockMask | None:
+        """The mask of :func:`attention_mask_function` (`token_mask`, `sliding_window`, a decode
+        step's `query_positions`/`key_positions`) for the queries of `inputs` `(B, T_q, D)` over
+        `kv_length` keys, in the attention implementation's format (:func:`create_attention_mask`).
+        """
+        mask_function = attention_mask_function(token_mask, sliding_window, **positions)
+        return create_attention_mask(self.config, inputs, kv_length, mask_function, q_offset)
 
     def prelude(self, x, position_embeddings, attention_mask, cache, hidden_states):
         """The prelude layers over the embedded bytes `x` `(B, L, D)` (:meth:`byte_layers`)."""
@@ -1606,79 +1589,13 @@ class SpiderModel(SpiderPreTrainedModel):
         window = self.config.recurrent_sliding_window
         segments = (boundaries, boundary_probs, e, memory, segment_mask, rope)
         if not exact:  # padding sits at each row's end: the causal mask hides it
-            mask = create_attention_mask(self.config, e, S1, attention_mask_function(None, window))
+            mask = self.attention_mask(e, S1, None, window)
             return SpiderSegments(*segments, mask, None, segment_mask)
         padded = not bool(segment_mask.all())
-        mask = create_attention_mask(
-            self.config, e, S1, attention_mask_function(segment_mask if padded else None, window)
-        )
+        mask = self.attention_mask(e, S1, segment_mask if padded else None, window)
         # the rows the MoE routes, once here rather than per loop and layer
         index = segment_mask.reshape(-1).nonzero().squeeze(1) if padded else None
         return SpiderSegments(*segments, mask, index, None)
-
-    @torch.no_grad()
-    def decode(
-        self, input_ids, cache: SpiderCache, output_hidden_states: bool = False
-    ) -> SpiderModelOutput:
-        """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time:
-        `last_hidden_state` `(B, T, D)`, `boundaries` `(B, T)`, the cache and, with
-        `output_hidden_states`, the new bytes' `hidden_states`; no loss terms."""
-        states, boundaries, per_byte = zip(*(
-            self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
-            for j in range(input_ids.shape[1])
-        ))
-        hidden_states = (
-            tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
-        )
-        return SpiderModelOutput(
-            last_hidden_state=torch.cat(states, 1), cache=cache,
-            boundaries=torch.cat(boundaries, 1), hidden_states=hidden_states,
-        )
-
-    def decode_byte(
-        self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1)
-        fp32, hidden states in the full forward's layout or None)`."""
-        B = input_ids.shape[0]
-        if cache.byte_mask is not None:
-            cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
-        x = self.embed_tokens(input_ids)
-        mask_function = attention_mask_function(cache.byte_mask, self.config.sliding_window)
-        byte_attention_mask = create_attention_mask(
-            self.config, x, cache.seen_bytes + 1, mask_function, q_offset=cache.seen_bytes
-        )
-        byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
-        hidden = [] if output_hidden_states else None
-        x = self.prelude(x, byte_rope, byte_attention_mask, cache, hidden)
-        past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
-        memory = self.engram_embeddings.step(cache.input_ids, past_mask, input_ids)
-        boundary, closing, e, segment_memory = self.flexitokens.pool_step(x, memory, cache)
-        cache.append(input_ids, x, memory, boundary)
-        if bool(closing.any()):  # every row runs the block; the others keep their last output
-            self.decode_segment(e, segment_memory, closing, cache)
-        y = self.coda(self.flexitokens.expand_step(cache, x), byte_rope, byte_attention_mask,
-                      cache, hidden)
-        cache.byte_positions = cache.byte_positions + 1
-        cache.seen_bytes += 1
-        return y, boundary, tuple(hidden) if output_hidden_states else None
-
-    def decode_segment(self, e: torch.Tensor, segment_memory: torch.Tensor, closing: torch.Tensor,
-                       cache: SpiderCache) -> None:
-        """The recurrent block over one new segment per row, `e` `(B, 1, D)` and its memory
-        `(B, 1, M)`, at each row's next slot; rows `closing` `(B,)` bool keep its output."""
-        slot = cache.begin_segment_step()
-        segment_rope = self.rotary_emb(e, slot[:, None])
-        slots = torch.arange(cache.segment_slots, device=e.device).expand(e.shape[0], -1)
-        mask_function = attention_mask_function(
-            None, self.config.recurrent_sliding_window, query_positions=slot[:, None],
-            key_positions=slots,
-        )
-        mask = create_attention_mask(self.config, e, cache.segment_slots, mask_function)
-        h_out = self.recurrent_block(
-            e, segment_rope, mask, None, segment_memory, cache.n_loops, cache
-        ).h_out
-        cache.end_segment_step(closing, h_out)
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixin):
