@@ -53,9 +53,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.integrations.moe import (
-    ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation,
-)
+from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.utils import ModelOutput, can_return_tuple, logging
@@ -488,53 +486,14 @@ class SpiderMoEKernels:
         return counts.scatter_add_(0, flat, slot_weight)
 
 
-class _ExpertsWeightsIn:
-    """`experts` seen with its fused weights cast to `dtype`, for an experts function to read."""
-
-    def __init__(self, experts: nn.Module, dtype: torch.dtype):
-        self._experts = experts
-        self.gate_up_proj = experts.cast_weight(experts.gate_up_proj, dtype)
-        self.down_proj = experts.cast_weight(experts.down_proj, dtype)
-
-    def __getattr__(self, name: str):
-        return getattr(self._experts, name)
-
-
-def _experts_in_autocast_dtype(
-    function: Callable, experts: nn.Module, hidden_states: torch.Tensor, *args
-):
-    """Run the experts `function` in the autocast dtype under autocast: grouped GEMM is no autocast
-    op, and fp32 weights would run it in fp32 (on CUDA a per-expert loop that syncs). torchao's FP8
-    weight wrappers quantise from the master weights and are left alone."""
-    device_type = hidden_states.device.type
-    weights = (experts.gate_up_proj, experts.down_proj)
-    if not autocast_enabled(device_type):
-        return function(experts, hidden_states, *args)
-    dtype = torch.get_autocast_dtype(device_type)
-    if all(w.dtype == dtype for w in weights) or any(
-        type(w) not in (torch.Tensor, nn.Parameter) for w in weights
-    ):
-        return function(experts, hidden_states, *args)
-    return function(_ExpertsWeightsIn(experts, dtype), hidden_states.to(dtype), *args)
-
-
-class SpiderExpertsInterface(ExpertsInterface):
-    """transformers' experts functions, run in the autocast dtype under autocast; ``eager`` is
-    :class:`SpiderExperts`' own forward, whose ``F.linear`` calls autocast casts itself."""
-
-    def get_interface(self, experts_implementation: str, default: Callable) -> Callable:
-        function = ALL_EXPERTS_FUNCTIONS.get_interface(experts_implementation, default)
-        if function is default:
-            return default
-        return lambda experts, *args: _experts_in_autocast_dtype(function, experts, *args)
-
-
-@use_experts_implementation(experts_interface=SpiderExpertsInterface())
+@use_experts_implementation
 class SpiderExperts(nn.Module):
     """The routed SwiGLU experts of one MoE layer in transformers' MoE layout: `gate_up_proj`
     `(E, 2I, D)` (expert e's gate rows, then its up rows), `down_proj` `(E, D, I)`, run by
     ``config._experts_implementation`` (``"grouped_mm"``, ``"batched_mm"`` or ``"eager"``):
-    `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` -> `(T, D)`."""
+    `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` -> `(T, D)`. Grouped GEMM is
+    no autocast op: training with fp32 weights under autocast runs it in the autocast dtype through
+    ``spider_training.mixed_precision``."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -543,12 +502,6 @@ class SpiderExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, inner))
         self.act_fn = ACT2FN[config.hidden_act]
-
-    @staticmethod
-    def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`weight` in `dtype` for one experts call under autocast; a training loop may set an
-        instance's own (``spider_training.mixed_precision``)."""
-        return weight.to(dtype)
 
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """``"eager"``: a loop over experts (a host sync per expert), accumulated in fp32."""

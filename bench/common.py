@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spider_training.mixed_precision import share_expert_weight_casts, shared_weight_casts
+from spider_training.mixed_precision import autocast_experts, shared_weight_casts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -211,8 +211,8 @@ def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
 
 
 class TrainStep:
-    """One training step as the trainer does it: ``model.train()``, forward with labels (the experts' autocast weight
-    casts shared across the loops, :mod:`spider_training.mixed_precision`), backward, AdamW step, ``zero_grad``.
+    """One training step as the trainer does it: ``model.train()``, forward with labels (the experts in the autocast
+    dtype, their weight casts shared across the loops: :mod:`spider_training.mixed_precision`), backward, AdamW step, ``zero_grad``.
     ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments; the two halves are
     :meth:`forward_backward` and :meth:`optimizer_step`.
 
@@ -227,7 +227,7 @@ class TrainStep:
         self.autocast_dtype = autocast_dtype
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
         self.model.train()
-        share_expert_weight_casts(model)
+        autocast_experts(model)
 
     def forward_backward(self):
         """Forward with labels and backward; returns the model output."""

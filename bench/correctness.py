@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from bench.common import random_bytes, spider_model, synchronize
 from bench.parts import build_on, default_device, entry, free_memory
+from spider_training.mixed_precision import autocast_experts
 
 
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -46,7 +47,9 @@ SHAPES = {"tiny": (2, 128), "small": (8, 256), "1b": (1, 2048)}  # (batch, bytes
 
 
 def _train_step(model, ids: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
-    """Forward + backward in bf16 autocast; returns (loss, the flattened gradient of every parameter)."""
+    """Forward + backward in bf16 autocast (the experts in bf16 as the trainer runs them); returns (loss, the
+    flattened gradient of every parameter)."""
+    autocast_experts(model)
     model.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
@@ -188,6 +191,7 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
             if type(module).__name__ in type(model)._no_split_modules:
                 fully_shard(module)
         fully_shard(model)
+        autocast_experts(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for _ in range(steps):

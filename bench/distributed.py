@@ -35,6 +35,8 @@ from types import SimpleNamespace
 
 import torch
 
+from spider_training.mixed_precision import autocast_experts
+
 REPO = Path(__file__).resolve().parents[1]
 FSDP2_CONFIG = REPO / "configs" / "accelerate" / "fsdp2.yaml"
 
@@ -82,7 +84,9 @@ def _free_port() -> int:
 
 
 def _train(model, batches, device: torch.device, optimizer=None) -> tuple[list[float], torch.optim.Optimizer]:
-    """One step per batch (``(B, L)`` byte ids); returns the losses and the optimizer (made if None)."""
+    """One step per batch (``(B, L)`` byte ids), the experts in bf16 under autocast as the trainer runs them; returns
+    the losses and the optimizer (made if None)."""
+    autocast_experts(model)
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for ids in batches:

@@ -1,24 +1,32 @@
-"""What bf16 autocast training adds around Spider: the routed experts' weights cast once per forward.
+"""What bf16 autocast training adds around Spider: the routed experts run in the autocast dtype, their weights cast
+once per forward.
 
-Under autocast the routed experts run in the autocast dtype (``modeling_spider._experts_in_autocast_dtype``: torch's
-grouped GEMM is no autocast op), their fp32 master weights cast by each ``SpiderExperts.cast_weight`` call. The
-recurrent block calls every layer's experts once per loop, so a plain cast copies each expert weight once per loop:
-on the ``1b`` preset 100M parameters per layer, 7.3 GB of bf16 copies per step without checkpointing. Inside
+torch's grouped GEMM is no autocast op: under autocast with fp32 master weights transformers' experts functions
+(``"grouped_mm"``, ``"batched_mm"``) would run it in fp32, which on CUDA is torch's fallback, a loop over the experts
+that reads the offsets on the host (tests/test_host_syncs.py). :func:`autocast_experts` gives every routed-experts
+module of a model a forward that runs its experts function in the autocast dtype, the weights cast by
+:func:`cast_weight` (``"eager"``, a loop of ``F.linear`` calls that autocast casts itself, and torchao's FP8 weight
+wrappers, which quantise from the master weights, run as they are).
+
+The recurrent block calls every layer's experts once per loop, so a plain cast copies each expert weight once per
+loop: on the ``1b`` preset 100M parameters per layer, 7.3 GB of bf16 copies per step without checkpointing. Inside
 :func:`shared_weight_casts`, :func:`cast_weight` hands every later call the first call's cast of the same parameter,
 as autocast's own weight cache does for the layers it casts: one copy per forward (1.2 GB), and the loops' gradients
-add up in bf16 before the one cast back. :func:`share_expert_weight_casts` points a model's experts at it;
-``SpiderTrainer`` applies both (the step ``bench.common.TrainStep`` times too). With activation checkpointing the
-recompute in the backward casts afresh (outside the context); under ``torch.compile`` a traced region casts its own.
+add up in bf16 before the one cast back. ``SpiderTrainer`` applies both (the step ``bench.common.TrainStep`` times
+too). With activation checkpointing the recompute in the backward casts afresh (outside the context); under
+``torch.compile`` a traced region casts its own.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
 from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 _SHARED_WEIGHT_CASTS: ContextVar[dict | None] = ContextVar("spider_shared_weight_casts", default=None)
 
@@ -51,13 +59,49 @@ def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast
 
 
-def share_expert_weight_casts(model: nn.Module) -> int:
-    """Set :func:`cast_weight` as the ``cast_weight`` of every routed-experts module of `model` (a Spider model,
-    also one loaded with ``trust_remote_code``: found by its ``cast_weight`` and fused ``gate_up_proj``). Returns how
-    many modules were set."""
+class _ExpertsWeightsIn:
+    """`experts` seen with its fused weights cast to `dtype` (:func:`cast_weight`), for an experts function to read."""
+
+    def __init__(self, experts: nn.Module, dtype: torch.dtype):
+        self._experts = experts
+        self.gate_up_proj = cast_weight(experts.gate_up_proj, dtype)
+        self.down_proj = cast_weight(experts.down_proj, dtype)
+
+    def __getattr__(self, name: str):
+        return getattr(self._experts, name)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:  # False for a device type autocast does not know
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
+def _autocast_experts_forward(self, hidden_states: torch.Tensor, *args) -> torch.Tensor:
+    """The experts module's own forward, but under autocast its experts function (``config._experts_implementation``)
+    runs on `hidden_states` and weights in the autocast dtype. `self`: a ``SpiderExperts``."""
+    device_type = hidden_states.device.type
+    function = None
+    if _autocast_enabled(device_type):
+        function = ALL_EXPERTS_FUNCTIONS.get_interface(self.config._experts_implementation, None)
+    if function is None:  # no autocast, or "eager" (F.linear, which autocast casts)
+        return type(self).forward(self, hidden_states, *args)
+    dtype = torch.get_autocast_dtype(device_type)
+    weights = (self.gate_up_proj, self.down_proj)
+    if all(w.dtype == dtype for w in weights) or any(type(w) not in (torch.Tensor, nn.Parameter) for w in weights):
+        return function(self, hidden_states, *args)  # already in dtype, or torchao's FP8 wrappers
+    return function(_ExpertsWeightsIn(self, dtype), hidden_states.to(dtype), *args)
+
+
+def autocast_experts(model: nn.Module) -> int:
+    """Give every routed-experts module of `model` (``SpiderExperts``, also from a release loaded with
+    ``trust_remote_code``, or under PEFT's parametrisation) the forward that runs under autocast in the autocast
+    dtype, its weights cast by :func:`cast_weight` (see the module docstring). Idempotent. Returns how many modules
+    were set."""
     count = 0
     for module in model.modules():
-        if callable(getattr(type(module), "cast_weight", None)) and hasattr(module, "gate_up_proj"):
-            module.cast_weight = cast_weight
+        if type(module).__name__.endswith("SpiderExperts") and hasattr(module, "gate_up_proj"):
+            module.forward = types.MethodType(_autocast_experts_forward, module)
             count += 1
     return count

@@ -6,8 +6,8 @@ overrides public, documented methods:
 
 - ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and the fused experts
   to torchao's FP8 grouped GEMM where the GPU has it (:mod:`spider_training.fp8_moe`), and swaps in the TileKernels MoE
-  routing (:mod:`spider_training.tile_kernels_moe`) and shares the experts' autocast weight casts across the loops
-  (:mod:`spider_training.mixed_precision`) before Trainer/accelerate wrap the model, and
+  routing (:mod:`spider_training.tile_kernels_moe`) and runs the experts in the autocast dtype, their weights cast
+  once per forward (:mod:`spider_training.mixed_precision`), before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
 - ``get_train_dataloader``: only for a streamed Hub source (:class:`spider_training.data.StreamingTextDataset`, which
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
@@ -75,7 +75,7 @@ from .data import FirstWindows, StreamingTextDataset, make_dataloader
 from .fp8 import convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers
 from .hub import HubPushMixin
 from .metrics import byte_nll, compute_bits_per_byte
-from .mixed_precision import share_expert_weight_casts, shared_weight_casts
+from .mixed_precision import autocast_experts, shared_weight_casts
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
 from .optim import muon_with_adamw, scale_learning_rates
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
@@ -189,7 +189,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
             self.precision = "fp8"
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
-        share_expert_weight_casts(model)  # under autocast: the experts' weights cast once per forward
+        autocast_experts(model)  # under autocast: grouped GEMM in bf16, the experts' weights cast once per forward
         kwargs.setdefault("compute_metrics", compute_bits_per_byte)
         super().__init__(model=model, args=args, **kwargs)
         # Spider's loss is a per-batch mean plus per-batch regularisers: let Trainer divide by the accumulation steps.

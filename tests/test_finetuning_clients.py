@@ -105,7 +105,7 @@ def test_lora_on_the_fused_experts_under_autocast_reads_the_adapted_weights_ever
     """Under bf16 autocast the experts' weights are cast once per forward for all loops (`shared_weight_casts`); with
     LoRA on them the weight each loop reads is computed (base + adapter), so it is cast afresh each call: the loss is
     the one a cast per call gives, to the bit, and the adapters get gradients."""
-    from spider_training.mixed_precision import share_expert_weight_casts, shared_weight_casts
+    from spider_training.mixed_precision import autocast_experts, shared_weight_casts
 
     wrapped = with_lora(tiny_model(seed=0, n_loops=3), TARGETS["routed experts"], seed=2).train()
     adapters = [p for n, p in wrapped.named_parameters() if ".lora_" in n and ".default." in n]
@@ -114,7 +114,7 @@ def test_lora_on_the_fused_experts_under_autocast_reads_the_adapted_weights_ever
             p.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     losses = []
-    assert share_expert_weight_casts(wrapped) == wrapped.config.num_recurrent_layers
+    assert autocast_experts(wrapped) == wrapped.config.num_recurrent_layers
     for shared in (True, False):
         wrapped.zero_grad(set_to_none=True)
         torch.manual_seed(1)

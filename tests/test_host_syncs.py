@@ -171,14 +171,21 @@ def test_grouped_experts_run_in_the_autocast_dtype():
     """Under bf16 autocast with fp32 master weights every grouped GEMM of the experts, forward and backward, gets bf16
     operands: torch's CUDA grouped GEMM takes its fast kernel only for bf16 operands, and otherwise falls back to a loop
     over the groups that reads the offsets on the host (aten/native/cuda/GroupedBlas.cpp). torch's grouped GEMM is no
-    autocast op, so without Spider's cast the fp32 weights would set the dtype. The gradients reach the fp32 weights,
-    and the output stays within bf16 rounding of the fp32 one."""
+    autocast op, so the fp32 weights set the dtype of the model alone; the trainer's
+    ``spider_training.mixed_precision.autocast_experts`` casts. The gradients reach the fp32 weights, and the output
+    stays within bf16 rounding of the fp32 one."""
+    from spider_training.mixed_precision import autocast_experts
+
     torch.manual_seed(0)
     moe = SpiderMoE(tiny(experts_implementation="grouped_mm", n_routed_experts=8))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(37, moe.config.hidden_size, requires_grad=True)
     reference = moe(x)[0].detach()
+    with _GroupedMMDtypes() as alone, torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+    assert set(alone.dtypes) == {(torch.float32, torch.float32)}, alone.dtypes
+    assert autocast_experts(moe) == 1
     with _GroupedMMDtypes() as seen:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = moe(x)[0]

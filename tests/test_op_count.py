@@ -23,7 +23,7 @@ from modeling_spider import (
     rotate_half,
     to_autocast_dtype,
 )
-from spider_training.mixed_precision import cast_weight, share_expert_weight_casts, shared_weight_casts
+from spider_training.mixed_precision import autocast_experts, cast_weight, shared_weight_casts
 from tests.helpers import float_tol, model_terms, tiny_model
 
 
@@ -188,7 +188,7 @@ def _autocast_step(model, ids, shared_casts: bool = True):
     loops: spider_training.mixed_precision), or with a cast per experts call. Returns the casts and the gradients."""
     model.train()
     model.zero_grad(set_to_none=True)
-    share_expert_weight_casts(model)
+    autocast_experts(model)
     torch.manual_seed(1)
     with _Casts() as seen:
         with torch.autocast("cpu", dtype=torch.bfloat16), shared_weight_casts() if shared_casts else nullcontext():
@@ -368,9 +368,11 @@ def test_an_input_cast_once_gives_the_per_projection_casts_values(monkeypatch, w
 
 
 def test_model_loss_under_autocast_is_unchanged_by_casting_shared_inputs_once(monkeypatch):
-    """The whole training forward under bf16 autocast gives the same loss to the bit with inputs cast once or per
-    projection (the projections read the same values either way)."""
+    """The whole training forward under bf16 autocast, the experts run as the trainer runs them
+    (``autocast_experts``), gives the same loss to the bit with inputs cast once or per projection (the projections
+    read the same values either way)."""
     model = tiny_model(seed=0)
+    autocast_experts(model)
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     losses = []
     for once in (True, False):
