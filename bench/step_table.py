@@ -231,7 +231,7 @@ def _fp8_compiled(converted: tuple[torch.nn.Module, dict], backend: str,
 
 def _spider_tk_train_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
                         compile_mode: str | None = None) -> tuple[torch.nn.Module, dict]:
-    """tk-train.py's own training configuration: `preset` with activation checkpointing (``gradient_checkpointing_enable``,
+    """tk-train.py's own training configuration: `preset` with activation checkpointing (``activation_checkpointing_enable``,
     as ``--preset 1b`` trains by default), in the precision ``--precision auto`` picks on this device (bf16 autocast on
     CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`). With `compile_backend` also compiled as
     ``--compile`` compiles it (the ``spider_tk_train_recipe_compiled`` row, as :func:`_spider_compiled`)."""
@@ -239,7 +239,7 @@ def _spider_tk_train_recipe(preset: str, device: torch.device, compile_backend: 
 
     precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
     model = _spider_fp8(preset, device)[0] if precision == "fp8" else build_on(lambda: spider_model(preset), device)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     autocast = str(autocast_dtype(device) or torch.float32).replace("torch.", "")
     extra = {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
     if compile_backend is not None:

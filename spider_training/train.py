@@ -34,7 +34,7 @@ from spider_training.generate import sample
 from spider_training.optim import describe_optimizer
 from spider_training.release import checked_from_pretrained, gather_unsharded, write_release
 from spider_training.run_lock import RunLock
-from spider_training.trainer import SpiderTrainer
+from spider_training.trainer import SpiderTrainer, check_launch
 from tokenization_spider import SpiderTokenizer
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     checkpoint and stop; this function then returns at once (no evaluation, sample or release, pending Hub pushes
     abandoned) with ``summary["stopped_by"]`` set, and the same command resumes from that checkpoint."""
     spider, args = parse_args(argv)
+    check_launch(args.world_size)  # before the lock, the model and the data (SpiderTrainer checks again)
     with RunLock(args.output_dir, rank=args.process_index):
         return _run(spider, args, callbacks)
 

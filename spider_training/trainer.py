@@ -89,6 +89,23 @@ class LaunchMismatchError(RuntimeError):
     """The launcher started several processes but accelerate sees only one: each would train alone."""
 
 
+def check_launch(num_processes: int) -> None:
+    """Refuse a launch whose processes do not see each other.
+
+    Raises:
+        LaunchMismatchError: ``WORLD_SIZE > 1`` in the environment (the launcher started several processes) but
+            `num_processes` (accelerate's count) is 1: each would train alone on the same data and overwrite the same
+            checkpoints (on CPU, ``accelerate launch --multi_gpu`` without ``--use_cpu``).
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and num_processes == 1:
+        raise LaunchMismatchError(
+            f"the launcher started WORLD_SIZE={launched} processes but accelerate sees 1, so every process would "
+            "train alone on the same data and overwrite the same checkpoints. On CPU pass --use_cpu (Trainer) so "
+            "accelerate uses the gloo backend, or launch with torchrun."
+        )
+
+
 def peak_memory_mb() -> float:
     """Peak memory of this process in MB: CUDA allocator peak on GPU, else the resident-set high-water mark."""
     if torch.cuda.is_available():
@@ -194,13 +211,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         super().__init__(model=model, args=args, **kwargs)
         # Spider's loss is a per-batch mean plus per-batch regularisers: let Trainer divide by the accumulation steps.
         self.model_accepts_loss_kwargs = False
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched > 1 and self.accelerator.num_processes == 1:
-            raise LaunchMismatchError(
-                f"the launcher started WORLD_SIZE={launched} processes but accelerate sees 1, so every process would "
-                "train alone on the same data and overwrite the same checkpoints. On CPU pass --use_cpu (Trainer) so "
-                "accelerate uses the gloo backend, or launch with torchrun."
-            )
+        check_launch(self.accelerator.num_processes)
         if self.muon_lr and self.is_fsdp_enabled:
             raise ValueError(f"muon_lr={self.muon_lr} with FSDP: FSDP's sharded optimizer checkpoints expect one "
                              "torch optimizer's state; train with muon_lr=0 (--muon_lr 0)")

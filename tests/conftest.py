@@ -3,8 +3,8 @@
 * Registers the ``slow`` marker (end-to-end tests; deselect with ``-m "not slow"``) and the markers that
   transformers' common test suites and ``transformers.testing_utils`` decorators put on tests
   (``flash_attn_test``, ``torch_compile_test``, ``is_training_test``, ...), so ``--strict-markers`` works.
-* Adds transformers' shared command-line options (``--make-reports``) through
-  ``transformers.testing_utils.pytest_addoption_shared``. Upstream's own conftest is not used: it needs
+* Adds transformers' shared command-line option ``--make-reports`` (as
+  ``transformers.testing_utils.pytest_addoption_shared`` does). Upstream's own conftest is not used: it needs
   pytest-xdist and the full upstream checkout.
 
 * Seeds ``torch``, ``numpy`` and ``random`` before every test from ``SPIDER_TEST_SEED`` (default 0) and the test's id,
@@ -47,9 +47,10 @@ MARKERS = {
 
 
 def pytest_addoption(parser):
-    from transformers.testing_utils import pytest_addoption_shared
-
-    pytest_addoption_shared(parser)
+    # transformers.testing_utils.pytest_addoption_shared's option, added here: importing transformers in the
+    # controlling process would hold up the start of the pytest-xdist workers (~10 s)
+    parser.addoption("--make-reports", action="store", default=False,
+                     help="generate report files. The value of this option is used as a prefix to report names")
 
 
 def pytest_configure(config):

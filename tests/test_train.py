@@ -322,6 +322,19 @@ def test_launcher_mismatch_is_refused(tmp_path):
     assert not checkpoint_names(out)
 
 
+def test_check_launch_refuses_only_a_lone_process_of_a_multi_process_launch(monkeypatch):
+    """What train_hf.py checks before building anything (and SpiderTrainer again): several launched processes that
+    accelerate counts as one are refused, naming the fix; a matching count, or a single launch, passes."""
+    from spider_training.trainer import LaunchMismatchError, check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchMismatchError, match="WORLD_SIZE=2 .* --use_cpu"):
+        check_launch(1)
+    check_launch(2)
+    monkeypatch.delenv("WORLD_SIZE")
+    check_launch(1)
+
+
 def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
     """FP8 asked through accelerate's own config: SpiderTrainer converts once (its --fp8_layers filter); accelerate does not."""
     from transformers import TrainingArguments, default_data_collator
