@@ -308,15 +308,15 @@ def test_cli_release_loads_with_auto_classes_in_a_fresh_process(tk_train, tmp_pa
         assert got["weights_equal_file"] is True
 
 
-def test_cli_reports_errors_without_traceback(tmp_path):
-    env = _clean_env(tmp_path)
-    env["PYTHONPATH"] = str(REPO)
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    """The command's entry point (``python -m spider_training.convert_tk_train`` exits with what it returns; the
+    ``-m`` runs are test_cli_release_loads_with_auto_classes_in_a_fresh_process's) on a missing file: status 1 and one
+    line naming it, no traceback."""
     missing = tmp_path / "spider-step404.pt"
-    run = subprocess.run([sys.executable, "-m", "spider_training.convert_tk_train", str(missing), str(tmp_path / "out")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 1
-    assert str(missing) in run.stderr and "does not exist" in run.stderr
-    assert "Traceback" not in run.stderr
+    assert cs.main([str(missing), str(tmp_path / "out")]) == 1
+    stderr = capsys.readouterr().err
+    assert str(missing) in stderr and "does not exist" in stderr
+    assert "Traceback" not in stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -43,10 +43,20 @@ TOY_ARGS = [
 
 
 @pytest.mark.slow
-def test_cpu_run_of_every_part(tmp_path, capsys):
+def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
     out = tmp_path / "gpu_check.json"
+    snapshots = []
+    write = gpu_check._write_json
+
+    def recording_write(path, result):
+        write(path, result)
+        snapshots.append(json.loads(out.read_text()))  # what a kill at this moment leaves
+
+    monkeypatch.setattr(gpu_check, "_write_json", recording_write)
     result = gpu_check.main([*TOY_ARGS, "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == result  # stdout holds the JSON only
+    _assert_each_row_was_written_as_it_was_measured(snapshots, result)
+    assert not (tmp_path / "gpu_check.json.tmp").exists()
     by_name = {c["name"]: c for c in result["checks"]}
     assert [p["name"] for p in result["parts"]] == list(gpu_check.PARTS) and all(p["ran"] for p in result["parts"])
 
@@ -208,28 +218,18 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
     assert compiled["flops_per_step"] == rows["spider_tk_train_recipe"]["flops_per_step"] > 0
 
 
-def test_out_file_holds_each_row_as_it_is_measured(tmp_path, monkeypatch):
-    """``--out`` is rewritten after every step-table row and part, so a run killed from outside (as ``timeout``
-    kills a device call) keeps the rows it measured: each snapshot on disk is whole JSON marked incomplete."""
-    out = tmp_path / "gpu_check.json"
-    snapshots = []
-    write = gpu_check._write_json
-
-    def recording_write(path, result):
-        write(path, result)
-        snapshots.append(json.loads(out.read_text()))  # what a kill at this moment leaves
-
-    monkeypatch.setattr(gpu_check, "_write_json", recording_write)
-    result = gpu_check.main(["--only", "step_table", "--step_table_preset", "tiny", "--step_table_shapes", "2x32",
-                             "--step_repeats", "1", "--step_table_models", "spider", "deepseek_v3",
-                             "--tk_train_recipe_shape", "2x32", "--out", str(out)])
+def _assert_each_row_was_written_as_it_was_measured(snapshots: list[dict], result: dict) -> None:
+    """``--out`` is rewritten after every step-table row and part, so a run killed from outside (as ``timeout`` kills
+    a device call) keeps the rows it measured: each snapshot on disk is whole JSON marked incomplete, the step
+    table's running entry one row longer each time, and the last snapshot the result."""
     partial = [snap for snap in snapshots if not snap["complete"]]
-    running = [snap["checks"][0] for snap in partial if snap["checks"] and snap["checks"][0]["status"] == "running"]
-    assert [[row["model"] for row in check["rows"]] for check in running] == [
-        ["spider"], ["spider", "deepseek_v3"], ["spider", "deepseek_v3", "spider_tk_train_recipe"]]
-    assert partial[-1]["checks"][0]["status"] == "passed"  # after the part: its entry, judged
-    assert snapshots[-1] == json.loads(out.read_text()) == result and result["complete"]
-    assert not (tmp_path / "gpu_check.json.tmp").exists()
+    running = [[row["model"] for row in check["rows"]] for snap in partial for check in snap["checks"]
+               if check["name"] == "step_table" and check["status"] == "running"]
+    final_rows = [row["model"] for row in next(c for c in result["checks"] if c["name"] == "step_table")["rows"]]
+    assert running == [final_rows[: n + 1] for n in range(len(final_rows))], running
+    counts = [len(snap["parts"]) for snap in partial]
+    assert counts == sorted(counts) and partial[-1]["parts"] == result["parts"]  # each part added as it ends
+    assert snapshots[-1] == result and result["complete"]
 
 
 def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
