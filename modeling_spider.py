@@ -1552,8 +1552,8 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
 
 
 class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixin):
-    """Spider with a byte LM head; `generate()` decodes incrementally (:class:`SpiderCache`; the hooks
-    ``generate()`` calls are :class:`SpiderGenerationMixin`'s, in `generation_spider.py`)."""
+    """Spider with a byte LM head; `generate()` decodes incrementally (:class:`SpiderCache`; the
+    hooks ``generate()`` calls are :class:`SpiderGenerationMixin`'s, in `generation_spider.py`)."""
 
     # SpiderModel's fp32 modules under this class's names, and the output logits
     _keep_in_fp32_modules = [
