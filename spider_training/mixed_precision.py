@@ -19,7 +19,7 @@ too). With activation checkpointing the recompute in the backward casts afresh (
 
 from __future__ import annotations
 
-import types
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -97,11 +97,12 @@ def _autocast_experts_forward(self, hidden_states: torch.Tensor, *args) -> torch
 def autocast_experts(model: nn.Module) -> int:
     """Give every routed-experts module of `model` (``SpiderExperts``, also from a release loaded with
     ``trust_remote_code``, or under PEFT's parametrisation) the forward that runs under autocast in the autocast
-    dtype, its weights cast by :func:`cast_weight` (see the module docstring). Idempotent. Returns how many modules
-    were set."""
+    dtype, its weights cast by :func:`cast_weight` (see the module docstring). Idempotent; the forward is a
+    ``functools.partial`` of a module-level function, so the model still pickles and deep-copies with it. Returns how
+    many modules were set."""
     count = 0
     for module in model.modules():
         if type(module).__name__.endswith("SpiderExperts") and hasattr(module, "gate_up_proj"):
-            module.forward = types.MethodType(_autocast_experts_forward, module)
+            module.forward = functools.partial(_autocast_experts_forward, module)
             count += 1
     return count

@@ -9,6 +9,7 @@ not grow with the number of recurrent layers or loops, and the MoE layer's forwa
 """
 
 import collections
+import pickle
 
 import pytest
 import torch
@@ -186,6 +187,9 @@ def test_grouped_experts_run_in_the_autocast_dtype():
         moe(x)
     assert set(alone.dtypes) == {(torch.float32, torch.float32)}, alone.dtypes
     assert autocast_experts(moe) == 1
+    with _GroupedMMDtypes() as in_copy, torch.autocast("cpu", dtype=torch.bfloat16):
+        pickle.loads(pickle.dumps(moe))(x)  # the forward it sets travels with the module (torch.save, deepcopy)
+    assert set(in_copy.dtypes) == {(torch.bfloat16, torch.bfloat16)}, in_copy.dtypes
     with _GroupedMMDtypes() as seen:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = moe(x)[0]
