@@ -47,9 +47,7 @@ SHAPES = {"tiny": (2, 128), "small": (8, 256), "1b": (1, 2048)}  # (batch, bytes
 
 
 def _train_step(model, ids: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
-    """Forward + backward in bf16 autocast (the experts in bf16 as the trainer runs them); returns (loss, the
-    flattened gradient of every parameter)."""
-    autocast_experts(model)
+    """Forward + backward in bf16 autocast; returns (loss, the flattened gradient of every parameter)."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
@@ -84,6 +82,8 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     # as --precision fp8 converts: the experts where the GPU has the FP8 grouped GEMM
     report, experts = convert_for_fp8_training(fp8, recipe, layers, emulate=device.type != "cuda", device=device)
     converted = report.converted + len(experts.converted_fqns)
+    for model in (reference, fp8):  # the experts in bf16 under autocast, as the trainer runs them
+        autocast_experts(model)
     ids = random_bytes(batch, length).to(device)
     loss_ref, grad_ref = _train_step(reference, ids, device)
     loss_fp8, grad_fp8 = _train_step(fp8, ids, device)
@@ -131,6 +131,8 @@ def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: 
     backend = swap_in_tile_kernels(swapped, tile_kernels_module)
     if backend == BACKEND_TORCH:
         return entry("tile_kernels_moe", "failed", f"the swap kept the torch path: {backend.reason}")
+    for model in (reference, swapped):  # the experts in bf16 under autocast, as the trainer runs them
+        autocast_experts(model)
     # One MoE layer on the same tokens, fp32: outputs and gradients (input and expert weights) of the two routing
     # implementations differ only in fp32 summation order (the fused reduce), a few ulps per accumulated term.
     layer_ref, layer_tk = spider_moe_layers(reference)[0], spider_moe_layers(swapped)[0]

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from modeling_spider import autocast_enabled
+
 _SHARED_WEIGHT_CASTS: ContextVar[dict | None] = ContextVar("spider_shared_weight_casts", default=None)
 
 
@@ -71,19 +73,12 @@ class _ExpertsWeightsIn:
         return getattr(self._experts, name)
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    try:  # False for a device type autocast does not know
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:
-        return False
-
-
 def _autocast_experts_forward(self, hidden_states: torch.Tensor, *args) -> torch.Tensor:
     """The experts module's own forward, but under autocast its experts function (``config._experts_implementation``)
     runs on `hidden_states` and weights in the autocast dtype. `self`: a ``SpiderExperts``."""
     device_type = hidden_states.device.type
     function = None
-    if _autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         function = ALL_EXPERTS_FUNCTIONS.get_interface(self.config._experts_implementation, None)
     if function is None:  # no autocast, or "eager" (F.linear, which autocast casts)
         return type(self).forward(self, hidden_states, *args)
