@@ -19,16 +19,21 @@ transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.utils import logging
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
     from .configuration_spider import SpiderConfig
 except ImportError:  # loaded as a top-level module from the repository root
     from configuration_spider import SpiderConfig
+
+logger = logging.get_logger(__name__)
 
 
 def write_segment_slots(
@@ -43,6 +48,23 @@ def write_segment_slots(
         buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
     index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
     return buffer.scatter(dim, index, new)
+
+
+def segment_slot_mask_function(
+    query_slots: torch.Tensor, key_slots: torch.Tensor, sliding_window: int | None
+) -> Callable:
+    """A recurrent decode step's mask function (``transformers.masking_utils``): the query of row
+    `b` at segment slot `query_slots` `(B, T_q)` int64 sees the keys at slots `key_slots`
+    `(B, T_k)` at or before its own and, with a `sliding_window`, less than `sliding_window`
+    before it (rows close segments at different bytes, so the slots are per row)."""
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        distance = query_slots[batch_idx, q_idx] - key_slots[batch_idx, kv_idx]
+        if sliding_window is None:
+            return distance >= 0
+        return (distance >= 0) & (distance < sliding_window)
+
+    return inner_mask
 
 
 def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None:
@@ -293,10 +315,26 @@ class SpiderCache(Cache):
 
 
 class SpiderDecodingMixin:
-    """The cached decode step of ``SpiderModel``: the full forward's modules, one byte at a time.
-    A byte runs the prelude, joins its row's open segment and the coda; where it closes the
-    segment, the recurrent block runs over that one segment at the row's next slot (every row
-    runs it, the others keep their last output)."""
+    """``SpiderModel``'s cache (:meth:`prefill_cache`: the one a full forward fills) and its cached
+    decode step, the full forward's modules one byte at a time. A byte runs the prelude, joins its
+    row's open segment and the coda; where it closes the segment, the recurrent block runs over
+    that one segment at the row's next slot (every row runs it, the others keep their last
+    output)."""
+
+    def prefill_cache(
+        self, cache: SpiderCache | None, use_cache: bool | None, n_loops: int
+    ) -> SpiderCache | None:
+        """`cache` (empty), a new one when `use_cache` (default `config.use_cache` in eval mode),
+        or None; none under activation checkpointing in training."""
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and self.gradient_checkpointing and self.training:
+            logger.warning_once("use_cache=True is incompatible with activation checkpointing in "
+                                "training; no cache built")
+            use_cache = False
+        if cache is None and use_cache:
+            cache = SpiderCache(self.config, n_loops)
+        return cache
 
     @torch.no_grad()
     def decode(self, input_ids: torch.LongTensor, cache: SpiderCache,
@@ -350,10 +388,10 @@ class SpiderDecodingMixin:
         slot = cache.begin_segment_step()
         segment_rope = self.rotary_emb(e, slot[:, None])
         slots = torch.arange(cache.segment_slots, device=e.device).expand(e.shape[0], -1)
-        mask = self.attention_mask(
-            e, cache.segment_slots, None, self.config.recurrent_sliding_window,
-            query_positions=slot[:, None], key_positions=slots,
+        mask_function = segment_slot_mask_function(
+            slot[:, None], slots, self.config.recurrent_sliding_window
         )
+        mask = self.attention_mask(e, cache.segment_slots, None, None, mask_function=mask_function)
         h_out = self.recurrent_block(
             e, segment_rope, mask, None, segment_memory, cache.n_loops, cache
         ).h_out

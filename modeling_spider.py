@@ -56,7 +56,7 @@ from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.utils import ModelOutput, can_return_tuple, logging
+from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -70,8 +70,6 @@ except ImportError:  # loaded as a top-level module from the repository root
     from generation_spider import (
         SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache,
     )
-
-logger = logging.get_logger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,43 +279,19 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return x * cos + rotate_half(x) * sin
 
 
-def positional_causal_mask_function(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
-) -> Callable:
-    """Mask function: query `q` of row `b` sees key `kv` at a position `<=` its own and, with a
-    `sliding_window`, less than `sliding_window` before it."""
-
-    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        distance = query_positions[batch_idx, q_idx] - key_positions[batch_idx, kv_idx]
-        if sliding_window is None:
-            return distance >= 0
-        return (distance >= 0) & (distance < sliding_window)
-
-    return inner_mask
-
-
 def _self_mask_function(batch_idx, head_idx, q_idx, kv_idx):
     """A padding query sees itself, so no row is empty (SDPA and softmax give NaN for one)."""
     return q_idx == kv_idx
 
 
 def attention_mask_function(
-    token_mask: torch.Tensor | None, sliding_window: int | None = None,
-    query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None, sliding_window: int | None = None
 ) -> Callable | None:
     """Spider's attention pattern as a ``transformers.masking_utils`` mask function (None: plain
     causal): causal, real keys only (`token_mask` `(B, T_k)` bool or None), keys at `q -
     sliding_window < k <= q`, a padding query seeing itself (padding is contiguous, so a window
-    over indices counts real bytes). A recurrent decode step passes its per-row segment slots,
-    `query_positions` `(B, T_q)` and `key_positions` `(B, T_k)` int64, instead of indices.
-
-    Raises:
-        ValueError: `query_positions` without `key_positions`.
-    """
-    if query_positions is not None:
-        if key_positions is None:
-            raise ValueError("a decode step's query_positions need key_positions")
-        return positional_causal_mask_function(query_positions, key_positions, sliding_window)
+    over indices counts real bytes). A recurrent decode step's mask is
+    `generation_spider.segment_slot_mask_function`."""
     if token_mask is None and sliding_window is None:
         return None
     mask_function = causal_mask_function
@@ -513,41 +487,6 @@ class SpiderExperts(nn.Module):
             weighted = expert_out * top_k_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, weighted.to(torch.float32))
         return out.to(hidden_states.dtype)
-
-
-#: older releases' names of the segmentation's parameters -> today's (docs/design.md, "Glossary")
-OLDER_SEGMENTATION_KEYS = {r"flexitokens\.null_group": "flexitokens.null_segment",
-                           r"flexitokens\.down_norm\.": "flexitokens.pool_norm.",
-                           r"flexitokens\.upsample_norm\.": "flexitokens.expand_norm."}
-
-
-def older_checkpoint_conversions() -> list:
-    """From older releases' per-expert layout (``mlp.experts.{e}.gate_proj.weight``) to
-    :class:`SpiderExperts`' fused parameters, and their segmentation names
-    (:data:`OLDER_SEGMENTATION_KEYS`); registered for ``"spider"`` on import."""
-    from transformers.core_model_loading import (
-        Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
-    )
-
-    return [
-        *(WeightRenaming(old, new) for old, new in OLDER_SEGMENTATION_KEYS.items()),
-        WeightConverter(
-            source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
-            target_patterns="mlp.experts.gate_up_proj",
-            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
-        ),
-        WeightConverter(
-            source_patterns="mlp.experts.*.down_proj.weight",
-            target_patterns="mlp.experts.down_proj",
-            operations=[MergeModulelist(dim=0)],
-        ),
-    ]
-
-
-# overwrite: this file is imported once per location (repository root, remote-code copies)
-register_checkpoint_conversion_mapping(
-    SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
-)
 
 
 class RowWeights(NamedTuple):
@@ -1458,21 +1397,6 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
             loop_weights=torch.stack(block.loop_weights, -1) if output_router_logits else None,
         )
 
-    def prefill_cache(
-        self, cache: SpiderCache | None, use_cache: bool | None, n_loops: int
-    ) -> SpiderCache | None:
-        """`cache` (empty), a new one when `use_cache` (default `config.use_cache` in eval mode),
-        or None; none under activation checkpointing in training."""
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
-        if use_cache and self.gradient_checkpointing and self.training:
-            logger.warning_once("use_cache=True is incompatible with activation checkpointing in "
-                                "training; no cache built")
-            use_cache = False
-        if cache is None and use_cache:
-            cache = SpiderCache(self.config, n_loops)
-        return cache
-
     def byte_inputs(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> SpiderBytes:
         """Masks and positions of the embedded bytes `x` `(B, L, D)`; one host read of
         `attention_mask` tells whether any byte is padding."""
@@ -1491,13 +1415,13 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
 
     def attention_mask(
         self, inputs: torch.Tensor, kv_length: int, token_mask: torch.Tensor | None,
-        sliding_window: int | None, q_offset: int = 0, **positions: torch.Tensor,
+        sliding_window: int | None, q_offset: int = 0, mask_function: Callable | None = None,
     ) -> torch.Tensor | BlockMask | None:
-        """The mask of :func:`attention_mask_function` (`token_mask`, `sliding_window`, a decode
-        step's `query_positions`/`key_positions`) for the queries of `inputs` `(B, T_q, D)` over
-        `kv_length` keys, in the attention implementation's format (:func:`create_attention_mask`).
-        """
-        mask_function = attention_mask_function(token_mask, sliding_window, **positions)
+        """The mask of :func:`attention_mask_function` (`token_mask`, `sliding_window`), or of a
+        decode step's `mask_function`, for the queries of `inputs` `(B, T_q, D)` over `kv_length`
+        keys, in the attention implementation's format (:func:`create_attention_mask`)."""
+        if mask_function is None:
+            mask_function = attention_mask_function(token_mask, sliding_window)
         return create_attention_mask(self.config, inputs, kv_length, mask_function, q_offset)
 
     def prelude(self, x, position_embeddings, attention_mask, cache, hidden_states):
@@ -1691,6 +1615,46 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
             mean_halting_step=mean_halting_step,
             expert_load=torch.stack(outputs.expert_loads).mean(0).detach(),
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: older releases' checkpoints, the Auto classes
+# --------------------------------------------------------------------------------------------------
+
+
+#: older releases' names of the segmentation's parameters -> today's (docs/design.md, "Glossary")
+OLDER_SEGMENTATION_KEYS = {r"flexitokens\.null_group": "flexitokens.null_segment",
+                           r"flexitokens\.down_norm\.": "flexitokens.pool_norm.",
+                           r"flexitokens\.upsample_norm\.": "flexitokens.expand_norm."}
+
+
+def older_checkpoint_conversions() -> list:
+    """From older releases' per-expert layout (``mlp.experts.{e}.gate_proj.weight``) to
+    :class:`SpiderExperts`' fused parameters, and their segmentation names
+    (:data:`OLDER_SEGMENTATION_KEYS`); registered for ``"spider"`` on import."""
+    from transformers.core_model_loading import (
+        Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
+    )
+
+    return [
+        *(WeightRenaming(old, new) for old, new in OLDER_SEGMENTATION_KEYS.items()),
+        WeightConverter(
+            source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter(
+            source_patterns="mlp.experts.*.down_proj.weight",
+            target_patterns="mlp.experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        ),
+    ]
+
+
+# overwrite: this file is imported once per location (repository root, remote-code copies)
+register_checkpoint_conversion_mapping(
+    SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
+)
 
 
 SpiderConfig.register_for_auto_class()

@@ -37,7 +37,7 @@ class BytePathOnly(torch.nn.Module):
         x = self.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         rope = self.rotary_emb(x, positions)
-        mask_function = attention_mask_function(None, self.sliding_window, key_positions=positions)
+        mask_function = attention_mask_function(None, self.sliding_window)
         mask = create_attention_mask(self.config, x, input_ids.shape[1], mask_function)
         for layer in self.layers:
             x = layer(x, rope, mask)

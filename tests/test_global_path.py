@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from configuration_spider import BOUNDARY_TEACHERS
+from generation_spider import segment_slot_mask_function
 from modeling_spider import (
     BOUNDARY_TEACHER_RULES, attention_mask_function, boundary_teacher_loss, expand_segments, pool_segments,
     spacelike_boundaries,
@@ -207,7 +208,10 @@ def build_attention_mask(token_mask, window, query_positions=None, key_positions
     of the keys where neither `token_mask` nor `key_positions` gives it."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    function = attention_mask_function(token_mask, window, query_positions, key_positions)
+    if query_positions is not None:  # a recurrent decode step's per-row segment slots
+        function = segment_slot_mask_function(query_positions, key_positions, window)
+    else:
+        function = attention_mask_function(token_mask, window)
     if function is None and query_positions is None and q_offset == 0:
         return None
     reference = key_positions if key_positions is not None else token_mask
