@@ -1112,12 +1112,12 @@ class SpiderRecurrentBlock(nn.Module):
         loop_ids = torch.arange(n_loops, device=e.device).clamp(max=self.max_loop_iters - 1)
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
-        routed, running = segment_index, None
+        routed_rows, running = segment_index, None
         row_weights = None if segment_mask is None else RowWeights.of(
             segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
-            real = torch.zeros(B * S, dtype=torch.bool, device=e.device)
-            real = real.index_fill(0, segment_index, True)
+            real_rows = torch.zeros(B * S, dtype=torch.bool, device=e.device)
+            real_rows = real_rows.index_fill(0, segment_index, True)
         for t in range(n_loops):
             if early_exit and t > 0:
                 # halted segments keep their state and serve keys and values but leave the MoE;
@@ -1125,12 +1125,13 @@ class SpiderRecurrentBlock(nn.Module):
                 running = act.halting_prob < self.act_threshold
                 if cache is None and not bool(running.any()):
                     break
-                keep = running.reshape(-1) if segment_index is None else running.reshape(-1) & real
-                routed = keep.nonzero().squeeze(1)
+                keep = running.reshape(-1)
+                keep = keep if segment_index is None else keep & real_rows
+                routed_rows = keep.nonzero().squeeze(1)
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, load, scores = layer(
-                    z, position_embeddings, attention_mask, routed, engram_memory, row_weights,
+                    z, position_embeddings, attention_mask, routed_rows, engram_memory, row_weights,
                     cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 expert_loads.append(load)
