@@ -1482,8 +1482,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
 
     # SpiderModel's fp32 modules under this class's names, and the output logits
     _keep_in_fp32_modules = [
-        "lm_head", "model.recurrent_block.halt_predictor", "model.flexitokens.boundary_predictor",
-        "model.recurrent_block.layers.*.router",
+        "lm_head", *(f"model.{name}" for name in SpiderModel._keep_in_fp32_modules)
     ]
     _keep_in_fp32_modules_strict = ["lm_head.weight"]
     _tied_weights_keys = {}
