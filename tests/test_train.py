@@ -268,23 +268,24 @@ def test_reset_steps_loads_weights_only(tmp_path):
 
 @pytest.mark.slow
 def test_release_loads_in_fresh_process(tmp_path):
+    """The release loads and generates in a fresh process with the Auto classes, and the model card's Usage snippet,
+    exactly as a reader copies it (it names this folder: no hub id was given), runs there first, on its own."""
     out, _ = run(tmp_path, "rel", "--max_steps", "2", "--save_steps", "2")
-    code = (
-        "import sys, torch\n"
+    card = (out / "release" / "README.md").read_text()
+    usage = card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert f'repo = "{out / "release"}"' in usage
+    # after the snippet, in the same interpreter (one start instead of two): the Auto classes by hand
+    code = usage + (
+        "\nimport sys, torch\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
         "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "ids = t('Hello', return_tensors='pt')\n"
-        "print(m.generate(**ids, max_new_tokens=3, do_sample=False).shape[1])\n"
+        "print('generated length', m.generate(**ids, max_new_tokens=3, do_sample=False).shape[1])\n"
     )
     stdout = run_fresh_python(code, str(out / "release"), workdir=tmp_path)
-    assert stdout.strip().splitlines()[-1] == "10"  # BOS + 5 bytes + EOS + 3 new
-
-    # the model card's Usage snippet, exactly as a reader copies it (it names this folder: no hub id was given)
-    card = (out / "release" / "README.md").read_text()
-    usage = card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    assert f'repo = "{out / "release"}"' in usage
-    assert run_fresh_python(usage, workdir=tmp_path).startswith("The state of the Union is")
+    assert stdout.startswith("The state of the Union is")
+    assert stdout.strip().splitlines()[-1] == "generated length 10"  # BOS + 5 bytes + EOS + 3 new
 
 
 def _free_port() -> int:
@@ -309,17 +310,17 @@ def test_two_process_ddp_run(tmp_path):
     assert '"world_size": 2' in result.stdout and '"distributed_type": "DistributedType.MULTI_CPU"' in result.stdout
 
 
-@pytest.mark.slow
-def test_launcher_mismatch_is_refused(tmp_path):
-    """accelerate launch --multi_gpu on CPU without --use_cpu: each process would think it is alone."""
+def test_launcher_mismatch_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """``accelerate launch --multi_gpu --num_processes 2`` on CPU without ``--use_cpu`` starts two processes
+    (``WORLD_SIZE=2``) that accelerate counts as one each: train_hf.py's entry point refuses, naming the fix, before
+    the run lock, the model and the data (nothing in ``--ckpt_dir``)."""
+    from spider_training.trainer import LaunchMismatchError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
     out = tmp_path / "mismatch"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(_free_port()), str(REPO / "train_hf.py"), *TINY, "--ckpt_dir", str(out),
-           "--max_steps", "1"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode != 0
-    assert "--use_cpu" in result.stderr + result.stdout
-    assert not checkpoint_names(out)
+    with pytest.raises(LaunchMismatchError, match="--use_cpu"):
+        run(tmp_path, "mismatch", "--max_steps", "1")
+    assert not out.exists() or not any(out.iterdir())
 
 
 def test_check_launch_refuses_only_a_lone_process_of_a_multi_process_launch(monkeypatch):
