@@ -275,17 +275,16 @@ def test_convert_maps_tensors_and_reports_the_rest(tk_train, variant, tmp_path, 
         assert config[field] == reference[field], field
 
 
-def test_cli_release_loads_with_auto_classes_in_a_fresh_process(tk_train, tmp_path):
-    env = _clean_env(tmp_path)
-    env["PYTHONPATH"] = str(REPO)
+def test_cli_release_loads_with_auto_classes_in_a_fresh_process(tk_train, tmp_path, capsys):
+    """The command line's release (its entry point called in-process; ``python -m`` only adds ``sys.exit``) and the
+    function's fp32 release both load with the Auto classes in a fresh process, from their own code."""
     cli_out = tmp_path / "cli_release"
-    run = subprocess.run([sys.executable, "-m", "spider_training.convert_tk_train", str(tk_train["tk"]), str(cli_out),
-                          "--preset", "tiny"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout)
+    assert cs.main([str(tk_train["tk"]), str(cli_out), "--preset", "tiny"]) == 0
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
     assert report["unmapped_checkpoint_keys"] == ["module._orig_mod." + UNKNOWN_KEY]
     assert report["mapped"] == len(tk_train["ours"]) - 1
-    assert "incomplete mapping" in run.stderr
+    assert "incomplete mapping" in printed.err
 
     fp32_out = tmp_path / "fp32_release"
     convert_tk_train_checkpoint(tk_train["main"], fp32_out, preset="tiny")
@@ -507,9 +506,11 @@ def test_map_state_dict_fuses_complete_expert_groups_only():
     assert details["renamed"]["model.recurrent_layers.0.mlp.experts.7.down_proj.weight"] == layer0 + "down_proj"
 
 
-def test_old_module_name_and_dtype_seed_still_work(tk_train, tmp_path):
+def test_old_module_name_and_dtype_seed_still_work(tk_train, tmp_path, monkeypatch, capsys, caplog):
     """``python -m spider_training.convert_seed ... --dtype seed`` (the old module and the old name of
-    ``--dtype checkpoint``) still converts, warning that both are deprecated; the old import names still resolve."""
+    ``--dtype checkpoint``; run here as ``python -m`` runs it, by ``runpy``) still converts, warning that both are
+    deprecated; the old import names still resolve."""
+    import runpy
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -521,14 +522,15 @@ def test_old_module_name_and_dtype_seed_still_work(tk_train, tmp_path):
     assert convert_seed.seed_to_spider_name is tk_train_to_spider_name
     assert convert_seed.SEED_KEY_MAPPING is TK_TRAIN_KEY_MAPPING
 
-    env = _clean_env(tmp_path)
-    env["PYTHONPATH"] = str(REPO)
     out = tmp_path / "old_cli"
-    run = subprocess.run([sys.executable, "-m", "spider_training.convert_seed", str(tk_train["tk"]), str(out),
-                          "--preset", "tiny", "--dtype", "seed"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "convert_seed is deprecated" in run.stderr and "dtype 'seed' is deprecated" in run.stderr
-    report = json.loads(run.stdout)
+    monkeypatch.setattr(sys, "argv", ["convert_seed", str(tk_train["tk"]), str(out), "--preset", "tiny",
+                                      "--dtype", "seed"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exited:
+        warnings.simplefilter("always")
+        runpy.run_module("spider_training.convert_seed", run_name="__main__", alter_sys=True)
+    assert exited.value.code == 0
+    assert any("convert_seed is deprecated" in str(w.message) for w in caught)
+    assert "dtype 'seed' is deprecated" in caplog.text
+    report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "bfloat16"  # the checkpoint's own, as --dtype checkpoint keeps it
     assert (out / "tk_train_conversion.json").is_file()
