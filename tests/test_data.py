@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +19,6 @@ from spider_training import data as D
 from spider_training.write_shards import write_shards
 from tests.helpers import write_header_shard, write_headerless_shard
 
-REPO = Path(__file__).resolve().parents[1]
 
 TEXTS = [
     "Hello world.",
@@ -775,18 +771,17 @@ def test_write_shards_splits_metadata_and_overwrite(tmp_path):
         D.discover_shards(out, meta["shards"][0]["split"])
 
 
-def test_write_shards_cli(tmp_path):
-    out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "spider_training.write_shards", "--source", "mock", "--num_samples", "20",
-           "--out", str(out), "--format", "header"]
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
+def test_write_shards_cli(tmp_path, capsys):
+    """``python -m spider_training.write_shards`` (its entry point in-process): the JSON summary on stdout, exit code
+    2 with the fix named when the shards already exist."""
+    from spider_training.write_shards import main
+
+    argv = ["--source", "mock", "--num_samples", "20", "--out", str(tmp_path / "cli"), "--format", "header"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["documents"] == 20 and summary["shards"] == ["mock_train_000000.bin"]
     assert {"tokens", "mb_per_s", "seconds"} <= set(summary)
-    r2 = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
-    assert r2.returncode == 2 and "overwrite" in r2.stderr
+    assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err
 
 
 def test_write_shards_empty_source_errors(tmp_path):
