@@ -9,9 +9,10 @@ express). Beside the layers it keeps the segment-level state: a per-byte record 
 outputs, Engram memory and boundaries, from which :meth:`SpiderCache.restore` rebuilds segment
 counts, positions and the open segment's sums (docs/design.md, "Generation cache").
 
-:class:`SpiderDecodingMixin` gives ``SpiderModel`` its cached decode step, which runs the model's
-own modules one byte at a time and writes the cache; :class:`SpiderGenerationMixin` builds a cache
-per ``generate()`` call and hands the model only the bytes it has not seen.
+:class:`SpiderDecodingMixin` gives ``SpiderModel`` the cache a full forward fills and its cached
+decode step, which runs the model's own modules one byte at a time and writes the cache (with the
+decode step's own mask function, :func:`segment_slot_mask_function`); :class:`SpiderGenerationMixin`
+builds a cache per ``generate()`` call and hands the model only the bytes it has not seen.
 
 Ships beside ``modeling_spider.py`` (``trust_remote_code`` copies it); imports only torch and
 transformers.
