@@ -392,7 +392,7 @@ class SpiderDecodingMixin:
         mask_function = segment_slot_mask_function(
             slot[:, None], slots, self.config.recurrent_sliding_window
         )
-        mask = self.attention_mask(e, cache.segment_slots, None, None, mask_function=mask_function)
+        mask = self.attention_mask(e, cache.segment_slots, mask_function=mask_function)
         h_out = self.recurrent_block(
             e, segment_rope, mask, None, segment_memory, cache.n_loops, cache
         ).h_out

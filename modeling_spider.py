@@ -1415,8 +1415,8 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         return SpiderBytes(token_mask, byte_mask, position_ids, mask, rope)
 
     def attention_mask(
-        self, inputs: torch.Tensor, kv_length: int, token_mask: torch.Tensor | None,
-        sliding_window: int | None, q_offset: int = 0, mask_function: Callable | None = None,
+        self, inputs: torch.Tensor, kv_length: int, token_mask: torch.Tensor | None = None,
+        sliding_window: int | None = None, q_offset: int = 0, mask_function: Callable | None = None,
     ) -> torch.Tensor | BlockMask | None:
         """The mask of :func:`attention_mask_function` (`token_mask`, `sliding_window`), or of a
         decode step's `mask_function`, for the queries of `inputs` `(B, T_q, D)` over `kv_length`
