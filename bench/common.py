@@ -212,9 +212,9 @@ def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
 
 class TrainStep:
     """One training step as the trainer does it: ``model.train()``, forward with labels (the experts in the autocast
-    dtype, their weight casts shared across the loops: :mod:`spider_training.mixed_precision`), backward, AdamW step, ``zero_grad``.
-    ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments; the two halves are
-    :meth:`forward_backward` and :meth:`optimizer_step`.
+    dtype, their weight casts shared across the loops: :mod:`spider_training.mixed_precision`), backward, AdamW step,
+    ``zero_grad``. ``forward_kwargs`` go to every forward (e.g. ``n_loops``). Callable with no arguments; the two
+    halves are :meth:`forward_backward` and :meth:`optimizer_step`.
 
     `autocast_dtype` (e.g. ``torch.bfloat16``): the forward under ``torch.autocast`` on the inputs' device (None:
     none). `fused`: torch's fused AdamW (CUDA)."""
