@@ -109,7 +109,7 @@ class SpiderArguments:
     compile: bool = field(
         default=False, metadata={"help": "torch.compile the model's regions (sets torch_compile). Default: compiled on "
                                          "CUDA where the run is long enough to pay (spider_training.compile."
-                                         "COMPILE_PAYS_AFTER_STEPS: a 1b run of 600+ steps), eager otherwise"})
+                                         "COMPILE_PAYS_AFTER_STEPS: a 1b run of 640+ steps), eager otherwise"})
     no_compile: bool = field(default=False, metadata={"help": "never torch.compile (overrides the default)"})
     resume: str | None = field(
         default=None, metadata={"help": "checkpoint folder to resume from (default: the newest complete one in ckpt_dir)"}

@@ -101,7 +101,7 @@ def test_batches_are_copied_to_a_gpu_without_waiting_for_it(monkeypatch, tmp_pat
 
 def test_compile_default_follows_the_measured_rule(monkeypatch):
     """Without --compile/--no_compile the run compiles on CUDA when its preset's compile was measured to pay within
-    the run (`COMPILE_PAYS_AFTER_STEPS`: a 1b run of 600+ steps), and runs eagerly on CPU, for the small main job and
+    the run (`COMPILE_PAYS_AFTER_STEPS`: a 1b run of 640+ steps), and runs eagerly on CPU, for the small main job and
     for short runs; the flags override it, and contradict each other."""
     from spider_training import arguments
     from spider_training.compile import COMPILE_PAYS_AFTER_STEPS
