@@ -174,3 +174,43 @@ def test_engram_layer_compiles_once_for_every_segment_count_with_inductor():
         torch._dynamo.reset()
     assert frames.get("total") == frames.get("ok") == 1, (frames, stats)
     assert stats.get("unique_graphs") == 1, stats
+
+
+@pytest.mark.slow
+def test_a_second_compile_reuses_aotautograd_cache_without_retracing():
+    """`configure_dynamo` makes inductor's on-disk caches serve a later run (tests the settings, not a timing): a
+    region that turns autocast off (a bf16 input to SpiderRMSNorm) is saved to AOTAutograd's cache instead of
+    bypassing it, and a region with a float argument (ACT's threshold in SpiderHaltingStep) is traced once, not traced
+    again after its float is specialised (a discarded first trace shows as a cache miss that saves nothing). After a
+    dynamo reset, the same regions load from the cache. Without the settings the first case counts
+    `autograd_cache_bypass` and the second an unsaved miss on every run."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from modeling_spider import ACTState
+    from spider_training.compile import COMPILE_OPTIONS, configure_dynamo
+    from tests.helpers import tiny_model
+
+    configure_dynamo()
+    model = tiny_model(seed=0).train()
+    norm, halting = model.model.prelude_layers[0].input_layernorm, model.model.recurrent_block.halting_step
+    B, S, D = 2, 8, model.config.hidden_size
+    runs = []
+    with fresh_cache():  # a private cache folder, removed afterwards
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            x = torch.randn(B, S, D, dtype=torch.bfloat16, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                torch.compile(norm, backend="inductor", **COMPILE_OPTIONS)(x).float().sum().backward()
+            state = ACTState(torch.zeros(B, S), torch.zeros(B, S), torch.zeros(B, S))
+            out = torch.compile(halting, backend="inductor", **COMPILE_OPTIONS)(
+                torch.randn(B, S), torch.randn(B, S, D, requires_grad=True), torch.zeros(B, S, D), state,
+                model.config.act_threshold, False)[0]
+            out.sum().backward()
+            runs.append(dict(counters["aot_autograd"]))
+    torch._dynamo.reset()
+    first, second = runs
+    assert first.get("autograd_cache_bypass", 0) == 0, first
+    assert first.get("autograd_cache_miss") == first.get("autograd_cache_saved") == 2, first
+    assert second.get("autograd_cache_hit") == 2 and second.get("autograd_cache_miss", 0) == 0, second
