@@ -18,7 +18,8 @@ floats are specialised from the start instead (``specialize_float``; Spider's ar
 graph holding an autocast region (RMSNorm and the router turn autocast off) bypassed AOTAutograd's cache ("Unsupported
 call_function target _enter_autocast"): autocast's enter and exit are marked cacheable, which is sound because their
 arguments (device type, dtype, enabled) are part of the graph the cache key hashes. On this 2-core CPU (tiny preset,
-bf16 autocast, inductor, one training step) the first step took 89-111 s with a warm cache before and 23 s after.
+bf16 autocast, inductor) the first training step took 90 s with a warm cache before and 20 s after, with the same
+losses and weights (docs/research_log.md).
 """
 
 from __future__ import annotations
