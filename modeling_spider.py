@@ -55,7 +55,8 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_rope_utils import dynamic_rope_update
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -230,31 +231,11 @@ class SpiderRMSNorm(nn.Module):
         return self.weight * normed
 
 
-class SpiderRotaryEmbedding(nn.Module):
-    """Rotary position embedding for the `qk_rope_head_dim` part of MLA heads, from
-    ``config.rope_parameters`` as ``DeepseekV3RotaryEmbedding`` (any ``rope_type`` of
-    ``ROPE_INIT_FUNCTIONS``). `inv_freq` is a non-persistent buffer that ``_init_weights`` fills."""
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, config: SpiderConfig):
-        super().__init__()
-        self.config = config
-        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
-        self.rope_type = config.rope_parameters["rope_type"]
-        rope_init_fn = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config: SpiderConfig, device=None, seq_len=None):
-        """The original RoPE: `inv_freq` fp32 `(head_dim / 2,)`, scaling 1."""
-        base, dim = config.rope_parameters["rope_theta"], config.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
-        return inv_freq, 1.0
+class SpiderRotaryEmbedding(DeepseekV3RotaryEmbedding):
+    """Rotary position embedding for the `qk_rope_head_dim` part of MLA heads: transformers'
+    ``DeepseekV3RotaryEmbedding`` (``config.rope_parameters``, any ``rope_type`` of
+    ``ROPE_INIT_FUNCTIONS``; `config.head_dim` is `qk_rope_head_dim`). `inv_freq` is a
+    non-persistent buffer that ``_init_weights`` fills."""
 
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.LongTensor):
