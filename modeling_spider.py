@@ -63,14 +63,10 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
     from .configuration_spider import SpiderConfig
-    from .generation_spider import (
-        SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache,
-    )
+    from .generation_spider import SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache
 except ImportError:  # loaded as a top-level module from the repository root
     from configuration_spider import SpiderConfig
-    from generation_spider import (
-        SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache,
-    )
+    from generation_spider import SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache
 
 
 # --------------------------------------------------------------------------------------------------
@@ -86,9 +82,8 @@ class SpiderModelOutput(ModelOutput):
     Attributes:
         last_hidden_state (`torch.FloatTensor` `(B, L, D)`): byte states after the coda and norm.
         cache (:class:`SpiderCache`, *optional*): the decoding state, with `use_cache=True`.
-        hidden_states (`tuple[torch.FloatTensor]`, *optional*): `(B, L, D)` each: the embeddings,
-            each prelude layer's output, the expanded recurrent output mixed into the bytes, each
-            coda layer's output.
+        hidden_states (`tuple[torch.FloatTensor]`, *optional*): `(B, L, D)` each: the embeddings, each prelude layer's
+            output, the expanded recurrent output mixed into the bytes, each coda layer's output.
         router_logits (`tuple[torch.FloatTensor]`, *optional*): fp32 `(N, E)` per (loop, layer).
         boundaries, boundary_probs (`torch.FloatTensor` `(B, L)`): the 0/1 boundary decisions
             (straight-through in training) and the predictor's probabilities.
@@ -96,13 +91,11 @@ class SpiderModelOutput(ModelOutput):
             null segment), 0.0 for the padding of the segment axis.
         halting_step, halting_remainder (`torch.FloatTensor` `(B, 1+S)`): ACT's loops run per
             segment and the remainder paid at its halting loop.
-        expert_loads, mean_scores (`tuple[torch.FloatTensor]`): DeepSeek's `f_i` and `P_i` `(E,)`
-            per (loop, layer).
+        expert_loads, mean_scores (`tuple[torch.FloatTensor]`): DeepSeek's `f_i` and `P_i` `(E,)` per (loop, layer).
         loop_weights (`torch.FloatTensor` `(B, 1+S, T)`, *optional*): with
             `output_router_logits=True`, each loop's ACT weight in a segment's output.
-        attentions (`tuple[torch.FloatTensor]`, *optional*): with `output_attentions=True` and
-            ``"eager"``, per attention call: `(B, H, L, L)` for byte layers, `(B, H, 1+S, 1+S)`
-            per (loop, recurrent layer).
+        attentions (`tuple[torch.FloatTensor]`, *optional*): with `output_attentions=True` and ``"eager"``, per
+            attention call: `(B, H, L, L)` for byte layers, `(B, H, 1+S, 1+S)` per (loop, recurrent layer).
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -134,8 +127,7 @@ class SpiderCausalLMOutput(ModelOutput):
         aux_loss, boundary_loss, ponder_loss (`torch.FloatTensor` scalars): unweighted; the mean
             over (loop, layer) of `sum_i f_i * P_i`; the rate hinge plus `boundary_teacher_coef`
             times the teacher's cross-entropy; the mean of ACT's loops and remainders.
-        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed
-            segment; mean ACT loops.
+        compression_rate, mean_halting_step (`torch.FloatTensor` scalars): bytes per closed segment; mean ACT loops.
         expert_load (`torch.FloatTensor` `(E,)`): `f_i` per expert (1.0 at perfect balance).
     """
 
@@ -181,8 +173,7 @@ def autocast_enabled(device_type: str) -> bool:
 
 
 def autocast_off(device_type: str) -> AbstractContextManager:
-    """Autocast turned off for `device_type` where it is on, for an op that must see its operands'
-    own dtypes."""
+    """Autocast turned off for `device_type` where it is on, for an op that must see its operands' own dtypes."""
     if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return nullcontext()
@@ -233,9 +224,8 @@ class SpiderRMSNorm(nn.Module):
 
 class SpiderRotaryEmbedding(DeepseekV3RotaryEmbedding):
     """Rotary position embedding for the `qk_rope_head_dim` part of MLA heads: transformers'
-    ``DeepseekV3RotaryEmbedding`` (``config.rope_parameters``, any ``rope_type`` of
-    ``ROPE_INIT_FUNCTIONS``; `config.head_dim` is `qk_rope_head_dim`). `inv_freq` is a
-    non-persistent buffer that ``_init_weights`` fills."""
+    ``DeepseekV3RotaryEmbedding`` (``config.rope_parameters``, any ``rope_type`` of ``ROPE_INIT_FUNCTIONS``;
+    `config.head_dim` is `qk_rope_head_dim`). `inv_freq` is a non-persistent buffer that ``_init_weights`` fills."""
 
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.LongTensor):
@@ -265,13 +255,10 @@ def _self_mask_function(batch_idx, head_idx, q_idx, kv_idx):
     return q_idx == kv_idx
 
 
-def attention_mask_function(
-    token_mask: torch.Tensor | None, sliding_window: int | None = None
-) -> Callable | None:
-    """Spider's attention pattern as a ``transformers.masking_utils`` mask function (None: plain
-    causal): causal, real keys only (`token_mask` `(B, T_k)` bool or None), keys at `q -
-    sliding_window < k <= q`, a padding query seeing itself (padding is contiguous, so a window
-    over indices counts real bytes). A recurrent decode step's mask is
+def attention_mask_function(token_mask: torch.Tensor | None, sliding_window: int | None = None) -> Callable | None:
+    """Spider's attention pattern as a ``transformers.masking_utils`` mask function (None: plain causal): causal, real
+    keys only (`token_mask` `(B, T_k)` bool or None), keys at `q - sliding_window < k <= q`, a padding query seeing
+    itself (padding is contiguous, so a window over indices counts real bytes). A recurrent decode step's mask is
     `generation_spider.segment_slot_mask_function`."""
     if token_mask is None and sliding_window is None:
         return None
@@ -279,20 +266,16 @@ def attention_mask_function(
     if sliding_window is not None:
         mask_function = and_masks(mask_function, sliding_window_overlay(sliding_window))
     if token_mask is not None:
-        mask_function = or_masks(
-            and_masks(mask_function, padding_mask_function(token_mask)), _self_mask_function
-        )
+        mask_function = or_masks(and_masks(mask_function, padding_mask_function(token_mask)), _self_mask_function)
     return mask_function
 
 
 def create_attention_mask(
-    config: SpiderConfig, inputs: torch.Tensor, kv_length: int, mask_function: Callable | None,
-    q_offset: int = 0,
+    config: SpiderConfig, inputs: torch.Tensor, kv_length: int, mask_function: Callable | None, q_offset: int = 0
 ) -> torch.Tensor | BlockMask | None:
-    """The mask of `mask_function` (None: causal) for the queries of `inputs` `(B, T_q, D)`, the
-    first at key index `q_offset`, over `kv_length` keys, in the format of
-    ``config._attn_implementation`` (``ALL_MASK_ATTENTION_FUNCTIONS``, else SDPA's). None where
-    SDPA's ``is_causal`` is exact."""
+    """The mask of `mask_function` (None: causal) for the queries of `inputs` `(B, T_q, D)`, the first at key index
+    `q_offset`, over `kv_length` keys, in the format of ``config._attn_implementation``
+    (``ALL_MASK_ATTENTION_FUNCTIONS``, else SDPA's). None where SDPA's ``is_causal`` is exact."""
     mask_interface = ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation, sdpa_mask)
     batch_size, q_length = inputs.shape[:2]
     if mask_function is None:
@@ -300,9 +283,8 @@ def create_attention_mask(
             return None
         mask_function = causal_mask_function
     return mask_interface(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-        mask_function=mask_function, allow_is_causal_skip=False, dtype=inputs.dtype,
-        device=inputs.device, config=config,
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, mask_function=mask_function,
+        allow_is_causal_skip=False, dtype=inputs.dtype, device=inputs.device, config=config,
     )
 
 
@@ -331,22 +313,17 @@ class SpiderAttention(nn.Module):
             self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
             self.q_a_layernorm = SpiderRMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            D, self.kv_lora_rank + self.qk_rope_head_dim, bias=False
-        )
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = SpiderRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False
-        )
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=False)
 
     def forward(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None, cache: SpiderLayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`hidden_states` `(B, T, D)`; `attention_mask` `(B, 1, T, T_keys)` or None; `cache` this
-        layer's, updated in place. Returns `(output (B, T, D), weights (B, H, T, T_keys) or
-        None)`."""
+        """`hidden_states` `(B, T, D)`; `attention_mask` `(B, 1, T, T_keys)` or None; `cache` this layer's, updated in
+        place. Returns `(output (B, T, D), weights (B, H, T, T_keys) or None)`."""
         B, T, _ = hidden_states.shape
         H, rope_dim = self.num_heads, self.qk_rope_head_dim
         hidden_states = to_autocast_dtype(hidden_states)  # read by the q and kv projections
@@ -357,9 +334,7 @@ class SpiderAttention(nn.Module):
         q = q.view(B, T, H, self.qk_head_dim).transpose(1, 2)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, rope_dim], dim=-1)
 
-        compressed_kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
-            [self.kv_lora_rank, rope_dim], dim=-1
-        )
+        compressed_kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv))
         kv = kv.view(B, T, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, value_states = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -443,11 +418,10 @@ class SpiderMoEKernels:
 
 @use_experts_implementation
 class SpiderExperts(nn.Module):
-    """The routed SwiGLU experts of one MoE layer in transformers' MoE layout: `gate_up_proj`
-    `(E, 2I, D)` (expert e's gate rows, then its up rows), `down_proj` `(E, D, I)`, run by
-    ``config._experts_implementation`` (``"grouped_mm"``, ``"batched_mm"`` or ``"eager"``):
-    `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` -> `(T, D)`. Grouped GEMM is
-    no autocast op: training with fp32 weights under autocast runs it in the autocast dtype through
+    """The routed SwiGLU experts of one MoE layer in transformers' MoE layout: `gate_up_proj` `(E, 2I, D)` (expert e's
+    gate rows, then its up rows), `down_proj` `(E, D, I)`, run by ``config._experts_implementation`` (``"grouped_mm"``,
+    ``"batched_mm"`` or ``"eager"``): `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` -> `(T, D)`.
+    Grouped GEMM is no autocast op: training with fp32 weights under autocast runs it in the autocast dtype through
     ``spider_training.mixed_precision``."""
 
     def __init__(self, config: SpiderConfig):
@@ -490,9 +464,8 @@ class RowWeights(NamedTuple):
 
 
 class SpiderMoE(nn.Module):
-    """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts`, `shared_experts`; routing ops
-    from ``self.kernels``. Balancing is DeepSeek's aux_fi loss `sum_i f_i * P_i` (1 at perfect
-    balance)."""
+    """DeepSeek-V3-style MoE: fp32 `router`, top-k routed `experts`, `shared_experts`; routing ops from
+    ``self.kernels``. Balancing is DeepSeek's aux_fi loss `sum_i f_i * P_i` (1 at perfect balance)."""
 
     kernels = SpiderMoEKernels
 
@@ -501,8 +474,7 @@ class SpiderMoE(nn.Module):
         self.config = config
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False,
-                                dtype=torch.float32)
+        self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False, dtype=torch.float32)
         self.experts = SpiderExperts(config)
         self.shared_experts = None
         if config.n_shared_experts > 0:
@@ -531,8 +503,7 @@ class SpiderMoE(nn.Module):
             expert_load = self.kernels.aux_fi(topk_idx, self.num_experts, self.top_k)
             mean_scores = scores.mean(dim=0)
         else:  # over the real rows only (a tensor count: no host sync)
-            expert_load = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts,
-                                                         row_weights.load_weight)
+            expert_load = SpiderMoEKernels.expert_counts(topk_idx, self.num_experts, row_weights.load_weight)
             mean_scores = (scores * row_weights.mean_weight[:, None]).sum(dim=0)
         return out, router_logits, expert_load, mean_scores
 
@@ -559,10 +530,9 @@ def _primes_from(start: int, count: int) -> list[int]:
 
 
 class SpiderEngramEmbeddings(nn.Module):
-    """Hashed byte n-gram memory tables (one per n-gram order and head, in one `nn.Embedding`),
-    looked up per byte: `XOR_i(id[l-i] * m_{n,h,i}) mod p_{n,h}`, constants from
-    `numpy.random.default_rng(engram_hash_seed)`; positions before the start and padding read as id
-    `vocab_size`. `(B, L)` -> `(B, L, M)`, `M = n_tables * engram_head_dim`."""
+    """Hashed byte n-gram memory tables (one per n-gram order and head, in one `nn.Embedding`), looked up per byte:
+    `XOR_i(id[l-i] * m_{n,h,i}) mod p_{n,h}`, constants from `numpy.random.default_rng(engram_hash_seed)`; positions
+    before the start and padding read as id `vocab_size`. `(B, L)` -> `(B, L, M)`, `M = n_tables * engram_head_dim`."""
 
     def __init__(self, config: SpiderConfig):
         super().__init__()
@@ -574,17 +544,14 @@ class SpiderEngramEmbeddings(nn.Module):
         rng = np.random.default_rng(config.engram_hash_seed)
         # multipliers[n_idx][h]: n odd 31-bit ints
         self.multipliers = [
-            [[int(m) | 1 for m in rng.integers(1 << 20, 1 << 31, size=n)]
-             for _ in range(self.num_heads)]
+            [[int(m) | 1 for m in rng.integers(1 << 20, 1 << 31, size=n)] for _ in range(self.num_heads)]
             for n in self.ngram_sizes
         ]
         self.moduli = _primes_from(config.engram_table_size, n_tables)
         self.offsets = [int(o) for o in np.cumsum([0] + self.moduli[:-1])]
         # multiplier_table[table][i] multiplies id[l - i]; 0 past the table's n (x ^ 0 == x)
         max_n = max(self.ngram_sizes)
-        self.multiplier_table = [
-            mult + [0] * (max_n - len(mult)) for per_n in self.multipliers for mult in per_n
-        ]
+        self.multiplier_table = [mult + [0] * (max_n - len(mult)) for per_n in self.multipliers for mult in per_n]
         self.embedding = nn.Embedding(sum(self.moduli), self.head_dim)
         self.output_size = n_tables * self.head_dim
         self._hash_constants = {}
@@ -680,8 +647,7 @@ class SpiderEngram(nn.Module):
 
 
 class SpiderDecoderLayer(GradientCheckpointingLayer):
-    """Dense pre-norm layer over bytes (prelude and coda): MLA attention + SwiGLU,
-    `(B, L, D) -> (B, L, D)`."""
+    """Dense pre-norm layer over bytes (prelude and coda): MLA attention + SwiGLU, `(B, L, D) -> (B, L, D)`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int):
         super().__init__()
@@ -698,10 +664,9 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
 
 
 class SpiderRecurrentLayer(GradientCheckpointingLayer):
-    """One layer of the looped block over segments `(B, S, D)`, pre-norm: (Engram) + MLA + MoE.
-    Positional arguments (for activation checkpointing); `segment_index` int64 `(N,)`: the rows
-    to route (None: all). Returns `(hidden_states, router_logits (N, E), expert_load (E,),
-    mean_scores (E,))`."""
+    """One layer of the looped block over segments `(B, S, D)`, pre-norm: (Engram) + MLA + MoE. Positional arguments
+    (for activation checkpointing); `segment_index` int64 `(N,)`: the rows to route (None: all). Returns
+    `(hidden_states, router_logits (N, E), expert_load (E,), mean_scores (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
         super().__init__()
@@ -819,9 +784,7 @@ def pool_segments(
         sums = torch.zeros(B, S, D, dtype=torch.float32, device=hidden_states.device).scatter_add(
             1, index[..., None].expand(B, L, D), hidden_states.to(torch.float32) * weight[..., None]
         )
-        counts = torch.zeros(B, S, dtype=torch.float32, device=hidden_states.device).scatter_add(
-            1, index, weight
-        )
+        counts = torch.zeros(B, S, dtype=torch.float32, device=hidden_states.device).scatter_add(1, index, weight)
         pooled = (sums / counts.clamp_min(1e-6)[..., None]).to(hidden_states.dtype)
     elif S > 0:  # no segment closed but the axis is padded: zeros tied to the bytes
         pooled = torch.cat([pooled, hidden_states.new_zeros(B, S, D)], dim=1)
@@ -874,8 +837,7 @@ BOUNDARY_TEACHER_RULES = {"spacelike": spacelike_boundaries}
 
 
 def boundary_teacher_loss(
-    boundary_probs: torch.Tensor, input_ids: torch.LongTensor, token_mask: torch.Tensor,
-    teacher: str,
+    boundary_probs: torch.Tensor, input_ids: torch.LongTensor, token_mask: torch.Tensor, teacher: str
 ) -> torch.Tensor:
     """Class-balanced BCE of `boundary_probs` fp32 `(B, L)` against the `teacher`'s segmentation of
     `input_ids` over `token_mask` (Nawrot et al. 2023 §3.2). fp32 scalar.
@@ -884,9 +846,7 @@ def boundary_teacher_loss(
         ValueError: an unknown teacher.
     """
     if teacher not in BOUNDARY_TEACHER_RULES:
-        raise ValueError(
-            f"unknown boundary_teacher {teacher!r}; known: {sorted(BOUNDARY_TEACHER_RULES)}"
-        )
+        raise ValueError(f"unknown boundary_teacher {teacher!r}; known: {sorted(BOUNDARY_TEACHER_RULES)}")
     target = BOUNDARY_TEACHER_RULES[teacher](input_ids)
     weight = token_mask.to(torch.float32)
     # written out: CUDA autocast refuses F.binary_cross_entropy
@@ -918,9 +878,8 @@ class SpiderFlexiTokens(nn.Module):
         self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor,
         position_ids: torch.LongTensor, pad_to_multiple_of: int = 1,
     ):
-        """Pool `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries,
-        boundary_probs` fp32 `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory
-        (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
+        """Pool `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries, boundary_probs` fp32
+        `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_segment.to(x.dtype), x.new_zeros(M)])
@@ -948,9 +907,7 @@ class SpiderFlexiTokens(nn.Module):
             return expanded + self.residual_proj(x)
         return expanded + x
 
-    def expand(
-        self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor
-    ) -> torch.Tensor:
+    def expand(self, boundaries: torch.Tensor, h_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Segments -> bytes: `boundaries` `(B, L)`, `h_out` `(B, 1+S, D)` fp32, `x` `(B, L, D)`
         -> `(B, L, D)` in `x.dtype`."""
         return self.mix(expand_segments(boundaries, self.global_stream(h_out).to(x.dtype)), x)
@@ -1033,10 +990,7 @@ class SpiderHaltingStep(nn.Module):
         halting_prob = halting_prob + new_halted * remainders
         n_updates = n_updates + running + new_halted
         weight = p * running + new_halted * remainders
-        return (
-            h_out + weight[..., None] * h.to(torch.float32),
-            ACTState(halting_prob, remainders, n_updates), weight,
-        )
+        return h_out + weight[..., None] * h.to(torch.float32), ACTState(halting_prob, remainders, n_updates), weight
 
 
 class SpiderRecurrentBlockOutput(NamedTuple):
@@ -1123,14 +1077,10 @@ class SpiderRecurrentBlock(nn.Module):
             h_next = self.injection(h, e, z)
             h = h_next if running is None else torch.where(running[..., None], h_next, h)
             halt_logits = self.halt_predictor(as_weight_dtype(self.halt_predictor, h)).squeeze(-1)
-            h_out, act, weight = self.halting_step(
-                halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1
-            )
+            h_out, act, weight = self.halting_step(halt_logits, h, h_out, act, self.act_threshold, t == n_loops - 1)
             if output_router_logits:
                 loop_weights.append(weight.detach())
-        return SpiderRecurrentBlockOutput(
-            h_out, act, expert_loads, mean_scores, router_logits, loop_weights
-        )
+        return SpiderRecurrentBlockOutput(h_out, act, expert_loads, mean_scores, router_logits, loop_weights)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1156,9 +1106,7 @@ class SpiderPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
         """transformers' ``save_pretrained``, in the fused expert layout by default (Trainer's
         resume reads checkpoints with ``load_state_dict``, which knows only the fused names)."""
-        return super().save_pretrained(
-            save_directory, *args, save_original_format=save_original_format, **kwargs
-        )
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -1238,16 +1186,12 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         D = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, D)
         self.rotary_emb = SpiderRotaryEmbedding(config)
-        self.prelude_layers = nn.ModuleList(
-            SpiderDecoderLayer(config, i) for i in range(config.num_prelude_layers)
-        )
+        self.prelude_layers = nn.ModuleList(SpiderDecoderLayer(config, i) for i in range(config.num_prelude_layers))
         self.engram_embeddings = SpiderEngramEmbeddings(config)
         self.flexitokens = SpiderFlexiTokens(config)
         self.recurrent_block = SpiderRecurrentBlock(config, self.engram_embeddings.output_size)
         first = config.num_prelude_layers + config.num_recurrent_layers
-        self.coda_layers = nn.ModuleList(
-            SpiderDecoderLayer(config, first + i) for i in range(config.num_coda_layers)
-        )
+        self.coda_layers = nn.ModuleList(SpiderDecoderLayer(config, first + i) for i in range(config.num_coda_layers))
         self.norm = SpiderRMSNorm(D, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
@@ -1273,15 +1217,11 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
             raise ValueError("input_ids must have shape (batch, length) with batch, length >= 1, "
                              f"got {tuple(input_ids.shape)}")
         if input_ids.shape[1] > max_length:
-            raise ValueError(f"input length {input_ids.shape[1]} exceeds "
-                             f"max_position_embeddings={max_length}")
+            raise ValueError(f"input length {input_ids.shape[1]} exceeds max_position_embeddings={max_length}")
         weight_device = self.embed_tokens.weight.device
         if weight_device.type != "meta" and input_ids.device != weight_device:
-            raise ValueError(
-                f"input_ids is on {input_ids.device} but the model's embeddings are on "
-                f"{weight_device}: build the inputs on model.device (or move them with "
-                ".to(model.device))"
-            )
+            raise ValueError(f"input_ids is on {input_ids.device} but the model's embeddings are on {weight_device}: "
+                             "build the inputs on model.device (or move them with .to(model.device))")
         bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
         check_values(bad, self.training, lambda on_host: (
             f"input_ids contains token id {int(input_ids[bad][0]) if on_host else '(on device)'}, "
@@ -1289,18 +1229,13 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
         if cache is not None and n_loops != cache.n_loops:
-            raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this "
-                             "cache was built with")
+            raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with")
         decoding = cache is not None and cache.seen_bytes > 0
         if decoding and cache.seen_bytes + input_ids.shape[1] > max_length:
-            raise ValueError(
-                f"decoding past max_position_embeddings={max_length}: the cache holds "
-                f"{cache.seen_bytes} bytes and {input_ids.shape[1]} more were given; generate at "
-                f"most {max_length} bytes in total (prompt included)"
-            )
-        if not decoding and attention_mask is not None and (
-            tuple(attention_mask.shape) != tuple(input_ids.shape)
-        ):
+            raise ValueError(f"decoding past max_position_embeddings={max_length}: the cache holds {cache.seen_bytes} "
+                             f"bytes and {input_ids.shape[1]} more were given; generate at most {max_length} bytes in "
+                             "total (prompt included)")
+        if not decoding and attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal "
                              f"input_ids shape {tuple(input_ids.shape)}")
 
@@ -1325,8 +1260,7 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
             attention_mask: `(B, L)`, 1 for real bytes, 0 for padding (left or right), or None.
             n_loops: recurrent iterations (default `config.n_loops`).
             cache: a :class:`SpiderCache` from an earlier call, or None.
-            use_cache: build and return a :class:`SpiderCache` (default: `config.use_cache` in eval
-                mode).
+            use_cache: build and return a :class:`SpiderCache` (default: `config.use_cache` in eval mode).
         Raises:
             ValueError: see :meth:`check_inputs`.
         """
@@ -1344,26 +1278,21 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
 
         x = self.embed_tokens(input_ids)
         byte_inputs = self.byte_inputs(x, attention_mask)
-        x = self.prelude(x, byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
-                         hidden_states)
+        x = self.prelude(x, byte_inputs.position_embeddings, byte_inputs.attention_mask, cache, hidden_states)
         # the segment axis is exact (real rows routed by index) for a cache, returned router
         # logits or ACT early exit; else padded to a repeating length (docs/design.md)
-        exact = cache is not None or output_router_logits or (
-            self.config.act_early_exit and not self.training
-        )
+        exact = cache is not None or output_router_logits or (self.config.act_early_exit and not self.training)
         engram_bytes = self.engram_embeddings(input_ids, byte_inputs.byte_mask)
         segments = self.segment(x, engram_bytes, byte_inputs, exact)
         block = self.recurrent_block(
-            segments.segments, segments.position_embeddings, segments.attention_mask,
-            segments.segment_index, segments.memory, n_loops, cache, output_router_logits,
-            segments.routed_mask,
+            segments.segments, segments.position_embeddings, segments.attention_mask, segments.segment_index,
+            segments.memory, n_loops, cache, output_router_logits, segments.routed_mask,
         )
-        y = self.coda(self.flexitokens.expand(segments.boundaries, block.h_out, x),
-                      byte_inputs.position_embeddings, byte_inputs.attention_mask, cache,
-                      hidden_states)
+        y = self.flexitokens.expand(segments.boundaries, block.h_out, x)
+        y = self.coda(y, byte_inputs.position_embeddings, byte_inputs.attention_mask, cache, hidden_states)
         if cache is not None:
-            cache.start(input_ids, x.detach(), engram_bytes.detach(), segments.boundaries,
-                        byte_inputs.token_mask, block.h_out)
+            cache.start(input_ids, x.detach(), engram_bytes.detach(), segments.boundaries, byte_inputs.token_mask,
+                        block.h_out)
         return SpiderModelOutput(
             last_hidden_state=y,
             cache=cache,
@@ -1409,15 +1338,13 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
     def prelude(self, x, position_embeddings, attention_mask, cache, hidden_states):
         """The prelude layers over the embedded bytes `x` `(B, L, D)` (:meth:`byte_layers`)."""
         caches = None if cache is None else cache.prelude
-        return self.byte_layers(self.prelude_layers, caches, x, position_embeddings,
-                                attention_mask, hidden_states)
+        return self.byte_layers(self.prelude_layers, caches, x, position_embeddings, attention_mask, hidden_states)
 
     def coda(self, y, position_embeddings, attention_mask, cache, hidden_states):
         """The coda layers and the final norm over `y` `(B, L, D)`, the segments mixed into the
         byte stream (:meth:`byte_layers`)."""
         caches = None if cache is None else cache.coda
-        y = self.byte_layers(self.coda_layers, caches, y, position_embeddings, attention_mask,
-                             hidden_states)
+        y = self.byte_layers(self.coda_layers, caches, y, position_embeddings, attention_mask, hidden_states)
         return self.norm(y)
 
     @staticmethod
@@ -1427,18 +1354,16 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         if hidden_states is not None:
             hidden_states.append(x)
         for i, layer in enumerate(layers):
-            x = layer(x, position_embeddings, attention_mask,
-                      cache=caches[i] if caches is not None else None)
+            x = layer(x, position_embeddings, attention_mask, cache=caches[i] if caches is not None else None)
             if hidden_states is not None:
                 hidden_states.append(x)
         return x
 
     def segment(self, x: torch.Tensor, engram_bytes: torch.Tensor, byte_inputs: SpiderBytes,
                 exact: bool) -> SpiderSegments:
-        """Segmentation (FlexiTokens): boundaries, the segments and their Engram memory pooled with
-        the same boundaries, their positions and mask. `exact`: the segment axis as long as the
-        longest row (routing picks the real rows by index), else padded to
-        `pad_segments_to_multiple_of` (padding routed with weight 0)."""
+        """Segmentation (FlexiTokens): boundaries, the segments and their Engram memory pooled with the same
+        boundaries, their positions and mask. `exact`: the segment axis as long as the longest row (routing picks the
+        real rows by index), else padded to `pad_segments_to_multiple_of` (padding routed with weight 0)."""
         boundaries, boundary_probs, e, memory, segment_mask = self.flexitokens(
             x, engram_bytes, byte_inputs.byte_mask, byte_inputs.position_ids,
             1 if exact else self.config.pad_segments_to_multiple_of,
@@ -1462,9 +1387,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
     hooks ``generate()`` calls are :class:`SpiderGenerationMixin`'s, in `generation_spider.py`)."""
 
     # SpiderModel's fp32 modules under this class's names, and the output logits
-    _keep_in_fp32_modules = [
-        "lm_head", *(f"model.{name}" for name in SpiderModel._keep_in_fp32_modules)
-    ]
+    _keep_in_fp32_modules = ["lm_head", *(f"model.{name}" for name in SpiderModel._keep_in_fp32_modules)]
     _keep_in_fp32_modules_strict = ["lm_head.weight"]
     _tied_weights_keys = {}
 
@@ -1472,9 +1395,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         super().__init__(config)
         self.model = SpiderModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32
-        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -1502,18 +1423,14 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
                 non-empty cache or with `logits_to_keep`.
         """
         if labels is not None and cache is not None and cache.seen_bytes > 0:
-            raise ValueError(
-                "labels cannot be scored against a non-empty cache; pass the whole sequence"
-            )
+            raise ValueError("labels cannot be scored against a non-empty cache; pass the whole sequence")
         shift_labels = kwargs.get("shift_labels")  # pre-shifted targets (sequence parallelism)
         keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
         if (labels is not None or shift_labels is not None) and not keep_all:
-            raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs the "
-                             "logits of every position")
+            raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs every position's logits")
         outputs = self.model(
-            input_ids, attention_mask=attention_mask, n_loops=n_loops, cache=cache,
-            use_cache=use_cache, output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits, return_dict=True,
+            input_ids, attention_mask=attention_mask, n_loops=n_loops, cache=cache, use_cache=use_cache,
+            output_hidden_states=output_hidden_states, output_router_logits=output_router_logits, return_dict=True,
             **{k: v for k, v in kwargs.items() if k == "output_attentions"},
         )
         hidden_states = outputs.last_hidden_state
@@ -1524,8 +1441,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         logits = self.lm_head(as_weight_dtype(self.lm_head, hidden_states))
         loss = lm_loss = None
         if labels is not None or shift_labels is not None:
-            loss = lm_loss = self.lm_loss(logits, input_ids, labels, shift_labels,
-                                          num_items_in_batch)
+            loss = lm_loss = self.lm_loss(logits, input_ids, labels, shift_labels, num_items_in_batch)
         terms = {}
         if outputs.segment_mask is not None:  # a full forward (a decode step has no loss terms)
             terms = self.loss_terms(outputs, input_ids, attention_mask)
@@ -1536,26 +1452,22 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
                 if coef != 0:  # a term weighted 0 would add only its backward through the loops
                     loss = loss + coef * terms[name]
         return SpiderCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, **terms,
+            loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, **terms, attentions=outputs.attentions,
             hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
-            attentions=outputs.attentions,
             **{name: getattr(outputs, name) for name in
                ("boundaries", "boundary_probs", "segment_mask", "halting_step", "loop_weights")},
         )
 
-    def lm_loss(self, logits: torch.Tensor, input_ids: torch.LongTensor,
-                labels: torch.LongTensor | None, shift_labels: torch.LongTensor | None,
-                num_items_in_batch) -> torch.Tensor:
-        """Next-byte cross-entropy in nats, fp32 scalar, of `logits` `(B, L, V)` against `labels`
-        `(B, L)` (shifted inside) or `shift_labels`, summed over `num_items_in_batch` targets
-        (default: the targets here).
+    def lm_loss(self, logits: torch.Tensor, input_ids: torch.LongTensor, labels: torch.LongTensor | None,
+                shift_labels: torch.LongTensor | None, num_items_in_batch) -> torch.Tensor:
+        """Next-byte cross-entropy in nats, fp32 scalar, of `logits` `(B, L, V)` against `labels` `(B, L)` (shifted
+        inside) or `shift_labels`, summed over `num_items_in_batch` targets (default: the targets here).
 
         Raises:
             ValueError: `labels` of another shape than `input_ids`, an id outside the vocabulary.
         """
         if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
         targets = shift_labels if shift_labels is not None else labels[:, 1:]
         bad = (targets != -100) & ((targets < 0) | (targets >= self.vocab_size))
         check_values(bad, self.training, lambda on_host: (
@@ -1574,20 +1486,15 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         segment_weight = outputs.segment_mask
         ponder_loss = ((outputs.halting_step + outputs.halting_remainder) * segment_weight).sum()
         ponder_loss = ponder_loss / segment_weight.sum()
-        mean_halting_step = (
-            (outputs.halting_step * segment_weight).sum() / segment_weight.sum()
-        ).detach()
+        mean_halting_step = ((outputs.halting_step * segment_weight).sum() / segment_weight.sum()).detach()
         boundary_loss, rate = boundary_rate_loss(outputs.boundaries, byte_mask, self.config)
         if self.config.boundary_teacher is not None:
             teacher_mask = byte_mask
             if teacher_mask is None:
                 teacher_mask = torch.ones_like(input_ids, dtype=torch.bool)
-            boundary_loss = boundary_loss + self.config.boundary_teacher_coef * (
-                boundary_teacher_loss(outputs.boundary_probs, input_ids, teacher_mask,
-                                      self.config.boundary_teacher))
-        aux_losses = [
-            (load * scores).sum() for load, scores in zip(outputs.expert_loads, outputs.mean_scores)
-        ]
+            boundary_loss = boundary_loss + self.config.boundary_teacher_coef * boundary_teacher_loss(
+                outputs.boundary_probs, input_ids, teacher_mask, self.config.boundary_teacher)
+        aux_losses = [(load * scores).sum() for load, scores in zip(outputs.expert_loads, outputs.mean_scores)]
         return dict(
             aux_loss=torch.stack(aux_losses).mean(),
             boundary_loss=boundary_loss,
@@ -1613,29 +1520,23 @@ def older_checkpoint_conversions() -> list:
     """From older releases' per-expert layout (``mlp.experts.{e}.gate_proj.weight``) to
     :class:`SpiderExperts`' fused parameters, and their segmentation names
     (:data:`OLDER_SEGMENTATION_KEYS`); registered for ``"spider"`` on import."""
-    from transformers.core_model_loading import (
-        Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
-    )
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 
     return [
         *(WeightRenaming(old, new) for old, new in OLDER_SEGMENTATION_KEYS.items()),
         WeightConverter(
             source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
-            target_patterns="mlp.experts.gate_up_proj",
-            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+            target_patterns="mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
         ),
         WeightConverter(
-            source_patterns="mlp.experts.*.down_proj.weight",
-            target_patterns="mlp.experts.down_proj",
+            source_patterns="mlp.experts.*.down_proj.weight", target_patterns="mlp.experts.down_proj",
             operations=[MergeModulelist(dim=0)],
         ),
     ]
 
 
 # overwrite: this file is imported once per location (repository root, remote-code copies)
-register_checkpoint_conversion_mapping(
-    SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True
-)
+register_checkpoint_conversion_mapping(SpiderConfig.model_type, older_checkpoint_conversions(), overwrite=True)
 
 
 SpiderConfig.register_for_auto_class()
@@ -1643,12 +1544,6 @@ SpiderModel.register_for_auto_class("AutoModel")
 SpiderForConditionalGeneration.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
-    "SpiderPreTrainedModel",
-    "SpiderModel",
-    "SpiderForConditionalGeneration",
-    "SpiderExperts",
-    "SpiderMoE",
-    "SpiderMoEKernels",
-    "expand_segments",
-    "pool_segments",
+    "SpiderPreTrainedModel", "SpiderModel", "SpiderForConditionalGeneration", "SpiderExperts", "SpiderMoE",
+    "SpiderMoEKernels", "expand_segments", "pool_segments",
 ]
