@@ -18,15 +18,13 @@ The file reads top-down like the forward pass (docs/design.md, "The forward pass
 The cached decode step (``SpiderDecodingMixin.decode_byte``) runs the same modules one byte at a
 time; it and its state, :class:`SpiderCache`, live in `generation_spider.py` beside this file.
 
-Sources: DeepSeek-V2/V3 (MLA, MoE, aux_fi load balancing; transformers ``models/deepseek_v3``),
-Engram (DeepSeek, arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the
-pooling of Nawrot et al. 2023, OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn
-(arXiv 2502.05171), Relaxed Recursive Transformers (arXiv 2410.20672), ACT (Graves 2016, arXiv
-1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
+Sources: DeepSeek-V2/V3 (MLA, MoE, aux_fi load balancing; transformers ``models/deepseek_v3``), Engram (DeepSeek,
+arXiv 2601.07372), FLEXITOKENS (Owodunni et al. 2025, arXiv 2507.12720) with the pooling of Nawrot et al. 2023,
+OpenMythos / Parcae (LTI injection, ACT, per-loop LoRA), Huginn (arXiv 2502.05171), Relaxed Recursive Transformers
+(arXiv 2410.20672), ACT (Graves 2016, arXiv 1603.08983). The MoE routing ops mirror TileKernels 1.x (deepseek-ai).
 
-Imports only torch, transformers, numpy and the standard library (the Hub serves this file). On
-import it registers a checkpoint conversion for model type ``"spider"``
-(:func:`older_checkpoint_conversions`).
+Imports only torch, transformers, numpy, the standard library and its sibling files (the Hub serves them). On import
+it registers the conversion of older checkpoints (``conversion_spider.py``) for model type ``"spider"``.
 """
 
 from __future__ import annotations
@@ -63,9 +61,11 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
     from .configuration_spider import SpiderConfig
+    from .conversion_spider import older_checkpoint_conversions
     from .generation_spider import SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache
 except ImportError:  # loaded as a top-level module from the repository root
     from configuration_spider import SpiderConfig
+    from conversion_spider import older_checkpoint_conversions
     from generation_spider import SpiderCache, SpiderDecodingMixin, SpiderGenerationMixin, SpiderLayerCache
 
 
@@ -1506,33 +1506,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
 
 
 # --------------------------------------------------------------------------------------------------
-# Loading: older releases' checkpoints, the Auto classes
+# Loading: older releases' checkpoints (conversion_spider.py), the Auto classes
 # --------------------------------------------------------------------------------------------------
-
-
-#: older releases' names of the segmentation's parameters -> today's (docs/design.md, "Glossary")
-OLDER_SEGMENTATION_KEYS = {r"flexitokens\.null_group": "flexitokens.null_segment",
-                           r"flexitokens\.down_norm\.": "flexitokens.pool_norm.",
-                           r"flexitokens\.upsample_norm\.": "flexitokens.expand_norm."}
-
-
-def older_checkpoint_conversions() -> list:
-    """From older releases' per-expert layout (``mlp.experts.{e}.gate_proj.weight``) to
-    :class:`SpiderExperts`' fused parameters, and their segmentation names
-    (:data:`OLDER_SEGMENTATION_KEYS`); registered for ``"spider"`` on import."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
-
-    return [
-        *(WeightRenaming(old, new) for old, new in OLDER_SEGMENTATION_KEYS.items()),
-        WeightConverter(
-            source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
-            target_patterns="mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
-        ),
-        WeightConverter(
-            source_patterns="mlp.experts.*.down_proj.weight", target_patterns="mlp.experts.down_proj",
-            operations=[MergeModulelist(dim=0)],
-        ),
-    ]
 
 
 # overwrite: this file is imported once per location (repository root, remote-code copies)

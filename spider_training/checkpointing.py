@@ -175,7 +175,7 @@ def convert_older_checkpoint(folder: str | os.PathLike) -> bool:
     """Rewrite `folder`'s ``model.safetensors`` once in today's names when it holds an older checkpoint's: the
     per-expert layout (``...experts.{e}.gate_proj.weight`` etc.; :func:`spider_training.moe_layout
     .fuse_per_expert_state_dict`) fused, the segmentation's older names (``null_group``, ``down_norm``,
-    ``upsample_norm``: ``modeling_spider.OLDER_SEGMENTATION_KEYS``) renamed, so that Trainer's resume, which reads the
+    ``upsample_norm``: ``conversion_spider.OLDER_SEGMENTATION_KEYS``) renamed, so that Trainer's resume, which reads the
     file with ``load_state_dict``, finds every weight. The new file replaces the old with one ``os.replace`` (a crash
     leaves the old file).
 
@@ -184,7 +184,7 @@ def convert_older_checkpoint(folder: str | os.PathLike) -> bool:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from modeling_spider import OLDER_SEGMENTATION_KEYS
+    from conversion_spider import OLDER_SEGMENTATION_KEYS
     from spider_training.moe_layout import PER_EXPERT_KEY, fuse_per_expert_state_dict
 
     def older(key: str) -> bool:

@@ -1,7 +1,7 @@
 """The release folder a training run leaves: what ``from_pretrained(..., trust_remote_code=True)`` loads.
 
-Contents: ``model.safetensors`` (plain weights, also after FP8 training), ``config.json`` with ``auto_map``, the four
-module files (``configuration_spider.py``, ``modeling_spider.py``, ``generation_spider.py``,
+Contents: ``model.safetensors`` (plain weights, also after FP8 training), ``config.json`` with ``auto_map``, the five
+module files (``configuration_spider.py``, ``modeling_spider.py``, ``generation_spider.py``, ``conversion_spider.py``,
 ``tokenization_spider.py``), the tokenizer files, ``README.md`` (the model card rendered from ``hub_card/``),
 ``loss_curve.png`` and ``compute_map.png`` (a held-out paragraph's compute map). Written atomically.
 :func:`checked_from_pretrained` loads one (or a checkpoint) with errors that name the file at fault.

@@ -45,7 +45,7 @@ def test_save_then_load_in_fresh_process_from_another_directory(tmp_path):
 
     files = set(os.listdir(folder))
     assert {"model.safetensors", "config.json", "configuration_spider.py", "modeling_spider.py",
-            "generation_spider.py", "tokenization_spider.py", "tokenizer_config.json"} <= files
+            "generation_spider.py", "conversion_spider.py", "tokenization_spider.py", "tokenizer_config.json"} <= files
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_spider.SpiderForConditionalGeneration"

@@ -252,7 +252,8 @@ def test_convert_maps_tensors_and_reports_the_rest(tk_train, variant, tmp_path, 
     # files: safetensors only, plus the config/code/tokenizer and the report
     files = set(os.listdir(out))
     assert {"model.safetensors", "config.json", "modeling_spider.py", "configuration_spider.py",
-            "generation_spider.py", "tokenization_spider.py", "tokenizer_config.json", "tk_train_conversion.json"} <= files
+            "generation_spider.py", "conversion_spider.py", "tokenization_spider.py", "tokenizer_config.json",
+            "tk_train_conversion.json"} <= files
     assert not any(f.endswith((".pt", ".bin", ".pkl", ".pth")) for f in files)
     assert json.loads((out / "tk_train_conversion.json").read_text())["mapped"] == report["mapped"]
 

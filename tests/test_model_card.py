@@ -18,7 +18,8 @@ from spider_training.model_card import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-REMOTE_FILES = ("configuration_spider.py", "modeling_spider.py", "generation_spider.py", "tokenization_spider.py")
+REMOTE_FILES = ("configuration_spider.py", "modeling_spider.py", "generation_spider.py", "conversion_spider.py",
+                "tokenization_spider.py")
 REPO = "spider-test/spider-tiny"
 
 SECTIONS = (

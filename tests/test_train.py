@@ -200,12 +200,12 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
     assert not (out / checkpointing.STAGING_DIRNAME).exists()
     ckpt = out / "checkpoint-6"
     for name in ("model.safetensors", "config.json", "modeling_spider.py", "configuration_spider.py",
-                 "generation_spider.py", "tokenization_spider.py", "tokenizer_config.json", "optimizer.pt",
-                 "trainer_state.json"):
+                 "generation_spider.py", "conversion_spider.py", "tokenization_spider.py", "tokenizer_config.json",
+                 "optimizer.pt", "trainer_state.json"):
         assert (ckpt / name).exists(), name
     release = out / "release"
     for name in ("model.safetensors", "config.json", "modeling_spider.py", "generation_spider.py",
-                 "tokenization_spider.py", "README.md",
+                 "conversion_spider.py", "tokenization_spider.py", "README.md",
                  "loss_curve.png"):
         assert (release / name).exists(), name
     # the card is titled with the model, not the folder; it shows the held-out curve its caption promises (the
