@@ -341,10 +341,8 @@ class SpiderAttention(nn.Module):
 
         # the query heads and the shared key head rotated together, rounded once to the
         # projections' dtype (where attention would round them anyway)
-        rotated = apply_rotary_pos_emb(
-            torch.cat((q_pe, k_pe.view(B, 1, T, rope_dim)), dim=1), *position_embeddings
-        ).to(q_nope.dtype)
-        q_pe, k_pe = rotated.split([H, 1], dim=1)
+        q_and_k_pe = torch.cat((q_pe, k_pe.view(B, 1, T, rope_dim)), dim=1)
+        q_pe, k_pe = apply_rotary_pos_emb(q_and_k_pe, *position_embeddings).to(q_nope.dtype).split([H, 1], dim=1)
         query_states = torch.cat((q_nope, q_pe), dim=-1)
         key_states = torch.cat((k_nope, k_pe.expand(B, H, T, rope_dim)), dim=-1)
         if cache is not None:
@@ -405,9 +403,8 @@ class SpiderMoEKernels:
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
 
     @staticmethod
-    def expert_counts(
-        topk_idx: torch.Tensor, num_experts: int, slot_weight: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def expert_counts(topk_idx: torch.Tensor, num_experts: int,
+                      slot_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Token-slots per expert, int64 `(E,)`, by scatter-add (no host sync, unlike
         `torch.bincount`); with `slot_weight` fp32 `(T*k,)` each slot counts its weight (fp32)."""
         flat = topk_idx.reshape(-1)
@@ -476,10 +473,8 @@ class SpiderMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.router = nn.Linear(config.hidden_size, self.num_experts, bias=False, dtype=torch.float32)
         self.experts = SpiderExperts(config)
-        self.shared_experts = None
-        if config.n_shared_experts > 0:
-            shared_size = config.moe_intermediate_size * config.n_shared_experts
-            self.shared_experts = SpiderMLP(config, shared_size)
+        shared_size = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = SpiderMLP(config, shared_size) if config.n_shared_experts > 0 else None
 
     def forward(self, x: torch.Tensor, row_weights: RowWeights | None = None):
         """Route `x` `(T, D)` (padding rows, per `row_weights`, weigh zero). Returns `(out (T, D)
@@ -624,10 +619,7 @@ class SpiderEngram(nn.Module):
 
     def forward(self, hidden_states, memory, cache: SpiderLayerCache | None = None):
         # read by the key and the value projection: cast once
-        if autocast_enabled(memory.device.type):
-            memory = to_autocast_dtype(memory)
-        else:
-            memory = memory.to(hidden_states.dtype)
+        memory = to_autocast_dtype(memory) if autocast_enabled(memory.device.type) else memory.to(hidden_states.dtype)
         key = self.key_norm(self.key_proj(memory))
         score = (self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True)
         score = (score / math.sqrt(hidden_states.shape[-1])).to(torch.float32)
@@ -657,9 +649,8 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
         self.mlp = SpiderMLP(config, config.intermediate_size)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None):
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache
-        )[0]
+        normed = self.input_layernorm(hidden_states)
+        hidden_states = hidden_states + self.self_attn(normed, position_embeddings, attention_mask, cache)[0]
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -678,15 +669,12 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SpiderMoE(config)
 
-    def forward(
-        self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
-        row_weights=None, cache=None
-    ):
+    def forward(self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
+                row_weights=None, cache=None):
         if self.engram is not None:
             hidden_states = hidden_states + self.engram(hidden_states, engram_memory, cache)
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache
-        )[0]
+        normed = self.input_layernorm(hidden_states)
+        hidden_states = hidden_states + self.self_attn(normed, position_embeddings, attention_mask, cache)[0]
         normed = self.post_attention_layernorm(hidden_states)
         # routed rows packed by index (gather / scatter-add): no boolean mask, no host sync
         flat = normed.reshape(-1, normed.shape[-1])
@@ -759,7 +747,7 @@ class SpiderBoundaryPredictor(nn.Module):
 
 def pool_segments(
     boundaries: torch.Tensor, hidden_states: torch.Tensor, null_segment: torch.Tensor | None,
-    token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1,
+    token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pool bytes `(B, L, D)` into the segments their `boundaries` `(B, L)` (0/1) close
     (Nawrot et al. 2023): the open segment is dropped, padding (`token_mask` `(B, L)` bool) never
@@ -874,18 +862,15 @@ class SpiderFlexiTokens(nn.Module):
         if self.mixing == "residual_proj":
             self.residual_proj = nn.Linear(D, D, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor,
-        position_ids: torch.LongTensor, pad_to_multiple_of: int = 1,
-    ):
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor,
+                pad_to_multiple_of: int = 1):
         """Pool `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries, boundary_probs` fp32
         `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
         D, M = x.shape[-1], memory.shape[-1]
         null = torch.cat([self.null_segment.to(x.dtype), x.new_zeros(M)])
-        pooled, segment_mask = pool_segments(
-            boundaries, torch.cat([x, memory.to(x.dtype)], -1), null, byte_mask, pad_to_multiple_of
-        )
+        bytes_and_memory = torch.cat([x, memory.to(x.dtype)], -1)
+        pooled, segment_mask = pool_segments(boundaries, bytes_and_memory, null, byte_mask, pad_to_multiple_of)
         segments, segment_memory = pooled.split([D, M], dim=-1)
         return boundaries, boundary_probs, self.pool_norm(segments), segment_memory, segment_mask
 
@@ -973,10 +958,8 @@ class SpiderHaltingStep(nn.Module):
     last loop, so a segment's weights sum to 1). Returns `(h_out + weight * h` fp32 `(B, S, D)`,
     the new state, `weight` fp32 `(B, S))`. A module: regional compilation makes it one region."""
 
-    def forward(
-        self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
-        threshold: float, is_last: bool,
-    ) -> tuple[torch.Tensor, ACTState, torch.Tensor]:
+    def forward(self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
+                threshold: float, is_last: bool) -> tuple[torch.Tensor, ACTState, torch.Tensor]:
         p = torch.sigmoid(halt_logits.to(torch.float32))
         halting_prob, remainders, n_updates = state
         running = (halting_prob < threshold).to(torch.float32)
@@ -1051,8 +1034,7 @@ class SpiderRecurrentBlock(nn.Module):
         row_weights = None if segment_mask is None else RowWeights.of(
             segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
-            real_rows = torch.zeros(B * S, dtype=torch.bool, device=e.device)
-            real_rows = real_rows.index_fill(0, segment_index, True)
+            real_rows = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
             if early_exit and t > 0:
                 # halted segments keep their state and serve keys and values but leave the MoE;
@@ -1176,10 +1158,8 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
     # Routing, boundary and halting decisions stay fp32; the two lists must not share an entry.
     _keep_in_fp32_modules = ["recurrent_block.halt_predictor", "flexitokens.boundary_predictor",
                              "recurrent_block.layers.*.router"]
-    _keep_in_fp32_modules_strict = [
-        "halt_predictor.weight", "halt_predictor.bias", "boundary_predictor.dense",
-        "boundary_predictor.out_proj", "mlp.router",
-    ]
+    _keep_in_fp32_modules_strict = ["halt_predictor.weight", "halt_predictor.bias", "boundary_predictor.dense",
+                                    "boundary_predictor.out_proj", "mlp.router"]
 
     def __init__(self, config: SpiderConfig):
         super().__init__(config)
@@ -1196,15 +1176,13 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def check_inputs(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, n_loops: int,
-        cache: SpiderCache | None = None,
-    ) -> None:
+    def check_inputs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, n_loops: int,
+                     cache: SpiderCache | None = None) -> None:
         """Raises:
         TypeError: non-integer `input_ids`.
-        ValueError: a shape other than `(B >= 1, L >= 1)`, ids on another device or outside
-            `[0, vocab_size)`, more than `max_position_embeddings` bytes (the cache's included),
-            `n_loops` not an int >= 1 or not the cache's, an `attention_mask` of another shape.
+        ValueError: a shape other than `(B >= 1, L >= 1)`, ids on another device or outside `[0, vocab_size)`, more
+            than `max_position_embeddings` bytes (the cache's included), `n_loops` not an int >= 1 or not the cache's,
+            an `attention_mask` of another shape.
         """
         max_length = self.config.max_position_embeddings
         if not isinstance(input_ids, torch.Tensor):
@@ -1435,16 +1413,14 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         )
         hidden_states = outputs.last_hidden_state
         if not keep_all:
-            if isinstance(logits_to_keep, int):
-                logits_to_keep = slice(-logits_to_keep, None)
-            hidden_states = hidden_states[:, logits_to_keep, :]
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            hidden_states = hidden_states[:, keep, :]
         logits = self.lm_head(as_weight_dtype(self.lm_head, hidden_states))
         loss = lm_loss = None
         if labels is not None or shift_labels is not None:
             loss = lm_loss = self.lm_loss(logits, input_ids, labels, shift_labels, num_items_in_batch)
-        terms = {}
-        if outputs.segment_mask is not None:  # a full forward (a decode step has no loss terms)
-            terms = self.loss_terms(outputs, input_ids, attention_mask)
+        # a decode step (no segment mask) has no loss terms
+        terms = {} if outputs.segment_mask is None else self.loss_terms(outputs, input_ids, attention_mask)
         if loss is not None:
             for coef, name in ((self.config.router_aux_loss_coef, "aux_loss"),
                                (self.config.boundary_loss_coef, "boundary_loss"),
@@ -1489,9 +1465,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         mean_halting_step = ((outputs.halting_step * segment_weight).sum() / segment_weight.sum()).detach()
         boundary_loss, rate = boundary_rate_loss(outputs.boundaries, byte_mask, self.config)
         if self.config.boundary_teacher is not None:
-            teacher_mask = byte_mask
-            if teacher_mask is None:
-                teacher_mask = torch.ones_like(input_ids, dtype=torch.bool)
+            teacher_mask = torch.ones_like(input_ids, dtype=torch.bool) if byte_mask is None else byte_mask
             boundary_loss = boundary_loss + self.config.boundary_teacher_coef * boundary_teacher_loss(
                 outputs.boundary_probs, input_ids, teacher_mask, self.config.boundary_teacher)
         aux_losses = [(load * scores).sum() for load, scores in zip(outputs.expert_loads, outputs.mean_scores)]
