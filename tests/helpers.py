@@ -8,6 +8,10 @@ import torch
 from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
 
+#: the module files a release ships and ``trust_remote_code`` loads (setup.cfg's ``py_modules``)
+REMOTE_CODE_FILES = ("configuration_spider.py", "modeling_spider.py", "generation_spider.py", "conversion_spider.py",
+                     "tokenization_spider.py")
+
 
 def tiny(**overrides) -> SpiderConfig:
     """The `tiny` preset with overrides."""

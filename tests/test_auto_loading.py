@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
 from tokenization_spider import SpiderTokenizer
-from tests.helpers import float_tol, model_terms
+from tests.helpers import REMOTE_CODE_FILES, float_tol, model_terms
 
 LOADER = r"""
 import json, sys, torch
@@ -44,8 +44,7 @@ def test_save_then_load_in_fresh_process_from_another_directory(tmp_path):
     tok.save_pretrained(folder)
 
     files = set(os.listdir(folder))
-    assert {"model.safetensors", "config.json", "configuration_spider.py", "modeling_spider.py",
-            "generation_spider.py", "conversion_spider.py", "tokenization_spider.py", "tokenizer_config.json"} <= files
+    assert {"model.safetensors", "config.json", *REMOTE_CODE_FILES, "tokenizer_config.json"} <= files
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_spider.SpiderForConditionalGeneration"

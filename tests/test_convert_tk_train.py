@@ -26,7 +26,7 @@ from spider_training.convert_tk_train import (
     convert_tk_train_checkpoint,
     tk_train_to_spider_name,
 )
-from tests.helpers import per_expert_state_dict, tiny_model
+from tests.helpers import REMOTE_CODE_FILES, per_expert_state_dict, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -251,8 +251,7 @@ def test_convert_maps_tensors_and_reports_the_rest(tk_train, variant, tmp_path, 
 
     # files: safetensors only, plus the config/code/tokenizer and the report
     files = set(os.listdir(out))
-    assert {"model.safetensors", "config.json", "modeling_spider.py", "configuration_spider.py",
-            "generation_spider.py", "conversion_spider.py", "tokenization_spider.py", "tokenizer_config.json",
+    assert {"model.safetensors", "config.json", *REMOTE_CODE_FILES, "tokenizer_config.json",
             "tk_train_conversion.json"} <= files
     assert not any(f.endswith((".pt", ".bin", ".pkl", ".pth")) for f in files)
     assert json.loads((out / "tk_train_conversion.json").read_text())["mapped"] == report["mapped"]

@@ -16,10 +16,9 @@ from huggingface_hub import ModelCard
 from spider_training.model_card import (
     LOSS_CURVE_NAME, inspect_remote_code, loading_requirements, plot_loss_curve, write_model_card,
 )
+from tests.helpers import REMOTE_CODE_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
-REMOTE_FILES = ("configuration_spider.py", "modeling_spider.py", "generation_spider.py", "conversion_spider.py",
-                "tokenization_spider.py")
 REPO = "spider-test/spider-tiny"
 
 SECTIONS = (
@@ -62,7 +61,7 @@ def config() -> dict:
 def release(tmp_path) -> Path:
     folder = tmp_path / "release"
     folder.mkdir()
-    for name in REMOTE_FILES:
+    for name in REMOTE_CODE_FILES:
         shutil.copy(ROOT / name, folder / name)
     return folder
 
@@ -96,7 +95,7 @@ def test_card_renders_every_section_with_run_facts(release, config):
     assert 'rev = "<commit sha>"' in text
     assert f"n_loops={config['n_loops']}," in text
     # what remote code runs: each file with its real sha256, and the imports parsed from them
-    for name in REMOTE_FILES:
+    for name in REMOTE_CODE_FILES:
         digest = hashlib.sha256((release / name).read_bytes()).hexdigest()
         assert f"| `{name}` |" in text and digest in text
     assert "**huggingface_hub, numpy, torch, transformers**" in text

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import REMOTE_CODE_FILES
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -41,8 +43,7 @@ def test_wheel_ships_the_card_template_and_no_generic_top_level_module(installed
     wheel_file, _ = installed
     names = zipfile.ZipFile(wheel_file).namelist()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top_level == {"configuration_spider.py", "modeling_spider.py", "generation_spider.py", "conversion_spider.py",
-                         "tokenization_spider.py", "spider_training"}
+    assert top_level == {*REMOTE_CODE_FILES, "spider_training"}
     assert "spider_training/hub_card/model_card.md.j2" in names
     assert "spider_training/hub_card/card_labels.json" in names
     entry_points = zipfile.ZipFile(wheel_file).read(
@@ -60,8 +61,7 @@ site = Path(sys.argv[1]).resolve()
 assert Path(mc.__file__).resolve().is_relative_to(site), mc.__file__   # the installed copy, not the checkout
 assert Path(mc.DEFAULT_TEMPLATE).resolve().is_relative_to(site), mc.DEFAULT_TEMPLATE
 release = Path(sys.argv[2]); release.mkdir()
-for name in ("configuration_spider.py", "modeling_spider.py", "generation_spider.py", "conversion_spider.py",
-             "tokenization_spider.py"):
+for name in sys.argv[3].split(","):
     shutil.copy(site / name, release / name)
 readme = mc.write_model_card(release, config={"hidden_size": 64, "n_loops": 2}, training={"steps": 3}, data={},
                              metrics={"bits_per_byte_after": 3.2}, loss_history=[{"step": 1, "loss": 5.0}],
@@ -70,7 +70,8 @@ print(json.dumps({"card": readme.read_text()}))
 """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
-    done = subprocess.run([sys.executable, "-c", script, str(site), str(tmp_path / "release")], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-c", script, str(site), str(tmp_path / "release"),
+                           ",".join(REMOTE_CODE_FILES)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     card = json.loads(done.stdout.strip().splitlines()[-1])["card"]

@@ -14,7 +14,7 @@ import torch
 import train_hf
 from spider_training import checkpointing
 from spider_training.arguments import TK_TRAIN_FLAGS, parse_args
-from tests.helpers import checkpoint_names, run_fresh_python
+from tests.helpers import REMOTE_CODE_FILES, checkpoint_names, run_fresh_python
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--seq_len", "32", "--micro_batch", "2", "--eval_windows", "4", "--sample_bytes", "4",
@@ -199,14 +199,11 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
     assert checkpoint_names(out) == ["checkpoint-4", "checkpoint-6"]
     assert not (out / checkpointing.STAGING_DIRNAME).exists()
     ckpt = out / "checkpoint-6"
-    for name in ("model.safetensors", "config.json", "modeling_spider.py", "configuration_spider.py",
-                 "generation_spider.py", "conversion_spider.py", "tokenization_spider.py", "tokenizer_config.json",
-                 "optimizer.pt", "trainer_state.json"):
+    for name in ("model.safetensors", "config.json", *REMOTE_CODE_FILES, "tokenizer_config.json", "optimizer.pt",
+                 "trainer_state.json"):
         assert (ckpt / name).exists(), name
     release = out / "release"
-    for name in ("model.safetensors", "config.json", "modeling_spider.py", "generation_spider.py",
-                 "conversion_spider.py", "tokenization_spider.py", "README.md",
-                 "loss_curve.png"):
+    for name in ("model.safetensors", "config.json", *REMOTE_CODE_FILES, "README.md", "loss_curve.png"):
         assert (release / name).exists(), name
     # the card is titled with the model, not the folder; it shows the held-out curve its caption promises (the
     # Trainer evaluated during training), the loops sweep, and names no file the release does not hold
