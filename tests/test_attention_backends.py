@@ -68,15 +68,15 @@ def test_from_pretrained_uses_the_requested_implementation(tmp_path):
 
 
 @pytest.mark.parametrize("window", [{}, {"sliding_window": 4, "recurrent_sliding_window": 2}])
-def test_flex_attention_gives_the_sdpa_logits_and_decodes_the_same(window, monkeypatch):
+def test_flex_attention_gives_the_sdpa_logits_and_decodes_the_same(window):
     """`attn_implementation="flex_attention"` runs on CPU: its masks are `BlockMask`s built by masking_utils from the
     same mask functions (padding, sliding windows), so a padded batch gets SDPA's logits, and a cached greedy decode
     the same bytes as SDPA's. Every shape compiles static here: torch 2.13's CPU inductor fails to compile flex
-    attention for the dynamic shapes it switches to after a few lengths (`cur_qSplitSize2` undeclared in its C++)."""
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    attention for the dynamic shapes it switches to after a few lengths (`cur_qSplitSize2` undeclared in its C++).
+    dynamo's own `config.patch` restores the setting (pytest 9.2's monkeypatch deletes it from dynamo's config)."""
     model = tiny_model(seed=0, **window).eval()
     ids, mask = _inputs()
-    with torch.no_grad():
+    with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         sdpa = model(ids, attention_mask=mask).logits
         sdpa_bytes = model.generate(ids[:1, :12], max_new_tokens=3, do_sample=False)
         model.set_attn_implementation("flex_attention")
