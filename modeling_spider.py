@@ -956,7 +956,7 @@ class SpiderHaltingStep(nn.Module):
     """One loop of ACT (Graves 2016, OpenMythos' loop form): `p = sigmoid(halt_logits)` `(B, S)`;
     a segment accumulates `p` until `threshold`, then halts with the remainder (all halt at the
     last loop, so a segment's weights sum to 1). Returns `(h_out + weight * h` fp32 `(B, S, D)`,
-    the new state, `weight` fp32 `(B, S))`. A module: regional compilation makes it one region."""
+    the new state, `weight` fp32 `(B, S))`."""
 
     def forward(self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
                 threshold: float, is_last: bool) -> tuple[torch.Tensor, ACTState, torch.Tensor]:

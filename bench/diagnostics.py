@@ -129,7 +129,7 @@ def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
 
 class SegmentAxisRecorder:
     """The segment axis ``1 + S`` (padded to ``pad_segments_to_multiple_of``) of each forward of a Spider model: a
-    forward hook on ``model.model.flexitokens``, compiled (accelerate's ``compile_regions`` wraps it) or not, reading
+    forward hook on ``model.model.flexitokens`` (eager glue in a compiled model too), reading
     the segments' shape (no host sync). Inert (:attr:`active` False) for a model without one (the transformers peers).
 
     On the H200 some steps took several times the others, most likely those at an axis size the process had not met

@@ -13,7 +13,7 @@
   (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
   ``Float8Linear`` where torchao's filter expects a gain, the experts through torchao's FP8 grouped GEMM where the GPU
   has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
-  (``spider_compiled``: accelerate's ``compile_regions``, ``--compile_backend``; three warm-up steps, whose times
+  (``spider_compiled``: one graph per layer kind, :func:`spider_training.compile.compile_model`, ``--compile_backend``; three warm-up steps, whose times
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
   the word-rate model compiled the same way (``spider_word_rate_compiled``) and Spider with
   ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the per-expert layout ran
@@ -24,7 +24,7 @@
   through the FP8 grouped GEMM; ``spider_fp8_bf16_experts_compiled``; ``spider_fp8_rowwise_compiled``), last of
   all; and ``spider_compiled_automatic_dynamic`` (on request): compiled with torch's automatic dynamic shapes
   (``dynamic=None``: static first, then dynamic only in the dims that change, such as the segment axis) instead of
-  ``--compile``'s ``dynamic=True``, to see what symbolic batch and length dims cost the host. The order: the comparison rows
+  ``--compile``'s segment axis marked dynamic up front (``dynamic=False`` and :func:`spider_training.compile.mark_segment_axis`). The order: the comparison rows
   shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), tk-train.py's recipe, then the
   compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
   compiled word-rate model and the compiled tk-train.py recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
@@ -202,10 +202,9 @@ def _spider_fp8(preset: str, device: torch.device, recipe: str = "tensorwise",
 
 def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str | None = None,
                      compile_options: dict | None = None, **overrides) -> tuple[torch.nn.Module, dict]:
-    """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it: accelerate's
-    ``compile_regions`` (each layer and submodule on its own; the loops and the segment count in eager Python between
-    them), with ``torch.compile``'s `backend` and `mode` (``--torch_compile_mode`` of the trainer; e.g.
-    ``"reduce-overhead"``: CUDA graphs per region)."""
+    """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it (each layer kind one graph;
+    the loops, the segment count and the glue between the layers in eager Python), with ``torch.compile``'s `backend`
+    and `mode` (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``: CUDA graphs per layer call)."""
     return _compile_regions(build_on(lambda: spider_model(preset, **overrides), device), backend, mode,
                             **(compile_options or {}))
 

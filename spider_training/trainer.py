@@ -32,17 +32,17 @@ does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
   once, in ``__init__``, with tk-train.py's module filter; accelerate is then told bf16 so it does not convert again.
-  ``--compile`` (``torch_compile``) asks accelerate's dynamo plugin for regional compilation with dynamic shapes
-  (:mod:`spider_training.compile`).
+  ``--compile`` (``torch_compile``) compiles the model's layers in ``__init__`` (:mod:`spider_training.compile`, one
+  graph per layer kind), so accelerate is given a dynamo plugin that compiles nothing more.
 - ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
-  and the cause.
+  and the cause. With ``--compile`` a checkpoint also holds what was compiled (``compile_artifacts.bin``).
 - ``_save``: a model whose parameters are torchao weight wrappers (the FP8 grouped-GEMM experts, FSDP float8
   all-gather) is saved from its plain high-precision tensors (:func:`spider_training.fp8.fp8_to_plain_state_dict`):
   ``save_pretrained`` cannot write the wrappers, and the checkpoint loads as a plain model.
 - ``_load_from_checkpoint``: a checkpoint of older runs (per-expert expert layout, older segmentation names) is
   rewritten in today's names once (:func:`spider_training.checkpointing.convert_older_checkpoint`) before Trainer's
-  resume reads it.
+  resume reads it; with ``--compile`` every rank loads the checkpoint's compiled artifacts (warm start).
 - ``_push_from_checkpoint``: Trainer calls it inside the save, on rank 0, while other ranks may still be writing
   into the staged folder; it runs once the checkpoint is published, complete. Hub pushing (``args.push_to_hub``) is
   otherwise Trainer's own, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`; a run stopped by a
@@ -70,7 +70,7 @@ from transformers import Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
-from .compile import COMPILE_OPTIONS, configure_dynamo
+from .compile import compile_model, load_compile_artifacts, save_compile_artifacts
 from .data import FirstWindows, StreamingTextDataset, make_dataloader
 from .fp8 import convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers
 from .hub import HubPushMixin
@@ -207,6 +207,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
         autocast_experts(model)  # under autocast: grouped GEMM in bf16, the experts' weights cast once per forward
+        if args is not None and args.torch_compile and model is not None:  # after FP8, before DDP/FSDP wrap it
+            compile_model(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
         kwargs.setdefault("compute_metrics", compute_bits_per_byte)
         super().__init__(model=model, args=args, **kwargs)
         # Spider's loss is a per-batch mean plus per-batch regularisers: let Trainer divide by the accumulation steps.
@@ -262,7 +264,11 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # --- the training step ---------------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Trainer's step, forward and backward, with SDPA preferring ``sdpa_backend``'s kernel."""
+        """Trainer's step, forward and backward, with SDPA preferring ``sdpa_backend``'s kernel. Under
+        ``--torch_compile_mode reduce-overhead`` each step begins a new CUDA graph generation (the layer graphs'
+        forwards all run before their backwards, so graph trees would not start one by themselves)."""
+        if self.args.torch_compile and self.args.torch_compile_mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()
         with sdpa_backend_context(self.sdpa_backend, self.args.device):
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -389,8 +395,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # The only overrides of Trainer's private methods, each because no public hook exists for what it does (checked
     # against transformers 5.23; re-check them on every transformers upgrade):
     # - `_build_accelerator_args`: the Accelerator is built inside `Trainer.__init__` from `mixed_precision`; after
-    #   our own FP8 conversion accelerate must not convert again, and no argument or callback reaches that dict
-    #   (nor the dynamo plugin's `use_regional_compilation` and `dynamic`, which TrainingArguments has no field for).
+    #   our own FP8 conversion accelerate must not convert again, and after our own per-layer compile it must not
+    #   compile the whole model; no argument or callback reaches that dict.
     # - `_get_output_dir` + `_save_checkpoint`: Trainer writes `checkpoint-N` straight into `output_dir`; `on_save`
     #   callbacks run only after it is written, so an atomic write (stage, then one rename) has to move the folder
     #   Trainer writes into. `rotate_checkpoints` (public, `trainer_utils`) then rotates as Trainer would.
@@ -407,14 +413,12 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if self.fp8_report is not None and args.get("mixed_precision") == "fp8":
             logger.info("accelerate asked for fp8: converted once by SpiderTrainer (--fp8_layers filter); accelerate runs bf16")
             args["mixed_precision"] = "bf16"
-        if args.get("dynamo_plugin") is not None:
-            # --compile compiles regions (accelerate's compile_regions): each prelude, recurrent and coda layer and
-            # the other submodules on their own, the loops and the data-dependent segment count in eager Python
-            # between them, so a new segment count is a new shape for a few layer graphs, not a new whole-model graph
-            args["dynamo_plugin"].use_regional_compilation = True
-            for option, value in COMPILE_OPTIONS.items():  # dynamic shapes: one graph per region for every count
-                setattr(args["dynamo_plugin"], option, value)
-            configure_dynamo()
+        if self.args.torch_compile:
+            # --compile compiled the layers in __init__ (spider_training.compile); accelerate would compile the whole
+            # model again (TrainingArguments also sets ACCELERATE_DYNAMO_BACKEND, read when no plugin is given)
+            from accelerate.utils import TorchDynamoPlugin
+
+            args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
         return args
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -427,6 +431,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
             logger.info("%s: an older checkpoint's weights, rewritten in today's layout and names",
                         resume_from_checkpoint)
         self.accelerator.wait_for_everyone()
+        if self.args.torch_compile and load_compile_artifacts(resume_from_checkpoint):
+            logger.info("%s: compiled artifacts loaded (the layers compile from them)", resume_from_checkpoint)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
@@ -473,6 +479,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             name = f"checkpoint-{self.state.global_step}"
+            if self.args.torch_compile:  # a warm start for a resumed run and each of its ranks
+                save_compile_artifacts(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name))
             checkpointing.publish(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), os.path.join(run_dir, name))
             checkpointing.clear_staging(run_dir)
             if self.args.push_to_hub:

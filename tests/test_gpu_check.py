@@ -180,7 +180,7 @@ def requested_rows():
 
 def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
     """``spider_word_rate_compiled`` and ``spider_tk_train_recipe_compiled`` (on request): the word-rate model and
-    activation checkpointing under regional compilation, each timed with its eager twin's FLOPs, after the compiled
+    activation checkpointing compiled as ``--compile`` compiles, each timed with its eager twin's FLOPs, after the compiled
     row and before FP8's; the compiled FP8 rows (on request) last: Spider converted as ``--precision fp8`` with the
     row's recipe and ``--fp8_experts`` (emulated ``Float8Linear`` on CPU, where the experts stay in bf16 and the row
     says why; one row here, each costs a compilation), then compiled as ``--compile`` compiles, with the eager row's
@@ -193,15 +193,15 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
                                                        "spider_tk_train_recipe_compiled", "spider_fp8",
                                                        "spider_fp8_rowwise_compiled"]
     rows = {row["model"]: row for row in table["rows"]}
-    compiled = rows["spider_compiled"]  # as --compile compiles: dynamic shapes, the eager row's FLOPs
+    compiled = rows["spider_compiled"]  # as --compile compiles: the segment axis dynamic, the eager row's FLOPs
     assert compiled["compile_backend"] == "eager" and len(compiled["warmup_step_s"]) == 3
     assert compiled["flops_per_step"] == rows["spider"]["flops_per_step"] and compiled["aten_ops_per_step"] is None
     graphs = compiled["graphs_compiled_per_step"]  # the first warm-up step compiles; an eager row records nothing
     assert graphs["warmup"][0] > 0 and len(graphs["warmup"]) == 3 and len(graphs["timed"]) == 2, graphs
     assert "graphs_compiled_per_step" not in rows["spider"]
     assert "spider_compiled" in step_table.STEP_TABLE_MODELS  # a default row (test_cpu_run_of_every_part leaves it out)
-    automatic = rows["spider_compiled_automatic_dynamic"]  # torch's automatic dynamic shapes, not dynamic=True
-    assert automatic["compile_dynamic"] is None and rows["spider_compiled"]["compile_dynamic"] is True
+    automatic = rows["spider_compiled_automatic_dynamic"]  # torch's automatic dynamic shapes, no axis marked
+    assert automatic["compile_dynamic"] is None and rows["spider_compiled"]["compile_dynamic"] is False
     assert automatic["flops_per_step"] == rows["spider"]["flops_per_step"] and automatic["graphs_compiled_per_step"]
     rowwise = rows["spider_fp8_rowwise_compiled"]  # the row's recipe and --fp8_experts reach the conversion
     assert rowwise["fp8_recipe"] == "rowwise"
