@@ -230,7 +230,10 @@ class TrainStep:
         autocast_experts(model)
 
     def forward_backward(self):
-        """Forward with labels and backward; returns the model output."""
+        """Forward with labels and backward; returns the model output. Each call begins a new CUDA graph generation
+        (``torch.compiler.cudagraph_mark_step_begin``, as ``SpiderTrainer.training_step`` does under
+        ``reduce-overhead``): the compiled layers' forwards all run before their backwards."""
+        torch.compiler.cudagraph_mark_step_begin()
         autocast = (torch.autocast(self.input_ids.device.type, dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())
         with autocast, shared_weight_casts():

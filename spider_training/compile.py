@@ -19,8 +19,8 @@ same layers eagerly: a no-grad graph would be a second compile per kind for a fe
 decode step (``generation_spider``) passes a cache object per layer.
 
 Compile time and inductor's caches across runs (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary
-folder): :func:`configure_dynamo` sets what lets a warm cache serve every region (floats specialised from the first
-trace; autocast regions and torchao's FP8 autograd functions cacheable by AOTAutograd), and
+folder): :func:`configure_dynamo` sets what lets a warm cache serve every bf16 graph (floats specialised from the first
+trace; autocast regions cacheable by AOTAutograd; FP8 graphs come from inductor's FX graph cache only), and
 :func:`save_compile_artifacts` / :func:`load_compile_artifacts` carry the compiled artifacts beside a checkpoint
 (``torch.compiler.save_cache_artifacts``), so a resumed run, or each rank of a multi-GPU run, loads them instead of
 compiling (``SpiderTrainer`` does both).
@@ -52,11 +52,11 @@ COMPILE_ARTIFACTS_NAME = "compile_artifacts.bin"
 def configure_dynamo() -> None:
     """Set, for this process: dynamo's duck sizing off (``torch.fx.experimental._config.use_duck_shape``), so a
     dynamic dim keeps its own symbol when it happens to equal another's size; float arguments specialised from the
-    first trace
-    (``torch._dynamo.config.specialize_float``; Spider's are config constants, and a float traced as a symbol then
-    specialised made dynamo trace the frame twice), and AOTAutograd's cache allowed to hold autocast regions
-    (:data:`CACHEABLE_FUNCTIONS`; RMSNorm and the router turn autocast off) and custom autograd functions (torchao's
-    FP8 casts), so a warm cache serves every layer graph, bf16 and FP8."""
+    first trace (``torch._dynamo.config.specialize_float``; Spider's are config constants, and a float traced as a
+    symbol then specialised made dynamo trace the frame twice); and AOTAutograd's cache allowed to hold autocast
+    regions (:data:`CACHEABLE_FUNCTIONS`; RMSNorm and the router turn autocast off), so a warm cache serves every bf16
+    layer graph. FP8 layer graphs bypass AOTAutograd's cache (torchao's ``allow_in_graph`` autograd functions enter
+    the graph as a local closure that the cache cannot pickle); inductor's FX graph cache serves them."""
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config

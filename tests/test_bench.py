@@ -46,9 +46,15 @@ def test_quick_run_has_every_benchmark_with_measurements(quick_results):
         assert r["checks"], f"{name} has no target checks"
         for c in r["checks"]:
             # speed checks are positive ratios; quality's are differences in bits per byte (any sign, 0 included);
-            # a count (compile's graphs compiled after the first steps) may be 0
+            # a count (compile's graphs compiled after the first steps) may be 0, and so may an upper bound on a
+            # difference (compile's compiled-against-eager losses, equal under the quick mode's eager backend)
             signed = name == "quality" or c["metric"].startswith("count")
-            assert (_finite_number if signed else _positive_number)(c["measured"]), (name, c)
+            if name == "quality":
+                assert _finite_number(c["measured"]), (name, c)
+            elif signed or c["comparison"] == "<=":
+                assert _finite_number(c["measured"]) and c["measured"] >= 0, (name, c)
+            else:
+                assert _positive_number(c["measured"]), (name, c)
             assert _finite_number(c["target"]) and (signed or c["target"] > 0), (name, c)
             assert isinstance(c["met"], bool), (name, c)
             agrees = c["measured"] >= c["target"] if c["comparison"] == ">=" else c["measured"] <= c["target"]
