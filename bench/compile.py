@@ -5,11 +5,12 @@ hanging compilation cannot stall the whole run and dynamo's state starts empty. 
 inductor cache folder of its own (``TORCHINDUCTOR_CACHE_DIR``, new and empty for the first): **cold** (nothing
 cached) and **warm** (the first run's inductor and AOTAutograd caches on disk, as a second training run finds them).
 
-In each child: two Spider models with the same weights (preset ``preset``, fp32 as ``train_hf.py`` trains on a CPU),
+In each child: two Spider models with the same weights (preset ``preset``, or ``proxy_1b``: the 1b structure at the tiny
+widths; fp32 as ``train_hf.py`` trains on a CPU),
 one eager, one compiled as ``--compile`` compiles it (:func:`spider_training.compile.compile_model`: each layer kind
 one graph, the segment axis dynamic), each with its own AdamW on random bytes, a new batch (so a new segment axis)
-every step. Measured: the compiled model's first step (its compile included: the target), the graphs it compiled
-and the recompilations dynamo logged in the first step and after it (``compile_steps`` steps in all), the seconds per
+every step. Measured: the compiled model's first step (its compile included: the target), the graphs it compiled,
+the frames dynamo traced (``traced_frames``) and the recompilations it logged in the first step and after it (``compile_steps`` steps in all), the seconds per
 compile phase (``torch._dynamo.utils.compilation_time_metrics``: dynamo's tracing, AOTAutograd, inductor's code
 generation and C++/Triton compile, forward and backward), the cache hits, then ``repeats`` interleaved steady-state
 steps of both models: speedup = median eager step / median compiled step. ``eager_aten_ops_per_step`` counts the
@@ -54,22 +55,45 @@ PHASES = {"_compile.compile_inner": "dynamo_total", "bytecode_tracing": "dynamo_
 
 
 class _RecompileLog:
-    """Counts dynamo's "Recompiling function ..." log records and keeps their first reason."""
+    """Records dynamo's "Recompiling function ..." log records with their first reason, and every frame dynamo starts
+    tracing (the graph list: ``function file:line`` per trace)."""
 
     def __init__(self):
         import logging
 
-        self.step, self.events = 0, []
+        import torch
+
+        self.step, self.events, self.traced = 0, [], []
+        torch._logging.set_logs(recompiles=True, dynamo=logging.INFO)
         handler = logging.Handler(logging.DEBUG)
         handler.emit = self._emit
         logging.getLogger("torch._dynamo").addHandler(handler)
 
     def _emit(self, record):
         message = record.getMessage()
+        if "torchdynamo start tracing" in message:
+            where = message.split("start tracing", 1)[1].split()
+            self.traced.append({"step": self.step, "frame": f"{where[0]} {os.path.basename(where[1])}"})
         if "Recompiling function" in message:
             lines = message.splitlines()
             reason = next((line.strip() for line in lines if line.strip().startswith("- ")), "")
             self.events.append({"step": self.step, "function": lines[0].split()[2], "reason": reason[:200]})
+
+
+def build_model(preset: str):
+    """A seeded Spider model of `preset`, or of ``"proxy_1b"``: the 1b preset's depth and loops at the tiny preset's
+    widths (:func:`bench.diagnostics.proxy_1b_config`), to see what compiling costs at the 1b structure on a CPU."""
+    from bench.common import spider_model
+
+    if preset != "proxy_1b":
+        return spider_model(preset)
+    import torch
+
+    from bench.diagnostics import proxy_1b_config
+    from modeling_spider import SpiderForConditionalGeneration
+
+    torch.manual_seed(0)
+    return SpiderForConditionalGeneration(proxy_1b_config())
 
 
 def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: int, warmup: int,
@@ -79,13 +103,12 @@ def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: in
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.common import TrainStep, eager_aten_ops, graphs_compiled, random_bytes, spider_model, time_call
+    from bench.common import TrainStep, eager_aten_ops, graphs_compiled, random_bytes, time_call
     from spider_training.compile import compile_model
 
-    torch._logging.set_logs(recompiles=True)
     log = _RecompileLog()
-    eager_model = spider_model(preset)
-    compiled_model = compile_model(spider_model(preset), backend=backend)
+    eager_model, compiled_model = build_model(preset), build_model(preset)
+    compiled_model = compile_model(compiled_model, backend=backend)
     batches = [random_bytes(batch, seq_len, seed=i) for i in range(compile_steps + warmup + repeats)]
     eager, compiled = TrainStep(eager_model, batches[0]), TrainStep(compiled_model, batches[0])
     first, graphs_by_step, losses = [], [], {"eager": [], "compiled": []}
@@ -126,6 +149,7 @@ def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: in
         "first_compiled_steps_s": [round(t, 3) for t in first],
         "graphs_by_step": graphs_by_step,
         "recompiles": log.events,
+        "traced_frames": log.traced,
         "compile_phases_s": phases,
         "caches": caches,
         "median_s": median,

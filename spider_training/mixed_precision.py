@@ -19,7 +19,6 @@ too). With activation checkpointing the recompute in the backward casts afresh (
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -74,14 +73,15 @@ class _ExpertsWeightsIn:
 
 
 def _autocast_experts_forward(self, hidden_states: torch.Tensor, *args) -> torch.Tensor:
-    """The experts module's own forward, but under autocast its experts function (``config._experts_implementation``)
-    runs on `hidden_states` and weights in the autocast dtype. `self`: a ``SpiderExperts``."""
+    """The experts module's own forward (``_plain_forward``), but under autocast its experts function
+    (``config._experts_implementation``) runs on `hidden_states` and weights in the autocast dtype. `self`: a
+    ``SpiderExperts`` whose class :func:`autocast_experts` derived."""
     device_type = hidden_states.device.type
     function = None
     if autocast_enabled(device_type):
         function = ALL_EXPERTS_FUNCTIONS.get_interface(self.config._experts_implementation, None)
     if function is None:  # no autocast, or "eager" (F.linear, which autocast casts)
-        return type(self).forward(self, hidden_states, *args)
+        return self._plain_forward(hidden_states, *args)
     dtype = torch.get_autocast_dtype(device_type)
     weights = (self.gate_up_proj, self.down_proj)
     if all(w.dtype == dtype for w in weights) or any(type(w) not in (torch.Tensor, nn.Parameter) for w in weights):
@@ -89,15 +89,36 @@ def _autocast_experts_forward(self, hidden_states: torch.Tensor, *args) -> torch
     return function(_ExpertsWeightsIn(self, dtype), hidden_states.to(dtype), *args)
 
 
+#: experts class -> its autocast subclass (one per class, so every module of a class shares one forward)
+_AUTOCAST_CLASSES: dict[type, type] = {}
+
+
+def _autocast_class(cls: type) -> type:
+    """The subclass of experts class `cls` whose forward is :func:`_autocast_experts_forward`, made once per class
+    and named in this module (``AutocastSpiderExperts``, numbered for a second class of that name, e.g. a release's),
+    so its modules pickle and deep-copy. Its name still ends with ``SpiderExperts``."""
+    if cls not in _AUTOCAST_CLASSES:
+        name, n = f"Autocast{cls.__name__}", 1
+        while name in globals():
+            n += 1
+            name = f"Autocast{cls.__name__}{n}"
+        subclass = type(name, (cls,), {"forward": _autocast_experts_forward, "_plain_forward": cls.forward,
+                                       "__module__": __name__, "__qualname__": name})
+        globals()[name] = _AUTOCAST_CLASSES[cls] = subclass
+    return _AUTOCAST_CLASSES[cls]
+
+
 def autocast_experts(model: nn.Module) -> int:
     """Give every routed-experts module of `model` (``SpiderExperts``, also from a release loaded with
     ``trust_remote_code``, or under PEFT's parametrisation) the forward that runs under autocast in the autocast
-    dtype, its weights cast by :func:`cast_weight` (see the module docstring). Idempotent; the forward is a
-    ``functools.partial`` of a module-level function, so the model still pickles and deep-copies with it. Returns how
-    many modules were set."""
+    dtype, its weights cast by :func:`cast_weight` (see the module docstring): the module's class becomes a subclass
+    made once per class (:func:`_autocast_class`), so modules, names and ``state_dict`` stay as they were, the model
+    still pickles and deep-copies, and ``torch.compile`` sees one forward for every layer (a per-module forward would
+    be a guard on its identity: a graph per layer). Idempotent. Returns how many modules were set."""
     count = 0
     for module in model.modules():
         if type(module).__name__.endswith("SpiderExperts") and hasattr(module, "gate_up_proj"):
-            module.forward = functools.partial(_autocast_experts_forward, module)
+            if type(module) not in _AUTOCAST_CLASSES.values():
+                module.__class__ = _autocast_class(type(module))
             count += 1
     return count

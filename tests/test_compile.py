@@ -141,6 +141,34 @@ def test_layers_compile_one_graph_per_kind_for_every_segment_count():
     assert graphs == 2, graphs
 
 
+def test_layers_of_a_kind_share_one_graph_as_the_trainer_runs_them():
+    """Four recurrent layers (Engram in one), bf16 autocast and the trainer's autocast experts
+    (`spider_training.mixed_precision.autocast_experts`): still one graph per kind, 3 in all. The experts' forward is
+    one class's, not one per module: a per-module forward (as a `functools.partial` it was) made dynamo guard on its
+    identity and compile every recurrent layer apart (the 1b structure: 7 graphs, 5 recompilations)."""
+    from torch._dynamo.utils import counters
+
+    from spider_training.compile import compile_model
+    from spider_training.mixed_precision import autocast_experts, shared_weight_casts
+    from tests.helpers import tiny_model
+
+    model = tiny_model(seed=0, num_recurrent_layers=4, engram_layer_ids=[1]).train()
+    assert autocast_experts(model) == 4
+    ids = torch.randint(0, 256, (2, 32))
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        compile_model(model, backend="eager")
+        with torch.autocast("cpu", dtype=torch.bfloat16), shared_weight_casts():
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert graphs == 3, graphs
+    assert all(p.grad is not None for p in model.model.recurrent_block.layers[3].mlp.experts.parameters())
+
+
 def test_compiled_layers_keep_their_names_and_run_eagerly_without_gradients():
     """The layers are compiled in place: the same modules, `state_dict` keys and outputs; a forward without gradients
     (evaluation, generation) runs them eagerly and compiles nothing; `del layer.forward` undoes it."""
