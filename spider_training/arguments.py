@@ -25,7 +25,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .compile import compile_by_default
 from .data import is_hub_repo_id
-from .fp8 import FP8_LAYER_ALIASES, FP8_LAYER_FILTERS, canonical_fp8_layers
+from .fp8 import FP8_LAYER_ALIASES, FP8_LAYER_FILTERS, canonical_fp8_layers, resolve_precision
 from .fp8_moe import FP8_EXPERTS_MODES
 from .optim import DEFAULT_MUON_LR
 from .sdpa import check_sdpa_backend
@@ -110,7 +110,11 @@ class SpiderArguments:
         default=False, metadata={"help": "torch.compile the model's regions (sets torch_compile). Default: compiled on "
                                          "CUDA where the run is long enough to pay (spider_training.compile."
                                          "COMPILE_PAYS_AFTER_STEPS: a 1b run of 640+ steps), eager otherwise"})
-    no_compile: bool = field(default=False, metadata={"help": "never torch.compile (overrides the default)"})
+    no_compile: bool = field(default=False, metadata={"help": "never torch.compile (overrides the default; refused with "
+                                                                "FP8 on CUDA unless --allow_eager_fp8)"})
+    allow_eager_fp8: bool = field(
+        default=False, metadata={"help": "with --precision fp8 and --no_compile on CUDA: train FP8 eagerly anyway (for "
+                                         "testing; eager FP8 measured up to 14x slower than bf16 on an H200)"})
     resume: str | None = field(
         default=None, metadata={"help": "checkpoint folder to resume from (default: the newest complete one in ckpt_dir)"}
     )
@@ -361,10 +365,17 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         training["eval_steps"] = max(1, training["max_steps"] // 10)
     if spider.compile and spider.no_compile:
         raise ValueError("--compile and --no_compile contradict each other: give one")
+    fp8 = _cuda_available() and (spider.precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8"
+                                 or spider.precision == "auto" and resolve_precision("auto", spider.preset) == "fp8")
+    if spider.no_compile and fp8 and not spider.allow_eager_fp8:
+        raise ValueError(
+            "--precision fp8 with --no_compile: FP8 runs compiled (torchao's float8 gains are measured under "
+            "torch.compile; eagerly, separate amax and cast kernels per matmul made a 1b step up to 14x slower than "
+            "bf16 on an H200). Drop --no_compile, train in bf16, or pass --allow_eager_fp8 to run it eagerly anyway")
     if spider.no_compile:
         training["torch_compile"] = False
     elif not spider.compile and not training.get("torch_compile"):
-        compiled, why = compile_by_default(spider.preset, training["max_steps"], _cuda_available())
+        compiled, why = compile_by_default(spider.preset, training["max_steps"], _cuda_available(), fp8=fp8)
         training["torch_compile"] = compiled
         logger.info("--compile not given: %s", why)
     return spider, TrainingArguments(**training)
