@@ -205,11 +205,11 @@ def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str 
     """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it (each layer kind one graph;
     the loops, the segment count and the glue between the layers in eager Python), with ``torch.compile``'s `backend`
     and `mode` (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``: CUDA graphs per layer call)."""
-    return _compile_regions(build_on(lambda: spider_model(preset, **overrides), device), backend, mode,
+    return _compile_layers(build_on(lambda: spider_model(preset, **overrides), device), backend, mode,
                             **(compile_options or {}))
 
 
-def _compile_regions(model, backend: str, mode: str | None, **options) -> tuple[torch.nn.Module, dict]:
+def _compile_layers(model, backend: str, mode: str | None, **options) -> tuple[torch.nn.Module, dict]:
     """`model` compiled as ``--compile`` compiles it (:func:`spider_training.compile.compile_model`, with `options`
     over its defaults), after a dynamo reset; and what the row adds about it."""
     from spider_training.compile import COMPILE_OPTIONS, compile_model
@@ -224,7 +224,7 @@ def _fp8_compiled(converted: tuple[torch.nn.Module, dict], backend: str,
                   mode: str | None) -> tuple[torch.nn.Module, dict]:
     """A model converted by :func:`_spider_fp8`, compiled as ``--compile`` compiles it; both rows' notes."""
     model, extra = converted
-    model, compiled = _compile_regions(model, backend, mode)
+    model, compiled = _compile_layers(model, backend, mode)
     return model, {**extra, **compiled}
 
 
@@ -242,7 +242,7 @@ def _spider_tk_train_recipe(preset: str, device: torch.device, compile_backend: 
     autocast = str(autocast_dtype(device) or torch.float32).replace("torch.", "")
     extra = {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
     if compile_backend is not None:
-        model, compiled = _compile_regions(model, compile_backend, compile_mode)
+        model, compiled = _compile_layers(model, compile_backend, compile_mode)
         extra.update(compiled)
     return model, extra
 
