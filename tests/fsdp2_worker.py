@@ -10,7 +10,8 @@ output head, then the root).
 
 Every rank trains on its half of each global batch; every rank also trains an unsharded copy the way one process
 would on the same global batch (the mean of the two halves' losses, as DDP and FSDP average gradients), so the
-test compares the sharded loss curve against the single-process one. Results go to ``OUT_DIR/rank0.json``.
+test compares the sharded loss curve against the single-process one (and against activation checkpointing, emulated
+FP8 and ``--compile``'s compiled layers under FSDP2). Results go to ``OUT_DIR/rank0.json``.
 """
 
 from __future__ import annotations
@@ -169,6 +170,18 @@ def main(out_dir: str) -> None:
     fp8_release = gather_unsharded(fp8_model)  # strict load of the gathered FP8 weights into a plain model
     if rank == 0:
         result["fp8_release_plain"] = not any(type(m).__name__ == "Float8Linear" for m in fp8_release.modules())
+
+    # 6. --compile's layers (compiled in place, before sharding, as SpiderTrainer does before accelerate wraps the
+    #    model) under FSDP2: the sharding hooks run outside the compiled graphs; the same loss curve as uncompiled.
+    from torch._dynamo.utils import counters
+
+    from spider_training.compile import compile_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _, _ = shard(compile_model(make_model(), backend="eager"), world)
+    result["compiled_losses"], _ = train_sharded(compiled, data, STEPS)
+    result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
 
     if rank == 0:
         (out / "rank0.json").write_text(json.dumps(result, indent=1))

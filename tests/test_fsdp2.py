@@ -77,6 +77,17 @@ def test_fsdp2_sharded_checkpoint_resumes_the_same_curve(fsdp_run):
 
 
 @pytest.mark.slow
+def test_fsdp2_with_compiled_layers_gives_the_same_curve(fsdp_run):
+    """`--compile`'s layers (`spider_training.compile.compile_model`, dynamo's `eager` backend: its tracing and guards)
+    compiled before FSDP2 shards them: three graphs (byte, recurrent, recurrent with Engram) serve every step, and the
+    loss curve is the uncompiled sharded one."""
+    _, r = fsdp_run
+    assert r["compiled_graphs"] == 3, r["compiled_graphs"]
+    torch.testing.assert_close(torch.tensor(r["compiled_losses"]), torch.tensor(r["fsdp_losses"]),
+                               **_loss_tol(r["fsdp_losses"], len(r["fsdp_losses"])))
+
+
+@pytest.mark.slow
 def test_fsdp2_emulated_fp8_shards_and_trains(fsdp_run):
     """torchao Float8Linear weights become DTensors and train to the single-process curve. Emulated FP8 rounds to
     e4m3's 3 mantissa bits: a last-bit difference in a weight can move one quantised element by a whole e4m3 step
