@@ -3,10 +3,11 @@
 What is compiled: every prelude, coda and recurrent layer (``SpiderDecoderLayer``, ``SpiderRecurrentLayer``), in
 place, each traced whole (``fullgraph=True``). Layers of one kind share one graph: dynamo inlines ``nn.Module``\\s, so
 a layer's parameters are graph inputs and the layers differ only in them; a kind is a layer class, the recurrent
-layers holding Engram being a second recurrent kind. So a model compiles at most three graphs (forward and backward
-each), whatever its depth, and the loops re-run the recurrent graphs. The glue between the layers (embedding,
-boundary predictor, pooling and expansion, loop adapter, LTI injection, ACT step, head and loss) stays eager: a few
-dozen small ops, whose Python branches (a segment closed or not, the first loop) would each be a guard to recompile on.
+layers holding Engram being a second recurrent kind, and each kind is a compiled function of its own. So a model
+compiles three graphs (forward and backward each), whatever its depth, with no recompilation, and the loops re-run
+the recurrent graphs. The glue between the layers (embedding, boundary predictor, pooling and expansion, loop
+adapter, LTI injection, ACT step, head and loss) stays eager: a few dozen small ops, whose Python branches (a segment
+closed or not, the first loop) would each be a guard to recompile on.
 
 Shapes: the byte layers see the same `(B, L)` at every training step and compile static. The recurrent layers see a
 new segment count at almost every step (FlexiTokens' boundaries, padded to ``pad_segments_to_multiple_of``); that
@@ -92,13 +93,18 @@ def mark_segment_axis(hidden_states, position_embeddings, attention_mask, segmen
 
 def _byte_layer(layer, *args, **kwargs):
     """A ``SpiderDecoderLayer``'s forward (its class's, activation checkpointing included): the compiled frame of
-    the byte layers' kind."""
+    the byte layers' kind. Each kind has a function of its own, so each kind's graphs are one code object's cache
+    entries (dynamo's recompile limit counts per code object) and no kind's guards fail on another's layers."""
     return type(layer).forward(layer, *args, **kwargs)
 
 
 def _recurrent_layer(layer, *args, **kwargs):
-    """A ``SpiderRecurrentLayer``'s forward: the compiled frame of the recurrent kinds (with and without Engram), a
-    function of its own so its graphs count against dynamo's recompile limit apart from the byte layers'."""
+    """A ``SpiderRecurrentLayer``'s forward without Engram: the compiled frame of that kind."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def _engram_layer(layer, *args, **kwargs):
+    """A ``SpiderRecurrentLayer``'s forward with Engram: the compiled frame of that kind."""
     return type(layer).forward(layer, *args, **kwargs)
 
 
@@ -133,14 +139,15 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str |
                         "prelude_layers, coda_layers and recurrent_block")
     configure_dynamo()
     options = {**COMPILE_OPTIONS, **options}
-    byte_kind = torch.compile(_byte_layer, backend=backend, mode=mode, **options)
-    recurrent_kind = torch.compile(_recurrent_layer, backend=backend, mode=mode, **options)
+    byte_kind, recurrent_kind, engram_kind = (torch.compile(kind, backend=backend, mode=mode, **options)
+                                              for kind in (_byte_layer, _recurrent_layer, _engram_layer))
     # dynamic=True: every dim symbolic; None: torch's automatic dynamic shapes (the benchmarks' alternatives)
     mark = mark_segment_axis if options.get("dynamic") is False else None
     for layer in (*base.prelude_layers, *base.coda_layers):
         layer.forward = functools.partial(_training_call, byte_kind, None, layer)
     for layer in base.recurrent_block.layers:
-        layer.forward = functools.partial(_training_call, recurrent_kind, mark, layer)
+        kind = recurrent_kind if getattr(layer, "engram", None) is None else engram_kind
+        layer.forward = functools.partial(_training_call, kind, mark, layer)
     return model
 
 
