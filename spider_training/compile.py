@@ -108,6 +108,28 @@ def _engram_layer(layer, *args, **kwargs):
     return type(layer).forward(layer, *args, **kwargs)
 
 
+#: the compiled function of each layer kind, by name (what a pickled model names)
+_KINDS = {"byte": _byte_layer, "recurrent": _recurrent_layer, "engram": _engram_layer}
+
+
+class _CompiledKind:
+    """One layer kind's ``torch.compile``\d function, made at its first call; a compiled model pickles it as its
+    kind and options, so a copy (``torch.save(model)``, ``copy.deepcopy``) is compiled the same way. Dynamo keeps
+    its graphs per function, so copies share them."""
+
+    def __init__(self, kind: str, backend: str, mode: str | None, options: dict):
+        self.kind, self.backend, self.mode, self.options = kind, backend, mode, options
+        self._compiled = None
+
+    def __call__(self, *args, **kwargs):
+        if self._compiled is None:
+            self._compiled = torch.compile(_KINDS[self.kind], backend=self.backend, mode=self.mode, **self.options)
+        return self._compiled(*args, **kwargs)
+
+    def __reduce__(self):
+        return type(self), (self.kind, self.backend, self.mode, self.options)
+
+
 def _training_call(compiled, mark, layer, *args, **kwargs):
     """`layer`'s forward: `compiled` for a training call (gradients on, no cache), after `mark` marks its dynamic
     dims (None: none); the eager forward otherwise (evaluation, generation)."""
@@ -123,7 +145,8 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str |
     """Compile `model`'s layers in place, as ``--compile`` does (module docstring): :func:`configure_dynamo`, then
     each prelude, coda and recurrent layer's ``forward`` replaced by a call of its kind's ``torch.compile``\\d
     function (:data:`COMPILE_OPTIONS` updated by `options`, `backend`, `mode`), the recurrent layers' segment axis
-    marked dynamic. Module names, parameters and ``state_dict`` keys are unchanged (``del layer.forward`` undoes it).
+    marked dynamic. Module names, parameters and ``state_dict`` keys are unchanged (``del layer.forward`` undoes it),
+    and the model still pickles and deep-copies, compiled.
 
     Args:
         model: a ``SpiderForConditionalGeneration`` or ``SpiderModel`` (anything with ``prelude_layers``,
@@ -139,8 +162,7 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str |
                         "prelude_layers, coda_layers and recurrent_block")
     configure_dynamo()
     options = {**COMPILE_OPTIONS, **options}
-    byte_kind, recurrent_kind, engram_kind = (torch.compile(kind, backend=backend, mode=mode, **options)
-                                              for kind in (_byte_layer, _recurrent_layer, _engram_layer))
+    byte_kind, recurrent_kind, engram_kind = (_CompiledKind(kind, backend, mode, options) for kind in _KINDS)
     # dynamic=True: every dim symbolic; None: torch's automatic dynamic shapes (the benchmarks' alternatives)
     mark = mark_segment_axis if options.get("dynamic") is False else None
     for layer in (*base.prelude_layers, *base.coda_layers):

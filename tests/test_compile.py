@@ -201,6 +201,52 @@ def test_compiled_layers_keep_their_names_and_run_eagerly_without_gradients():
         assert layer.forward.__func__ is type(layer).forward
 
 
+GRAPH_CALLS = []
+
+
+def counting_backend(graph_module, example_inputs):
+    """A dynamo backend that runs the captured graph as it is and counts its calls (module-level: a compiled model
+    names its backend when pickled)."""
+    def run(*args):
+        GRAPH_CALLS.append(1)
+        return graph_module(*args)
+    return run
+
+
+def test_a_compiled_model_pickles_and_its_copy_trains_compiled(tmp_path):
+    """`torch.save(model)` of a compiled model (and `copy.deepcopy`) keeps it compiled: the copy's layers name their
+    kind, backend and options, not the process's compiled functions; its training forward runs the captured graphs
+    (one call per layer call), with the original's loss, and compiles no new graph."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from spider_training.compile import compile_model
+    from tests.helpers import tiny_model
+
+    ids = torch.randint(0, 256, (2, 24))
+    try:
+        torch._dynamo.reset()
+        model = compile_model(tiny_model(seed=0).train(), backend=counting_backend)
+        loss = model(ids, labels=ids).loss
+        counters.clear()
+        torch.save(model, tmp_path / "model.pt")
+        copies = [torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model)]
+        GRAPH_CALLS.clear()
+        losses = [c(ids, labels=ids).loss for c in copies]
+        graph_calls, new_graphs = len(GRAPH_CALLS), counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    for c, copied_loss in zip(copies, losses):
+        layer = c.model.recurrent_block.layers[0]
+        assert layer.forward.args[-1] is layer  # the copy's own layer
+        torch.testing.assert_close(copied_loss, loss, rtol=float_eps_tolerance(loss), atol=0)
+    layer_calls = len(model.model.prelude_layers) + len(model.model.coda_layers) + (
+        model.config.num_recurrent_layers * model.config.n_loops)
+    assert graph_calls == 2 * layer_calls, (graph_calls, layer_calls)
+    assert new_graphs == 0, new_graphs
+
+
 def float_eps_tolerance(value: torch.Tensor) -> float:
     """A relative tolerance for a loss the eager backend computes with the same ops in the same order, allowing
     dynamo's decompositions a few roundings: 64 ulps of the dtype."""
