@@ -59,7 +59,6 @@ def configure_dynamo() -> None:
     layer graph. FP8 layer graphs bypass AOTAutograd's cache (torchao's ``allow_in_graph`` autograd functions enter
     the graph as a local closure that the cache cannot pickle); inductor's FX graph cache serves them."""
     import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
 
@@ -68,8 +67,6 @@ def configure_dynamo() -> None:
     if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # not in older torch releases
         inductor_config.unsafe_marked_cacheable_functions = {
             **inductor_config.unsafe_marked_cacheable_functions, **dict.fromkeys(CACHEABLE_FUNCTIONS, torch.__version__)}
-    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch >= 2.10
-        functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def mark_segment_axis(hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
@@ -113,7 +110,7 @@ _KINDS = {"byte": _byte_layer, "recurrent": _recurrent_layer, "engram": _engram_
 
 
 class _CompiledKind:
-    """One layer kind's ``torch.compile``\d function, made at its first call; a compiled model pickles it as its
+    """One layer kind's ``torch.compile``\\d function, made at its first call; a compiled model pickles it as its
     kind and options, so a copy (``torch.save(model)``, ``copy.deepcopy``) is compiled the same way. Dynamo keeps
     its graphs per function, so copies share them."""
 
