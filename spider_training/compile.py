@@ -173,8 +173,13 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str |
 def save_compile_artifacts(folder: str | os.PathLike) -> str | None:
     """Write what this process compiled (``torch.compiler.save_cache_artifacts``: inductor's and AOTAutograd's
     cache entries, portable across machines with the same torch and GPU) to ``folder/compile_artifacts.bin``.
-    Returns the file's path, or None when nothing was compiled."""
-    artifacts = torch.compiler.save_cache_artifacts()
+    Returns the file's path, or None when nothing was compiled or torch could not serialise it (logged: the
+    checkpoint is written without it, and a resume compiles). Raises ``OSError`` when the file cannot be written."""
+    try:
+        artifacts = torch.compiler.save_cache_artifacts()
+    except Exception as error:  # noqa: BLE001 - an optional warm start must never fail a checkpoint
+        logger.warning("compiled artifacts not saved (%s: %s); a resume compiles afresh", type(error).__name__, error)
+        return None
     if artifacts is None or not artifacts[0]:
         return None
     path = os.path.join(folder, COMPILE_ARTIFACTS_NAME)

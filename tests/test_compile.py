@@ -382,3 +382,19 @@ def test_compiled_artifacts_travel_with_a_checkpoint_and_warm_a_resumed_run(tmp_
     finally:
         torch._dynamo.reset()
     assert warm.get("fxgraph_cache_hit", 0) >= 1 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+
+
+def test_a_compile_cache_that_cannot_be_serialised_leaves_the_checkpoint_without_it(tmp_path, monkeypatch, caplog):
+    """`save_compile_artifacts` inside a checkpoint save: when torch cannot serialise its caches (a test double for
+    `torch.compiler.save_cache_artifacts` raising), the checkpoint goes on without the file and says so; the run
+    compiles afresh on resume rather than losing the checkpoint."""
+    from spider_training.compile import COMPILE_ARTIFACTS_NAME, save_compile_artifacts
+
+    def failing_save():  # stands in for a torch-internal serialisation failure
+        raise RuntimeError("cannot serialise this cache entry")
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", failing_save)
+    with caplog.at_level(logging.WARNING, logger="spider_training.compile"):
+        assert save_compile_artifacts(tmp_path) is None
+    assert not (tmp_path / COMPILE_ARTIFACTS_NAME).exists()
+    assert any("cannot serialise this cache entry" in record.getMessage() for record in caplog.records)
