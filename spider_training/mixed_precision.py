@@ -118,7 +118,7 @@ def autocast_experts(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module).__name__.endswith("SpiderExperts") and hasattr(module, "gate_up_proj"):
-            if type(module) not in _AUTOCAST_CLASSES.values():
+            if not isinstance(module, tuple(_AUTOCAST_CLASSES.values())):  # also once PEFT subclassed it again
                 module.__class__ = _autocast_class(type(module))
             count += 1
     return count

@@ -32,8 +32,8 @@ does their job (the section says why for each):
 
 - ``_build_accelerator_args``: FP8 requested through accelerate's own config (``mixed_precision: fp8``) is done
   once, in ``__init__``, with tk-train.py's module filter; accelerate is then told bf16 so it does not convert again.
-  ``--compile`` (``torch_compile``) compiles the model's layers in ``__init__`` (:mod:`spider_training.compile`, one
-  graph per layer kind), so accelerate is given a dynamo plugin that compiles nothing more.
+  ``--compile`` (``torch_compile``) compiles the model's layers in ``__init__`` (:mod:`spider_training.compile`,
+  one graph per layer kind), so accelerate is given a dynamo plugin that compiles nothing more.
 - ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
   and the cause. With ``--compile`` a checkpoint also holds what was compiled (``compile_artifacts.bin``).
