@@ -24,7 +24,6 @@ routing, FSDP2 with float8 all-gather.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib
 import os
 import statistics
@@ -80,8 +79,9 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     reference = build_on(lambda: spider_model(preset), device)
     fp8 = copy.deepcopy(reference)
     # as --precision fp8 converts: the experts where the GPU has the FP8 grouped GEMM
-    report, experts = convert_for_fp8_training(fp8, recipe, layers, emulate=device.type != "cuda", device=device)
-    converted = report.converted + len(experts.converted_fqns)
+    report = convert_for_fp8_training(fp8, recipe, layers, emulate=device.type != "cuda", device=device)
+    experts = [fqn for fqn in report.converted if fqn.endswith(".experts")]
+    converted = len(report.converted)
     for model in (reference, fp8):  # the experts in bf16 under autocast, as the trainer runs them
         autocast_experts(model)
     ids = random_bytes(batch, length).to(device)
@@ -95,8 +95,7 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     ok = converted > 0 and rel <= FP8_LOSS_RTOL and cosine >= FP8_GRAD_COSINE
     reason = ""
     if converted == 0:
-        reason = f"no layer converted (--fp8_layers {layers}, experts: {sorted(set(experts.skipped.values()))}): " \
-                 "nothing compared"
+        reason = f"no layer converted (--fp8_layers {layers}): nothing compared\n{report.message}"
     elif not ok:
         reason = (f"loss rel. difference {rel:.4f} (max {FP8_LOSS_RTOL}) or gradient cosine {cosine:.3f} "
                   f"(min {FP8_GRAD_COSINE})")
@@ -104,8 +103,9 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     free_memory()
     return entry(name, "passed" if ok else "failed", reason,
                   device=str(device), emulated=device.type != "cuda", layers=layers,
-                  converted_layers=report.converted, converted_experts_modules=len(experts.converted_fqns),
-                  experts_skipped=sorted(set(experts.skipped.values())), shape=f"{batch}x{length}",
+                  converted_layers=converted - len(experts), converted_experts_modules=len(experts),
+                  experts_skipped=sorted({r for f, r in report.kept.items() if f.endswith(".experts")}),
+                  shape=f"{batch}x{length}",
                   loss_bf16=loss_ref, loss_fp8=loss_fp8, loss_rel_difference=rel, gradient_cosine=cosine,
                   step_s_bf16=step_bf16, step_s_fp8=step_fp8, speedup_bf16_over_fp8=step_bf16 / step_fp8,
                   note="CPU emulation: the step times are not FP8's" if device.type != "cuda" else "")
@@ -174,7 +174,7 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-    from spider_training.fp8 import build_float8_config, fp8_module_filter
+    from spider_training.fp8 import build_float8_config, keep_reason
 
     if not dist.is_initialized():
         dist.init_process_group("nccl")
@@ -186,9 +186,9 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
     curves = {}
     for all_gather in (False, True):
         model = spider_model(preset).to(device)
-        config = dataclasses.replace(build_float8_config("tensorwise", emulate=False),
-                                     enable_fsdp_float8_all_gather=all_gather)
-        convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
+        config = build_float8_config("tensorwise", emulate=False, fsdp_float8_all_gather=all_gather)
+        convert_to_float8_training(model, config=config,
+                                   module_filter_fn=lambda m, fqn: keep_reason(m, fqn, "tk_train") is None)
         for module in model.modules():
             if type(module).__name__ in type(model)._no_split_modules:
                 fully_shard(module)

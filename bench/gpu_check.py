@@ -23,6 +23,8 @@ The parts, in the order they run (most important first), and the module that say
   (``bench.training_runs``)
 - ``fp8_<recipe>_<preset>``, ``tile_kernels_moe``, ``fsdp2_fp8_all_gather``: FP8 against bf16, TileKernels against
   torch's MoE routing, FSDP2 with float8 all-gather (``bench.correctness``)
+- ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``bench.fp8_gemm``); its ``fp8_gemm_table`` is
+  what ``spider_training/fp8_gemm_table.json`` holds per GPU
 
 Time budget (``bench.parts``): ``--budget_s`` (460 s) is shared by the parts in that order, each capped by
 :data:`PART_CAPS_S` (``--part_cap step_table=400`` replaces one cap); a part that no longer fits is ``skipped`` with
@@ -48,6 +50,7 @@ import torch
 from bench.common import environment
 from bench.correctness import FP8_RECIPES, SHAPES, fp8_check, fsdp2_fp8_all_gather_check, tile_kernels_check
 from bench.diagnostics import attention_backends_check, host_syncs_check
+from bench.fp8_gemm import DEFAULT_BATCHES, fp8_gemm_check
 from bench.distributed import distributed_check
 from bench.parts import (MIN_PART_S, TIME_BUDGET, Deadline, PartTimeout, default_device, entry, error_reason,
                          free_memory, hard_limit)
@@ -55,13 +58,13 @@ from bench.step_table import (DEPRECATED_ROW_NAMES, STEP_TABLE_MODEL_CHOICES, ST
                               TK_TRAIN_RECIPE_SHAPE, step_table_check)
 from bench.training_runs import main_job_check, run_1b_check
 
-PARTS = ("main_job", "step_table", "host_syncs", "distributed", "attention_backends", "run_1b", "fp8",
+PARTS = ("main_job", "step_table", "host_syncs", "distributed", "attention_backends", "run_1b", "fp8", "fp8_gemm",
          "tile_kernels_moe", "fsdp2_fp8_all_gather")
 CHECKS = PARTS  # the name earlier versions used
 #: each part's largest time allowance in seconds (see bench.parts: "Time budget")
 PART_CAPS_S = {"main_job": 90, "step_table": 220, "host_syncs": 20, "distributed": 90, "attention_backends": 15,
                "run_1b": 150,
-               "fp8": 90, "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
+               "fp8": 90, "fp8_gemm": 150, "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
 DEFAULT_BUDGET_S = 460.0
 
 
@@ -136,6 +139,9 @@ def _part_functions(options, on_row=None) -> dict:
                                           deadline=d, experts_implementation=options.run_1b_experts or None,
                                           extra_args=tuple(options.run_1b_args))],
         "fp8": lambda d: _fp8_part(options, d),
+        "fp8_gemm": lambda d: [fp8_gemm_check(options.fp8_gemm_presets, options.fp8_gemm_batches,
+                                              repeats=options.step_repeats, backend=options.compile_backend,
+                                              deadline=d)],
         "tile_kernels_moe": lambda d: [tile_kernels_check()],
         "fsdp2_fp8_all_gather": lambda d: [fsdp2_fp8_all_gather_check()],
     }
@@ -252,8 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'")
     parser.add_argument("--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES),
                         help="presets of the FP8 comparison")
-    parser.add_argument("--fp8_layers", default=None, choices=("tk_train", "auto", "seed"),
-                        help="FP8 layer selection (spider_training.fp8); default: auto for 1b, tk_train for smaller presets; seed: deprecated name of tk_train")
+    parser.add_argument("--fp8_layers", default=None, choices=("tk_train", "auto"),
+                        help="FP8 layer selection (spider_training.fp8); default: auto for 1b, tk_train for smaller "
+                             "presets")
+    parser.add_argument("--fp8_gemm_presets", nargs="+", default=["1b"], choices=sorted(SHAPES),
+                        help="fp8_gemm: the presets whose GEMM shapes are timed (bench.fp8_gemm)")
+    parser.add_argument("--fp8_gemm_batches", nargs="+", type=parse_shape, default=list(DEFAULT_BATCHES),
+                        help="fp8_gemm: the micro-batches BATCHxBYTES whose GEMM shapes are timed")
     return parser
 
 

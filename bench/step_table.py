@@ -53,6 +53,7 @@
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
@@ -193,11 +194,15 @@ def _spider_fp8(preset: str, device: torch.device, recipe: str = "tensorwise",
     from spider_training.fp8 import convert_for_fp8_training
 
     model = build_on(lambda: spider_model(preset), device)
-    linear, experts = convert_for_fp8_training(model, recipe=recipe, experts=experts_mode,
-                                               emulate=device.type != "cuda", device=device)
-    return model, {"fp8_recipe": recipe, "fp8_linear_layers": linear.converted, "fp8_linear_skipped": linear.skipped_by_reason(),
-                   "fp8_experts_modules": len(experts.converted_fqns),
-                   "fp8_experts_skipped": sorted(set(experts.skipped.values()))}
+    report = convert_for_fp8_training(model, recipe=recipe, experts=experts_mode, emulate=device.type != "cuda",
+                                      device=device)
+    experts = [fqn for fqn in report.converted if fqn.endswith(".experts")]
+    kept_linear = [r for fqn, r in report.kept.items() if not fqn.endswith(".experts")]
+    return model, {"fp8_recipe": recipe, "fp8_linear_layers": len(report.converted) - len(experts),
+                   "fp8_linear_skipped": dict(collections.Counter(r.split(" at ")[0] for r in kept_linear)),
+                   "fp8_experts_modules": len(experts),
+                   "fp8_experts_skipped": sorted({r for fqn, r in report.kept.items() if fqn.endswith(".experts")}),
+                   "fp8_report": report.message}
 
 
 def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str | None = None,

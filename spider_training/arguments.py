@@ -16,6 +16,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -25,8 +26,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .compile import compile_by_default
 from .data import is_hub_repo_id
-from .fp8 import FP8_LAYER_ALIASES, FP8_LAYER_FILTERS, canonical_fp8_layers, resolve_precision
-from .fp8_moe import FP8_EXPERTS_MODES
+from .fp8 import FP8_EXPERTS_MODES, FP8_LAYER_FILTERS, resolve_precision
 from .optim import DEFAULT_MUON_LR
 from .sdpa import check_sdpa_backend
 
@@ -92,13 +92,19 @@ class SpiderArguments:
     fp8_recipe: str = field(default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"})
     fp8_layers: str = field(
         default="auto",
-        metadata={"help": "with fp8: auto (the linear layers where torchao's auto filter expects FP8 to gain) | tk_train "
-                  "(every layer tk-train.py converted; 'seed' is its deprecated name); the routed experts: --fp8_experts"},
+        metadata={"help": "with fp8: auto (each layer whose GEMM shape at this batch measured faster in FP8 on this "
+                  "GPU, --fp8_gemm_table; torchao's size filter on a GPU the table lacks) | tk_train (every layer "
+                  "tk-train.py converted); the routed experts: --fp8_experts"},
+    )
+    fp8_gemm_table: str | None = field(
+        default=None,
+        metadata={"help": "with fp8: the per-GEMM-shape timings that --fp8_layers auto reads (JSON from `python -m "
+                  "bench.gpu_check --only fp8_gemm`); default spider_training/fp8_gemm_table.json"},
     )
     fp8_experts: str = field(
         default="auto",
         metadata={"help": "with fp8: auto (the routed experts through torchao's FP8 grouped GEMM where the GPU has it, "
-                  "SM90 with triton; bf16 elsewhere, the log says why) | on (fail where it cannot run) | off"},
+                  "SM90 with triton, and it measured faster; bf16 elsewhere, the log says why) | on (fail where it cannot run) | off"},
     )
     sdpa_backend: str = field(
         default="auto",
@@ -311,9 +317,10 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
     if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
-    if spider.fp8_layers not in (*FP8_LAYER_FILTERS, *FP8_LAYER_ALIASES):
+    if spider.fp8_layers not in FP8_LAYER_FILTERS:
         raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}; got {spider.fp8_layers!r}")
-    spider.fp8_layers = canonical_fp8_layers(spider.fp8_layers)  # a deprecated name -> the current one (warned once)
+    if spider.fp8_gemm_table is not None and not Path(spider.fp8_gemm_table).is_file():
+        raise ValueError(f"--fp8_gemm_table {spider.fp8_gemm_table}: no such file")
     if spider.fp8_experts not in FP8_EXPERTS_MODES:
         raise ValueError(f"--fp8_experts must be one of {FP8_EXPERTS_MODES}; got {spider.fp8_experts!r}")
     if spider.reset_steps and not spider.resume:

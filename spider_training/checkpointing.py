@@ -19,7 +19,55 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+
 STAGING_DIRNAME = ".staging"
+
+
+#: a per-expert weight of older releases: prefix (ending in "experts."), expert index, projection
+PER_EXPERT_KEY = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `state_dict` with every per-expert group (``P.experts.{e}.gate_proj.weight`` etc.) fused into
+    ``modeling_spider.SpiderExperts``' ``P.experts.gate_up_proj`` `(E, 2I, D)` and ``down_proj`` `(E, D, I)`, other
+    keys in order (the ``load_state_dict`` counterpart of ``modeling_spider.per_expert_checkpoint_conversions``).
+
+    Raises:
+        ValueError: an incomplete group (an expert index or a projection missing), naming the prefix.
+    """
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        match = PER_EXPERT_KEY.match(key)
+        if match:
+            groups.setdefault(match["prefix"], {})[int(match["e"]), match["proj"]] = value
+    if not groups:
+        return dict(state_dict)
+    fused: dict[str, torch.Tensor] = {}
+    for prefix, weights in groups.items():
+        num_experts = 1 + max(e for e, _ in weights)
+        missing = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
+                   if (e, p) not in weights]
+        if missing:
+            raise ValueError(f"per-expert weights under {prefix!r} are incomplete: missing "
+                             + ", ".join(f"{prefix}{e}.{p}.weight" for e, p in missing[:5]))
+        fused[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]], dim=0) for e in range(num_experts)]
+        )
+        fused[prefix + "down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(num_experts)])
+    out, placed = {}, set()
+    for key, value in state_dict.items():
+        match = PER_EXPERT_KEY.match(key)
+        if not match:
+            out[key] = value
+        elif match["prefix"] not in placed:  # the fused pair takes the place of the group's first key
+            placed.add(match["prefix"])
+            out[match["prefix"] + "gate_up_proj"] = fused[match["prefix"] + "gate_up_proj"]
+            out[match["prefix"] + "down_proj"] = fused[match["prefix"] + "down_proj"]
+    return out
+
 
 
 class CheckpointWriteError(OSError):
@@ -173,8 +221,7 @@ def save_folder_atomically(final: str | os.PathLike, write) -> Path:
 
 def convert_older_checkpoint(folder: str | os.PathLike) -> bool:
     """Rewrite `folder`'s ``model.safetensors`` once in today's names when it holds an older checkpoint's: the
-    per-expert layout (``...experts.{e}.gate_proj.weight`` etc.; :func:`spider_training.moe_layout
-    .fuse_per_expert_state_dict`) fused, the segmentation's older names (``null_group``, ``down_norm``,
+    per-expert layout (``...experts.{e}.gate_proj.weight`` etc.; :func:`fuse_per_expert_state_dict`) fused, the segmentation's older names (``null_group``, ``down_norm``,
     ``upsample_norm``: ``conversion_spider.OLDER_SEGMENTATION_KEYS``) renamed, so that Trainer's resume, which reads the
     file with ``load_state_dict``, finds every weight. The new file replaces the old with one ``os.replace`` (a crash
     leaves the old file).
@@ -185,7 +232,6 @@ def convert_older_checkpoint(folder: str | os.PathLike) -> bool:
     from safetensors.torch import load_file, save_file
 
     from conversion_spider import OLDER_SEGMENTATION_KEYS
-    from spider_training.moe_layout import PER_EXPERT_KEY, fuse_per_expert_state_dict
 
     def older(key: str) -> bool:
         return bool(PER_EXPERT_KEY.match(key)) or any(re.search(old, key) for old in OLDER_SEGMENTATION_KEYS)

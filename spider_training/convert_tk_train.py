@@ -253,10 +253,10 @@ def _fuse_per_expert_weights(checkpoint_state: dict, targets: dict[str, str], mo
 
     Returns ``(state, targets, sources)``: `checkpoint_state` and `targets` (checkpoint key -> Spider key) with every complete
     per-expert group whose fused names the model has replaced by the two fused tensors
-    (``spider_training.moe_layout.fuse_per_expert_state_dict``) under entry names ``"fused:<spider key>"``; ``sources`` maps
+    (``spider_training.checkpointing.fuse_per_expert_state_dict``) under entry names ``"fused:<spider key>"``; ``sources`` maps
     each such entry to the checkpoint keys it was built from. Incomplete groups and groups the model has no fused names for
     are left as they are (reported as unmapped downstream)."""
-    from spider_training.moe_layout import PER_EXPERT_KEY, fuse_per_expert_state_dict
+    from spider_training.checkpointing import PER_EXPERT_KEY, fuse_per_expert_state_dict
 
     groups: dict[str, list[str]] = {}
     for checkpoint_key, target in targets.items():

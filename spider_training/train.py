@@ -83,6 +83,7 @@ def build_trainer(spider: SpiderArguments, args, model, *, callbacks: list | Non
         processing_class=SpiderTokenizer(), data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
         n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
         fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, fp8_experts=spider.fp8_experts,
+        fp8_gemm_table=spider.fp8_gemm_table,
         eval_windows=spider.eval_windows,
         max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
         muon_experts=spider.muon_experts, sdpa_backend=spider.sdpa_backend, callbacks=callbacks,

@@ -5,7 +5,7 @@ checkpoint rotation, resume with RNG state and data skipping, the progress bar, 
 overrides public, documented methods:
 
 - ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and the fused experts
-  to torchao's FP8 grouped GEMM where the GPU has it (:mod:`spider_training.fp8_moe`), and swaps in the TileKernels MoE
+  to torchao's FP8 grouped GEMM, each where it measured faster (:mod:`spider_training.fp8`), and swaps in the TileKernels MoE
   routing (:mod:`spider_training.tile_kernels_moe`) and runs the experts in the autocast dtype, their weights cast
   once per forward (:mod:`spider_training.mixed_precision`), before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
@@ -66,13 +66,14 @@ import time
 
 import torch
 from torch.utils.data import DataLoader, Subset
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
 from .compile import compile_model, load_compile_artifacts, save_compile_artifacts
 from .data import FirstWindows, StreamingTextDataset, make_dataloader
-from .fp8 import convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers
+from .fp8 import (convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers, is_float8_linear,
+                  precompute_fp8_scales)
 from .hub import HubPushMixin
 from .metrics import byte_nll, compute_bits_per_byte
 from .mixed_precision import autocast_experts, shared_weight_casts
@@ -125,6 +126,15 @@ def training_loop_count(n_loops: int, extra_train_loops: int, seed: int, step: i
     return counts[int(torch.randint(0, len(counts), (), generator=generator))]
 
 
+class PrecomputeFp8ScalesCallback(TrainerCallback):
+    """After each optimizer step under FSDP2 float8 all-gather: every ``Float8Linear`` weight's scale in one
+    all-reduce (:func:`spider_training.fp8.precompute_fp8_scales`, torchtitan's post-optimizer hook)."""
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            precompute_fp8_scales(model)
+
+
 class SpiderTrainer(HubPushMixin, Trainer):
     """Trainer for :class:`SpiderForConditionalGeneration`.
 
@@ -138,11 +148,13 @@ class SpiderTrainer(HubPushMixin, Trainer):
             resumed run draws what the uninterrupted one would. 0 (default): always ``n_loops``.
         precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see :func:`spider_training.fp8.resolve_precision`).
         fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``.
-        fp8_layers: which linear layers ``precision="fp8"`` converts: ``"auto"`` (default; where torchao's filter
-            expects a gain) or ``"tk_train"`` (every layer tk-train.py converted); see :mod:`spider_training.fp8`.
+        fp8_layers: which layers ``precision="fp8"`` converts: ``"auto"`` (default; where the GEMM table measured FP8
+            faster for the layer's shape at this micro-batch, ``args.per_device_train_batch_size`` windows of the
+            train dataset's ``seq_len``) or ``"tk_train"`` (every layer tk-train.py converted); see
+            :mod:`spider_training.fp8`.
         fp8_experts: what ``precision="fp8"`` does to the routed experts: ``"auto"`` (default; torchao's FP8 grouped
-            GEMM where this GPU has it, bf16 elsewhere), ``"on"`` (raise where it cannot run) or ``"off"``; see
-            :func:`spider_training.fp8_moe.convert_experts_for_training`.
+            GEMM where this GPU has it and it measured faster), ``"on"`` (raise where it cannot run) or ``"off"``.
+        fp8_gemm_table: the GEMM table's path (None: the committed ``spider_training/fp8_gemm_table.json``).
         eval_windows: held-out windows scored by :meth:`evaluate` (rounded up to whole eval batches).
         tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
             ``tile_kernels`` when CUDA is available.
@@ -165,8 +177,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
             :data:`spider_training.sdpa.VALUE_PADDED_SDPA`), ``"efficient"`` or ``"math"``.
 
     Attributes:
-        fp8_report: the :class:`spider_training.fp8.Fp8Report` of the linear layers' conversion, or None (not FP8).
-        fp8_experts_report: the :class:`spider_training.fp8_moe.Fp8ExpertsReport` of the experts, or None (not FP8).
+        fp8_report: the :class:`spider_training.fp8.Fp8Report` (linear layers and experts), or None (not FP8).
         nonfinite_guard: the :class:`NonFiniteGuardCallback` (``skipped_steps``, ``skipped_at``).
         stop_callback: the :class:`StopOnSignalCallback` (``received``, ``stopped_at_step``), or None.
 
@@ -178,7 +189,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
     """
 
     def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
-                 fp8_layers="auto", fp8_experts="auto", eval_windows=64, tile_kernels_module=None,
+                 fp8_layers="auto", fp8_experts="auto", fp8_gemm_table=None, eval_windows=64, tile_kernels_module=None,
                  max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
                  muon_lr=0.0, muon_experts=False, hub_endpoint=None, sdpa_backend="auto", lr_scale_of=None,
                  train_loop_counts=None, **kwargs):
@@ -199,11 +210,10 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.train_loop_counts = tuple(train_loop_counts) if train_loop_counts else None
         self.precision = precision
         self.eval_windows = eval_windows
-        self.fp8_report = self.fp8_experts_report = None
+        self.fp8_report = None
         if precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":
-            self.fp8_report, self.fp8_experts_report = convert_for_fp8_training(
-                model, fp8_recipe, fp8_layers, fp8_experts, device=args.device if args is not None else None)
-            self.precision = "fp8"
+            self.precision = self._convert_to_fp8(model, args, kwargs.get("train_dataset"), fp8_recipe, fp8_layers,
+                                                  fp8_experts, fp8_gemm_table)
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
         autocast_experts(model)  # under autocast: grouped GEMM in bf16, the experts' weights cast once per forward
@@ -217,6 +227,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if self.muon_lr and self.is_fsdp_enabled:
             raise ValueError(f"muon_lr={self.muon_lr} with FSDP: FSDP's sharded optimizer checkpoints expect one "
                              "torch optimizer's state; train with muon_lr=0 (--muon_lr 0)")
+        if getattr(self, "_fp8_scales_callback", None) is not None:
+            self.add_callback(self._fp8_scales_callback)
         self.nonfinite_guard = NonFiniteGuardCallback(max_consecutive_nonfinite)
         self.add_callback(self.nonfinite_guard)
         self.stop_callback = StopOnSignalCallback(stop_signals) if stop_signals else None
@@ -226,6 +238,26 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self._metric_count = 0
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
+
+    def _convert_to_fp8(self, model, args, train_dataset, recipe, layers, experts, gemm_table) -> str:
+        """FP8 where it pays at this run's micro-batch (:func:`spider_training.fp8.convert_for_fp8_training`); under
+        FSDP2 with tensorwise scales the weights are all-gathered in float8, their scales precomputed after each
+        optimizer step. Returns the precision the run trains in: ``"fp8"``, or, when no layer pays, the high precision
+        with a warning citing the table."""
+        fsdp = bool(args is not None and args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        all_gather = fsdp and recipe == "tensorwise" and torch.cuda.is_available()
+        self.fp8_report = convert_for_fp8_training(
+            model, recipe, layers, experts, device=args.device if args is not None else None,
+            batch_size=args.per_device_train_batch_size if args is not None else None,
+            seq_len=getattr(train_dataset, "seq_len", None), gemm_table=gemm_table, fsdp_float8_all_gather=all_gather)
+        if not self.fp8_report.converted:
+            high = "bf16" if args is not None and args.bf16 else "fp32"
+            logger.warning("--precision fp8: FP8 pays for no layer here (%s); training in %s", self.fp8_report.source,
+                           high)
+            return high
+        if all_gather and any(is_float8_linear(m) for m in model.modules()):
+            self._fp8_scales_callback = PrecomputeFp8ScalesCallback()
+        return "fp8"
 
     # --- optimizer -----------------------------------------------------------------------------------------------
 

@@ -156,14 +156,14 @@ def main(out_dir: str) -> None:
     result["checkpointed_losses"], _ = train_sharded(checkpointed, data, STEPS)
 
     # 5. Emulated FP8 (torchao Float8Linear) shards and trains; one process on the same batches for comparison.
-    from spider_training.fp8 import convert_model_to_fp8
+    from spider_training.fp8 import convert_for_fp8_training
 
     fp8_reference = make_model()
-    report = convert_model_to_fp8(fp8_reference, emulate=True, layers="tk_train")
+    report = convert_for_fp8_training(fp8_reference, emulate=True, layers="tk_train")
     fp8_model = copy.deepcopy(fp8_reference)
     fp8_model, _, _ = shard(fp8_model, world)
     float8 = [m for m in fp8_model.modules() if type(m).__name__ == "Float8Linear"]
-    result["fp8_converted"] = report.converted
+    result["fp8_converted"] = len(report.converted)
     result["fp8_dtensor_weights"] = sum(isinstance(m.weight, DTensor) for m in float8)
     result["fp8_losses"], _ = train_sharded(fp8_model, data, STEPS)
     result["fp8_reference_losses"] = train_reference(fp8_reference, data[:STEPS], world)

@@ -25,7 +25,6 @@ from modeling_spider import (
     expand_segments,
     pool_segments,
 )
-from spider_training import moe_layout
 from tests.helpers import float_tol, model_terms, tiny, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -228,30 +227,6 @@ def test_topk_ties_go_to_smaller_index():
     got = SpiderMoEKernels.topk_gate(scores, 2).tolist()
     ref = [sorted(range(32), key=lambda e: (-row[e], e))[:2] for row in scores.tolist()]
     assert got == ref
-
-
-def test_fused_mapping_layout():
-    topk_idx = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])
-    for alignment in (1, 4):
-        m = moe_layout.get_fused_mapping(topk_idx, 3, alignment)
-        counts = [3, 2, 3]
-        padded = [(c + alignment - 1) // alignment * alignment for c in counts]
-        assert m.num_tokens_per_expert.tolist() == padded
-        for t in range(4):
-            for j in range(2):
-                pos = int(m.token_topk_to_pos[t, j])
-                assert int(m.pos_to_expert[pos]) == int(topk_idx[t, j])
-                assert int(m.pos_to_token[pos]) == t and int(m.pos_to_token_topk[pos]) == t * 2 + j
-                e = int(topk_idx[t, j])
-                assert int(m.expert_start[e]) <= pos < int(m.expert_end[e])
-        assert int((m.pos_to_expert >= 0).sum()) == 8
-        x = torch.randn(4, 5)
-        fused = moe_layout.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert)
-        assert torch.equal(fused[m.pos_to_expert < 0], torch.zeros(int((m.pos_to_expert < 0).sum()), 5))
-        w = torch.rand(4, 2)
-        torch.testing.assert_close(
-            moe_layout.reduce_fused(fused, w, m.token_topk_to_pos), x * w.sum(1, keepdim=True)
-        )
 
 
 def per_expert_mlps(moe: SpiderMoE) -> list[SpiderMLP]:

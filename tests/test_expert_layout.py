@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from modeling_spider import SpiderForConditionalGeneration
 from spider_training.checkpointing import convert_older_checkpoint
-from spider_training.moe_layout import fuse_per_expert_state_dict
+from spider_training.checkpointing import fuse_per_expert_state_dict
 from tests.helpers import per_expert_state_dict, tiny_model
 
 

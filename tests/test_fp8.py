@@ -1,7 +1,10 @@
-"""Tests of spider_training.fp8: torchao Float8Linear conversion of Spider (seed tk-train.py configure_fp8_training),
-precision resolution (seed detect_precision_mode) and checkpoints of FP8-trained models. CPU: emulate mode."""
+"""Tests of spider_training.fp8: torchao Float8Linear conversion of Spider (tk-train.py's configure_fp8_training), the
+choice per layer from the measured GEMM table, precision resolution (detect_precision_mode) and checkpoints of
+FP8-trained models. CPU: emulate mode."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -15,11 +18,14 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training import fp8  # noqa: E402
 from spider_training.fp8 import (  # noqa: E402
-    ao_recipe_kwargs,
+    build_float8_config,
+    convert_for_fp8_training,
     convert_fp8_to_plain,
-    convert_model_to_fp8,
-    fp8_module_filter,
     fp8_to_plain_state_dict,
+    gemm_shapes,
+    keep_reason,
+    load_gemm_table,
+    measured_speedup,
     resolve_precision,
 )
 from tests.helpers import tiny_model, train_step  # noqa: E402
@@ -29,13 +35,17 @@ TK_TRAIN_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layern
                        "lm_head", "halt_predictor", "router"]
 
 
-
 def pin_boundaries(model, logit: float = 4.0):
     """Make every byte close a segment with probability sigmoid(`logit`), whatever the prelude computes."""
     with torch.no_grad():
         model.model.flexitokens.boundary_predictor.out_proj.weight.zero_()
         model.model.flexitokens.boundary_predictor.out_proj.bias.fill_(logit)
     return model
+
+
+def convert_tk_train(model, recipe="tensorwise", **kwargs):
+    """``--precision fp8 --fp8_layers tk_train`` on this CPU: every layer tk-train.py converted, emulated."""
+    return convert_for_fp8_training(model, recipe=recipe, layers="tk_train", emulate=True, **kwargs)
 
 
 def loss_and_grads(model, input_ids, seed=1):
@@ -54,15 +64,19 @@ def input_ids():
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_filter_rules():
-    assert fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.shared_experts.up_proj")
-    assert not fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.post_attention_layernorm.proj")
-    assert not fp8_module_filter(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.router")
-    assert not fp8_module_filter(nn.Linear(30, 48), "model.recurrent_block.layers.0.mlp.shared_experts.up_proj")
-    assert not fp8_module_filter(nn.Linear(32, 40), "model.recurrent_block.layers.0.mlp.shared_experts.up_proj")
-    assert not fp8_module_filter(nn.Conv1d(32, 32, 3), "model.recurrent_block.layers.0.conv")
-    already = Float8Linear.from_float(nn.Linear(32, 32), config=fp8.build_float8_config("tensorwise", emulate=True))
-    assert not fp8_module_filter(already, "model.recurrent_block.layers.0.self_attn.o_proj")
+def test_keep_rules():
+    shared = "model.recurrent_block.layers.0.mlp.shared_experts.up_proj"
+    assert keep_reason(nn.Linear(32, 48), shared) is None
+    assert keep_reason(nn.Linear(32, 48), "model.recurrent_block.layers.0.post_attention_layernorm.proj") == \
+        "name contains 'layernorm'"
+    assert keep_reason(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.router") == "name contains 'router'"
+    assert keep_reason(nn.Linear(30, 48), shared) == "30 x 48 not divisible by 16"
+    assert keep_reason(nn.Linear(32, 40), shared) == "32 x 40 not divisible by 16"
+    assert keep_reason(nn.Conv1d(32, 32, 3), "model.recurrent_block.layers.0.conv") == "not a plain nn.Linear"
+    already = Float8Linear.from_float(nn.Linear(32, 32), config=build_float8_config("tensorwise", emulate=True))
+    assert keep_reason(already, "model.recurrent_block.layers.0.self_attn.o_proj") == "not a plain nn.Linear"
+    with pytest.raises(ValueError, match="--fp8_layers must be one of"):
+        keep_reason(nn.Linear(32, 48), shared, layers="seed")  # tk-train.py's old name, no longer accepted
 
 
 def test_converts_exactly_the_intended_modules():
@@ -72,21 +86,18 @@ def test_converts_exactly_the_intended_modules():
         fqn for fqn, m in linears.items()
         if not any(word in fqn for word in TK_TRAIN_SKIP_WORDS) and m.in_features % 16 == 0 and m.out_features % 16 == 0
     }
-    report = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="tk_train")
+    report = convert_tk_train(model)
     converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    skipped_words = {}  # first tk-train.py skip word in each skipped layer's name (the tiny preset's dims all divide by 16)
-    for fqn in set(linears) - expected:
-        word = next(w for w in TK_TRAIN_SKIP_WORDS if w in fqn)
-        skipped_words[word] = skipped_words.get(word, 0) + 1
-    assert converted == expected == set(report.converted_fqns)
-    assert report.converted == len(expected) and report.linear_total == len(linears)
-    assert not report.already_converted and report.recipe == "tensorwise" and report.emulate is True
-    assert report.message == (
-        f"FP8: converted {len(expected)} of {len(linears)} linear layers (recipe=tensorwise, emulate=True, "
-        f"layers=tk_train); left in high precision: " + ", ".join(
-            f"{n} name contains {w!r}" for w, n in sorted(skipped_words.items(), key=lambda kv: f"name contains {kv[0]!r}"))
-    )
-    assert set(report.skipped) == set(linears) - expected
+    assert converted == expected == set(report.converted)
+    assert set(report.kept) == (set(linears) - expected) | {
+        f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(model.config.num_recurrent_layers)}
+    assert report.recipe == "tensorwise" and report.layers == "tk_train"
+    assert all(m.config.emulate and m.config.pad_inner_dim for m in model.modules() if isinstance(m, Float8Linear))
+    # the message: one line per layer group, counts and reasons
+    lines = report.message.splitlines()
+    assert lines[0] == "FP8 (tensorwise, --fp8_layers tk_train, tk-train.py's layers):"
+    assert "  byte layers: converted 16 of 16" in lines
+    assert any(line.startswith("  routed experts: converted 0 of 2; kept: 2 needs CUDA") for line in lines)
 
     cfg = model.config
     for layer in range(cfg.num_recurrent_layers):
@@ -105,34 +116,18 @@ def test_converts_exactly_the_intended_modules():
                  "model.recurrent_block.halt_predictor",
                  "model.recurrent_block.layers.1.engram.key_proj", "model.recurrent_block.layers.1.engram.value_proj"):
         assert kept in linears and kept not in converted
-    # 64x64, 16-divisible: skipped by name alone
-    assert report.skipped["model.flexitokens.boundary_predictor.dense"] == "name contains 'boundary_predictor'"
-    assert report.skipped["model.recurrent_block.layers.1.engram.key_proj"] == "name contains 'engram'"
-
-
-def test_deprecated_layers_name_seed_still_converts_the_tk_train_layers(caplog):
-    """``--fp8_layers seed`` (the old name of ``tk_train``) converts the same layers, reports ``tk_train`` and warns
-    once per process that it is deprecated."""
-    from spider_training import fp8 as fp8_module
-
-    fp8_module._warned_layer_aliases.discard("seed")
-    new = convert_model_to_fp8(tiny_model(), emulate=True, layers="tk_train")
-    with caplog.at_level("WARNING", logger="spider_training.fp8"):
-        old = convert_model_to_fp8(tiny_model(), emulate=True, layers="seed")
-        convert_model_to_fp8(tiny_model(), emulate=True, layers="seed")
-    assert old.converted == new.converted and old.skipped == new.skipped and old.layers == "tk_train"
-    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert warnings == ["--fp8_layers seed is deprecated; use --fp8_layers tk_train (the same layers)"]
+    # 64x64, 16-divisible: kept by name alone
+    assert report.kept["model.flexitokens.boundary_predictor.dense"] == "name contains 'boundary_predictor'"
+    assert report.kept["model.recurrent_block.layers.1.engram.key_proj"] == "name contains 'engram'"
 
 
 def test_emulate_default_follows_cuda_availability():
     model = tiny_model()
-    report = convert_model_to_fp8(model, layers="tk_train")
-    assert report.emulate is (not torch.cuda.is_available())
+    convert_for_fp8_training(model, layers="tk_train")
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
-    assert layers and all(m.config.emulate is report.emulate and m.config.pad_inner_dim for m in layers)
-    with pytest.raises(ValueError, match="unknown FP8 recipe"):
-        convert_model_to_fp8(tiny_model(), recipe="axiswise", layers="tk_train")
+    assert layers and all(m.config.emulate is (not torch.cuda.is_available()) for m in layers)
+    with pytest.raises(ValueError, match="--fp8_recipe must be one of"):
+        convert_tk_train(tiny_model(), recipe="axiswise")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -147,8 +142,8 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
     reference = pin_boundaries(tiny_model())
     ref_loss, ref_grads = loss_and_grads(reference, input_ids)
     model = pin_boundaries(tiny_model())
-    report = convert_model_to_fp8(model, recipe=recipe, emulate=True, layers="tk_train")
-    assert report.recipe == recipe and report.converted > 0
+    report = convert_tk_train(model, recipe=recipe)
+    assert report.recipe == recipe and report.converted
     loss, grads = loss_and_grads(model, input_ids)
     assert torch.isfinite(loss)
     # FP8 rounding (e4m3: 3 mantissa bits) moves the loss only slightly on a freshly initialised model (measured:
@@ -166,41 +161,26 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
 
 def test_double_conversion_is_a_noop(input_ids):
     model = tiny_model()
-    first = convert_model_to_fp8(model, recipe="rowwise", emulate=True, layers="tk_train")
+    first = convert_tk_train(model, recipe="rowwise")
     modules_before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    second = convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="tk_train")
+    second = convert_tk_train(model, recipe="tensorwise")
     modules_after = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    assert second.already_converted and second.converted == first.converted
-    assert second.recipe == "rowwise"  # recovered from the existing layers' config
-    assert modules_before.keys() == modules_after.keys()
+    assert second.converted == first.converted and modules_before.keys() == modules_after.keys()
     assert all(modules_before[k] is modules_after[k] for k in modules_before)
-    assert "already converted" in second.message
+    assert all(m.config.cast_config_weight.scaling_granularity.value == "axiswise" for m in modules_after.values())
     loss, _ = loss_and_grads(model, input_ids)
     assert torch.isfinite(loss)
 
 
-def test_accelerate_ao_path_and_ours_do_not_convert_twice():
+def test_accelerate_converted_first_is_left_alone():
     from accelerate.utils.ao import convert_model_to_fp8_ao  # what Accelerator.prepare calls for fp8 / AO
 
-    # accelerate first (its default filter and config), then ours: ours detects it and leaves it alone
     model = tiny_model()
     convert_model_to_fp8_ao(model, config=Float8LinearConfig(emulate=True, pad_inner_dim=True))
     converted = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    report = convert_model_to_fp8(model, emulate=True, layers="tk_train")
-    assert report.already_converted and set(report.converted_fqns) == set(converted)
-    assert all(m is converted[fqn] for fqn, m in model.named_modules() if isinstance(m, Float8Linear))
-
-    # ours first, then accelerate's pass with ao_recipe_kwargs: the filter rejects Float8Linear, nothing changes
-    model = tiny_model()
-    ours = convert_model_to_fp8(model, emulate=True, layers="tk_train")
-    before = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    kwargs = ao_recipe_kwargs("tensorwise", emulate=True)
-    assert kwargs.config.emulate is True and kwargs.config.pad_inner_dim is True
-    assert kwargs.config.enable_fsdp_float8_all_gather is False
-    convert_model_to_fp8_ao(model, config=kwargs.config, module_filter_func=kwargs.module_filter_func)
-    after = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    assert before.keys() == after.keys() == set(ours.converted_fqns)
-    assert all(before[k] is after[k] for k in before)
+    report = convert_tk_train(model)
+    assert set(converted) <= set(report.converted)
+    assert all(m is converted[fqn] for fqn, m in model.named_modules() if fqn in converted)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -214,8 +194,8 @@ def test_fused_experts_stay_high_precision_on_their_implementation(implementatio
     experts_implementation (no switch is needed any more: with per-expert Linears, converting them forced
     grouped_mm to "sorted"), and a training step gives them gradients."""
     model = tiny_model(experts_implementation=implementation)
-    report = convert_model_to_fp8(model, emulate=True, layers="tk_train")
-    assert report.converted > 0 and model.config._experts_implementation == implementation
+    report = convert_tk_train(model)
+    assert report.converted and model.config._experts_implementation == implementation
     for layer in model.model.recurrent_block.layers:
         experts = layer.mlp.experts
         assert type(experts.gate_up_proj) is nn.Parameter and type(experts.down_proj) is nn.Parameter
@@ -233,7 +213,7 @@ def test_fused_experts_stay_high_precision_on_their_implementation(implementatio
 def test_converted_checkpoint_loads_into_plain_model(tmp_path, input_ids):
     plain_reference = tiny_model()
     model = tiny_model()
-    convert_model_to_fp8(model, emulate=True, layers="tk_train")
+    convert_tk_train(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_and_grads(model, input_ids)
     optimizer.step()  # weights now differ from the initialisation
@@ -261,13 +241,10 @@ def test_converted_checkpoint_loads_into_plain_model(tmp_path, input_ids):
 
 
 def test_fsdp_float8_all_gather_weights_save_through_plain_state_dict(tmp_path):
-    from accelerate.utils.ao import convert_model_to_fp8_ao
-
     model = tiny_model()
-    # accelerate's default AORecipeKwargs config turns on FSDP float8 all-gather: weights become wrapper subclasses
-    config = Float8LinearConfig(emulate=True, pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
-    convert_model_to_fp8_ao(model, config=config)
-    assert any(type(t) is not torch.Tensor for t in model.state_dict().values())
+    # FSDP2 float8 all-gather: the Float8Linear weights become torchao's wrapper subclasses
+    report = convert_tk_train(model, fsdp_float8_all_gather=True)
+    assert report.converted and any(type(t) is not torch.Tensor for t in model.state_dict().values())
     plain = fp8_to_plain_state_dict(model)
     assert all(type(t) in (torch.Tensor, nn.Parameter) for t in plain.values())
     model.save_pretrained(tmp_path, state_dict=dict(plain))  # save_pretrained empties the dict it is given
@@ -276,6 +253,8 @@ def test_fsdp_float8_all_gather_weights_save_through_plain_state_dict(tmp_path):
     assert all(torch.equal(loaded[k], plain[k]) for k in plain)
     swapped = convert_fp8_to_plain(model)
     assert swapped > 0 and all(type(p) is nn.Parameter for p in model.parameters())
+    with pytest.raises(ValueError, match="all-gather needs --fp8_recipe tensorwise"):
+        convert_tk_train(tiny_model(), recipe="rowwise", fsdp_float8_all_gather=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -323,42 +302,132 @@ def test_the_recorded_h200_measurement_keeps_bf16():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# --fp8_layers auto: torchao's own filter
+# --fp8_layers auto: the measured GEMM table, torchao's size filter where none is measured
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_auto_layers_follow_torchaos_filter_on_the_1b_preset():
-    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
-
+@pytest.fixture(scope="module")
+def model_1b():
     from configuration_spider import SpiderConfig
 
     with torch.device("meta"):  # the 1b shapes without the memory
-        model = SpiderForConditionalGeneration(SpiderConfig.from_preset("1b"))
+        return SpiderForConditionalGeneration(SpiderConfig.from_preset("1b"))
+
+
+def test_gemm_shapes_follow_the_rows_each_layer_sees(model_1b):
+    """M per layer at 8 x 2048 bytes: every byte in the prelude/coda, the padded expected segments in the recurrent
+    block (boundary_prior 0.2: 1 + 410 segments, padded to 416), k slots of those rows for the routed experts."""
+    config = model_1b.config
+    shapes = gemm_shapes(model_1b, 8, 2048)
+    segments = -(-(1 + 2048 * config.boundary_prior) // 16) * 16
+    assert segments == 416
+    assert shapes["model.prelude_layers.0.mlp.up_proj"] == ("linear", 8 * 2048, 2048, config.intermediate_size)
+    assert shapes["lm_head"] == ("linear", 8 * 2048, 2048, 272)
+    assert shapes["model.recurrent_block.layers.0.self_attn.o_proj"][:2] == ("linear", 8 * segments)
+    assert shapes["model.recurrent_block.layers.0.mlp.shared_experts.gate_proj"][1] == 8 * segments
+    gate_up = shapes["model.recurrent_block.layers.0.mlp.experts.gate_up_proj"]
+    assert gate_up == ("grouped", 8 * segments * config.num_experts_per_tok, 2048, 2 * config.moe_intermediate_size)
+    assert shapes["model.recurrent_block.layers.0.mlp.experts.down_proj"][2:] == (config.moe_intermediate_size, 2048)
+
+
+def test_measured_speedup_reads_the_nearest_row_within_a_factor_of_two():
+    gpu = {"gemms": [{"kind": "linear", "m": 4096, "k": 64, "n": 128, "seconds": {"bf16": 2.0, "tensorwise": 1.0}},
+                     {"kind": "linear", "m": 256, "k": 64, "n": 128, "seconds": {"bf16": 1.0, "tensorwise": 2.0}}]}
+    assert measured_speedup(gpu, "linear", 3000, 64, 128, "tensorwise") == (2.0, 4096)
+    assert measured_speedup(gpu, "linear", 300, 64, 128, "tensorwise") == (0.5, 256)
+    assert measured_speedup(gpu, "linear", 1024, 64, 128, "tensorwise") is None  # 4x from either row
+    assert measured_speedup(gpu, "linear", 4096, 64, 128, "rowwise") is None  # recipe not measured
+    assert measured_speedup(gpu, "grouped", 4096, 64, 128, "tensorwise") is None
+
+
+def fake_table(shapes: dict, faster) -> dict:
+    """A GEMM table (a test double for a GPU's measurement) for every shape in `shapes`: FP8 twice as fast where
+    ``faster(kind, m, k, n)``, twice as slow elsewhere."""
+    gemms = [{"kind": kind, "m": m, "k": k, "n": n,
+              "seconds": {"bf16": 1.0, "tensorwise": 0.5 if faster(kind, m, k, n) else 2.0,
+                          "rowwise": 0.5 if faster(kind, m, k, n) else 2.0}}
+             for kind, m, k, n in set(shapes.values())]
+    return {"gpus": {"Test GPU": {"capability": [9, 0], "gemms": gemms}}}
+
+
+def test_auto_converts_the_layers_the_table_measured_faster(input_ids):
+    model = tiny_model()
+    shapes = gemm_shapes(model, 8, 256)
+    table = fake_table(shapes, lambda kind, m, k, n: m == 8 * 256 and k == 64)  # byte layers reading the hidden state
+    report = convert_for_fp8_training(model, batch_size=8, seq_len=256, gemm_table=table, gpu="Test GPU",
+                                      emulate=True)
+    float8 = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    expected = {fqn for fqn, (kind, m, k, n) in shapes.items() if kind == "linear" and m == 8 * 256 and k == 64
+                and not any(word in fqn for word in TK_TRAIN_SKIP_WORDS)}
+    assert float8 == expected == set(report.converted) and expected
+    assert report.source == "GEMM table of Test GPU at 8 x 256 bytes"
+    shared = "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj"
+    assert report.kept[shared].startswith(f"measured 0.50x at (M={shapes[shared][1]}, K=64, N=32) on Test GPU")
+    # at another batch the rows differ: nothing in the table lies within a factor of 2
+    other = convert_for_fp8_training(tiny_model(), batch_size=1, seq_len=64, gemm_table=table, gpu="Test GPU",
+                                     emulate=True)
+    assert not other.converted and "not measured on Test GPU" in other.kept["model.prelude_layers.0.mlp.up_proj"]
+    loss, _ = loss_and_grads(model, input_ids)
+    assert torch.isfinite(loss)
+
+
+def test_auto_without_a_table_for_the_gpu_follows_torchaos_filter(model_1b, caplog):
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
     for recipe in ("tensorwise", "rowwise"):
         torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=TK_TRAIN_SKIP_WORDS)
-        chosen = fp8.fp8_layer_filter("auto", recipe)
-        converted = {fqn for fqn, m in model.named_modules() if chosen(m, fqn)}
-        expected = {fqn for fqn, m in model.named_modules() if torchao_filter(m, fqn)}
-        assert converted == expected and converted, recipe
-    # tensorwise, by hand: a 2048 -> 512 shared-expert projection is below the size where FP8 pays (K <= 4096 and N <= 1024);
-    # the 2048 -> 11008 dense SwiGLU projection is above it
-    gate = model.model.recurrent_block.layers[0].mlp.shared_experts.gate_proj
-    reason = fp8.fp8_skip_reason(gate, "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj", "auto")
-    assert reason is not None and reason.startswith(fp8.AUTO_SKIP_SIZE) and "in_features=2048" in reason
-    assert fp8.fp8_skip_reason(model.model.prelude_layers[0].mlp.up_proj, "model.prelude_layers.0.mlp.up_proj",
-                               "auto") is None
+        chosen = {fqn for fqn, m in model_1b.named_modules() if isinstance(m, nn.Linear)
+                  and keep_reason(m, fqn, "auto", recipe) is None}
+        expected = {fqn for fqn, m in model_1b.named_modules() if torchao_filter(m, fqn)}
+        assert chosen == expected and chosen, recipe
+    gate = model_1b.model.recurrent_block.layers[0].mlp.shared_experts.gate_proj
+    assert keep_reason(gate, "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj", "auto") == \
+        "torchao's size filter (tensorwise): no gain at K=2048, N=512"
+    # the tiny preset: nothing large enough, and the report says where the decision came from
+    with caplog.at_level("WARNING", logger="spider_training.fp8"):
+        report = convert_for_fp8_training(tiny_model(), batch_size=8, seq_len=256, gemm_table={"gpus": {}},
+                                          gpu="Unmeasured GPU", emulate=True)
+    assert not report.converted and report.source.startswith("torchao's size filter (no measured GEMM table for "
+                                                              "Unmeasured GPU")
+    assert any("no GEMM table for Unmeasured GPU" in r.getMessage() for r in caplog.records)
 
 
-def test_auto_layers_convert_nothing_on_the_tiny_preset_and_say_why():
+def test_the_committed_table_loads_and_bad_tables_are_named(tmp_path):
+    table = load_gemm_table()
+    assert isinstance(table["gpus"], dict)
+    for gpu in table["gpus"].values():  # every measured row has the fields the selection reads
+        assert all({"kind", "m", "k", "n", "seconds"} <= row.keys() and "bf16" in row["seconds"]
+                   for row in gpu["gemms"])
+    bad = tmp_path / "table.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="table.json: cannot read it as JSON"):
+        load_gemm_table(bad)
+    bad.write_text('{"rows": []}')
+    with pytest.raises(ValueError, match=r"table.json: expected \{\"gpus\""):
+        load_gemm_table(bad)
+
+
+def test_trainer_trains_in_high_precision_when_no_layer_pays(tmp_path, caplog):
+    """``--precision fp8`` where the table shows no layer paying at this batch: nothing is converted and the run
+    trains in its high precision with a warning that cites the table."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from spider_training.data import build_dataset
+    from spider_training.trainer import SpiderTrainer
+
     model = tiny_model()
-    report = convert_model_to_fp8(model, emulate=True)  # layers="auto" is the default
-    assert report.layers == "auto" and report.converted == 0
+    dataset = build_dataset("mock", 64)
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"gpus": {}}))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                             per_device_train_batch_size=2, eval_strategy="no", save_strategy="no")
+    with caplog.at_level("WARNING"):
+        trainer = SpiderTrainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+                                precision="fp8", fp8_gemm_table=str(table), stop_signals=())
+    assert trainer.precision == "fp32" and not trainer.fp8_report.converted
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
-    kinds = report.skipped_by_reason()
-    assert kinds[fp8.AUTO_SKIP_SIZE] > 0 and sum(kinds.values()) == report.linear_total
-    assert f"{kinds[fp8.AUTO_SKIP_SIZE]} {fp8.AUTO_SKIP_SIZE}" in report.message
-    with pytest.raises(ValueError, match="--fp8_layers must be one of"):
-        convert_model_to_fp8(tiny_model(), layers="most")
+    assert any("FP8 pays for no layer here" in r.getMessage() and "torchao's size filter" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_resolve_precision_explicit_and_invalid(monkeypatch):
@@ -388,7 +457,7 @@ def test_tensorwise_fp8_trains_under_compile_as_eagerly(input_ids):
     for compiled in (False, True):
         torch._dynamo.reset()
         model = pin_boundaries(tiny_model())
-        assert convert_model_to_fp8(model, recipe="tensorwise", emulate=True, layers="tk_train").converted > 0
+        assert convert_tk_train(model).converted
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         runner = compile_model(model, backend="aot_eager") if compiled else model
         losses = []

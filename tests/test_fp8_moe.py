@@ -1,4 +1,4 @@
-"""Tests of spider_training.fp8_moe: the fused MoE experts through torchao's FP8 rowwise grouped GEMM.
+"""Tests of spider_training.fp8's experts path: the fused MoE experts through torchao's FP8 rowwise grouped GEMM.
 
 torchao's FP8 grouped GEMM runs only on CUDA SM90 with triton (torchao 0.18 has no emulated mode). On CPU its
 CUDA-only pieces are replaced by named test doubles, :class:`EmulatedFp8Kernels`: the four triton casting kernels
@@ -22,18 +22,19 @@ from torchao.prototype.moe_training import fp8_grouped_mm  # noqa: E402
 from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor  # noqa: E402
 
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
-from spider_training import fp8_moe  # noqa: E402
-from spider_training.fp8 import fp8_to_plain_state_dict, has_fp8_weight_wrappers  # noqa: E402
-from spider_training.fp8_moe import (  # noqa: E402
+from spider_training import fp8  # noqa: E402
+from spider_training.fp8 import (  # noqa: E402
     ALIGNED_GROUPED_MM,
-    FP8_GROUP_ALIGNMENT,
-    convert_experts_for_training,
-    convert_experts_to_fp8_grouped_mm,
-    experts_fp8_to_plain,
+    convert_experts_to_fp8,
+    convert_for_fp8_training,
+    convert_fp8_to_plain,
     fp8_grouped_mm_unsupported_reason,
+    fp8_to_plain_state_dict,
+    has_fp8_weight_wrappers,
 )
 from tests.helpers import float_tol, tiny_model  # noqa: E402
 
+FP8_GROUP_ALIGNMENT = fp8.FP8_DIM_MULTIPLE  # rows per expert group that torchao's FP8 grouped GEMM needs
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 #: e4m3 keeps 3 mantissa bits: round-to-nearest moves a value by at most 2^-4 of itself (normal range)
@@ -143,6 +144,8 @@ class EmulatedFp8Kernels:
 
 @pytest.fixture
 def fp8_double(monkeypatch):
+    """The emulated FP8 kernels, and the hardware check answering as on an SM90 GPU with triton (a test double)."""
+    monkeypatch.setattr(fp8, "fp8_grouped_mm_unsupported_reason", lambda device=None: None)
     return EmulatedFp8Kernels().install(monkeypatch)
 
 
@@ -224,10 +227,10 @@ def test_fused_experts_run_the_fp8_grouped_gemm(fp8_double):
     ids = torch.randint(0, 256, (2, 40))
     reference = tiny_model(seed=0).to(torch.bfloat16)
     model = tiny_model(seed=0).to(torch.bfloat16)
-    report = convert_experts_to_fp8_grouped_mm(model)
+    report = convert_for_fp8_training(model, experts="on")  # --fp8_layers auto: no linear layer of tiny pays
     layers = model.model.recurrent_block.layers
-    assert report.converted_fqns == [f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(len(layers))]
-    assert not report.skipped and "2 of 2" in report.message
+    assert list(report.converted) == [f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(len(layers))]
+    assert "routed experts: converted 2 of 2" in report.message
     for layer in layers:
         assert isinstance(layer.mlp.experts.gate_up_proj.data, TrainingWeightWrapperBaseTensor)
     reference.eval(), model.eval()
@@ -264,7 +267,8 @@ def test_moe_layer_output_within_the_fp8_error_bound(fp8_double):
         gate_up, down = moe.experts.gate_up_proj.clone(), moe.experts.down_proj.clone()
         scores = moe.route(x).softmax(-1)
     config = Float8TrainingOpConfig(out_dtype=torch.float32)
-    assert convert_experts_to_fp8_grouped_mm(moe, config=config).converted_fqns == ["experts"]
+    convert_experts_to_fp8(moe, ["experts"], config=config)
+    assert isinstance(moe.experts.gate_up_proj.data, TrainingWeightWrapperBaseTensor)
     with torch.no_grad():
         got = moe(x)[0]
     assert fp8_double.calls == {"2d_3d": 2, "2d_2d": 0}
@@ -319,23 +323,26 @@ def test_the_layer_bound_catches_a_wrong_layout(monkeypatch):
         expected = moe(x)[0]
         gate_up, down = moe.experts.gate_up_proj.clone(), moe.experts.down_proj.clone()
         scores = moe.route(x).softmax(-1)
-        convert_experts_to_fp8_grouped_mm(moe)
+        convert_experts_to_fp8(moe, ["experts"])
         got = moe(x)[0].float()
     assert ((got - expected).abs() > fp8_error_bound(x, gate_up, down, scores, moe.top_k)).any()
 
 
-def test_other_implementations_and_odd_sizes_are_skipped_with_the_reason():
-    report = convert_experts_to_fp8_grouped_mm(tiny_model(experts_implementation="eager"))
-    assert not report.converted_fqns and all("only 'grouped_mm'" in r for r in report.skipped.values())
-    report = convert_experts_to_fp8_grouped_mm(tiny_model(moe_intermediate_size=24))
-    assert not report.converted_fqns and all("not divisible by 16" in r for r in report.skipped.values())
+def test_other_implementations_and_odd_sizes_are_skipped_with_the_reason(fp8_double):
+    report = convert_for_fp8_training(tiny_model(experts_implementation="eager"), experts="auto")
+    assert not report.converted and all("only grouped_mm" in r for r in report.kept.values() if "experts" in r)
+    report = convert_for_fp8_training(tiny_model(moe_intermediate_size=24), experts="auto")
+    experts = [r for fqn, r in report.kept.items() if fqn.endswith("mlp.experts")]
+    assert not report.converted and experts and all("not divisible by 16" in r for r in experts)
 
 
 def test_unwrapped_model_saves_and_loads_plain(tmp_path, fp8_double):
     model = tiny_model(seed=0)
-    convert_experts_to_fp8_grouped_mm(model)
-    assert convert_experts_to_fp8_grouped_mm(model).converted_fqns  # idempotent: already wrapped, still grouped_mm
-    assert experts_fp8_to_plain(model) == 2 * model.config.num_recurrent_layers
+    first = convert_for_fp8_training(model, experts="on")
+    assert convert_for_fp8_training(model, experts="on").converted == first.converted  # idempotent
+    assert model.config._experts_implementation == ALIGNED_GROUPED_MM
+    assert convert_fp8_to_plain(model) == model.config.num_recurrent_layers
+    assert model.config._experts_implementation == "grouped_mm"
     experts = model.model.recurrent_block.layers[0].mlp.experts
     assert type(experts.gate_up_proj.data) is torch.Tensor and experts.gate_up_proj.requires_grad
     model.save_pretrained(tmp_path)
@@ -355,15 +362,16 @@ def test_fp8_experts_modes_on_a_machine_without_the_kernels():
     refuses with it, ``off`` says it was asked; a wrong value names the flag."""
     model = tiny_model(seed=0)
     experts = [f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(model.config.num_recurrent_layers)]
-    auto = convert_experts_for_training(model, "auto", "cpu")
-    assert not auto.converted_fqns and sorted(auto.skipped) == experts
-    assert all("needs CUDA" in reason for reason in auto.skipped.values()) and "0 of 2" in auto.message
+    auto = convert_for_fp8_training(model, experts="auto", device="cpu")
+    assert not auto.converted and all(fqn in auto.kept for fqn in experts)
+    assert all("needs CUDA" in auto.kept[fqn] for fqn in experts) and "routed experts: converted 0 of 2" in auto.message
     assert not has_fp8_weight_wrappers(model)
     with pytest.raises(RuntimeError, match="--fp8_experts on: .*needs CUDA"):
-        convert_experts_for_training(model, "on", "cpu")
-    assert set(convert_experts_for_training(model, "off", "cpu").skipped.values()) == {"--fp8_experts off"}
+        convert_for_fp8_training(model, experts="on", device="cpu")
+    off = convert_for_fp8_training(model, experts="off", device="cpu")
+    assert {off.kept[fqn] for fqn in experts} == {"--fp8_experts off"}
     with pytest.raises(ValueError, match="--fp8_experts must be one of"):
-        convert_experts_for_training(model, "yes", "cpu")
+        convert_for_fp8_training(model, experts="yes", device="cpu")
 
 
 def test_trainer_trains_fp8_experts_and_writes_a_plain_checkpoint(tmp_path, fp8_double, monkeypatch):
@@ -376,7 +384,7 @@ def test_trainer_trains_fp8_experts_and_writes_a_plain_checkpoint(tmp_path, fp8_
     from spider_training.data import build_dataset
     from spider_training.trainer import SpiderTrainer
 
-    monkeypatch.setattr(fp8_moe, "fp8_grouped_mm_unsupported_reason", lambda device=None: None)
+
     model = tiny_model(seed=0)
     initial = model.model.recurrent_block.layers[0].mlp.experts.gate_up_proj.detach().clone()
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2,
@@ -384,7 +392,7 @@ def test_trainer_trains_fp8_experts_and_writes_a_plain_checkpoint(tmp_path, fp8_
                              save_steps=2, eval_strategy="no")
     trainer = SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
                             data_collator=default_data_collator, precision="fp8", stop_signals=())
-    assert len(trainer.fp8_experts_report.converted_fqns) == model.config.num_recurrent_layers
+    assert sum(fqn.endswith("mlp.experts") for fqn in trainer.fp8_report.converted) == model.config.num_recurrent_layers
     assert has_fp8_weight_wrappers(trainer.model)
     trainer.train()
     assert fp8_double.calls["2d_3d"] > 0 and fp8_double.calls["2d_2d"] > 0  # forward, input and weight gradients

@@ -12,7 +12,7 @@ import torch
 
 from bench import correctness, diagnostics, gpu_check, parts, step_table, training_runs
 from bench.common import HostSyncCounter, eager_aten_ops, graphs_compiled, spider_config, spider_model
-from tests.test_tile_kernels_moe import FakeTileKernels1x
+from tests.test_tile_kernels_moe import FakeTileKernels2x
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
 
@@ -39,6 +39,7 @@ TOY_ARGS = [
     "--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48",
     "--attention_visits", "2",
     "--run_1b_preset", "tiny", "--run_1b_steps", "4", "--run_1b_batch", "2x64", "--run_1b_args", "--eval_windows 8",
+    "--fp8_gemm_presets", "tiny", "--fp8_gemm_batches", "2x64",
 ]
 
 
@@ -65,6 +66,20 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
     assert main_job["steps"] == 3 and main_job["release_written"] and main_job["release_reload_ok"]
     assert main_job["bits_per_byte_after"] < main_job["bits_per_byte_before"]
     assert main_job["generated_bytes"] == 16 and main_job["reload_device"] == "cpu"
+
+    gemm = by_name["fp8_gemm"]  # the FP8 GEMM table, emulated: the runner and its output's shape, not FP8's times
+    assert gemm["status"] == "passed" and gemm["rows"], gemm
+    (gpu, measured), = gemm["fp8_gemm_table"]["gpus"].items()
+    assert all("bf16" in row["seconds"] for row in measured["gemms"])
+    assert all({"tensorwise", "rowwise"} <= row["seconds"].keys() for row in measured["gemms"] if row["kind"] == "linear")
+    assert all(row["seconds"].keys() == {"bf16"} for row in measured["gemms"] if row["kind"] == "grouped")  # no CUDA
+    from spider_training.fp8 import convert_for_fp8_training
+    from tests.helpers import tiny_model
+
+    report = convert_for_fp8_training(tiny_model(), batch_size=2, seq_len=64, gemm_table=gemm["fp8_gemm_table"],
+                                      gpu=gpu, emulate=True)
+    assert report.source == f"GEMM table of {gpu} at 2 x 64 bytes"
+    assert not any("not measured" in reason for reason in report.kept.values())  # every shape has its row
 
     table = by_name["step_table"]
     assert table["status"] == "passed", table
@@ -448,18 +463,18 @@ def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
                                          ("gemm", {"launches": 2, "device_ms": 0.04})]
 
 
-class BrokenTileKernels(FakeTileKernels1x):
+class BrokenTileKernels(FakeTileKernels2x):
     """A test double of tile_kernels whose topk_gate picks the least likely experts (what the check must catch)."""
 
     def topk_gate(self, scores, num_topk):
         return super().topk_gate(-scores, num_topk)
 
 
-@pytest.mark.parametrize("double, status", [(FakeTileKernels1x, "passed"), (BrokenTileKernels, "failed")])
+@pytest.mark.parametrize("double, status", [(FakeTileKernels2x, "passed"), (BrokenTileKernels, "failed")])
 def test_tile_kernels_comparison_with_a_cpu_double(double, status):
     entry = correctness.tile_kernels_check(double(), preset="tiny", repeats=1)
     assert entry["status"] == status, entry
-    assert entry["backend"] == "tile_kernels 1.x fused"
+    assert entry["backend"] == "tile_kernels"
     assert entry["step_s_torch"] > 0 and entry["step_s_tile_kernels"] > 0
 
 
