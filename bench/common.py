@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmarks: timing, environment record, model builders, profiling, results (FLOP counting:
-:mod:`bench.flops`).
+"""Shared pieces of the benchmarks: timing, environment record, model builders, profiling, results (FLOP counting and
+the matmul peak: :mod:`spider_training.throughput`, what the trainer logs).
 
 Timing rules: every figure is a ratio of two variants measured side by side in one process on this
 machine; each variant gets ``warmup`` untimed calls, then ``repeats`` timed calls, and the **median** is used.
@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spider_training.mixed_precision import autocast_experts, shared_weight_casts
+from spider_training.throughput import measured_matmul_flops, synchronize  # noqa: F401 (synchronize: bench's API)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -536,37 +537,11 @@ class CudaSyncWarnings:
         return False
 
 
-def synchronize(device: torch.device | str) -> None:
-    """Wait until `device` has run everything queued on it (a no-op on CPU, where ops run when called)."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        getattr(torch, device.type).synchronize(device)
-
-
 def device_peak_matmul_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, n: int | None = None,
                              warmup: int = 2, repeats: int = 5) -> dict[str, float]:
-    """:func:`peak_matmul_flops` on `device`: the median of `repeats` timed ``n x n @ n x n`` matmuls, each timed
-    between two device synchronisations. ``n`` defaults to 8192 on CUDA (what the GPU figures of
-    ``/work/shared/NOTES.md`` used) and 1024 on CPU."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return peak_matmul_flops(dtype, n=n or 1024, warmup=warmup, repeats=repeats)
-    n = n or 8192
-    generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    for _ in range(warmup):
-        torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    del a, b
-    return {"n": n, "median_s": median, "flops_per_s": 2 * n**3 / median}
+    """The trainer's own measurement (:func:`spider_training.throughput.measured_matmul_flops`): the median of
+    `repeats` timed ``n x n @ n x n`` matmuls on `device` (n: 8192 on CUDA, as ``/work/shared/NOTES.md``, 1024 on CPU)."""
+    return measured_matmul_flops(device, dtype, n=n, warmup=warmup, repeats=repeats)
 
 
 def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):

@@ -42,7 +42,7 @@ import torch
 
 from bench.common import (CudaSyncWarnings, HostSyncCounter, TrainStep, eager_aten_ops, peer_model,
                           random_bytes, spider_config, synchronize)
-from bench.flops import count_flops
+from spider_training.throughput import count_flops
 from bench.parts import MIN_PART_S, TIME_BUDGET, Deadline, build_on, default_device, entry, free_memory, train_step_of
 
 #: ops named in a profiled step's ``top_host_ops``

@@ -21,7 +21,7 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   measured in fp32 (the CPU run) and reported for bf16 autocast at half that (FP8 saves its inputs in bf16 too).
   Measured on an H200 (docs/results.md, after the plan) a step held 1.5x these activations with checkpointing and
   1.7x without: autocast also keeps the fp32 inputs of what it casts, and the experts' bf16 weight copies.
-- **FLOPs per training step** of one sequence: counted by ``FlopCounterMode`` (:func:`bench.flops.count_flops`) for a
+- **FLOPs per training step** of one sequence: counted by ``FlopCounterMode`` (:func:`spider_training.throughput.count_flops`) for a
   forward and backward at the same two lengths, extrapolated with ``a L + b L^2`` (attention). No throughput is
   derived from them: a CPU's MFU says nothing of a GPU's, and ``python -m bench.gpu_check`` measures the step on a
   GPU.
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.common import environment, spider_config
-from bench.flops import count_flops
+from spider_training.throughput import count_flops
 
 GIB = 1024**3
 GPU_MEMORY_GIB = 80  # H100 / A100 80 GB (B200: 180 GB)

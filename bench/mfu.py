@@ -1,7 +1,7 @@
 """Benchmark 3 -- model FLOP utilisation of a training step, Spider vs the DeepseekV3 peer.
 
 ``MFU = FLOPs of one training step / (median step time x peak FLOP/s)``. FLOPs are counted once per model with
-``torch.utils.flop_counter.FlopCounterMode`` plus :func:`bench.flops.extra_flop_formulas` (``_grouped_mm`` and the
+``torch.utils.flop_counter.FlopCounterMode`` plus :func:`spider_training.throughput.extra_flop_formulas` (``_grouped_mm`` and the
 CPU flash-attention kernel, which torch 2.13 does not count); peak FLOP/s is the median of a fp32
 ``2048x2048 @ 2048x2048`` matmul measured in the same process. Models and step as in :mod:`bench.train_step`
 (Spider at its default ``n_loops`` and at ``n_loops=1``).
@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.common import check, finish, main_for, peak_matmul_flops, profile_top, time_interleaved
-from bench.flops import count_flops
+from spider_training.throughput import count_flops
 from bench.train_step import FULL as TRAIN_FULL, QUICK as TRAIN_QUICK, build_steps
 
 TARGET = 1.0

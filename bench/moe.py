@@ -30,7 +30,7 @@ import torch
 from bench.common import (
     DTYPES, check, finish, info, main_for, peak_matmul_flops, profile_top, spider_config, time_interleaved,
 )
-from bench.flops import count_flops
+from spider_training.throughput import count_flops
 
 TARGET = 1.5
 FAST = ("grouped_mm",)

@@ -36,7 +36,7 @@
   compiled model the graphs each warm-up and timed step compiled, ``graphs_compiled_per_step``), host seconds
   (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
   issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
-  optimizer state included; null on CPU), FLOPs per step (:func:`bench.flops.count_flops`), MFU against the matmul
+  optimizer state included; null on CPU), FLOPs per step (:func:`spider_training.throughput.count_flops`, what the trainer logs), MFU against the matmul
   peak measured in-process (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten
   ops dispatched per step,
   host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the

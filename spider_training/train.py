@@ -147,6 +147,9 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
         "world_size": args.world_size,
         "distributed_type": str(trainer.accelerator.distributed_type),
         **{k: v for k, v in {**before, **after}.items() if k.endswith(("bits_per_byte", "compression_rate"))},
+        # what the trainer measured of itself at its last logging step (spider_training.throughput)
+        **next(({k: log[k] for k in ("flops_per_step", "tflops_per_second", "mfu")} for log in
+                reversed(trainer.state.log_history) if "mfu" in log), {}),
     }
     if loops:
         summary["bits_per_byte_by_loops"] = loops

@@ -15,7 +15,8 @@ overrides public, documented methods:
   split across processes, ``skip_first_batches`` on resume).
 - ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in
   training drawn per step with ``extra_train_loops``) and log every loss term, bits-per-byte, compression rate,
-  expert load balance, mean halting step, tokens/s and peak memory.
+  expert load balance, mean halting step, tokens/s, peak memory, and FLOPs per step, TFLOP/s and MFU
+  (:mod:`spider_training.throughput`: the first micro-batch's forward counted, against the device's peak).
 - ``get_eval_dataloader`` / ``prediction_step``: Trainer's own ``evaluate`` and evaluation loop score the first
   ``eval_windows`` held-out windows; bits per byte is its metric (``compute_metrics`` defaults to
   :func:`spider_training.metrics.compute_bits_per_byte`), counted in bytes, not tokens or batches: each window's summed
@@ -58,6 +59,7 @@ Two callbacks are added (Trainer's documented ``TrainerCallback`` events):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -81,6 +83,7 @@ from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
 from .optim import muon_with_adamw, scale_learning_rates
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
 from .sdpa import attention_for_backend, sdpa_backend_context
+from .throughput import ThroughputMeter
 from .tile_kernels_moe import swap_in_tile_kernels
 
 logger = logging.getLogger(__name__)
@@ -238,6 +241,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self._metric_count = 0
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
+        matmul_dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else torch.float32
+        self.throughput = ThroughputMeter(self.args.device, matmul_dtype, self.args.gradient_accumulation_steps)
 
     def _convert_to_fp8(self, model, args, train_dataset, recipe, layers, experts, gemm_table) -> str:
         """FP8 where it pays at this run's micro-batch (:func:`spider_training.fp8.convert_for_fp8_training`); under
@@ -302,7 +307,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if self.args.torch_compile and self.args.torch_compile_mode in ("reduce-overhead", "max-autotune"):
             torch.compiler.cudagraph_mark_step_begin()
         with sdpa_backend_context(self.sdpa_backend, self.args.device):
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self.throughput.step()
+        return loss
 
     # --- loss and logging ----------------------------------------------------------------------------------------
 
@@ -313,9 +320,15 @@ class SpiderTrainer(HubPushMixin, Trainer):
                                                                self.state.global_step, self.train_loop_counts)}
         elif self.n_loops is not None:
             inputs = {**inputs, "n_loops": self.n_loops}
+        compute = functools.partial(super().compute_loss, model, inputs, return_outputs=True,
+                                    num_items_in_batch=num_items_in_batch)
         with shared_weight_casts():  # spider_training.mixed_precision: one cast of each expert weight per forward
-            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
-                                                 num_items_in_batch=num_items_in_batch)
+            if model.training and self.throughput.flops_per_micro_batch is None:
+                # the run's FLOPs: the first micro-batch's forward under the counter (its backward runs outside it,
+                # with the kernels it always has), 3x for forward and backward (spider_training.throughput)
+                loss, outputs = self.throughput.count(compute, forward_only=True)
+            else:
+                loss, outputs = compute()
         if model.training and self.nonfinite_guard.observe_loss(loss):  # a skipped step's terms are not averaged in
             self._record(outputs, inputs)
         return (loss, outputs) if return_outputs else loss
@@ -341,6 +354,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
             now = time.perf_counter()
             logs["tokens_per_second"] = round(self._tokens_since_log / max(now - self._last_log_time, 1e-9), 1)
             logs["peak_memory_mb"] = round(peak_memory_mb(), 1)
+            logs.update(self.throughput.read())
             self._metric_sums, self._metric_count, self._tokens_since_log = {}, 0, 0
             self._last_log_time = now
         if "loss" in logs:
