@@ -375,8 +375,8 @@ def _text() -> list[BadInput]:
     text_case("parquet with 0 rows", _zero_row_parquet, r"{tmp}/zero\.parquet.*no non-empty documents")
     text_case("file named .parquet that is not parquet", lambda t: _bytes(t / "fake.parquet", b"not parquet"),
               r"{tmp}/fake\.parquet.*cannot be read")
-    text_case("unsupported file type (.csv)", lambda t: _bytes(t / "x.csv", b"a,b\n"),
-              r"{tmp}/x\.csv.*unsupported file type", iterate=False)
+    text_case("unsupported file type (.xlsx)", lambda t: _bytes(t / "x.xlsx", b"PK\x03\x04"),
+              r"{tmp}/x\.xlsx.*unsupported file type", iterate=False)
     text_case("glob matching nothing", lambda t: str(t / "*.nothing"), r"{tmp}/\*\.nothing.*matched no files",
               expected=FileNotFoundError, iterate=False)
     text_case("missing local path", lambda t: str(t / "nope" / "data.txt"), r"{tmp}/nope/data\.txt.*no such file",

@@ -56,6 +56,13 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    if not os.environ.get("PYTEST_XDIST_WORKER") and "HF_DATASETS_CACHE" not in os.environ:
+        # the local-text byte cache (spider_training.data.cache) and datasets' own under this run's folder, shared by
+        # the workers and subprocesses (they inherit it) and removed at the end, not left in the user's cache
+        import tempfile
+
+        config._spider_datasets_cache = tempfile.mkdtemp(prefix="spider-test-datasets-")
+        os.environ["HF_DATASETS_CACHE"] = config._spider_datasets_cache
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # one intra-op thread per pytest-xdist worker: the workers already fill the cores, and more threads than
         # cores makes every worker slower; the subprocesses tests start inherit OMP_NUM_THREADS=1 unless the test
@@ -92,3 +99,11 @@ def _seed_everything(request):
     np.random.seed(seed)
     random.seed(seed)
     yield
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_spider_datasets_cache", None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from spider_training.data.cache import default_cache_dir
 from spider_training.data.shards import ByteShardDataset
 from spider_training.data.sources import (DEFAULT_SOTU_EVAL_FROM_YEAR, TextByteDataset, TextSource, classify_source,
                                           open_text_source)
@@ -99,8 +101,7 @@ class StreamingTextDataset(IterableDataset):
             if by_files or k % num_workers == worker_id:
                 yield window.copy()
         if stats.documents == 0:
-            msg = (f"text source {self.source.description} has no non-empty documents "
-                   f"({stats.skipped_empty} empty or whitespace-only skipped)")
+            msg = str(stats.no_documents_error(self.source.description, self.source.text_column))
             if by_files:  # one worker's files may all be empty; the others may not
                 logger.warning("%s (worker %d of %d)", msg, worker_id, num_workers)
                 return
@@ -122,28 +123,38 @@ def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int =
                   seed: int = 0, shuffle: bool = False, text_column: str = "text", streaming: bool = True,
                   shuffle_buffer: int = 10_000, eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
                   text_sample_by: str = "document", num_samples: int = 1000, max_doc_bytes: int | None = None,
-                  check_ids: bool = True) -> ByteWindowDataset | StreamingTextDataset:
+                  check_ids: bool = True, cache_dir: str | os.PathLike | None = "auto"
+                  ) -> ByteWindowDataset | StreamingTextDataset:
     """The single entry point of the trainer: the dataset of
     ``{"input_ids": LongTensor[seq_len + 1], "labels": LongTensor[seq_len + 1]}`` for ``source``.
 
     A local source (``"mock"``, ``"sotu"``, byte shards, local text files) gives a map-style
     :class:`ByteWindowDataset` over the whole corpus (:class:`ByteShardDataset` or :class:`TextByteDataset`); the
-    sampler shuffles and shards it. A Hub id gives a rank-split :class:`StreamingTextDataset`.
+    sampler shuffles and shards it. Local text and ``sotu`` are encoded once into the byte cache on disk, shared by
+    every process and found again by later starts (``mock`` stays in memory). A Hub id gives a rank-split
+    :class:`StreamingTextDataset`.
 
     Args:
-        source: ``"mock"``, ``"sotu"``, a directory / file / glob of ``.bin`` byte shards, a local text file / glob /
-            directory (``.txt``, ``.md``, ``.jsonl``, ``.json``, ``.parquet``), or a Hub id ``"owner/name[:config]"``
-            (``"HuggingFaceFW/fineweb-edu:sample-10BT"``).
+        source: ``"mock"``, ``"sotu"``, a directory / file / glob of ``.bin`` byte shards (``uint16`` or ``uint8``),
+            a local text file / glob / directory (``.txt``, ``.md``, ``.jsonl``, ``.json``, ``.csv``, ``.parquet``,
+            ``.arrow``; ``.txt``/``.jsonl``/``.json``/``.csv`` also as ``.gz``/``.bz2``/``.xz``/``.zst``), a
+            ``datasets.save_to_disk`` folder, a local snapshot of a Hub dataset ``folder[:config]``, or a Hub id
+            ``"owner/name[:config]"`` (``"HuggingFaceFW/fineweb-edu:sample-10BT"``).
         seq_len: tokens per example.
         rank, world_size, seed, shuffle, shuffle_buffer: Hub sources only (:class:`StreamingTextDataset`); local
             datasets are split and shuffled by the sampler.
-        split: ``"train"`` / ``"eval"`` (sotu by year, local directories by file name); the Hub split name for Hub
+        split: ``"train"`` / ``"eval"`` (sotu by year, local directories by file name, saved datasets and snapshots
+            by split name: ``"eval"`` is the first of validation/valid/eval/test/dev); the Hub split name for Hub
             sources; ignored for explicit files/globs and ``mock``.
         text_column, streaming, max_doc_bytes: text sources (``streaming`` is how ``datasets`` reads the files).
         eval_from_year: ``sotu`` held-out split (years >= this are eval).
-        text_sample_by: ``.txt`` files: ``"document"`` (one per file), ``"paragraph"`` or ``"line"``.
+        text_sample_by: ``.txt`` files: ``"document"`` (one per file), ``"paragraph"`` (split at blank lines) or
+            ``"line"`` (one per line).
         num_samples: ``mock`` documents.
         check_ids: byte shards: scan ids on open (:class:`ByteShardDataset`).
+        cache_dir: folder of the byte cache of local text and ``sotu``; ``"auto"``:
+            :func:`~spider_training.data.cache.default_cache_dir` (``<HF_DATASETS_CACHE>/spider_bytes``); ``None``:
+            encode into memory in every process, as before the cache.
 
     Raises:
         FileNotFoundError, ShardFormatError, ValueError with the offending source/file named (see the helpers).
@@ -158,7 +169,9 @@ def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int =
     if kind == "hub":
         return StreamingTextDataset(text_source, seq_len, rank=rank, world_size=world_size, seed=seed,
                                     shuffle=shuffle, shuffle_buffer=shuffle_buffer, max_doc_bytes=max_doc_bytes)
-    return TextByteDataset(text_source, seq_len, max_doc_bytes=max_doc_bytes)
+    if cache_dir == "auto":
+        cache_dir = default_cache_dir()
+    return TextByteDataset(text_source, seq_len, max_doc_bytes=max_doc_bytes, cache_dir=cache_dir)
 
 
 class FirstWindows(IterableDataset):

@@ -1,9 +1,11 @@
-"""Byte shards (``.bin``): tk-train.py's headerless format (``uint16``, no header) and the modded-nanogpt / parameter-golf format
-(256 ``int32`` header: magic ``20240520``, version 1, token count), their ``metadata.json``, and
-:class:`ByteShardDataset`, the shards memory-mapped as one stream of windows."""
+"""Byte shards (``.bin``): tk-train.py's headerless format (``uint16``, no header), the modded-nanogpt /
+parameter-golf format (256 ``int32`` header: magic ``20240520``, version 1, token count) and ``uint8`` shards (raw
+bytes, documents marked apart by an offsets file; what the byte cache of text sources writes), their
+``metadata.json``, and :class:`ByteShardDataset`, the shards memory-mapped as one stream of windows."""
 
 from __future__ import annotations
 
+import bisect
 import glob as _glob
 import json
 import logging
@@ -30,12 +32,20 @@ TOKEN_DTYPE = np.dtype("<u2")
 SHARD_SUFFIX = ".bin"
 METADATA_NAME = "metadata.json"
 
-#: Shard formats: ``headerless`` (tk-train.py's: ``uint16`` tokens, no header) and ``header`` (parameter-golf's).
+#: ``uint16`` shard formats (what ``write_shards`` writes): ``headerless`` (tk-train.py's: ``uint16`` tokens, no
+#: header) and ``header`` (parameter-golf's).
 SHARD_FORMATS = ("headerless", "header")
+#: Raw bytes, one per byte of text: document ``i`` is ``[BOS] + bytes[offsets[i]:offsets[i + 1]] + [EOS]``, the
+#: offsets read from ``NAME.docs.npy`` beside ``NAME.bin`` (without it the file is one document). Declared by that
+#: file or by ``"format": "uint8"`` in ``metadata.json`` (for the whole folder, or in a shard's entry).
+UINT8_FORMAT = "uint8"
+DOCUMENTS_SUFFIX = ".docs.npy"
 #: Deprecated format names -> their current name (``metadata.json`` files written before the rename say ``seed``).
 SHARD_FORMAT_ALIASES = {"seed": "headerless"}
 
 _ID_CHECK_CHUNK = 1 << 24  # tokens per vectorised max() when validating a shard
+_UINT8_HINT = (f"Raw bytes (uint8) are read as such when declared: a NAME{DOCUMENTS_SUFFIX} of document offsets "
+               f"beside NAME.bin, or \"format\": \"uint8\" in the folder's {METADATA_NAME}")
 
 
 class ShardFormatError(ValueError):
@@ -72,12 +82,72 @@ def _glob_files(pattern: str, what: str) -> list[Path]:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One validated shard: ``format`` is ``"headerless"`` or ``"header"``; tokens start at ``offset`` bytes."""
+    """One validated shard: ``format`` is ``"headerless"``, ``"header"`` or ``"uint8"``; ``uint16`` tokens start at
+    ``offset`` bytes; ``num_tokens`` counts ``BOS``/``EOS`` of ``uint8`` shards too; ``documents`` is a ``uint8``
+    shard's offsets file (``None``: one document)."""
 
     path: str
     format: str
     offset: int
     num_tokens: int
+    documents: str | None = None
+
+
+class DocumentBytes:
+    """The token stream of documents stored as bytes (a ``uint8`` shard), sliced like the ``uint16`` array it stands
+    for: document ``i`` is ``[BOS] + data[offsets[i]:offsets[i + 1]] + [EOS]`` and starts at token
+    ``offsets[i] + 2 * i``. Only the tokens asked for are computed; nothing is held but the two (memory-mapped)
+    arrays.
+
+    Args:
+        data: ``uint8`` ``[num_bytes]``.
+        offsets: integer ``[num_documents + 1]``, non-decreasing from ``0`` to ``num_bytes`` (not checked here; see
+            :func:`inspect_shard`).
+    """
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray):
+        self.data, self.offsets = data, offsets
+
+    def __len__(self) -> int:
+        return len(self.data) + 2 * (len(self.offsets) - 1)
+
+    def _document_of(self, token: int) -> int:
+        offsets = self.offsets  # token starts offsets[d] + 2 d are increasing: bisect reads log2(n) of them
+        return bisect.bisect_right(range(len(offsets)), token, key=lambda d: int(offsets[d]) + 2 * d) - 1
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        """Tokens ``[key.start, key.stop)``: ``uint16`` ``[stop - start]``. Raises TypeError for anything but a slice
+        of step 1."""
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"DocumentBytes takes a slice of step 1, got {key!r}")
+        lo, hi, _ = key.indices(len(self))
+        out = np.empty(max(hi - lo, 0), dtype=np.uint16)
+        if hi <= lo:
+            return out
+        first, last = self._document_of(lo), self._document_of(hi - 1)
+        docs = np.arange(first, last + 2, dtype=np.int64)
+        starts = np.asarray(self.offsets[first:last + 2], dtype=np.int64) + 2 * docs  # token starts, one past last
+        t = np.arange(lo, hi, dtype=np.int64)
+        rel = np.searchsorted(starts, t, side="right") - 1
+        bos, eos = t == starts[rel], t == starts[rel + 1] - 1
+        body = ~(bos | eos)
+        out[bos], out[eos] = BOS_ID, EOS_ID
+        n = int(body.sum())
+        if n:  # the body tokens of a slice are consecutive bytes of data
+            k = int(np.argmax(body))
+            start = int(t[k] - 2 * docs[rel[k]] - 1)
+            out[body] = self.data[start:start + n]
+        return out
+
+
+def open_shard(info: ShardInfo) -> np.ndarray | DocumentBytes:
+    """The tokens of a validated shard, memory-mapped: a ``uint16`` ``np.memmap`` ``[num_tokens]``, or a
+    :class:`DocumentBytes` over a ``uint8`` shard."""
+    if info.format != UINT8_FORMAT:
+        return np.memmap(info.path, dtype=TOKEN_DTYPE, mode="r", offset=info.offset, shape=(info.num_tokens,))
+    data = np.memmap(info.path, dtype=np.uint8, mode="r")
+    offsets = np.load(info.documents, mmap_mode="r") if info.documents else np.array([0, len(data)], dtype=np.int64)
+    return DocumentBytes(data, offsets)
 
 
 def _check_ids(path: Path, offset: int, num_tokens: int) -> None:
@@ -87,24 +157,32 @@ def _check_ids(path: Path, offset: int, num_tokens: int) -> None:
         if int(chunk.max()) > MAX_TOKEN_ID:
             i = int(np.flatnonzero(chunk > MAX_TOKEN_ID)[0])
             raise ShardFormatError(path, f"token id {int(chunk[i])} at token {start + i} is > {MAX_TOKEN_ID} "
-                                         f"(vocab size {VOCAB_SIZE}); not a Spider byte shard (e.g. GPT-2 tokens?)")
+                                         f"(vocab size {VOCAB_SIZE}); not a Spider uint16 byte shard (GPT-2 tokens?). "
+                                         f"{_UINT8_HINT}")
     del arr
 
 
-def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True) -> ShardInfo:
+def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True, fmt: str | None = None,
+                  documents: str | os.PathLike | None = None) -> ShardInfo:
     """Validate one ``.bin`` shard and detect its format.
 
-    The header format is recognised by the magic ``20240520`` in the first 4 bytes; it must then have version 1 and
-    a file size of exactly ``1024 + 2 * header[2]``. (A headerless shard cannot start with the magic: as ``uint16``
-    its first two tokens would be 54600 and 308, both > 271.) Anything else is read as headerless.
+    A ``uint8`` shard is one declared so (``fmt="uint8"``) or one with a ``NAME.docs.npy`` beside it. Otherwise the
+    header format is recognised by the magic ``20240520`` in the first 4 bytes; it must then have version 1 and a
+    file size of exactly ``1024 + 2 * header[2]``. (A headerless shard cannot start with the magic: as ``uint16`` its
+    first two tokens would be 54600 and 308, both > 271.) Anything else is read as headerless.
 
     Args:
-        check_ids: scan all tokens (vectorised ``max`` over the memmap, 16M tokens per step) for ids > 271.
+        check_ids: scan all tokens (vectorised ``max`` over the memmap, 16M tokens per step) for ids > 271; for a
+            ``uint8`` shard, check that its document offsets never decrease (every byte is a legal id).
+        fmt: ``"uint8"``, or ``None`` to detect the format as above.
+        documents: a ``uint8`` shard's offsets file (``.npy``, integer ``[num_documents + 1]``, ``0`` to the file
+            size); default ``NAME.docs.npy`` beside the shard if it exists, else the file is one document.
 
     Raises:
         FileNotFoundError: no such file. ShardFormatError (a ``ValueError``; message and ``.path`` name the file):
             empty file, odd byte length, truncated header, wrong version, a header-like file with a wrong magic,
-            token count inconsistent with the file size, zero tokens, token id > 271.
+            token count inconsistent with the file size, zero tokens, token id > 271; for a ``uint8`` shard, an
+            offsets file that cannot be read, is not 1-D integers, or does not run from 0 to the file size.
     """
     p = Path(path)
     if not p.is_file():
@@ -112,6 +190,13 @@ def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True) -> ShardIn
     size = p.stat().st_size
     if size == 0:
         raise ShardFormatError(p, "file is empty (0 bytes)")
+    sidecar = p.with_suffix(DOCUMENTS_SUFFIX)
+    if fmt == UINT8_FORMAT or (fmt is None and documents is None and sidecar.is_file()):
+        if documents is None and sidecar.is_file():
+            documents = sidecar
+        return _inspect_uint8(p, size, documents, check_ids)
+    if fmt not in (None, *SHARD_FORMATS):
+        raise ShardFormatError(p, f"unknown format {fmt!r} (expected {', '.join(SHARD_FORMATS)} or {UINT8_FORMAT})")
     with open(p, "rb") as f:
         head = f.read(HEADER_BYTES)
     magic = int.from_bytes(head[:4], "little", signed=True) if size >= 4 else None
@@ -139,27 +224,71 @@ def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True) -> ShardIn
                                           f"size) but its magic is {int(header[0])}, expected {HEADER_MAGIC}")
         if size % TOKEN_DTYPE.itemsize:
             raise ShardFormatError(p, f"odd byte length {size}: a headerless uint16 shard needs an even size "
-                                      f"(and a header shard starts with magic {HEADER_MAGIC})")
+                                      f"(and a header shard starts with magic {HEADER_MAGIC}). {_UINT8_HINT}")
         info = ShardInfo(str(p), "headerless", 0, size // TOKEN_DTYPE.itemsize)
     if check_ids:
         _check_ids(p, info.offset, info.num_tokens)
     return info
 
 
-def _check_metadata(root: Path, infos: list[ShardInfo], split: str) -> None:
-    """Cross-check shards against ``root/metadata.json`` when it exists (written by ``write_shards``)."""
-    meta_path = root / METADATA_NAME
+def _inspect_uint8(p: Path, size: int, documents: str | os.PathLike | None, check: bool) -> ShardInfo:
+    """A ``uint8`` shard (see :func:`inspect_shard`)."""
+    if documents is None:
+        return ShardInfo(str(p), UINT8_FORMAT, 0, size + 2)
+    try:
+        offsets = np.load(documents, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ShardFormatError(documents, f"document offsets of {p} cannot be read: {type(e).__name__}: {e}") from e
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 2:
+        raise ShardFormatError(documents, f"document offsets of {p} must be 1-D integers [num_documents + 1], got "
+                                          f"{offsets.dtype} {offsets.shape}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != size:
+        raise ShardFormatError(documents, f"document offsets of {p} run from {int(offsets[0])} to "
+                                          f"{int(offsets[-1])}; expected 0 to the file size {size}")
+    n = len(offsets) - 1
+    for start in range(0, n if check else 0, _ID_CHECK_CHUNK):
+        step = np.diff(np.asarray(offsets[start:start + _ID_CHECK_CHUNK + 1], dtype=np.int64))
+        if (step < 0).any():
+            i = start + int(np.flatnonzero(step < 0)[0])
+            raise ShardFormatError(documents, f"document offsets of {p} decrease at document {i}")
+    del offsets
+    return ShardInfo(str(p), UINT8_FORMAT, 0, size + 2 * n, str(documents))
+
+
+def _read_metadata(folder: Path) -> dict | None:
+    """``folder/metadata.json`` as a dict, or None without one. Raises ShardFormatError when it cannot be read."""
+    meta_path = folder / METADATA_NAME
     if not meta_path.is_file():
-        if any(i.format == "headerless" for i in infos):
-            logger.warning("no %s beside the shards in %s; reading them as headerless byte shards", METADATA_NAME,
-                           root)
-        return
+        return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ShardFormatError(meta_path, f"cannot read metadata: {e}") from e
     if not isinstance(meta, dict):
         raise ShardFormatError(meta_path, "metadata is not a JSON object")
+    return meta
+
+
+def _declared(path: Path, folder: Path, meta: dict | None) -> dict:
+    """What ``folder``'s metadata says of the shard ``path``: ``{"fmt": "uint8", "documents": ...}`` for a ``uint8``
+    shard (its entry's ``format`` or the folder's), else ``{}`` (format detected by :func:`inspect_shard`)."""
+    if meta is None:
+        return {}
+    name = path.relative_to(folder).as_posix()
+    entry = next((e for e in meta.get("shards", []) if isinstance(e, dict) and e.get("name") == name), {})
+    if entry.get("format", meta.get("format")) != UINT8_FORMAT:
+        return {}
+    return {"fmt": UINT8_FORMAT, "documents": folder / entry["documents"] if entry.get("documents") else None}
+
+
+def _check_metadata(root: Path, meta: dict | None, infos: list[ShardInfo], split: str) -> None:
+    """Cross-check shards against ``root/metadata.json`` (``meta``) when it exists (written by ``write_shards``)."""
+    meta_path = root / METADATA_NAME
+    if meta is None:
+        if any(i.format == "headerless" for i in infos):
+            logger.warning("no %s beside the shards in %s; reading them as headerless byte shards", METADATA_NAME,
+                           root)
+        return
     vocab = meta.get("vocab") or {}
     for key, expected in (("pad", PAD_ID), ("bos", BOS_ID), ("eos", EOS_ID)):
         if key in vocab and vocab[key] != expected:
@@ -195,6 +324,7 @@ def discover_shards(source: str | os.PathLike, split: str = "train", *, check_id
     source = str(source)
     path = Path(source).expanduser()
     root = None
+    metas: dict[Path, dict | None] = {}  # metadata.json of each shard's folder: declares uint8 shards
     if path.is_dir():
         root = path
         files = sorted(p for p in path.rglob("*" + SHARD_SUFFIX) if p.is_file())
@@ -212,15 +342,20 @@ def discover_shards(source: str | os.PathLike, split: str = "train", *, check_id
         files = _glob_files(source, "shard glob")
     else:
         raise FileNotFoundError(f"shard source {source}: no such file or directory")
-    infos = [inspect_shard(p, check_ids=check_ids) for p in files]
+    infos = []
+    for p in files:
+        folder = root or p.parent
+        if folder not in metas:
+            metas[folder] = _read_metadata(folder)
+        infos.append(inspect_shard(p, check_ids=check_ids, **_declared(p, folder, metas[folder])))
     if root is not None:
-        _check_metadata(root, infos, split)
+        _check_metadata(root, metas[root], infos, split)
     return infos
 
 
 class ByteShardDataset(ByteWindowDataset):
-    """Pre-encoded byte shards read through ``np.memmap`` (tk-train.py's ``LocalByteLevelDataset``, both formats above), as
-    one concatenated stream (windows may span two files).
+    """Pre-encoded byte shards read through ``np.memmap`` (tk-train.py's ``LocalByteLevelDataset``; every format
+    above, mixed as they come), as one concatenated stream (windows may span two files).
 
     Args:
         shards: a source for :func:`discover_shards` (directory / file / glob) or a list of :class:`ShardInfo`.
@@ -258,14 +393,13 @@ class ByteShardDataset(ByteWindowDataset):
         state["_maps"] = None  # pickling a memmap would copy its data; reopen in the worker
         return state
 
-    def _arrays(self) -> Sequence[np.ndarray]:
+    def _arrays(self) -> Sequence[np.ndarray | DocumentBytes]:
         if self._maps is None:
-            self._maps = [np.memmap(s.path, dtype=TOKEN_DTYPE, mode="r", offset=s.offset, shape=(s.num_tokens,))
-                          for s in self.shards]
+            self._maps = [open_shard(s) for s in self.shards]
         return self._maps
 
     def _check_piece(self, index: int, lo: int, hi: int, piece: np.ndarray) -> None:
-        if not self.check_ids and len(piece) and int(piece.max()) > MAX_TOKEN_ID:
+        if not self.check_ids and len(piece) and int(piece.max()) > MAX_TOKEN_ID:  # never for uint8 shards
             shard = self.shards[index]
             _check_ids(Path(shard.path), shard.offset + TOKEN_DTYPE.itemsize * lo, hi - lo)
 

