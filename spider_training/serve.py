@@ -1,0 +1,526 @@
+"""Serve a Spider release over HTTP in the shape of OpenAI's API: ``spider-serve RELEASE`` or
+``python -m spider_training.serve RELEASE [--host H] [--port P]``.
+
+Endpoints (FastAPI on uvicorn): ``GET /v1/models``, ``POST /v1/completions`` and, when the release's tokenizer has a
+chat template, ``POST /v1/chat/completions``. Tokens are bytes: ``max_tokens`` counts bytes, ``usage`` counts ids.
+Besides OpenAI's ``temperature``, ``top_p``, ``stop``, ``stream`` and ``seed``, a request may set Spider's own
+``n_loops`` (``1..config.max_loop_iters``) and ``act_early_exit``. A bad request gets HTTP 400 with an OpenAI-style
+error object whose ``param`` and message name the field.
+
+Concurrent requests are batched: a worker thread (:class:`Engine`) takes up to ``--max-batch-size`` waiting requests
+that share ``n_loops`` and ``act_early_exit``, left-pads their prompts into one batch, prefills Spider's cache and
+decodes one byte per row per step, sampling each row with its own settings. A row leaves the batch (its cache rows
+dropped) when it ends: end of text, ``max_tokens``, a ``stop`` string, or its client going away. Each row's bytes
+are decoded incrementally, so a streamed chunk only ever holds whole UTF-8 characters; text that may be the start of
+a ``stop`` string is held back until it is known not to be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+logger = logging.getLogger(__name__)
+
+
+class BadRequest(Exception):
+    """A request the server refuses with HTTP 400; `param` names the field at fault (None: the whole body)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# --- requests --------------------------------------------------------------------------------------------------------
+
+
+class SamplingFields(BaseModel):
+    """The fields both endpoints share. Unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(1, ge=1, le=1)
+    seed: int | None = None
+    n_loops: int | None = Field(None, ge=1)
+    act_early_exit: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of at most 4 non-empty strings")
+        return stops
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: `prompt` is text (a string, or a list holding one string)."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, gt=0)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompt(cls, value):
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, str):
+            raise ValueError(  # noqa: TRY004 (pydantic reports a ValueError as a validation error)
+                f"must be text (one string), got {type(value).__name__} (token ids are not accepted)")
+        return value
+
+
+class ChatRequest(SamplingFields):
+    """``POST /v1/chat/completions``: `messages` with text content (a string or a list of ``text`` parts)."""
+
+    messages: list[dict] = Field(min_length=1)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+
+    @field_validator("messages")
+    @classmethod
+    def _text_messages(cls, messages):
+        out = []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(message.get("role"), str) or not isinstance(content, str):
+                raise ValueError(f"messages[{i}] must have a string role and text content")  # noqa: TRY004
+            out.append({**message, "content": content})
+        return out
+
+
+def parse_request(body: bytes, kind: type[BaseModel]) -> BaseModel:
+    """`body` (JSON bytes) validated as `kind`.
+
+    Raises:
+        BadRequest: not JSON, or a field that fails validation (named in the message and as `param`).
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(part) for part in first["loc"][:1]) or None
+        raise BadRequest(f"{param}: {first['msg'].removeprefix('Value error, ')}", param) from None
+
+
+# --- generation ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's generation: its prompt ids, how many bytes it may write (`budget`, >= 1) and how to sample.
+
+    The engine's thread calls :meth:`step` with each new id; the job turns ids into whole characters and posts
+    ``("text", str)`` then ``("done", finish_reason, completion_tokens)`` (or ``("error", message)``) to `events`,
+    an asyncio queue of the server's event loop `loop`. :meth:`cancel` (any thread) drops it from its batch."""
+
+    prompt_ids: list[int]
+    budget: int
+    n_loops: int
+    act_early_exit: bool
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    eos_token_id: int | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    generated: int = 0
+    text: str = ""
+    sent: int = 0  # characters of `text` posted so far
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.generator = None if self.seed is None else torch.Generator().manual_seed(self.seed)
+
+    def cancel(self) -> None:
+        """Stop generating for this job (its row leaves the batch at the next step); posts nothing more."""
+        self.cancelled.set()
+
+    def post(self, *event) -> None:
+        """Hand `event` to the job's event loop (dropped once the job is cancelled or the loop has closed)."""
+        if self.cancelled.is_set() or self.loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is shutting down
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def step(self, token: int) -> bool:
+        """Take the next generated id; returns whether the job goes on (False: finished or cancelled)."""
+        if self.cancelled.is_set():
+            return False
+        self.generated += 1
+        if token == self.eos_token_id:
+            return self.finish("stop")
+        if token < 256:  # ids >= 256 are special: they count, but write no text
+            self.text += self.decoder.decode(bytes([token]))
+        if self._cut_at_stop():
+            return self.finish("stop")
+        if self.generated >= self.budget:
+            return self.finish("length")
+        held = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        self._post_text(len(self.text) - held)
+        return True
+
+    def finish(self, reason: str) -> bool:
+        """Flush the decoder (an unfinished character becomes U+FFFD), post the rest of the text and ``done``."""
+        self.text += self.decoder.decode(b"", final=True)
+        reason = "stop" if self._cut_at_stop() else reason
+        self._post_text(len(self.text))
+        self.post("done", reason, self.generated)
+        return False
+
+    def _cut_at_stop(self) -> bool:
+        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+        return bool(found)
+
+    def _post_text(self, end: int) -> None:
+        if end > self.sent:
+            self.post("text", self.text[self.sent : end])
+            self.sent = end
+
+
+def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
+    """The next id of each row: `logits` `(B, V)` float, one job per row -> `(B,)` int64. Greedy where a job's
+    temperature is 0, else sampled from ``softmax(logits / temperature)`` restricted to the smallest set of ids whose
+    probability reaches `top_p` (transformers' ``TopPLogitsWarper``), with the job's own generator when it has a seed.
+    """
+    chosen = logits.argmax(-1)
+    for row, job in enumerate(jobs):
+        if job.temperature == 0:
+            continue
+        probs = torch.softmax(logits[row].float() / job.temperature, -1)
+        if job.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= job.top_p  # the first id is always kept
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        chosen[row] = torch.multinomial(probs, 1, generator=job.generator)[0]
+    return chosen
+
+
+class Engine:
+    """Generates queued :class:`Job` s in batches on a worker thread (:meth:`start`, :meth:`stop`).
+
+    Args:
+        model: a Spider ``...ForCausalLM`` in eval mode; the engine is its only user while running (it sets
+            ``model.config.act_early_exit`` per batch).
+        pad_token_id: the id left padding uses (masked out).
+        max_batch_size: most jobs generated together.
+        batch_wait_s: seconds the worker waits after the first job of a batch for concurrent ones to arrive.
+    """
+
+    def __init__(self, model, pad_token_id: int, max_batch_size: int = 8, batch_wait_s: float = 0.01):
+        self.model, self.pad_token_id = model, pad_token_id
+        self.max_batch_size, self.batch_wait_s = max_batch_size, batch_wait_s
+        self.context = model.config.max_position_embeddings
+        self.waiting: list[Job] = []
+        self.condition = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._work, name="spider-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Finish the batch in progress, then end the worker thread (queued jobs are left unanswered)."""
+        with self.condition:
+            self.closed = True
+            self.condition.notify()
+        self.thread.join()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; its prompt plus its budget must fit the context (``budget <= context + 1 - len(prompt)``)."""
+        with self.condition:
+            self.waiting.append(job)
+            self.condition.notify()
+
+    def _fits(self, jobs: list[Job]) -> bool:
+        # every row is fed at most budget - 1 bytes after the padded prompt, which must stay within the context
+        width = max(len(job.prompt_ids) for job in jobs)
+        return all(width + job.budget - 1 <= self.context for job in jobs)
+
+    def _take_batch(self) -> list[Job] | None:
+        with self.condition:
+            while not self.waiting and not self.closed:
+                self.condition.wait()
+            if self.closed:
+                return None
+        time.sleep(self.batch_wait_s)  # let requests sent at the same moment join this batch
+        with self.condition:
+            self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
+            batch: list[Job] = []
+            for job in list(self.waiting):
+                same = not batch or (job.n_loops, job.act_early_exit) == (batch[0].n_loops, batch[0].act_early_exit)
+                if len(batch) < self.max_batch_size and same and self._fits(batch + [job]):
+                    batch.append(job)
+                    self.waiting.remove(job)
+            return batch
+
+    def _work(self) -> None:
+        while (batch := self._take_batch()) is not None:
+            if not batch:
+                continue
+            try:
+                self.generate(batch)
+            except Exception as err:  # the server goes on; these requests fail
+                logger.exception("generation failed")
+                for job in batch:
+                    job.post("error", f"generation failed: {type(err).__name__}: {err}")
+
+    @torch.inference_mode()
+    def generate(self, jobs: list[Job]) -> None:
+        """Generate `jobs` (same `n_loops` and `act_early_exit`) as one left-padded batch, feeding each job the ids
+        it gets; a row leaves the batch, and Spider's cache, when its job ends."""
+        width = max(len(job.prompt_ids) for job in jobs)
+        ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, job in enumerate(jobs):
+            ids[row, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids)
+            mask[row, width - len(job.prompt_ids) :] = 1
+        device, n_loops = self.model.device, jobs[0].n_loops
+        self.model.config.act_early_exit = jobs[0].act_early_exit
+        out = self.model(ids.to(device), attention_mask=mask.to(device), n_loops=n_loops, use_cache=True,
+                         logits_to_keep=1)
+        cache = out.cache
+        while jobs:
+            chosen = next_tokens(out.logits[:, -1], jobs)
+            keep = [row for row, (job, token) in enumerate(zip(jobs, chosen.tolist())) if job.step(token)]
+            if len(keep) < len(jobs):
+                if not keep:
+                    return
+                rows = torch.tensor(keep, device=device)
+                cache.batch_select_indices(rows)
+                chosen, jobs = chosen[rows], [jobs[row] for row in keep]
+            out = self.model(chosen[:, None], n_loops=n_loops, cache=cache, logits_to_keep=1)
+
+
+# --- the http layer --------------------------------------------------------------------------------------------------
+
+
+class JobStream(StreamingResponse):
+    """A streamed response that cancels its job however the response ends (done, error, client gone)."""
+
+    def __init__(self, job: Job, content):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_wait_s: float = 0.01) -> FastAPI:
+    """The FastAPI app serving `model` (a Spider ``...ForCausalLM``, eval mode) and its `tokenizer` as `model_name`.
+
+    The app's lifespan starts and stops an :class:`Engine` (``app.state.engine``) with `max_batch_size` and
+    `batch_wait_s`; run it with uvicorn (:func:`cli`) or any ASGI server."""
+    config = model.config
+    context, max_loops, default_exit = config.max_position_embeddings, config.max_loop_iters, config.act_early_exit
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.engine = Engine(model, tokenizer.pad_token_id, max_batch_size, batch_wait_s)
+        app.state.engine.start()
+        yield
+        await asyncio.to_thread(app.state.engine.stop)
+
+    app = FastAPI(title="Spider", lifespan=lifespan)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, err: BadRequest):
+        return JSONResponse(error_body(err.message, "invalid_request_error", err.param, err.code), status_code=400)
+
+    def make_job(req: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> Job:
+        if req.model != model_name:
+            raise BadRequest(f"model: unknown model {req.model!r}; this server serves {model_name!r}", "model",
+                             "model_not_found")
+        n_loops = config.n_loops if req.n_loops is None else req.n_loops
+        if not 1 <= n_loops <= max_loops:
+            raise BadRequest(f"n_loops: must be in 1..{max_loops} (max_loop_iters), got {n_loops}", "n_loops")
+        param = "prompt" if isinstance(req, CompletionRequest) else "messages"
+        if len(prompt_ids) > context:
+            raise BadRequest(f"{param}: the prompt is {len(prompt_ids)} bytes, longer than the context of {context} "
+                             "bytes (max_position_embeddings)", param, "context_length_exceeded")
+        room = context + 1 - len(prompt_ids)  # the last byte written is never fed back
+        return Job(prompt_ids, min(room, max_tokens or room), n_loops,
+                   default_exit if req.act_early_exit is None else req.act_early_exit, req.temperature, req.top_p,
+                   req.stop or [], req.seed, tokenizer.eos_token_id, asyncio.get_running_loop(), asyncio.Queue())
+
+    async def events(request: Request, job: Job, poll_s: float = 0.25):
+        """The job's events, several texts joined into one; cancels the job when the client goes away."""
+        request.app.state.engine.submit(job)
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), poll_s)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return
+                continue
+            text = ""
+            while event is not None and event[0] == "text":  # join the texts already waiting
+                text += event[1]
+                event = None if job.events.empty() else job.events.get_nowait()
+            if text:
+                yield ("text", text)
+            if event is not None:  # done or error
+                yield event
+                return
+
+    async def respond(request: Request, req: SamplingFields, job: Job, chat: bool):
+        """The job's answer: one JSON object, or (``stream``) SSE chunks ending with ``data: [DONE]``."""
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name}
+
+        def usage(done: int) -> dict:
+            prompt = len(job.prompt_ids)
+            return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+        def choice(text: str | None, reason: str | None, key: str = "delta", role: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            content = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            return {"index": 0, key: content, "logprobs": None, "finish_reason": reason}
+
+        if not req.stream:
+            text = ""
+            async for event in events(request, job):
+                if event[0] == "error":
+                    return JSONResponse(error_body(event[1], "server_error"), status_code=500)
+                if event[0] == "text":
+                    text += event[1]
+                else:
+                    return {**head, "choices": [choice(text, event[1], "message", role=True)],
+                            "usage": usage(event[2])}
+            return JSONResponse(error_body("client disconnected", "client_closed"), status_code=499)
+
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        def data(payload: dict) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        async def sse():
+            if chat:
+                yield data({**head, "choices": [choice("", None, role=True)]})
+            async for event in events(request, job):
+                if event[0] == "text":
+                    yield data({**head, "choices": [choice(event[1], None)]})
+                elif event[0] == "error":
+                    yield data(error_body(event[1], "server_error"))
+                else:
+                    yield data({**head, "choices": [choice(None if chat else "", event[1])]})
+                    if include_usage:
+                        yield data({**head, "choices": [], "usage": usage(event[2])})
+            yield "data: [DONE]\n\n"
+
+        return JobStream(job, sse())
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "spider", "max_model_len": context}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(await request.body(), CompletionRequest)
+        prompt_ids = [tokenizer.bos_token_id, *tokenizer(req.prompt, add_special_tokens=False)["input_ids"]]
+        return await respond(request, req, make_job(req, prompt_ids, req.max_tokens), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadRequest("this release's tokenizer has no chat template: use /v1/completions", "messages",
+                             "no_chat_template")
+        from jinja2 import TemplateError
+
+        req = parse_request(await request.body(), ChatRequest)
+        try:
+            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        except (TemplateError, ValueError, TypeError, KeyError) as err:  # it refused the conversation
+            raise BadRequest(f"messages: the chat template failed: {err}", "messages") from None
+        # read as text after BOS, as a completion's prompt (Spider's tokenizer never matches special tokens in text)
+        prompt_ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        return await respond(request, req, make_job(req, prompt_ids, req.max_completion_tokens or req.max_tokens),
+                             chat=True)
+
+    return app
+
+
+def load_release(path: str, device: str | None = None):
+    """`(model, tokenizer)` of the release folder `path`, loaded as a user would (``AutoModelForCausalLM`` /
+    ``AutoTokenizer``, ``trust_remote_code=True``), the model in eval mode on `device` (default: CUDA if available).
+
+    Raises:
+        ValueError / OSError: as :func:`spider_training.release.checked_from_pretrained`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .release import checked_from_pretrained
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = checked_from_pretrained(AutoModelForCausalLM.from_pretrained, path, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    tokenizer.padding_side = "left"
+    return model.to(device).eval(), tokenizer
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """``spider-serve RELEASE [--host] [--port] [--served-model-name] [--max-batch-size] [--device]``."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="spider-serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("release", help="a release folder (what from_pretrained loads) or a Hub id")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the model id clients name (default: RELEASE)")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="most requests generated together")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = parser.parse_args(argv)
+    local = args.release.startswith(("/", ".", "~")) or args.release.count("/") != 1  # else maybe a Hub id
+    if local and not Path(args.release).expanduser().is_dir():
+        parser.error(f"{args.release}: no such release folder")
+    model, tokenizer = load_release(str(Path(args.release).expanduser()) if local else args.release, args.device)
+    app = build_app(model, tokenizer, args.served_model_name or args.release, args.max_batch_size)
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,341 @@
+"""The OpenAI-compatible server (``spider_training.serve``), driven by the official ``openai`` client against a server
+on localhost: every answer is compared with what ``model.generate`` gives for the same prompt alone.
+
+The release is a tiny model trained for a few seconds to continue a text with multi-byte characters, so that greedy
+outputs hold them (a random model writes mostly invalid UTF-8).
+"""
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from spider_training.serve import build_app, load_release
+from tests.helpers import tiny_model
+from tokenization_spider import SpiderTokenizer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TEXT = "Spider says: héllo wörld — 日本語 🕷️ ça va? "
+PROMPT = "Spider says: hé"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """`(folder, model, tokenizer)`: a tiny model that has learned `TEXT` by heart, saved as a release."""
+    tokenizer = SpiderTokenizer()
+    model = tiny_model(seed=0)
+    ids = torch.tensor([[tokenizer.bos_token_id, *(TEXT * 3).encode()]])
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one draw everywhere, and the fastest for a model this small (~5 s)
+    try:
+        for _ in range(100):
+            model.train()
+            optimizer.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    folder = tmp_path_factory.mktemp("release")
+    model.eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` with uvicorn on a free localhost port in a thread; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(release):
+    """`(base_url, app)` of a server on the release, loaded through trust_remote_code as ``spider-serve`` does."""
+    model, tokenizer = load_release(str(release[0]), "cpu")
+    app = build_app(model, tokenizer, "spider", batch_wait_s=0.2)
+    with serving(app) as url:
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def expected(release, prompt: str, max_tokens: int, n_loops: int | None = None, prompt_ids=None) -> tuple[str, str]:
+    """`(text, finish_reason)` of greedy ``model.generate`` on `prompt` alone (BOS + bytes, or `prompt_ids`)."""
+    _, model, tokenizer = release
+    ids = prompt_ids or [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+    ids = torch.tensor([ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, n_loops=n_loops)
+    new = out[0, ids.shape[1]:].tolist()
+    reason = "stop" if new[-1] == tokenizer.eos_token_id else "length"
+    return tokenizer.decode(new, skip_special_tokens=True), reason
+
+
+def post_raw(url: str, body: bytes) -> tuple[int, dict]:
+    """POST `body` as JSON to `url`; `(status, decoded JSON answer)`."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_models_and_a_completion(release, client):
+    assert [m.id for m in client.models.list().data] == ["spider"]
+    out = client.completions.create(model="spider", prompt=PROMPT, max_tokens=40, temperature=0)
+    text, reason = expected(release, PROMPT, 40)
+    assert out.choices[0].text == text and out.choices[0].finish_reason == reason
+    assert out.usage.prompt_tokens == 1 + len(PROMPT.encode()) and out.usage.completion_tokens == 40
+
+
+def test_streamed_chunks_are_whole_characters_and_join_to_the_completion(release, server, client):
+    text, _ = expected(release, PROMPT, 60)
+    assert re.search(r"[^\x00-\x7f\ufffd]", text), text  # the output holds multi-byte characters
+    whole = client.completions.create(model="spider", prompt=PROMPT, max_tokens=60, temperature=0)
+    chunks = [c.choices[0].text for c in client.completions.create(model="spider", prompt=PROMPT, max_tokens=60,
+                                                                   temperature=0, stream=True)]
+    assert "".join(chunks) == whole.choices[0].text == text
+    assert all("\ufffd" not in chunk for chunk in chunks) and sum(1 for c in chunks if c) > 5
+
+    # on the wire: SSE events, each a JSON chunk of valid UTF-8, ending with [DONE]
+    body = json.dumps({"model": "spider", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True})
+    request = urllib.request.Request(server[0] + "/v1/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = [line.decode("utf-8") for line in response.read().split(b"\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads) and payloads[-1]["choices"][0]["finish_reason"]
+    assert "".join(p["choices"][0]["text"] for p in payloads) == text
+
+
+def test_concurrent_clients_are_batched_and_each_gets_what_it_gets_alone(release, server, client):
+    model = server[1].state.engine.model
+    batch_sizes = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(
+        (args[0] if args else kwargs["input_ids"]).shape), with_kwargs=True)
+    prompts = [("The state", 30, None), ("Spider says: héllo", 45, None), ("ça", 12, None), ("日本語 ", 50, None),
+               ("The union is", 25, 1), ("wörld", 40, 1), ("x", 35, None), ("Spider", 20, None)]
+    results = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def ask(i):
+        prompt, max_tokens, n_loops = prompts[i]
+        barrier.wait()
+        results[i] = client.completions.create(model="spider", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               extra_body={"n_loops": n_loops} if n_loops else None)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        hook.remove()
+    for (prompt, max_tokens, n_loops), out in zip(prompts, results):
+        text, reason = expected(release, prompt, max_tokens, n_loops)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (text, reason), prompt
+    prefills = [shape for shape in batch_sizes if shape[1] > 1]
+    assert max(shape[0] for shape in prefills) > 1, prefills  # requests were generated together
+    assert len(prefills) < len(prompts)
+
+
+BAD_REQUESTS = {  # name -> (body, the field the message names)
+    "unknown model": ({"model": "gpt-4", "prompt": "hi"}, "model"),
+    "n_loops 0": ({"model": "spider", "prompt": "hi", "n_loops": 0}, "n_loops"),
+    "n_loops past max_loop_iters": ({"model": "spider", "prompt": "hi", "n_loops": 5}, "n_loops"),
+    "prompt longer than the context": ({"model": "spider", "prompt": "a" * 600}, "prompt"),
+    "max_tokens 0": ({"model": "spider", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "max_tokens negative": ({"model": "spider", "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    "prompt of token ids": ({"model": "spider", "prompt": [1, 2, 3]}, "prompt"),
+    "prompt a number": ({"model": "spider", "prompt": 12}, "prompt"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_request_gets_400_naming_the_field_and_the_server_stays_up(name, release, client):
+    body, param = dict(BAD_REQUESTS[name][0]), BAD_REQUESTS[name][1]
+    assert release[1].config.max_loop_iters == 4 and release[1].config.max_position_embeddings == 512
+    extra = {"n_loops": body.pop("n_loops")} if "n_loops" in body else None
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**{"max_tokens": 4, **body}, temperature=0, extra_body=extra)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == param and param in error["message"], error
+    assert client.completions.create(model="spider", prompt="hi", max_tokens=3).choices[0].text is not None
+
+
+def test_invalid_json_and_chat_without_a_template_get_400(server, client):
+    status, answer = post_raw(server[0] + "/v1/completions", b'{"model": "spider", "prompt": ')
+    assert status == 400 and "JSON" in answer["error"]["message"]
+    status, answer = post_raw(server[0] + "/v1/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in answer["error"]["message"]
+    status, answer = post_raw(server[0] + "/v1/completions", b'{"model": "spider"}')
+    assert status == 400 and answer["error"]["param"] == "prompt" and "prompt" in answer["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model="spider", messages=[{"role": "user", "content": "hi"}])
+    assert client.completions.create(model="spider", prompt="hi", max_tokens=3).choices[0].finish_reason
+
+
+def test_a_client_that_disconnects_stops_its_generation_and_others_go_on(release, server, client):
+    model = server[1].state.engine.model
+    steps = []
+    hook = model.register_forward_pre_hook(lambda module, args: steps.append(time.monotonic()))
+    try:
+        other = client.completions.create(model="spider", prompt="The state", max_tokens=150, temperature=0,
+                                          stream=True)
+        leaving = client.completions.create(model="spider", prompt=PROMPT, max_tokens=480, temperature=0,
+                                            stream=True)
+        for _, _ in zip(range(3), leaving):
+            pass
+        leaving.close()  # the client goes away mid-stream
+        assert "".join(c.choices[0].text for c in other) == expected(release, "The state", 150)[0]
+        while not steps or time.monotonic() - steps[-1] < 1.0:  # until the engine is idle
+            time.sleep(0.1)
+        assert len(steps) < 480  # the departed request's 480 bytes were not all generated
+    finally:
+        hook.remove()
+    text, _ = expected(release, PROMPT, 20)
+    assert client.completions.create(model="spider", prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text \
+        == text
+
+
+def test_stop_strings_cut_the_output_streamed_or_not(release, client):
+    text, _ = expected(release, PROMPT, 60)
+    stop = text[8:11]
+    cut = text[: text.find(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model="spider", prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop, "#"],
+                                        stream=stream)
+        chunks = [c.choices[0] for c in out] if stream else out.choices
+        assert "".join(c.text for c in chunks) == cut and chunks[-1].finish_reason == "stop"
+
+
+def test_sampling_knobs(release, client):
+    greedy, _ = expected(release, "The state", 30)
+    ask = {"model": "spider", "prompt": "The state", "max_tokens": 30}
+    # top_p this small leaves only the likeliest byte: greedy
+    assert client.completions.create(**ask, temperature=1.0, top_p=1e-6).choices[0].text == greedy
+    seeded = [client.completions.create(**ask, seed=7, temperature=2.0).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1] != greedy
+
+
+def test_act_early_exit_per_request(release, client):
+    model = release[1]
+    out = client.completions.create(model="spider", prompt=PROMPT, max_tokens=30, temperature=0,
+                                    extra_body={"act_early_exit": True, "n_loops": 3})
+    model.config.act_early_exit = True
+    try:
+        text, _ = expected(release, PROMPT, 30, n_loops=3)
+    finally:
+        model.config.act_early_exit = False
+    assert out.choices[0].text == text
+
+
+def test_chat_completions_with_a_chat_template(release):
+    tokenizer = SpiderTokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    model, _ = load_release(str(release[0]), "cpu")
+    messages = [{"role": "user", "content": PROMPT}]
+    with serving(build_app(model, tokenizer, "spider")) as url:
+        chat = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        out = chat.chat.completions.create(model="spider", messages=messages, max_tokens=30, temperature=0)
+        chunks = list(chat.chat.completions.create(model="spider", messages=messages, max_completion_tokens=30,
+                                                   temperature=0, stream=True))
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == f"user: {PROMPT}\nassistant: "
+    text, _ = expected(release, prompt, 30)
+    assert out.choices[0].message.content == text and out.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
+def _readme_serving_block() -> tuple[str, str, str]:
+    """The README's serving recipe: `(the spider-serve command, the curl line, the Python block)`."""
+    block = README.read_text().split("<!-- recipe:serve -->", 1)[1]
+    bash = block.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    command = next(line for line in bash.splitlines() if line.startswith("spider-serve "))
+    curl = next(line for line in bash.splitlines() if line.startswith("curl "))
+    return command, curl, block.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_readme_serving_recipe_as_written(release, tmp_path):
+    """The README's command, curl line and openai client lines, with this test's release and a free port."""
+    folder = str(release[0])
+    command, curl, python = _readme_serving_block()
+    port = _free_port()
+
+    def here(line: str) -> str:
+        return line.replace("runs/spider-small/release", folder).replace("localhost:8000", f"localhost:{port}")
+
+    argv = shlex.split(here(command), comments=True) + ["--port", str(port)]
+    argv[0] = shutil.which("spider-serve", path=str(Path(sys.executable).parent)) or argv[0]
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    with subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as process:
+        try:
+            _wait_for(f"http://127.0.0.1:{port}/v1/models", process)
+            text, _ = expected(release, "The state of the union", 64)
+            done = subprocess.run(shlex.split(here(curl), comments=True), capture_output=True, text=True,
+                                  timeout=120, check=False)
+            assert json.loads(done.stdout)["choices"][0]["text"] == text
+            done = subprocess.run([sys.executable, "-c", here(python)], capture_output=True, text=True, timeout=120,
+                                  check=False)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.startswith(text)
+        finally:
+            process.terminate()
+            process.wait(30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(url: str, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"spider-serve did not answer {url} within {timeout} s")
