@@ -13,14 +13,12 @@ Field names follow transformers' DeepseekV3 / Qwen3-MoE configs wherever a conce
 >>> SpiderConfig.from_preset("tiny", n_loops=3)   # for tests; keyword arguments override the preset
 """
 
-
 import difflib
 import json
 import os
 import re
 
 from huggingface_hub.dataclasses import strict
-
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
@@ -29,25 +27,33 @@ try:  # loaded as part of a package (trust_remote_code, or `spider` installed as
 except ImportError:  # loaded as a top-level module from the repository root
     from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
-# Presets are deltas against the defaults below (tk-train.py's ~1B model). Each one keeps every linear layer's dimensions
+# Presets are deltas against the defaults below (tk-train.py's ~1B model). Each one keeps every linear layer's
+# dimensions
 # divisible by 16, so the FP8 trainer converts the same modules at every size.
 #: The training choices measured on the small preset with bench/quality.py (README "Model quality"). The small and 1b
-#: presets both carry them. At 1B they are not yet measured one by one; the original script's own settings, tried on a GPU at 1B
+#: presets both carry them. At 1B they are not yet measured one by one; the original script's own settings, tried on a
+#: GPU at 1B
 #: (6 steps on its mock data), closed one segment per window by step 3 and halted after one loop, and the GPU
 #: check's 300-step 1b run (bench/gpu_check.py) checks the boundary rate and the held-out loss with these.
 MEASURED_TRAINING_CHOICES: dict = dict(
     # Local byte attention is the largest single gain at the small budget, and a 4-byte window (about one open
     # segment) beats 8 and 16; without a ponder cost the loops keep their weight instead of halting at loop 1; with
-    # hard boundaries the original boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and the
+    # hard boundaries the original boundary_loss_coef=1.0 holds the rate in the prior's band, and the heavier 10 and
+    # the
     # MoE balancing loss both cost held-out bits per byte.
-    sliding_window=4, ponder_loss_coef=0.0, boundary_loss_coef=1.0, router_aux_loss_coef=0.0,
+    sliding_window=4,
+    ponder_loss_coef=0.0,
+    boundary_loss_coef=1.0,
+    router_aux_loss_coef=0.0,
     # Segments: end-to-end learned boundaries land on arbitrary bytes at this budget and the global path then adds
     # nothing; the predictor supervised by SpaceByte's word rule (Nawrot et al. 2023's supervised predictor) learns
     # it to ~99% and gives word-sized segments (about 5.7 bytes, so the prior's band moves to 5-7.6 bytes).
-    boundary_teacher="spacelike", boundary_prior=0.2,
+    boundary_teacher="spacelike",
+    boundary_prior=0.2,
     # Mixing: behind a learned gate that starts shut (scaled_norm) the model kept the global stream at ~10% of the
     # bytes' RMS; held at half of it (no gate to close), the loops and the global path carry more.
-    expand_mixing="rms_matched", expand_rms_ratio=0.5,
+    expand_mixing="rms_matched",
+    expand_rms_ratio=0.5,
 )
 
 SPIDER_PRESETS: dict[str, dict] = {
@@ -55,19 +61,53 @@ SPIDER_PRESETS: dict[str, dict] = {
     # tk-train.py's (spider_training.convert_tk_train builds its checkpoints on it)
     "1b": dict(MEASURED_TRAINING_CHOICES),
     "small": dict(
-        hidden_size=256, intermediate_size=768, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64,
-        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_prelude_layers=1, num_recurrent_layers=2,
-        num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
-        engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=32, engram_table_size=4096,
-        n_loops=2, max_loop_iters=8, loop_adapter_rank=16, max_position_embeddings=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_attention_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        num_prelude_layers=1,
+        num_recurrent_layers=2,
+        num_coda_layers=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        engram_layer_ids=[1],
+        engram_num_heads=2,
+        engram_head_dim=32,
+        engram_table_size=4096,
+        n_loops=2,
+        max_loop_iters=8,
+        loop_adapter_rank=16,
+        max_position_embeddings=2048,
         **MEASURED_TRAINING_CHOICES,
     ),
     "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, num_prelude_layers=1, num_recurrent_layers=2,
-        num_coda_layers=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        engram_layer_ids=[1], engram_num_heads=2, engram_head_dim=16, engram_table_size=257,
-        n_loops=2, max_loop_iters=4, loop_adapter_rank=16, max_position_embeddings=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_prelude_layers=1,
+        num_recurrent_layers=2,
+        num_coda_layers=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        engram_layer_ids=[1],
+        engram_num_heads=2,
+        engram_head_dim=16,
+        engram_table_size=257,
+        n_loops=2,
+        max_loop_iters=4,
+        loop_adapter_rank=16,
+        max_position_embeddings=512,
         # the tests check the global path's machinery (cache, padding, gradients): it must reach the output at init
         expand_scale_init=1.0,
     ),
@@ -104,23 +144,29 @@ class SpiderConfig(PreTrainedConfig):
         num_attention_heads (`int`, defaults to 16): MLA heads.
         q_lora_rank (`int` or `None`, defaults to 768): rank of the query down-projection (``None``: full ``q_proj``).
         kv_lora_rank (`int`, defaults to 256): rank of the joint KV compression (DeepSeek-V2 MLA).
-        qk_rope_head_dim / qk_nope_head_dim / v_head_dim (`int`): per-head dims of the rotary part, the non-rotary part of
+        qk_rope_head_dim / qk_nope_head_dim / v_head_dim (`int`): per-head dims of the rotary part, the non-rotary part
+        of
             queries/keys, and of values.
-        num_prelude_layers / num_recurrent_layers / num_coda_layers (`int`, defaults 2 / 6 / 2): dense byte layers before,
+        num_prelude_layers / num_recurrent_layers / num_coda_layers (`int`, defaults 2 / 6 / 2): dense byte layers
+        before,
             MLA+MoE segment layers in the looped block, dense byte layers after.
-        num_hidden_layers (`int`, derived): ``prelude + recurrent + coda``; passing another value raises ``ValueError``.
+        num_hidden_layers (`int`, derived): ``prelude + recurrent + coda``; passing another value raises
+        ``ValueError``.
         n_routed_experts (`int`, defaults to 32; alias ``num_experts``): routed experts per recurrent layer.
         num_experts_per_tok (`int`, defaults to 2): top-k.
-        n_shared_experts (`int`, defaults to 1): always-on experts (one SwiGLU of width ``n_shared * moe_intermediate``).
+        n_shared_experts (`int`, defaults to 1): always-on experts (one SwiGLU of width ``n_shared *
+        moe_intermediate``).
         moe_intermediate_size (`int`, defaults to 512): SwiGLU width of one expert.
         norm_topk_prob (`bool`, defaults to True): renormalise the top-k weights to sum to 1.
         router_aux_loss_coef (`float`, defaults to 0.01): weight of the aux_fi load-balancing loss.
         output_router_logits (`bool`): return every router's logits.
         experts_implementation (`str`, keyword only, defaults to ``"grouped_mm"``): how the routed experts
-            (:class:`~modeling_spider.SpiderExperts`, fused 3-D ``gate_up_proj`` / ``down_proj``) compute: transformers'
+            (:class:`~modeling_spider.SpiderExperts`, fused 3-D ``gate_up_proj`` / ``down_proj``) compute:
+            transformers'
             experts interface (``transformers.integrations.moe``): ``"grouped_mm"`` (one grouped GEMM over the
             expert-sorted token-slots, offsets on the device, no host sync), ``"batched_mm"`` (per-slot ``bmm``; memory
-            grows with tokens x k x expert size), ``"eager"`` (the original per-expert loop), or any other name registered
+            grows with tokens x k x expert size), ``"eager"`` (the original per-expert loop), or any other name
+            registered
             in ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``. Stored as transformers stores it
             (``config._experts_implementation``, not written to ``config.json``); also settable with
             ``from_pretrained(..., experts_implementation=...)`` and ``model.set_experts_implementation(...)``.
@@ -138,15 +184,18 @@ class SpiderConfig(PreTrainedConfig):
         engram_conv_kernel_size (`int`, defaults to 4): causal depthwise ShortConv width, in segments.
         engram_hash_seed (`int`): seed of the odd hash multipliers (plain numpy data, identical in every process).
         boundary_mode (`str`, defaults to ``"hard"``): how the boundary predictor's probabilities become 0/1
-            boundaries. ``"hard"``: ``p > boundary_threshold`` in training and evaluation alike, with a straight-through
+            boundaries. ``"hard"``: ``p > boundary_threshold`` in training and evaluation alike, with a
+            straight-through
             gradient to ``p`` (H-Net's hard routing), so the model is evaluated on the segmentation it trains on.
             ``"relaxed"``: FlexiTokens' relaxed-Bernoulli samples in training and the threshold at evaluation (the
-            original script's rule; the two segment at different rates once ``p`` sits near the prior). ``"fixed"``: no learned
+            original script's rule; the two segment at different rates once ``p`` sits near the prior). ``"fixed"``: no
+            learned
             boundaries, a segment closes every ``round(1 / boundary_prior)`` bytes of position (the fixed-stride
             patching of MegaByte; the ablation that shows what learned boundaries add).
         boundary_temperature (`float`, defaults to 0.5): relaxed-Bernoulli temperature (``boundary_mode="relaxed"``).
         boundary_threshold (`float`, defaults to 0.5): a byte closes a segment when ``sigmoid(logit) > threshold``.
-        boundary_prior / boundary_prior_std / boundary_prior_k (`float`): target boundary rate per byte (English 0.333),
+        boundary_prior / boundary_prior_std / boundary_prior_k (`float`): target boundary rate per byte (English
+        0.333),
             its std (0.023) and the lower-hinge width k (3): loss ``relu(r - prior) + relu(prior - k*std - r)``.
         boundary_loss_coef (`float`, defaults to 1.0).
         boundary_teacher (`str` or `None`, defaults to `None`): a segmentation the boundary predictor learns from in
@@ -170,7 +219,8 @@ class SpiderConfig(PreTrainedConfig):
             held constant in the gradient): the global stream reaches every byte at a fixed share of the byte
             stream's own RMS, so the path can neither drown the bytes nor be switched off. ``"residual_proj"`` (H-Net):
             ``RMSNorm(h) + residual_proj(x)`` with ``residual_proj`` initialised to zero, so at initialisation every
-            prediction must go through the global path. ``"add"`` (the original script): ``h + x``, where the unnormalised
+            prediction must go through the global path. ``"add"`` (the original script): ``h + x``, where the
+            unnormalised
             loop output drowns the byte stream at initialisation.
         expand_scale_init (`float`, defaults to 0.0): initial per-channel scale of the global stream with
             ``expand_mixing="scaled_norm"`` (ReZero-style: the byte layers start unperturbed and the global path's
@@ -178,7 +228,8 @@ class SpiderConfig(PreTrainedConfig):
         expand_rms_ratio (`float`, defaults to 0.5): with ``expand_mixing="rms_matched"``, the global stream's
             RMS at the coda's input as a fraction of the byte stream's (fixed, not learned).
         sliding_window (`int` or `None`, defaults to `None`): byte layers (prelude and coda) attend to the last
-            ``sliding_window`` bytes only (Mistral's ``sliding_window``, BLT's local encoder/decoder); context beyond it
+            ``sliding_window`` bytes only (Mistral's ``sliding_window``, BLT's local encoder/decoder); context beyond
+            it
             reaches a byte through the global path. `None`: full causal attention.
         recurrent_sliding_window (`int` or `None`, defaults to `None`): recurrent layers attend to the last
             ``recurrent_sliding_window`` segments only (the null segment counts as segment 0). `None`: every segment.
@@ -209,9 +260,14 @@ class SpiderConfig(PreTrainedConfig):
     model_type = "spider"
     keys_to_ignore_at_inference = ["cache"]
     # older names still read: lora_rank was the per-loop adapter's rank, upsample_* the expansion's fields
-    attribute_map = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
-                     "lora_rank": "loop_adapter_rank", "upsample_mixing": "expand_mixing",
-                     "upsample_scale_init": "expand_scale_init", "upsample_rms_ratio": "expand_rms_ratio"}
+    attribute_map = {
+        "num_experts": "n_routed_experts",
+        "num_local_experts": "n_routed_experts",
+        "lora_rank": "loop_adapter_rank",
+        "upsample_mixing": "expand_mixing",
+        "upsample_scale_init": "expand_scale_init",
+        "upsample_rms_ratio": "expand_rms_ratio",
+    }
 
     vocab_size: int = VOCAB_SIZE
     hidden_size: int = 2048
@@ -298,7 +354,8 @@ class SpiderConfig(PreTrainedConfig):
 
     @property
     def moe_implementation(self) -> str:
-        """Deprecated alias of ``_experts_implementation`` (the field before the experts were fused), for code written against it:
+        """Deprecated alias of ``_experts_implementation`` (the field before the experts were fused), for code written
+        against it:
         reading gives the experts implementation; assigning maps a legacy value as ``__post_init__`` does (``"sorted"``
         -> ``"grouped_mm"``) and sets the experts implementation. Never written to ``config.json``.
 
@@ -319,8 +376,10 @@ class SpiderConfig(PreTrainedConfig):
             ValueError: `value` is not one of :data:`LEGACY_MOE_IMPLEMENTATIONS`.
         """
         if value not in LEGACY_MOE_IMPLEMENTATIONS:
-            raise ValueError(f"SpiderConfig.moe_implementation={value!r} is invalid: must be one of "
-                             f"{tuple(LEGACY_MOE_IMPLEMENTATIONS)} (deprecated: use experts_implementation)")
+            raise ValueError(
+                f"SpiderConfig.moe_implementation={value!r} is invalid: must be one of "
+                f"{tuple(LEGACY_MOE_IMPLEMENTATIONS)} (deprecated: use experts_implementation)"
+            )
         return LEGACY_MOE_IMPLEMENTATIONS[value]
 
     def _derive_fields(self, num_hidden_layers_given: bool = True) -> None:
@@ -371,14 +430,18 @@ class SpiderConfig(PreTrainedConfig):
                 try:
                     setattr(self, key, json.loads(value))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"config override {key}={value!r} is not JSON (SpiderConfig.{key} takes a list "
-                                     f"or null here, e.g. [1,3], [] or null): {err}") from None
+                    raise ValueError(
+                        f"config override {key}={value!r} is not JSON (SpiderConfig.{key} takes a list "
+                        f"or null here, e.g. [1,3], [] or null): {err}"
+                    ) from None
                 continue
             try:
                 super().update_from_string(f"{key}={value}")
             except (ValueError, TypeError) as err:
-                raise ValueError(f"config override {key}={value!r} does not parse as SpiderConfig.{key}'s type "
-                                 f"({type(current).__name__}): {err}") from None
+                raise ValueError(
+                    f"config override {key}={value!r} does not parse as SpiderConfig.{key}'s type "
+                    f"({type(current).__name__}): {err}"
+                ) from None
         self._derive_fields(num_hidden_layers_given="num_hidden_layers" in update_str)
         self.check_architecture()
 
@@ -389,8 +452,10 @@ class SpiderConfig(PreTrainedConfig):
         for key in keys:
             if key not in known and not key.startswith("_"):
                 close = difflib.get_close_matches(key, sorted(known), n=1)
-                raise ValueError(f"unknown SpiderConfig field {key!r} in {where}"
-                                 + (f"; did you mean {close[0]!r}?" if close else ""))
+                raise ValueError(
+                    f"unknown SpiderConfig field {key!r} in {where}"
+                    + (f"; did you mean {close[0]!r}?" if close else "")
+                )
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SpiderConfig":
@@ -414,15 +479,32 @@ class SpiderConfig(PreTrainedConfig):
                 raise ValueError(f"SpiderConfig.{field}={getattr(self, field)!r} is invalid: {constraint}")
 
         positive = [
-            "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "kv_lora_rank",
-            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_recurrent_layers", "n_routed_experts",
-            "num_experts_per_tok", "moe_intermediate_size", "engram_num_heads", "engram_head_dim",
-            "engram_table_size", "engram_conv_kernel_size", "n_loops", "max_loop_iters", "loop_adapter_rank",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "num_recurrent_layers",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "engram_num_heads",
+            "engram_head_dim",
+            "engram_table_size",
+            "engram_conv_kernel_size",
+            "n_loops",
+            "max_loop_iters",
+            "loop_adapter_rank",
             "max_position_embeddings",
         ]
         for field in positive:
             value = getattr(self, field)
-            require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field, "must be an integer > 0")
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0, field, "must be an integer > 0"
+            )
         for field in ("num_prelude_layers", "num_coda_layers", "n_shared_experts"):
             value = getattr(self, field)
             require(isinstance(value, int) and value >= 0, field, "must be an integer >= 0")
@@ -431,7 +513,8 @@ class SpiderConfig(PreTrainedConfig):
         require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (RoPE rotates pairs)")
         require(
             self.num_experts_per_tok <= self.n_routed_experts,
-            "num_experts_per_tok", f"top-k must not exceed n_routed_experts={self.n_routed_experts}",
+            "num_experts_per_tok",
+            f"top-k must not exceed n_routed_experts={self.n_routed_experts}",
         )
         # what PreTrainedModel.get_correct_experts_implementation accepts (transformers/modeling_utils.py)
         from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
@@ -439,29 +522,38 @@ class SpiderConfig(PreTrainedConfig):
 
         experts_implementations = ("eager", *sorted(set(ALL_EXPERTS_FUNCTIONS) | set(ALL_FP8_EXPERTS_FUNCTIONS)))
         if self._experts_implementation not in experts_implementations:
-            raise ValueError(f"SpiderConfig.experts_implementation={self._experts_implementation!r} is invalid: must "
-                             f"be one of {experts_implementations}")
+            raise ValueError(
+                f"SpiderConfig.experts_implementation={self._experts_implementation!r} is invalid: must "
+                f"be one of {experts_implementations}"
+            )
         require(
             all(0 <= i < self.num_recurrent_layers for i in self.engram_layer_ids)
             and len(set(self.engram_layer_ids)) == len(self.engram_layer_ids),
-            "engram_layer_ids", f"must be distinct recurrent layer indices in [0, {self.num_recurrent_layers})",
+            "engram_layer_ids",
+            f"must be distinct recurrent layer indices in [0, {self.num_recurrent_layers})",
         )
         require(
             len(self.engram_ngram_sizes) > 0 and all(n >= 1 for n in self.engram_ngram_sizes),
-            "engram_ngram_sizes", "must be a non-empty list of n-gram orders >= 1",
+            "engram_ngram_sizes",
+            "must be a non-empty list of n-gram orders >= 1",
         )
         require(self.boundary_mode in BOUNDARY_MODES, "boundary_mode", f"must be one of {BOUNDARY_MODES}")
-        require(self.boundary_teacher is None or self.boundary_teacher in BOUNDARY_TEACHERS, "boundary_teacher",
-                f"must be None or one of {BOUNDARY_TEACHERS}")
+        require(
+            self.boundary_teacher is None or self.boundary_teacher in BOUNDARY_TEACHERS,
+            "boundary_teacher",
+            f"must be None or one of {BOUNDARY_TEACHERS}",
+        )
         require(self.expand_mixing in EXPAND_MIXINGS, "expand_mixing", f"must be one of {EXPAND_MIXINGS}")
         require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", "must be None or >= 1")
         require(
             self.recurrent_sliding_window is None or self.recurrent_sliding_window >= 1,
-            "recurrent_sliding_window", "must be None or >= 1",
+            "recurrent_sliding_window",
+            "must be None or >= 1",
         )
         require(
             isinstance(self.pad_segments_to_multiple_of, int) and self.pad_segments_to_multiple_of >= 1,
-            "pad_segments_to_multiple_of", "must be an integer >= 1",
+            "pad_segments_to_multiple_of",
+            "must be an integer >= 1",
         )
         require(self.expand_scale_init >= 0, "expand_scale_init", "must be >= 0")
         require(self.expand_rms_ratio > 0, "expand_rms_ratio", "must be > 0")
@@ -470,16 +562,25 @@ class SpiderConfig(PreTrainedConfig):
         require(0 < self.boundary_prior < 1, "boundary_prior", "must be in (0, 1)")
         require(self.boundary_prior_std >= 0, "boundary_prior_std", "must be >= 0")
         require(0 < self.act_threshold <= 1, "act_threshold", "must be in (0, 1]")
-        for field in ("router_aux_loss_coef", "boundary_loss_coef", "boundary_teacher_coef", "ponder_loss_coef",
-                      "boundary_prior_k"):
+        for field in (
+            "router_aux_loss_coef",
+            "boundary_loss_coef",
+            "boundary_teacher_coef",
+            "ponder_loss_coef",
+            "boundary_prior_k",
+        ):
             require(getattr(self, field) >= 0, field, "must be >= 0")
         require(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         require(self.initializer_range >= 0, "initializer_range", "must be >= 0")
-        require(self.hidden_act in ACT2FN, "hidden_act", "must be an activation name of transformers.activations.ACT2FN")
+        require(
+            self.hidden_act in ACT2FN, "hidden_act", "must be an activation name of transformers.activations.ACT2FN"
+        )
         theta = (self.rope_parameters or {}).get("rope_theta")
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-            raise ValueError(f"SpiderConfig.rope_parameters={self.rope_parameters!r} is invalid: rope_theta={theta!r} "
-                             "must be a number > 0")
+            raise ValueError(
+                f"SpiderConfig.rope_parameters={self.rope_parameters!r} is invalid: rope_theta={theta!r} "
+                "must be a number > 0"
+            )
         require(0 <= self.attention_dropout < 1, "attention_dropout", "must be in [0, 1)")
         for field in ("pad_token_id", "bos_token_id"):
             value = getattr(self, field)
@@ -487,7 +588,8 @@ class SpiderConfig(PreTrainedConfig):
         eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
         require(
             all(v is None or (isinstance(v, int) and 0 <= v < self.vocab_size) for v in eos),
-            "eos_token_id", f"must be None, or an id / list of ids in [0, {self.vocab_size})",
+            "eos_token_id",
+            f"must be None, or an id / list of ids in [0, {self.vocab_size})",
         )
 
 

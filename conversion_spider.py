@@ -12,9 +12,11 @@ from __future__ import annotations
 from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 
 #: older releases' names of the segmentation's parameters -> today's (docs/design.md, "Glossary"); regex -> replacement
-OLDER_SEGMENTATION_KEYS = {r"flexitokens\.null_group": "flexitokens.null_segment",
-                           r"flexitokens\.down_norm\.": "flexitokens.pool_norm.",
-                           r"flexitokens\.upsample_norm\.": "flexitokens.expand_norm."}
+OLDER_SEGMENTATION_KEYS = {
+    r"flexitokens\.null_group": "flexitokens.null_segment",
+    r"flexitokens\.down_norm\.": "flexitokens.pool_norm.",
+    r"flexitokens\.upsample_norm\.": "flexitokens.expand_norm.",
+}
 
 
 def older_checkpoint_conversions() -> list[WeightRenaming | WeightConverter]:
@@ -27,10 +29,12 @@ def older_checkpoint_conversions() -> list[WeightRenaming | WeightConverter]:
         *(WeightRenaming(old, new) for old, new in OLDER_SEGMENTATION_KEYS.items()),
         WeightConverter(
             source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
-            target_patterns="mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
         ),
         WeightConverter(
-            source_patterns="mlp.experts.*.down_proj.weight", target_patterns="mlp.experts.down_proj",
+            source_patterns="mlp.experts.*.down_proj.weight",
+            target_patterns="mlp.experts.down_proj",
             operations=[MergeModulelist(dim=0)],
         ),
     ]

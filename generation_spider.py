@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.utils import logging
@@ -37,9 +36,7 @@ except ImportError:  # loaded as a top-level module from the repository root
 logger = logging.get_logger(__name__)
 
 
-def write_segment_slots(
-    cache: "SpiderCache", buffer: torch.Tensor, new: torch.Tensor, dim: int
-) -> torch.Tensor:
+def write_segment_slots(cache: SpiderCache, buffer: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     """`buffer` grown (zeros) to `cache.segment_slots` along `dim`, with `new` (one segment per
     row) written at each row's slot `cache.segment_write_index` `(B,)`."""
     slots = cache.segment_slots
@@ -81,7 +78,7 @@ class SpiderLayerCache:
     decode step writes row b at ``segment_write_index[b]``: rows close segments at different bytes,
     which no transformers cache layer can express."""
 
-    def __init__(self, cache: "SpiderCache"):
+    def __init__(self, cache: SpiderCache):
         self.cache = cache
         self.keys = self.values = self.conv_inputs = None
 
@@ -102,9 +99,7 @@ class SpiderLayerCache:
             return F.pad(conv_inputs, (0, 0, kernel_size - 1, 0))
         offsets = torch.arange(-(kernel_size - 1), 1, device=conv_inputs.device)
         positions = self.cache.segment_write_index[:, None] + offsets  # (B, kernel_size)
-        window = self.conv_inputs.gather(
-            1, positions.clamp(min=0)[..., None].expand(-1, -1, conv_inputs.shape[-1])
-        )
+        window = self.conv_inputs.gather(1, positions.clamp(min=0)[..., None].expand(-1, -1, conv_inputs.shape[-1]))
         return window * (positions >= 0)[..., None].to(window.dtype)
 
     def select_rows(self, rows: torch.LongTensor) -> None:
@@ -125,9 +120,7 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError(
-            "a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update"
-        )
+        raise NotImplementedError("a recurrent layer caches one SpiderLayerCache per loop: use .loops[t].update")
 
     def get_seq_length(self) -> int:
         """Segment slots held (the null segment included)."""
@@ -155,8 +148,16 @@ class SpiderCache(Cache):
     ``n_loops`` it was built with (docs/design.md, "Generation cache")."""
 
     RECORD = ("input_ids", "byte_states", "byte_memory", "boundaries")
-    ROW_STATE = ("byte_mask", "segment_outputs", "byte_positions", "open_sum", "open_memory_sum",
-                 "open_count", "num_segments", "last_segment_output")
+    ROW_STATE = (
+        "byte_mask",
+        "segment_outputs",
+        "byte_positions",
+        "open_sum",
+        "open_memory_sum",
+        "open_count",
+        "num_segments",
+        "last_segment_output",
+    )
 
     def __init__(self, config: SpiderConfig, n_loops: int):
         self.config = config
@@ -164,10 +165,10 @@ class SpiderCache(Cache):
         self.prelude = [DynamicLayer() for _ in range(config.num_prelude_layers)]
         self.coda = [DynamicLayer() for _ in range(config.num_coda_layers)]
         # recurrent[t][i]: loop t's cache of recurrent layer i
-        self.recurrent = [[SpiderLayerCache(self) for _ in range(config.num_recurrent_layers)]
-                          for _ in range(n_loops)]
-        recurrent_layers = [SpiderRecurrentLayerCache([loop[i] for loop in self.recurrent])
-                            for i in range(config.num_recurrent_layers)]
+        self.recurrent = [[SpiderLayerCache(self) for _ in range(config.num_recurrent_layers)] for _ in range(n_loops)]
+        recurrent_layers = [
+            SpiderRecurrentLayerCache([loop[i] for loop in self.recurrent]) for i in range(config.num_recurrent_layers)
+        ]
         super().__init__(layers=[*self.prelude, *recurrent_layers, *self.coda])
         self.seen_bytes = 0  # columns of input_ids consumed, padding included
         self.byte_mask = None  # (B, n) bool, or None while no column is padding
@@ -185,9 +186,7 @@ class SpiderCache(Cache):
 
     def _recorded(name: str):  # noqa: N805 (a property factory used in the class body)
         return property(
-            lambda self: (
-                None if self.record[name] is None else self.record[name][:, : self.record_length]
-            ),
+            lambda self: None if self.record[name] is None else self.record[name][:, : self.record_length],
             doc=f"The record's {name}: the first `record_length` columns of its buffer.",
         )
 
@@ -208,14 +207,12 @@ class SpiderCache(Cache):
             ValueError: a positive value, or more bytes than the cache holds.
         """
         if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of bytes to remove "
-                             "(0 or negative)")
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of bytes to remove (0 or negative)")
         keep = self.seen_bytes + tokens_to_remove
         if tokens_to_remove == 0 or self.seen_bytes == 0:
             return
         if keep < 0:
-            raise ValueError(f"crop({tokens_to_remove}) removes more bytes than the cache holds "
-                             f"({self.seen_bytes})")
+            raise ValueError(f"crop({tokens_to_remove}) removes more bytes than the cache holds ({self.seen_bytes})")
         if keep == 0:
             return self.reset()
         for layer in self.prelude + self.coda:
@@ -233,10 +230,7 @@ class SpiderCache(Cache):
         """Keep batch rows `indices` `(B',)` int64 of every cached tensor."""
         super().batch_select_indices(indices)
         _select_rows(self, self.ROW_STATE, indices)
-        self.record = {
-            name: None if t is None else t.index_select(0, indices)
-            for name, t in self.record.items()
-        }
+        self.record = {name: None if t is None else t.index_select(0, indices) for name, t in self.record.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -246,22 +240,19 @@ class SpiderCache(Cache):
         rows = self.num_segments.shape[0] if self.num_segments is not None else 0
         self.batch_select_indices(
             torch.arange(rows, device=self.num_segments.device).repeat_interleave(repeats)
-            if rows else torch.zeros(0, dtype=torch.long)
+            if rows
+            else torch.zeros(0, dtype=torch.long)
         )
 
     # --- what the model writes --------------------------------------------------------------------
 
-    def start(
-        self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs
-    ) -> None:
+    def start(self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs) -> None:
         """After a full forward over `input_ids` `(B, n)`: the record (prelude output `(B, n, D)`,
         Engram memory `(B, n, M)`, boundaries `(B, n)`), `byte_mask` `(B, n)` bool or None, and the
         segment outputs `(B, 1+S, D)` fp32."""
         self.seen_bytes = input_ids.shape[1]
         self.byte_mask = byte_mask
-        self.record = dict(
-            zip(self.RECORD, (input_ids, byte_states, byte_memory, boundaries.detach().float()))
-        )
+        self.record = dict(zip(self.RECORD, (input_ids, byte_states, byte_memory, boundaries.detach().float())))
         self.record_length = input_ids.shape[1]
         self.segment_outputs = segment_outputs.detach()
         self.segment_slots = segment_outputs.shape[1]
@@ -271,14 +262,10 @@ class SpiderCache(Cache):
         """Record one decoded byte per row: ids `(B, 1)`, prelude output `(B, 1, D)`, memory
         `(B, M)`, boundary `(B, 1)`."""
         n = self.record_length
-        for name, column in zip(
-            self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())
-        ):
+        for name, column in zip(self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())):
             buffer = self.record[name]
             if buffer.shape[1] == n:  # full: double the capacity
-                buffer = self.record[name] = torch.cat(
-                    [buffer, buffer.new_empty(buffer[:, : max(n, 16)].shape)], 1
-                )
+                buffer = self.record[name] = torch.cat([buffer, buffer.new_empty(buffer[:, : max(n, 16)].shape)], 1)
             buffer[:, n : n + 1] = column
         self.record_length = n + 1
 
@@ -291,9 +278,7 @@ class SpiderCache(Cache):
         self.num_segments = self.boundaries.sum(-1).long()
         index = self.num_segments[:, None, None].expand(-1, 1, self.segment_outputs.shape[-1])
         self.last_segment_output = self.segment_outputs.gather(1, index)[:, 0]
-        open_bytes = (
-            (self.boundaries.cumsum(1) - self.boundaries).long() == self.num_segments[:, None]
-        ) & byte_mask
+        open_bytes = ((self.boundaries.cumsum(1) - self.boundaries).long() == self.num_segments[:, None]) & byte_mask
         weight = open_bytes[..., None].to(torch.float32)
         self.open_sum = (self.byte_states.to(torch.float32) * weight).cumsum(1)[:, -1]
         self.open_memory_sum = (self.byte_memory.to(torch.float32) * weight).cumsum(1)[:, -1]
@@ -309,9 +294,7 @@ class SpiderCache(Cache):
         """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out`
         `(B, 1, D)` fp32."""
         self.segment_outputs = write_segment_slots(self, self.segment_outputs, h_out, dim=1)
-        self.last_segment_output = torch.where(
-            closing[:, None], h_out[:, 0], self.last_segment_output
-        )
+        self.last_segment_output = torch.where(closing[:, None], h_out[:, 0], self.last_segment_output)
         self.num_segments = self.num_segments + closing.long()
 
 
@@ -322,37 +305,39 @@ class SpiderDecodingMixin:
     that one segment at the row's next slot (every row runs it, the others keep their last
     output)."""
 
-    def prefill_cache(
-        self, cache: SpiderCache | None, use_cache: bool | None, n_loops: int
-    ) -> SpiderCache | None:
+    def prefill_cache(self, cache: SpiderCache | None, use_cache: bool | None, n_loops: int) -> SpiderCache | None:
         """`cache` (empty), a new one when `use_cache` (default `config.use_cache` in eval mode),
         or None; none under activation checkpointing in training."""
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and self.gradient_checkpointing and self.training:
-            logger.warning_once("use_cache=True is incompatible with activation checkpointing in "
-                                "training; no cache built")
+            logger.warning_once(
+                "use_cache=True is incompatible with activation checkpointing in training; no cache built"
+            )
             use_cache = False
         if cache is None and use_cache:
             cache = SpiderCache(self.config, n_loops)
         return cache
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.LongTensor, cache: SpiderCache,
-               output_hidden_states: bool = False) -> dict:
+    def decode(self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False) -> dict:
         """Continue from `cache` with new bytes `input_ids` `(B, T)` (all real), one at a time.
         Returns the fields of a ``SpiderModelOutput``: `last_hidden_state` `(B, T, D)`,
         `boundaries` fp32 `(B, T)`, the cache and, with `output_hidden_states`, the new bytes'
         `hidden_states` in the full forward's layout; no loss terms."""
-        states, boundaries, per_byte = zip(*(
-            self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
-            for j in range(input_ids.shape[1])
-        ))
-        hidden_states = (
-            tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
+        states, boundaries, per_byte = zip(
+            *(
+                self.decode_byte(input_ids[:, j : j + 1], cache, output_hidden_states)
+                for j in range(input_ids.shape[1])
+            )
         )
-        return dict(last_hidden_state=torch.cat(states, 1), cache=cache,
-                    boundaries=torch.cat(boundaries, 1), hidden_states=hidden_states)
+        hidden_states = tuple(torch.cat(layer, 1) for layer in zip(*per_byte)) if output_hidden_states else None
+        return dict(
+            last_hidden_state=torch.cat(states, 1),
+            cache=cache,
+            boundaries=torch.cat(boundaries, 1),
+            hidden_states=hidden_states,
+        )
 
     def decode_byte(
         self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False
@@ -364,7 +349,10 @@ class SpiderDecodingMixin:
             cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
         x = self.embed_tokens(input_ids)
         byte_attention_mask = self.attention_mask(
-            x, cache.seen_bytes + 1, cache.byte_mask, self.config.sliding_window,
+            x,
+            cache.seen_bytes + 1,
+            cache.byte_mask,
+            self.config.sliding_window,
             q_offset=cache.seen_bytes,
         )
         byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
@@ -376,26 +364,22 @@ class SpiderDecodingMixin:
         cache.append(input_ids, x, memory, boundary)
         if bool(closing.any()):  # every row runs the block; the others keep their last output
             self.decode_segment(e, segment_memory, closing, cache)
-        y = self.coda(expand_step(self.flexitokens, cache, x), byte_rope, byte_attention_mask,
-                      cache, hidden)
+        y = self.coda(expand_step(self.flexitokens, cache, x), byte_rope, byte_attention_mask, cache, hidden)
         cache.byte_positions = cache.byte_positions + 1
         cache.seen_bytes += 1
         return y, boundary, tuple(hidden) if output_hidden_states else None
 
-    def decode_segment(self, e: torch.Tensor, segment_memory: torch.Tensor, closing: torch.Tensor,
-                       cache: SpiderCache) -> None:
+    def decode_segment(
+        self, e: torch.Tensor, segment_memory: torch.Tensor, closing: torch.Tensor, cache: SpiderCache
+    ) -> None:
         """The recurrent block over one new segment per row, `e` `(B, 1, D)` and its memory
         `(B, 1, M)`, at each row's next slot; rows `closing` `(B,)` bool keep its output."""
         slot = cache.begin_segment_step()
         segment_rope = self.rotary_emb(e, slot[:, None])
         slots = torch.arange(cache.segment_slots, device=e.device).expand(e.shape[0], -1)
-        mask_function = segment_slot_mask_function(
-            slot[:, None], slots, self.config.recurrent_sliding_window
-        )
+        mask_function = segment_slot_mask_function(slot[:, None], slots, self.config.recurrent_sliding_window)
         mask = self.attention_mask(e, cache.segment_slots, mask_function=mask_function)
-        h_out = self.recurrent_block(
-            e, segment_rope, mask, None, segment_memory, cache.n_loops, cache
-        ).h_out
+        h_out = self.recurrent_block(e, segment_rope, mask, None, segment_memory, cache.n_loops, cache).h_out
         cache.end_segment_step(closing, h_out)
 
 
@@ -404,7 +388,7 @@ def engram_step(engram_embeddings, past_ids, past_mask, input_ids: torch.LongTen
     `(B, n)` (`past_mask` `(B, n)` bool or None) -> `(B, M)`: the full lookup over the last
     n-gram's context."""
     context = max(engram_embeddings.ngram_sizes) - 1
-    past_ids = past_ids[:, past_ids.shape[1] - context:]
+    past_ids = past_ids[:, past_ids.shape[1] - context :]
     if past_mask is not None:
         past_mask = past_mask[:, past_mask.shape[1] - past_ids.shape[1] :]
         past_ids = past_ids.masked_fill(~past_mask, engram_embeddings.fill_id)
@@ -433,9 +417,7 @@ def pool_step(flexitokens, x: torch.Tensor, memory: torch.Tensor, cache: SpiderC
 def expand_step(flexitokens, cache: SpiderCache, x: torch.Tensor) -> torch.Tensor:
     """The coda's input for a new byte `x` `(B, 1, D)`: its row's last closed segment, mixed in
     as ``SpiderFlexiTokens.expand`` does."""
-    return flexitokens.mix(
-        flexitokens.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x
-    )
+    return flexitokens.mix(flexitokens.global_stream(cache.last_segment_output[:, None]).to(x.dtype), x)
 
 
 class SpiderGenerationMixin(GenerationMixin):
@@ -464,8 +446,14 @@ class SpiderGenerationMixin(GenerationMixin):
         model_kwargs["cache"] = SpiderCache(self.config, n_loops)
 
     def prepare_inputs_for_generation(
-        self, input_ids, cache=None, attention_mask=None, n_loops=None, use_cache=None,
-        inputs_embeds=None, **kwargs,
+        self,
+        input_ids,
+        cache=None,
+        attention_mask=None,
+        n_loops=None,
+        use_cache=None,
+        inputs_embeds=None,
+        **kwargs,
     ):
         """The bytes `cache` has not seen; other model kwargs pass through to :meth:`forward`.
 
@@ -480,7 +468,10 @@ class SpiderGenerationMixin(GenerationMixin):
         if cache is not None:
             input_ids = input_ids[:, cache.seen_bytes :]
         return {
-            **{k: v for k, v in kwargs.items() if v is not None}, "input_ids": input_ids,
-            "attention_mask": attention_mask, "n_loops": n_loops, "cache": cache,
+            **{k: v for k, v in kwargs.items() if v is not None},
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "n_loops": n_loops,
+            "cache": cache,
             "use_cache": use_cache,
         }

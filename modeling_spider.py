@@ -40,21 +40,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
-
 from transformers import PreTrainedModel
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function, or_masks, padding_mask_function,
-    sdpa_mask, sliding_window_overlay,
-)
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.integrations.moe import use_experts_implementation
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
+    causal_mask_function,
+    or_masks,
+    padding_mask_function,
+    sdpa_mask,
+    sliding_window_overlay,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -283,8 +287,15 @@ def create_attention_mask(
             return None
         mask_function = causal_mask_function
     return mask_interface(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, mask_function=mask_function,
-        allow_is_causal_skip=False, dtype=inputs.dtype, device=inputs.device, config=config,
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        mask_function=mask_function,
+        allow_is_causal_skip=False,
+        dtype=inputs.dtype,
+        device=inputs.device,
+        config=config,
     )
 
 
@@ -319,8 +330,11 @@ class SpiderAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=False)
 
     def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None, cache: SpiderLayerCache | None = None,
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: SpiderLayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`hidden_states` `(B, T, D)`; `attention_mask` `(B, 1, T, T_keys)` or None; `cache` this layer's, updated in
         place. Returns `(output (B, T, D), weights (B, H, T, T_keys) or None)`."""
@@ -352,8 +366,13 @@ class SpiderAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling,
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
         )
         return self.o_proj(attn_output.reshape(B, T, H * self.v_head_dim)), attn_weights
 
@@ -403,8 +422,9 @@ class SpiderMoEKernels:
         return counts * num_experts / max(topk_idx.shape[0] * num_topk, 1)
 
     @staticmethod
-    def expert_counts(topk_idx: torch.Tensor, num_experts: int,
-                      slot_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def expert_counts(
+        topk_idx: torch.Tensor, num_experts: int, slot_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token-slots per expert, int64 `(E,)`, by scatter-add (no host sync, unlike
         `torch.bincount`); with `slot_weight` fp32 `(T*k,)` each slot counts its weight (fp32)."""
         flat = topk_idx.reshape(-1)
@@ -451,7 +471,7 @@ class RowWeights(NamedTuple):
     load_weight: torch.Tensor
 
     @classmethod
-    def of(cls, row_mask: torch.Tensor, top_k: int, num_experts: int) -> "RowWeights":
+    def of(cls, row_mask: torch.Tensor, top_k: int, num_experts: int) -> RowWeights:
         """From `row_mask` bool (flattened to `(T,)`), for `top_k` of `num_experts` per row."""
         weight = row_mask.reshape(-1).to(torch.float32)
         real = weight.sum()
@@ -669,8 +689,16 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = SpiderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SpiderMoE(config)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
-                row_weights=None, cache=None):
+    def forward(
+        self,
+        hidden_states,
+        position_embeddings,
+        attention_mask,
+        segment_index,
+        engram_memory=None,
+        row_weights=None,
+        cache=None,
+    ):
         if self.engram is not None:
             hidden_states = hidden_states + self.engram(hidden_states, engram_memory, cache)
         normed = self.input_layernorm(hidden_states)
@@ -719,8 +747,12 @@ class SpiderBoundaryPredictor(nn.Module):
         hidden = self.act(self.dense(as_weight_dtype(self.dense, hidden_states)))
         return self.out_proj(as_weight_dtype(self.out_proj, hidden)).squeeze(-1).to(torch.float32)
 
-    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+    ):
         supervised = self.config.boundary_teacher is not None
         logits = self.logits(hidden_states.detach() if supervised else hidden_states)
         probs = torch.sigmoid(logits)
@@ -746,8 +778,11 @@ class SpiderBoundaryPredictor(nn.Module):
 
 
 def pool_segments(
-    boundaries: torch.Tensor, hidden_states: torch.Tensor, null_segment: torch.Tensor | None,
-    token_mask: torch.Tensor | None = None, pad_to_multiple_of: int = 1
+    boundaries: torch.Tensor,
+    hidden_states: torch.Tensor,
+    null_segment: torch.Tensor | None,
+    token_mask: torch.Tensor | None = None,
+    pad_to_multiple_of: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pool bytes `(B, L, D)` into the segments their `boundaries` `(B, L)` (0/1) close
     (Nawrot et al. 2023): the open segment is dropped, padding (`token_mask` `(B, L)` bool) never
@@ -808,8 +843,12 @@ def word_bytes(input_ids: torch.LongTensor) -> torch.Tensor:
     """SpaceByte's word bytes (Slagle 2024, §2): ASCII letters and digits and UTF-8 continuation
     bytes; the rest is spacelike. int64 `(B, L)` -> bool `(B, L)`."""
     ids = input_ids
-    return (((ids >= 48) & (ids <= 57)) | ((ids >= 65) & (ids <= 90)) | ((ids >= 97) & (ids <= 122))
-            | ((ids >= 0x80) & (ids <= 0xBF)))
+    return (
+        ((ids >= 48) & (ids <= 57))
+        | ((ids >= 65) & (ids <= 90))
+        | ((ids >= 97) & (ids <= 122))
+        | ((ids >= 0x80) & (ids <= 0xBF))
+    )
 
 
 def spacelike_boundaries(input_ids: torch.LongTensor) -> torch.Tensor:
@@ -840,8 +879,10 @@ def boundary_teacher_loss(
     # written out: CUDA autocast refuses F.binary_cross_entropy
     p = boundary_probs.to(torch.float32).clamp(1e-6, 1 - 1e-6)
     positive, negative = target * weight, (1.0 - target) * weight
-    return 0.5 * (-(positive * p.log()).sum() / positive.sum().clamp_min(1.0)
-                  - (negative * (1.0 - p).log()).sum() / negative.sum().clamp_min(1.0))
+    return 0.5 * (
+        -(positive * p.log()).sum() / positive.sum().clamp_min(1.0)
+        - (negative * (1.0 - p).log()).sum() / negative.sum().clamp_min(1.0)
+    )
 
 
 class SpiderFlexiTokens(nn.Module):
@@ -862,8 +903,14 @@ class SpiderFlexiTokens(nn.Module):
         if self.mixing == "residual_proj":
             self.residual_proj = nn.Linear(D, D, bias=False)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, byte_mask: torch.Tensor, position_ids: torch.LongTensor,
-                pad_to_multiple_of: int = 1):
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        byte_mask: torch.Tensor,
+        position_ids: torch.LongTensor,
+        pad_to_multiple_of: int = 1,
+    ):
         """Pool `x` `(B, L, D)` and its Engram `memory` `(B, L, M)`. Returns `(boundaries, boundary_probs` fp32
         `(B, L)`, `segments (B, 1+S, D)` normed, `segment_memory (B, 1+S, M)`, `segment_mask (B, 1+S)` bool`)`."""
         boundaries, boundary_probs = self.boundary_predictor(x, byte_mask, position_ids)
@@ -958,8 +1005,15 @@ class SpiderHaltingStep(nn.Module):
     last loop, so a segment's weights sum to 1). Returns `(h_out + weight * h` fp32 `(B, S, D)`,
     the new state, `weight` fp32 `(B, S))`."""
 
-    def forward(self, halt_logits: torch.Tensor, h: torch.Tensor, h_out: torch.Tensor, state: ACTState,
-                threshold: float, is_last: bool) -> tuple[torch.Tensor, ACTState, torch.Tensor]:
+    def forward(
+        self,
+        halt_logits: torch.Tensor,
+        h: torch.Tensor,
+        h_out: torch.Tensor,
+        state: ACTState,
+        threshold: float,
+        is_last: bool,
+    ) -> tuple[torch.Tensor, ACTState, torch.Tensor]:
         p = torch.sigmoid(halt_logits.to(torch.float32))
         halting_prob, remainders, n_updates = state
         running = (halting_prob < threshold).to(torch.float32)
@@ -1011,10 +1065,16 @@ class SpiderRecurrentBlock(nn.Module):
         self.halt_predictor.bias_init = config.halt_bias_init  # read by _init_weights
 
     def forward(
-        self, segments: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None, segment_index: torch.Tensor | None,
-        engram_memory: torch.Tensor, n_loops: int, cache: "SpiderCache | None" = None,
-        output_router_logits: bool = False, segment_mask: torch.Tensor | None = None,
+        self,
+        segments: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        segment_index: torch.Tensor | None,
+        engram_memory: torch.Tensor,
+        n_loops: int,
+        cache: SpiderCache | None = None,
+        output_router_logits: bool = False,
+        segment_mask: torch.Tensor | None = None,
     ) -> SpiderRecurrentBlockOutput:
         """`segments` `(B, S, D)` and their RoPE, `attention_mask` bool `(B, 1, S, S_keys)` or
         None, `segment_index` int64 `(N,)` (the rows to route; None: all), `engram_memory`
@@ -1031,8 +1091,11 @@ class SpiderRecurrentBlock(nn.Module):
         loop_embeddings = self.loop_embedding(loop_ids)
         early_exit = self.config.act_early_exit and not self.training
         routed_rows, running = segment_index, None
-        row_weights = None if segment_mask is None else RowWeights.of(
-            segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
+        row_weights = (
+            None
+            if segment_mask is None
+            else RowWeights.of(segment_mask, self.config.num_experts_per_tok, self.config.n_routed_experts)
+        )
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real_rows = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
         for t in range(n_loops):
@@ -1048,7 +1111,12 @@ class SpiderRecurrentBlock(nn.Module):
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, load, scores = layer(
-                    z, position_embeddings, attention_mask, routed_rows, engram_memory, row_weights,
+                    z,
+                    position_embeddings,
+                    attention_mask,
+                    routed_rows,
+                    engram_memory,
+                    row_weights,
                     cache=cache.recurrent[t][i] if cache is not None else None,
                 )
                 expert_loads.append(load)
@@ -1156,10 +1224,18 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
     coda (module names: docs/design.md, "Names that FP8 and PEFT rely on")."""
 
     # Routing, boundary and halting decisions stay fp32; the two lists must not share an entry.
-    _keep_in_fp32_modules = ["recurrent_block.halt_predictor", "flexitokens.boundary_predictor",
-                             "recurrent_block.layers.*.router"]
-    _keep_in_fp32_modules_strict = ["halt_predictor.weight", "halt_predictor.bias", "boundary_predictor.dense",
-                                    "boundary_predictor.out_proj", "mlp.router"]
+    _keep_in_fp32_modules = [
+        "recurrent_block.halt_predictor",
+        "flexitokens.boundary_predictor",
+        "recurrent_block.layers.*.router",
+    ]
+    _keep_in_fp32_modules_strict = [
+        "halt_predictor.weight",
+        "halt_predictor.bias",
+        "boundary_predictor.dense",
+        "boundary_predictor.out_proj",
+        "mlp.router",
+    ]
 
     def __init__(self, config: SpiderConfig):
         super().__init__(config)
@@ -1176,8 +1252,13 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def check_inputs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, n_loops: int,
-                     cache: SpiderCache | None = None) -> None:
+    def check_inputs(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        n_loops: int,
+        cache: SpiderCache | None = None,
+    ) -> None:
         """Raises:
         TypeError: non-integer `input_ids`.
         ValueError: a shape other than `(B >= 1, L >= 1)`, ids on another device or outside `[0, vocab_size)`, more
@@ -1186,36 +1267,49 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         """
         max_length = self.config.max_position_embeddings
         if not isinstance(input_ids, torch.Tensor):
-            raise TypeError("input_ids must be a torch.LongTensor of shape (batch, length), got "
-                            f"{type(input_ids).__name__}")
+            raise TypeError(
+                f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}"
+            )
         dtype = input_ids.dtype
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise TypeError(f"input_ids must hold integer token ids, got dtype {dtype}")
         if input_ids.dim() != 2 or 0 in input_ids.shape:
-            raise ValueError("input_ids must have shape (batch, length) with batch, length >= 1, "
-                             f"got {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must have shape (batch, length) with batch, length >= 1, got {tuple(input_ids.shape)}"
+            )
         if input_ids.shape[1] > max_length:
             raise ValueError(f"input length {input_ids.shape[1]} exceeds max_position_embeddings={max_length}")
         weight_device = self.embed_tokens.weight.device
         if weight_device.type != "meta" and input_ids.device != weight_device:
-            raise ValueError(f"input_ids is on {input_ids.device} but the model's embeddings are on {weight_device}: "
-                             "build the inputs on model.device (or move them with .to(model.device))")
+            raise ValueError(
+                f"input_ids is on {input_ids.device} but the model's embeddings are on {weight_device}: "
+                "build the inputs on model.device (or move them with .to(model.device))"
+            )
         bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        check_values(bad, self.training, lambda on_host: (
-            f"input_ids contains token id {int(input_ids[bad][0]) if on_host else '(on device)'}, "
-            f"outside the vocabulary [0, {self.config.vocab_size})"))
+        check_values(
+            bad,
+            self.training,
+            lambda on_host: (
+                f"input_ids contains token id {int(input_ids[bad][0]) if on_host else '(on device)'}, "
+                f"outside the vocabulary [0, {self.config.vocab_size})"
+            ),
+        )
         if not isinstance(n_loops, int) or isinstance(n_loops, bool) or n_loops < 1:
             raise ValueError(f"n_loops must be an integer >= 1, got {n_loops!r}")
         if cache is not None and n_loops != cache.n_loops:
             raise ValueError(f"n_loops={n_loops} differs from the n_loops={cache.n_loops} this cache was built with")
         decoding = cache is not None and cache.seen_bytes > 0
         if decoding and cache.seen_bytes + input_ids.shape[1] > max_length:
-            raise ValueError(f"decoding past max_position_embeddings={max_length}: the cache holds {cache.seen_bytes} "
-                             f"bytes and {input_ids.shape[1]} more were given; generate at most {max_length} bytes in "
-                             "total (prompt included)")
+            raise ValueError(
+                f"decoding past max_position_embeddings={max_length}: the cache holds {cache.seen_bytes} "
+                f"bytes and {input_ids.shape[1]} more were given; generate at most {max_length} bytes in "
+                "total (prompt included)"
+            )
         if not decoding and attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal "
-                             f"input_ids shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} must equal "
+                f"input_ids shape {tuple(input_ids.shape)}"
+            )
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # transformers 5.24's rename
     @capture_outputs
@@ -1263,14 +1357,22 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         engram_bytes = self.engram_embeddings(input_ids, byte_inputs.byte_mask)
         segments = self.segment(x, engram_bytes, byte_inputs, exact)
         block = self.recurrent_block(
-            segments.segments, segments.position_embeddings, segments.attention_mask, segments.segment_index,
-            segments.memory, n_loops, cache, output_router_logits, segments.routed_mask,
+            segments.segments,
+            segments.position_embeddings,
+            segments.attention_mask,
+            segments.segment_index,
+            segments.memory,
+            n_loops,
+            cache,
+            output_router_logits,
+            segments.routed_mask,
         )
         y = self.flexitokens.expand(segments.boundaries, block.h_out, x)
         y = self.coda(y, byte_inputs.position_embeddings, byte_inputs.attention_mask, cache, hidden_states)
         if cache is not None:
-            cache.start(input_ids, x.detach(), engram_bytes.detach(), segments.boundaries, byte_inputs.token_mask,
-                        block.h_out)
+            cache.start(
+                input_ids, x.detach(), engram_bytes.detach(), segments.boundaries, byte_inputs.token_mask, block.h_out
+            )
         return SpiderModelOutput(
             last_hidden_state=y,
             cache=cache,
@@ -1303,8 +1405,13 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
         return SpiderBytes(token_mask, byte_mask, position_ids, mask, rope)
 
     def attention_mask(
-        self, inputs: torch.Tensor, kv_length: int, token_mask: torch.Tensor | None = None,
-        sliding_window: int | None = None, q_offset: int = 0, mask_function: Callable | None = None,
+        self,
+        inputs: torch.Tensor,
+        kv_length: int,
+        token_mask: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        q_offset: int = 0,
+        mask_function: Callable | None = None,
     ) -> torch.Tensor | BlockMask | None:
         """The mask of :func:`attention_mask_function` (`token_mask`, `sliding_window`), or of a
         decode step's `mask_function`, for the queries of `inputs` `(B, T_q, D)` over `kv_length`
@@ -1337,13 +1444,17 @@ class SpiderModel(SpiderPreTrainedModel, SpiderDecodingMixin):
                 hidden_states.append(x)
         return x
 
-    def segment(self, x: torch.Tensor, engram_bytes: torch.Tensor, byte_inputs: SpiderBytes,
-                exact: bool) -> SpiderSegments:
+    def segment(
+        self, x: torch.Tensor, engram_bytes: torch.Tensor, byte_inputs: SpiderBytes, exact: bool
+    ) -> SpiderSegments:
         """Segmentation (FlexiTokens): boundaries, the segments and their Engram memory pooled with the same
         boundaries, their positions and mask. `exact`: the segment axis as long as the longest row (routing picks the
         real rows by index), else padded to `pad_segments_to_multiple_of` (padding routed with weight 0)."""
         boundaries, boundary_probs, e, memory, segment_mask = self.flexitokens(
-            x, engram_bytes, byte_inputs.byte_mask, byte_inputs.position_ids,
+            x,
+            engram_bytes,
+            byte_inputs.byte_mask,
+            byte_inputs.position_ids,
             1 if exact else self.config.pad_segments_to_multiple_of,
         )
         B, S1 = segment_mask.shape
@@ -1407,8 +1518,14 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         if (labels is not None or shift_labels is not None) and not keep_all:
             raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs every position's logits")
         outputs = self.model(
-            input_ids, attention_mask=attention_mask, n_loops=n_loops, cache=cache, use_cache=use_cache,
-            output_hidden_states=output_hidden_states, output_router_logits=output_router_logits, return_dict=True,
+            input_ids,
+            attention_mask=attention_mask,
+            n_loops=n_loops,
+            cache=cache,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            return_dict=True,
             **{k: v for k, v in kwargs.items() if k == "output_attentions"},
         )
         hidden_states = outputs.last_hidden_state
@@ -1422,20 +1539,36 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         # a decode step (no segment mask) has no loss terms
         terms = {} if outputs.segment_mask is None else self.loss_terms(outputs, input_ids, attention_mask)
         if loss is not None:
-            for coef, name in ((self.config.router_aux_loss_coef, "aux_loss"),
-                               (self.config.boundary_loss_coef, "boundary_loss"),
-                               (self.config.ponder_loss_coef, "ponder_loss")):
+            for coef, name in (
+                (self.config.router_aux_loss_coef, "aux_loss"),
+                (self.config.boundary_loss_coef, "boundary_loss"),
+                (self.config.ponder_loss_coef, "ponder_loss"),
+            ):
                 if coef != 0:  # a term weighted 0 would add only its backward through the loops
                     loss = loss + coef * terms[name]
         return SpiderCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, **terms, attentions=outputs.attentions,
-            hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
-            **{name: getattr(outputs, name) for name in
-               ("boundaries", "boundary_probs", "segment_mask", "halting_step", "loop_weights")},
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            lm_loss=lm_loss,
+            **terms,
+            attentions=outputs.attentions,
+            hidden_states=outputs.hidden_states,
+            router_logits=outputs.router_logits,
+            **{
+                name: getattr(outputs, name)
+                for name in ("boundaries", "boundary_probs", "segment_mask", "halting_step", "loop_weights")
+            },
         )
 
-    def lm_loss(self, logits: torch.Tensor, input_ids: torch.LongTensor, labels: torch.LongTensor | None,
-                shift_labels: torch.LongTensor | None, num_items_in_batch) -> torch.Tensor:
+    def lm_loss(
+        self,
+        logits: torch.Tensor,
+        input_ids: torch.LongTensor,
+        labels: torch.LongTensor | None,
+        shift_labels: torch.LongTensor | None,
+        num_items_in_batch,
+    ) -> torch.Tensor:
         """Next-byte cross-entropy in nats, fp32 scalar, of `logits` `(B, L, V)` against `labels` `(B, L)` (shifted
         inside) or `shift_labels`, summed over `num_items_in_batch` targets (default: the targets here).
 
@@ -1446,16 +1579,23 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
         targets = shift_labels if shift_labels is not None else labels[:, 1:]
         bad = (targets != -100) & ((targets < 0) | (targets >= self.vocab_size))
-        check_values(bad, self.training, lambda on_host: (
-            f"labels contains token id {int(targets[bad][0]) if on_host else '(on device)'}, "
-            f"outside the vocabulary [0, {self.vocab_size}) (-100 = ignored)"))
+        check_values(
+            bad,
+            self.training,
+            lambda on_host: (
+                f"labels contains token id {int(targets[bad][0]) if on_host else '(on device)'}, "
+                f"outside the vocabulary [0, {self.vocab_size}) (-100 = ignored)"
+            ),
+        )
         if num_items_in_batch is None:  # a tensor count: no host sync
             num_items_in_batch = (targets != -100).sum().clamp_min(1)
-        return self.loss_function(logits, labels, self.vocab_size,
-                                  num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+        return self.loss_function(
+            logits, labels, self.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
+        )
 
-    def loss_terms(self, outputs: SpiderModelOutput, input_ids: torch.LongTensor,
-                   attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def loss_terms(
+        self, outputs: SpiderModelOutput, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
         """The loss terms and diagnostics of :class:`SpiderCausalLMOutput` from the base model's
         `outputs` for `input_ids` `(B, L)`; fp32, the diagnostics detached."""
         byte_mask = None if attention_mask is None else attention_mask.bool()
@@ -1467,7 +1607,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         if self.config.boundary_teacher is not None:
             teacher_mask = torch.ones_like(input_ids, dtype=torch.bool) if byte_mask is None else byte_mask
             boundary_loss = boundary_loss + self.config.boundary_teacher_coef * boundary_teacher_loss(
-                outputs.boundary_probs, input_ids, teacher_mask, self.config.boundary_teacher)
+                outputs.boundary_probs, input_ids, teacher_mask, self.config.boundary_teacher
+            )
         aux_losses = [(load * scores).sum() for load, scores in zip(outputs.expert_loads, outputs.mean_scores)]
         return dict(
             aux_loss=torch.stack(aux_losses).mean(),
@@ -1493,6 +1634,12 @@ SpiderModel.register_for_auto_class("AutoModel")
 SpiderForConditionalGeneration.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
-    "SpiderPreTrainedModel", "SpiderModel", "SpiderForConditionalGeneration", "SpiderExperts", "SpiderMoE",
-    "SpiderMoEKernels", "expand_segments", "pool_segments",
+    "SpiderPreTrainedModel",
+    "SpiderModel",
+    "SpiderForConditionalGeneration",
+    "SpiderExperts",
+    "SpiderMoE",
+    "SpiderMoEKernels",
+    "expand_segments",
+    "pool_segments",
 ]

@@ -13,7 +13,8 @@
 # limitations under the License.
 """Byte-level tokenizer for Spider (``SpiderTokenizer``) and tk-train.py's ``SENTINEL_TOKENS`` table.
 
-Spider reads raw UTF-8 bytes. The vocabulary has 272 ids (docs/design.md, "Vocabulary"; the original release's ``hub-README.md``):
+Spider reads raw UTF-8 bytes. The vocabulary has 272 ids (docs/design.md, "Vocabulary"; the original release's
+``hub-README.md``):
 
 ========  ==================  =====================================================
 ids       token strings       meaning
@@ -67,8 +68,6 @@ import numbers
 import operator
 
 from transformers.tokenization_python import AddedToken, PreTrainedTokenizer
-
-
 
 #: Number of byte ids (0-255); byte ``b`` has id ``b``.
 NUM_BYTES = 256
@@ -256,7 +255,11 @@ class SpiderTokenizer(PreTrainedTokenizer):
 
     def _reserved_strings(self) -> set[str]:
         """Current token strings of the reserved ids 256-271 (never matched inside a text)."""
-        return {self._added_tokens_decoder[i].content for i in range(NUM_BYTES, VOCAB_SIZE) if i in self._added_tokens_decoder}
+        return {
+            self._added_tokens_decoder[i].content
+            for i in range(NUM_BYTES, VOCAB_SIZE)
+            if i in self._added_tokens_decoder
+        }
 
     def _update_trie(self, unique_no_split_tokens: list[str] | None = None):
         # Same as the base class, but the reserved token strings stay out of the trie: inside a text they
@@ -316,7 +319,9 @@ class SpiderTokenizer(PreTrainedTokenizer):
         except TypeError:
             if hasattr(raw, "item"):  # 0-d torch / numpy values
                 return self._check_id(raw.item())
-            raise TypeError(f"SpiderTokenizer: token ids must be integers, got {raw!r} ({type(raw).__name__})") from None
+            raise TypeError(
+                f"SpiderTokenizer: token ids must be integers, got {raw!r} ({type(raw).__name__})"
+            ) from None
         if 0 <= index < NUM_BYTES or index in self._added_tokens_decoder:
             return index
         raise ValueError(
@@ -378,7 +383,9 @@ class SpiderTokenizer(PreTrainedTokenizer):
 
     # ------------------------------------------------------------------ special tokens
 
-    def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
+    def build_inputs_with_special_tokens(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
+    ) -> list[int]:
         """Add tk-train.py's special tokens: ``[BOS] a [EOS]``, or ``[BOS] a [EOS] b [EOS]`` for a pair."""
         out = [self.bos_token_id] + list(token_ids_0) + [self.eos_token_id]
         if token_ids_1 is not None:

@@ -38,7 +38,15 @@ import time
 import torch
 
 from bench.common import (
-    REPO_ROOT, TrainStep, check, finish, info, main_for, random_bytes, spider_model, time_interleaved,
+    REPO_ROOT,
+    TrainStep,
+    check,
+    finish,
+    info,
+    main_for,
+    random_bytes,
+    spider_model,
+    time_interleaved,
 )
 
 TARGET = 0.40
@@ -103,15 +111,38 @@ def child(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> 
         step()
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline * 1024)
         how = "ru_maxrss - VmRSS after model build (no warm-up; includes AdamW state)"
-    return {"variant": variant, "checkpointing_method": method, "step_peak_bytes": statistics.median(peaks),
-            "step_peak_bytes_all": peaks, "how": how, "malloc_env": {k: os.environ.get(k) for k in CHILD_ENV}}
+    return {
+        "variant": variant,
+        "checkpointing_method": method,
+        "step_peak_bytes": statistics.median(peaks),
+        "step_peak_bytes_all": peaks,
+        "how": how,
+        "malloc_env": {k: os.environ.get(k) for k in CHILD_ENV},
+    }
 
 
 def measure_in_subprocess(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> dict:
     """Run :func:`child` in a fresh interpreter; raises ``RuntimeError`` with the child's stderr tail on failure."""
-    cmd = [sys.executable, "-m", "bench.activation_checkpointing", "--child", variant, "--preset", preset,
-           "--batch", str(batch), "--seq-len", str(seq_len), "--repeats", str(repeats)]
-    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.activation_checkpointing",
+        "--child",
+        variant,
+        "--preset",
+        preset,
+        "--batch",
+        str(batch),
+        "--seq-len",
+        str(seq_len),
+        "--repeats",
+        str(repeats),
+    ]
+    env = {
+        **os.environ,
+        **CHILD_ENV,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"memory child ({variant}) failed with exit code {proc.returncode}: {proc.stderr[-2000:]}")
@@ -122,14 +153,16 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     """Run the benchmark; ``sizes`` override :data:`FULL` / :data:`QUICK`. Returns the result dict."""
     start = time.perf_counter()
     s = {**(QUICK if quick else FULL), **sizes}
-    mem = {v: measure_in_subprocess(v, s["preset"], s["batch"], s["seq_len"], s["memory_repeats"])
-           for v in ("off", "on")}
+    mem = {
+        v: measure_in_subprocess(v, s["preset"], s["batch"], s["seq_len"], s["memory_repeats"]) for v in ("off", "on")
+    }
 
     ids = random_bytes(s["batch"], s["seq_len"])
     off_model, on_model = spider_model(s["preset"]), spider_model(s["preset"])  # same seed: same weights
     method = enable_checkpointing(on_model)
-    timed = time_interleaved({"off": TrainStep(off_model, ids), "on": TrainStep(on_model, ids)},
-                             s["warmup"], s["repeats"])
+    timed = time_interleaved(
+        {"off": TrainStep(off_model, ids), "on": TrainStep(on_model, ids)}, s["warmup"], s["repeats"]
+    )
     off_b, on_b = mem["off"]["step_peak_bytes"], mem["on"]["step_peak_bytes"]
     saving = 1.0 - on_b / off_b if off_b > 0 else None
     result = {
@@ -137,8 +170,12 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         "description": "training-step peak memory saved by activation checkpointing (1 - on/off)",
         "sizes": {k: s[k] for k in ("preset", "batch", "seq_len")},
         "dtype": "fp32",
-        "timing": {"warmup": s["warmup"], "repeats": s["repeats"], "statistic": "median",
-                   "memory_repeats": s["memory_repeats"]},
+        "timing": {
+            "warmup": s["warmup"],
+            "repeats": s["repeats"],
+            "statistic": "median",
+            "memory_repeats": s["memory_repeats"],
+        },
         "checkpointing_method": method,
         "memory_method": ("fresh subprocess per variant, MALLOC_MMAP_THRESHOLD_=65536; " + mem["off"]["how"]),
         "measurements": {
@@ -149,8 +186,13 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "time_cost_on_over_off": round(timed["on"]["median_s"] / timed["off"]["median_s"], 4),
         },
         "checks": [check("activation checkpointing memory saving", "1 - peak(on)/peak(off)", TARGET, saving)],
-        "info": [info("activation checkpointing step time cost (on / off)",
-                      timed["on"]["median_s"] / timed["off"]["median_s"], "x")],
+        "info": [
+            info(
+                "activation checkpointing step time cost (on / off)",
+                timed["on"]["median_s"] / timed["off"]["median_s"],
+                "x",
+            )
+        ],
         "notes": [],
     }
     return finish(result, start)

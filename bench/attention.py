@@ -26,8 +26,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import (TrainStep, check, finish, info, main_for, random_bytes, spider_config, spider_model,
-                          synchronize, time_interleaved)
+from bench.common import (
+    TrainStep,
+    check,
+    finish,
+    info,
+    main_for,
+    random_bytes,
+    spider_config,
+    spider_model,
+    synchronize,
+    time_interleaved,
+)
 
 TARGET = 1.0
 
@@ -58,19 +68,27 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         "dtype": "fp32",
         "timing": {"warmup": s["warmup"], "repeats": s["repeats"], "statistic": "median"},
         "losses": losses,
-        "measurements": {"median_ms": {k: round(v, 2) for k, v in ms.items()},
-                         "times_s": {n: t["times_s"] for n, t in timed.items()}},
-        "checks": [check("attention: the default sdpa against eager", "step time ratio (eager / sdpa)", TARGET,
-                         ms["eager"] / ms["sdpa"])],
+        "measurements": {
+            "median_ms": {k: round(v, 2) for k, v in ms.items()},
+            "times_s": {n: t["times_s"] for n, t in timed.items()},
+        },
+        "checks": [
+            check(
+                "attention: the default sdpa against eager",
+                "step time ratio (eager / sdpa)",
+                TARGET,
+                ms["eager"] / ms["sdpa"],
+            )
+        ],
         "info": [info(f"attention {name}: training step", ms[name], "ms") for name in IMPLEMENTATIONS],
         "notes": [],
     }
     return finish(result, start)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # SDPA kernels at the recurrent layers' shapes
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 #: what is timed: torch's choice first (as training runs today, its planning not yet cached by another row), then each
 #: kernel alone
@@ -107,11 +125,11 @@ class _AttentionInputs:
 
     def call(self, pad_value: bool) -> None:
         """Forward and backward (gradients of the three leaves), launched, not synchronised."""
-        value = self.kv.transpose(1, 2)[..., self.qk_nope:]
+        value = self.kv.transpose(1, 2)[..., self.qk_nope :]
         if pad_value and self.v_dim < self.qk:
             value = F.pad(value, (0, self.qk - self.v_dim))
-        out = F.scaled_dot_product_attention(self.query, self.key, value, is_causal=True, scale=self.qk ** -0.5)
-        torch.autograd.grad(out[..., :self.v_dim], (self.query, self.key, self.kv), self.grad)
+        out = F.scaled_dot_product_attention(self.query, self.key, value, is_causal=True, scale=self.qk**-0.5)
+        torch.autograd.grad(out[..., : self.v_dim], (self.query, self.key, self.kv), self.grad)
 
 
 def _kernels_of(fn) -> list[str]:
@@ -125,15 +143,25 @@ def _kernels_of(fn) -> list[str]:
     return sorted({KERNEL_OPS[e.name] for e in prof.events() if e.name in KERNEL_OPS})
 
 
-def sdpa_backend_timings(preset: str = "1b", batch: int = 32, segment_counts=SDPA_SEGMENT_COUNTS, visits: int = 5,
-                         device: torch.device | str | None = None, dtype: torch.dtype | None = None, seed: int = 0,
-                         backends=SDPA_BACKENDS, stop_at: float | None = None, **config_overrides) -> dict:
+def sdpa_backend_timings(
+    preset: str = "1b",
+    batch: int = 32,
+    segment_counts=SDPA_SEGMENT_COUNTS,
+    visits: int = 5,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    backends=SDPA_BACKENDS,
+    stop_at: float | None = None,
+    **config_overrides,
+) -> dict:
     """Time SDPA forward+backward per kernel at `preset`'s recurrent-layer attention (see the module docstring).
 
     Every backend runs the same shuffled sequence: each count in `segment_counts` `visits` times (seeded), after one
     call at :data:`SDPA_WARMUP_SEGMENTS` (or another count outside the sequence). Per call, ``torch.cuda.synchronize``
     before and after: the call's time, and the host's (``time.perf_counter`` until the forward and backward have been
-    launched). ``cudnn``, ``efficient``, ``math``: that kernel alone (``sdpa_kernel``); ``flash`` also, with the value zero-padded to the query/key head
+    launched). ``cudnn``, ``efficient``, ``math``: that kernel alone (``sdpa_kernel``); ``flash`` also, with the value
+    zero-padded to the query/key head
     dim (torch's flash needs equal head dims); ``default``: no restriction, the kernel torch picked read from the
     profiler at each count afterwards. A kernel that does not take the call is ``skipped`` with torch's reason.
     `stop_at` (``time.monotonic``): backends not started by then are skipped (``"time budget"``). `config_overrides`
@@ -147,25 +175,33 @@ def sdpa_backend_timings(preset: str = "1b", batch: int = 32, segment_counts=SDP
 
     from spider_training.sdpa import SDPA_BACKENDS as KNOB_BACKENDS
 
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
-                                                                            else "cpu")
+    device = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = spider_config(preset, **config_overrides)
-    shape = dict(batch=batch, heads=config.num_attention_heads, qk_nope=config.qk_nope_head_dim,
-                 qk_rope=config.qk_rope_head_dim, v_dim=config.v_head_dim)
+    shape = dict(
+        batch=batch,
+        heads=config.num_attention_heads,
+        qk_nope=config.qk_nope_head_dim,
+        qk_rope=config.qk_rope_head_dim,
+        v_dim=config.v_head_dim,
+    )
     qk = shape["qk_nope"] + shape["qk_rope"]
     warmup = SDPA_WARMUP_SEGMENTS if SDPA_WARMUP_SEGMENTS not in segment_counts else max(segment_counts) + 16
     sequence = [count for count in segment_counts for _ in range(visits)]
     random.Random(seed).shuffle(sequence)
-    inputs = {count: _AttentionInputs(segments=count, device=device, dtype=dtype, seed=seed + count, **shape)
-              for count in {*segment_counts, warmup}}
+    inputs = {
+        count: _AttentionInputs(segments=count, device=device, dtype=dtype, seed=seed + count, **shape)
+        for count in {*segment_counts, warmup}
+    }
     results = {}
     for name in backends:
         if stop_at is not None and time.monotonic() >= stop_at:
             results[name] = {"status": "skipped", "reason": "time budget"}
             continue
         pad = name == "flash"
-        restrict = (contextlib.nullcontext() if name == "default" else sdpa_kernel(KNOB_BACKENDS[name]))
+        restrict = contextlib.nullcontext() if name == "default" else sdpa_kernel(KNOB_BACKENDS[name])
         entry = {"status": "ran", "value_padded_to": qk if pad and shape["v_dim"] < qk else None}
         try:
             with restrict:
@@ -179,8 +215,10 @@ def sdpa_backend_timings(preset: str = "1b", batch: int = 32, segment_counts=SDP
                     launched = time.perf_counter()
                     synchronize(device)
                     calls.append((count, time.perf_counter() - start, launched - start))
-                kernels = {str(count): _kernels_of(lambda c=count: (inputs[c].call(pad), synchronize(device)))
-                           for count in segment_counts}
+                kernels = {
+                    str(count): _kernels_of(lambda c=count: (inputs[c].call(pad), synchronize(device)))
+                    for count in segment_counts
+                }
         except Exception as exc:  # noqa: BLE001 - one kernel's failure leaves the others measured
             reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
             results[name] = {"status": "skipped" if _unsupported(exc) else "failed", "reason": reason}
@@ -208,20 +246,27 @@ def sdpa_backend_timings(preset: str = "1b", batch: int = 32, segment_counts=SDP
         results[name] = entry
     names = list(results)
     for i, (name, entry) in enumerate(results.items()):  # plans are cached per process: a later row's first calls
-        earlier = [other for other in names[:i]  # reuse those of an earlier row with the same kernel
-                   if set(results[other].get("kernel", ())) & set(entry.get("kernel", ()))]
+        earlier = [
+            other
+            for other in names[:i]  # reuse those of an earlier row with the same kernel
+            if set(results[other].get("kernel", ())) & set(entry.get("kernel", ()))
+        ]
         if entry["status"] == "ran" and earlier:
             entry["first_calls_after"] = f"{', '.join(earlier)} ran the same kernel at these shapes first"
     ran = {name: r for name, r in results.items() if r["status"] == "ran" and r["steady_median_s"] is not None}
     cold = {name: r for name, r in ran.items() if "first_calls_after" not in r}  # their totals include the planning
     return {
-        "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
-        "preset": preset, "shape": {"batch": batch, "heads": shape["heads"], "qk_head_dim": qk,
-                                    "v_head_dim": shape["v_dim"]},
+        "preset": preset,
+        "shape": {"batch": batch, "heads": shape["heads"], "qk_head_dim": qk, "v_head_dim": shape["v_dim"]},
         "mask": "none, is_causal=True (the training forward's recurrent layers: padding sits at each row's end)",
-        "segment_counts": list(segment_counts), "visits": visits, "sequence": sequence,
+        "segment_counts": list(segment_counts),
+        "visits": visits,
+        "sequence": sequence,
         "warmup_segments": warmup,
         "timing": "forward+backward per call (on CUDA torch.cuda.synchronize before and after); host: until launched",
         "backends": results,

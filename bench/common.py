@@ -28,8 +28,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,9 +45,9 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Environment and results
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def environment() -> dict[str, Any]:
@@ -105,9 +106,9 @@ def finish(result: dict, start: float) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Timing
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def time_call(fn: Callable[[], Any]) -> float:
@@ -146,9 +147,9 @@ def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeat
     return {"n": n, "median_s": timed["median_s"], "flops_per_s": 2 * n**3 / timed["median_s"]}
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Models
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def spider_config(preset: str, **overrides):
@@ -179,16 +180,34 @@ def peer_config(spider_cfg):
 
     c = spider_cfg
     return DeepseekV3Config(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        moe_intermediate_size=c.moe_intermediate_size, num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_attention_heads,
-        n_shared_experts=c.n_shared_experts, n_routed_experts=c.n_routed_experts,
-        num_experts_per_tok=c.num_experts_per_tok, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank,
-        qk_rope_head_dim=c.qk_rope_head_dim, qk_nope_head_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim,
-        n_group=1, topk_group=1, first_k_dense_replace=c.num_prelude_layers, norm_topk_prob=c.norm_topk_prob,
-        max_position_embeddings=c.max_position_embeddings, num_mtp_layers=0, rope_interleave=False,
-        rms_norm_eps=c.rms_norm_eps, initializer_range=c.initializer_range,
-        pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, use_cache=False,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=c.moe_intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_attention_heads,
+        n_shared_experts=c.n_shared_experts,
+        n_routed_experts=c.n_routed_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        v_head_dim=c.v_head_dim,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=c.num_prelude_layers,
+        norm_topk_prob=c.norm_topk_prob,
+        max_position_embeddings=c.max_position_embeddings,
+        num_mtp_layers=0,
+        rope_interleave=False,
+        rms_norm_eps=c.rms_norm_eps,
+        initializer_range=c.initializer_range,
+        pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        use_cache=False,
         attn_implementation="sdpa",
     )
 
@@ -220,8 +239,16 @@ class TrainStep:
     `autocast_dtype` (e.g. ``torch.bfloat16``): the forward under ``torch.autocast`` on the inputs' device (None:
     none). `fused`: torch's fused AdamW (CUDA)."""
 
-    def __init__(self, model, input_ids: torch.LongTensor, lr: float = 1e-4, *,
-                 autocast_dtype: torch.dtype | None = None, fused: bool = False, **forward_kwargs):
+    def __init__(
+        self,
+        model,
+        input_ids: torch.LongTensor,
+        lr: float = 1e-4,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        fused: bool = False,
+        **forward_kwargs,
+    ):
         self.model = model
         self.input_ids = input_ids
         self.forward_kwargs = forward_kwargs
@@ -235,8 +262,11 @@ class TrainStep:
         (``torch.compiler.cudagraph_mark_step_begin``, as ``SpiderTrainer.training_step`` does under
         ``reduce-overhead``): the compiled layers' forwards all run before their backwards."""
         torch.compiler.cudagraph_mark_step_begin()
-        autocast = (torch.autocast(self.input_ids.device.type, dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(self.input_ids.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast, shared_weight_casts():
             out = self.model(input_ids=self.input_ids, labels=self.input_ids, **self.forward_kwargs)
         out.loss.backward()
@@ -252,9 +282,9 @@ class TrainStep:
         return out
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Profiling
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def profile_top(fn: Callable[[], Any], steps: int = 2, top: int = 12) -> dict[str, Any]:
@@ -286,9 +316,9 @@ def profile_top(fn: Callable[[], Any], steps: int = 2, top: int = 12) -> dict[st
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Command line of a single benchmark
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
@@ -310,13 +340,22 @@ def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Device-to-host syncs, GPU matmul peak (bench/gpu_check.py, tests/test_host_syncs.py)
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 #: aten ops whose output size or value has to reach the host before the next op can be launched
-SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "bincount", "unique_consecutive", "_unique2",
-            "unique_dim", "equal"}
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "bincount",
+    "unique_consecutive",
+    "_unique2",
+    "unique_dim",
+    "equal",
+}
 _INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
 _SKIPPED_SOURCE_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}contextlib.py", f"{os.sep}bench{os.sep}common.py")
 
@@ -377,7 +416,7 @@ COMPILED_REGION_EVENTS = ("Torch-Compiled Region", "CompiledFunction", "Compiled
 NO_KERNEL_OPS = ("detach", "empty", "empty_like", "empty_strided")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_view_op(name: str) -> bool:
     """Whether the aten op `name` (``"aten::transpose"``) is a view or one of :data:`NO_KERNEL_OPS`: no kernel of its
     own."""
@@ -537,10 +576,16 @@ class CudaSyncWarnings:
         return False
 
 
-def device_peak_matmul_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, n: int | None = None,
-                             warmup: int = 2, repeats: int = 5) -> dict[str, float]:
+def device_peak_matmul_flops(
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    n: int | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> dict[str, float]:
     """The trainer's own measurement (:func:`spider_training.throughput.measured_matmul_flops`): the median of
-    `repeats` timed ``n x n @ n x n`` matmuls on `device` (n: 8192 on CUDA, as ``/work/shared/NOTES.md``, 1024 on CPU)."""
+    `repeats` timed ``n x n @ n x n`` matmuls on `device` (n: 8192 on CUDA, as ``/work/shared/NOTES.md``, 1024 on
+    CPU)."""
     return measured_matmul_flops(device, dtype, n=n, warmup=warmup, repeats=repeats)
 
 
@@ -559,9 +604,19 @@ def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):
     per_layer = 4 * h * h + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
     layers = max(1, round((target - 2 * v * h - h) / per_layer))
     return LlamaConfig(
-        vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_attention_heads,
-        max_position_embeddings=max(max_position_embeddings, c.max_position_embeddings), tie_word_embeddings=False,
-        rms_norm_eps=c.rms_norm_eps, initializer_range=c.initializer_range, pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, use_cache=False, attn_implementation="sdpa",
+        vocab_size=v,
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_attention_heads,
+        max_position_embeddings=max(max_position_embeddings, c.max_position_embeddings),
+        tie_word_embeddings=False,
+        rms_norm_eps=c.rms_norm_eps,
+        initializer_range=c.initializer_range,
+        pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        use_cache=False,
+        attn_implementation="sdpa",
     )

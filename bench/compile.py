@@ -43,17 +43,33 @@ import time
 from bench.common import REPO_ROOT, check, finish, info, main_for
 from spider_training.compile import COMPILE_OPTIONS
 
-FULL = dict(preset="tiny", batch=8, seq_len=256, backend="inductor", compile_steps=4, warmup=2, repeats=14,
-            timeout=420, warm=True)
-QUICK = dict(preset="tiny", batch=1, seq_len=32, backend="eager", compile_steps=2, warmup=1, repeats=2,
-             timeout=240, warm=False)
+FULL = dict(
+    preset="tiny",
+    batch=8,
+    seq_len=256,
+    backend="inductor",
+    compile_steps=4,
+    warmup=2,
+    repeats=14,
+    timeout=420,
+    warm=True,
+)
+QUICK = dict(
+    preset="tiny", batch=1, seq_len=32, backend="eager", compile_steps=2, warmup=1, repeats=2, timeout=240, warm=False
+)
 #: the losses' relative difference: one bf16 rounding (issue 63: "within bf16 tolerance of eager over 20 steps")
-TARGETS = dict(cold_first_step_s=75.0, warm_first_step_s=15.0, recompiles=2, graphs=8, speedup=1.0,
-               loss_rel_diff=2.0**-8)
+TARGETS = dict(
+    cold_first_step_s=75.0, warm_first_step_s=15.0, recompiles=2, graphs=8, speedup=1.0, loss_rel_diff=2.0**-8
+)
 #: compile phases reported (``compilation_time_metrics`` keys -> names in the JSON); the first three nest the rest
-PHASES = {"_compile.compile_inner": "dynamo_total", "bytecode_tracing": "dynamo_tracing",
-          "create_aot_dispatcher_function": "aot_autograd", "compile_fx.<locals>.fw_compiler_base": "inductor_forward",
-          "compile_fx.<locals>.bw_compiler": "inductor_backward", "async_compile.wait": "cpp_or_triton_compile"}
+PHASES = {
+    "_compile.compile_inner": "dynamo_total",
+    "bytecode_tracing": "dynamo_tracing",
+    "create_aot_dispatcher_function": "aot_autograd",
+    "compile_fx.<locals>.fw_compiler_base": "inductor_forward",
+    "compile_fx.<locals>.bw_compiler": "inductor_backward",
+    "async_compile.wait": "cpp_or_triton_compile",
+}
 
 
 class _RecompileLog:
@@ -98,10 +114,8 @@ def build_model(preset: str):
     return SpiderForConditionalGeneration(proxy_1b_config())
 
 
-def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: int, warmup: int,
-          repeats: int) -> dict:
+def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: int, warmup: int, repeats: int) -> dict:
     """Measure in this process (see the module docstring); returns a JSON-able dict."""
-    import torch
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch.profiler import ProfilerActivity, profile
 
@@ -126,8 +140,12 @@ def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: in
         graphs_by_step.append(graphs)
         train("eager", eager)
     phases = {name: round(sum(compilation_time_metrics.get(key, [])), 2) for key, name in PHASES.items()}
-    caches = {name: int(value) for group in ("inductor", "aot_autograd") for name, value in counters[group].items()
-              if "cache" in name}
+    caches = {
+        name: int(value)
+        for group in ("inductor", "aot_autograd")
+        for name, value in counters[group].items()
+        if "cache" in name
+    }
     # steady state: eager and compiled in turn on the same new batches (each a new segment axis)
     times = {"eager": [], "compiled": []}
     for i in range(compile_steps, len(batches)):
@@ -166,13 +184,18 @@ def measure_in_subprocess(s: dict, cache_dir: str) -> dict:
     its dict or ``{"error": ...}``."""
     keys = ("preset", "batch", "seq_len", "backend", "compile_steps", "warmup", "repeats")
     cmd = [sys.executable, "-m", "bench.compile", "--child", json.dumps({k: s[k] for k in keys})]
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
-           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=s["timeout"])
     except subprocess.TimeoutExpired:
-        return {"error": f"timeout: {s['compile_steps'] + s['warmup'] + s['repeats']} steps took more than "
-                         f"{s['timeout']} s"}
+        return {
+            "error": f"timeout: {s['compile_steps'] + s['warmup'] + s['repeats']} steps took more than "
+            f"{s['timeout']} s"
+        }
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = [line for line in proc.stderr.splitlines() if line.strip()][-15:]
@@ -192,7 +215,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     result = {
         "benchmark": "compile",
         "description": "--compile (one graph per layer kind): first step cold and warm, recompilations, "
-                       "steady-state training step speedup over eager",
+        "steady-state training step speedup over eager",
         "sizes": {k: s[k] for k in ("preset", "batch", "seq_len")},
         "dtype": "fp32",
         "backend": s["backend"],
@@ -203,9 +226,16 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     }
     errors = {name: m["error"] for name, m in runs.items() if "error" in m}
     if errors:
-        result.update(error="; ".join(f"{name}: {e}" for name, e in errors.items()), measurements={}, info=[],
-                      checks=[check("--compile first step, cold", "seconds", TARGETS["cold_first_step_s"], None,
-                                    higher_is_better=False)])
+        result.update(
+            error="; ".join(f"{name}: {e}" for name, e in errors.items()),
+            measurements={},
+            info=[],
+            checks=[
+                check(
+                    "--compile first step, cold", "seconds", TARGETS["cold_first_step_s"], None, higher_is_better=False
+                )
+            ],
+        )
         return finish(result, start)
     cold = runs["cold"]
     recompiles = cold["recompiles"]
@@ -214,22 +244,53 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     speedup = cold["median_s"]["eager"] / cold["median_s"]["compiled"]
     loss_diff = max(abs(c - e) / abs(e) for e, c in zip(cold["losses"]["eager"], cold["losses"]["compiled"]))
     result["checks"] = [
-        check("--compile first step, cold cache", "seconds", TARGETS["cold_first_step_s"], cold["first_step_s"],
-              higher_is_better=False),
-        check("recompilations after the first step", "count of dynamo's recompiles", 0,
-              sum(1 for event in recompiles if event["step"] > 1), higher_is_better=False),
-        check("recompilations in all", "count of dynamo's recompiles", TARGETS["recompiles"], len(recompiles),
-              higher_is_better=False),
+        check(
+            "--compile first step, cold cache",
+            "seconds",
+            TARGETS["cold_first_step_s"],
+            cold["first_step_s"],
+            higher_is_better=False,
+        ),
+        check(
+            "recompilations after the first step",
+            "count of dynamo's recompiles",
+            0,
+            sum(1 for event in recompiles if event["step"] > 1),
+            higher_is_better=False,
+        ),
+        check(
+            "recompilations in all",
+            "count of dynamo's recompiles",
+            TARGETS["recompiles"],
+            len(recompiles),
+            higher_is_better=False,
+        ),
         check("graphs compiled", "count over every step", TARGETS["graphs"], graphs, higher_is_better=False),
         check("steady-state step speedup", "eager time / compiled time", TARGETS["speedup"], speedup),
-        check("compiled losses against eager", f"largest relative difference over {len(cold['losses']['eager'])} "
-              "steps", TARGETS["loss_rel_diff"], loss_diff, higher_is_better=False),
+        check(
+            "compiled losses against eager",
+            f"largest relative difference over {len(cold['losses']['eager'])} steps",
+            TARGETS["loss_rel_diff"],
+            loss_diff,
+            higher_is_better=False,
+        ),
     ]
     if "warm" in runs:
-        result["checks"].insert(1, check("--compile first step, warm cache", "seconds", TARGETS["warm_first_step_s"],
-                                         runs["warm"]["first_step_s"], higher_is_better=False))
-    result["info"] = [info(f"compile phase {name} (cold)", seconds, "s")
-                      for name, seconds in cold["compile_phases_s"].items() if seconds > 0]
+        result["checks"].insert(
+            1,
+            check(
+                "--compile first step, warm cache",
+                "seconds",
+                TARGETS["warm_first_step_s"],
+                runs["warm"]["first_step_s"],
+                higher_is_better=False,
+            ),
+        )
+    result["info"] = [
+        info(f"compile phase {name} (cold)", seconds, "s")
+        for name, seconds in cold["compile_phases_s"].items()
+        if seconds > 0
+    ]
     return finish(result, start)
 
 

@@ -7,9 +7,11 @@ routing, FSDP2 with float8 all-gather.
   the gradients point the same way (cosine >= ``FP8_GRAD_COSINE``); both step times and their ratio are reported
   (medians of ``--step_repeats`` steps after a warm-up; a speed-up above 1 is what FP8 is for; on CPU emulation the
   times mean nothing and are labelled so). Recipes
-  ``tensorwise`` and ``rowwise``; presets ``small`` and ``1b`` (``1b`` needs CUDA); ``--fp8_layers`` by default ``auto`` for ``1b``
+  ``tensorwise`` and ``rowwise``; presets ``small`` and ``1b`` (``1b`` needs CUDA); ``--fp8_layers`` by default
+  ``auto`` for ``1b``
   (the layers ``--precision fp8`` converts there, so the step times are what ``--precision auto`` chooses by:
-  ``spider_training.fp8.FP8_MEASURED``) and ``tk_train`` for the smaller presets (every layer kind tk-train.py converted;
+  ``spider_training.fp8.FP8_MEASURED``) and ``tk_train`` for the smaller presets (every layer kind tk-train.py
+  converted;
   ``auto`` converts none of their layers).
 - ``tile_kernels_moe``: the TileKernels MoE routing (:func:`spider_training.tile_kernels_moe.swap_in_tile_kernels`)
   against the torch path on one MoE layer in fp32: outputs and gradients (input, expert weights) equal within
@@ -35,7 +37,6 @@ import torch.nn.functional as F
 from bench.common import random_bytes, spider_model, synchronize
 from bench.parts import build_on, default_device, entry, free_memory
 from spider_training.mixed_precision import autocast_experts
-
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 #: FP8 (e4m3, 3 mantissa bits) against bf16 (7 bits) at initialisation: the loss is a mean over every byte, so the
@@ -66,8 +67,9 @@ def _median_step_seconds(model, ids, device, repeats: int = 5) -> float:
     return statistics.median(times[1:])  # the first call warms up
 
 
-def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repeats: int = 5,
-              layers: str = "tk_train") -> dict:
+def fp8_check(
+    preset: str, recipe: str, device: torch.device | None = None, repeats: int = 5, layers: str = "tk_train"
+) -> dict:
     """torchao FP8 against bf16 autocast on one training step of `preset` (see the module docstring)."""
     from spider_training.fp8 import convert_for_fp8_training
 
@@ -97,22 +99,37 @@ def fp8_check(preset: str, recipe: str, device: torch.device | None = None, repe
     if converted == 0:
         reason = f"no layer converted (--fp8_layers {layers}): nothing compared\n{report.message}"
     elif not ok:
-        reason = (f"loss rel. difference {rel:.4f} (max {FP8_LOSS_RTOL}) or gradient cosine {cosine:.3f} "
-                  f"(min {FP8_GRAD_COSINE})")
+        reason = (
+            f"loss rel. difference {rel:.4f} (max {FP8_LOSS_RTOL}) or gradient cosine {cosine:.3f} "
+            f"(min {FP8_GRAD_COSINE})"
+        )
     del reference, fp8
     free_memory()
-    return entry(name, "passed" if ok else "failed", reason,
-                  device=str(device), emulated=device.type != "cuda", layers=layers,
-                  converted_layers=converted - len(experts), converted_experts_modules=len(experts),
-                  experts_skipped=sorted({r for f, r in report.kept.items() if f.endswith(".experts")}),
-                  shape=f"{batch}x{length}",
-                  loss_bf16=loss_ref, loss_fp8=loss_fp8, loss_rel_difference=rel, gradient_cosine=cosine,
-                  step_s_bf16=step_bf16, step_s_fp8=step_fp8, speedup_bf16_over_fp8=step_bf16 / step_fp8,
-                  note="CPU emulation: the step times are not FP8's" if device.type != "cuda" else "")
+    return entry(
+        name,
+        "passed" if ok else "failed",
+        reason,
+        device=str(device),
+        emulated=device.type != "cuda",
+        layers=layers,
+        converted_layers=converted - len(experts),
+        converted_experts_modules=len(experts),
+        experts_skipped=sorted({r for f, r in report.kept.items() if f.endswith(".experts")}),
+        shape=f"{batch}x{length}",
+        loss_bf16=loss_ref,
+        loss_fp8=loss_fp8,
+        loss_rel_difference=rel,
+        gradient_cosine=cosine,
+        step_s_bf16=step_bf16,
+        step_s_fp8=step_fp8,
+        speedup_bf16_over_fp8=step_bf16 / step_fp8,
+        note="CPU emulation: the step times are not FP8's" if device.type != "cuda" else "",
+    )
 
 
-def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: torch.device | None = None,
-                       repeats: int = 5) -> dict:
+def tile_kernels_check(
+    tile_kernels_module=None, preset: str = "small", device: torch.device | None = None, repeats: int = 5
+) -> dict:
     """The TileKernels MoE routing against the torch path on one training step (bf16 autocast). Without
     `tile_kernels_module` it needs CUDA and an importable ``tile_kernels``; tests pass a CPU test double."""
     from spider_training.tile_kernels_moe import BACKEND_TORCH, spider_moe_layers, swap_in_tile_kernels
@@ -136,16 +153,22 @@ def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: 
     # One MoE layer on the same tokens, fp32: outputs and gradients (input and expert weights) of the two routing
     # implementations differ only in fp32 summation order (the fused reduce), a few ulps per accumulated term.
     layer_ref, layer_tk = spider_moe_layers(reference)[0], spider_moe_layers(swapped)[0]
-    x = torch.randn(batch * length // 2, reference.config.hidden_size,
-                    generator=torch.Generator().manual_seed(0)).to(device)
+    x = torch.randn(batch * length // 2, reference.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     diffs = {}
     results = []
     for layer in (layer_ref, layer_tk):
         inp = x.clone().requires_grad_(True)
         out = layer(inp)[0]
         out.square().sum().backward()
-        results.append({"output": out.detach(), "input_grad": inp.grad,
-                        "weight_grad": torch.cat([p.grad.flatten() for p in layer.parameters() if p.grad is not None])})
+        results.append(
+            {
+                "output": out.detach(),
+                "input_grad": inp.grad,
+                "weight_grad": torch.cat([p.grad.flatten() for p in layer.parameters() if p.grad is not None]),
+            }
+        )
     ok = True
     for key in results[0]:
         ref, got = results[0][key], results[1][key]
@@ -155,10 +178,17 @@ def tile_kernels_check(tile_kernels_module=None, preset: str = "small", device: 
     ids = random_bytes(batch, length).to(device)
     step_torch = _median_step_seconds(reference, ids, device, repeats)
     step_tile = _median_step_seconds(swapped, ids, device, repeats)
-    return entry("tile_kernels_moe", "passed" if ok else "failed",
-                  "" if ok else f"the MoE layer's outputs or gradients differ: {diffs}",
-                  backend=str(backend), device=str(device), max_difference=diffs, step_s_torch=step_torch,
-                  step_s_tile_kernels=step_tile, speedup_torch_over_tile_kernels=step_torch / step_tile)
+    return entry(
+        "tile_kernels_moe",
+        "passed" if ok else "failed",
+        "" if ok else f"the MoE layer's outputs or gradients differ: {diffs}",
+        backend=str(backend),
+        device=str(device),
+        max_difference=diffs,
+        step_s_torch=step_torch,
+        step_s_tile_kernels=step_tile,
+        speedup_torch_over_tile_kernels=step_torch / step_tile,
+    )
 
 
 def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
@@ -187,8 +217,9 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
     for all_gather in (False, True):
         model = spider_model(preset).to(device)
         config = build_float8_config("tensorwise", emulate=False, fsdp_float8_all_gather=all_gather)
-        convert_to_float8_training(model, config=config,
-                                   module_filter_fn=lambda m, fqn: keep_reason(m, fqn, "tk_train") is None)
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda m, fqn: keep_reason(m, fqn, "tk_train") is None
+        )
         for module in model.modules():
             if type(module).__name__ in type(model)._no_split_modules:
                 fully_shard(module)
@@ -210,9 +241,15 @@ def fsdp2_fp8_all_gather_check(preset: str = "small", steps: int = 3) -> dict:
         curves[all_gather] = losses
     rel = max(abs(a - b) / abs(b) for a, b in zip(curves[True], curves[False]))
     ok = rel <= FP8_LOSS_RTOL
-    return entry(name, "passed" if ok else "failed", "" if ok else f"loss curves differ by {rel:.4f}",
-                  world_size=world, losses_fp8_all_gather=curves[True], losses_bf16_all_gather=curves[False])
+    return entry(
+        name,
+        "passed" if ok else "failed",
+        "" if ok else f"loss curves differ by {rel:.4f}",
+        world_size=world,
+        losses_fp8_all_gather=curves[True],
+        losses_bf16_all_gather=curves[False],
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The parts, the budget, the command

@@ -2,7 +2,8 @@
 step, and two parts of ``python -m bench.gpu_check``:
 
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
-  default experts implementation (``grouped_mm``) and with ``eager``. On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
+  default experts implementation (``grouped_mm``) and with ``eager``. On CUDA,
+  ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
   recorded (:class:`bench.common.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
   dispatch-level count by op and source line (:class:`bench.common.HostSyncCounter`: ``.item()``, ``nonzero``,
   boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset runs at the
@@ -13,7 +14,8 @@ step, and two parts of ``python -m bench.gpu_check``:
   ``DeepseekV3ForCausalLM`` of the same config (``deepseek_v3_aten_ops_forward_backward``). A measurement: passes
   when it ran.
 - ``attention_backends``: which of torch's SDPA kernels the recurrent layers' attention should run
-  (:func:`bench.attention.sdpa_backend_timings`): forward+backward at the ``1b`` preset's heads and head dims (query/key
+  (:func:`bench.attention.sdpa_backend_timings`): forward+backward at the ``1b`` preset's heads and head dims
+  (query/key
   96, value 64), batch 32, bf16, causal without a mask (``is_causal``, as the training forward's recurrent layers call
   it), over the padded segment counts 80, 96, 112 (``1 + S`` at about one segment per 3 bytes of 32 x 256), each
   visited 5 times in a seeded shuffled order after one warm-up call at 32, for ``default`` (torch's own choice, run
@@ -40,19 +42,40 @@ import time
 
 import torch
 
-from bench.common import (CudaSyncWarnings, HostSyncCounter, TrainStep, eager_aten_ops, peer_model,
-                          random_bytes, spider_config, synchronize)
-from spider_training.throughput import count_flops
+from bench.common import (
+    CudaSyncWarnings,
+    HostSyncCounter,
+    TrainStep,
+    eager_aten_ops,
+    peer_model,
+    random_bytes,
+    spider_config,
+    synchronize,
+)
 from bench.parts import MIN_PART_S, TIME_BUDGET, Deadline, build_on, default_device, entry, free_memory, train_step_of
+from spider_training.throughput import count_flops
 
 #: ops named in a profiled step's ``top_host_ops``
 TOP_HOST_OPS = 8
 #: kernels and aten ops named in a profiled step's ``top_kernels`` and ``top_aten_ops`` (by launches / calls)
 TOP_BY_COUNT = 20
 #: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
-_WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "engram_num_heads",
-                 "engram_head_dim", "engram_table_size", "loop_adapter_rank", "max_position_embeddings")
+_WIDTH_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "moe_intermediate_size",
+    "engram_num_heads",
+    "engram_head_dim",
+    "engram_table_size",
+    "loop_adapter_rank",
+    "max_position_embeddings",
+)
 #: a training step slower than this x the run's median step counts as slow (``step_seconds.slow_steps``)
 SLOW_STEP_FACTOR = 2.0
 
@@ -75,19 +98,32 @@ def _profile_kernels(step, device: torch.device) -> dict:
     events = prof.events()
     device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     kernels = [e for e in device_events if not e.name.lower().startswith(("memcpy", "memset"))]
-    launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                                                   "cuLaunchKernelEx")]
+    launches = [
+        e
+        for e in events
+        if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+    ]
     busy_us = sum(e.time_range.elapsed_us() for e in device_events)
     averages = prof.key_averages()
     top = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST_OPS]
-    return {"kernel_launches": len(kernels), "device_events": len(device_events), "launch_calls": len(launches),
-            "gpu_busy_s": busy_us / 1e6, "profiled_step_s": wall,
-            "top_host_ops": {a.key: {"self_host_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
-                             for a in top},
-            "top_kernels": _kernels_by_launches(kernels),
-            "top_aten_ops": {a.key: a.count for a in sorted((a for a in averages if a.key.startswith("aten::")),
-                                                            key=lambda a: a.count, reverse=True)[:TOP_BY_COUNT]},
-            "eager_aten_ops": eager_aten_ops(events)}
+    return {
+        "kernel_launches": len(kernels),
+        "device_events": len(device_events),
+        "launch_calls": len(launches),
+        "gpu_busy_s": busy_us / 1e6,
+        "profiled_step_s": wall,
+        "top_host_ops": {
+            a.key: {"self_host_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count} for a in top
+        },
+        "top_kernels": _kernels_by_launches(kernels),
+        "top_aten_ops": {
+            a.key: a.count
+            for a in sorted((a for a in averages if a.key.startswith("aten::")), key=lambda a: a.count, reverse=True)[
+                :TOP_BY_COUNT
+            ]
+        },
+        "eager_aten_ops": eager_aten_ops(events),
+    }
 
 
 def _kernels_by_launches(kernels: list) -> dict:
@@ -115,15 +151,21 @@ def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
         synchronize(device)  # outside: an explicit synchronize is not one of the step's syncs
         counted[phase] = (syncs, cuda_syncs)
     fwd_bwd, optimizer = counted["forward_backward"][0], counted["optimizer"][0]
-    figures = dict(flops_per_step=flops, aten_ops_per_step=fwd_bwd.ops + optimizer.ops,
-                   aten_ops_forward_backward=fwd_bwd.ops, host_syncs=fwd_bwd.total + optimizer.total,
-                   host_syncs_forward_backward=fwd_bwd.total, host_syncs_optimizer=optimizer.total,
-                   host_syncs_by_op=dict((fwd_bwd.counts + optimizer.counts).most_common()))
+    figures = dict(
+        flops_per_step=flops,
+        aten_ops_per_step=fwd_bwd.ops + optimizer.ops,
+        aten_ops_forward_backward=fwd_bwd.ops,
+        host_syncs=fwd_bwd.total + optimizer.total,
+        host_syncs_forward_backward=fwd_bwd.total,
+        host_syncs_optimizer=optimizer.total,
+        host_syncs_by_op=dict((fwd_bwd.counts + optimizer.counts).most_common()),
+    )
     if device.type == "cuda":
         figures["cuda_sync_warnings"] = sum(cuda.count for _, cuda in counted.values())
         figures["cuda_sync_warnings_forward_backward"] = counted["forward_backward"][1].count
-        figures["cuda_sync_sources"] = dict(sum((cuda.sources for _, cuda in counted.values()),
-                                                collections.Counter()).most_common())
+        figures["cuda_sync_sources"] = dict(
+            sum((cuda.sources for _, cuda in counted.values()), collections.Counter()).most_common()
+        )
     return figures
 
 
@@ -174,13 +216,15 @@ def repeated_axis_summary(axis_before: list, timed_axis: list, times: list[float
     none had): what a long run's steps cost once its few axis sizes have all been met (the main job met 11 in 500
     steps, the last new one at step 86). Inputs in step order; `timed_axis` and `times` of equal length."""
     new, repeated = split_by_axis(timed_axis, times, met_before=axis_before)
-    return {"timed_steps_at_new_axis": len(new),
-            "step_s_repeated_axis": statistics.median(repeated) if repeated else None}
+    return {
+        "timed_steps_at_new_axis": len(new),
+        "step_s_repeated_axis": statistics.median(repeated) if repeated else None,
+    }
 
 
-
-def step_time_summary(step_times: list[float], slow_factor: float = SLOW_STEP_FACTOR,
-                      step_axes: list[int | None] | None = None) -> dict | None:
+def step_time_summary(
+    step_times: list[float], slow_factor: float = SLOW_STEP_FACTOR, step_axes: list[int | None] | None = None
+) -> dict | None:
     """Wall seconds of a run's training steps (the trainer hook's ``step_times``): count, median, mean, 90th
     percentile, max, and the steps slower than `slow_factor` x the median (1-based step numbers; on the H200 a step at
     a segment count not seen before took 5x a repeated one). With `step_axes` (each step's padded segment axis, as
@@ -192,17 +236,25 @@ def step_time_summary(step_times: list[float], slow_factor: float = SLOW_STEP_FA
     median = statistics.median(step_times)
     ordered = sorted(step_times)
     slow = [i + 1 for i, t in enumerate(step_times) if t > slow_factor * median]
-    summary = {"steps": len(step_times), "median_s": round(median, 4),
-               "mean_s": round(statistics.fmean(step_times), 4),
-               "p90_s": round(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)], 4),
-               "max_s": round(ordered[-1], 4), "slow_factor": slow_factor, "slow_steps": len(slow),
-               "slow_step_numbers": slow[:50]}
+    summary = {
+        "steps": len(step_times),
+        "median_s": round(median, 4),
+        "mean_s": round(statistics.fmean(step_times), 4),
+        "p90_s": round(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)], 4),
+        "max_s": round(ordered[-1], 4),
+        "slow_factor": slow_factor,
+        "slow_steps": len(slow),
+        "slow_step_numbers": slow[:50],
+    }
     if step_axes and len(step_axes) == len(step_times):
         new, repeated = split_by_axis(step_axes, step_times)
         new = [i + 1 for i in new]
-        summary.update(axis_sizes=sorted({size for size in step_axes if size is not None}), new_axis_steps=new[:50],
-                       slow_steps_at_new_axis=len(set(slow) & set(new)),
-                       median_s_repeated_axis=round(statistics.median(repeated), 4) if repeated else None)
+        summary.update(
+            axis_sizes=sorted({size for size in step_axes if size is not None}),
+            new_axis_steps=new[:50],
+            slow_steps_at_new_axis=len(set(slow) & set(new)),
+            median_s_repeated_axis=round(statistics.median(repeated), 4) if repeated else None,
+        )
     return summary
 
 
@@ -220,7 +272,7 @@ def split_by_axis(axes: list, times: list[float], met_before=()) -> tuple[list[i
     return new, repeated
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def proxy_1b_config(**overrides):
@@ -230,9 +282,14 @@ def proxy_1b_config(**overrides):
     return spider_config("1b", **{**{k: getattr(tiny, k) for k in _WIDTH_FIELDS}, **overrides})
 
 
-def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, device: torch.device | None = None,
-                     deadline: Deadline | None = None, variants: tuple[str | None, ...] = (None, "eager"),
-                     top: int = 10) -> dict:
+def host_syncs_check(
+    preset: str = "1b",
+    shape: tuple[int, int] | None = None,
+    device: torch.device | None = None,
+    deadline: Deadline | None = None,
+    variants: tuple[str | None, ...] = (None, "eager"),
+    top: int = 10,
+) -> dict:
     """Device-to-host syncs of one training forward+backward of `preset` (see the module docstring). `variants`:
     experts implementations (None: the preset's own)."""
     from modeling_spider import SpiderForConditionalGeneration
@@ -261,12 +318,17 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
         with cuda_syncs, HostSyncCounter() as counter:
             step.forward_backward()
         synchronize(device)  # outside the count: an explicit synchronize is not one of the step's syncs
-        result = {"status": "passed", "dispatch_count": counter.total, "aten_ops_forward_backward": counter.ops,
-                  "dispatch_by_op": dict(counter.counts.most_common()),
-                  "dispatch_top_sources": dict(counter.sources.most_common(top))}
+        result = {
+            "status": "passed",
+            "dispatch_count": counter.total,
+            "aten_ops_forward_backward": counter.ops,
+            "dispatch_by_op": dict(counter.counts.most_common()),
+            "dispatch_top_sources": dict(counter.sources.most_common(top)),
+        }
         if device.type == "cuda":
-            result.update(cuda_sync_warnings=cuda_syncs.count,
-                          cuda_top_sources=dict(cuda_syncs.sources.most_common(top)))
+            result.update(
+                cuda_sync_warnings=cuda_syncs.count, cuda_top_sources=dict(cuda_syncs.sources.most_common(top))
+            )
         results[label] = result
     del model, step
     free_memory()
@@ -282,22 +344,36 @@ def host_syncs_check(preset: str = "1b", shape: tuple[int, int] | None = None, d
         del peer, peer_step
         free_memory()
     ran = [r for r in results.values() if r["status"] == "passed"]
-    return entry(name, "passed" if ran else "skipped", "" if len(ran) == len(results) else TIME_BUDGET,
-                  deepseek_v3_aten_ops_forward_backward=peer_ops,
-                  device=str(device), preset=preset + (" structure at tiny widths (CPU proxy)" if proxy else ""),
-                  shape=f"{shape[0]}x{shape[1]}", method=("torch.cuda.set_sync_debug_mode('warn') warnings and "
-                                                          "HostSyncCounter" if device.type == "cuda"
-                                                          else "HostSyncCounter (TorchDispatchMode + Tensor.tolist)"),
-                  variants=results)
+    return entry(
+        name,
+        "passed" if ran else "skipped",
+        "" if len(ran) == len(results) else TIME_BUDGET,
+        deepseek_v3_aten_ops_forward_backward=peer_ops,
+        device=str(device),
+        preset=preset + (" structure at tiny widths (CPU proxy)" if proxy else ""),
+        shape=f"{shape[0]}x{shape[1]}",
+        method=(
+            "torch.cuda.set_sync_debug_mode('warn') warnings and HostSyncCounter"
+            if device.type == "cuda"
+            else "HostSyncCounter (TorchDispatchMode + Tensor.tolist)"
+        ),
+        variants=results,
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # attention_backends
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
-def attention_backends_check(preset: str = "1b", batch: int | None = None, segment_counts=None, visits: int = 5,
-                             device: torch.device | None = None, deadline: Deadline | None = None) -> dict:
+def attention_backends_check(
+    preset: str = "1b",
+    batch: int | None = None,
+    segment_counts=None,
+    visits: int = 5,
+    device: torch.device | None = None,
+    deadline: Deadline | None = None,
+) -> dict:
     """SDPA forward+backward per kernel at `preset`'s recurrent-layer attention over a shuffled sequence of padded
     segment counts (:func:`bench.attention.sdpa_backend_timings`; see the module docstring). `batch`: default 32 on
     CUDA, 4 on CPU. A measurement: passes when torch's default and every kernel that takes the call ran."""
@@ -306,8 +382,9 @@ def attention_backends_check(preset: str = "1b", batch: int | None = None, segme
     device = device or default_device()
     deadline = deadline or Deadline(None)
     batch = batch or (32 if device.type == "cuda" else 4)
-    timings = sdpa_backend_timings(preset, batch, tuple(segment_counts or SDPA_SEGMENT_COUNTS), visits, device,
-                                   stop_at=deadline.at_fraction(0.9))
+    timings = sdpa_backend_timings(
+        preset, batch, tuple(segment_counts or SDPA_SEGMENT_COUNTS), visits, device, stop_at=deadline.at_fraction(0.9)
+    )
     backends = timings["backends"]
     failed = [f"{name}: {r['reason']}" for name, r in backends.items() if r["status"] == "failed"]
     if failed:
@@ -320,5 +397,5 @@ def attention_backends_check(preset: str = "1b", batch: int | None = None, segme
     return entry("attention_backends", status, reason, **timings)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # fp8, tile_kernels_moe, fsdp2_fp8_all_gather

@@ -47,14 +47,22 @@ class AcceleratorAttributes(SimpleNamespace):
     ``tests/fsdp2_worker.py`` (FSDP2 on two CPU processes)."""
 
     @classmethod
-    def for_fsdp2(cls, plugin, device: torch.device) -> "AcceleratorAttributes":
+    def for_fsdp2(cls, plugin, device: torch.device) -> AcceleratorAttributes:
         """The attributes for `plugin` (accelerate's ``FullyShardedDataParallelPlugin``, FSDP2) on `device`, with rank
         and world size from the initialised ``torch.distributed`` process group; no mixed precision."""
         import torch.distributed as dist
 
-        return cls(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, mixed_precision="no",
-                   is_main_process=dist.get_rank() == 0, device=device, num_processes=dist.get_world_size(),
-                   process_index=dist.get_rank(), is_fsdp2=True, wait_for_everyone=dist.barrier)
+        return cls(
+            state=SimpleNamespace(fsdp_plugin=plugin),
+            torch_device_mesh=None,
+            mixed_precision="no",
+            is_main_process=dist.get_rank() == 0,
+            device=device,
+            num_processes=dist.get_world_size(),
+            process_index=dist.get_rank(),
+            is_fsdp2=True,
+            wait_for_everyone=dist.barrier,
+        )
 
 
 def loss_rtol(dtype: torch.dtype) -> float:
@@ -71,10 +79,13 @@ def fsdp2_plugin(config_path: Path = FSDP2_CONFIG):
 
     fsdp = yaml.safe_load(config_path.read_text())["fsdp_config"]
     return FullyShardedDataParallelPlugin(
-        fsdp_version=fsdp["fsdp_version"], auto_wrap_policy=fsdp["fsdp_auto_wrap_policy"].lower(),
+        fsdp_version=fsdp["fsdp_version"],
+        auto_wrap_policy=fsdp["fsdp_auto_wrap_policy"].lower(),
         transformer_cls_names_to_wrap=fsdp["fsdp_transformer_layer_cls_to_wrap"].split(","),
-        state_dict_type=fsdp["fsdp_state_dict_type"], reshard_after_forward=fsdp["fsdp_reshard_after_forward"],
-        cpu_ram_efficient_loading=fsdp["fsdp_cpu_ram_efficient_loading"])
+        state_dict_type=fsdp["fsdp_state_dict_type"],
+        reshard_after_forward=fsdp["fsdp_reshard_after_forward"],
+        cpu_ram_efficient_loading=fsdp["fsdp_cpu_ram_efficient_loading"],
+    )
 
 
 def _free_port() -> int:
@@ -109,8 +120,13 @@ def run_world_size_1(out_dir: Path, preset: str = "tiny", steps: int = 4, shape:
     sharded, the checkpoint's files and whether the release loaded. Raises what training or loading raises."""
     import torch.distributed as dist
     from accelerate import PartialState
-    from accelerate.utils.fsdp_utils import (fsdp2_prepare_model, load_fsdp_model, load_fsdp_optimizer,
-                                             save_fsdp_model, save_fsdp_optimizer)
+    from accelerate.utils.fsdp_utils import (
+        fsdp2_prepare_model,
+        load_fsdp_model,
+        load_fsdp_optimizer,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
@@ -122,8 +138,7 @@ def run_world_size_1(out_dir: Path, preset: str = "tiny", steps: int = 4, shape:
     device = default_device()
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # NCCL and DDP want the index
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
     try:
@@ -132,16 +147,18 @@ def run_world_size_1(out_dir: Path, preset: str = "tiny", steps: int = 4, shape:
         data = [torch.randint(32, 127, shape, generator=g).to(device) for _ in range(steps + 2)]
         initial = build_on(lambda: spider_model(preset), device)
         reference, _ = _train(copy.deepcopy(initial), data, device)
-        ddp_model = DistributedDataParallel(copy.deepcopy(initial),
-                                            device_ids=[device.index] if device.type == "cuda" else None)
+        ddp_model = DistributedDataParallel(
+            copy.deepcopy(initial), device_ids=[device.index] if device.type == "cuda" else None
+        )
         ddp, _ = _train(ddp_model, data, device)
         del ddp_model
 
         plugin = fsdp2_plugin()
         attributes = AcceleratorAttributes.for_fsdp2(plugin, device)
         sharded = fsdp2_prepare_model(attributes, copy.deepcopy(initial))
-        units = sorted(type(m).__name__ for m in sharded.modules()
-                       if type(m).__name__.startswith("FSDP") and m is not sharded)
+        units = sorted(
+            type(m).__name__ for m in sharded.modules() if type(m).__name__.startswith("FSDP") and m is not sharded
+        )
         fsdp, optimizer = _train(sharded, data[:steps], device)
         checkpoint = out_dir / "sharded_checkpoint"
         save_fsdp_model(plugin, attributes, sharded, str(checkpoint))
@@ -165,23 +182,34 @@ def run_world_size_1(out_dir: Path, preset: str = "tiny", steps: int = 4, shape:
         rtol = loss_rtol(torch.bfloat16 if device.type == "cuda" else torch.float32)
         logits_diff = float((release_logits - sharded_logits).abs().max() / sharded_logits.abs().max())
         return dict(
-            device=str(device), backend=backend, world_size=dist.get_world_size(), preset=preset, steps=steps,
-            shape=f"{shape[0]}x{shape[1]}", reference_losses=reference, ddp_losses=ddp, fsdp2_losses=fsdp + continued,
-            resumed_losses=resumed, rtol=rtol,
+            device=str(device),
+            backend=backend,
+            world_size=dist.get_world_size(),
+            preset=preset,
+            steps=steps,
+            shape=f"{shape[0]}x{shape[1]}",
+            reference_losses=reference,
+            ddp_losses=ddp,
+            fsdp2_losses=fsdp + continued,
+            resumed_losses=resumed,
+            rtol=rtol,
             ddp_max_rel_diff=_max_rel(ddp, reference),
             fsdp2_max_rel_diff=_max_rel(fsdp + continued, reference),
             resumed_max_rel_diff=_max_rel(resumed, continued),
             release_logits_max_rel_diff=logits_diff,
-            fsdp2_units=units, fsdp2_dtensor_parameters=sum(isinstance(p, DTensor) for p in sharded.parameters()),
+            fsdp2_units=units,
+            fsdp2_dtensor_parameters=sum(isinstance(p, DTensor) for p in sharded.parameters()),
             parameters=sum(1 for _ in sharded.parameters()),
             checkpoint_files=sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file()),
-            release_has_dtensors=any(isinstance(p, DTensor) for p in release.parameters()))
+            release_has_dtensors=any(isinstance(p, DTensor) for p in release.parameters()),
+        )
     finally:
         dist.destroy_process_group()
 
 
-def distributed_check(preset: str = "tiny", steps: int = 4, shape: tuple[int, int] = (4, 64),
-                      timeout_s: float | None = 300) -> dict:
+def distributed_check(
+    preset: str = "tiny", steps: int = 4, shape: tuple[int, int] = (4, 64), timeout_s: float | None = 300
+) -> dict:
     """The ``distributed`` part's entry: :func:`run_world_size_1` in a fresh Python process (``python -m
     bench.distributed``, killed after `timeout_s`; None or inf: no limit), judged by :func:`judge`.
 
@@ -196,16 +224,31 @@ def distributed_check(preset: str = "tiny", steps: int = 4, shape: tuple[int, in
     name = "distributed_world_size_1"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        cmd = [sys.executable, "-m", "bench.distributed", str(out), "--preset", preset, "--steps", str(steps),
-               "--shape", f"{shape[0]}x{shape[1]}"]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                              timeout=None if timeout_s is None or math.isinf(timeout_s) else timeout_s,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
-                                  "PYTHONPATH", "")])})
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.distributed",
+            str(out),
+            "--preset",
+            preset,
+            "--steps",
+            str(steps),
+            "--shape",
+            f"{shape[0]}x{shape[1]}",
+        ]
+        done = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=None if timeout_s is None or math.isinf(timeout_s) else timeout_s,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        )
         result_file = out / "distributed.json"
         if done.returncode != 0 or not result_file.exists():
-            return entry(name, "failed", f"python -m bench.distributed exited {done.returncode}: "
-                                         f"{done.stderr.strip()[-1500:]}")
+            return entry(
+                name, "failed", f"python -m bench.distributed exited {done.returncode}: {done.stderr.strip()[-1500:]}"
+            )
         figures = json.loads(result_file.read_text())
     return entry(name, *judge(figures), **figures)
 
@@ -213,9 +256,11 @@ def distributed_check(preset: str = "tiny", steps: int = 4, shape: tuple[int, in
 def judge(figures: dict) -> tuple[str, str]:
     """``("passed", "")``, or ``("failed", reason)`` naming each difference of :func:`run_world_size_1`'s `figures`
     over its ``rtol`` (NaN counts as over) and a release that still holds shards."""
-    over = [f"{key} {figures[key]:.3g} > rtol {figures['rtol']:.3g}"
-            for key in ("ddp_max_rel_diff", "fsdp2_max_rel_diff", "resumed_max_rel_diff",
-                        "release_logits_max_rel_diff") if not figures[key] <= figures["rtol"]]
+    over = [
+        f"{key} {figures[key]:.3g} > rtol {figures['rtol']:.3g}"
+        for key in ("ddp_max_rel_diff", "fsdp2_max_rel_diff", "resumed_max_rel_diff", "release_logits_max_rel_diff")
+        if not figures[key] <= figures["rtol"]
+    ]
     if figures["release_has_dtensors"]:
         over.append("the gathered release still holds DTensor shards")
     return ("failed" if over else "passed"), "; ".join(over)

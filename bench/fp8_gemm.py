@@ -62,14 +62,23 @@ class _GroupedGemm(nn.Module):
 
     def __init__(self, groups: int, k: int, n: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(groups, n, k) * k ** -0.5)
+        self.weight = nn.Parameter(torch.randn(groups, n, k) * k**-0.5)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return torch._grouped_mm(x.to(torch.bfloat16), self.weight.to(torch.bfloat16).transpose(-2, -1), offs=offsets)
 
 
-def time_gemm(kind: str, m: int, k: int, n: int, groups: int, variant: str, device: torch.device, repeats: int,
-              backend: str | None = "inductor") -> float:
+def time_gemm(
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    groups: int,
+    variant: str,
+    device: torch.device,
+    repeats: int,
+    backend: str | None = "inductor",
+) -> float:
     """Median seconds of one forward+backward of the GEMM in `variant` (``"bf16"`` or an FP8 recipe), compiled with
     ``torch.compile``'s `backend` (None: eager).
 
@@ -112,8 +121,14 @@ def time_gemm(kind: str, m: int, k: int, n: int, groups: int, variant: str, devi
     return _median_seconds(step, device, repeats)
 
 
-def fp8_gemm_check(presets=("1b",), batches=DEFAULT_BATCHES, device: torch.device | None = None, repeats: int = 10,
-                   backend: str | None = "inductor", deadline: Deadline | None = None) -> dict:
+def fp8_gemm_check(
+    presets=("1b",),
+    batches=DEFAULT_BATCHES,
+    device: torch.device | None = None,
+    repeats: int = 10,
+    backend: str | None = "inductor",
+    deadline: Deadline | None = None,
+) -> dict:
     """The ``fp8_gemm`` entry: ``rows`` (one per shape: seconds per variant, FP8's speedup) and ``fp8_gemm_table``,
     the rows in the shape ``spider_training.fp8.load_gemm_table`` reads, keyed by this device's name."""
     device = device or default_device()
@@ -130,17 +145,42 @@ def fp8_gemm_check(presets=("1b",), batches=DEFAULT_BATCHES, device: torch.devic
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run here is recorded, not fatal
                 failures[f"{kind} {variant}"] = f"{type(exc).__name__}: {exc}"[:300]
             torch._dynamo.reset()  # one small graph per shape: do not let the recompile limit stop the table
-        rows.append({"kind": kind, "m": m, "k": k, "n": n, "groups": groups, "seconds": seconds,
-                     "speedup": {v: seconds["bf16"] / s for v, s in seconds.items() if v != "bf16" and "bf16" in
-                                 seconds}})
+        rows.append(
+            {
+                "kind": kind,
+                "m": m,
+                "k": k,
+                "n": n,
+                "groups": groups,
+                "seconds": seconds,
+                "speedup": {v: seconds["bf16"] / s for v, s in seconds.items() if v != "bf16" and "bf16" in seconds},
+            }
+        )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (emulated)"
     capability = list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
-    table = {"gpus": {name: {"capability": capability, "measured": time.strftime("%Y-%m-%d"),
-                             "versions": f"torch {torch.__version__}", "gemms": copy.deepcopy(rows)}}}
+    table = {
+        "gpus": {
+            name: {
+                "capability": capability,
+                "measured": time.strftime("%Y-%m-%d"),
+                "versions": f"torch {torch.__version__}",
+                "gemms": copy.deepcopy(rows),
+            }
+        }
+    }
     for row in table["gpus"][name]["gemms"]:
         row.pop("speedup")
     reason = f"{TIME_BUDGET}: {skipped} of {len(shapes)} shapes not measured" if skipped else ""
-    return entry("fp8_gemm", "skipped" if skipped and not rows else "passed", reason, device=str(device),
-                 presets=list(presets), batches=[f"{b}x{length}" for b, length in batches], compile_backend=backend,
-                 rows=rows, not_run=failures, fp8_gemm_table=table,
-                 note="" if device.type == "cuda" else "CPU emulation: the FP8 times are not FP8's")
+    return entry(
+        "fp8_gemm",
+        "skipped" if skipped and not rows else "passed",
+        reason,
+        device=str(device),
+        presets=list(presets),
+        batches=[f"{b}x{length}" for b, length in batches],
+        compile_backend=backend,
+        rows=rows,
+        not_run=failures,
+        fp8_gemm_table=table,
+        note="" if device.type == "cuda" else "CPU emulation: the FP8 times are not FP8's",
+    )

@@ -44,9 +44,16 @@ def generate(model, ids: torch.LongTensor, new_tokens: int, use_cache: bool) -> 
     """Greedy ``new_tokens`` bytes after ``ids``, EOS disabled; returns ``(1, len(ids) + new_tokens)`` ids."""
     ids = ids.to(model.device)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID,
-                              use_cache=use_cache)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+            use_cache=use_cache,
+        )
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
@@ -61,6 +68,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     def variant(use_cache):
         def fn():
             outputs[use_cache] = generate(model, ids, s["new_tokens"], use_cache)
+
         return fn
 
     # warm-up with a short generation (the timed runs are long)
@@ -83,8 +91,14 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "bytes_per_s": {n: round(v, 2) for n, v in bps.items()},
             "generated_bytes": {"use_cache": new[True], "no_cache": new[False]},
         },
-        "checks": [check("generation KV-cache speedup", "bytes/s ratio (cache / no cache)", TARGET,
-                         bps["use_cache"] / bps["no_cache"])],
+        "checks": [
+            check(
+                "generation KV-cache speedup",
+                "bytes/s ratio (cache / no cache)",
+                TARGET,
+                bps["use_cache"] / bps["no_cache"],
+            )
+        ],
         "notes": [] if equal else ["use_cache=True and use_cache=False produced different ids"],
     }
     if profile and not result["checks"][0]["met"]:

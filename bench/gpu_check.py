@@ -6,7 +6,8 @@
     python -m pytest -m gpu                                                        # the correctness checks as tests
 
 It prints one JSON result (``--out FILE`` also writes it, and rewrites it after each part and each step-table row with
-``"complete": false`` until the end, so a run killed from outside keeps what it measured; everything the parts print, the trainer's progress
+``"complete": false`` until the end, so a run killed from outside keeps what it measured; everything the parts print,
+the trainer's progress
 included, goes to stderr). ``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or
 ``"skipped"``, a ``reason`` (empty when passed) and its figures; ``passed`` is true when no check failed; ``parts``
 records each part's time allowance and wall time. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
@@ -50,21 +51,54 @@ import torch
 from bench.common import environment
 from bench.correctness import FP8_RECIPES, SHAPES, fp8_check, fsdp2_fp8_all_gather_check, tile_kernels_check
 from bench.diagnostics import attention_backends_check, host_syncs_check
-from bench.fp8_gemm import DEFAULT_BATCHES, fp8_gemm_check
 from bench.distributed import distributed_check
-from bench.parts import (MIN_PART_S, TIME_BUDGET, Deadline, PartTimeout, default_device, entry, error_reason,
-                         free_memory, hard_limit)
-from bench.step_table import (DEPRECATED_ROW_NAMES, STEP_TABLE_MODEL_CHOICES, STEP_TABLE_MODELS,
-                              TK_TRAIN_RECIPE_SHAPE, step_table_check)
+from bench.fp8_gemm import DEFAULT_BATCHES, fp8_gemm_check
+from bench.parts import (
+    MIN_PART_S,
+    TIME_BUDGET,
+    Deadline,
+    PartTimeout,
+    default_device,
+    entry,
+    error_reason,
+    free_memory,
+    hard_limit,
+)
+from bench.step_table import (
+    DEPRECATED_ROW_NAMES,
+    STEP_TABLE_MODEL_CHOICES,
+    STEP_TABLE_MODELS,
+    TK_TRAIN_RECIPE_SHAPE,
+    step_table_check,
+)
 from bench.training_runs import main_job_check, run_1b_check
 
-PARTS = ("main_job", "step_table", "host_syncs", "distributed", "attention_backends", "run_1b", "fp8", "fp8_gemm",
-         "tile_kernels_moe", "fsdp2_fp8_all_gather")
+PARTS = (
+    "main_job",
+    "step_table",
+    "host_syncs",
+    "distributed",
+    "attention_backends",
+    "run_1b",
+    "fp8",
+    "fp8_gemm",
+    "tile_kernels_moe",
+    "fsdp2_fp8_all_gather",
+)
 CHECKS = PARTS  # the name earlier versions used
 #: each part's largest time allowance in seconds (see bench.parts: "Time budget")
-PART_CAPS_S = {"main_job": 90, "step_table": 220, "host_syncs": 20, "distributed": 90, "attention_backends": 15,
-               "run_1b": 150,
-               "fp8": 90, "fp8_gemm": 150, "tile_kernels_moe": 45, "fsdp2_fp8_all_gather": 90}
+PART_CAPS_S = {
+    "main_job": 90,
+    "step_table": 220,
+    "host_syncs": 20,
+    "distributed": 90,
+    "attention_backends": 15,
+    "run_1b": 150,
+    "fp8": 90,
+    "fp8_gemm": 150,
+    "tile_kernels_moe": 45,
+    "fsdp2_fp8_all_gather": 90,
+}
 DEFAULT_BUDGET_S = 460.0
 
 
@@ -93,11 +127,11 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch, length
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Time budget
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _fp8_part(options, deadline: Deadline) -> list[dict]:
@@ -109,7 +143,14 @@ def _fp8_part(options, deadline: Deadline) -> list[dict]:
                 entries.append(entry(name, "skipped", TIME_BUDGET))
                 continue
             try:
-                entries.append(fp8_check(preset, recipe, repeats=options.step_repeats, layers=options.fp8_layers or ("auto" if preset == "1b" else "tk_train")))
+                entries.append(
+                    fp8_check(
+                        preset,
+                        recipe,
+                        repeats=options.step_repeats,
+                        layers=options.fp8_layers or ("auto" if preset == "1b" else "tk_train"),
+                    )
+                )
             except PartTimeout as exc:  # the hard limit: keep the entries measured so far
                 entries.append(entry(name, "skipped", f"{TIME_BUDGET}: {exc}"))
                 deadline.end = time.monotonic()
@@ -121,27 +162,62 @@ def _fp8_part(options, deadline: Deadline) -> list[dict]:
 
 def _part_functions(options, on_row=None) -> dict:
     return {
-        "main_job": lambda d: [main_job_check(options.main_job_steps, options.main_job_preset, deadline=d,
-                                                extra_args=tuple(options.main_job_args))],
-        "step_table": lambda d: [step_table_check(options.step_table_preset, options.step_table_shapes,
-                                                  options.step_repeats, deadline=d,
-                                                  models=tuple(options.step_table_models),
-                                                  compile_backend=options.compile_backend,
-                                                  tk_train_recipe_shape=options.tk_train_recipe_shape or None,
-                                                  compile_mode=options.compile_mode, on_row=on_row)],
+        "main_job": lambda d: [
+            main_job_check(
+                options.main_job_steps, options.main_job_preset, deadline=d, extra_args=tuple(options.main_job_args)
+            )
+        ],
+        "step_table": lambda d: [
+            step_table_check(
+                options.step_table_preset,
+                options.step_table_shapes,
+                options.step_repeats,
+                deadline=d,
+                models=tuple(options.step_table_models),
+                compile_backend=options.compile_backend,
+                tk_train_recipe_shape=options.tk_train_recipe_shape or None,
+                compile_mode=options.compile_mode,
+                on_row=on_row,
+            )
+        ],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
-        "distributed": lambda d: [distributed_check(options.distributed_preset, options.distributed_steps,
-                                                    options.distributed_shape, timeout_s=max(d.left(), 1.0))],
-        "attention_backends": lambda d: [attention_backends_check(options.attention_preset, options.attention_batch,
-                                                                  options.attention_segments,
-                                                                  options.attention_visits, deadline=d)],
-        "run_1b": lambda d: [run_1b_check(options.run_1b_steps, options.run_1b_preset, *options.run_1b_batch,
-                                          deadline=d, experts_implementation=options.run_1b_experts or None,
-                                          extra_args=tuple(options.run_1b_args))],
+        "distributed": lambda d: [
+            distributed_check(
+                options.distributed_preset,
+                options.distributed_steps,
+                options.distributed_shape,
+                timeout_s=max(d.left(), 1.0),
+            )
+        ],
+        "attention_backends": lambda d: [
+            attention_backends_check(
+                options.attention_preset,
+                options.attention_batch,
+                options.attention_segments,
+                options.attention_visits,
+                deadline=d,
+            )
+        ],
+        "run_1b": lambda d: [
+            run_1b_check(
+                options.run_1b_steps,
+                options.run_1b_preset,
+                *options.run_1b_batch,
+                deadline=d,
+                experts_implementation=options.run_1b_experts or None,
+                extra_args=tuple(options.run_1b_args),
+            )
+        ],
         "fp8": lambda d: _fp8_part(options, d),
-        "fp8_gemm": lambda d: [fp8_gemm_check(options.fp8_gemm_presets, options.fp8_gemm_batches,
-                                              repeats=options.step_repeats, backend=options.compile_backend,
-                                              deadline=d)],
+        "fp8_gemm": lambda d: [
+            fp8_gemm_check(
+                options.fp8_gemm_presets,
+                options.fp8_gemm_batches,
+                repeats=options.step_repeats,
+                backend=options.compile_backend,
+                deadline=d,
+            )
+        ],
         "tile_kernels_moe": lambda d: [tile_kernels_check()],
         "fsdp2_fp8_all_gather": lambda d: [fsdp2_fp8_all_gather_check()],
     }
@@ -153,8 +229,14 @@ def _placeholder_names(part: str, options) -> list[str]:
     return [part]
 
 
-def run(presets=("small", "1b"), only: tuple[str, ...] = PARTS, budget_s: float | None = DEFAULT_BUDGET_S,
-        caps: dict | None = None, progress=None, **options) -> dict:
+def run(
+    presets=("small", "1b"),
+    only: tuple[str, ...] = PARTS,
+    budget_s: float | None = DEFAULT_BUDGET_S,
+    caps: dict | None = None,
+    progress=None,
+    **options,
+) -> dict:
     """Run the selected parts in :data:`PARTS` order under the time budget; returns the JSON-ready result. Keyword
     `options` are the command's size/steps flags (see :func:`build_parser`). `progress`, if given, is called with the
     result so far (``"complete": False``; a step table still running appears with status ``"running"`` and its rows)
@@ -168,8 +250,16 @@ def run(presets=("small", "1b"), only: tuple[str, ...] = PARTS, budget_s: float 
 
     def report(running: list[dict] = ()) -> None:
         if progress is not None:
-            progress({"benchmark": "gpu_check", "complete": False, "budget_s": budget_s, "parts": list(parts),
-                      "checks": [*checks, *running], "seconds": time.perf_counter() - start})
+            progress(
+                {
+                    "benchmark": "gpu_check",
+                    "complete": False,
+                    "budget_s": budget_s,
+                    "parts": list(parts),
+                    "checks": [*checks, *running],
+                    "seconds": time.perf_counter() - start,
+                }
+            )
 
     functions = _part_functions(namespace, on_row=lambda rows: report([entry("step_table", "running", rows=rows)]))
     for part in PARTS:
@@ -178,8 +268,10 @@ def run(presets=("small", "1b"), only: tuple[str, ...] = PARTS, budget_s: float 
         allowed = None if budget_s is None else min(caps[part], total.left())  # no budget: no caps either
         if allowed is not None and allowed < MIN_PART_S:
             left = max(0.0, total.left())
-            checks += [entry(name, "skipped", f"{TIME_BUDGET}: {left:.0f} s of --budget_s {budget_s:g} left")
-                       for name in _placeholder_names(part, namespace)]
+            checks += [
+                entry(name, "skipped", f"{TIME_BUDGET}: {left:.0f} s of --budget_s {budget_s:g} left")
+                for name in _placeholder_names(part, namespace)
+            ]
             parts.append({"name": part, "allowed_s": round(left, 1), "seconds": 0.0, "ran": False})
             continue
         part_start = time.perf_counter()
@@ -192,79 +284,165 @@ def run(presets=("small", "1b"), only: tuple[str, ...] = PARTS, budget_s: float 
             entries = [entry(name, "failed", error_reason(exc)) for name in _placeholder_names(part, namespace)]
         free_memory()
         checks += entries
-        parts.append({"name": part, "allowed_s": None if allowed is None else round(allowed, 1),
-                      "seconds": round(time.perf_counter() - part_start, 2), "ran": True})
+        parts.append(
+            {
+                "name": part,
+                "allowed_s": None if allowed is None else round(allowed, 1),
+                "seconds": round(time.perf_counter() - part_start, 2),
+                "ran": True,
+            }
+        )
         report()
     env = environment()
-    env.update(cuda=torch.cuda.is_available(),
-               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-               device=str(default_device()))
-    return {"benchmark": "gpu_check", "complete": True, "environment": env, "budget_s": budget_s, "parts": parts,
-            "checks": checks,
-            "passed": all(c["status"] != "failed" for c in checks), "seconds": time.perf_counter() - start}
+    env.update(
+        cuda=torch.cuda.is_available(),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        device=str(default_device()),
+    )
+    return {
+        "benchmark": "gpu_check",
+        "complete": True,
+        "environment": env,
+        "budget_s": budget_s,
+        "parts": parts,
+        "checks": checks,
+        "passed": all(c["status"] != "failed" for c in checks),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run (default: all)")
     parser.add_argument("--out", help="also write the JSON result here")
-    parser.add_argument("--budget_s", type=float, default=DEFAULT_BUDGET_S,
-                        help="seconds shared by all parts (each also capped by PART_CAPS_S); 0 or less: no budget")
-    parser.add_argument("--part_cap", type=parse_part_cap, action="append", default=[], metavar="PART=SECONDS",
-                        help="replace one part's cap in PART_CAPS_S (repeatable), e.g. --part_cap step_table=400 "
-                             "to give the table more of --budget_s")
+    parser.add_argument(
+        "--budget_s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="seconds shared by all parts (each also capped by PART_CAPS_S); 0 or less: no budget",
+    )
+    parser.add_argument(
+        "--part_cap",
+        type=parse_part_cap,
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="replace one part's cap in PART_CAPS_S (repeatable), e.g. --part_cap step_table=400 "
+        "to give the table more of --budget_s",
+    )
     parser.add_argument("--main_job_steps", type=int, default=500, help="training steps of the main job")
     parser.add_argument("--main_job_preset", default="small", help="preset of the main job (the README's: small)")
-    parser.add_argument("--main_job_args", type=shlex.split, default=[],
-                        help="more flags for the main job's command line as one string, e.g. "
-                             "--main_job_args='--eval_windows 16'")
+    parser.add_argument(
+        "--main_job_args",
+        type=shlex.split,
+        default=[],
+        help="more flags for the main job's command line as one string, e.g. --main_job_args='--eval_windows 16'",
+    )
     parser.add_argument("--step_table_preset", default="1b", help="preset of the step table's Spider (and peers)")
-    parser.add_argument("--step_table_shapes", nargs="+", type=parse_shape, default=None,
-                        help="BATCHxBYTES shapes of the step table (default 32x256 8x2048; on CPU the 1b rows run "
-                             "only when given)")
-    parser.add_argument("--step_table_models", nargs="+", default=list(STEP_TABLE_MODELS),
-                        choices=(*STEP_TABLE_MODEL_CHOICES, *DEPRECATED_ROW_NAMES),
-                        help="rows of each shape (default: all but spider_eager_experts, the word-rate and tk-train-recipe "
-                             "compiled rows and the compiled FP8 rows; the compiled and FP8 rows run last)")
-    parser.add_argument("--compile_backend", default="inductor",
-                        help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')")
-    parser.add_argument("--compile_mode", default=None,
-                        help="torch.compile mode of the spider_compiled row, e.g. reduce-overhead (CUDA graphs)")
-    parser.add_argument("--tk_train_recipe_shape", "--seed_recipe_shape", type=parse_shape,
-                        default=TK_TRAIN_RECIPE_SHAPE,
-                        help="BATCHxBYTES of the step table's last row, tk-train.py's recipe (activation checkpointing)")
-    parser.add_argument("--step_repeats", type=int, default=3,
-                        help="timed steps (after a warm-up) per step-table row and per FP8 variant; the median is used")
+    parser.add_argument(
+        "--step_table_shapes",
+        nargs="+",
+        type=parse_shape,
+        default=None,
+        help="BATCHxBYTES shapes of the step table (default 32x256 8x2048; on CPU the 1b rows run only when given)",
+    )
+    parser.add_argument(
+        "--step_table_models",
+        nargs="+",
+        default=list(STEP_TABLE_MODELS),
+        choices=(*STEP_TABLE_MODEL_CHOICES, *DEPRECATED_ROW_NAMES),
+        help="rows of each shape (default: all but spider_eager_experts, the word-rate and tk-train-recipe "
+        "compiled rows and the compiled FP8 rows; the compiled and FP8 rows run last)",
+    )
+    parser.add_argument(
+        "--compile_backend",
+        default="inductor",
+        help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')",
+    )
+    parser.add_argument(
+        "--compile_mode",
+        default=None,
+        help="torch.compile mode of the spider_compiled row, e.g. reduce-overhead (CUDA graphs)",
+    )
+    parser.add_argument(
+        "--tk_train_recipe_shape",
+        "--seed_recipe_shape",
+        type=parse_shape,
+        default=TK_TRAIN_RECIPE_SHAPE,
+        help="BATCHxBYTES of the step table's last row, tk-train.py's recipe (activation checkpointing)",
+    )
+    parser.add_argument(
+        "--step_repeats",
+        type=int,
+        default=3,
+        help="timed steps (after a warm-up) per step-table row and per FP8 variant; the median is used",
+    )
     parser.add_argument("--host_syncs_preset", default="1b")
-    parser.add_argument("--host_syncs_shape", type=parse_shape, default=None,
-                        help="BATCHxBYTES (default 32x256 on CUDA, 2x256 on CPU)")
+    parser.add_argument(
+        "--host_syncs_shape", type=parse_shape, default=None, help="BATCHxBYTES (default 32x256 on CUDA, 2x256 on CPU)"
+    )
     parser.add_argument("--distributed_preset", default="small", help="preset of the DDP/FSDP2 world-size-1 part")
-    parser.add_argument("--distributed_steps", type=int, default=4,
-                        help="steps before the FSDP2 checkpoint (2 more follow, straight on and resumed)")
+    parser.add_argument(
+        "--distributed_steps",
+        type=int,
+        default=4,
+        help="steps before the FSDP2 checkpoint (2 more follow, straight on and resumed)",
+    )
     parser.add_argument("--distributed_shape", type=parse_shape, default=(4, 256), help="BATCHxBYTES per step")
     parser.add_argument("--attention_preset", default="1b", help="preset whose attention heads and dims are timed")
-    parser.add_argument("--attention_batch", type=int, default=None,
-                        help="batch of the attention timings (default 32 on CUDA, 4 on CPU)")
-    parser.add_argument("--attention_segments", nargs="+", type=int, default=None,
-                        help="padded segment counts visited in shuffled order (default 80 96 112)")
+    parser.add_argument(
+        "--attention_batch",
+        type=int,
+        default=None,
+        help="batch of the attention timings (default 32 on CUDA, 4 on CPU)",
+    )
+    parser.add_argument(
+        "--attention_segments",
+        nargs="+",
+        type=int,
+        default=None,
+        help="padded segment counts visited in shuffled order (default 80 96 112)",
+    )
     parser.add_argument("--attention_visits", type=int, default=5, help="visits of each segment count")
     parser.add_argument("--run_1b_steps", type=int, default=300)
     parser.add_argument("--run_1b_preset", default="1b", help="preset of the run (smaller presets also run on CPU)")
     parser.add_argument("--run_1b_batch", type=parse_shape, default=(32, 256), help="BATCHxBYTES per step")
-    parser.add_argument("--run_1b_experts", default="",
-                        help="experts_implementation of the run: grouped_mm, batched_mm, eager ('' keeps the preset's)")
-    parser.add_argument("--run_1b_args", type=shlex.split, default=[],
-                        help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'")
-    parser.add_argument("--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES),
-                        help="presets of the FP8 comparison")
-    parser.add_argument("--fp8_layers", default=None, choices=("tk_train", "auto"),
-                        help="FP8 layer selection (spider_training.fp8); default: auto for 1b, tk_train for smaller "
-                             "presets")
-    parser.add_argument("--fp8_gemm_presets", nargs="+", default=["1b"], choices=sorted(SHAPES),
-                        help="fp8_gemm: the presets whose GEMM shapes are timed (bench.fp8_gemm)")
-    parser.add_argument("--fp8_gemm_batches", nargs="+", type=parse_shape, default=list(DEFAULT_BATCHES),
-                        help="fp8_gemm: the micro-batches BATCHxBYTES whose GEMM shapes are timed")
+    parser.add_argument(
+        "--run_1b_experts",
+        default="",
+        help="experts_implementation of the run: grouped_mm, batched_mm, eager ('' keeps the preset's)",
+    )
+    parser.add_argument(
+        "--run_1b_args",
+        type=shlex.split,
+        default=[],
+        help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'",
+    )
+    parser.add_argument(
+        "--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES), help="presets of the FP8 comparison"
+    )
+    parser.add_argument(
+        "--fp8_layers",
+        default=None,
+        choices=("tk_train", "auto"),
+        help="FP8 layer selection (spider_training.fp8); default: auto for 1b, tk_train for smaller presets",
+    )
+    parser.add_argument(
+        "--fp8_gemm_presets",
+        nargs="+",
+        default=["1b"],
+        choices=sorted(SHAPES),
+        help="fp8_gemm: the presets whose GEMM shapes are timed (bench.fp8_gemm)",
+    )
+    parser.add_argument(
+        "--fp8_gemm_batches",
+        nargs="+",
+        type=parse_shape,
+        default=list(DEFAULT_BATCHES),
+        help="fp8_gemm: the micro-batches BATCHxBYTES whose GEMM shapes are timed",
+    )
     return parser
 
 
@@ -281,8 +459,14 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k not in ("only", "out", "budget_s", "presets", "part_cap")}
     progress = (lambda partial: _write_json(args.out, partial)) if args.out else None
-    result = run(tuple(args.presets), tuple(args.only), args.budget_s if args.budget_s > 0 else None,
-                 caps=dict(args.part_cap), progress=progress, **options)
+    result = run(
+        tuple(args.presets),
+        tuple(args.only),
+        args.budget_s if args.budget_s > 0 else None,
+        caps=dict(args.part_cap),
+        progress=progress,
+        **options,
+    )
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         _write_json(args.out, result)

@@ -21,7 +21,8 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   measured in fp32 (the CPU run) and reported for bf16 autocast at half that (FP8 saves its inputs in bf16 too).
   Measured on an H200 (docs/results.md, after the plan) a step held 1.5x these activations with checkpointing and
   1.7x without: autocast also keeps the fp32 inputs of what it casts, and the experts' bf16 weight copies.
-- **FLOPs per training step** of one sequence: counted by ``FlopCounterMode`` (:func:`spider_training.throughput.count_flops`) for a
+- **FLOPs per training step** of one sequence: counted by ``FlopCounterMode``
+(:func:`spider_training.throughput.count_flops`) for a
   forward and backward at the same two lengths, extrapolated with ``a L + b L^2`` (attention). No throughput is
   derived from them: a CPU's MFU says nothing of a GPU's, and ``python -m bench.gpu_check`` measures the step on a
   GPU.
@@ -74,8 +75,12 @@ def static_bytes(parameters: int, largest_group: int, gpus: int) -> dict[str, di
     adamw, adamw_8bit = 8 * parameters, (2 + 2 / 64) * parameters
     ddp = {"parameters": 4 * parameters, "gradients": 4 * parameters, "adamw": adamw, "adamw_8bit": adamw_8bit}
     gathered = 2 * 4 * largest_group  # one group's unsharded fp32 weights and gradients, and the prefetched next one
-    fsdp = {"parameters": 4 * parameters / gpus + gathered, "gradients": 4 * parameters / gpus + 4 * largest_group,
-            "adamw": adamw / gpus, "adamw_8bit": adamw_8bit / gpus}
+    fsdp = {
+        "parameters": 4 * parameters / gpus + gathered,
+        "gradients": 4 * parameters / gpus + 4 * largest_group,
+        "adamw": adamw / gpus,
+        "adamw_8bit": adamw_8bit / gpus,
+    }
     return {"ddp": ddp, "fsdp2": fsdp}
 
 
@@ -178,8 +183,10 @@ def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
     loops = training_loops_max(preset)
     probes = [probe(preset, n, n_loops=loops) for n in PROBE_LENGTHS]
     # fp32 measurement -> bf16 autocast (half the bytes), one sequence of seq_len
-    act = {"none": extrapolate(probes, "activations", seq_len) / 2,
-           "checkpointing": extrapolate(probes, "activations_checkpointed", seq_len) / 2}
+    act = {
+        "none": extrapolate(probes, "activations", seq_len) / 2,
+        "checkpointing": extrapolate(probes, "activations_checkpointed", seq_len) / 2,
+    }
     flops_per_sequence = extrapolate(probes, "flops", seq_len, quadratic=True)
     plans = []
     for strategy in ("ddp", "fsdp2"):
@@ -187,15 +194,31 @@ def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
             fixed = static[strategy]["parameters"] + static[strategy]["gradients"] + static[strategy][optimizer]
             for ckpt, per_seq in act.items():
                 fits = int((GPU_MEMORY_GIB * GIB - fixed) // per_seq) if fixed < GPU_MEMORY_GIB * GIB else 0
-                plans.append({"strategy": strategy, "optimizer": optimizer, "activation_checkpointing": ckpt,
-                              "static_gib": fixed / GIB, "activations_gib_per_sequence": per_seq / GIB,
-                              "largest_micro_batch_80gb": fits})
+                plans.append(
+                    {
+                        "strategy": strategy,
+                        "optimizer": optimizer,
+                        "activation_checkpointing": ckpt,
+                        "static_gib": fixed / GIB,
+                        "activations_gib_per_sequence": per_seq / GIB,
+                        "largest_micro_batch_80gb": fits,
+                    }
+                )
     return {
-        "benchmark": "memory_plan", "preset": preset, "seq_len": seq_len, "gpus": gpus,
-        "parameters": parameters, "n_loops": loops, "shard_groups": groups, "static_bytes": static,
-        "probes": probes, "activation_bytes_per_sequence_bf16": act,
-        "train_flops_per_sequence": flops_per_sequence, "plans": plans,
-        "environment": environment(), "seconds": time.perf_counter() - start,
+        "benchmark": "memory_plan",
+        "preset": preset,
+        "seq_len": seq_len,
+        "gpus": gpus,
+        "parameters": parameters,
+        "n_loops": loops,
+        "shard_groups": groups,
+        "static_bytes": static,
+        "probes": probes,
+        "activation_bytes_per_sequence_bf16": act,
+        "train_flops_per_sequence": flops_per_sequence,
+        "plans": plans,
+        "environment": environment(),
+        "seconds": time.perf_counter() - start,
     }
 
 
@@ -212,14 +235,19 @@ def render(result: dict) -> str:
         "|---|---|---|---:|---:|---:|",
     ]
     for p in r["plans"]:
-        lines.append(f"| {p['strategy'].upper() if p['strategy'] == 'ddp' else 'FSDP2'} | "
-                     f"{'8-bit AdamW' if p['optimizer'] == 'adamw_8bit' else 'AdamW'} | {p['activation_checkpointing']} | "
-                     f"{p['static_gib']:.1f} GiB | {p['activations_gib_per_sequence']:.2f} GiB | "
-                     f"{p['largest_micro_batch_80gb']} |")
-    lines += ["", f"One training step of one {r['seq_len']}-byte sequence at {r['n_loops']} loops costs "
-              f"{r['train_flops_per_sequence'] / 1e12:.2f} TFLOP (measured GPU step times: `python -m bench.gpu_check`). "
-              "The micro-batch column leaves nothing for the CUDA context, allocator fragmentation or NCCL buffers: "
-              "keep 10-20% free."]
+        lines.append(
+            f"| {p['strategy'].upper() if p['strategy'] == 'ddp' else 'FSDP2'} | "
+            f"{'8-bit AdamW' if p['optimizer'] == 'adamw_8bit' else 'AdamW'} | {p['activation_checkpointing']} | "
+            f"{p['static_gib']:.1f} GiB | {p['activations_gib_per_sequence']:.2f} GiB | "
+            f"{p['largest_micro_batch_80gb']} |"
+        )
+    lines += [
+        "",
+        f"One training step of one {r['seq_len']}-byte sequence at {r['n_loops']} loops costs "
+        f"{r['train_flops_per_sequence'] / 1e12:.2f} TFLOP (measured GPU step times: `python -m bench.gpu_check`). "
+        "The micro-batch column leaves nothing for the CUDA context, allocator fragmentation or NCCL buffers: "
+        "keep 10-20% free.",
+    ]
     return "\n".join(lines) + "\n"
 
 

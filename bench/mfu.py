@@ -1,7 +1,8 @@
 """Benchmark 3 -- model FLOP utilisation of a training step, Spider vs the DeepseekV3 peer.
 
 ``MFU = FLOPs of one training step / (median step time x peak FLOP/s)``. FLOPs are counted once per model with
-``torch.utils.flop_counter.FlopCounterMode`` plus :func:`spider_training.throughput.extra_flop_formulas` (``_grouped_mm`` and the
+``torch.utils.flop_counter.FlopCounterMode`` plus :func:`spider_training.throughput.extra_flop_formulas`
+(``_grouped_mm`` and the
 CPU flash-attention kernel, which torch 2.13 does not count); peak FLOP/s is the median of a fp32
 ``2048x2048 @ 2048x2048`` matmul measured in the same process. Models and step as in :mod:`bench.train_step`
 (Spider at its default ``n_loops`` and at ``n_loops=1``).
@@ -22,8 +23,10 @@ import time
 import torch
 
 from bench.common import check, finish, main_for, peak_matmul_flops, profile_top, time_interleaved
+from bench.train_step import FULL as TRAIN_FULL
+from bench.train_step import QUICK as TRAIN_QUICK
+from bench.train_step import build_steps
 from spider_training.throughput import count_flops
-from bench.train_step import FULL as TRAIN_FULL, QUICK as TRAIN_QUICK, build_steps
 
 TARGET = 1.0
 FULL = {**TRAIN_FULL, "matmul_n": 2048}
@@ -51,18 +54,26 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         "timing": {"warmup": s["warmup"], "repeats": s["repeats"], "statistic": "median"},
         "models": details,
         "measurements": {
-            "peak_matmul": {"n": peak["n"], "median_s": round(peak["median_s"], 5),
-                            "gflops_per_s": round(peak["flops_per_s"] / 1e9, 2)},
+            "peak_matmul": {
+                "n": peak["n"],
+                "median_s": round(peak["median_s"], 5),
+                "gflops_per_s": round(peak["flops_per_s"] / 1e9, 2),
+            },
             "step_gflops": {n: round(f["total"] / 1e9, 3) for n, f in flops.items()},
-            "step_gflops_by_op": {n: {op: round(v / 1e9, 3) for op, v in f["by_op"].items()} for n, f in flops.items()},
+            "step_gflops_by_op": {
+                n: {op: round(v / 1e9, 3) for op, v in f["by_op"].items()} for n, f in flops.items()
+            },
             "median_step_s": {n: round(t["median_s"], 5) for n, t in timed.items()},
             "achieved_gflops_per_s": {n: round(flops[n]["total"] / timed[n]["median_s"] / 1e9, 2) for n in steps},
             "mfu": {n: round(v, 4) for n, v in mfu.items()},
         },
-        "checks": [check("MFU Spider(default n_loops) / peer", "MFU ratio", TARGET, mfu["spider_default"] / mfu["peer"])],
+        "checks": [
+            check("MFU Spider(default n_loops) / peer", "MFU ratio", TARGET, mfu["spider_default"] / mfu["peer"])
+        ],
         "notes": [
             "FlopCounterMode counts matmul-like ops only; _grouped_mm and CPU flash SDPA formulas added by the bench",
-            "convolution_backward of the depthwise Engram ShortConv is over-counted by torch's formula (ignores groups)",
+            "convolution_backward of the depthwise Engram ShortConv is over-counted by torch's formula "
+            "(ignores groups)",
             f"Spider(n_loops=1) / peer MFU ratio: {mfu['spider_n_loops_1'] / mfu['peer']:.3f}",
         ],
     }

@@ -28,22 +28,52 @@ import time
 import torch
 
 from bench.common import (
-    DTYPES, check, finish, info, main_for, peak_matmul_flops, profile_top, spider_config, time_interleaved,
+    DTYPES,
+    check,
+    finish,
+    info,
+    main_for,
+    peak_matmul_flops,
+    profile_top,
+    spider_config,
+    time_interleaved,
 )
 from spider_training.throughput import count_flops
 
 TARGET = 1.5
 FAST = ("grouped_mm",)
-FULL = dict(tokens=4096, hidden_size=512, n_routed_experts=32, num_experts_per_tok=2, moe_intermediate_size=512,
-            warmup=2, repeats=5, matmul_n=2048)
+FULL = dict(
+    tokens=4096,
+    hidden_size=512,
+    n_routed_experts=32,
+    num_experts_per_tok=2,
+    moe_intermediate_size=512,
+    warmup=2,
+    repeats=5,
+    matmul_n=2048,
+)
 # matmul_n: side of the square matmul that measures the peak FLOP/s (a 2048^3 bf16 matmul takes seconds on a CPU
 # without native bf16, minutes over the repeats: the quick mode measures a smaller one)
-QUICK = dict(tokens=256, hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-             warmup=1, repeats=2, matmul_n=512)
+QUICK = dict(
+    tokens=256,
+    hidden_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    warmup=1,
+    repeats=2,
+    matmul_n=512,
+)
 
 
-def build_layers(hidden_size: int, n_routed_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
-                 dtype: torch.dtype, seed: int = 0) -> dict:
+def build_layers(
+    hidden_size: int,
+    n_routed_experts: int,
+    num_experts_per_tok: int,
+    moe_intermediate_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> dict:
     """``{implementation: SpiderMoE}`` for eager and :data:`FAST` with identical weights, in ``dtype``."""
     from modeling_spider import SpiderMoE
 
@@ -51,9 +81,13 @@ def build_layers(hidden_size: int, n_routed_experts: int, num_experts_per_tok: i
     state = None
     for impl in ("eager",) + FAST:
         cfg = spider_config(
-            "tiny", hidden_size=hidden_size, n_routed_experts=n_routed_experts,
-            num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
-            n_shared_experts=0, experts_implementation=impl,
+            "tiny",
+            hidden_size=hidden_size,
+            n_routed_experts=n_routed_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            n_shared_experts=0,
+            experts_implementation=impl,
         )
         torch.manual_seed(seed)
         layer = SpiderMoE(cfg)
@@ -86,36 +120,45 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     result = {
         "benchmark": "moe",
         "description": "SpiderMoE forward+backward: eager (per-expert loop) time / fast path time",
-        "sizes": {k: s[k] for k in ("tokens", "hidden_size", "n_routed_experts", "num_experts_per_tok",
-                                    "moe_intermediate_size")} | {"n_shared_experts": 0},
+        "sizes": {
+            k: s[k]
+            for k in ("tokens", "hidden_size", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+        }
+        | {"n_shared_experts": 0},
         "dtype": "fp32 and bf16",
         "timing": {"warmup": s["warmup"], "repeats": s["repeats"], "statistic": "median"},
         "checks": [],
         "measurements": {},
-        "notes": ["same state_dict in every implementation; routing (fp32 router) is identical, so every "
-                  "implementation computes the same experts for the same tokens"],
+        "notes": [
+            "same state_dict in every implementation; routing (fp32 router) is identical, so every "
+            "implementation computes the same experts for the same tokens"
+        ],
     }
     missed = []
     for dname, dtype in DTYPES.items():
-        layers = build_layers(s["hidden_size"], s["n_routed_experts"], s["num_experts_per_tok"],
-                              s["moe_intermediate_size"], dtype)
+        layers = build_layers(
+            s["hidden_size"], s["n_routed_experts"], s["num_experts_per_tok"], s["moe_intermediate_size"], dtype
+        )
         g = torch.Generator().manual_seed(1)
         x = torch.randn(s["tokens"], s["hidden_size"], generator=g).to(dtype).requires_grad_(True)
         grad = torch.randn(s["tokens"], s["hidden_size"], generator=g).to(dtype)
         with torch.no_grad():
             ref = layers["eager"](x)[0].float()
             diffs = {impl: float((layers[impl](x)[0].float() - ref).abs().max()) for impl in FAST}
-        timed = time_interleaved({impl: (lambda l=layer: fwd_bwd(l, x, grad)) for impl, layer in layers.items()},
-                                 s["warmup"], s["repeats"])
+        timed = time_interleaved(
+            {impl: (lambda l=layer: fwd_bwd(l, x, grad)) for impl, layer in layers.items()}, s["warmup"], s["repeats"]
+        )
         eager = timed["eager"]["median_s"]
         # The ceiling: eager's matmul FLOPs at this machine's peak matmul rate. No implementation can do the same
         # matmuls faster, so eager_time / ceiling_time bounds any fast path's speedup on this CPU.
         flops = count_flops(lambda: fwd_bwd(layers["eager"], x, grad))["total"]
         peak = peak_matmul_flops(dtype, n=s["matmul_n"])["flops_per_s"]
-        result.setdefault("info", []).extend([
-            info(f"moe eager {dname}: share of peak matmul FLOP/s", flops / eager / peak, "fraction"),
-            info(f"moe {dname}: highest possible speedup over eager (matmul-bound)", eager / (flops / peak), "x"),
-        ])
+        result.setdefault("info", []).extend(
+            [
+                info(f"moe eager {dname}: share of peak matmul FLOP/s", flops / eager / peak, "fraction"),
+                info(f"moe {dname}: highest possible speedup over eager (matmul-bound)", eager / (flops / peak), "x"),
+            ]
+        )
         result["measurements"][dname] = {
             "median_s": {impl: round(t["median_s"], 5) for impl, t in timed.items()},
             "times_s": {impl: t["times_s"] for impl, t in timed.items()},
@@ -123,7 +166,9 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "max_abs_diff_vs_eager": diffs,
         }
         for impl in FAST:
-            c = check(f"moe {impl} {dname}", "speedup (eager / fast), fwd+bwd", TARGET, eager / timed[impl]["median_s"])
+            c = check(
+                f"moe {impl} {dname}", "speedup (eager / fast), fwd+bwd", TARGET, eager / timed[impl]["median_s"]
+            )
             result["checks"].append(c)
             if not c["met"]:
                 missed.append((c["measured"], impl, dname, layers[impl], x, grad))

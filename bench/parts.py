@@ -2,7 +2,8 @@
 (:class:`Deadline`, the hard limit :func:`hard_limit`) and building its models on the device.
 
 Time budget: ``--budget_s`` (default 460 s, so that the command with its imports stays under 8 minutes) is shared
-by the parts in the order of ``bench.gpu_check.PARTS``; each part gets at most its own cap (``PART_CAPS_S``; ``--part_cap
+by the parts in the order of ``bench.gpu_check.PARTS``; each part gets at most its own cap (``PART_CAPS_S``;
+``--part_cap
 step_table=400`` replaces one) and at most what is left, and is skipped with the reason "time budget" when less than
 :data:`MIN_PART_S` is left. Inside its allowance a part
 stops itself (the training runs stop early, keeping time for their final scoring and release; tables skip the rows
@@ -59,7 +60,7 @@ def error_reason(exc: BaseException) -> str:
 
 
 # step_table
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def build_on(fn, device: torch.device):
@@ -82,7 +83,7 @@ def train_step_of(model, ids: torch.Tensor, device: torch.device) -> TrainStep:
     return TrainStep(model, ids, autocast_dtype=autocast_dtype(device), fused=device.type == "cuda")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class Deadline:
@@ -115,8 +116,12 @@ class PartTimeout(BaseException):
 @contextlib.contextmanager
 def hard_limit(seconds: float | None):
     """Raise :class:`PartTimeout` in the main thread after `seconds` (``SIGALRM``); no limit elsewhere."""
-    usable = (seconds is not None and math.isfinite(seconds) and hasattr(signal, "setitimer")
-              and threading.current_thread() is threading.main_thread())
+    usable = (
+        seconds is not None
+        and math.isfinite(seconds)
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    )
     if not usable:
         yield
         return

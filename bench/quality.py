@@ -18,7 +18,8 @@ Usage::
     python -m bench.quality --runs spider llama              # the headline pair
     python -m bench.quality --runs spider --overrides '{"n_loops": 3}' --name loops3
     python -m bench.quality --runs spider bytes_only --seed 43 --name seed43   # seed noise: the same recipe again
-    python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the results tables (part 1/2)
+    python -m bench.quality --suite --shard 0/2 --threads 1 --out q0.json   # every row of the results tables (part
+    1/2)
     python -m bench.quality --suite --only "n_loops=3" "Engram off" --out q.json   # chosen rows only
     python -m bench.quality --time_steps --threads 1   # step times (forward + backward, optimizer) for --step_times
     python -m bench.quality --report q0.json q1.json --write_results docs/results.md --plot docs/quality.png
@@ -49,8 +50,16 @@ if str(REPO) not in sys.path:
 
 from bench.quality_models import BytePathOnly, build, initial_model  # noqa: E402, F401  (BytePathOnly: re-exported)
 from bench.quality_scoring import (  # noqa: E402
-    GLOBAL_STREAM_PROBES, _GlobalStreamProbe, corpus_bytes, heldout_windows, sample_words, score,
-    score_with_boundary_rule, technical_text_ids, text_file_ids, xz_bits_per_byte,
+    GLOBAL_STREAM_PROBES,
+    _GlobalStreamProbe,
+    corpus_bytes,
+    heldout_windows,
+    sample_words,
+    score,
+    score_with_boundary_rule,
+    technical_text_ids,
+    text_file_ids,
+    xz_bits_per_byte,
 )
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR  # noqa: E402
@@ -105,16 +114,43 @@ def training_arguments(recipe: Recipe, output_dir: str, evaluate: bool = True):
     steps (Spider models only)."""
     from spider_training.arguments import parse_args
 
-    argv = ["--output_dir", output_dir, "--max_steps", str(recipe.steps), "--micro_batch", str(recipe.batch_size),
-            "--seq_len", str(recipe.seq_len), "--lr", repr(recipe.lr), "--warmup_steps", str(recipe.warmup_steps),
-            "--weight_decay", repr(recipe.weight_decay), "--adam_beta1", repr(recipe.betas[0]),
-            "--adam_beta2", repr(recipe.betas[1]), "--max_grad_norm", repr(recipe.max_grad_norm),
-            "--seed", str(recipe.seed), "--muon_lr", repr(recipe.muon_lr or 0.0),
-            "--extra_train_loops", str(recipe.extra_train_loops), "--save_strategy", "no", "--disable_tqdm", "True",
-            "--logging_steps", str(math.gcd(10, max(1, recipe.steps // 10), recipe.steps)),
-            *(["--muon_experts"] if recipe.muon_experts else []),
-            *(["--eval_steps", str(recipe.eval_steps)] if recipe.eval_steps else []),
-            *([] if evaluate and recipe.eval_steps != 0 else ["--eval_strategy", "no"])]
+    argv = [
+        "--output_dir",
+        output_dir,
+        "--max_steps",
+        str(recipe.steps),
+        "--micro_batch",
+        str(recipe.batch_size),
+        "--seq_len",
+        str(recipe.seq_len),
+        "--lr",
+        repr(recipe.lr),
+        "--warmup_steps",
+        str(recipe.warmup_steps),
+        "--weight_decay",
+        repr(recipe.weight_decay),
+        "--adam_beta1",
+        repr(recipe.betas[0]),
+        "--adam_beta2",
+        repr(recipe.betas[1]),
+        "--max_grad_norm",
+        repr(recipe.max_grad_norm),
+        "--seed",
+        str(recipe.seed),
+        "--muon_lr",
+        repr(recipe.muon_lr or 0.0),
+        "--extra_train_loops",
+        str(recipe.extra_train_loops),
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "True",
+        "--logging_steps",
+        str(math.gcd(10, max(1, recipe.steps // 10), recipe.steps)),
+        *(["--muon_experts"] if recipe.muon_experts else []),
+        *(["--eval_steps", str(recipe.eval_steps)] if recipe.eval_steps else []),
+        *([] if evaluate and recipe.eval_steps != 0 else ["--eval_strategy", "no"]),
+    ]
     spider, args = parse_args(argv)
     if recipe.min_lr_rate != args.lr_scheduler_kwargs.get("min_lr_rate"):
         args.lr_scheduler_kwargs = {**args.lr_scheduler_kwargs, "min_lr_rate": recipe.min_lr_rate}
@@ -160,8 +196,9 @@ class StepClock(TrainerCallback):
             model.train()
 
 
-def fit(model: torch.nn.Module, recipe: Recipe, eval_windows: torch.Tensor | None = None,
-        clock: StepClock | None = None) -> dict:
+def fit(
+    model: torch.nn.Module, recipe: Recipe, eval_windows: torch.Tensor | None = None, clock: StepClock | None = None
+) -> dict:
     """Train `model` (built under ``set_seed(recipe.seed)``) by `recipe` through ``train_hf.py``'s trainer
     (:func:`spider_training.train.build_trainer`) on the main job's data (:func:`sotu_datasets`). A Spider model is
     scored as the main job scores it (`recipe.eval_steps`): on the held-out windows before training and every tenth
@@ -197,8 +234,11 @@ def fit(model: torch.nn.Module, recipe: Recipe, eval_windows: torch.Tensor | Non
     history = trainer.state.log_history
     tail = max(1, recipe.steps // 10)
     logged = [e for e in history if "loss" in e and "bits_per_byte" in e and e["step"] > recipe.steps - tail]
-    stats = {"steps": trainer.state.global_step, "train_seconds": clock.seconds,
-             "train_bits_per_byte": float(np.mean([e["bits_per_byte"] for e in logged]))}
+    stats = {
+        "steps": trainer.state.global_step,
+        "train_seconds": clock.seconds,
+        "train_bits_per_byte": float(np.mean([e["bits_per_byte"] for e in logged])),
+    }
     if logged and "compression_rate" in logged[-1]:
         stats["train_bytes_per_segment"] = float(np.mean([e["compression_rate"] for e in logged]))
     final = [e["eval_bits_per_byte"] for e in history if "eval_bits_per_byte" in e and e["step"] == recipe.steps]
@@ -215,12 +255,17 @@ def step_split(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warm
     optimizer part: the optimizer's step, the scheduler and zeroing; for Muon its Newton-Schulz iterations, whose cost
     grows with the parameters, not the batch). Spider runs the loop counts its training draws."""
     clock = StepClock()
-    fit(initial_model(kind, overrides, recipe.seed),
+    fit(
+        initial_model(kind, overrides, recipe.seed),
         Recipe(**{**recipe.__dict__, "steps": warmup + steps, "warmup_steps": 1, "eval_every": 0, "eval_steps": 0}),
-        clock=clock)
+        clock=clock,
+    )
     timed = clock.steps[warmup:]
-    parts = {"step": [a + b for a, b in timed], "forward_backward": [a for a, _ in timed],
-             "optimizer": [b for _, b in timed]}
+    parts = {
+        "step": [a + b for a, b in timed],
+        "forward_backward": [a for a, _ in timed],
+        "optimizer": [b for _, b in timed],
+    }
     return {key: float(np.median(v)) for key, v in parts.items()}
 
 
@@ -229,9 +274,17 @@ def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, wa
     return step_split(kind, overrides, recipe, steps, warmup)["step"]
 
 
-def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
-                    extra_texts: dict[str, np.ndarray] | None = None, loops_curve: bool = True, save: str | None = None,
-                    slice_bytes: int = 32 * 1024, samples: bool = True) -> dict:
+def train_and_score(
+    kind: str,
+    name: str,
+    overrides: dict,
+    recipe: Recipe,
+    extra_texts: dict[str, np.ndarray] | None = None,
+    loops_curve: bool = True,
+    save: str | None = None,
+    slice_bytes: int = 32 * 1024,
+    samples: bool = True,
+) -> dict:
     """Train one variant (`kind` ``"spider"``, ``"bytes_only"``, ``"llama"`` or ``"llama_local"``, with config
     `overrides`) by `recipe` through the trainer (:func:`fit`) and score it on the held-out slice (`slice_bytes`
     bytes): one row of the docs/results.md tables (a dict of floats in bits per byte, bytes per segment, seconds).
@@ -246,10 +299,17 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
     train_ids = corpus_bytes("train")
     eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len, slice_bytes=slice_bytes)
     stats = fit(model, recipe, eval_windows)
-    row = {"name": name, "model": kind, "overrides": overrides, "lr": recipe.lr, "seed": recipe.seed,
-           **({"same_init": True} if same_init else {}),
-           **({"muon_lr": recipe.muon_lr} if recipe.muon_lr is not None else {}),
-           "parameters": sum(p.numel() for p in model.parameters()), **stats}
+    row = {
+        "name": name,
+        "model": kind,
+        "overrides": overrides,
+        "lr": recipe.lr,
+        "seed": recipe.seed,
+        **({"same_init": True} if same_init else {}),
+        **({"muon_lr": recipe.muon_lr} if recipe.muon_lr is not None else {}),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        **stats,
+    }
     base = score(model, eval_windows, by_byte_kind=True)
     row["sotu_bits_per_byte"] = base["bits_per_byte"]
     row["bpb_by_byte_kind"], row["byte_kind_shares"] = base["bits_per_byte_by_byte_kind"], base["byte_kind_shares"]
@@ -268,19 +328,25 @@ def train_and_score(kind: str, name: str, overrides: dict, recipe: Recipe,
         model.config.act_early_exit = True
         with torch.no_grad():
             exit_steps = float(model(input_ids=eval_windows[:16]).mean_halting_step)
-        row["act_early_exit"] = {"bits_per_byte": score(model, eval_windows)["bits_per_byte"],
-                                 "mean_halting_step": exit_steps, "loops_saved_per_segment": cfg.n_loops - exit_steps}
+        row["act_early_exit"] = {
+            "bits_per_byte": score(model, eval_windows)["bits_per_byte"],
+            "mean_halting_step": exit_steps,
+            "loops_saved_per_segment": cfg.n_loops - exit_steps,
+        }
         model.config.act_early_exit = False
         row["bpb_by_global_stream_probe"] = {}
         for probe in GLOBAL_STREAM_PROBES:
             with _GlobalStreamProbe(model, probe):
                 probed = score(model, eval_windows, by_byte_kind=True)
-            row["bpb_by_global_stream_probe"][probe] = {"bits_per_byte": probed["bits_per_byte"],
-                                                        "by_byte_kind": probed["bits_per_byte_by_byte_kind"]}
+            row["bpb_by_global_stream_probe"][probe] = {
+                "bits_per_byte": probed["bits_per_byte"],
+                "by_byte_kind": probed["bits_per_byte_by_byte_kind"],
+            }
         if cfg.boundary_mode != "fixed":
             row["bpb_by_eval_boundary_rule"] = {
                 rule: score_with_boundary_rule(model, eval_windows, rule, stats.get("train_bytes_per_segment"))
-                for rule in ("sampled", "rate-matched")}
+                for rule in ("sampled", "rate-matched")
+            }
     for label, ids in (extra_texts or {}).items():
         row[f"{label}_bits_per_byte"] = score(model, heldout_windows(ids, recipe.seq_len))["bits_per_byte"]
     if samples and kind in ("spider", "llama"):
@@ -301,35 +367,60 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
     start = time.perf_counter()
     recipe = Recipe(steps=6, batch_size=2, seq_len=64, warmup_steps=2, eval_steps=0) if quick else Recipe()
     size = dict(slice_bytes=4096, samples=False) if quick else {}
-    rows = {kind: train_and_score(kind, kind, {}, recipe, loops_curve=kind == "spider", **size)
-            for kind in ("spider", "bytes_only", "llama")}
+    rows = {
+        kind: train_and_score(kind, kind, {}, recipe, loops_curve=kind == "spider", **size)
+        for kind in ("spider", "bytes_only", "llama")
+    }
     spider, removed, dense = rows["spider"], rows["bytes_only"], rows["llama"]
     bpb = spider["sotu_bits_per_byte"]
     loops = {int(k): v for k, v in spider["bpb_by_loops"].items()}
     n = spider["n_loops"]
     checks = [
-        check("held-out bpb: dense Llama (equal parameters) minus Spider", "bits per byte", 0.0,
-              dense["sotu_bits_per_byte"] - bpb),
-        check("held-out bpb: global path removed minus Spider", "bits per byte", 0.10,
-              removed["sotu_bits_per_byte"] - bpb),
+        check(
+            "held-out bpb: dense Llama (equal parameters) minus Spider",
+            "bits per byte",
+            0.0,
+            dense["sotu_bits_per_byte"] - bpb,
+        ),
+        check(
+            "held-out bpb: global path removed minus Spider",
+            "bits per byte",
+            0.10,
+            removed["sotu_bits_per_byte"] - bpb,
+        ),
         check("held-out bpb: 1 loop minus the trained count", "bits per byte", 0.0, loops[1] - loops[n]),
-        check("held-out bpb: twice the trained loops minus the trained count", "bits per byte", 0.01,
-              loops[2 * n] - loops[n], higher_is_better=False),
-        check("evaluation vs training bytes per segment", "relative difference", 0.25,
-              abs(spider["eval_bytes_per_segment"] / spider["train_bytes_per_segment"] - 1), higher_is_better=False),
+        check(
+            "held-out bpb: twice the trained loops minus the trained count",
+            "bits per byte",
+            0.01,
+            loops[2 * n] - loops[n],
+            higher_is_better=False,
+        ),
+        check(
+            "evaluation vs training bytes per segment",
+            "relative difference",
+            0.25,
+            abs(spider["eval_bytes_per_segment"] / spider["train_bytes_per_segment"] - 1),
+            higher_is_better=False,
+        ),
     ]
-    result = {"benchmark": "quality",
-              "description": "held-out bits per byte: Spider, its byte layers alone, a dense Llama (quality targets)",
-              "sizes": {"steps": recipe.steps, "batch": recipe.batch_size, "seq_len": recipe.seq_len},
-              "dtype": "fp32", "checks": checks,
-              "info": [info(f"{kind} held-out bpb", r["sotu_bits_per_byte"], "bits/byte") for kind, r in rows.items()]
-              + [info("xz -9e on the slice", spider["xz_bits_per_byte"], "bits/byte")],
-              "measurements": rows, "notes": [] if not quick else ["quick: 6 steps, not a model measurement"]}
+    result = {
+        "benchmark": "quality",
+        "description": "held-out bits per byte: Spider, its byte layers alone, a dense Llama (quality targets)",
+        "sizes": {"steps": recipe.steps, "batch": recipe.batch_size, "seq_len": recipe.seq_len},
+        "dtype": "fp32",
+        "checks": checks,
+        "info": [info(f"{kind} held-out bpb", r["sotu_bits_per_byte"], "bits/byte") for kind, r in rows.items()]
+        + [info("xz -9e on the slice", spider["xz_bits_per_byte"], "bits/byte")],
+        "measurements": rows,
+        "notes": [] if not quick else ["quick: 6 steps, not a model measurement"],
+    }
     return finish(result, start)
 
 
-def suite_runs(recipe: Recipe, step_times: tuple[float, ...] | None = None,
-               adamw_step_times: tuple[float, ...] | None = None) -> list[dict]:
+def suite_runs(
+    recipe: Recipe, step_times: tuple[float, ...] | None = None, adamw_step_times: tuple[float, ...] | None = None
+) -> list[dict]:
     """Every run of the full benchmark (the rows of bench/quality_rows.json), as the keyword arguments of one training:
     ``group``, ``kind``, ``name``, ``overrides``, ``steps``, ``lr``, ``recipe`` (when the row names one; the changes to
     :class:`Recipe` it trains with), ``curve`` and ``step_seconds``.
@@ -337,13 +428,16 @@ def suite_runs(recipe: Recipe, step_times: tuple[float, ...] | None = None,
     A row's steps are the default's (`recipe.steps`), a multiple of them (``{"budget": k}``), or the steps one model
     runs in another's default steps of wall-clock (``{"wall_clock_of": [kind, timing], "at": [kind, timing]}``), from
     the step times of Spider, the dense Llama and the byte layers alone under each of the file's ``timing_recipes``.
-    `step_times` / `adamw_step_times`: those `(Spider, Llama, byte layers alone)` seconds per step under the ``default``
+    `step_times` / `adamw_step_times`: those `(Spider, Llama, byte layers alone)` seconds per step under the
+    ``default``
     / ``adamw`` timing recipe, instead of measuring them (:func:`step_seconds`)."""
     data = suite()
     given = {"default": step_times, "adamw": adamw_step_times}
-    times = {name: given.get(name) or tuple(step_seconds(kind, {}, Recipe(**{**recipe.__dict__, **changes}))
-                                            for kind in TIMED_KINDS)
-             for name, changes in data["timing_recipes"].items()}
+    times = {
+        name: given.get(name)
+        or tuple(step_seconds(kind, {}, Recipe(**{**recipe.__dict__, **changes})) for kind in TIMED_KINDS)
+        for name, changes in data["timing_recipes"].items()
+    }
 
     def seconds(kind: str, timing: str) -> float:
         return times[timing][TIMED_KINDS.index(kind)]
@@ -357,9 +451,16 @@ def suite_runs(recipe: Recipe, step_times: tuple[float, ...] | None = None,
             n = max(1, round(recipe.steps * seconds(*steps["wall_clock_of"]) / seconds(*steps["at"])))
         else:
             n = recipe.steps
-        run = dict(group=row["group"], kind=row["kind"], name=row["name"], overrides=dict(row.get("overrides", {})),
-                   steps=n, lr=row.get("lr", recipe.lr), curve=row.get("curve", False),
-                   step_seconds=dict(zip(TIMED_KINDS, times[row.get("timing", "default")])))
+        run = dict(
+            group=row["group"],
+            kind=row["kind"],
+            name=row["name"],
+            overrides=dict(row.get("overrides", {})),
+            steps=n,
+            lr=row.get("lr", recipe.lr),
+            curve=row.get("curve", False),
+            step_seconds=dict(zip(TIMED_KINDS, times[row.get("timing", "default")])),
+        )
         if "recipe" in row:
             run["recipe"] = dict(row["recipe"])
         runs.append(run)
@@ -391,9 +492,16 @@ def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
     return assigned[shard]
 
 
-def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, steps: int = Recipe.steps,
-              out: str | None = None, log=sys.stderr, only: list[str] | None = None,
-              step_times: dict[str, tuple[float, ...]] | None = None) -> list[dict]:
+def run_suite(
+    shard: int = 0,
+    num_shards: int = 1,
+    texts: dict | None = None,
+    steps: int = Recipe.steps,
+    out: str | None = None,
+    log=sys.stderr,
+    only: list[str] | None = None,
+    step_times: dict[str, tuple[float, ...]] | None = None,
+) -> list[dict]:
     """Run this shard's part (:func:`shard_of`) of :func:`suite_runs` -- only the rows named in `only`, if given
     (unknown names raise ``ValueError``); one row per run, rewritten to `out` (JSON) after every run. `step_times`:
     ``{"default": (Spider, Llama, bytes), "adamw": (...)}`` seconds per step measured beforehand on an otherwise idle
@@ -404,16 +512,24 @@ def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, st
         if unknown:
             raise ValueError(f"unknown quality rows {unknown}; the names are those of {ROWS_FILE}")
     times = step_times or {}
-    runs = [r for r in suite_runs(base, step_times=times.get("default"), adamw_step_times=times.get("adamw"))
-            if not only or r["name"] in only]
+    runs = [
+        r
+        for r in suite_runs(base, step_times=times.get("default"), adamw_step_times=times.get("adamw"))
+        if not only or r["name"] in only
+    ]
     rows = []
     for spec in shard_of(runs, shard, num_shards):
-        recipe = Recipe(steps=spec["steps"], lr=spec["lr"], warmup_steps=min(200, max(1, spec["steps"] // 10)),
-                        eval_every=max(1, base.steps // 10) if spec["curve"] else 0,
-                        **spec.get("recipe", {}))
+        recipe = Recipe(
+            steps=spec["steps"],
+            lr=spec["lr"],
+            warmup_steps=min(200, max(1, spec["steps"] // 10)),
+            eval_every=max(1, base.steps // 10) if spec["curve"] else 0,
+            **spec.get("recipe", {}),
+        )
         print(f"[quality] {spec['name']} ...", file=log, flush=True)
-        row = train_and_score(spec["kind"], spec["name"], spec["overrides"], recipe, texts,
-                              loops_curve=spec["kind"] == "spider")
+        row = train_and_score(
+            spec["kind"], spec["name"], spec["overrides"], recipe, texts, loops_curve=spec["kind"] == "spider"
+        )
         row.update(group=spec["group"], step_seconds=spec["step_seconds"])
         if spec.get("recipe"):
             row["recipe"] = spec["recipe"]
@@ -426,48 +542,88 @@ def run_suite(shard: int = 0, num_shards: int = 1, texts: dict | None = None, st
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", action="store_true", help="every run of the results tables (bench/quality_rows.json)")
-    parser.add_argument("--shard", default="0/1", help="with --suite: run part K of N (K/N), e.g. 0/2 and 1/2 in "
-                        "two processes with --threads 1")
+    parser.add_argument(
+        "--suite", action="store_true", help="every run of the results tables (bench/quality_rows.json)"
+    )
+    parser.add_argument(
+        "--shard",
+        default="0/1",
+        help="with --suite: run part K of N (K/N), e.g. 0/2 and 1/2 in two processes with --threads 1",
+    )
     parser.add_argument("--only", nargs="+", default=None, help="with --suite: only these rows (by name)")
-    parser.add_argument("--step_times", default=None,
-                        help="with --suite: JSON {\"default\": [spider, llama, bytes_only], \"adamw\": [...]}, seconds "
-                        "per step measured on an idle machine (default: measured by each shard)")
-    parser.add_argument("--time_steps", action="store_true",
-                        help="print the median step time of Spider, the dense Llama and the byte layers alone under "
-                        "the default recipe, split into forward + backward and the optimizer (JSON; the values "
-                        "--step_times takes), and exit")
-    parser.add_argument("--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "llama_local", "bytes_only"])
+    parser.add_argument(
+        "--step_times",
+        default=None,
+        help='with --suite: JSON {"default": [spider, llama, bytes_only], "adamw": [...]}, seconds '
+        "per step measured on an idle machine (default: measured by each shard)",
+    )
+    parser.add_argument(
+        "--time_steps",
+        action="store_true",
+        help="print the median step time of Spider, the dense Llama and the byte layers alone under "
+        "the default recipe, split into forward + backward and the optimizer (JSON; the values "
+        "--step_times takes), and exit",
+    )
+    parser.add_argument(
+        "--runs", nargs="+", default=["spider", "llama"], choices=["spider", "llama", "llama_local", "bytes_only"]
+    )
     parser.add_argument("--name", default=None)
     parser.add_argument("--overrides", default="{}", help="JSON config overrides (Spider runs)")
     parser.add_argument("--steps", type=int, default=Recipe.steps)
-    parser.add_argument("--batch_size", type=int, default=Recipe.batch_size,
-                        help="sequences per step (single runs and --time_steps; the suite's rows set their own)")
-    parser.add_argument("--muon_experts", action="store_true",
-                        help="the routed MoE experts' matrices by Muon too, not AdamW (single runs and --time_steps; "
-                        "Recipe.muon_experts, train_hf.py's flag of the same name; the recipe before 2026-11-26)")
+    parser.add_argument(
+        "--batch_size",
+        type=int,
+        default=Recipe.batch_size,
+        help="sequences per step (single runs and --time_steps; the suite's rows set their own)",
+    )
+    parser.add_argument(
+        "--muon_experts",
+        action="store_true",
+        help="the routed MoE experts' matrices by Muon too, not AdamW (single runs and --time_steps; "
+        "Recipe.muon_experts, train_hf.py's flag of the same name; the recipe before 2026-11-26)",
+    )
     parser.add_argument("--lr", type=float, default=Recipe.lr)
-    parser.add_argument("--muon_lr", type=float, default=DEFAULT_MUON_LR,
-                        help="peak learning rate of torch.optim.Muon for the hidden matrices (0: AdamW for every "
-                        "parameter, the recipe of the ablation table)")
+    parser.add_argument(
+        "--muon_lr",
+        type=float,
+        default=DEFAULT_MUON_LR,
+        help="peak learning rate of torch.optim.Muon for the hidden matrices (0: AdamW for every "
+        "parameter, the recipe of the ablation table)",
+    )
     parser.add_argument("--eval_every", type=int, default=0)
-    parser.add_argument("--same_init", action="store_true", help="a Spider variant starts the parameters it shares "
-                        "with the default model from the default model's initial values (see train_and_score)")
-    parser.add_argument("--seed", type=int, default=Recipe.seed,
-                        help="seed of the initialisation and the window order (a seed-noise row: the same recipe again)")
+    parser.add_argument(
+        "--same_init",
+        action="store_true",
+        help="a Spider variant starts the parameters it shares "
+        "with the default model from the default model's initial values (see train_and_score)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=Recipe.seed,
+        help="seed of the initialisation and the window order (a seed-noise row: the same recipe again)",
+    )
     parser.add_argument("--text", action="append", default=[], help="extra text file to score (repeatable)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no_loops_curve", action="store_true")
     parser.add_argument("--out", default=None, help="write the rows as a JSON list")
     parser.add_argument("--save", default=None, help="save the trained model (save_pretrained) under this folder")
-    parser.add_argument("--report", nargs="+", default=None,
-                        help="render the Model quality section of docs/results.md from these JSON files")
-    parser.add_argument("--write_results", default=None,
-                        help="with --report: replace the quality block of this file (docs/results.md)")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        default=None,
+        help="render the Model quality section of docs/results.md from these JSON files",
+    )
+    parser.add_argument(
+        "--write_results", default=None, help="with --report: replace the quality block of this file (docs/results.md)"
+    )
     parser.add_argument("--plot", default=None, help="with --report: write the bpb-vs-wall-clock plot here")
-    parser.add_argument("--write_card_reference", default=None,
-                        help="with --report: write the default recipe's comparison for the model card here "
-                        "(hub_card/reference_quality.json)")
+    parser.add_argument(
+        "--write_card_reference",
+        default=None,
+        help="with --report: write the default recipe's comparison for the model card here "
+        "(hub_card/reference_quality.json)",
+    )
     args = parser.parse_args(argv)
     if args.report:
         from bench.quality_report import card_reference, plot, render
@@ -487,26 +643,47 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.time_steps:
-        split = {kind: step_split(kind, {}, Recipe(batch_size=args.batch_size, muon_experts=args.muon_experts))
-                 for kind in TIMED_KINDS}
+        split = {
+            kind: step_split(kind, {}, Recipe(batch_size=args.batch_size, muon_experts=args.muon_experts))
+            for kind in TIMED_KINDS
+        }
         print(json.dumps({"threads": torch.get_num_threads(), "seconds_per_step": split}))
         return [split]
     texts = {Path(t).stem: text_file_ids(t) for t in args.text}
     if args.suite:
         shard, num_shards = (int(x) for x in args.shard.split("/"))
-        rows = run_suite(shard, num_shards, {"pydoc_topics": technical_text_ids(), **texts}, steps=args.steps,
-                         out=args.out, only=args.only,
-                         step_times=json.loads(args.step_times) if args.step_times else None)
+        rows = run_suite(
+            shard,
+            num_shards,
+            {"pydoc_topics": technical_text_ids(), **texts},
+            steps=args.steps,
+            out=args.out,
+            only=args.only,
+            step_times=json.loads(args.step_times) if args.step_times else None,
+        )
     else:
-        recipe = Recipe(steps=args.steps, lr=args.lr, batch_size=args.batch_size, eval_every=args.eval_every,
-                        seed=args.seed, same_init=args.same_init, muon_lr=args.muon_lr or None,
-                        muon_experts=args.muon_experts,
-                        warmup_steps=min(200, max(1, args.steps // 10)))
+        recipe = Recipe(
+            steps=args.steps,
+            lr=args.lr,
+            batch_size=args.batch_size,
+            eval_every=args.eval_every,
+            seed=args.seed,
+            same_init=args.same_init,
+            muon_lr=args.muon_lr or None,
+            muon_experts=args.muon_experts,
+            warmup_steps=min(200, max(1, args.steps // 10)),
+        )
         rows = []
         for kind in args.runs:
-            row = train_and_score(kind, args.name or kind, json.loads(args.overrides) if kind != "llama" else {},
-                                  recipe, texts, loops_curve=not args.no_loops_curve,
-                                  save=args.save and f"{args.save}/{kind}")
+            row = train_and_score(
+                kind,
+                args.name or kind,
+                json.loads(args.overrides) if kind != "llama" else {},
+                recipe,
+                texts,
+                loops_curve=not args.no_loops_curve,
+                save=args.save and f"{args.save}/{kind}",
+            )
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:

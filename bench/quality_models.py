@@ -13,9 +13,19 @@ from modeling_spider import SpiderForConditionalGeneration, attention_mask_funct
 from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 #: the dense baseline: 7 layers, hidden 256, 4 heads, SwiGLU 768 (6.1M parameters, like Spider small)
-LLAMA_BASELINE = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=7,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-                      pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False)
+LLAMA_BASELINE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=7,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    tie_word_embeddings=False,
+)
 
 
 class BytePathOnly(torch.nn.Module):
@@ -29,7 +39,11 @@ class BytePathOnly(torch.nn.Module):
         self.layers = torch.nn.ModuleList([*trunk.prelude_layers, *trunk.coda_layers])
         self.config, self.sliding_window = spider.config, spider.config.sliding_window
         self.embed_tokens, self.rotary_emb, self.norm, self.lm_head = (
-            trunk.embed_tokens, trunk.rotary_emb, trunk.norm, spider.lm_head)
+            trunk.embed_tokens,
+            trunk.rotary_emb,
+            trunk.norm,
+            spider.lm_head,
+        )
 
     def forward(self, input_ids, labels=None, **_):
         from transformers.modeling_outputs import CausalLMOutput
@@ -75,6 +89,7 @@ def initial_model(kind: str, overrides: dict, seed: int, same_init: bool = False
         set_seed(seed)
         reference = build(kind, {}).state_dict()
         own = model.state_dict()
-        model.load_state_dict({k: v for k, v in reference.items() if k in own and own[k].shape == v.shape},
-                              strict=False)
+        model.load_state_dict(
+            {k: v for k, v in reference.items() if k in own and own[k].shape == v.shape}, strict=False
+        )
     return model

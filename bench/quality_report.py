@@ -36,8 +36,10 @@ def _headline_rows(rows: list[dict], by_name: dict, suffix: str, optimizer: str)
         bpb = f"**{_f(r['sotu_bits_per_byte'])}**" if bold else _f(r["sotu_bits_per_byte"])
         muon_lr = (r.get("recipe") or {}).get("muon_lr")  # a swept row's own Muon rate
         label_optimizer = f"Muon (lr {muon_lr:g}) + AdamW" if muon_lr and not suffix else optimizer
-        lines.append(f"| {label} | {label_optimizer} | {r['steps']} | {r['parameters'] / 1e6:.2f}M | {bpb} | "
-                     f"{_f(r.get(tech))} |")
+        lines.append(
+            f"| {label} | {label_optimizer} | {r['steps']} | {r['parameters'] / 1e6:.2f}M | {bpb} | "
+            f"{_f(r.get(tech))} |"
+        )
 
     if spider:
         line("Spider `small`" + (" (the default run)" if not suffix else ""), spider, bold=not suffix)
@@ -46,12 +48,17 @@ def _headline_rows(rows: list[dict], by_name: dict, suffix: str, optimizer: str)
     if best:
         sweep = ", ".join(f"{r['lr']:g}: {_f(r['sotu_bits_per_byte'])}" for r in equal_time)
         line(f"`LlamaForCausalLM`, equal wall-clock (best lr {best['lr']:g}; sweep {sweep})", best)
-    for group, label in (("local baseline equal parameters", "equal parameters and steps"),
-                         ("local baseline equal wall-clock", "equal wall-clock")):
+    for group, label in (
+        ("local baseline equal parameters", "equal parameters and steps"),
+        ("local baseline equal wall-clock", "equal wall-clock"),
+    ):
         for r in rows:
             if not suffix and r.get("group") == group:
-                line(f"the same dense model with Spider's 4-byte local attention (`MistralForCausalLM`), {label} "
-                     f"(lr {r['lr']:g})", r)
+                line(
+                    f"the same dense model with Spider's 4-byte local attention (`MistralForCausalLM`), {label} "
+                    f"(lr {r['lr']:g})",
+                    r,
+                )
     for r in rows:
         if suffix and r.get("group") == f"spider equal wall-clock{suffix}":
             line("Spider `small`, for the default run's wall-clock", r)
@@ -93,23 +100,33 @@ def render(rows: list[dict]) -> str:
         "",
         "| Spider default run | value |",
         "|---|---:|",
-        *(f"| held-out bpb at n_loops={n}{' (trained)' if int(n) == spider.get('n_loops') else ''} | {_f(v, 4)} |"
-          for n, v in loops.items()),
+        *(
+            f"| held-out bpb at n_loops={n}{' (trained)' if int(n) == spider.get('n_loops') else ''} | {_f(v, 4)} |"
+            for n, v in loops.items()
+        ),
         f"| training bytes per segment | {_f(spider.get('train_bytes_per_segment'), 2)} |",
         f"| evaluation bytes per segment | {_f(spider.get('eval_bytes_per_segment'), 2)} |",
         f"| mean ACT halting step | {_f(spider.get('mean_halting_step'), 2)} |",
-        *([f"| with ACT early exit at inference (`act_early_exit=True`): held-out bpb | "
-           f"{_f(spider['act_early_exit']['bits_per_byte'], 4)} |",
-           f"| with ACT early exit: loops saved per segment (of {spider.get('n_loops')}) | "
-           f"{_f(spider['act_early_exit']['loops_saved_per_segment'], 3)} |"] if "act_early_exit" in spider else []),
+        *(
+            [
+                f"| with ACT early exit at inference (`act_early_exit=True`): held-out bpb | "
+                f"{_f(spider['act_early_exit']['bits_per_byte'], 4)} |",
+                f"| with ACT early exit: loops saved per segment (of {spider.get('n_loops')}) | "
+                f"{_f(spider['act_early_exit']['loops_saved_per_segment'], 3)} |",
+            ]
+            if "act_early_exit" in spider
+            else []
+        ),
         "",
         f"| ablation (one change, same budget; batch 8 x 256 unless named; the AdamW recipe and end-to-end boundaries "
-        f"unless Muon is named, compared with the AdamW default run of then, {_f(adamw_default['sotu_bits_per_byte'])}; "
+        f"unless Muon is named, compared with the AdamW default run of then, "
+        f"{_f(adamw_default['sotu_bits_per_byte'])}; "
         f"Muon rows with end-to-end boundaries with that default under Muon, {_f(end_to_end['sotu_bits_per_byte'])}; "
         f"the other Muon rows with the default run until 2026-11-25, {_f(batch8['sotu_bits_per_byte'])}, and the rows "
         "of today's recipe with the default run) | held-out bpb | vs its default |",
         "|---|---:|---:|",
     ]
+
     def reference(r: dict) -> dict:  # the default run of the row's own optimizer, batch and segmentation
         if r["name"] == REFERENCES["adamw_default"]:
             return end_to_end  # the optimizer alone
@@ -117,7 +134,9 @@ def render(rows: list[dict]) -> str:
             return adamw_default
         if r["name"] == REFERENCES["batch8_default"] or of_default_recipe(r):
             return spider
-        old_segments = (r.get("overrides") or {}).get("boundary_teacher", "spacelike") is None and r["model"] == "spider"
+        old_segments = (r.get("overrides") or {}).get("boundary_teacher", "spacelike") is None and r[
+            "model"
+        ] == "spider"
         return end_to_end if old_segments and r["name"] != REFERENCES["end_to_end_default"] else batch8
 
     for r in rows:
@@ -127,25 +146,43 @@ def render(rows: list[dict]) -> str:
             lines.append(f"| {r['name']} | {_f(r['sotu_bits_per_byte'])} | {delta:+.3f} |")
     for rule, result in spider.get("bpb_by_eval_boundary_rule", {}).items():
         delta = result["bits_per_byte"] - spider["sotu_bits_per_byte"]
-        lines.append(f"| boundary decision at evaluation: {rule} (same weights; "
-                     f"{_f(result.get('bytes_per_segment'), 2)} bytes per segment) | {_f(result['bits_per_byte'])} | "
-                     f"{delta:+.3f} |")
-    pairs = [(p["label"], by_name[p["spider"]], by_name[p["removed"]]) for p in SUITE["global_path_pairs"]
-             if p["spider"] in by_name and p["removed"] in by_name]
+        lines.append(
+            f"| boundary decision at evaluation: {rule} (same weights; "
+            f"{_f(result.get('bytes_per_segment'), 2)} bytes per segment) | {_f(result['bits_per_byte'])} | "
+            f"{delta:+.3f} |"
+        )
+    pairs = [
+        (p["label"], by_name[p["spider"]], by_name[p["removed"]])
+        for p in SUITE["global_path_pairs"]
+        if p["spider"] in by_name and p["removed"] in by_name
+    ]
     if pairs:
-        lines += ["", "| what the global path adds: byte layers, budget (batch 8 x 256, AdamW and end-to-end boundaries "
-                  "unless named) "
-                  "| steps | Spider | "
-                  "global path removed | the global path adds |", "|---|---:|---:|---:|---:|"]
-        lines += [f"| {label} | {a['steps']} | {_f(a['sotu_bits_per_byte'])} | {_f(b['sotu_bits_per_byte'])} | "
-                  f"{b['sotu_bits_per_byte'] - a['sotu_bits_per_byte']:+.3f} |" for label, a, b in pairs]
+        lines += [
+            "",
+            "| what the global path adds: byte layers, budget (batch 8 x 256, AdamW and end-to-end boundaries "
+            "unless named) "
+            "| steps | Spider | "
+            "global path removed | the global path adds |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {label} | {a['steps']} | {_f(a['sotu_bits_per_byte'])} | {_f(b['sotu_bits_per_byte'])} | "
+            f"{b['sotu_bits_per_byte'] - a['sotu_bits_per_byte']:+.3f} |"
+            for label, a, b in pairs
+        ]
     lines += _gain_by_byte_kind(spider, by_name)
     lines += ["", *_targets(spider, by_name, best)]
-    samples = [(label, r) for label, r in (("Spider", spider), ("Llama (equal parameters)", dense)) if r and "sample" in r]
+    samples = [
+        (label, r) for label, r in (("Spider", spider), ("Llama (equal parameters)", dense)) if r and "sample" in r
+    ]
     if samples:
-        lines += ["", "Samples (temperature 0.8, prompt \"The state of the Union is\"; real words = share of the "
-                  f"sampled words that occur in the training addresses, over {samples[0][1].get('real_word_samples', 4)} "
-                  "200-byte samples):", ""]
+        lines += [
+            "",
+            'Samples (temperature 0.8, prompt "The state of the Union is"; real words = share of the '
+            f"sampled words that occur in the training addresses, over {samples[0][1].get('real_word_samples', 4)} "
+            "200-byte samples):",
+            "",
+        ]
         for label, r in samples:
             text = " ".join(r["sample"][:160].split()).replace("`", "'")  # one line of inline code
             lines.append(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`")
@@ -165,22 +202,32 @@ def _gain_by_byte_kind(spider: dict, by_name: dict) -> list[str]:
         return []
     has_kinds = lambda r: r is not None and "bpb_by_byte_kind" in r  # noqa: E731
     columns = [(label, by_name[name]) for label, name in SUITE["byte_kind_columns"] if has_kinds(by_name.get(name))]
-    gains = [(label, by_name.get(a), by_name.get(b)) for label, (a, b) in
-             (("the global path adds", ("spider", REFERENCES["byte_layers_alone"])),
-              ("the global path adds, batch 8, 4x the steps", REFERENCES["four_x"]))]
+    gains = [
+        (label, by_name.get(a), by_name.get(b))
+        for label, (a, b) in (
+            ("the global path adds", ("spider", REFERENCES["byte_layers_alone"])),
+            ("the global path adds, batch 8, 4x the steps", REFERENCES["four_x"]),
+        )
+    ]
     gains = [(label, a, b) for label, a, b in gains if has_kinds(a) and has_kinds(b)]
     header = ["byte predicted", "share of the bytes", "Spider (the default run)", *(c for c, _ in columns)]
     header += [label for label, _, _ in gains]
     lines = ["", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for kind in (*BYTE_KINDS, None):
         share = 1.0 if kind is None else spider["byte_kind_shares"][kind]
-        cells = [kind or "**every byte**", f"{share:.1%}", _f(_bpb_of_kind(spider, kind)),
-                 *(_f(_bpb_of_kind(r, kind)) for _, r in columns),
-                 *(f"{_bpb_of_kind(b, kind) - _bpb_of_kind(a, kind):+.3f}" for _, a, b in gains)]
+        cells = [
+            kind or "**every byte**",
+            f"{share:.1%}",
+            _f(_bpb_of_kind(spider, kind)),
+            *(_f(_bpb_of_kind(r, kind)) for _, r in columns),
+            *(f"{_bpb_of_kind(b, kind) - _bpb_of_kind(a, kind):+.3f}" for _, a, b in gains),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    probed = [(label, r) for label, r in (("the default run", spider),
-                                          ("batch 8, 4x the steps", by_name.get(REFERENCES["four_x"][0])))
-              if r and r.get("bpb_by_global_stream_probe")]
+    probed = [
+        (label, r)
+        for label, r in (("the default run", spider), ("batch 8, 4x the steps", by_name.get(REFERENCES["four_x"][0])))
+        if r and r.get("bpb_by_global_stream_probe")
+    ]
     if probed:
         first = BYTE_KINDS[1]
         header = ["Spider's global stream at evaluation (same weights), held-out bpb against the trained stream's"]
@@ -190,8 +237,10 @@ def _gain_by_byte_kind(spider: dict, by_name: dict) -> list[str]:
             cells = [probe]
             for _, r in probed:
                 result = r["bpb_by_global_stream_probe"][probe]
-                cells += [f"{result['bits_per_byte'] - r['sotu_bits_per_byte']:+.3f}",
-                          f"{result['by_byte_kind'][first] - r['bpb_by_byte_kind'][first]:+.3f}"]
+                cells += [
+                    f"{result['bits_per_byte'] - r['sotu_bits_per_byte']:+.3f}",
+                    f"{result['by_byte_kind'][first] - r['bpb_by_byte_kind'][first]:+.3f}",
+                ]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -202,15 +251,21 @@ def card_reference(rows: list[dict]) -> dict:
     learning rate), and the same byte layers without the global path, in held-out bits per byte (3 decimals)."""
     by_name = {r["name"]: r for r in rows}
     spider, llama, bytes_only = by_name["spider"], by_name["llama"], by_name[REFERENCES["byte_layers_alone"]]
-    equal_time = min((r for r in rows if r.get("group") == "baseline equal wall-clock"),
-                     key=lambda r: r["sotu_bits_per_byte"])
+    equal_time = min(
+        (r for r in rows if r.get("group") == "baseline equal wall-clock"), key=lambda r: r["sotu_bits_per_byte"]
+    )
     millions = lambda r: f"{r['parameters'] / 1e6:.2f}M"  # noqa: E731
     return {
-        "preset": "small", "data": "sotu", "steps": spider["steps"],
-        "spider_parameters": millions(spider), "spider_bits_per_byte": _f(spider["sotu_bits_per_byte"]),
-        "llama_parameters": millions(llama), "llama_bits_per_byte": _f(llama["sotu_bits_per_byte"]),
+        "preset": "small",
+        "data": "sotu",
+        "steps": spider["steps"],
+        "spider_parameters": millions(spider),
+        "spider_bits_per_byte": _f(spider["sotu_bits_per_byte"]),
+        "llama_parameters": millions(llama),
+        "llama_bits_per_byte": _f(llama["sotu_bits_per_byte"]),
         "llama_equal_time_bits_per_byte": _f(equal_time["sotu_bits_per_byte"]),
-        "bytes_only_parameters": millions(bytes_only), "bytes_only_bits_per_byte": _f(bytes_only["sotu_bits_per_byte"]),
+        "bytes_only_parameters": millions(bytes_only),
+        "bytes_only_bits_per_byte": _f(bytes_only["sotu_bits_per_byte"]),
     }
 
 
@@ -225,11 +280,16 @@ def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[
 
     if best_equal_time:
         ref = best_equal_time["sotu_bits_per_byte"]
-        target("held-out bpb at or below the dense baseline at equal wall-clock", f"{bpb:.3f} vs {ref:.3f}", bpb <= ref)
+        target(
+            "held-out bpb at or below the dense baseline at equal wall-clock", f"{bpb:.3f} vs {ref:.3f}", bpb <= ref
+        )
         t, tr = spider.get("pydoc_topics_bits_per_byte"), best_equal_time.get("pydoc_topics_bits_per_byte")
         if t is not None and tr is not None:
-            target("technical text: no worse than the dense baseline by more than 0.05", f"{t:.3f} vs {tr:.3f}",
-                   t <= tr + 0.05)
+            target(
+                "technical text: no worse than the dense baseline by more than 0.05",
+                f"{t:.3f} vs {tr:.3f}",
+                t <= tr + 0.05,
+            )
     xz = spider.get("xz_bits_per_byte")
     if xz is not None:
         target("held-out bpb below `xz -9e`", f"{bpb:.3f} vs {xz:.3f}", bpb < xz)
@@ -241,21 +301,30 @@ def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[
     n = spider.get("n_loops")
     if n in loops and 1 in loops and 2 * n in loops:
         target("1 loop is worse than the trained count", f"{loops[1]:.4f} vs {loops[n]:.4f}", loops[1] > loops[n])
-        target("twice the trained count no worse than it by more than 0.01", f"{loops[2 * n] - loops[n]:+.4f}",
-               loops[2 * n] <= loops[n] + 0.01)
+        target(
+            "twice the trained count no worse than it by more than 0.01",
+            f"{loops[2 * n] - loops[n]:+.4f}",
+            loops[2 * n] <= loops[n] + 0.01,
+        )
     ev, tr = spider.get("eval_bytes_per_segment"), spider.get("train_bytes_per_segment")
     if ev and tr:
         low = cfg.boundary_prior - cfg.boundary_prior_k * cfg.boundary_prior_std
         band = (1 / cfg.boundary_prior, 1 / low)
-        target("evaluation bytes per segment within 25% of training's", f"{ev:.2f} vs {tr:.2f}",
-               abs(ev / tr - 1) <= 0.25)
-        target(f"evaluation bytes per segment inside the prior's band ({band[0]:.2f}-{band[1]:.2f})", f"{ev:.2f}",
-               band[0] <= ev <= band[1])
+        target(
+            "evaluation bytes per segment within 25% of training's", f"{ev:.2f} vs {tr:.2f}", abs(ev / tr - 1) <= 0.25
+        )
+        target(
+            f"evaluation bytes per segment inside the prior's band ({band[0]:.2f}-{band[1]:.2f})",
+            f"{ev:.2f}",
+            band[0] <= ev <= band[1],
+        )
     dense = by_name.get("llama")
     if dense and "real_word_rate" in spider and "real_word_rate" in dense:
-        target("samples are real words at least as often as the dense baseline's",
-               f"{spider['real_word_rate']:.0%} vs {dense['real_word_rate']:.0%}",
-               spider["real_word_rate"] >= dense["real_word_rate"])
+        target(
+            "samples are real words at least as often as the dense baseline's",
+            f"{spider['real_word_rate']:.0%} vs {dense['real_word_rate']:.0%}",
+            spider["real_word_rate"] >= dense["real_word_rate"],
+        )
     return ["| target | measured | met |", "|---|---|---|", *rows] if rows else []
 
 
@@ -272,8 +341,9 @@ def plot(rows: list[dict], path: str) -> bool:
     ax = fig.subplots()
     for name, curve in curves:
         label = labels[name]
-        ax.plot([c["seconds"] for c in curve], [c["bits_per_byte"] for c in curve], marker="o", markersize=3,
-                label=label)
+        ax.plot(
+            [c["seconds"] for c in curve], [c["bits_per_byte"] for c in curve], marker="o", markersize=3, label=label
+        )
     ax.set_xlabel("training wall-clock (s, one thread)")
     ax.set_ylabel("held-out bits per byte")
     ax.grid(alpha=0.3)

@@ -25,8 +25,9 @@ def corpus_bytes(split: str) -> np.ndarray:
     return np.concatenate([encode_document(d["text"]) for d in sotu_documents(split)]).astype(np.int64)
 
 
-def heldout_windows(ids: np.ndarray, seq_len: int = 256, slice_bytes: int = 32 * 1024, start_fraction: float = 1 / 3
-                    ) -> torch.Tensor:
+def heldout_windows(
+    ids: np.ndarray, seq_len: int = 256, slice_bytes: int = 32 * 1024, start_fraction: float = 1 / 3
+) -> torch.Tensor:
     """Non-overlapping windows of `seq_len + 1` ids from a `slice_bytes` slice starting at `start_fraction` of `ids`:
     int64 `(N, seq_len + 1)`; each window predicts its last `seq_len` ids from the ones before (context <= seq_len)."""
     start = int(len(ids) * start_fraction) if len(ids) > slice_bytes else 0
@@ -42,8 +43,14 @@ def text_file_ids(path: str) -> np.ndarray:
 
 #: What a predicted byte is, by its place in the text (SpaceByte's word bytes, :func:`modeling_spider.word_bytes`):
 #: the keys of :func:`score`'s ``bits_per_byte_by_byte_kind``, in the order of :func:`byte_kinds`' indices.
-BYTE_KINDS = ("space or punctuation", "1st byte of a word", "2nd byte of a word", "3rd byte of a word",
-              "4th byte of a word", "5th byte of a word or later")
+BYTE_KINDS = (
+    "space or punctuation",
+    "1st byte of a word",
+    "2nd byte of a word",
+    "3rd byte of a word",
+    "4th byte of a word",
+    "5th byte of a word or later",
+)
 
 
 def byte_kinds(windows: torch.Tensor) -> torch.LongTensor:
@@ -57,8 +64,9 @@ def byte_kinds(windows: torch.Tensor) -> torch.LongTensor:
 
 
 @torch.no_grad()
-def score(model, windows: torch.Tensor, n_loops: int | None = None, batch_size: int = 16,
-          by_byte_kind: bool = False) -> dict:
+def score(
+    model, windows: torch.Tensor, n_loops: int | None = None, batch_size: int = 16, by_byte_kind: bool = False
+) -> dict:
     """Bits per predicted byte of `model` over `windows` `(N, T)`, in eval mode; Spider's bytes per segment too.
     `by_byte_kind`: also ``bits_per_byte_by_byte_kind`` (bits per byte of the bytes of each :data:`BYTE_KINDS` kind)
     and ``byte_kind_shares`` (each kind's share of the predicted bytes)."""
@@ -160,8 +168,9 @@ def score_with_boundary_rule(model, windows: torch.Tensor, rule: str, train_byte
 SAMPLE_PROMPT = "The state of the Union is"
 
 
-def sample_words(model, train_ids: np.ndarray, n_samples: int = 16, new_bytes: int = 200, temperature: float = 0.8,
-                 seed: int = 0) -> dict:
+def sample_words(
+    model, train_ids: np.ndarray, n_samples: int = 16, new_bytes: int = 200, temperature: float = 0.8, seed: int = 0
+) -> dict:
     """Sample `n_samples` continuations of :data:`SAMPLE_PROMPT` (`new_bytes` bytes each, temperature sampling,
     seeded) and measure how many of their words are real: the share of alphabetic words (lower-cased, punctuation
     stripped) that occur in the training addresses. Returns ``{"sample": first continuation (str),
@@ -177,13 +186,24 @@ def sample_words(model, train_ids: np.ndarray, n_samples: int = 16, new_bytes: i
     texts = []
     with torch.no_grad():
         for _ in range(n_samples):
-            out = model.generate(prompt, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=new_bytes,
-                                 min_new_tokens=new_bytes, pad_token_id=PAD_ID, eos_token_id=None)
-            texts.append(bytes(int(i) for i in out[0, prompt.shape[1]:] if i < 256).decode("utf-8", "replace"))
+            out = model.generate(
+                prompt,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                max_new_tokens=new_bytes,
+                min_new_tokens=new_bytes,
+                pad_token_id=PAD_ID,
+                eos_token_id=None,
+            )
+            texts.append(bytes(int(i) for i in out[0, prompt.shape[1] :] if i < 256).decode("utf-8", "replace"))
     words = [w for t in texts for w in re.findall(r"[A-Za-z]+", t)]
     real = sum(w.lower() in vocabulary for w in words)
-    return {"sample": SAMPLE_PROMPT + texts[0], "real_word_rate": real / max(1, len(words)),
-            "real_word_samples": n_samples}
+    return {
+        "sample": SAMPLE_PROMPT + texts[0],
+        "real_word_rate": real / max(1, len(words)),
+        "real_word_samples": n_samples,
+    }
 
 
 def xz_bits_per_byte(windows: torch.Tensor) -> float:

@@ -53,8 +53,9 @@ def render(results: dict) -> str:
             continue
         for c in r.get("checks", []):
             target = f"{c.get('comparison', '>=')} {_fmt(c['target'])}"
-            lines.append(f"| {c['name']} ({c['metric']}) | {target} | {_fmt(c['measured'])} | "
-                         f"{'yes' if c['met'] else 'no'} |")
+            lines.append(
+                f"| {c['name']} ({c['metric']}) | {target} | {_fmt(c['measured'])} | {'yes' if c['met'] else 'no'} |"
+            )
         for i in r.get("info", []):
             lines.append(f"| {i['name']} | - | {_fmt(i['measured'])} {i['unit']} | - |")
         if "outputs_equal" in r:
@@ -88,8 +89,12 @@ def write_block(path: str | Path, section: str, start: str = START, end: str = E
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     parser.add_argument("results", nargs="?", default="bench/results.json", help="run_all JSON file")
-    parser.add_argument("--write-results", metavar="RESULTS_MD", default=None,
-                        help="replace the text between the bench markers in this file (docs/results.md)")
+    parser.add_argument(
+        "--write-results",
+        metavar="RESULTS_MD",
+        default=None,
+        help="replace the text between the bench markers in this file (docs/results.md)",
+    )
     args = parser.parse_args(argv)
     try:
         section = render(json.loads(Path(args.results).read_text(encoding="utf-8")))

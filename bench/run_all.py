@@ -24,12 +24,26 @@ if __package__ in (None, ""):  # `python bench/run_all.py` as well as `python -m
 
 from bench.common import environment  # noqa: E402
 
-BENCHMARKS = ("moe", "train_step", "mfu", "generation", "activation_checkpointing", "data_pipeline", "attention", "quality",
-              "compile")
+BENCHMARKS = (
+    "moe",
+    "train_step",
+    "mfu",
+    "generation",
+    "activation_checkpointing",
+    "data_pipeline",
+    "attention",
+    "quality",
+    "compile",
+)
 
 
-def run_all(quick: bool = False, only: list[str] | None = None, profile: bool | None = None,
-            log=sys.stderr, partial_out: str | Path | None = None) -> dict:
+def run_all(
+    quick: bool = False,
+    only: list[str] | None = None,
+    profile: bool | None = None,
+    log=sys.stderr,
+    partial_out: str | Path | None = None,
+) -> dict:
     """Run the selected benchmarks (all by default) in order; returns the combined result dict.
 
     ``partial_out``: rewrite this JSON file after every benchmark (so a long run can be watched or cut short).
@@ -47,9 +61,14 @@ def run_all(quick: bool = False, only: list[str] | None = None, profile: bool | 
             module = importlib.import_module(f"bench.{name}")
             result = module.run(quick=quick, profile=profile)
         except Exception as e:  # record and go on: one broken benchmark must not lose the others
-            result = {"benchmark": name, "error": f"{type(e).__name__}: {e}",
-                      "traceback": traceback.format_exc()[-4000:], "met": False, "checks": [],
-                      "seconds": round(time.perf_counter() - t0, 2)}
+            result = {
+                "benchmark": name,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-4000:],
+                "met": False,
+                "checks": [],
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
         out["benchmarks"][name] = result
         status = "ERROR" if "error" in result else ("met" if result["met"] else "missed")
         print(f"[bench] {name}: {status} ({result.get('seconds', 0):.1f} s)", file=log, flush=True)
@@ -69,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results.json", help="JSON output file (default bench/results.json)")
     parser.add_argument("--quick", action="store_true", help="toy sizes (~1 min)")
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
-    parser.add_argument("--no-profile", dest="profile", action="store_false", default=None,
-                        help="skip torch.profiler on missed targets")
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        default=None,
+        help="skip torch.profiler on missed targets",
+    )
     args = parser.parse_args(argv)
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     try:

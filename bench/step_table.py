@@ -1,7 +1,8 @@
 """The training-step table of ``python -m bench.gpu_check`` (:func:`step_table_check`):
 
 - ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
-  at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default config,
+  at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default
+  config,
   the fused experts on ``grouped_mm``; freshly initialised on uniform random bytes, its boundary predictor closes
   about 0.4 segments per byte, 1 + S = 128 slots at 32 x 256 on CPU), Spider at a trained model's segment rate
   (``spider_word_rate``: ``boundary_mode="fixed"``, a segment every ``round(1 / boundary_prior)`` bytes, 5 for
@@ -9,11 +10,13 @@
   the SOTU text gives, where the 1b run's boundaries settle; the same modules and ops, and one axis size every step),
   transformers' ``DeepseekV3ForCausalLM`` of the same shape
   (:func:`bench.common.peer_config`; with fp32 master weights under autocast, as every row, its experts' grouped GEMMs
-  run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense ``LlamaForCausalLM`` of about the same parameter count
+  run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense
+  ``LlamaForCausalLM`` of about the same parameter count
   (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
   ``Float8Linear`` where torchao's filter expects a gain, the experts through torchao's FP8 grouped GEMM where the GPU
   has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
-  (``spider_compiled``: one graph per layer kind, :func:`spider_training.compile.compile_model`, ``--compile_backend``; three warm-up steps, whose times
+  (``spider_compiled``: one graph per layer kind, :func:`spider_training.compile.compile_model`, ``--compile_backend``;
+  three warm-up steps, whose times
   ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
   the word-rate model compiled the same way (``spider_word_rate_compiled``) and Spider with
   ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the per-expert layout ran
@@ -24,19 +27,23 @@
   through the FP8 grouped GEMM; ``spider_fp8_bf16_experts_compiled``; ``spider_fp8_rowwise_compiled``), last of
   all; and ``spider_compiled_automatic_dynamic`` (on request): compiled with torch's automatic dynamic shapes
   (``dynamic=None``: static first, then dynamic only in the dims that change, such as the segment axis) instead of
-  ``--compile``'s segment axis marked dynamic up front (``dynamic=False`` and :func:`spider_training.compile.mark_segment_axis`). The order: the comparison rows
+  ``--compile``'s segment axis marked dynamic up front (``dynamic=False`` and
+  :func:`spider_training.compile.mark_segment_axis`). The order: the comparison rows
   shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), tk-train.py's recipe, then the
   compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
-  compiled word-rate model and the compiled tk-train.py recipe), then the FP8 rows (the first FP8 step took 54 s there). Per
+  compiled word-rate model and the compiled tk-train.py recipe), then the FP8 rows (the first FP8 step took 54 s
+  there). Per
   row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
   a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
-  instrumented, timed and profiled step, ``segment_axis`` (:class:`bench.diagnostics.SegmentAxisRecorder`), how many timed steps met a
+  instrumented, timed and profiled step, ``segment_axis`` (:class:`bench.diagnostics.SegmentAxisRecorder`), how many
+  timed steps met a
   new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``; on CUDA each timed
   step's ``cudaMalloc`` calls, ``device_allocations_per_step``: a larger axis grows the allocator's pool; for a
   compiled model the graphs each warm-up and timed step compiled, ``graphs_compiled_per_step``), host seconds
   (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
   issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
-  optimizer state included; null on CPU), FLOPs per step (:func:`spider_training.throughput.count_flops`, what the trainer logs), MFU against the matmul
+  optimizer state included; null on CPU), FLOPs per step (:func:`spider_training.throughput.count_flops`, what the
+  trainer logs), MFU against the matmul
   peak measured in-process (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten
   ops dispatched per step,
   host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the
@@ -59,46 +66,93 @@ import time
 
 import torch
 
-from bench.common import (dense_llama_config, device_peak_matmul_flops, graphs_compiled, num_params, peer_model,
-                          random_bytes, spider_config, spider_model, synchronize)
-from bench.diagnostics import (SegmentAxisRecorder, _instrumented_step, _profile_kernels, device_allocations,
-                               repeated_axis_summary)
-from bench.parts import (MIN_PART_S, TIME_BUDGET, Deadline, PartTimeout, autocast_dtype, build_on, default_device,
-                         entry, error_reason, free_memory, train_step_of)
+from bench.common import (
+    dense_llama_config,
+    device_peak_matmul_flops,
+    graphs_compiled,
+    num_params,
+    peer_model,
+    random_bytes,
+    spider_config,
+    spider_model,
+    synchronize,
+)
+from bench.diagnostics import (
+    SegmentAxisRecorder,
+    _instrumented_step,
+    _profile_kernels,
+    device_allocations,
+    repeated_axis_summary,
+)
+from bench.parts import (
+    MIN_PART_S,
+    TIME_BUDGET,
+    Deadline,
+    PartTimeout,
+    autocast_dtype,
+    build_on,
+    default_device,
+    entry,
+    error_reason,
+    free_memory,
+    train_step_of,
+)
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
 #: the compiled FP8 rows (on request; issue 51): row -> (torchao recipe, ``--fp8_experts``). FP8 is judged under
 #: ``torch.compile``, where torchao states its gains (eager ``Float8Linear`` pays separate amax and cast kernels)
-FP8_COMPILED_ROWS = {"spider_fp8_compiled": ("tensorwise", "auto"),
-                     "spider_fp8_bf16_experts_compiled": ("tensorwise", "off"),
-                     "spider_fp8_rowwise_compiled": ("rowwise", "auto")}
+FP8_COMPILED_ROWS = {
+    "spider_fp8_compiled": ("tensorwise", "auto"),
+    "spider_fp8_bf16_experts_compiled": ("tensorwise", "off"),
+    "spider_fp8_rowwise_compiled": ("rowwise", "auto"),
+}
 #: the step table's rows at each shape (module docstring: the order they run in)
 STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
-STEP_TABLE_MODEL_CHOICES = (*STEP_TABLE_MODELS, "spider_eager_experts", "spider_word_rate_compiled",
-                            "spider_tk_train_recipe_compiled", "spider_compiled_automatic_dynamic",
-                            *FP8_COMPILED_ROWS)
+STEP_TABLE_MODEL_CHOICES = (
+    *STEP_TABLE_MODELS,
+    "spider_eager_experts",
+    "spider_word_rate_compiled",
+    "spider_tk_train_recipe_compiled",
+    "spider_compiled_automatic_dynamic",
+    *FP8_COMPILED_ROWS,
+)
 #: row names of earlier versions, still accepted by ``--step_table_models`` (tk-train.py was called "the seed")
 DEPRECATED_ROW_NAMES = {"spider_seed_recipe_compiled": "spider_tk_train_recipe_compiled"}
 #: the rows that run first, shape by shape (the compiled, tk-train-recipe and FP8 rows follow: ``step_table_check``)
 _COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_eager_experts")
 #: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
 #: they get no instrumented step)
-_EAGER_TWIN = {"spider_compiled": "spider", "spider_compiled_automatic_dynamic": "spider",
-               "spider_word_rate_compiled": "spider_word_rate",
-               "spider_tk_train_recipe_compiled": "spider_tk_train_recipe", **dict.fromkeys(FP8_COMPILED_ROWS, "spider")}
+_EAGER_TWIN = {
+    "spider_compiled": "spider",
+    "spider_compiled_automatic_dynamic": "spider",
+    "spider_word_rate_compiled": "spider_word_rate",
+    "spider_tk_train_recipe_compiled": "spider_tk_train_recipe",
+    **dict.fromkeys(FP8_COMPILED_ROWS, "spider"),
+}
 #: warm-up steps before a row's timed steps (a compiled row compiles its regions and their structural variants, such
-#: as the first loop's, during its first steps: ``graphs_compiled_per_step``); every compiled row is an eager row's twin
+#: as the first loop's, during its first steps: ``graphs_compiled_per_step``); every compiled row is an eager row's
+#: twin
 STEP_TABLE_WARMUP = dict.fromkeys(_EAGER_TWIN, 3)
-#: tk-train.py's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the ``spider_tk_train_recipe``
+#: tk-train.py's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the
+#: ``spider_tk_train_recipe``
 #: row after the table
 TK_TRAIN_RECIPE_SHAPE = (112, 256)
 
 
-def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, repeats: int,
-              peak_flops: float | None, profile: bool = True, warmup: int = 1, instrument: bool = True,
-              flops: int | None = None) -> dict:
+def _step_row(
+    model,
+    label: str,
+    shape: tuple[int, int],
+    device: torch.device,
+    repeats: int,
+    peak_flops: float | None,
+    profile: bool = True,
+    warmup: int = 1,
+    instrument: bool = True,
+    flops: int | None = None,
+) -> dict:
     """One row of the step table. `instrument`: run one instrumented step (FLOPs, aten ops, host syncs); off for a
     compiled model, whose graphs a dispatch mode does not see into: its FLOPs are then `flops` (its eager twin's,
     None when unknown), as they are when the instrumented step fails (``instrument_error``; the row is still timed)."""
@@ -108,15 +162,27 @@ def _step_row(model, label: str, shape: tuple[int, int], device: torch.device, r
     step = train_step_of(model, ids, device)
     axis = SegmentAxisRecorder(model)
     try:
-        return _timed_row(row, (batch, length), model, step, axis, device, repeats, peak_flops, profile, warmup,
-                          instrument, flops)
+        return _timed_row(
+            row, (batch, length), model, step, axis, device, repeats, peak_flops, profile, warmup, instrument, flops
+        )
     finally:
         axis.close()
 
 
-def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxisRecorder, device: torch.device,
-               repeats: int, peak_flops: float | None, profile: bool, warmup: int, instrument: bool,
-               flops: int | None) -> dict:
+def _timed_row(
+    row: dict,
+    shape: tuple[int, int],
+    model,
+    step,
+    axis: SegmentAxisRecorder,
+    device: torch.device,
+    repeats: int,
+    peak_flops: float | None,
+    profile: bool,
+    warmup: int,
+    instrument: bool,
+    flops: int | None,
+) -> dict:
     """:func:`_step_row`'s measurements of `step` at `shape` (batch, bytes) into `row`; `axis` records Spider's
     segment axis per step."""
     batch, length = shape
@@ -167,13 +233,19 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
         row["graphs_compiled_per_step"] = compiled
     median = statistics.median(times)
     if axis.active:
-        row.update(segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},
-                   **repeated_axis_summary(warmup_axis + instrumented_axis, timed_axis, times))
-    row.update(step_s=median, step_s_min=min(times), step_times_s=[round(t, 5) for t in times],
-               host_s=statistics.median(host),
-               bytes_per_s=batch * length / median,
-               peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-               mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None)
+        row.update(
+            segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},
+            **repeated_axis_summary(warmup_axis + instrumented_axis, timed_axis, times),
+        )
+    row.update(
+        step_s=median,
+        step_s_min=min(times),
+        step_times_s=[round(t, 5) for t in times],
+        host_s=statistics.median(host),
+        bytes_per_s=batch * length / median,
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None,
+    )
     if device.type == "cuda" and profile:
         try:
             profiled, size = axis.step(lambda: _profile_kernels(step, device))
@@ -187,31 +259,43 @@ def _timed_row(row: dict, shape: tuple[int, int], model, step, axis: SegmentAxis
     return row
 
 
-def _spider_fp8(preset: str, device: torch.device, recipe: str = "tensorwise",
-                experts_mode: str = "auto") -> tuple[torch.nn.Module, dict]:
+def _spider_fp8(
+    preset: str, device: torch.device, recipe: str = "tensorwise", experts_mode: str = "auto"
+) -> tuple[torch.nn.Module, dict]:
     """Spider converted as ``--precision fp8 --fp8_recipe RECIPE --fp8_experts EXPERTS_MODE`` converts it
     (``--fp8_layers auto``; emulated ``Float8Linear`` off CUDA), with what was converted."""
     from spider_training.fp8 import convert_for_fp8_training
 
     model = build_on(lambda: spider_model(preset), device)
-    report = convert_for_fp8_training(model, recipe=recipe, experts=experts_mode, emulate=device.type != "cuda",
-                                      device=device)
+    report = convert_for_fp8_training(
+        model, recipe=recipe, experts=experts_mode, emulate=device.type != "cuda", device=device
+    )
     experts = [fqn for fqn in report.converted if fqn.endswith(".experts")]
     kept_linear = [r for fqn, r in report.kept.items() if not fqn.endswith(".experts")]
-    return model, {"fp8_recipe": recipe, "fp8_linear_layers": len(report.converted) - len(experts),
-                   "fp8_linear_skipped": dict(collections.Counter(r.split(" at ")[0] for r in kept_linear)),
-                   "fp8_experts_modules": len(experts),
-                   "fp8_experts_skipped": sorted({r for fqn, r in report.kept.items() if fqn.endswith(".experts")}),
-                   "fp8_report": report.message}
+    return model, {
+        "fp8_recipe": recipe,
+        "fp8_linear_layers": len(report.converted) - len(experts),
+        "fp8_linear_skipped": dict(collections.Counter(r.split(" at ")[0] for r in kept_linear)),
+        "fp8_experts_modules": len(experts),
+        "fp8_experts_skipped": sorted({r for fqn, r in report.kept.items() if fqn.endswith(".experts")}),
+        "fp8_report": report.message,
+    }
 
 
-def _spider_compiled(preset: str, device: torch.device, backend: str, mode: str | None = None,
-                     compile_options: dict | None = None, **overrides) -> tuple[torch.nn.Module, dict]:
+def _spider_compiled(
+    preset: str,
+    device: torch.device,
+    backend: str,
+    mode: str | None = None,
+    compile_options: dict | None = None,
+    **overrides,
+) -> tuple[torch.nn.Module, dict]:
     """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it (each layer kind one graph;
     the loops, the segment count and the glue between the layers in eager Python), with ``torch.compile``'s `backend`
     and `mode` (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``: CUDA graphs per layer call)."""
-    return _compile_layers(build_on(lambda: spider_model(preset, **overrides), device), backend, mode,
-                            **(compile_options or {}))
+    return _compile_layers(
+        build_on(lambda: spider_model(preset, **overrides), device), backend, mode, **(compile_options or {})
+    )
 
 
 def _compile_layers(model, backend: str, mode: str | None, **options) -> tuple[torch.nn.Module, dict]:
@@ -221,21 +305,26 @@ def _compile_layers(model, backend: str, mode: str | None, **options) -> tuple[t
 
     torch._dynamo.reset()
     return compile_model(model, backend=backend, mode=mode, **options), {
-        "compile_backend": backend, "compile_mode": mode or "default",
-        "compile_dynamic": {**COMPILE_OPTIONS, **options}["dynamic"]}
+        "compile_backend": backend,
+        "compile_mode": mode or "default",
+        "compile_dynamic": {**COMPILE_OPTIONS, **options}["dynamic"],
+    }
 
 
-def _fp8_compiled(converted: tuple[torch.nn.Module, dict], backend: str,
-                  mode: str | None) -> tuple[torch.nn.Module, dict]:
+def _fp8_compiled(
+    converted: tuple[torch.nn.Module, dict], backend: str, mode: str | None
+) -> tuple[torch.nn.Module, dict]:
     """A model converted by :func:`_spider_fp8`, compiled as ``--compile`` compiles it; both rows' notes."""
     model, extra = converted
     model, compiled = _compile_layers(model, backend, mode)
     return model, {**extra, **compiled}
 
 
-def _spider_tk_train_recipe(preset: str, device: torch.device, compile_backend: str | None = None,
-                        compile_mode: str | None = None) -> tuple[torch.nn.Module, dict]:
-    """tk-train.py's own training configuration: `preset` with activation checkpointing (``activation_checkpointing_enable``,
+def _spider_tk_train_recipe(
+    preset: str, device: torch.device, compile_backend: str | None = None, compile_mode: str | None = None
+) -> tuple[torch.nn.Module, dict]:
+    """tk-train.py's own training configuration: `preset` with activation checkpointing
+    (``activation_checkpointing_enable``,
     as ``--preset 1b`` trains by default), in the precision ``--precision auto`` picks on this device (bf16 autocast on
     CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`). With `compile_backend` also compiled as
     ``--compile`` compiles it (the ``spider_tk_train_recipe_compiled`` row, as :func:`_spider_compiled`)."""
@@ -252,14 +341,23 @@ def _spider_tk_train_recipe(preset: str, device: torch.device, compile_backend: 
     return model, extra
 
 
-def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: torch.device | None = None,
-                     deadline: Deadline | None = None, models: tuple[str, ...] = STEP_TABLE_MODELS,
-                     compile_backend: str = "inductor", tk_train_recipe_shape: tuple[int, int] | None = TK_TRAIN_RECIPE_SHAPE,
-                     compile_mode: str | None = None, on_row=None) -> dict:
+def step_table_check(
+    preset: str = "1b",
+    shapes=None,
+    repeats: int = 3,
+    device: torch.device | None = None,
+    deadline: Deadline | None = None,
+    models: tuple[str, ...] = STEP_TABLE_MODELS,
+    compile_backend: str = "inductor",
+    tk_train_recipe_shape: tuple[int, int] | None = TK_TRAIN_RECIPE_SHAPE,
+    compile_mode: str | None = None,
+    on_row=None,
+) -> dict:
     """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
     :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
     (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
-    `tk_train_recipe_shape`: the ``spider_tk_train_recipe`` row's batch (None: no such row); `compile_mode`: ``torch.compile``'s
+    `tk_train_recipe_shape`: the ``spider_tk_train_recipe`` row's batch (None: no such row); `compile_mode`:
+    ``torch.compile``'s
     mode for the compiled rows; `on_row`: called with the list of rows so far after each row (``python -m
     bench.gpu_check --out`` writes them, so a run killed from outside keeps the rows it measured)."""
     from transformers import LlamaForCausalLM
@@ -269,8 +367,12 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     deadline = deadline or Deadline(None)
     name = "step_table"
     if preset == "1b" and device.type != "cuda" and shapes is None:
-        return entry(name, "skipped", "needs CUDA for the 1b rows (pass --step_table_shapes, or --step_table_preset "
-                                       "tiny, to run the table on CPU)")
+        return entry(
+            name,
+            "skipped",
+            "needs CUDA for the 1b rows (pass --step_table_shapes, or --step_table_preset "
+            "tiny, to run the table on CPU)",
+        )
     shapes = [tuple(s) for s in (shapes or STEP_TABLE_SHAPES)]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak = device_peak_matmul_flops(device, dtype)
@@ -290,9 +392,17 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     recipe_shapes = [] if tk_train_recipe_shape is None else [tuple(tk_train_recipe_shape)]
     plan = [(label, shape) for shape in shapes for label in models if label in _COMPARISON_ROWS]
     plan += [("spider_tk_train_recipe", shape) for shape in recipe_shapes if "spider" in models]
-    plan += [(label, shape) for label in ("spider_compiled", "spider_compiled_automatic_dynamic",
-                                          "spider_word_rate_compiled") for shape in shapes if label in models]
-    plan += [("spider_tk_train_recipe_compiled", shape) for shape in recipe_shapes if "spider_tk_train_recipe_compiled" in models]
+    plan += [
+        (label, shape)
+        for label in ("spider_compiled", "spider_compiled_automatic_dynamic", "spider_word_rate_compiled")
+        for shape in shapes
+        if label in models
+    ]
+    plan += [
+        ("spider_tk_train_recipe_compiled", shape)
+        for shape in recipe_shapes
+        if "spider_tk_train_recipe_compiled" in models
+    ]
     plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
     plan += [(label, shape) for label in FP8_COMPILED_ROWS for shape in shapes if label in models]
 
@@ -301,22 +411,27 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
         stride = model.model.flexitokens.boundary_predictor.stride
         return model, {**extra, "boundary_mode": "fixed", "bytes_per_segment": stride}
 
-    builders.update(spider_word_rate=lambda: word_rate(
-                        build_on(lambda: spider_model(preset, boundary_mode="fixed"), device), {}),
-                    spider_word_rate_compiled=lambda: word_rate(
-                        *_spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")),
-                    spider_fp8=lambda: _spider_fp8(preset, device),
-                    spider_tk_train_recipe=lambda: _spider_tk_train_recipe(preset, device),
-                    spider_tk_train_recipe_compiled=lambda: _spider_tk_train_recipe(preset, device, compile_backend,
-                                                                            compile_mode),
-                    spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode),
-                    spider_compiled_automatic_dynamic=lambda: _spider_compiled(
-                        preset, device, compile_backend, compile_mode, compile_options={"dynamic": None}))
+    builders.update(
+        spider_word_rate=lambda: word_rate(build_on(lambda: spider_model(preset, boundary_mode="fixed"), device), {}),
+        spider_word_rate_compiled=lambda: word_rate(
+            *_spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")
+        ),
+        spider_fp8=lambda: _spider_fp8(preset, device),
+        spider_tk_train_recipe=lambda: _spider_tk_train_recipe(preset, device),
+        spider_tk_train_recipe_compiled=lambda: _spider_tk_train_recipe(preset, device, compile_backend, compile_mode),
+        spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode),
+        spider_compiled_automatic_dynamic=lambda: _spider_compiled(
+            preset, device, compile_backend, compile_mode, compile_options={"dynamic": None}
+        ),
+    )
     for label, (recipe, experts_mode) in FP8_COMPILED_ROWS.items():
         builders[label] = lambda recipe=recipe, experts_mode=experts_mode: _fp8_compiled(
-            _spider_fp8(preset, device, recipe, experts_mode), compile_backend, compile_mode)
+            _spider_fp8(preset, device, recipe, experts_mode), compile_backend, compile_mode
+        )
     rows, params, spider_flops = [], {}, {}  # spider_flops: by (eager row, shape), for the compiled twins
-    held = None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
+    held = (
+        None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
+    )
     needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
     for label, (batch, length) in plan:
         row_name = {"model": label, "shape": f"{batch}x{length}"}
@@ -334,10 +449,18 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
             if key == "spider":
                 model.set_experts_implementation("eager" if label == "spider_eager_experts" else default_experts)
             params[label] = num_params(model)
-            row = _step_row(model, label, (batch, length), device, repeats, peak["flops_per_s"],
-                            profile=(batch, length) == shapes[0], warmup=STEP_TABLE_WARMUP.get(label, 1),
-                            instrument=label not in _EAGER_TWIN,
-                            flops=spider_flops.get((_EAGER_TWIN.get(label), batch, length)))
+            row = _step_row(
+                model,
+                label,
+                (batch, length),
+                device,
+                repeats,
+                peak["flops_per_s"],
+                profile=(batch, length) == shapes[0],
+                warmup=STEP_TABLE_WARMUP.get(label, 1),
+                instrument=label not in _EAGER_TWIN,
+                flops=spider_flops.get((_EAGER_TWIN.get(label), batch, length)),
+            )
             rows.append({**row, **extra})
             if label in _EAGER_TWIN.values():
                 spider_flops[(label, batch, length)] = row["flops_per_step"]
@@ -364,13 +487,23 @@ def step_table_check(preset: str = "1b", shapes=None, repeats: int = 3, device: 
     else:
         status = "passed"
         reason = TIME_BUDGET + ": some rows skipped" if len(ran) < len(rows) else ""
-    return entry(name, status, reason, device=str(device), preset=preset, dtype=str(dtype).replace("torch.", ""),
-                  peak_matmul=peak, parameters=params, repeats=repeats,
-                  llama_dense_layers=llama_config.num_hidden_layers,
-                  llama_params_over_spider=(params["llama_dense"] / params["spider"]
-                                            if {"llama_dense", "spider"} <= params.keys() else None),
-                  rows=rows)
+    return entry(
+        name,
+        status,
+        reason,
+        device=str(device),
+        preset=preset,
+        dtype=str(dtype).replace("torch.", ""),
+        peak_matmul=peak,
+        parameters=params,
+        repeats=repeats,
+        llama_dense_layers=llama_config.num_hidden_layers,
+        llama_params_over_spider=(
+            params["llama_dense"] / params["spider"] if {"llama_dense", "spider"} <= params.keys() else None
+        ),
+        rows=rows,
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # host_syncs

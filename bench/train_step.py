@@ -25,7 +25,17 @@ import time
 import torch
 
 from bench.common import (
-    TrainStep, check, finish, info, main_for, num_params, peer_model, profile_top, random_bytes, spider_config, spider_model,
+    TrainStep,
+    check,
+    finish,
+    info,
+    main_for,
+    num_params,
+    peer_model,
+    profile_top,
+    random_bytes,
+    spider_config,
+    spider_model,
     time_interleaved,
 )
 
@@ -48,7 +58,9 @@ def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
     at_prior = copy.deepcopy(spider)
     with torch.no_grad():
         at_prior.model.flexitokens.boundary_predictor.out_proj.weight.zero_()
-        at_prior.model.flexitokens.boundary_predictor.out_proj.bias.fill_(math.log(cfg.boundary_prior / (1 - cfg.boundary_prior)))
+        at_prior.model.flexitokens.boundary_predictor.out_proj.bias.fill_(
+            math.log(cfg.boundary_prior / (1 - cfg.boundary_prior))
+        )
     steps = {
         "spider_n_loops_1": TrainStep(spider, ids, n_loops=1),
         "spider_n_loops_1_at_prior_rate": TrainStep(at_prior, ids, n_loops=1),
@@ -88,22 +100,34 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "median_s": {n: round(t["median_s"], 5) for n, t in timed.items()},
             "times_s": {n: t["times_s"] for n, t in timed.items()},
             "tokens_per_s": {n: round(v, 1) for n, v in tps.items()},
-            "default_over_n_loops_1_time": round(timed["spider_default"]["median_s"]
-                                                 / timed["spider_n_loops_1"]["median_s"], 4),
+            "default_over_n_loops_1_time": round(
+                timed["spider_default"]["median_s"] / timed["spider_n_loops_1"]["median_s"], 4
+            ),
             "spider_default_over_peer_tokens_per_s": round(tps["spider_default"] / tps["peer"], 4),
         },
         "checks": [
-            check("train step Spider(n_loops=1) / peer, boundary rate at init (~0.5)", "tokens/s ratio", TARGET,
-                  tps["spider_n_loops_1"] / tps["peer"]),
-            check(f"train step Spider(n_loops=1) / peer, boundary rate at the prior ({info_['boundary_prior']})",
-                  "tokens/s ratio", TARGET, tps["spider_n_loops_1_at_prior_rate"] / tps["peer"]),
+            check(
+                "train step Spider(n_loops=1) / peer, boundary rate at init (~0.5)",
+                "tokens/s ratio",
+                TARGET,
+                tps["spider_n_loops_1"] / tps["peer"],
+            ),
+            check(
+                f"train step Spider(n_loops=1) / peer, boundary rate at the prior ({info_['boundary_prior']})",
+                "tokens/s ratio",
+                TARGET,
+                tps["spider_n_loops_1_at_prior_rate"] / tps["peer"],
+            ),
         ],
         "info": [
             info("Spider tokens/s n_loops=1", tps["spider_n_loops_1"], "tokens/s"),
             info(f"Spider tokens/s n_loops={info_['default_n_loops']} (default)", tps["spider_default"], "tokens/s"),
             info("peer tokens/s", tps["peer"], "tokens/s"),
-            info("default n_loops step time / n_loops=1", timed["spider_default"]["median_s"]
-                 / timed["spider_n_loops_1"]["median_s"], "x"),
+            info(
+                "default n_loops step time / n_loops=1",
+                timed["spider_default"]["median_s"] / timed["spider_n_loops_1"]["median_s"],
+                "x",
+            ),
         ],
         "notes": [
             "peer: DeepseekV3 cannot make its last layer dense, so the peer's coda layer(s) are MoE "
@@ -115,8 +139,10 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         ],
     }
     if profile and not result["checks"][0]["met"]:
-        result["profile"] = {"spider_n_loops_1": profile_top(steps["spider_n_loops_1"], steps=2),
-                             "peer": profile_top(steps["peer"], steps=2, top=8)}
+        result["profile"] = {
+            "spider_n_loops_1": profile_top(steps["spider_n_loops_1"], steps=2),
+            "peer": profile_top(steps["peer"], steps=2, top=8),
+        }
     return finish(result, start)
 
 

@@ -19,7 +19,8 @@
   unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
   and the entry says how many. Reported beside the judgement: each step's wall time summarised (``step_seconds``,
-  :func:`bench.diagnostics.step_time_summary`: median, mean, 90th percentile, max, and how many steps took over twice the median,
+  :func:`bench.diagnostics.step_time_summary`: median, mean, 90th percentile, max, and how many steps took over twice
+  the median,
   which is what a segment count not seen before costs in a real run; with each step's padded segment axis, the
   sizes met, the steps that met one first, how many of the slow steps those were and the median of the other
   steps), the mean ACT halting step along the run
@@ -87,7 +88,7 @@ def _trainer_hook_class():
                 self.step_times.append(time.perf_counter() - self._step_start)
                 self._step_start = None
                 if self._axis is not None:  # the step's forwards (micro-batches) only: evaluation runs after this
-                    sizes = self._axis.sizes[self._axis_mark:]
+                    sizes = self._axis.sizes[self._axis_mark :]
                     self.step_axes.append(max(sizes) if sizes else None)
             if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
                 control.should_training_stop = True
@@ -108,14 +109,20 @@ def _train_main(argv: list[str], stop_at: float | None):
     return summary, hook, time.perf_counter() - start
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # main_job
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
-def main_job_check(steps: int = 500, preset: str = "small", device: torch.device | None = None,
-                   deadline: Deadline | None = None, extra_args: tuple[str, ...] = (),
-                   prompt: str = "The state of the union is", new_bytes: int = 16) -> dict:
+def main_job_check(
+    steps: int = 500,
+    preset: str = "small",
+    device: torch.device | None = None,
+    deadline: Deadline | None = None,
+    extra_args: tuple[str, ...] = (),
+    prompt: str = "The state of the union is",
+    new_bytes: int = 16,
+) -> dict:
     """The README's main job in a temporary folder, then its release reloaded onto `device` to generate (see the
     module docstring). `extra_args` are appended to the training command line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -134,19 +141,30 @@ def main_job_check(steps: int = 500, preset: str = "small", device: torch.device
         except PartTimeout:
             raise
         except Exception as exc:  # noqa: BLE001 - the check reports what broke
-            return entry(name, "failed", f"spider_training.train.main raised {error_reason(exc)}",
-                          command=["spider_training.train.main", *argv], **figures)
+            return entry(
+                name,
+                "failed",
+                f"spider_training.train.main raised {error_reason(exc)}",
+                command=["spider_training.train.main", *argv],
+                **figures,
+            )
         before = summary.get("eval_before_bits_per_byte")
         after = summary.get("eval_after_bits_per_byte")
-        figures.update(steps=summary.get("steps"), seconds=round(seconds, 2),
-                       train_runtime_s=_train_runtime(hook),
-                       step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
-                       precision=summary.get("precision"),
-                       moe_backend=summary.get("moe_backend"), parameters=summary.get("parameters"),
-                       bits_per_byte_before=before, bits_per_byte_after=after,
-                       bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
-                       compression_rate_after=summary.get("eval_after_compression_rate"),
-                       sample=summary.get("sample"), stopped_by_time_budget_at_step=hook.stopped_at_step)
+        figures.update(
+            steps=summary.get("steps"),
+            seconds=round(seconds, 2),
+            train_runtime_s=_train_runtime(hook),
+            step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
+            precision=summary.get("precision"),
+            moe_backend=summary.get("moe_backend"),
+            parameters=summary.get("parameters"),
+            bits_per_byte_before=before,
+            bits_per_byte_after=after,
+            bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
+            compression_rate_after=summary.get("eval_after_compression_rate"),
+            sample=summary.get("sample"),
+            stopped_by_time_budget_at_step=hook.stopped_at_step,
+        )
         hook.state = hook.config = None  # nothing of the trained run outlives the part
         free_memory()
         problems = []
@@ -164,16 +182,27 @@ def main_job_check(steps: int = 500, preset: str = "small", device: torch.device
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
             ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1).to(device)
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_bytes,
-                                     min_new_tokens=new_bytes, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            generated = out[0, ids.shape[1]:]
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_bytes,
+                    min_new_tokens=new_bytes,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            generated = out[0, ids.shape[1] :]
             reload_ok = out.device.type == device.type and generated.numel() == new_bytes
-            figures.update(release_reload_ok=reload_ok, reload_device=str(out.device),
-                           reload_class=type(model).__name__, generated_bytes=int(generated.numel()),
-                           generated_text=tokenizer.decode(generated, skip_special_tokens=True))
+            figures.update(
+                release_reload_ok=reload_ok,
+                reload_device=str(out.device),
+                reload_class=type(model).__name__,
+                generated_bytes=int(generated.numel()),
+                generated_text=tokenizer.decode(generated, skip_special_tokens=True),
+            )
             if not reload_ok:
-                problems.append(f"the reloaded release generated {generated.numel()} of {new_bytes} bytes on "
-                                f"{out.device}")
+                problems.append(
+                    f"the reloaded release generated {generated.numel()} of {new_bytes} bytes on {out.device}"
+                )
             del model
         except PartTimeout:
             raise
@@ -191,9 +220,9 @@ def _train_runtime(hook) -> float | None:
     return None if runtime is None else round(float(runtime), 2)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # run_1b
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def held_out_curve(log_history: list[dict]) -> list[tuple[int, float]]:
@@ -210,8 +239,9 @@ def held_out_curve(log_history: list[dict]) -> list[tuple[int, float]]:
 def training_curve(log_history: list[dict], key: str) -> list[tuple[int, float]]:
     """``[(step, value)]`` of `key` in the training logs (averaged over each logging window; evaluation entries,
     whose keys carry the ``eval_`` prefix, are not read)."""
-    return [(int(e.get("step", 0)), float(e[key])) for e in log_history
-            if key in e and isinstance(e[key], (int, float))]
+    return [
+        (int(e.get("step", 0)), float(e[key])) for e in log_history if key in e and isinstance(e[key], (int, float))
+    ]
 
 
 def compression_curve(log_history: list[dict]) -> list[tuple[int, float]]:
@@ -219,8 +249,13 @@ def compression_curve(log_history: list[dict]) -> list[tuple[int, float]]:
     return training_curve(log_history, "compression_rate")
 
 
-def judge_1b_run(held_out: list[tuple[int, float]], compression: list[tuple[int, float]], boundary_prior: float,
-                 boundary_prior_std: float, boundary_prior_k: float) -> tuple[str, str, dict]:
+def judge_1b_run(
+    held_out: list[tuple[int, float]],
+    compression: list[tuple[int, float]],
+    boundary_prior: float,
+    boundary_prior_std: float,
+    boundary_prior_k: float,
+) -> tuple[str, str, dict]:
     """The ``run_1b`` checks on a run's curves: the last logged boundary rate ``1 / compression_rate`` inside
     ``[prior - k*std, prior]`` (where the rate hinge is zero) and held-out bits per byte falling (last < first).
     Returns ``(status, reason, figures)``."""
@@ -233,22 +268,33 @@ def judge_1b_run(held_out: list[tuple[int, float]], compression: list[tuple[int,
         rate = 1.0 / compression[-1][1]
         figures.update(boundary_rate_end=rate, compression_rate_end=compression[-1][1])
         if not low <= rate <= high:
-            problems.append(f"boundary rate {rate:.4f} at step {compression[-1][0]} is outside the prior's band "
-                            f"[{low:.4f}, {high:.4f}]")
+            problems.append(
+                f"boundary rate {rate:.4f} at step {compression[-1][0]} is outside the prior's band "
+                f"[{low:.4f}, {high:.4f}]"
+            )
     if len(held_out) < 2:
         problems.append(f"{len(held_out)} held-out scoring(s) logged, need 2 to see a trend")
     else:
         first, last = held_out[0][1], held_out[-1][1]
         figures.update(bits_per_byte_first=first, bits_per_byte_last=last)
         if not last < first:
-            problems.append(f"held-out bits per byte did not fall ({first:.4f} at step {held_out[0][0]} -> "
-                            f"{last:.4f} at step {held_out[-1][0]})")
+            problems.append(
+                f"held-out bits per byte did not fall ({first:.4f} at step {held_out[0][0]} -> "
+                f"{last:.4f} at step {held_out[-1][0]})"
+            )
     return ("failed" if problems else "passed"), "; ".join(problems), figures
 
 
-def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len: int = 256,
-                 device: torch.device | None = None, deadline: Deadline | None = None,
-                 experts_implementation: str | None = None, extra_args: tuple[str, ...] = ()) -> dict:
+def run_1b_check(
+    steps: int = 300,
+    preset: str = "1b",
+    batch: int = 32,
+    seq_len: int = 256,
+    device: torch.device | None = None,
+    deadline: Deadline | None = None,
+    experts_implementation: str | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> dict:
     """`steps` training steps of `preset` on the embedded corpus, judged by :func:`judge_1b_run` (see the module
     docstring). Skipped without CUDA for the ``1b`` preset."""
     device = device or default_device()
@@ -256,13 +302,36 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
     name = "run_1b"
     if preset == "1b" and device.type != "cuda":
         return entry(name, "skipped", "needs CUDA (300 steps of the 1b preset take days on a CPU)")
-    figures = {"device": str(device), "preset": preset, "steps_requested": steps, "micro_batch": batch,
-               "seq_len": seq_len, "experts_implementation": experts_implementation or "the preset's"}
+    figures = {
+        "device": str(device),
+        "preset": preset,
+        "steps_requested": steps,
+        "micro_batch": batch,
+        "seq_len": seq_len,
+        "experts_implementation": experts_implementation or "the preset's",
+    }
     with tempfile.TemporaryDirectory(prefix="spider_gpu_check_1b_") as tmp:
-        argv = ["--preset", preset, "--max_steps", str(steps), "--micro_batch", str(batch), "--seq_len", str(seq_len),
-                "--output_dir", os.path.join(tmp, "run"), "--eval_steps", str(max(1, steps // 6)),
-                "--logging_steps", str(max(1, min(10, steps // 10))), "--save_strategy", "no", "--sample_bytes", "0",
-                "--no_gradient_checkpointing"]
+        argv = [
+            "--preset",
+            preset,
+            "--max_steps",
+            str(steps),
+            "--micro_batch",
+            str(batch),
+            "--seq_len",
+            str(seq_len),
+            "--output_dir",
+            os.path.join(tmp, "run"),
+            "--eval_steps",
+            str(max(1, steps // 6)),
+            "--logging_steps",
+            str(max(1, min(10, steps // 10))),
+            "--save_strategy",
+            "no",
+            "--sample_bytes",
+            "0",
+            "--no_gradient_checkpointing",
+        ]
         if device.type == "cuda":
             argv += ["--precision", "bf16"]
         if experts_implementation:  # the config field of releases before the fused experts, still mapped
@@ -274,24 +343,38 @@ def run_1b_check(steps: int = 300, preset: str = "1b", batch: int = 32, seq_len:
         except PartTimeout:
             raise
         except Exception as exc:  # noqa: BLE001
-            return entry(name, "failed", f"spider_training.train.main raised {error_reason(exc)}",
-                          command=["spider_training.train.main", *argv], **figures)
+            return entry(
+                name,
+                "failed",
+                f"spider_training.train.main raised {error_reason(exc)}",
+                command=["spider_training.train.main", *argv],
+                **figures,
+            )
         history = hook.state.log_history
         config = hook.config
         held_out, compression = held_out_curve(history), compression_curve(history)
-        status, reason, judged = judge_1b_run(held_out, compression, config.boundary_prior,
-                                              config.boundary_prior_std, config.boundary_prior_k)
-        figures.update(steps=summary.get("steps"), seconds=round(seconds, 2), train_runtime_s=_train_runtime(hook),
-                       precision=summary.get("precision"), parameters=summary.get("parameters"),
-                       held_out_bits_per_byte=held_out, compression_rate=_thin(compression, 40),
-                       eval_compression_rate_after=summary.get("eval_after_compression_rate"),
-                       # reported, not judged: whether ACT keeps using the loops (docs/research_log.md: on CPU, the
-                       # 1b preset at micro-batch 4 halted after about one loop from step 7 on)
-                       mean_halting_step=_thin(training_curve(history, "mean_halting_step"), 40),
-                       held_out_bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
-                       boundary_prior=config.boundary_prior, boundary_prior_std=config.boundary_prior_std,
-                       boundary_prior_k=config.boundary_prior_k,
-                       step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes), **judged)
+        status, reason, judged = judge_1b_run(
+            held_out, compression, config.boundary_prior, config.boundary_prior_std, config.boundary_prior_k
+        )
+        figures.update(
+            steps=summary.get("steps"),
+            seconds=round(seconds, 2),
+            train_runtime_s=_train_runtime(hook),
+            precision=summary.get("precision"),
+            parameters=summary.get("parameters"),
+            held_out_bits_per_byte=held_out,
+            compression_rate=_thin(compression, 40),
+            eval_compression_rate_after=summary.get("eval_after_compression_rate"),
+            # reported, not judged: whether ACT keeps using the loops (docs/research_log.md: on CPU, the
+            # 1b preset at micro-batch 4 halted after about one loop from step 7 on)
+            mean_halting_step=_thin(training_curve(history, "mean_halting_step"), 40),
+            held_out_bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
+            boundary_prior=config.boundary_prior,
+            boundary_prior_std=config.boundary_prior_std,
+            boundary_prior_k=config.boundary_prior_k,
+            step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
+            **judged,
+        )
         if hook.stopped_at_step is not None:
             figures["note"] = f"training stopped by the time budget at step {hook.stopped_at_step} of {steps}"
             if status == "failed":
@@ -309,4 +392,3 @@ def _thin(points: list, at_most: int) -> list:
     stride = math.ceil(len(points) / at_most)
     kept = points[::stride]
     return kept if kept[-1] == points[-1] else kept + [points[-1]]
-

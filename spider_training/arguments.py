@@ -15,15 +15,17 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import HfArgumentParser, TrainingArguments
 
 from configuration_spider import SPIDER_PRESETS, SpiderConfig
+
 from .compile import compile_by_default
 from .data import is_hub_repo_id
 from .fp8 import FP8_EXPERTS_MODES, FP8_LAYER_FILTERS, resolve_precision
@@ -43,13 +45,18 @@ class SpiderArguments:
 
     preset: str = field(default="small", metadata={"help": "model preset: tiny, small, 1b (SpiderConfig.from_preset)"})
     config_overrides: str | None = field(
-        default=None, metadata={"help": "config overrides in transformers' key=value,... format (SpiderConfig."
-                                        "update_from_string), e.g. 'n_loops=3,loop_adapter_rank=8,engram_layer_ids=[1]'"}
+        default=None,
+        metadata={
+            "help": "config overrides in transformers' key=value,... format (SpiderConfig."
+            "update_from_string), e.g. 'n_loops=3,loop_adapter_rank=8,engram_layer_ids=[1]'"
+        },
     )
     init_from: str | None = field(default=None, metadata={"help": "start from the weights of a saved Spider folder"})
     model_name: str | None = field(
-        default=None, metadata={"help": "the release's name on its model card (default: the hub id's name, else "
-                                        "spider-<preset>-<size>M)"}
+        default=None,
+        metadata={
+            "help": "the release's name on its model card (default: the hub id's name, else spider-<preset>-<size>M)"
+        },
     )
     data: str = field(
         default="sotu",
@@ -65,64 +72,101 @@ class SpiderArguments:
     eval_from_year: int = field(default=2000, metadata={"help": "sotu: speeches from this year on are held out"})
     eval_windows: int = field(default=64, metadata={"help": "held-out windows scored for bits-per-byte"})
     max_consecutive_nonfinite: int = field(
-        default=10, metadata={"help": "optimizer steps with a NaN/inf loss or gradient skipped in a row before the run stops"}
+        default=10,
+        metadata={"help": "optimizer steps with a NaN/inf loss or gradient skipped in a row before the run stops"},
     )
-    seq_len: int | None = field(default=None, metadata={"help": "bytes per training window (env SEQ_LEN; default 256)"})
+    seq_len: int | None = field(
+        default=None, metadata={"help": "bytes per training window (env SEQ_LEN; default 256)"}
+    )
     micro_batch: int | None = field(
-        default=None, metadata={"help": "windows per device per step (env MICRO_BATCH; sets per_device_train_batch_size; "
-                                        "default 16)"}
+        default=None,
+        metadata={
+            "help": "windows per device per step (env MICRO_BATCH; sets per_device_train_batch_size; default 16)"
+        },
     )
     grad_accum: int | None = field(
-        default=None, metadata={"help": "gradient accumulation steps (env GRAD_ACCUM; sets gradient_accumulation_steps)"}
+        default=None,
+        metadata={"help": "gradient accumulation steps (env GRAD_ACCUM; sets gradient_accumulation_steps)"},
     )
     n_loops: int | None = field(default=None, metadata={"help": "recurrent loop iterations (env N_LOOPS)"})
     extra_train_loops: int = field(
-        default=0, metadata={"help": "each training step draws its loop count uniformly from n_loops to n_loops + this "
-                                     "(Huginn's randomised recurrence; evaluation runs n_loops). 0 (default): always "
-                                     "n_loops; 1: the state learns to hold still past the trained count, which costs "
-                                     "held-out bpb with budget (docs/research_log.md, 'Do more loops help?')"}
+        default=0,
+        metadata={
+            "help": "each training step draws its loop count uniformly from n_loops to n_loops + this "
+            "(Huginn's randomised recurrence; evaluation runs n_loops). 0 (default): always "
+            "n_loops; 1: the state learns to hold still past the trained count, which costs "
+            "held-out bpb with budget (docs/research_log.md, 'Do more loops help?')"
+        },
     )
-    lr: float | None = field(default=None, metadata={"help": "peak learning rate (env LR; sets learning_rate; default 1e-3)"})
+    lr: float | None = field(
+        default=None, metadata={"help": "peak learning rate (env LR; sets learning_rate; default 1e-3)"}
+    )
     precision: str = field(
         default="auto",
-        metadata={"help": "auto | fp8 | bf16 | fp32. auto: bf16 on CUDA unless an FP8 step of the preset measured "
-                  "faster on that GPU class (spider_training.fp8.FP8_MEASURED: slower on an H200 for both "
-                  "presets), fp32 on CPU"},
+        metadata={
+            "help": "auto | fp8 | bf16 | fp32. auto: bf16 on CUDA unless an FP8 step of the preset measured "
+            "faster on that GPU class (spider_training.fp8.FP8_MEASURED: slower on an H200 for both "
+            "presets), fp32 on CPU"
+        },
     )
-    fp8_recipe: str = field(default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"})
+    fp8_recipe: str = field(
+        default="tensorwise", metadata={"help": "torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp"}
+    )
     fp8_layers: str = field(
         default="auto",
-        metadata={"help": "with fp8: auto (each layer whose GEMM shape at this batch measured faster in FP8 on this "
-                  "GPU, --fp8_gemm_table; torchao's size filter on a GPU the table lacks) | tk_train (every layer "
-                  "tk-train.py converted); the routed experts: --fp8_experts"},
+        metadata={
+            "help": "with fp8: auto (each layer whose GEMM shape at this batch measured faster in FP8 on this "
+            "GPU, --fp8_gemm_table; torchao's size filter on a GPU the table lacks) | tk_train (every layer "
+            "tk-train.py converted); the routed experts: --fp8_experts"
+        },
     )
     fp8_gemm_table: str | None = field(
         default=None,
-        metadata={"help": "with fp8: the per-GEMM-shape timings that --fp8_layers auto reads (JSON from `python -m "
-                  "bench.gpu_check --only fp8_gemm`); default spider_training/fp8_gemm_table.json"},
+        metadata={
+            "help": "with fp8: the per-GEMM-shape timings that --fp8_layers auto reads (JSON from `python -m "
+            "bench.gpu_check --only fp8_gemm`); default spider_training/fp8_gemm_table.json"
+        },
     )
     fp8_experts: str = field(
         default="auto",
-        metadata={"help": "with fp8: auto (the routed experts through torchao's FP8 grouped GEMM where the GPU has it, "
-                  "SM90 with triton, and it measured faster; bf16 elsewhere, the log says why) | on (fail where it cannot run) | off"},
+        metadata={
+            "help": "with fp8: auto (the routed experts through torchao's FP8 grouped GEMM where the GPU has it, "
+            "SM90 with triton, and it measured faster; bf16 elsewhere, the log says why) | on (fail where it cannot "
+            "run) | off"
+        },
     )
     sdpa_backend: str = field(
         default="auto",
-        metadata={"help": "auto | cudnn | flash | efficient | math: the SDPA kernel training steps prefer "
-                  "(spider_training.sdpa; measured by python -m bench.gpu_check --only attention_backends). auto: "
-                  "torch's choice. flash pads MLA's narrower value head dim to the query/key head dim"},
+        metadata={
+            "help": "auto | cudnn | flash | efficient | math: the SDPA kernel training steps prefer "
+            "(spider_training.sdpa; measured by python -m bench.gpu_check --only attention_backends). auto: "
+            "torch's choice. flash pads MLA's narrower value head dim to the query/key head dim"
+        },
     )
     compile: bool = field(
-        default=False, metadata={"help": "torch.compile the model's regions (sets torch_compile). Default: compiled on "
-                                         "CUDA where the run is long enough to pay (spider_training.compile."
-                                         "COMPILE_PAYS_AFTER_STEPS: a 1b run of 640+ steps), eager otherwise"})
-    no_compile: bool = field(default=False, metadata={"help": "never torch.compile (overrides the default; refused with "
-                                                                "FP8 on CUDA unless --allow_eager_fp8)"})
+        default=False,
+        metadata={
+            "help": "torch.compile the model's regions (sets torch_compile). Default: compiled on "
+            "CUDA where the run is long enough to pay (spider_training.compile."
+            "COMPILE_PAYS_AFTER_STEPS: a 1b run of 640+ steps), eager otherwise"
+        },
+    )
+    no_compile: bool = field(
+        default=False,
+        metadata={
+            "help": "never torch.compile (overrides the default; refused with FP8 on CUDA unless --allow_eager_fp8)"
+        },
+    )
     allow_eager_fp8: bool = field(
-        default=False, metadata={"help": "with --precision fp8 and --no_compile on CUDA: train FP8 eagerly anyway (for "
-                                         "testing; eager FP8 measured up to 14x slower than bf16 on an H200)"})
+        default=False,
+        metadata={
+            "help": "with --precision fp8 and --no_compile on CUDA: train FP8 eagerly anyway (for "
+            "testing; eager FP8 measured up to 14x slower than bf16 on an H200)"
+        },
+    )
     resume: str | None = field(
-        default=None, metadata={"help": "checkpoint folder to resume from (default: the newest complete one in ckpt_dir)"}
+        default=None,
+        metadata={"help": "checkpoint folder to resume from (default: the newest complete one in ckpt_dir)"},
     )
     reset_steps: bool = field(default=False, metadata={"help": "with --resume: load weights only, restart at step 0"})
     ckpt_dir: str | None = field(default=None, metadata={"help": "checkpoint directory (sets output_dir)"})
@@ -131,30 +175,45 @@ class SpiderArguments:
         default=False, metadata={"help": "train on tk-train.py's few fixed sentences (same as --data mock)"}
     )
     no_gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "disable activation checkpointing (default: on for the 1b preset, as in "
-                                         "tk-train.py; off for small and tiny, where it only costs time)"}
+        default=False,
+        metadata={
+            "help": "disable activation checkpointing (default: on for the 1b preset, as in "
+            "tk-train.py; off for small and tiny, where it only costs time)"
+        },
     )
     adamw_8bit: bool = field(
-        default=False, metadata={"help": "bitsandbytes 8-bit AdamW for every parameter (sets optim=adamw_bnb_8bit; "
-                                         "Muon off)"}
+        default=False,
+        metadata={"help": "bitsandbytes 8-bit AdamW for every parameter (sets optim=adamw_bnb_8bit; Muon off)"},
     )
     muon_lr: float | None = field(
-        default=None, metadata={"help": f"peak learning rate of Muon (torch.optim.Muon) for the hidden matrices, "
-                                        f"AdamW at --lr for the rest (default {DEFAULT_MUON_LR}; 0: AdamW for every "
-                                        "parameter, the default with --adamw_8bit or FSDP)"}
+        default=None,
+        metadata={
+            "help": f"peak learning rate of Muon (torch.optim.Muon) for the hidden matrices, "
+            f"AdamW at --lr for the rest (default {DEFAULT_MUON_LR}; 0: AdamW for every "
+            "parameter, the default with --adamw_8bit or FSDP)"
+        },
     )
     muon_experts: bool = field(
-        default=False, metadata={"help": "with Muon: Muon also for the routed MoE experts' matrices. Default: AdamW at "
-                                         "--lr for them, a cheaper optimizer step on small batches "
-                                         "(docs/research_log.md, 'Which optimizer and batch?')"}
+        default=False,
+        metadata={
+            "help": "with Muon: Muon also for the routed MoE experts' matrices. Default: AdamW at "
+            "--lr for them, a cheaper optimizer step on small batches "
+            "(docs/research_log.md, 'Which optimizer and batch?')"
+        },
     )
-    ckpt_every: int | None = field(default=None, metadata={"help": "steps between checkpoints (env CKPT_EVERY; sets save_steps)"})
+    ckpt_every: int | None = field(
+        default=None, metadata={"help": "steps between checkpoints (env CKPT_EVERY; sets save_steps)"}
+    )
     target_tokens: int | None = field(default=None, metadata={"help": "total training tokens (env TARGET_TOKENS)"})
-    release_dir: str | None = field(default=None, metadata={"help": "final release folder (default: OUTPUT_DIR/release)"})
+    release_dir: str | None = field(
+        default=None, metadata={"help": "final release folder (default: OUTPUT_DIR/release)"}
+    )
     hub_endpoint: str | None = field(
         default=None, metadata={"help": "Hub URL for --push_to_hub (default: HF_ENDPOINT or huggingface.co)"}
     )
-    sample_prompt: str = field(default="The state of the union is", metadata={"help": "prompt of the sample generation"})
+    sample_prompt: str = field(
+        default="The state of the union is", metadata={"help": "prompt of the sample generation"}
+    )
     sample_bytes: int = field(default=96, metadata={"help": "bytes generated for the sample"})
 
 
@@ -183,8 +242,9 @@ TK_TRAIN_FLAGS: dict[str, TkTrainFlag] = {
     "ckpt_every": TkTrainFlag("CKPT_EVERY", sets=("save_steps",), default=200),
     "ckpt_dir": TkTrainFlag(sets=("output_dir",), default=DEFAULT_OUTPUT_DIR),
     "compile": TkTrainFlag(sets=("torch_compile",)),
-    "no_gradient_checkpointing": TkTrainFlag(sets=("activation_checkpointing", "gradient_checkpointing"),
-                                             convert=lambda flag: False),
+    "no_gradient_checkpointing": TkTrainFlag(
+        sets=("activation_checkpointing", "gradient_checkpointing"), convert=lambda flag: False
+    ),
     "data_dir": TkTrainFlag(sets=("data",)),
     "mock_data": TkTrainFlag(sets=("data",), convert=lambda flag: "mock"),
 }
@@ -212,17 +272,22 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
     """``--resume`` / ``--init_from`` must name a folder saved with ``save_pretrained`` (``--init_from`` may also be a
     Hub model id ``owner/name``). Checked here, before any model is built or file written.
 
-    Raises: FileNotFoundError (no such folder) or ValueError (a file, e.g. a tk-train.py ``.pt`` checkpoint), naming it."""
+    Raises: FileNotFoundError (no such folder) or ValueError (a file, e.g. a tk-train.py ``.pt`` checkpoint), naming
+    it."""
     if value is None:
         return
     path = os.path.expanduser(value)
     if os.path.isfile(path):
         hint = ""
         if path.endswith((".pt", ".pth")):
-            hint = (" -- a tk-train.py .pt checkpoint is converted first: python -m spider_training.convert_tk_train "
-                    f"{value} OUTPUT_DIR")
-        raise ValueError(f"{flag} {value}: is a file; expected a folder saved with save_pretrained (config.json + "
-                         f"model.safetensors){hint}")
+            hint = (
+                " -- a tk-train.py .pt checkpoint is converted first: python -m spider_training.convert_tk_train "
+                f"{value} OUTPUT_DIR"
+            )
+        raise ValueError(
+            f"{flag} {value}: is a file; expected a folder saved with save_pretrained (config.json + "
+            f"model.safetensors){hint}"
+        )
     if os.path.isdir(path):
         return
     if not local_only and is_hub_repo_id(value):
@@ -238,16 +303,27 @@ def _resolve_muon_lr(spider: SpiderArguments, training: dict) -> float:
     Raises: ValueError for a negative or non-finite value, or an explicit one combined with any of those."""
     fsdp = bool(training.get("fsdp")) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     other_optimizer = training.get("optim") not in (None, "adamw_torch")
-    conflict = ("--adamw_8bit" if spider.adamw_8bit else f"--optim {training.get('optim')}" if other_optimizer
-                else "FSDP" if fsdp else None)
+    conflict = (
+        "--adamw_8bit"
+        if spider.adamw_8bit
+        else f"--optim {training.get('optim')}"
+        if other_optimizer
+        else "FSDP"
+        if fsdp
+        else None
+    )
     if spider.muon_lr is None:
         return 0.0 if conflict else DEFAULT_MUON_LR
     if not (math.isfinite(spider.muon_lr) and spider.muon_lr >= 0):
-        raise ValueError(f"--muon_lr must be a finite number >= 0 (0: AdamW for every parameter), got {spider.muon_lr}")
+        raise ValueError(
+            f"--muon_lr must be a finite number >= 0 (0: AdamW for every parameter), got {spider.muon_lr}"
+        )
     if spider.muon_lr > 0 and conflict:
-        raise ValueError(f"--muon_lr {spider.muon_lr} cannot be combined with {conflict}: Muon trains the hidden "
-                         "matrices with its own optimizer state; pass --muon_lr 0 to train every parameter with "
-                         f"{'the chosen optimizer' if conflict != 'FSDP' else 'AdamW'}")
+        raise ValueError(
+            f"--muon_lr {spider.muon_lr} cannot be combined with {conflict}: Muon trains the hidden "
+            "matrices with its own optimizer state; pass --muon_lr 0 to train every parameter with "
+            f"{'the chosen optimizer' if conflict != 'FSDP' else 'AdamW'}"
+        )
     return spider.muon_lr
 
 
@@ -255,22 +331,41 @@ def build_parser() -> HfArgumentParser:
     """The ``HfArgumentParser`` over (SpiderArguments, TrainingArguments) with Spider's defaults set."""
     parser = HfArgumentParser((SpiderArguments, TrainingArguments), description=__doc__)
     parser.set_defaults(
-        output_dir=None, learning_rate=None, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-        lr_scheduler_type="cosine_with_min_lr", logging_steps=10, save_total_limit=2, report_to="none",
-        remove_unused_columns=False, optim="adamw_torch", save_steps=None, max_steps=None, logging_first_step=True,
-        per_device_train_batch_size=None, gradient_accumulation_steps=None, eval_strategy="steps", eval_steps=None,
+        output_dir=None,
+        learning_rate=None,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        lr_scheduler_type="cosine_with_min_lr",
+        logging_steps=10,
+        save_total_limit=2,
+        report_to="none",
+        remove_unused_columns=False,
+        optim="adamw_torch",
+        save_steps=None,
+        max_steps=None,
+        logging_first_step=True,
+        per_device_train_batch_size=None,
+        gradient_accumulation_steps=None,
+        eval_strategy="steps",
+        eval_steps=None,
         hub_strategy="checkpoint",  # with --push_to_hub, each checkpoint also goes to last-checkpoint/ (resumable)
     )
     return parser
 
 
-def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> tuple[SpiderArguments, TrainingArguments]:
+def parse_args(
+    argv: list[str] | None = None, world_size: int | None = None
+) -> tuple[SpiderArguments, TrainingArguments]:
     """Parse the command line (and env vars) into ``(SpiderArguments, TrainingArguments)``.
 
     Raises:
         ValueError: a bad env var value (names the variable), an unknown preset/precision/recipe/SDPA backend, a
-            non-positive size or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1 other than -1,
-            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a tk-train.py ``.pt``), a
+            non-positive size or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1
+            other than -1,
+            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a tk-train.py
+            ``.pt``), a
             ``--config_overrides`` item that is malformed, names no config field or gives it a bad value.
         FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
         SystemExit: argparse errors (unknown flags, wrong types), with argparse's message on stderr naming the flag.
@@ -292,7 +387,16 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     def origin(attr: str) -> str:
         return f" (from environment variable {from_env[attr]})" if attr in from_env else ""
 
-    for attr in ("seq_len", "micro_batch", "grad_accum", "n_loops", "target_tokens", "ckpt_every", "eval_windows", "sample_bytes"):
+    for attr in (
+        "seq_len",
+        "micro_batch",
+        "grad_accum",
+        "n_loops",
+        "target_tokens",
+        "ckpt_every",
+        "eval_windows",
+        "sample_bytes",
+    ):
         value = getattr(spider, attr)
         if value is not None and value < 1 and not (attr == "sample_bytes" and value == 0):
             raise ValueError(f"--{attr} must be >= 1, got {value}{origin(attr)}")
@@ -341,8 +445,10 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         training["optim"] = "adamw_bnb_8bit"
     spider.muon_lr = _resolve_muon_lr(spider, training)
     if training.get("gradient_checkpointing") is None and training.get("activation_checkpointing") is None:
-        # On for tk-train.py's 1B model, as tk-train.py trains it. The CPU presets need no memory back (the small preset
-        # peaks near 1.1 GB) and recomputing every layer's forward cost 1.38x the step (bench.activation_checkpointing),
+        # On for tk-train.py's 1B model, as tk-train.py trains it. The CPU presets need no memory back (the small
+        # preset
+        # peaks near 1.1 GB) and recomputing every layer's forward cost 1.38x the step
+        # (bench.activation_checkpointing),
         # which put the default run over its 10 minutes on a slower 2-core machine.
         training["activation_checkpointing"] = spider.preset == "1b"
 
@@ -351,7 +457,9 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         world = world_size or _from_env("WORLD_SIZE", int) or 1
         if world < 1:
             raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
-        per_step = world * training["per_device_train_batch_size"] * training["gradient_accumulation_steps"] * spider.seq_len
+        per_step = (
+            world * training["per_device_train_batch_size"] * training["gradient_accumulation_steps"] * spider.seq_len
+        )
         steps = max(1, spider.target_tokens // per_step)
         max_steps = min(steps, max_steps) if max_steps and max_steps > 0 else steps
     training["max_steps"] = max_steps if max_steps and max_steps > 0 else DEFAULT_MAX_STEPS
@@ -372,13 +480,18 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         training["eval_steps"] = max(1, training["max_steps"] // 10)
     if spider.compile and spider.no_compile:
         raise ValueError("--compile and --no_compile contradict each other: give one")
-    fp8 = _cuda_available() and (spider.precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8"
-                                 or spider.precision == "auto" and resolve_precision("auto", spider.preset) == "fp8")
+    fp8 = _cuda_available() and (
+        spider.precision == "fp8"
+        or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8"
+        or spider.precision == "auto"
+        and resolve_precision("auto", spider.preset) == "fp8"
+    )
     if spider.no_compile and fp8 and not spider.allow_eager_fp8:
         raise ValueError(
             "--precision fp8 with --no_compile: FP8 runs compiled (torchao's float8 gains are measured under "
             "torch.compile; eagerly, separate amax and cast kernels per matmul made a 1b step up to 14x slower than "
-            "bf16 on an H200). Drop --no_compile, train in bf16, or pass --allow_eager_fp8 to run it eagerly anyway")
+            "bf16 on an H200). Drop --no_compile, train in bf16, or pass --allow_eager_fp8 to run it eagerly anyway"
+        )
     if spider.no_compile:
         training["torch_compile"] = False
     elif not spider.compile and not training.get("torch_compile"):

@@ -48,11 +48,14 @@ def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str,
     fused: dict[str, torch.Tensor] = {}
     for prefix, weights in groups.items():
         num_experts = 1 + max(e for e, _ in weights)
-        missing = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
-                   if (e, p) not in weights]
+        missing = [
+            (e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in weights
+        ]
         if missing:
-            raise ValueError(f"per-expert weights under {prefix!r} are incomplete: missing "
-                             + ", ".join(f"{prefix}{e}.{p}.weight" for e, p in missing[:5]))
+            raise ValueError(
+                f"per-expert weights under {prefix!r} are incomplete: missing "
+                + ", ".join(f"{prefix}{e}.{p}.weight" for e, p in missing[:5])
+            )
         fused[prefix + "gate_up_proj"] = torch.stack(
             [torch.cat([weights[e, "gate_proj"], weights[e, "up_proj"]], dim=0) for e in range(num_experts)]
         )
@@ -67,7 +70,6 @@ def fuse_per_expert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str,
             out[match["prefix"] + "gate_up_proj"] = fused[match["prefix"] + "gate_up_proj"]
             out[match["prefix"] + "down_proj"] = fused[match["prefix"] + "down_proj"]
     return out
-
 
 
 class CheckpointWriteError(OSError):
@@ -88,8 +90,14 @@ _CAUSES = {
     errno.EACCES: "permission denied (read-only directory?)",
     errno.EPERM: "operation not permitted (read-only or immutable directory?)",
 }
-_MESSAGES = {"No space left on device": errno.ENOSPC, "os error 28": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
-             "Read-only file system": errno.EROFS, "os error 30": errno.EROFS, "Permission denied": errno.EACCES}
+_MESSAGES = {
+    "No space left on device": errno.ENOSPC,
+    "os error 28": errno.ENOSPC,
+    "Disk quota exceeded": errno.EDQUOT,
+    "Read-only file system": errno.EROFS,
+    "os error 30": errno.EROFS,
+    "Permission denied": errno.EACCES,
+}
 LOW_SPACE_BYTES = 1 << 20
 """Free space under which a write failure of unknown cause is reported as "disk full" (1 MiB)."""
 
@@ -131,14 +139,18 @@ def describe_write_failure(path: str | os.PathLike, err: BaseException) -> tuple
     return None, f"{type(err).__name__}: {err}"
 
 
-def checkpoint_write_error(folder: str | os.PathLike, err: BaseException, previous: str | None) -> CheckpointWriteError:
+def checkpoint_write_error(
+    folder: str | os.PathLike, err: BaseException, previous: str | None
+) -> CheckpointWriteError:
     """The :class:`CheckpointWriteError` to raise when writing `folder` failed with `err` (`previous`: newest intact
     checkpoint, named in the message)."""
     number, cause = describe_write_failure(folder, err)
     keep = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return CheckpointWriteError(number if number is not None else errno.EIO,
-                                f"could not write checkpoint {folder}: {cause}; {keep}. Original error: {err}",
-                                str(folder))
+    return CheckpointWriteError(
+        number if number is not None else errno.EIO,
+        f"could not write checkpoint {folder}: {cause}; {keep}. Original error: {err}",
+        str(folder),
+    )
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -221,8 +233,10 @@ def save_folder_atomically(final: str | os.PathLike, write) -> Path:
 
 def convert_older_checkpoint(folder: str | os.PathLike) -> bool:
     """Rewrite `folder`'s ``model.safetensors`` once in today's names when it holds an older checkpoint's: the
-    per-expert layout (``...experts.{e}.gate_proj.weight`` etc.; :func:`fuse_per_expert_state_dict`) fused, the segmentation's older names (``null_group``, ``down_norm``,
-    ``upsample_norm``: ``conversion_spider.OLDER_SEGMENTATION_KEYS``) renamed, so that Trainer's resume, which reads the
+    per-expert layout (``...experts.{e}.gate_proj.weight`` etc.; :func:`fuse_per_expert_state_dict`) fused, the
+    segmentation's older names (``null_group``, ``down_norm``,
+    ``upsample_norm``: ``conversion_spider.OLDER_SEGMENTATION_KEYS``) renamed, so that Trainer's resume, which reads
+    the
     file with ``load_state_dict``, finds every weight. The new file replaces the old with one ``os.replace`` (a crash
     leaves the old file).
 

@@ -66,11 +66,14 @@ def configure_dynamo() -> None:
     dynamo_config.specialize_float = True
     if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # not in older torch releases
         inductor_config.unsafe_marked_cacheable_functions = {
-            **inductor_config.unsafe_marked_cacheable_functions, **dict.fromkeys(CACHEABLE_FUNCTIONS, torch.__version__)}
+            **inductor_config.unsafe_marked_cacheable_functions,
+            **dict.fromkeys(CACHEABLE_FUNCTIONS, torch.__version__),
+        }
 
 
-def mark_segment_axis(hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None,
-                      row_weights=None, cache=None) -> None:
+def mark_segment_axis(
+    hidden_states, position_embeddings, attention_mask, segment_index, engram_memory=None, row_weights=None, cache=None
+) -> None:
     """Mark the segment axis of a ``SpiderRecurrentLayer`` call's inputs dynamic, every other dim staying static:
     `hidden_states` `(B, S, D)`, the RoPE `(cos, sin)` `(B, S, r)` and `engram_memory` `(B, S, M)` dim 1, a tensor
     `attention_mask` `(B, 1, S, S)` dims 2 and 3, `segment_index` `(N,)` and the MoE's `row_weights` `(B*S,)` /
@@ -137,8 +140,9 @@ def _training_call(compiled, mark, layer, *args, **kwargs):
     return compiled(layer, *args, **kwargs)
 
 
-def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str | None = None,
-                  **options) -> torch.nn.Module:
+def compile_model(
+    model: torch.nn.Module, backend: str = "inductor", mode: str | None = None, **options
+) -> torch.nn.Module:
     """Compile `model`'s layers in place, as ``--compile`` does (module docstring): :func:`configure_dynamo`, then
     each prelude, coda and recurrent layer's ``forward`` replaced by a call of its kind's ``torch.compile``\\d
     function (:data:`COMPILE_OPTIONS` updated by `options`, `backend`, `mode`), the recurrent layers' segment axis
@@ -155,8 +159,10 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor", mode: str |
     """
     base = getattr(model, "model", model)
     if not all(hasattr(base, name) for name in ("prelude_layers", "coda_layers", "recurrent_block")):
-        raise TypeError(f"compile_model compiles a Spider model's layers; {type(model).__name__} has no "
-                        "prelude_layers, coda_layers and recurrent_block")
+        raise TypeError(
+            f"compile_model compiles a Spider model's layers; {type(model).__name__} has no "
+            "prelude_layers, coda_layers and recurrent_block"
+        )
     configure_dynamo()
     options = {**COMPILE_OPTIONS, **options}
     byte_kind, recurrent_kind, engram_kind = (_CompiledKind(kind, backend, mode, options) for kind in _KINDS)

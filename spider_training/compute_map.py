@@ -77,13 +77,14 @@ class ComputeMap:
         return self.segment_mask.sum(dim=1) - 1
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The map: what one forward returns
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
-def compute_map(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                n_loops: int | None = None) -> ComputeMap:
+def compute_map(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, n_loops: int | None = None
+) -> ComputeMap:
     """The :class:`ComputeMap` of one eval-mode forward of `model` (a ``SpiderForConditionalGeneration`` or its
     ``SpiderModel``) on `input_ids` int64 `(B, L)` with `attention_mask` `(B, L)` (1 real, 0 padding; None: all real)
     and `n_loops` (default ``config.n_loops``). The map is what that call returns with ``output_router_logits=True``
@@ -103,13 +104,15 @@ def compute_map(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     model.eval()
     try:
         with torch.no_grad():
-            out = base(input_ids, attention_mask=attention_mask, n_loops=n_loops, use_cache=False,
-                       output_router_logits=True)
+            out = base(
+                input_ids, attention_mask=attention_mask, n_loops=n_loops, use_cache=False, output_router_logits=True
+            )
     finally:
         model.train(was_training)
     # the router logits come per loop, then per recurrent layer: (loop, layer) -> (that layer's MoE, logits)
-    router = {divmod(n, len(layers)): (layers[n % len(layers)].mlp, logits)
-              for n, logits in enumerate(out.router_logits)}
+    router = {
+        divmod(n, len(layers)): (layers[n % len(layers)].mlp, logits) for n, logits in enumerate(out.router_logits)
+    }
     return _assemble(input_ids, attention_mask, out, router, len(layers), layers[0].mlp.top_k)
 
 
@@ -125,13 +128,20 @@ def _assemble(input_ids, attention_mask, out, router, num_layers: int, top_k: in
     segment_mask = out.segment_mask.detach().cpu() > 0.5
     halting_step = torch.where(segment_mask, out.halting_step.detach().cpu().round().long(), 0)
     loop_weights = out.loop_weights.cpu().to(torch.float32)
-    experts, expert_weights = _routed_experts(router, segment_mask, halting_step, loop_weights.shape[-1], num_layers,
-                                              top_k)
+    experts, expert_weights = _routed_experts(
+        router, segment_mask, halting_step, loop_weights.shape[-1], num_layers, top_k
+    )
     return ComputeMap(
-        input_ids=input_ids.detach().cpu(), byte_mask=byte_mask,
+        input_ids=input_ids.detach().cpu(),
+        byte_mask=byte_mask,
         boundary_probs=out.boundary_probs.detach().cpu().to(torch.float32),
-        boundaries=boundaries, segment_ids=segment_ids, read_segment_ids=read_segment_ids, segment_mask=segment_mask,
-        halting_step=halting_step, loop_weights=loop_weights * segment_mask[..., None], experts=experts,
+        boundaries=boundaries,
+        segment_ids=segment_ids,
+        read_segment_ids=read_segment_ids,
+        segment_mask=segment_mask,
+        halting_step=halting_step,
+        loop_weights=loop_weights * segment_mask[..., None],
+        experts=experts,
         expert_weights=expert_weights,
     )
 
@@ -162,13 +172,15 @@ def _routed_rows(segment_mask, halting_step, loop: int, n_rows: int) -> torch.Te
     for rows in (real, real & (halting_step.reshape(-1) > loop)):
         if int(rows.sum()) == n_rows:
             return rows.nonzero().squeeze(1)
-    raise RuntimeError(f"the MoE routed {n_rows} segments at loop {loop}, but the batch has {int(real.sum())} real "
-                       "segments: the model routes rows in a way this map does not know")
+    raise RuntimeError(
+        f"the MoE routed {n_rows} segments at loop {loop}, but the batch has {int(real.sum())} real "
+        "segments: the model routes rows in a way this map does not know"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Segments of one row, as text
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -219,25 +231,35 @@ def row_segments(cmap: ComputeMap, row: int = 0) -> list[Segment]:
             break  # no open segment
         start, end = spans[s] if spans[s][0] is not None else (0, 0)
         closed = 0 < s <= n_closed
-        segments.append(Segment(
-            index=s if s <= n_closed else -1, text="∅" if s == 0 else "".join(texts[s]), start=start, end=end,
-            prob=probs[end - 1] if closed else None, loops=int(cmap.halting_step[row, s]) if s <= n_closed else 0,
-            weights=cmap.loop_weights[row, s].tolist() if s <= n_closed else [],
-            experts=_segment_experts(cmap, row, s) if s <= n_closed else [],
-        ))
+        segments.append(
+            Segment(
+                index=s if s <= n_closed else -1,
+                text="∅" if s == 0 else "".join(texts[s]),
+                start=start,
+                end=end,
+                prob=probs[end - 1] if closed else None,
+                loops=int(cmap.halting_step[row, s]) if s <= n_closed else 0,
+                weights=cmap.loop_weights[row, s].tolist() if s <= n_closed else [],
+                experts=_segment_experts(cmap, row, s) if s <= n_closed else [],
+            )
+        )
     return segments
 
 
 def _segment_experts(cmap: ComputeMap, row: int, segment: int) -> list:
     ids, weights = cmap.experts[row, segment].tolist(), cmap.expert_weights[row, segment].tolist()
-    return [[[(e, w) for e, w in zip(layer_ids, layer_weights) if e >= 0]
-             for layer_ids, layer_weights in zip(loop_ids, loop_weights)]
-            for loop_ids, loop_weights in zip(ids, weights)]
+    return [
+        [
+            [(e, w) for e, w in zip(layer_ids, layer_weights) if e >= 0]
+            for layer_ids, layer_weights in zip(loop_ids, loop_weights)
+        ]
+        for loop_ids, loop_weights in zip(ids, weights)
+    ]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Drawing: HTML and PNG
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 _HTML_STYLE = """body{font:15px/1.9 ui-monospace,Menlo,Consolas,'DejaVu Sans Mono',monospace;margin:24px;color:#222}
 #t{white-space:pre-wrap;word-break:break-all}#t span{border-radius:2px;padding:1px 0;cursor:default}
@@ -273,25 +295,42 @@ def render_html(cmap: ComputeMap, title: str = "Spider compute map", row: int = 
             spans.append(f'<span class="o" data-i="-1">{html.escape(seg.text)}</span>')
             continue
         # weights as integer percent, experts as flat [id, percent, id, percent, ...] per layer: a small page
-        data["s"][seg.index] = [seg.start, seg.end, -1 if seg.prob is None else round(seg.prob * 100), seg.loops,
-                                [round(w * 100) for w in seg.weights],
-                                [[[x for e, w in layer for x in (e, round(w * 100))] for layer in loop]
-                                 for loop in seg.experts]]
+        data["s"][seg.index] = [
+            seg.start,
+            seg.end,
+            -1 if seg.prob is None else round(seg.prob * 100),
+            seg.loops,
+            [round(w * 100) for w in seg.weights],
+            [[[x for e, w in layer for x in (e, round(w * 100))] for layer in loop] for loop in seg.experts],
+        ]
         classes = f"c{seg.index % len(PALETTE)} l{min(seg.loops, 8)}" + (" n" if seg.index == 0 else "")
         spans.append(f'<span class="{classes}" data-i="{seg.index}">{html.escape(seg.text)}</span>')
     colours = "".join(f"#t .c{i}{{background:{c}}}" for i, c in enumerate(PALETTE))
     colours += "".join(f"#t .l{n}{{box-shadow:inset 0 -{n}px #0006}}" for n in range(1, 9))
     n_closed = int(cmap.closed_segments[row])
     real = int(cmap.byte_mask[row].sum())
-    mean_loops = cmap.halting_step[row, 1:n_closed + 1].float().mean().item() if n_closed else 0.0
-    key = (f"{real} ids, {n_closed} closed segments ({real / max(n_closed, 1):.2f} ids per segment), "
-           f"{mean_loops:.2f} ACT loops per segment on average. Colours tell neighbouring segments apart; the "
-           "underline grows with the loops a segment ran; grey bytes are the open segment; hover for details.")
+    mean_loops = cmap.halting_step[row, 1 : n_closed + 1].float().mean().item() if n_closed else 0.0
+    key = (
+        f"{real} ids, {n_closed} closed segments ({real / max(n_closed, 1):.2f} ids per segment), "
+        f"{mean_loops:.2f} ACT loops per segment on average. Colours tell neighbouring segments apart; the "
+        "underline grows with the loops a segment ran; grey bytes are the open segment; hover for details."
+    )
     script = _HTML_SCRIPT.replace("__DATA__", json.dumps(data, separators=(",", ":")))
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>" + html.escape(title) + "</title><style>"
-            + _HTML_STYLE % (OPEN_COLOUR, colours) + "</style></head><body><h1>" + html.escape(title)
-            + "</h1><p class='k'>" + html.escape(key) + "</p><div id='t'>" + "".join(spans)
-            + "</div><div id='tip'></div><script>" + script + "</script></body></html>")
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>"
+        + html.escape(title)
+        + "</title><style>"
+        + _HTML_STYLE % (OPEN_COLOUR, colours)
+        + "</style></head><body><h1>"
+        + html.escape(title)
+        + "</h1><p class='k'>"
+        + html.escape(key)
+        + "</p><div id='t'>"
+        + "".join(spans)
+        + "</div><div id='tip'></div><script>"
+        + script
+        + "</script></body></html>"
+    )
 
 
 def _cells(text: str) -> int:
@@ -318,8 +357,9 @@ def _layout(segments: list[Segment], width: int) -> list[list[tuple[int, str]]]:
     return lines + [line] if line else lines
 
 
-def render_png(cmap: ComputeMap, path: str | Path, title: str = "Spider compute map", row: int = 0,
-               width: int = 100) -> Path:
+def render_png(
+    cmap: ComputeMap, path: str | Path, title: str = "Spider compute map", row: int = 0, width: int = 100
+) -> Path:
     """Draw `row` of `cmap` into the PNG `path` (matplotlib, Agg): the text in lines of `width` monospace cells on
     its segments' colours, then the ACT loops of every closed segment as bars in the same colours.
     Characters the installed fonts lack (CJK without a CJK font) are drawn as boxes. Returns `path`."""
@@ -336,8 +376,14 @@ def render_png(cmap: ComputeMap, path: str | Path, title: str = "Spider compute 
     text_h = max(len(lines), 1) * cell_h
     left = 0.7  # inches, room for the bar chart's labels
     fig = plt.figure(figsize=(width * cell_w + left + 0.3, text_h + 2.2), dpi=110)
-    ax = fig.add_axes((left / fig.get_figwidth(), 1.7 / fig.get_figheight(), width * cell_w / fig.get_figwidth(),
-                       text_h / fig.get_figheight()))
+    ax = fig.add_axes(
+        (
+            left / fig.get_figwidth(),
+            1.7 / fig.get_figheight(),
+            width * cell_w / fig.get_figwidth(),
+            text_h / fig.get_figheight(),
+        )
+    )
     ax.set_xlim(0, width)
     ax.set_ylim(max(len(lines), 1), 0)
     ax.axis("off")
@@ -353,11 +399,21 @@ def render_png(cmap: ComputeMap, path: str | Path, title: str = "Spider compute 
     ax.add_collection(PatchCollection(boxes, facecolors=colours, edgecolors="none", zorder=0))
     ax.set_title(title, fontsize=10, loc="left")
 
-    bars = fig.add_axes((left / fig.get_figwidth(), 0.35 / fig.get_figheight(), width * cell_w / fig.get_figwidth(),
-                         1.0 / fig.get_figheight()))
+    bars = fig.add_axes(
+        (
+            left / fig.get_figwidth(),
+            0.35 / fig.get_figheight(),
+            width * cell_w / fig.get_figwidth(),
+            1.0 / fig.get_figheight(),
+        )
+    )
     closed = [s for s in segments if s.index > 0]
-    bars.bar([s.index for s in closed], [s.loops for s in closed], width=1.0,
-             color=[PALETTE[s.index % len(PALETTE)] for s in closed])
+    bars.bar(
+        [s.index for s in closed],
+        [s.loops for s in closed],
+        width=1.0,
+        color=[PALETTE[s.index % len(PALETTE)] for s in closed],
+    )
     bars.set_xlim(0.5, max(len(closed), 1) + 0.5)
     bars.set_ylim(0, max([s.loops for s in closed], default=1) + 0.5)
     bars.set_xlabel("segment", fontsize=8)
@@ -371,9 +427,9 @@ def render_png(cmap: ComputeMap, path: str | Path, title: str = "Spider compute 
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Loading a release, the command, the model card's map
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def encode(text: str | bytes, model) -> torch.Tensor:
@@ -385,8 +441,10 @@ def encode(text: str | bytes, model) -> torch.Tensor:
         raise ValueError("the text is empty: give at least one character to map")
     limit = model.config.max_position_embeddings
     if len(data) + 1 > limit:
-        raise ValueError(f"the text is {len(data)} bytes; this model reads at most {limit - 1} (max_position_embeddings"
-                         f"={limit}, BOS included): map a shorter text")
+        raise ValueError(
+            f"the text is {len(data)} bytes; this model reads at most {limit - 1} (max_position_embeddings"
+            f"={limit}, BOS included): map a shorter text"
+        )
     bos = model.config.bos_token_id if model.config.bos_token_id is not None else BOS_ID
     return torch.tensor([[bos, *data]], dtype=torch.long, device=model.device)
 
@@ -402,12 +460,14 @@ def load_release(release: str | Path):
     try:
         return AutoModelForCausalLM.from_pretrained(str(release), trust_remote_code=True).eval()
     except OSError as err:
-        raise FileNotFoundError(f"cannot load the release {release!r}: no such folder, and not a Hub model id that "
-                                f"could be loaded ({err})") from err
+        raise FileNotFoundError(
+            f"cannot load the release {release!r}: no such folder, and not a Hub model id that could be loaded ({err})"
+        ) from err
 
 
-def write_map(model, text: str | bytes, prefix: str | Path, n_loops: int | None = None,
-              title: str | None = None) -> tuple[Path, Path]:
+def write_map(
+    model, text: str | bytes, prefix: str | Path, n_loops: int | None = None, title: str | None = None
+) -> tuple[Path, Path]:
     """Map `text` through `model` and write ``PREFIX.html`` and ``PREFIX.png``; returns their paths. Raises as
     :func:`encode` and :func:`compute_map`."""
     cmap = compute_map(model, encode(text, model), n_loops=n_loops)

@@ -75,22 +75,41 @@ def configure_logging(process_index: int = 0) -> None:
     for shard writing and Hub transfers off (Trainer's own progress bar is separate and stays)."""
     import transformers
 
-    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", stream=sys.stdout,
-                        level=logging.INFO if process_index == 0 else logging.WARNING)
+    logging.basicConfig(
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        stream=sys.stdout,
+        level=logging.INFO if process_index == 0 else logging.WARNING,
+    )
     transformers.utils.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()
 
 
-def describe_run(*, preset: str, parameters: int, data: str, train_windows: int | None, window_bytes: int,
-                 eval_data: str | None, precision: str, moe_backend: str, devices: str, output_dir: str,
-                 max_steps: int, batch_windows: int, eval_steps: int | None, optimizer: str | None = None) -> str:
+def describe_run(
+    *,
+    preset: str,
+    parameters: int,
+    data: str,
+    train_windows: int | None,
+    window_bytes: int,
+    eval_data: str | None,
+    precision: str,
+    moe_backend: str,
+    devices: str,
+    output_dir: str,
+    max_steps: int,
+    batch_windows: int,
+    eval_steps: int | None,
+    optimizer: str | None = None,
+) -> str:
     """The start-up summary: one ``key: value`` line per fact, under a title line. `parameters` is a count,
     `window_bytes` the bytes per window, `batch_windows` windows per optimizer step (all processes)."""
     seen = max_steps * batch_windows
     data_line = f"{data}"
     if train_windows:
-        data_line += (f", {train_windows:,} windows of {window_bytes} bytes; {max_steps} steps x {batch_windows} "
-                      f"windows see {seen:,} windows ({min(1.0, seen / train_windows):.1%} of them)")
+        data_line += (
+            f", {train_windows:,} windows of {window_bytes} bytes; {max_steps} steps x {batch_windows} "
+            f"windows see {seen:,} windows ({min(1.0, seen / train_windows):.1%} of them)"
+        )
     lines = [
         f"Spider {preset}: {parameters / 1e6:.2f}M parameters",
         f"  data:       {data_line}",

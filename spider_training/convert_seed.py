@@ -13,8 +13,9 @@ from .convert_tk_train import (  # noqa: F401
     tk_train_to_spider_name as seed_to_spider_name,
 )
 
-warnings.warn("spider_training.convert_seed is deprecated; use spider_training.convert_tk_train",
-              FutureWarning, stacklevel=2)
+warnings.warn(
+    "spider_training.convert_seed is deprecated; use spider_training.convert_tk_train", FutureWarning, stacklevel=2
+)
 
 if __name__ == "__main__":
     sys.exit(main())

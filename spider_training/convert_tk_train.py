@@ -1,21 +1,27 @@
-"""Import a checkpoint of tk-train.py (``spider-stepN.pt``) as a safetensors release -- the only way its pickle gets in.
+"""Import a checkpoint of tk-train.py (``spider-stepN.pt``) as a safetensors release -- the only way its pickle gets
+in.
 
-``python -m spider_training.convert_tk_train spider-step50.pt OUTPUT_DIR [--preset NAME] [--dtype checkpoint|float32|...]
-[--rename PATTERN=REPLACEMENT ...] [--overwrite] [--strict]`` prints a JSON report on stdout and writes ``OUTPUT_DIR`` with
+``python -m spider_training.convert_tk_train spider-step50.pt OUTPUT_DIR [--preset NAME] [--dtype
+checkpoint|float32|...]
+[--rename PATTERN=REPLACEMENT ...] [--overwrite] [--strict]`` prints a JSON report on stdout and writes ``OUTPUT_DIR``
+with
 ``SpiderForConditionalGeneration.save_pretrained`` (``model.safetensors``, ``config.json`` with ``auto_map``, the
 module files) plus the ``SpiderTokenizer`` files and ``tk_train_conversion.json`` (the same report), so that
 ``AutoModelForCausalLM.from_pretrained(OUTPUT_DIR, trust_remote_code=True)`` loads it. Everything else in Spider
 writes and reads safetensors only.
 
-What a tk-train.py checkpoint is (``tk-train.py``, the original training script, ``save_step_checkpoint`` and the final save): ``torch.save`` of
+What a tk-train.py checkpoint is (``tk-train.py``, the original training script, ``save_step_checkpoint`` and the final
+save): ``torch.save`` of
 ``{"step", "epoch", "model_state_dict", "optimizer_state_dict", "cfg", "best_loss"}``, where ``model_state_dict`` is
 ``model.state_dict()`` of the *wrapped* training model (``torch.compile`` adds ``_orig_mod.``, DDP adds ``module.``;
 torchao's ``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names), usually in bf16 (tk-train.py runs
-``model.to(bf16)``), and ``cfg`` is a ``SpiderConfig()`` instance of tk-train.py's model file. ``tk-train.py`` loads that
+``model.to(bf16)``), and ``cfg`` is a ``SpiderConfig()`` instance of tk-train.py's model file. ``tk-train.py`` loads
+that
 file with ``importlib.import_module("tk-spider")``, so the pickle names the class ``tk-spider.SpiderConfig``
 (``fp8-ready-spider.SpiderConfig`` for ``fp8_train.py``; ``__main__.SpiderConfig`` if the class was defined in the
 script that saved). tk-train.py's model file is not public, so its exact parameter and config field names
-are not known: :data:`TK_TRAIN_KEY_MAPPING` and :data:`TK_TRAIN_CFG_ALIASES` hold the documented guesses, every key that does not
+are not known: :data:`TK_TRAIN_KEY_MAPPING` and :data:`TK_TRAIN_CFG_ALIASES` hold the documented guesses, every key
+that does not
 map is reported, and ``--rename`` adds rules without editing code.
 
 Safety: the file is read with ``torch.load(..., weights_only=True)`` (torch's restricted unpickler: tensors,
@@ -38,8 +44,9 @@ import re
 import sys
 import zipfile
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -49,9 +56,11 @@ logger = logging.getLogger(__name__)
 # Reading the pickle safely
 # --------------------------------------------------------------------------------------------------------------------
 
-#: Pickle globals that name tk-train.py's config class. Each is read through :class:`TkTrainConfigData` (never imported).
+#: Pickle globals that name tk-train.py's config class. Each is read through :class:`TkTrainConfigData` (never
+#: imported).
 #: ``tk-spider``: ``tk-train.py`` line 55 (``importlib.import_module("tk-spider")``); ``fp8-ready-spider``: the model
-#: file of ``fp8_train.py`` (the original release's ``hub-README.md``); ``__main__``: a config class defined in the saving script.
+#: file of ``fp8_train.py`` (the original release's ``hub-README.md``); ``__main__``: a config class defined in the
+#: saving script.
 TK_TRAIN_CFG_GLOBALS: tuple[str, ...] = (
     "tk-spider.SpiderConfig",
     "fp8-ready-spider.SpiderConfig",
@@ -105,8 +114,10 @@ class TkTrainConfigData:
 
 
 #: one :class:`TkTrainConfigData` subclass per name in :data:`TK_TRAIN_CFG_GLOBALS`, as ``safe_globals`` entries
-_STAND_INS = [(type("TkTrainConfigData", (TkTrainConfigData,), {"pickle_global": name, "__module__": __name__}), name)
-              for name in TK_TRAIN_CFG_GLOBALS]
+_STAND_INS = [
+    (type("TkTrainConfigData", (TkTrainConfigData,), {"pickle_global": name, "__module__": __name__}), name)
+    for name in TK_TRAIN_CFG_GLOBALS
+]
 
 
 def _sniff_format(path: Path) -> str:
@@ -128,12 +139,16 @@ def _sniff_format(path: Path) -> str:
         if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
             raise ValueError(f"tk-train.py checkpoint {path} is a TorchScript archive, not a torch.save checkpoint")
         if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-            raise ValueError(f"tk-train.py checkpoint {path} is a zip archive without data.pkl: not a torch.save checkpoint")
+            raise ValueError(
+                f"tk-train.py checkpoint {path} is a zip archive without data.pkl: not a torch.save checkpoint"
+            )
         return "zip"
     if head[:1] == b"\x80":  # pickle PROTO opcode: torch's legacy (pre-1.6) format starts with a pickled magic number
         return "legacy"
-    raise ValueError(f"tk-train.py checkpoint {path} is not a torch checkpoint: neither a torch.save zip archive nor "
-                     f"a pickle (first bytes {head!r})")
+    raise ValueError(
+        f"tk-train.py checkpoint {path} is not a torch checkpoint: neither a torch.save zip archive nor "
+        f"a pickle (first bytes {head!r})"
+    )
 
 
 def _offending_globals(message: str) -> list[str]:
@@ -144,7 +159,8 @@ def _offending_globals(message: str) -> list[str]:
 
 
 def load_tk_train_checkpoint(path: str | os.PathLike) -> dict:
-    """Read a tk-train.py checkpoint with torch's weights-only unpickler; tk-train.py's config becomes :class:`TkTrainConfigData`.
+    """Read a tk-train.py checkpoint with torch's weights-only unpickler; tk-train.py's config becomes
+    :class:`TkTrainConfigData`.
 
     Args:
         path: a ``spider-stepN.pt`` file (``torch.save`` zip format, or the legacy pickle format).
@@ -163,30 +179,39 @@ def load_tk_train_checkpoint(path: str | os.PathLike) -> dict:
             try:
                 unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
             except Exception as err:  # a damaged archive: report it as such rather than as unsafe
-                raise ValueError(f"tk-train.py checkpoint {path} could not be read as a torch.save archive: {err}") from err
+                raise ValueError(
+                    f"tk-train.py checkpoint {path} could not be read as a torch.save archive: {err}"
+                ) from err
             if unsafe:
                 raise UnsafeCheckpointError(
                     f"refusing to load tk-train.py checkpoint {path}: its pickle needs {unsafe}, which "
                     f"{'is' if len(unsafe) == 1 else 'are'} not on the weights-only allowlist (tensors, containers, "
-                    f"numbers, strings, dtypes, and tk-train.py's config class as inert data: {list(TK_TRAIN_CFG_GLOBALS)}). "
+                    f"numbers, strings, dtypes, and tk-train.py's config class as inert data: "
+                    f"{list(TK_TRAIN_CFG_GLOBALS)}). "
                     "Loading it would import or run code from the file."
                 )
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=kind == "zip")
         except pickle.UnpicklingError as err:
             offending = _offending_globals(str(err))
-            detail = (f"{offending}, which {'is' if len(offending) == 1 else 'are'} not on the allowlist"
-                      if offending else "an object it may not build")
+            detail = (
+                f"{offending}, which {'is' if len(offending) == 1 else 'are'} not on the allowlist"
+                if offending
+                else "an object it may not build"
+            )
             raise UnsafeCheckpointError(
                 f"refusing to load tk-train.py checkpoint {path}: the weights-only unpickler stopped at {detail} "
-                f"(allowed: tensors, containers, numbers, strings, dtypes, and tk-train.py's config class as inert data: "
+                f"(allowed: tensors, containers, numbers, strings, dtypes, and tk-train.py's config class as inert "
+                f"data: "
                 f"{list(TK_TRAIN_CFG_GLOBALS)}). Nothing from the file was run."
             ) from err
         except (RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"tk-train.py checkpoint {path} could not be read: {type(err).__name__}: {err}") from err
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"tk-train.py checkpoint {path} holds a {type(checkpoint).__name__}, expected tk-train.py's "
-                         "dict with keys model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss")
+        raise ValueError(
+            f"tk-train.py checkpoint {path} holds a {type(checkpoint).__name__}, expected tk-train.py's "
+            "dict with keys model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss"
+        )
     return checkpoint
 
 
@@ -240,28 +265,37 @@ def parse_key_mapping(spec: str) -> tuple[str, str]:
 
 
 def tk_train_to_spider_name(name: str, key_mapping: dict[str, str] | None = None) -> str:
-    """The Spider state-dict key a checkpoint key maps to: :data:`TK_TRAIN_KEY_MAPPING`, then `key_mapping`, in order."""
+    """The Spider state-dict key a checkpoint key maps to: :data:`TK_TRAIN_KEY_MAPPING`, then `key_mapping`, in
+    order."""
     for pattern, replacement in {**TK_TRAIN_KEY_MAPPING, **(key_mapping or {})}.items():
         name = re.sub(pattern, replacement, name)
     return name
 
 
-def _fuse_per_expert_weights(checkpoint_state: dict, targets: dict[str, str], model_state: dict
-                       ) -> tuple[dict, dict[str, str], dict[str, list[str]]]:
+def _fuse_per_expert_weights(
+    checkpoint_state: dict, targets: dict[str, str], model_state: dict
+) -> tuple[dict, dict[str, str], dict[str, list[str]]]:
     """tk-train.py's routed experts are one ``nn.Linear`` SwiGLU each (``...mlp.experts.{e}.gate_proj.weight`` etc., as
     Spider's were before the experts were fused); Spider's are fused (``...mlp.experts.gate_up_proj`` / ``down_proj``).
 
-    Returns ``(state, targets, sources)``: `checkpoint_state` and `targets` (checkpoint key -> Spider key) with every complete
+    Returns ``(state, targets, sources)``: `checkpoint_state` and `targets` (checkpoint key -> Spider key) with every
+    complete
     per-expert group whose fused names the model has replaced by the two fused tensors
-    (``spider_training.checkpointing.fuse_per_expert_state_dict``) under entry names ``"fused:<spider key>"``; ``sources`` maps
-    each such entry to the checkpoint keys it was built from. Incomplete groups and groups the model has no fused names for
+    (``spider_training.checkpointing.fuse_per_expert_state_dict``) under entry names ``"fused:<spider key>"``;
+    ``sources`` maps
+    each such entry to the checkpoint keys it was built from. Incomplete groups and groups the model has no fused names
+    for
     are left as they are (reported as unmapped downstream)."""
     from spider_training.checkpointing import PER_EXPERT_KEY, fuse_per_expert_state_dict
 
     groups: dict[str, list[str]] = {}
     for checkpoint_key, target in targets.items():
         match = PER_EXPERT_KEY.match(target)
-        if match and isinstance(checkpoint_state[checkpoint_key], torch.Tensor) and match["prefix"] + "gate_up_proj" in model_state:
+        if (
+            match
+            and isinstance(checkpoint_state[checkpoint_key], torch.Tensor)
+            and match["prefix"] + "gate_up_proj" in model_state
+        ):
             groups.setdefault(match["prefix"], []).append(checkpoint_key)
     state, targets, sources = dict(checkpoint_state), dict(targets), {}
     for prefix, checkpoint_keys in groups.items():
@@ -275,15 +309,17 @@ def _fuse_per_expert_weights(checkpoint_state: dict, targets: dict[str, str], mo
             is_down = name.endswith("down_proj")
             entry = f"fused:{name}"
             state[entry], targets[entry] = tensor, name
-            sources[entry] = [k for k in checkpoint_keys if (PER_EXPERT_KEY.match(targets[k])["proj"] == "down_proj")
-                              == is_down]
+            sources[entry] = [
+                k for k in checkpoint_keys if (PER_EXPERT_KEY.match(targets[k])["proj"] == "down_proj") == is_down
+            ]
     return state, targets, sources
 
 
 def map_state_dict(
     checkpoint_state: dict, model_state: dict, key_mapping: dict[str, str] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Match checkpoint tensors to the Spider model's state dict by name (:func:`tk_train_to_spider_name`) and shape; tk-train.py's
+    """Match checkpoint tensors to the Spider model's state dict by name (:func:`tk_train_to_spider_name`) and shape;
+    tk-train.py's
     per-expert routed-expert weights are fused into Spider's ``gate_up_proj`` / ``down_proj`` first
     (:func:`_fuse_per_expert_weights`), and each of them is reported as renamed to its fused key.
 
@@ -293,10 +329,13 @@ def map_state_dict(
         key_mapping: additional ``{pattern: replacement}`` renames.
     Returns:
         ``(mapped, details)``: ``mapped`` is ``{spider_key: checkpoint_tensor}`` for every name *and* shape match (the
-        first checkpoint key wins); ``details`` has ``unwrapped`` (how many mapped keys carried wrapper names), ``renamed``
-        (``{checkpoint_key: spider_key}`` where the names differ beyond those wrappers), ``unmapped_checkpoint_keys`` (no
+        first checkpoint key wins); ``details`` has ``unwrapped`` (how many mapped keys carried wrapper names),
+        ``renamed``
+        (``{checkpoint_key: spider_key}`` where the names differ beyond those wrappers), ``unmapped_checkpoint_keys``
+        (no
         Spider counterpart, or not a tensor), ``duplicate_checkpoint_keys``, ``shape_mismatches`` (``[{checkpoint_key,
-        model_key, checkpoint_shape, model_shape}]``) and ``missing_model_keys`` (Spider keys that received nothing: they
+        model_key, checkpoint_shape, model_shape}]``) and ``missing_model_keys`` (Spider keys that received nothing:
+        they
         keep their fresh initialisation; this includes the targets of shape mismatches).
     """
     wrappers = dict(list(TK_TRAIN_KEY_MAPPING.items())[:_WRAPPER_PATTERNS])
@@ -316,8 +355,14 @@ def map_state_dict(
         elif target in mapped:
             duplicates.extend(originals)
         elif tuple(value.shape) != tuple(model_state[target].shape):
-            mismatches.append({"checkpoint_key": "+".join(originals), "model_key": target, "checkpoint_shape": list(value.shape),
-                               "model_shape": list(model_state[target].shape)})
+            mismatches.append(
+                {
+                    "checkpoint_key": "+".join(originals),
+                    "model_key": target,
+                    "checkpoint_shape": list(value.shape),
+                    "model_shape": list(model_state[target].shape),
+                }
+            )
         else:
             mapped[target] = value
             for checkpoint_key in originals:
@@ -327,9 +372,14 @@ def map_state_dict(
                 wrapped += unwrapped != checkpoint_key
                 if target != unwrapped:
                     renamed[checkpoint_key] = target
-    details = {"unwrapped": wrapped, "renamed": renamed, "unmapped_checkpoint_keys": unmapped,
-               "duplicate_checkpoint_keys": duplicates, "shape_mismatches": mismatches,
-               "missing_model_keys": [k for k in model_state if k not in mapped]}
+    details = {
+        "unwrapped": wrapped,
+        "renamed": renamed,
+        "unmapped_checkpoint_keys": unmapped,
+        "duplicate_checkpoint_keys": duplicates,
+        "shape_mismatches": mismatches,
+        "missing_model_keys": [k for k in model_state if k not in mapped],
+    }
     return mapped, details
 
 
@@ -337,19 +387,33 @@ def map_state_dict(
 # Config: checkpoint cfg fields -> SpiderConfig
 # --------------------------------------------------------------------------------------------------------------------
 
-#: tk-train.py config field names that differ from SpiderConfig's, with where the name comes from: OpenMythos' MythosConfig
-#: (the recurrent-depth design tk-train.py follows: ``dim, n_heads, max_seq_len, prelude_layers, coda_layers, n_experts,
+#: tk-train.py config field names that differ from SpiderConfig's, with where the name comes from: OpenMythos'
+#: MythosConfig
+#: (the recurrent-depth design tk-train.py follows: ``dim, n_heads, max_seq_len, prelude_layers, coda_layers,
+#: n_experts,
 #: n_experts_per_tok, expert_dim``) and common transformers spellings. A field that *is* a SpiderConfig field is
 #: taken under its own name; an exact name wins over an alias.
 TK_TRAIN_CFG_ALIASES: dict[str, str] = {
-    "lora_rank": "loop_adapter_rank", "dim": "hidden_size", "d_model": "hidden_size",
-    "n_heads": "num_attention_heads", "num_heads": "num_attention_heads", "max_seq_len": "max_position_embeddings",
-    "prelude_layers": "num_prelude_layers", "n_prelude_layers": "num_prelude_layers",
-    "recurrent_layers": "num_recurrent_layers", "n_recurrent_layers": "num_recurrent_layers",
-    "coda_layers": "num_coda_layers", "n_coda_layers": "num_coda_layers",
-    "n_experts": "n_routed_experts", "num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
-    "n_experts_per_tok": "num_experts_per_tok", "top_k": "num_experts_per_tok",
-    "expert_dim": "moe_intermediate_size", "engram_layers": "engram_layer_ids", "norm_eps": "rms_norm_eps",
+    "lora_rank": "loop_adapter_rank",
+    "dim": "hidden_size",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "num_heads": "num_attention_heads",
+    "max_seq_len": "max_position_embeddings",
+    "prelude_layers": "num_prelude_layers",
+    "n_prelude_layers": "num_prelude_layers",
+    "recurrent_layers": "num_recurrent_layers",
+    "n_recurrent_layers": "num_recurrent_layers",
+    "coda_layers": "num_coda_layers",
+    "n_coda_layers": "num_coda_layers",
+    "n_experts": "n_routed_experts",
+    "num_experts": "n_routed_experts",
+    "num_local_experts": "n_routed_experts",
+    "n_experts_per_tok": "num_experts_per_tok",
+    "top_k": "num_experts_per_tok",
+    "expert_dim": "moe_intermediate_size",
+    "engram_layers": "engram_layer_ids",
+    "norm_eps": "rms_norm_eps",
 }
 
 #: SpiderConfig fields a checkpoint value must not set: ``num_hidden_layers`` is derived (prelude + recurrent + coda).
@@ -377,7 +441,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def tk_train_cfg_fields(cfg: Any, source: str = "tk-train.py checkpoint") -> tuple[dict[str, Any] | None, str | None]:
-    """``(fields, global_name)`` of the checkpoint's ``cfg`` entry: a :class:`TkTrainConfigData`, a plain dict, or None.
+    """``(fields, global_name)`` of the checkpoint's ``cfg`` entry: a :class:`TkTrainConfigData`, a plain dict, or
+    None.
 
     Raises:
         ValueError: ``cfg`` is some other type (the message names `source`).
@@ -395,7 +460,8 @@ def build_config(fields: dict[str, Any] | None, preset: str | None = None, sourc
     """Build a :class:`SpiderConfig` from tk-train.py's config fields on top of `preset` (default: ``SpiderConfig()``).
 
     Returns:
-        ``(config, used, ignored)``: ``used`` maps checkpoint field -> SpiderConfig field; ``ignored`` maps checkpoint field ->
+        ``(config, used, ignored)``: ``used`` maps checkpoint field -> SpiderConfig field; ``ignored`` maps checkpoint
+        field ->
         reason (no counterpart, derived, shadowed by the exact name).
     Raises:
         ValueError: unknown preset, or checkpoint values that SpiderConfig rejects (the message names `source`).
@@ -425,8 +491,10 @@ def build_config(fields: dict[str, Any] | None, preset: str | None = None, sourc
     try:
         config = SpiderConfig.from_preset(preset, **overrides) if preset else SpiderConfig(**overrides)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"{source}: the checkpoint cfg does not give a valid SpiderConfig "
-                         f"(preset {preset or 'default'}; checkpoint fields {used}): {err}") from err
+        raise ValueError(
+            f"{source}: the checkpoint cfg does not give a valid SpiderConfig "
+            f"(preset {preset or 'default'}; checkpoint fields {used}): {err}"
+        ) from err
     return config, used, ignored
 
 
@@ -462,16 +530,20 @@ def convert_tk_train_checkpoint(
         output_dir: the release folder to write (created; written to a temp sibling and renamed into place).
         preset: SpiderConfig preset tk-train.py's cfg fields are applied on top of (``"tiny"``, ``"small"``, ``"1b"``);
             default ``SpiderConfig()`` (tk-train.py's ~1B model). Fields the checkpoint cfg lacks come from here.
-        dtype: weights dtype of the release: ``None``/``"checkpoint"`` keeps the checkpoint's (its most common float dtype,
+        dtype: weights dtype of the release: ``None``/``"checkpoint"`` keeps the checkpoint's (its most common float
+        dtype,
             usually bf16), or ``"float32"``, ``"bfloat16"``, ``"float16"``.
         renames: extra ``PATTERN=REPLACEMENT`` rules (see :func:`parse_key_mapping`), applied after
             :data:`TK_TRAIN_KEY_MAPPING`.
         overwrite: replace a non-empty `output_dir` (default: refuse).
-        strict: refuse (``ValueError``, nothing written) unless every checkpoint tensor maps and every model key is filled.
+        strict: refuse (``ValueError``, nothing written) unless every checkpoint tensor maps and every model key is
+        filled.
     Returns:
         A JSON-serialisable dict: ``checkpoint, output_dir, format, cfg_global, step, epoch, best_loss, preset,
-        dtype, mapped`` (count), ``model_keys`` (count), ``unwrapped, renamed, unmapped_checkpoint_keys, duplicate_checkpoint_keys, shape_mismatches,
-        missing_model_keys, cfg_fields_used, cfg_fields_ignored, complete, files``. Model keys that receive no checkpoint
+        dtype, mapped`` (count), ``model_keys`` (count), ``unwrapped, renamed, unmapped_checkpoint_keys,
+        duplicate_checkpoint_keys, shape_mismatches,
+        missing_model_keys, cfg_fields_used, cfg_fields_ignored, complete, files``. Model keys that receive no
+        checkpoint
         tensor keep a fresh initialisation (seeded, reproducible) and are listed in ``missing_model_keys``.
     Raises:
         FileNotFoundError: `path` does not exist.
@@ -502,11 +574,15 @@ def convert_tk_train_checkpoint(
 
     checkpoint = load_tk_train_checkpoint(path)
     if "model_state_dict" not in checkpoint:
-        raise ValueError(f"tk-train.py checkpoint {path} has no 'model_state_dict' (keys: {sorted(map(str, checkpoint))});"
-                         " such a checkpoint holds model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss")
+        raise ValueError(
+            f"tk-train.py checkpoint {path} has no 'model_state_dict' (keys: {sorted(map(str, checkpoint))});"
+            " such a checkpoint holds model_state_dict, optimizer_state_dict, step, epoch, cfg, best_loss"
+        )
     checkpoint_state = checkpoint["model_state_dict"]
     if not isinstance(checkpoint_state, dict):
-        raise ValueError(f"tk-train.py checkpoint {path}: model_state_dict is a {type(checkpoint_state).__name__}, expected a dict")
+        raise ValueError(
+            f"tk-train.py checkpoint {path}: model_state_dict is a {type(checkpoint_state).__name__}, expected a dict"
+        )
     fields, cfg_global = tk_train_cfg_fields(checkpoint.get("cfg"), source=f"tk-train.py checkpoint {path}")
     config, cfg_used, cfg_ignored = build_config(fields, preset, source=f"tk-train.py checkpoint {path}")
 
@@ -515,12 +591,17 @@ def convert_tk_train_checkpoint(
         model = SpiderForConditionalGeneration(config)
     mapped, details = map_state_dict(checkpoint_state, model.state_dict(), key_mapping)
     target_dtype = _checkpoint_dtype(mapped.values()) if dtype in (None, "checkpoint") else DTYPES[dtype]
-    complete = not (details["unmapped_checkpoint_keys"] or details["shape_mismatches"] or details["missing_model_keys"]
-                    or details["duplicate_checkpoint_keys"])
+    complete = not (
+        details["unmapped_checkpoint_keys"]
+        or details["shape_mismatches"]
+        or details["missing_model_keys"]
+        or details["duplicate_checkpoint_keys"]
+    )
     if strict and not complete:
         raise ValueError(
-            f"tk-train.py checkpoint {path} does not map completely (strict): {len(details['unmapped_checkpoint_keys'])} unmapped "
-            f"checkpoint keys {details['unmapped_checkpoint_keys'][:5]}, {len(details['shape_mismatches'])} shape mismatches, "
+            f"tk-train.py checkpoint {path} does not map completely (strict): "
+            f"{len(details['unmapped_checkpoint_keys'])} unmapped checkpoint keys "
+            f"{details['unmapped_checkpoint_keys'][:5]}, {len(details['shape_mismatches'])} shape mismatches, "
             f"{len(details['missing_model_keys'])} missing model keys {details['missing_model_keys'][:5]}"
         )
     model = model.to(target_dtype)
@@ -529,11 +610,20 @@ def convert_tk_train_checkpoint(
         raise RuntimeError(f"internal error: unexpected keys {result.unexpected_keys}")
     model.eval()
 
-    report = {"checkpoint": str(path), "output_dir": str(output_dir), "cfg_global": cfg_global,
-              **{key: _jsonable(checkpoint.get(key)) for key in ("step", "epoch", "best_loss")},
-              "preset": preset, "dtype": str(target_dtype).removeprefix("torch."), "mapped": len(mapped),
-              "model_keys": len(model.state_dict()), **details, "cfg_fields_used": cfg_used,
-              "cfg_fields_ignored": cfg_ignored, "complete": complete}
+    report = {
+        "checkpoint": str(path),
+        "output_dir": str(output_dir),
+        "cfg_global": cfg_global,
+        **{key: _jsonable(checkpoint.get(key)) for key in ("step", "epoch", "best_loss")},
+        "preset": preset,
+        "dtype": str(target_dtype).removeprefix("torch."),
+        "mapped": len(mapped),
+        "model_keys": len(model.state_dict()),
+        **details,
+        "cfg_fields_used": cfg_used,
+        "cfg_fields_ignored": cfg_ignored,
+        "complete": complete,
+    }
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
@@ -550,21 +640,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="python -m spider_training.convert_tk_train",
-        description="Convert a tk-train.py checkpoint (spider-stepN.pt, a torch pickle) into a safetensors release folder. "
+        description="Convert a tk-train.py checkpoint (spider-stepN.pt, a torch pickle) into a safetensors release "
+        "folder. "
         "The pickle is read with torch's weights-only unpickler; tk-train.py's config class is read as inert data.",
     )
     parser.add_argument("checkpoint", help="tk-train.py checkpoint file, e.g. checkpoints-tk/spider-step50.pt")
     parser.add_argument("output_dir", help="release folder to write")
-    parser.add_argument("--preset", choices=sorted(SPIDER_PRESETS), default=None,
-                        help="SpiderConfig preset under tk-train.py's cfg fields (default: SpiderConfig(), the 1B model)")
-    parser.add_argument("--dtype", choices=["checkpoint", *DTYPES, *DEPRECATED_DTYPES], default="checkpoint",
-                        help="weights dtype of the release (default: keep the checkpoint's; 'seed' is the deprecated name of 'checkpoint')")
-    parser.add_argument("--rename", action="append", default=[], metavar="PATTERN=REPLACEMENT",
-                        help="extra key rule, a regular expression and its re.sub replacement, e.g. "
-                        "'^model\\.halt\\.=model.recurrent_block.halt_predictor.'; repeatable")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(SPIDER_PRESETS),
+        default=None,
+        help="SpiderConfig preset under tk-train.py's cfg fields (default: SpiderConfig(), the 1B model)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["checkpoint", *DTYPES, *DEPRECATED_DTYPES],
+        default="checkpoint",
+        help="weights dtype of the release (default: keep the checkpoint's; 'seed' is the deprecated name of "
+        "'checkpoint')",
+    )
+    parser.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="PATTERN=REPLACEMENT",
+        help="extra key rule, a regular expression and its re.sub replacement, e.g. "
+        "'^model\\.halt\\.=model.recurrent_block.halt_predictor.'; repeatable",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
-    parser.add_argument("--strict", action="store_true",
-                        help="write nothing unless every checkpoint tensor maps and every model key is filled")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="write nothing unless every checkpoint tensor maps and every model key is filled",
+    )
     return parser
 
 
@@ -572,17 +680,27 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point: prints the JSON report on stdout; errors go to stderr with exit status 1."""
     args = build_parser().parse_args(argv)
     try:
-        report = convert_tk_train_checkpoint(args.checkpoint, args.output_dir, args.preset, dtype=args.dtype,
-                                         renames=args.rename, overwrite=args.overwrite, strict=args.strict)
+        report = convert_tk_train_checkpoint(
+            args.checkpoint,
+            args.output_dir,
+            args.preset,
+            dtype=args.dtype,
+            renames=args.rename,
+            overwrite=args.overwrite,
+            strict=args.strict,
+        )
     except (OSError, ValueError) as err:
         print(f"convert_tk_train: error: {err}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2))
     if not report["complete"]:
-        print(f"convert_tk_train: warning: incomplete mapping: {len(report['unmapped_checkpoint_keys'])} unmapped "
-              "checkpoint keys, "
-              f"{len(report['shape_mismatches'])} shape mismatches, {len(report['missing_model_keys'])} model keys "
-              "left at fresh initialisation (see the report)", file=sys.stderr)
+        print(
+            f"convert_tk_train: warning: incomplete mapping: {len(report['unmapped_checkpoint_keys'])} unmapped "
+            "checkpoint keys, "
+            f"{len(report['shape_mismatches'])} shape mismatches, {len(report['missing_model_keys'])} model keys "
+            "left at fresh initialisation (see the report)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -35,8 +35,17 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 logger = logging.getLogger(__name__)
 
 #: tk-train.py's skip words: a module whose qualified name contains one of them stays in high precision.
-TK_TRAIN_FP8_SKIP = ("boundary_predictor", "loop_embedding", "engram", "layernorm", "norm", "embed_tokens", "lm_head",
-                     "halt_predictor", "router")
+TK_TRAIN_FP8_SKIP = (
+    "boundary_predictor",
+    "loop_embedding",
+    "engram",
+    "layernorm",
+    "norm",
+    "embed_tokens",
+    "lm_head",
+    "halt_predictor",
+    "router",
+)
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
 PRECISIONS = ("auto", "fp8", "bf16", "fp32")
 FP8_LAYER_FILTERS = ("auto", "tk_train")
@@ -101,9 +110,12 @@ def build_float8_config(recipe: str = "tensorwise", emulate: bool | None = None,
         from torchao.float8 import Float8LinearConfig
     except Exception as exc:
         raise ImportError(f"FP8 training needs torchao (`pip install torchao`): {exc}") from exc
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True,
-                               emulate=not torch.cuda.is_available() if emulate is None else bool(emulate),
-                               enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    return dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe),
+        pad_inner_dim=True,
+        emulate=not torch.cuda.is_available() if emulate is None else bool(emulate),
+        enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
+    )
 
 
 # --- GEMM shapes and the measured table ------------------------------------------------------------------------------
@@ -149,7 +161,7 @@ def load_gemm_table(path: str | Path | None = None) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"FP8 GEMM table {path}: cannot read it as JSON ({exc})") from exc
     if not isinstance(table, dict) or not isinstance(table.get("gpus"), dict):
-        raise ValueError(f"FP8 GEMM table {path}: expected {{\"gpus\": {{device name: ...}}}}")
+        raise ValueError(f'FP8 GEMM table {path}: expected {{"gpus": {{device name: ...}}}}')
     return table
 
 
@@ -158,8 +170,11 @@ def measured_speedup(gpu: dict, kind: str, m: int, k: int, n: int, recipe: str) 
     this `kind`, `k` and `n` whose M is nearest `m` (within a factor of 2), or None when the table has no such row or
     the row lacks `recipe` (``rowwise_with_gw_hp`` reads ``rowwise``)."""
     recipe = "rowwise" if recipe == "rowwise_with_gw_hp" else recipe
-    rows = [r for r in gpu.get("gemms", ()) if (r["kind"], r["k"], r["n"]) == (kind, k, n)
-            and recipe in r["seconds"] and "bf16" in r["seconds"]]
+    rows = [
+        r
+        for r in gpu.get("gemms", ())
+        if (r["kind"], r["k"], r["n"]) == (kind, k, n) and recipe in r["seconds"] and "bf16" in r["seconds"]
+    ]
     if not rows or m <= 0:
         return None
     row = min(rows, key=lambda r: abs(math.log2(r["m"] / m)))
@@ -176,8 +191,14 @@ def _torchao_size_filter(recipe: str):
     return _auto_filter_for_recipe("rowwise" if recipe == "rowwise_with_gw_hp" else recipe, filter_fqns=[])
 
 
-def keep_reason(module: nn.Module, fqn: str, layers: str = "tk_train", recipe: str = "tensorwise",
-                shape: tuple | None = None, measured: tuple[str, dict] | None = None) -> str | None:
+def keep_reason(
+    module: nn.Module,
+    fqn: str,
+    layers: str = "tk_train",
+    recipe: str = "tensorwise",
+    shape: tuple | None = None,
+    measured: tuple[str, dict] | None = None,
+) -> str | None:
     """Why the linear layer `module` (name `fqn`) stays in high precision under `layers`, or None to convert it.
     ``"auto"`` decides by `measured` (``(GPU name, its table entry)``) at `shape` (``(kind, M, K, N)``,
     :func:`gemm_shapes`) when both are given, else by torchao's size filter. Raises ValueError: unknown option."""
@@ -225,8 +246,9 @@ def fp8_grouped_mm_unsupported_reason(device: torch.device | str | None = None) 
     return None
 
 
-def _experts_keep_reason(module: nn.Module, fqn: str, mode: str, device, shapes: dict | None,
-                         measured: tuple | None) -> str | None:
+def _experts_keep_reason(
+    module: nn.Module, fqn: str, mode: str, device, shapes: dict | None, measured: tuple | None
+) -> str | None:
     if mode == "off":
         return "--fp8_experts off"
     reason = fp8_grouped_mm_unsupported_reason(device)
@@ -234,8 +256,10 @@ def _experts_keep_reason(module: nn.Module, fqn: str, mode: str, device, shapes:
         raise RuntimeError(f"--fp8_experts on: torchao's FP8 grouped GEMM cannot run here: {reason}")
     if reason is None and mode == "auto" and shapes is not None and measured is not None:
         reason = _measured_keep_reason(measured, shapes[f"{fqn}.gate_up_proj"], "rowwise")
-    if reason is None and getattr(module.config, "_experts_implementation", None) not in ("grouped_mm",
-                                                                                          ALIGNED_GROUPED_MM):
+    if reason is None and getattr(module.config, "_experts_implementation", None) not in (
+        "grouped_mm",
+        ALIGNED_GROUPED_MM,
+    ):
         reason = f"experts_implementation={module.config._experts_implementation!r}: only grouped_mm runs it"
     dims = (*module.gate_up_proj.shape[1:], module.down_proj.shape[-1])  # 2I, D, I
     if reason is None and any(d % FP8_DIM_MULTIPLE for d in dims):
@@ -269,16 +293,26 @@ class Fp8Report:
         lines = [f"FP8 ({self.recipe}, --fp8_layers {self.layers}, {self.source}):"]
         for group, (done, kept) in sorted(groups.items()):
             reasons = ", ".join(f"{kept.count(r)} {r}" for r in sorted(set(kept)))
-            lines.append(f"  {group}: converted {len(done)} of {len(done) + len(kept)}"
-                         + (f"; kept: {reasons}" if reasons else ""))
+            lines.append(
+                f"  {group}: converted {len(done)} of {len(done) + len(kept)}"
+                + (f"; kept: {reasons}" if reasons else "")
+            )
         return "\n".join(lines)
 
 
-def convert_for_fp8_training(model: nn.Module, recipe: str = "tensorwise", layers: str = "auto",
-                             experts: str = "auto", emulate: bool | None = None,
-                             device: torch.device | str | None = None, batch_size: int | None = None,
-                             seq_len: int | None = None, gemm_table: dict | str | Path | None = None,
-                             gpu: str | None = None, fsdp_float8_all_gather: bool = False) -> Fp8Report:
+def convert_for_fp8_training(
+    model: nn.Module,
+    recipe: str = "tensorwise",
+    layers: str = "auto",
+    experts: str = "auto",
+    emulate: bool | None = None,
+    device: torch.device | str | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    gemm_table: dict | str | Path | None = None,
+    gpu: str | None = None,
+    fsdp_float8_all_gather: bool = False,
+) -> Fp8Report:
     """What ``--precision fp8`` does to `model`, in place: ``Float8Linear`` for the linear layers and torchao's FP8
     grouped GEMM for the routed experts, each where the module docstring's rules say it pays.
 
@@ -311,8 +345,9 @@ def convert_for_fp8_training(model: nn.Module, recipe: str = "tensorwise", layer
         why = "no batch size given" if measured else f"no measured GEMM table for {gpu or 'this device'}"
         source = f"torchao's size filter ({why})"
         if measured is None and gpu is not None:
-            logger.warning("FP8: no GEMM table for %s: run `python -m bench.gpu_check --only fp8_gemm` to measure one",
-                           gpu)
+            logger.warning(
+                "FP8: no GEMM table for %s: run `python -m bench.gpu_check --only fp8_gemm` to measure one", gpu
+            )
     report = Fp8Report(recipe=recipe, layers=layers, source=source)
     chosen, chosen_experts = set(), set()
     for fqn, module in model.named_modules():
@@ -354,8 +389,9 @@ def convert_experts_to_fp8(model: nn.Module, fqns, config=None) -> None:
         model.get_submodule(fqn).config._experts_implementation = ALIGNED_GROUPED_MM
 
 
-def aligned_grouped_mm_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                                       top_k_weights: torch.Tensor) -> torch.Tensor:
+def aligned_grouped_mm_experts_forward(
+    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts (``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)) on `hidden_states`
     `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` -> `(T, D)` (k slots summed in fp32), with each
     expert's rows starting at a multiple of 16 as torchao's FP8 grouped GEMM needs (0.18 does not pad): a zero buffer
@@ -396,8 +432,14 @@ def precompute_fp8_scales(model: nn.Module) -> None:
 def _plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Unwrap torchao's weight wrappers (``_tensor``: FSDP float8 all-gather; ``_data``: FP8 experts)."""
     while type(tensor) not in (torch.Tensor, nn.Parameter):
-        inner = next((t for t in (getattr(tensor, "_tensor", None), getattr(tensor, "_data", None))
-                      if isinstance(t, torch.Tensor)), None)
+        inner = next(
+            (
+                t
+                for t in (getattr(tensor, "_tensor", None), getattr(tensor, "_data", None))
+                if isinstance(t, torch.Tensor)
+            ),
+            None,
+        )
         if inner is None:
             return tensor
         tensor = inner

@@ -31,8 +31,16 @@ def load(model_path: str | None, preset: str = "tiny"):
     return model.eval(), tokenizer
 
 
-def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64, n_loops: int | None = None,
-           do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None) -> str:
+def sample(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 64,
+    n_loops: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> str:
     """Continue `prompt` by up to `max_new_tokens` bytes and return the decoded continuation (EOS stops early).
 
     The model generates in eval mode (deterministic boundaries, the KV cache) and is put back in its former mode.
@@ -44,13 +52,19 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64, n_loops: int
     try:
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, n_loops=n_loops,
-                do_sample=do_sample, temperature=temperature if do_sample else None, top_k=top_k,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                n_loops=n_loops,
+                do_sample=do_sample,
+                temperature=temperature if do_sample else None,
+                top_k=top_k,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
             )
     finally:
         model.train(was_training)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top_k", type=int, default=None)
     args = parser.parse_args(argv)
     model, tokenizer = load(args.model, args.preset)
-    text = sample(model, tokenizer, args.prompt, args.max_new_tokens, args.n_loops, args.do_sample, args.temperature, args.top_k)
+    text = sample(
+        model, tokenizer, args.prompt, args.max_new_tokens, args.n_loops, args.do_sample, args.temperature, args.top_k
+    )
     print(repr(args.prompt + text))
 
 

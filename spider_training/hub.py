@@ -63,8 +63,9 @@ class PushResult:
     timed_out: bool = False
 
 
-def configure_http_timeouts(read_s: float = DEFAULT_HTTP_TIMEOUT_S, connect_s: float = DEFAULT_CONNECT_TIMEOUT_S, *,
-                            replace: bool = True) -> bool:
+def configure_http_timeouts(
+    read_s: float = DEFAULT_HTTP_TIMEOUT_S, connect_s: float = DEFAULT_CONNECT_TIMEOUT_S, *, replace: bool = True
+) -> bool:
     """Set finite timeouts on huggingface_hub's shared HTTP client (``huggingface_hub.get_session()``).
 
     ``read_s`` (seconds, > 0) bounds each wait for response bytes and each write of request bytes (and the pool wait),
@@ -108,10 +109,19 @@ def in_daemon_thread(fn, *args, name: str = "spider-hub-push", **kwargs) -> futu
     return job
 
 
-def push_folder(folder: str | os.PathLike, repo_id: str, *, commit_message: str, token: str | bool | None = None,
-                endpoint: str | None = None, revision: str | None = None, private: bool | None = None,
-                path_in_repo: str | None = None, ignore_patterns: list[str] | None = None,
-                timeout_s: float = 60.0) -> PushResult:
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    commit_message: str,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+    revision: str | None = None,
+    private: bool | None = None,
+    path_in_repo: str | None = None,
+    ignore_patterns: list[str] | None = None,
+    timeout_s: float = 60.0,
+) -> PushResult:
     """Upload every file of ``folder`` to the Hub model repo ``repo_id`` in one commit; never raise on network errors.
 
     ``HfApi(endpoint, token).create_repo(repo_id, private=private, exist_ok=True)``, ``create_branch(exist_ok=True)``
@@ -142,7 +152,9 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, commit_message: str,
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
 
     start = time.monotonic()
-    result = PushResult(ok=False, repo_id=repo_id, folder=str(path), path_in_repo=path_in_repo or "", revision=revision)
+    result = PushResult(
+        ok=False, repo_id=repo_id, folder=str(path), path_in_repo=path_in_repo or "", revision=revision
+    )
     configure_http_timeouts(replace=False)
     api = HfApi(endpoint=endpoint, token=token)
 
@@ -150,9 +162,15 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, commit_message: str,
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision is not None and revision != constants.DEFAULT_REVISION:
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-        return api.upload_folder(repo_id=repo_id, folder_path=str(path), path_in_repo=path_in_repo or None,
-                                 commit_message=commit_message, revision=revision, ignore_patterns=ignore_patterns,
-                                 repo_type="model")
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(path),
+            path_in_repo=path_in_repo or None,
+            commit_message=commit_message,
+            revision=revision,
+            ignore_patterns=ignore_patterns,
+            repo_type="model",
+        )
 
     try:
         commit = in_daemon_thread(upload, name=f"spider-hub-push:{repo_id}").result(timeout=timeout_s)
@@ -164,8 +182,12 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, commit_message: str,
         result.ok, result.commit_url, result.commit_oid = True, commit.commit_url, commit.oid
     result.elapsed_s = time.monotonic() - start
     if not result.ok:
-        logger.warning("Hub push of %s to repo %r failed: %s. Not raised: the local files are unaffected.",
-                       path, repo_id, result.error)
+        logger.warning(
+            "Hub push of %s to repo %r failed: %s. Not raised: the local files are unaffected.",
+            path,
+            repo_id,
+            result.error,
+        )
     return result
 
 
@@ -175,8 +197,9 @@ def push_release(folder: str | os.PathLike, repo_id: str, *, timeout_s: float = 
     ``repo_id``, blocking at most ``timeout_s`` seconds; files in the repo that the folder lacks are kept. ``kwargs``,
     result and exceptions as :func:`push_folder`; a folder without ``config.json`` only logs a warning."""
     if Path(folder).is_dir() and not (Path(folder) / "config.json").is_file():
-        logger.warning("release folder %s has no config.json: the pushed repo will not load with from_pretrained",
-                       folder)
+        logger.warning(
+            "release folder %s has no config.json: the pushed repo will not load with from_pretrained", folder
+        )
     kwargs.setdefault("commit_message", "Upload Spider release (weights, config, remote code, tokenizer, model card)")
     return push_folder(folder, repo_id, timeout_s=timeout_s, **kwargs)
 
@@ -240,7 +263,8 @@ class HubPushMixin:
         self.hub_skipped_steps: list[int] = []
         self.push_in_progress: AbandonablePushInProgress | None = None
         import tqdm
-        from huggingface_hub.utils import tqdm as hf_tqdm, validate_repo_id
+        from huggingface_hub.utils import tqdm as hf_tqdm
+        from huggingface_hub.utils import validate_repo_id
 
         repo_id = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
         validate_repo_id(repo_id)
@@ -273,8 +297,9 @@ class HubPushMixin:
                 _snapshot(checkpoint, snapshot / folder)
         except OSError as err:
             shutil.rmtree(snapshot, ignore_errors=True)
-            self.hub_push_results.append(PushResult(ok=False, repo_id=self.hub_model_id, folder=str(checkpoint),
-                                                    error=_describe(err)))
+            self.hub_push_results.append(
+                PushResult(ok=False, repo_id=self.hub_model_id, folder=str(checkpoint), error=_describe(err))
+            )
             logger.warning("checkpoint of step %d not pushed: could not snapshot %s (%s)", step, checkpoint, err)
             return
         previous = self.push_in_progress.jobs[-1] if busy else None
@@ -288,9 +313,16 @@ class HubPushMixin:
         if previous is not None:
             futures.wait([previous])  # bounded: every push ends within its own time limit
         try:
-            result = push_folder(snapshot, self.hub_model_id, token=self.args.hub_token, endpoint=self.hub_endpoint,
-                                 commit_message=f"Training in progress, step {step}", revision=self.args.hub_revision,
-                                 private=self.args.hub_private_repo, timeout_s=self.hub_push_timeout_s)
+            result = push_folder(
+                snapshot,
+                self.hub_model_id,
+                token=self.args.hub_token,
+                endpoint=self.hub_endpoint,
+                commit_message=f"Training in progress, step {step}",
+                revision=self.args.hub_revision,
+                private=self.args.hub_private_repo,
+                timeout_s=self.hub_push_timeout_s,
+            )
         except Exception as err:  # noqa: BLE001 -- e.g. the snapshot vanished; a push never raises into training
             result = PushResult(ok=False, repo_id=self.hub_model_id, folder=str(snapshot), error=_describe(err))
             logger.warning("Hub push of the checkpoint of step %d failed: %s", step, result.error)

@@ -34,8 +34,13 @@ def _summary(nll_sum: float, n_bytes: float, rate_mean: float, halting_mean: flo
     if n_bytes == 0:
         raise ValueError("bits_per_byte: the held-out data held no predicted byte (empty source or all labels -100)")
     lm_loss = nll_sum / n_bytes
-    return {"bits_per_byte": lm_loss / math.log(2), "lm_loss": lm_loss, "compression_rate": rate_mean,
-            "mean_halting_step": halting_mean, "bytes": int(n_bytes)}
+    return {
+        "bits_per_byte": lm_loss / math.log(2),
+        "lm_loss": lm_loss,
+        "compression_rate": rate_mean,
+        "mean_halting_step": halting_mean,
+        "bytes": int(n_bytes),
+    }
 
 
 @torch.no_grad()
@@ -75,8 +80,14 @@ def bits_per_byte(
             labels = batch.pop("labels")
             out = model(**batch, n_loops=n_loops)
             nll, n_bytes = byte_nll(out["logits"], labels)
-            totals += torch.stack([nll.sum(), n_bytes.sum().double(), out["compression_rate"].double(),
-                                   out["mean_halting_step"].double()])
+            totals += torch.stack(
+                [
+                    nll.sum(),
+                    n_bytes.sum().double(),
+                    out["compression_rate"].double(),
+                    out["mean_halting_step"].double(),
+                ]
+            )
             n_batches += 1
     finally:
         model.train(was_training)
@@ -101,8 +112,9 @@ def compute_bits_per_byte(eval_pred) -> dict[str, float]:
         ValueError: no window held a single predicted byte.
     """
     rows, n_bytes = np.asarray(eval_pred.predictions, dtype=np.float64), np.asarray(eval_pred.label_ids)
-    summary = _summary(float(rows[:, 0].sum()), float(n_bytes.sum()), float(rows[:, 1].mean()),
-                       float(rows[:, 2].mean()))
+    summary = _summary(
+        float(rows[:, 0].sum()), float(n_bytes.sum()), float(rows[:, 1].mean()), float(rows[:, 2].mean())
+    )
     # a model without segments or ACT (NaN rows) reports neither
     summary = {name: value for name, value in summary.items() if not (isinstance(value, float) and math.isnan(value))}
     return {**summary, "loss": summary["lm_loss"]}

@@ -102,8 +102,16 @@ def _autocast_class(cls: type) -> type:
         while name in globals():
             n += 1
             name = f"Autocast{cls.__name__}{n}"
-        subclass = type(name, (cls,), {"forward": _autocast_experts_forward, "_plain_forward": cls.forward,
-                                       "__module__": __name__, "__qualname__": name})
+        subclass = type(
+            name,
+            (cls,),
+            {
+                "forward": _autocast_experts_forward,
+                "_plain_forward": cls.forward,
+                "__module__": __name__,
+                "__qualname__": name,
+            },
+        )
         globals()[name] = _AUTOCAST_CLASSES[cls] = subclass
     return _AUTOCAST_CLASSES[cls]
 

@@ -43,8 +43,15 @@ def _fmt(key: str, value: Any) -> str:
         text = str(value)
     elif isinstance(value, float):
         big_or_tiny = value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6)
-        text = (f"{value:,.1f} s" if key.endswith("_s") else f"{value:.3g}" if big_or_tiny
-                else f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4g}")
+        text = (
+            f"{value:,.1f} s"
+            if key.endswith("_s")
+            else f"{value:.3g}"
+            if big_or_tiny
+            else f"{value:,.0f}"
+            if abs(value) >= 100
+            else f"{value:.4g}"
+        )
     elif isinstance(value, (list, tuple)):
         text = ", ".join(_fmt(key, v) for v in value) if value else "none"
     elif isinstance(value, dict):
@@ -97,8 +104,14 @@ def inspect_remote_code(folder: str | Path) -> tuple[list[dict], dict[str, list[
     for name, role in LABELS["remote_code_files"].items():
         path = folder / name
         present = path.is_file()
-        files.append({"name": name, "role": role, "present": present,
-                      "sha256": hashlib.sha256(path.read_bytes()).hexdigest() if present else None})
+        files.append(
+            {
+                "name": name,
+                "role": role,
+                "present": present,
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest() if present else None,
+            }
+        )
         if not present:
             continue
         try:
@@ -115,8 +128,12 @@ def inspect_remote_code(folder: str | Path) -> tuple[list[dict], dict[str, list[
     local = (local | (modules & own)) - {""}
     modules -= own
     stdlib = {m for m in modules if m in sys.stdlib_module_names or m == "__future__"}
-    return files, {"third_party": sorted(modules - stdlib), "stdlib": sorted(stdlib - {"__future__"}),
-                   "local": sorted(local), "risky": sorted(modules & set(LABELS["risky_modules"]))}
+    return files, {
+        "third_party": sorted(modules - stdlib),
+        "stdlib": sorted(stdlib - {"__future__"}),
+        "local": sorted(local),
+        "risky": sorted(modules & set(LABELS["risky_modules"])),
+    }
 
 
 def _series(history: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -198,11 +215,23 @@ def reference_quality(preset: str | None, data: str | None, path: str | Path | N
     return ref if (preset, data) == (ref.get("preset"), ref.get("data")) else None
 
 
-def write_model_card(release_dir: str | Path, *, config: dict, training: dict, data: dict, metrics: dict,
-                     loss_history: list[dict] | None, repo_id: str | None, template_path: str | Path | None = None,
-                     model_name: str | None = None, bits_per_byte_by_loops: dict | None = None,
-                     sample: dict | None = None, reference: dict | None = None,
-                     act_early_exit: dict | None = None, compute_map: str | None = None) -> Path:
+def write_model_card(
+    release_dir: str | Path,
+    *,
+    config: dict,
+    training: dict,
+    data: dict,
+    metrics: dict,
+    loss_history: list[dict] | None,
+    repo_id: str | None,
+    template_path: str | Path | None = None,
+    model_name: str | None = None,
+    bits_per_byte_by_loops: dict | None = None,
+    sample: dict | None = None,
+    reference: dict | None = None,
+    act_early_exit: dict | None = None,
+    compute_map: str | None = None,
+) -> Path:
     """Render the model card into ``release_dir/README.md`` and the loss curve into ``release_dir/loss_curve.png``.
 
     Args:
@@ -238,13 +267,17 @@ def write_model_card(release_dir: str | Path, *, config: dict, training: dict, d
         raise FileNotFoundError(f"release folder does not exist: {release_dir}")
     template = Path(template_path) if template_path is not None else DEFAULT_TEMPLATE
     if not template.is_file():
-        raise FileNotFoundError(f"model card template not found: {template} (pass template_path=; the default "
-                                "lives in hub_card/ of a source checkout)")
+        raise FileNotFoundError(
+            f"model card template not found: {template} (pass template_path=; the default "
+            "lives in hub_card/ of a source checkout)"
+        )
     inputs = {"config": config, "training": training, "data": data, "metrics": metrics, "loss_history": loss_history}
     for name, value in inputs.items():
         kind = list if name == "loss_history" else dict
         if value is not None and not isinstance(value, kind):
-            raise TypeError(f"write_model_card: `{name}` must be a {kind.__name__} or None, got {type(value).__name__}")
+            raise TypeError(
+                f"write_model_card: `{name}` must be a {kind.__name__} or None, got {type(value).__name__}"
+            )
     config, training, data, metrics = (d or {} for d in (config, training, data, metrics))
 
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else "Spider")
@@ -258,43 +291,77 @@ def write_model_card(release_dir: str | Path, *, config: dict, training: dict, d
     hub_datasets = data.get("hub_dataset")
     hub_datasets = [hub_datasets] if isinstance(hub_datasets, str) else list(hub_datasets or [])
     bpb_after, hub = _first("bits_per_byte_after", metrics), (hub_datasets or [None])[0]
-    eval_results = None if bpb_after is None else [EvalResult(
-        **LABELS["eval_result"], metric_value=float(bpb_after), dataset_type=str(hub or data.get("source") or "custom"),
-        dataset_name=str(data.get("name") or hub or data.get("source") or "held-out text"))]
-    card_data = ModelCardData(**LABELS["card_data"], tags=LABELS["base_tags"] + (["fp8"] if fp8 else []),
-                              datasets=hub_datasets or None, eval_results=eval_results,
-                              model_name=model_name if eval_results else None)  # names the model-index entry
+    eval_results = (
+        None
+        if bpb_after is None
+        else [
+            EvalResult(
+                **LABELS["eval_result"],
+                metric_value=float(bpb_after),
+                dataset_type=str(hub or data.get("source") or "custom"),
+                dataset_name=str(data.get("name") or hub or data.get("source") or "held-out text"),
+            )
+        ]
+    )
+    card_data = ModelCardData(
+        **LABELS["card_data"],
+        tags=LABELS["base_tags"] + (["fp8"] if fp8 else []),
+        datasets=hub_datasets or None,
+        eval_results=eval_results,
+        model_name=model_name if eval_results else None,
+    )  # names the model-index entry
 
     def cfg(key: str) -> str:
         return _fmt(key, config[key]) if config.get(key) is not None else "?"
 
-    loops_rows = [(f"{n}{' (trained)' if int(n) == config.get('n_loops') else ''}", f"{float(v):.4f}")
-                  for n, v in sorted((bits_per_byte_by_loops or {}).items(), key=lambda kv: int(kv[0]))]
+    loops_rows = [
+        (f"{n}{' (trained)' if int(n) == config.get('n_loops') else ''}", f"{float(v):.4f}")
+        for n, v in sorted((bits_per_byte_by_loops or {}).items(), key=lambda kv: int(kv[0]))
+    ]
     kwargs = dict(
-        model_name=model_name, loops_rows=loops_rows, repo_id=repo_id, model_ref=repo_id or str(release_dir),
-        early_exit=None if not act_early_exit else {
+        model_name=model_name,
+        loops_rows=loops_rows,
+        repo_id=repo_id,
+        model_ref=repo_id or str(release_dir),
+        early_exit=None
+        if not act_early_exit
+        else {
             "bits_per_byte": f"{float(act_early_exit['bits_per_byte']):.4f}",
-            "loops_saved": f"{float(act_early_exit['loops_saved_per_segment']):.3f}"},
-        arch_summary=_arch_summary(config, _first("parameters", training, metrics) or 0), cfg=cfg,
+            "loops_saved": f"{float(act_early_exit['loops_saved_per_segment']):.3f}",
+        },
+        arch_summary=_arch_summary(config, _first("parameters", training, metrics) or 0),
+        cfg=cfg,
         config_rows=_rows({k: v for k, v in config.items() if k in LABELS["config_labels"]}, "config_labels"),
-        config_json=json.dumps({k: v for k, v in config.items() if k not in LABELS["config_noise"]}, indent=2,
-                               sort_keys=True, default=str),
-        training_rows=_rows(training, "training_labels"), data_rows=_rows(data, "data_labels"),
+        config_json=json.dumps(
+            {k: v for k, v in config.items() if k not in LABELS["config_noise"]}, indent=2, sort_keys=True, default=str
+        ),
+        training_rows=_rows(training, "training_labels"),
+        data_rows=_rows(data, "data_labels"),
         metric_rows=_rows(metrics, "metric_labels"),
-        **{f"bpb_{when}": None if value is None else f"{value:.3f}"
-           for when, value in (("before", _first("bits_per_byte_before", metrics)), ("after", bpb_after))},
+        **{
+            f"bpb_{when}": None if value is None else f"{value:.3f}"
+            for when, value in (("before", _first("bits_per_byte_before", metrics)), ("after", bpb_after))
+        },
         loss_curve=LOSS_CURVE_NAME if has_curve else None,
         has_bpb_curve=has_curve and bool(_series(loss_history, "eval_bits_per_byte")[0]),
-        remote_code=remote_code, remote_imports=remote_imports, requirements=loading_requirements(), fp8=fp8,
-        weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"), sample=sample,
-        reference=reference, compute_map=compute_map if compute_map and (release_dir / compute_map).is_file() else None)
+        remote_code=remote_code,
+        remote_imports=remote_imports,
+        requirements=loading_requirements(),
+        fp8=fp8,
+        weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
+        sample=sample,
+        reference=reference,
+        compute_map=compute_map if compute_map and (release_dir / compute_map).is_file() else None,
+    )
 
     # ModelCard.from_template renders an unknown variable as "": name it instead of shipping an empty section
     used = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template.read_text(encoding="utf-8")))
     provided = set(kwargs) | set(card_data.to_dict()) | {"card_data"}
     if used - provided:
-        raise ValueError(f"model card template {template} uses undefined variable(s) {sorted(used - provided)}; "
-                         f"available: {sorted(provided)}")
+        raise ValueError(
+            f"model card template {template} uses undefined variable(s) {sorted(used - provided)}; "
+            f"available: {sorted(provided)}"
+        )
     readme = release_dir / "README.md"
     ModelCard.from_template(card_data, template_path=str(template), **kwargs).save(readme)
     return readme

@@ -1,7 +1,8 @@
 """Skip optimizer steps whose loss or gradients are NaN/inf; stop the run after too many in a row.
 
 How a step is skipped (no weight update at all): just before ``optimizer.step()`` -- Trainer's documented
-``on_pre_optimizer_step`` event, after gradient synchronisation and clipping -- the guard decides whether this optimizer
+``on_pre_optimizer_step`` event, after gradient synchronisation and clipping -- the guard decides whether this
+optimizer
 step is bad: a micro-batch of it had a non-finite loss (reported by :meth:`NonFiniteGuardCallback.observe_loss`) or
 any gradient of the optimizer's parameters is non-finite. If so it sets every parameter's ``.grad`` to ``None``.
 PyTorch optimizers (``torch.optim.AdamW``, bitsandbytes ``AdamW8bit``, ...) skip parameters whose gradient is
@@ -101,8 +102,11 @@ class NonFiniteGuardCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
         # Trainer hands callbacks the optimizer it had at __init__ (usually None): fall back to the model's parameters
-        params = ([p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None
-                  else list(model.parameters()))
+        params = (
+            [p for group in optimizer.param_groups for p in group["params"]]
+            if optimizer is not None
+            else list(model.parameters())
+        )
         bad = any_rank(self._loss_bad or not grads_are_finite(params), args.device)
         self._loss_bad = False
         if not bad:
@@ -122,5 +126,9 @@ class NonFiniteGuardCallback(TrainerCallback):
                 f"{last or 'none written yet'}. Restart from it, e.g. with a lower learning rate."
             )
         if state.is_world_process_zero:
-            logger.warning("step %d: non-finite loss or gradients; optimizer step skipped (%d in a row, %d total)",
-                           step, self.consecutive, self.skipped_steps)
+            logger.warning(
+                "step %d: non-finite loss or gradients; optimizer step skipped (%d in a row, %d total)",
+                step,
+                self.consecutive,
+                self.skipped_steps,
+            )

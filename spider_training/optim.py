@@ -33,8 +33,9 @@ def _bf16_matmul_is_native(device: torch.device) -> bool:
     return device.type != "cpu" or torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
 
 
-def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
-                               eps: float) -> torch.Tensor:
+def zeropower_via_newtonschulz(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
     """The semi-orthogonal matrix nearest `grad` (about ``U V^T`` of its SVD), by torch.optim.Muon's quintic
     Newton-Schulz iteration in bfloat16 (Keller Jordan's, https://kellerjordan.github.io/posts/muon/).
 
@@ -100,11 +101,15 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim not in (2, 3):
-                    raise ValueError(f"Muon updates 2D matrices or 3D stacks of matrices (one per expert), got a "
-                                     f"parameter of size {tuple(p.shape)}")
+                    raise ValueError(
+                        f"Muon updates 2D matrices or 3D stacks of matrices (one per expert), got a "
+                        f"parameter of size {tuple(p.shape)}"
+                    )
                 if p.shape[-2] % group.get("row_blocks", 1):
-                    raise ValueError(f"a parameter of size {tuple(p.shape)} does not split into "
-                                     f"row_blocks={group['row_blocks']} blocks of rows")
+                    raise ValueError(
+                        f"a parameter of size {tuple(p.shape)} does not split into "
+                        f"row_blocks={group['row_blocks']} blocks of rows"
+                    )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -127,8 +132,11 @@ class Muon(torch.optim.Muon):
                 else:  # every block of rows of every matrix of the stack, orthogonalised on its own
                     matrices = update.reshape(-1, rows, cols)
                     update = torch.stack([zeropower_via_newtonschulz(m, *args) for m in matrices]).view(param.shape)
-                scale = (0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw"
-                         else math.sqrt(max(1, rows / cols)))
+                scale = (
+                    0.2 * math.sqrt(max(rows, cols))
+                    if group["adjust_lr_fn"] == "match_rms_adamw"
+                    else math.sqrt(max(1, rows / cols))
+                )
                 param.mul_(1 - lr * group["weight_decay"])
                 param.add_(update, alpha=-lr * scale)
         return loss
@@ -144,9 +152,12 @@ def is_hidden_matrix(name: str, param: torch.Tensor, experts: bool = True) -> bo
     then train with AdamW: on a small batch Muon's Newton-Schulz iterations on every expert matrix dominate the step
     (README "Model quality", the MoE experts on AdamW)."""
     routed_expert = ".mlp.experts." in name
-    return ((param.dim() == 2 or (param.dim() == 3 and routed_expert)) and ".router." not in name
-            and (experts or not routed_expert)
-            and (_LAYER_STACK.search(name) is not None or "boundary_predictor.dense" in name))
+    return (
+        (param.dim() == 2 or (param.dim() == 3 and routed_expert))
+        and ".router." not in name
+        and (experts or not routed_expert)
+        and (_LAYER_STACK.search(name) is not None or "boundary_predictor.dense" in name)
+    )
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -170,8 +181,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             halves, or an empty half.
     """
 
-    def __init__(self, muon_groups: Iterable[dict], adamw_groups: Iterable[dict], muon_kwargs: dict,
-                 adamw_kwargs: dict):
+    def __init__(
+        self, muon_groups: Iterable[dict], adamw_groups: Iterable[dict], muon_kwargs: dict, adamw_kwargs: dict
+    ):
         self.muon = Muon(list(muon_groups), **muon_kwargs)
         self.adamw = torch.optim.AdamW(list(adamw_groups), **adamw_kwargs)
         super().__init__(self.adamw.param_groups + self.muon.param_groups, defaults={})
@@ -191,16 +203,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if set(state_dict) != {"muon", "adamw"}:
-            raise ValueError(f"MuonWithAdamW state dict needs keys 'muon' and 'adamw', got {sorted(state_dict)}: "
-                             "was the checkpoint written by another optimizer (--muon_lr changed)?")
+            raise ValueError(
+                f"MuonWithAdamW state dict needs keys 'muon' and 'adamw', got {sorted(state_dict)}: "
+                "was the checkpoint written by another optimizer (--muon_lr changed)?"
+            )
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
         self.param_groups = self.adamw.param_groups + self.muon.param_groups  # the children made new group dicts
 
 
-def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    decay_parameter_names: set[str] | None = None, muon_experts: bool = False) -> MuonWithAdamW:
+def muon_with_adamw(
+    model: torch.nn.Module,
+    muon_lr: float,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    decay_parameter_names: set[str] | None = None,
+    muon_experts: bool = False,
+) -> MuonWithAdamW:
     """:class:`MuonWithAdamW` over `model`'s trainable parameters: the hidden matrices (:func:`is_hidden_matrix`) by
     Muon at `muon_lr`, the rest by AdamW at `lr`, with weight decay on `decay_parameter_names` (Trainer's
     ``get_decay_parameter_names``; default: tensors with ``dim >= 2``). The fused experts' ``gate_up_proj`` get their
@@ -225,10 +246,13 @@ def muon_with_adamw(model: torch.nn.Module, muon_lr: float, lr: float, weight_de
     adamw_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # the fused experts' [gate; up] matrices: gate and up orthogonalised apart, as their per-expert weights were
     gate_up = {id(p) for n, p in model.named_parameters() if n.endswith(".mlp.experts.gate_up_proj")}
-    muon_groups = [{"params": [p for p in muon if id(p) not in gate_up]},
-                   {"params": [p for p in muon if id(p) in gate_up], "row_blocks": 2}]
+    muon_groups = [
+        {"params": [p for p in muon if id(p) not in gate_up]},
+        {"params": [p for p in muon if id(p) in gate_up], "row_blocks": 2},
+    ]
     return MuonWithAdamW(
-        [group for group in muon_groups if group["params"]], [group for group in adamw_groups if group["params"]],
+        [group for group in muon_groups if group["params"]],
+        [group for group in adamw_groups if group["params"]],
         muon_kwargs={"lr": muon_lr, "weight_decay": weight_decay * lr / muon_lr},
         adamw_kwargs={"lr": lr, "betas": betas, "eps": eps},
     )

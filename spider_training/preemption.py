@@ -4,7 +4,8 @@ Cluster schedulers (SLURM, Kubernetes, spot/preemptible VMs) announce a preempti
 grace period later; Ctrl-C sends SIGINT. :class:`StopOnSignalCallback` turns either into Trainer's own documented
 stop: the signal handler only records the signal, and at the end of the current optimizer step ``on_step_end`` sets
 ``control.should_save = True`` and ``control.should_training_stop = True``. Trainer then writes ``checkpoint-N`` (the
-atomic save of :class:`spider_training.trainer.SpiderTrainer`) and returns from ``train()`` normally; restarting the same
+atomic save of :class:`spider_training.trainer.SpiderTrainer`) and returns from ``train()`` normally; restarting the
+same
 command auto-resumes from ``checkpoint-N``.
 
 Rules:
@@ -78,8 +79,10 @@ class StopOnSignalCallback(TrainerCallback):
     def install(self) -> bool:
         """Install the handlers (main thread only). Returns whether they were installed."""
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("StopOnSignalCallback: not in the main thread; %s will not stop training gracefully",
-                           ", ".join(signal.Signals(s).name for s in self.signals))
+            logger.warning(
+                "StopOnSignalCallback: not in the main thread; %s will not stop training gracefully",
+                ", ".join(signal.Signals(s).name for s in self.signals),
+            )
             return False
         for signum in self.signals:
             if signum not in self._previous:

@@ -21,8 +21,10 @@ from .optim import describe_optimizer
 logger = logging.getLogger(__name__)
 
 #: ``from_pretrained(..., key_mapping=LEGACY_KEY_MAPPING)`` loads a release written before the recurrent block and
-#: FlexiTokens became modules of their own (2026-11-23), whose parameters sat flat under ``model.`` (``model.layers.0.``,
-#: ``model.halt_predictor``, ``model.boundary_predictor``, ...). Regex -> replacement, as transformers' ``key_mapping``.
+#: FlexiTokens became modules of their own (2026-11-23), whose parameters sat flat under ``model.``
+#: (``model.layers.0.``,
+#: ``model.halt_predictor``, ``model.boundary_predictor``, ...). Regex -> replacement, as transformers'
+#: ``key_mapping``.
 LEGACY_KEY_MAPPING: dict[str, str] = {
     r"^model\.layers\.": "model.recurrent_block.layers.",
     r"^model\.(loop_embedding|loop_norm|loop_lora|injection|halt_predictor)\.": r"model.recurrent_block.\1.",
@@ -64,14 +66,24 @@ def gather_unsharded(model):
 
 
 def training_loops(n_loops: int, extra_train_loops: int) -> int | str:
-    """The card's "loops during training": `n_loops`, or the range each step drew from (``"2 to 3, drawn per step"``)."""
+    """The card's "loops during training": `n_loops`, or the range each step drew from (``"2 to 3, drawn per
+    step"``)."""
     if not extra_train_loops:
         return n_loops
     return f"{n_loops} to {n_loops + extra_train_loops}, drawn per step"
 
 
-def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict, log_history: list[dict],
-                  card_map_text: str | None = None) -> Path:
+def write_release(
+    release_dir,
+    model,
+    tokenizer,
+    *,
+    spider,
+    args,
+    summary: dict,
+    log_history: list[dict],
+    card_map_text: str | None = None,
+) -> Path:
     """Save `model` (unwrapped; FP8 layers saved as their plain weights) and `tokenizer` with a model card.
 
     Args:
@@ -90,32 +102,50 @@ def write_release(release_dir, model, tokenizer, *, spider, args, summary: dict,
         card_map = None
         if card_map_text:
             from .compute_map import write_card_map
+
             try:
                 card_map = write_card_map(folder, card_map_text, model=model).name
             except (ValueError, RuntimeError) as err:
                 logger.warning("model card: no compute map (%s)", err)
         config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
         training = {
-            "steps": summary.get("steps"), "precision": summary.get("precision"), "moe_backend": summary.get("moe_backend"),
-            "seq_len": spider.seq_len, "micro_batch": args.per_device_train_batch_size,
-            "grad_accum": args.gradient_accumulation_steps, "learning_rate": args.learning_rate,
+            "steps": summary.get("steps"),
+            "precision": summary.get("precision"),
+            "moe_backend": summary.get("moe_backend"),
+            "seq_len": spider.seq_len,
+            "micro_batch": args.per_device_train_batch_size,
+            "grad_accum": args.gradient_accumulation_steps,
+            "learning_rate": args.learning_rate,
             "optimizer": describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
             "lr_scheduler": getattr(args.lr_scheduler_type, "value", str(args.lr_scheduler_type)),
             "n_loops": training_loops(model.config.n_loops, spider.extra_train_loops),
             "world_size": args.world_size,
         }
-        data = {"source": spider.data, "eval": spider.eval_data or ("sotu, years >= %d" % spider.eval_from_year
-                                                                    if spider.data == "sotu" else None)}
+        data = {
+            "source": spider.data,
+            "eval": spider.eval_data
+            or (f"sotu, years >= {spider.eval_from_year:d}" if spider.data == "sotu" else None),
+        }
         metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "parameters"}
         metrics["parameters"] = summary.get("parameters")
         hub_id = getattr(args, "hub_model_id", None)
         model_name = release_model_name(spider, hub_id, summary.get("parameters"))
         sample = {"prompt": spider.sample_prompt, "text": summary["sample"]} if summary.get("sample") else None
-        write_model_card(folder, config=config, training=training, data=data, metrics=metrics,
-                         loss_history=log_history, repo_id=hub_id or str(release_dir), model_name=model_name,
-                         bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"), sample=sample,
-                         act_early_exit=summary.get("act_early_exit"), compute_map=card_map,
-                         reference=reference_quality(spider.preset, spider.data))
+        write_model_card(
+            folder,
+            config=config,
+            training=training,
+            data=data,
+            metrics=metrics,
+            loss_history=log_history,
+            repo_id=hub_id or str(release_dir),
+            model_name=model_name,
+            bits_per_byte_by_loops=summary.get("bits_per_byte_by_loops"),
+            sample=sample,
+            act_early_exit=summary.get("act_early_exit"),
+            compute_map=card_map,
+            reference=reference_quality(spider.preset, spider.data),
+        )
 
     return save_folder_atomically(release_dir, write)
 
@@ -140,14 +170,16 @@ def checked_from_pretrained(load, path, *args, **kwargs):
         except (ValueError, AttributeError):  # not JSON, or not an object: transformers names the file
             model_type = None
         if model_type is not None and model_type != "spider":
-            raise ValueError(f"{path} holds a config.json of model_type {model_type!r}, not 'spider': not a Spider "
-                             "checkpoint")
+            raise ValueError(
+                f"{path} holds a config.json of model_type {model_type!r}, not 'spider': not a Spider checkpoint"
+            )
     try:
         return load(str(path), *args, **kwargs)
     except SafetensorError as err:
         bad = _first_unreadable_safetensors(Path(str(path)))
-        raise OSError(f"cannot load Spider weights from {bad or path}: truncated or corrupt safetensors file "
-                      f"({err})") from err
+        raise OSError(
+            f"cannot load Spider weights from {bad or path}: truncated or corrupt safetensors file ({err})"
+        ) from err
 
 
 def _first_unreadable_safetensors(folder: Path) -> Path | None:

@@ -63,7 +63,7 @@ class RunLock:
     def is_locked(self) -> bool:
         return self._lock.is_locked
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -74,8 +74,10 @@ class RunLock:
             holder = ""
             try:
                 info = json.loads(self.owner_path.read_text())
-                holder = (f" (held by pid {info.get('pid')} on {info.get('host')} since {info.get('started')}: "
-                          f"{' '.join(info.get('argv', []))})")
+                holder = (
+                    f" (held by pid {info.get('pid')} on {info.get('host')} since {info.get('started')}: "
+                    f"{' '.join(info.get('argv', []))})"
+                )
             except (OSError, ValueError):
                 pass
             raise RunLockedError(
@@ -84,8 +86,12 @@ class RunLock:
             ) from None
         except OSError as err:
             raise OSError(err.errno, f"cannot take the run lock {self.path}: {err.strerror}") from err
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "argv": sys.argv,
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "argv": sys.argv,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         try:
             self.owner_path.write_text(json.dumps(owner))
         except OSError:
@@ -97,7 +103,7 @@ class RunLock:
         if self._lock.is_locked:
             self._lock.release(force=True)
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -90,17 +90,21 @@ def attention_for_backend(config, name: str) -> str:
     if name == "auto" or current == VALUE_PADDED_SDPA:
         return current
     if current != "sdpa":
-        raise ValueError(f"--sdpa_backend {name} picks torch SDPA's kernel, but the model's attention is "
-                         f"{current!r}; use attn_implementation='sdpa' or --sdpa_backend auto")
+        raise ValueError(
+            f"--sdpa_backend {name} picks torch SDPA's kernel, but the model's attention is "
+            f"{current!r}; use attn_implementation='sdpa' or --sdpa_backend auto"
+        )
     if name != "flash":
         return current
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     if config.v_head_dim == qk:
         return current
     if config.v_head_dim > qk:
-        raise ValueError(f"--sdpa_backend flash needs v_head_dim <= qk_nope_head_dim + qk_rope_head_dim to pad the "
-                         f"value; got v_head_dim={config.v_head_dim}, qk_nope_head_dim={config.qk_nope_head_dim}, "
-                         f"qk_rope_head_dim={config.qk_rope_head_dim}")
+        raise ValueError(
+            f"--sdpa_backend flash needs v_head_dim <= qk_nope_head_dim + qk_rope_head_dim to pad the "
+            f"value; got v_head_dim={config.v_head_dim}, qk_nope_head_dim={config.qk_nope_head_dim}, "
+            f"qk_rope_head_dim={config.qk_rope_head_dim}"
+        )
     return VALUE_PADDED_SDPA
 
 
@@ -124,7 +128,7 @@ def preference_order(name: str) -> list[SDPBackend]:
     chosen = check_sdpa_backend(name)
     if chosen is None:
         return [SDPBackend(int(b)) for b in torch._C._get_sdp_priority_order()]  # what sdpa_kernel itself reads
-    rest = FALLBACKS[FALLBACKS.index(chosen) + 1:] if chosen in FALLBACKS else FALLBACKS  # math takes every call
+    rest = FALLBACKS[FALLBACKS.index(chosen) + 1 :] if chosen in FALLBACKS else FALLBACKS  # math takes every call
     return [chosen, *rest]
 
 

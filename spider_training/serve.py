@@ -90,7 +90,8 @@ class CompletionRequest(SamplingFields):
             value = value[0]
         if not isinstance(value, str):
             raise ValueError(  # noqa: TRY004 (pydantic reports a ValueError as a validation error)
-                f"must be text (one string), got {type(value).__name__} (token ids are not accepted)")
+                f"must be text (one string), got {type(value).__name__} (token ids are not accepted)"
+            )
         return value
 
 
@@ -313,8 +314,9 @@ class Engine:
             mask[row, width - len(job.prompt_ids) :] = 1
         device, n_loops = self.model.device, jobs[0].n_loops
         self.model.config.act_early_exit = jobs[0].act_early_exit
-        out = self.model(ids.to(device), attention_mask=mask.to(device), n_loops=n_loops, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(
+            ids.to(device), attention_mask=mask.to(device), n_loops=n_loops, use_cache=True, logits_to_keep=1
+        )
         cache = out.cache
         while jobs:
             chosen = next_tokens(out.logits[:, -1], jobs)
@@ -368,19 +370,34 @@ def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_
 
     def make_job(req: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> Job:
         if req.model != model_name:
-            raise BadRequest(f"model: unknown model {req.model!r}; this server serves {model_name!r}", "model",
-                             "model_not_found")
+            raise BadRequest(
+                f"model: unknown model {req.model!r}; this server serves {model_name!r}", "model", "model_not_found"
+            )
         n_loops = config.n_loops if req.n_loops is None else req.n_loops
         if not 1 <= n_loops <= max_loops:
             raise BadRequest(f"n_loops: must be in 1..{max_loops} (max_loop_iters), got {n_loops}", "n_loops")
         param = "prompt" if isinstance(req, CompletionRequest) else "messages"
         if len(prompt_ids) > context:
-            raise BadRequest(f"{param}: the prompt is {len(prompt_ids)} bytes, longer than the context of {context} "
-                             "bytes (max_position_embeddings)", param, "context_length_exceeded")
+            raise BadRequest(
+                f"{param}: the prompt is {len(prompt_ids)} bytes, longer than the context of {context} "
+                "bytes (max_position_embeddings)",
+                param,
+                "context_length_exceeded",
+            )
         room = context + 1 - len(prompt_ids)  # the last byte written is never fed back
-        return Job(prompt_ids, min(room, max_tokens or room), n_loops,
-                   default_exit if req.act_early_exit is None else req.act_early_exit, req.temperature, req.top_p,
-                   req.stop or [], req.seed, tokenizer.eos_token_id, asyncio.get_running_loop(), asyncio.Queue())
+        return Job(
+            prompt_ids,
+            min(room, max_tokens or room),
+            n_loops,
+            default_exit if req.act_early_exit is None else req.act_early_exit,
+            req.temperature,
+            req.top_p,
+            req.stop or [],
+            req.seed,
+            tokenizer.eos_token_id,
+            asyncio.get_running_loop(),
+            asyncio.Queue(),
+        )
 
     async def events(request: Request, job: Job, poll_s: float = 0.25):
         """The job's events, several texts joined into one; cancels the job when the client goes away."""
@@ -405,9 +422,12 @@ def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_
 
     async def respond(request: Request, req: SamplingFields, job: Job, chat: bool):
         """The job's answer: one JSON object, or (``stream``) SSE chunks ending with ``data: [DONE]``."""
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_name}
+        head = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
 
         def usage(done: int) -> dict:
             prompt = len(job.prompt_ids)
@@ -427,8 +447,11 @@ def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_
                 if event[0] == "text":
                     text += event[1]
                 else:
-                    return {**head, "choices": [choice(text, event[1], "message", role=True)],
-                            "usage": usage(event[2])}
+                    return {
+                        **head,
+                        "choices": [choice(text, event[1], "message", role=True)],
+                        "usage": usage(event[2]),
+                    }
             return JSONResponse(error_body("client disconnected", "client_closed"), status_code=499)
 
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
@@ -467,8 +490,9 @@ def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         if not getattr(tokenizer, "chat_template", None):
-            raise BadRequest("this release's tokenizer has no chat template: use /v1/completions", "messages",
-                             "no_chat_template")
+            raise BadRequest(
+                "this release's tokenizer has no chat template: use /v1/completions", "messages", "no_chat_template"
+            )
         from jinja2 import TemplateError
 
         req = parse_request(await request.body(), ChatRequest)
@@ -478,8 +502,9 @@ def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_
             raise BadRequest(f"messages: the chat template failed: {err}", "messages") from None
         # read as text after BOS, as a completion's prompt (Spider's tokenizer never matches special tokens in text)
         prompt_ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
-        return await respond(request, req, make_job(req, prompt_ids, req.max_completion_tokens or req.max_tokens),
-                             chat=True)
+        return await respond(
+            request, req, make_job(req, prompt_ids, req.max_completion_tokens or req.max_tokens), chat=True
+        )
 
     return app
 
@@ -505,8 +530,9 @@ def cli(argv: list[str] | None = None) -> None:
     """``spider-serve RELEASE [--host] [--port] [--served-model-name] [--max-batch-size] [--device]``."""
     import uvicorn
 
-    parser = argparse.ArgumentParser(prog="spider-serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="spider-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("release", help="a release folder (what from_pretrained loads) or a Hub id")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

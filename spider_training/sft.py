@@ -8,8 +8,11 @@ from trl import SFTConfig, SFTTrainer
 
 #: Spider's loss terms besides the language-model loss -> the config coefficient that weighs each one (the sum is
 #: ``SpiderForConditionalGeneration``'s loss).
-SPIDER_LOSS_TERMS = {"aux_loss": "router_aux_loss_coef", "boundary_loss": "boundary_loss_coef",
-                     "ponder_loss": "ponder_loss_coef"}
+SPIDER_LOSS_TERMS = {
+    "aux_loss": "router_aux_loss_coef",
+    "boundary_loss": "boundary_loss_coef",
+    "ponder_loss": "ponder_loss_coef",
+}
 
 
 class SpiderSFTTrainer(SFTTrainer):
@@ -33,21 +36,27 @@ class SpiderSFTTrainer(SFTTrainer):
 
     def __init__(self, model, args: SFTConfig | None = None, **kwargs):
         if isinstance(model, str):
-            raise ValueError("SpiderSFTTrainer takes a loaded Spider model: pass "
-                             "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True), not a path")
+            raise ValueError(
+                "SpiderSFTTrainer takes a loaded Spider model: pass "
+                "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True), not a path"
+            )
         args = copy.copy(args) if args is not None else SFTConfig()
         if args.router_aux_loss_coef:
-            raise ValueError(f"SFTConfig.router_aux_loss_coef={args.router_aux_loss_coef}: TRL's coefficient applies "
-                             "Mixtral's per-token balancing loss; Spider weighs its own by "
-                             "model.config.router_aux_loss_coef, set it there")
+            raise ValueError(
+                f"SFTConfig.router_aux_loss_coef={args.router_aux_loss_coef}: TRL's coefficient applies "
+                "Mixtral's per-token balancing loss; Spider weighs its own by "
+                "model.config.router_aux_loss_coef, set it there"
+            )
         self.spider_loss_coefs = {term: float(getattr(model.config, name)) for term, name in SPIDER_LOSS_TERMS.items()}
         args.router_aux_loss_coef = 0.0
         super().__init__(model, args=args, **kwargs)
         model.config.router_aux_loss_coef = self.spider_loss_coefs["aux_loss"]  # TRL wrote 0.0 there
         heads = [m for m in self.model.modules() if type(m).__name__ == "SpiderForConditionalGeneration"]
         if not heads:
-            raise ValueError(f"SpiderSFTTrainer needs a Spider model; {type(model).__name__} holds no "
-                             "SpiderForConditionalGeneration")
+            raise ValueError(
+                f"SpiderSFTTrainer needs a Spider model; {type(model).__name__} holds no "
+                "SpiderForConditionalGeneration"
+            )
         self._spider_head, self._spider_outputs = heads[0], None
         heads[0].model.register_forward_hook(self._record_spider_outputs, with_kwargs=True)
 
@@ -60,8 +69,9 @@ class SpiderSFTTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss plus Spider's weighted terms (see the class docstring)."""
         self._spider_outputs = None
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         loss, outputs = result if return_outputs else (result, None)
         recorded, self._spider_outputs = self._spider_outputs, None
         steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1

@@ -8,7 +8,8 @@ attention, as torch counts them. The trainer counts the forward of its first tra
 runs outside the counter, whose dispatch mode would change the backward kernels: the step computes exactly what it
 computes uncounted, tested; under ``--compile`` that one forward runs eagerly), takes 3 times that for forward and
 backward, and scales by the micro-batches since the
-last log: Spider's FLOPs move a little with its segment count, which the first micro-batch fixes. MFU divides the achieved FLOP/s by :func:`peak_flops`: the GPU's dense bf16 peak
+last log: Spider's FLOPs move a little with its segment count, which the first micro-batch fixes. MFU divides the
+achieved FLOP/s by :func:`peak_flops`: the GPU's dense bf16 peak
 from its data sheet (:data:`PEAK_FLOPS`), or on another device a measured ``n x n`` matmul.
 """
 
@@ -16,13 +17,22 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 #: Dense bf16 tensor-core peak FLOP/s per device name (substring, first match), from NVIDIA's data sheets.
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
-              "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+}
 
 
 def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -75,8 +85,9 @@ def count_flops(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"total": int(counter.get_total_flops()), "by_op": by_op, "result": result}
 
 
-def measured_matmul_flops(device: torch.device | str, dtype: torch.dtype, n: int | None = None, warmup: int = 2,
-                          repeats: int = 5) -> dict[str, float]:
+def measured_matmul_flops(
+    device: torch.device | str, dtype: torch.dtype, n: int | None = None, warmup: int = 2, repeats: int = 5
+) -> dict[str, float]:
     """FLOP/s of an ``n x n @ n x n`` matmul in `dtype` on `device` (2 n^3 FLOPs a call): the median of `repeats`
     calls, each between two device synchronisations. ``n``: 8192 on CUDA, 1024 elsewhere.
 
@@ -159,5 +170,8 @@ class ThroughputMeter:
         if not self.flops_per_micro_batch:
             return {}
         achieved = self.flops_per_micro_batch * micro_batches / elapsed
-        return {"flops_per_step": float(self.flops_per_micro_batch * self.micro_batches_per_step),
-                "tflops_per_second": float(f"{achieved / 1e12:.4g}"), "mfu": float(f"{achieved / self.peak:.4g}")}
+        return {
+            "flops_per_step": float(self.flops_per_micro_batch * self.micro_batches_per_step),
+            "tflops_per_second": float(f"{achieved / 1e12:.4g}"),
+            "mfu": float(f"{achieved / self.peak:.4g}"),
+        }

@@ -96,8 +96,9 @@ class MoEBackend(str):
 
 def spider_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every SpiderMoE module of `model` (duck-typed: a class ``kernels`` attribute, ``router`` and ``experts``)."""
-    return [m for m in model.modules() if hasattr(type(m), "kernels") and hasattr(m, "router")
-            and hasattr(m, "experts")]
+    return [
+        m for m in model.modules() if hasattr(type(m), "kernels") and hasattr(m, "router") and hasattr(m, "experts")
+    ]
 
 
 def swap_in_tile_kernels(model: torch.nn.Module, tile_kernels_module=None) -> MoEBackend:
@@ -127,7 +128,9 @@ def swap_in_tile_kernels(model: torch.nn.Module, tile_kernels_module=None) -> Mo
             layer.kernels = TileKernelsMoEKernels(tile_kernels_module, type(layer).kernels, allow_non_cuda=injected)
     except ValueError as exc:
         return torch_path(str(exc))
-    reason = (f"{'injected module' if injected else 'installed tile_kernels.moe'}: "
-              f"{', '.join(TILE_KERNELS_FUNCTIONS)} (the rest in torch)")
+    reason = (
+        f"{'injected module' if injected else 'installed tile_kernels.moe'}: "
+        f"{', '.join(TILE_KERNELS_FUNCTIONS)} (the rest in torch)"
+    )
     logger.info("MoE kernels: %s on %d MoE layers (%s)", BACKEND_TILE_KERNELS, len(layers), reason)
     return MoEBackend(BACKEND_TILE_KERNELS, reason, len(layers))

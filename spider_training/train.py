@@ -45,8 +45,11 @@ def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
     ``--config_overrides`` applied by :meth:`SpiderConfig.update_from_string` (transformers' ``key=value,...``
     format) and ``--n_loops``."""
     weights = spider.init_from or (spider.resume if spider.reset_steps else None)
-    config = (checked_from_pretrained(SpiderConfig.from_pretrained, weights) if weights
-              else SpiderConfig.from_preset(spider.preset))
+    config = (
+        checked_from_pretrained(SpiderConfig.from_pretrained, weights)
+        if weights
+        else SpiderConfig.from_preset(spider.preset)
+    )
     if spider.config_overrides:
         config.update_from_string(spider.config_overrides)
     if spider.n_loops is not None:
@@ -57,8 +60,9 @@ def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
     return SpiderForConditionalGeneration(config)
 
 
-def build_trainer(spider: SpiderArguments, args, model, *, callbacks: list | None = None,
-                  **trainer_kwargs) -> SpiderTrainer:
+def build_trainer(
+    spider: SpiderArguments, args, model, *, callbacks: list | None = None, **trainer_kwargs
+) -> SpiderTrainer:
     """The run's :class:`SpiderTrainer` for `model` (built under ``set_seed(args.seed)``): the precision resolved (bf16
     turns on ``args.bf16``), the ``--data`` and held-out datasets built, every Spider flag passed. ``bench.quality``
     trains its rows through this too, a dense model included; `trainer_kwargs` add to or replace SpiderTrainer's
@@ -68,8 +72,13 @@ def build_trainer(spider: SpiderArguments, args, model, *, callbacks: list | Non
     if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
         # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
         args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
-    data_kwargs = dict(rank=args.process_index, world_size=args.world_size, seed=args.seed,
-                       text_column=spider.text_column, eval_from_year=spider.eval_from_year)
+    data_kwargs = dict(
+        rank=args.process_index,
+        world_size=args.world_size,
+        seed=args.seed,
+        text_column=spider.text_column,
+        eval_from_year=spider.eval_from_year,
+    )
     train_dataset = trainer_kwargs.pop("train_dataset", None)
     if train_dataset is None:
         train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
@@ -79,14 +88,26 @@ def build_trainer(spider: SpiderArguments, args, model, *, callbacks: list | Non
     if eval_dataset is None:
         args = dataclasses.replace(args, eval_strategy="no")
     kwargs = dict(
-        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=SpiderTokenizer(), data_collator=default_data_collator, hub_endpoint=spider.hub_endpoint,
-        n_loops=spider.n_loops, extra_train_loops=spider.extra_train_loops, precision=precision,
-        fp8_recipe=spider.fp8_recipe, fp8_layers=spider.fp8_layers, fp8_experts=spider.fp8_experts,
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=SpiderTokenizer(),
+        data_collator=default_data_collator,
+        hub_endpoint=spider.hub_endpoint,
+        n_loops=spider.n_loops,
+        extra_train_loops=spider.extra_train_loops,
+        precision=precision,
+        fp8_recipe=spider.fp8_recipe,
+        fp8_layers=spider.fp8_layers,
+        fp8_experts=spider.fp8_experts,
         fp8_gemm_table=spider.fp8_gemm_table,
         eval_windows=spider.eval_windows,
-        max_consecutive_nonfinite=spider.max_consecutive_nonfinite, muon_lr=spider.muon_lr,
-        muon_experts=spider.muon_experts, sdpa_backend=spider.sdpa_backend, callbacks=callbacks,
+        max_consecutive_nonfinite=spider.max_consecutive_nonfinite,
+        muon_lr=spider.muon_lr,
+        muon_experts=spider.muon_experts,
+        sdpa_backend=spider.sdpa_backend,
+        callbacks=callbacks,
     )
     return SpiderTrainer(**{**kwargs, **trainer_kwargs})
 
@@ -148,8 +169,14 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
         "distributed_type": str(trainer.accelerator.distributed_type),
         **{k: v for k, v in {**before, **after}.items() if k.endswith(("bits_per_byte", "compression_rate"))},
         # what the trainer measured of itself at its last logging step (spider_training.throughput)
-        **next(({k: log[k] for k in ("flops_per_step", "tflops_per_second", "mfu")} for log in
-                reversed(trainer.state.log_history) if "mfu" in log), {}),
+        **next(
+            (
+                {k: log[k] for k in ("flops_per_step", "tflops_per_second", "mfu")}
+                for log in reversed(trainer.state.log_history)
+                if "mfu" in log
+            ),
+            {},
+        ),
     }
     if loops:
         summary["bits_per_byte_by_loops"] = loops
@@ -165,21 +192,30 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
     return summary
 
 
-def _print_start_summary(spider: SpiderArguments, args, trainer: SpiderTrainer, train_dataset, eval_source,
-                         n_params: int) -> None:
+def _print_start_summary(
+    spider: SpiderArguments, args, trainer: SpiderTrainer, train_dataset, eval_source, n_params: int
+) -> None:
     """The console's start-up summary (rank 0): :func:`spider_training.console.describe_run`."""
-    print(describe_run(
-        preset=spider.preset, parameters=n_params, data=spider.data,
-        train_windows=len(train_dataset) if hasattr(train_dataset, "__len__") else None,
-        window_bytes=spider.seq_len + 1, eval_data=eval_source, precision=trainer.precision,
-        moe_backend=trainer.moe_backend,
-        devices=f"{args.world_size} process(es) on {args.device} (accelerate distributed type "
-                f"{getattr(trainer.accelerator.distributed_type, 'value', trainer.accelerator.distributed_type)})",
-        output_dir=args.output_dir, max_steps=args.max_steps,
-        batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
-        eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
-        optimizer=describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
-    ), flush=True)
+    print(
+        describe_run(
+            preset=spider.preset,
+            parameters=n_params,
+            data=spider.data,
+            train_windows=len(train_dataset) if hasattr(train_dataset, "__len__") else None,
+            window_bytes=spider.seq_len + 1,
+            eval_data=eval_source,
+            precision=trainer.precision,
+            moe_backend=trainer.moe_backend,
+            devices=f"{args.world_size} process(es) on {args.device} (accelerate distributed type "
+            f"{getattr(trainer.accelerator.distributed_type, 'value', trainer.accelerator.distributed_type)})",
+            output_dir=args.output_dir,
+            max_steps=args.max_steps,
+            batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+            eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
+            optimizer=describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
+        ),
+        flush=True,
+    )
 
 
 def _resume_checkpoint(spider: SpiderArguments, args) -> str | None:
@@ -195,11 +231,18 @@ def _stopped(trainer: SpiderTrainer, stop, args, train_result) -> dict:
     release."""
     checkpoint = os.path.join(args.output_dir, f"checkpoint-{stop.stopped_at_step}")
     if trainer.is_world_process_zero():
-        print(f"stopped by {stop.received} at step {stop.stopped_at_step}; checkpoint written to {checkpoint}; "
-              "run the same command to resume", flush=True)
+        print(
+            f"stopped by {stop.received} at step {stop.stopped_at_step}; checkpoint written to {checkpoint}; "
+            "run the same command to resume",
+            flush=True,
+        )
     trainer.accelerator.wait_for_everyone()
-    return {"steps": trainer.state.global_step, "stopped_by": stop.received, "checkpoint": checkpoint,
-            "train_loss": train_result.training_loss}
+    return {
+        "steps": trainer.state.global_step,
+        "stopped_by": stop.received,
+        "checkpoint": checkpoint,
+        "train_loss": train_result.training_loss,
+    }
 
 
 def _evaluate_after_training(trainer: SpiderTrainer, spider: SpiderArguments, model) -> tuple[dict, dict, dict]:
@@ -209,7 +252,7 @@ def _evaluate_after_training(trainer: SpiderTrainer, spider: SpiderArguments, mo
     # it rather than score the same weights on the same windows again.
     final = next((e for e in reversed(trainer.state.log_history) if "eval_bits_per_byte" in e), None)
     if final is not None and final.get("step") == trainer.state.global_step:
-        after = {"eval_after_" + k[len("eval_"):]: v for k, v in final.items() if k.startswith("eval_")}
+        after = {"eval_after_" + k[len("eval_") :]: v for k, v in final.items() if k.startswith("eval_")}
     else:
         after = trainer.evaluate(metric_key_prefix="eval_after")
     n = spider.n_loops or model.config.n_loops
@@ -219,20 +262,32 @@ def _evaluate_after_training(trainer: SpiderTrainer, spider: SpiderArguments, mo
     return after, loops, trainer.evaluate_act_early_exit()
 
 
-def _sample_and_release(spider: SpiderArguments, args, trainer: SpiderTrainer, plain, tokenizer, summary: dict,
-                        before: dict, after: dict) -> None:
+def _sample_and_release(
+    spider: SpiderArguments, args, trainer: SpiderTrainer, plain, tokenizer, summary: dict, before: dict, after: dict
+) -> None:
     """Rank 0: print a sample and the held-out scores, write the release folder; adds ``sample`` and
     ``release_dir`` to ``summary``."""
     if spider.sample_bytes > 0:  # --sample_bytes 0: no sample
-        summary["sample"] = sample(plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes,
-                                   n_loops=spider.n_loops)
+        summary["sample"] = sample(
+            plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes, n_loops=spider.n_loops
+        )
         print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
     if before:
-        print(f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
-              f"after {after['eval_after_bits_per_byte']:.4f}")
+        print(
+            f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
+            f"after {after['eval_after_bits_per_byte']:.4f}"
+        )
     release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
-    write_release(release_dir, plain, tokenizer, spider=spider, args=args, summary=summary,
-                  log_history=trainer.state.log_history, card_map_text=held_out_paragraph(trainer.eval_dataset))
+    write_release(
+        release_dir,
+        plain,
+        tokenizer,
+        spider=spider,
+        args=args,
+        summary=summary,
+        log_history=trainer.state.log_history,
+        card_map_text=held_out_paragraph(trainer.eval_dataset),
+    )
     summary["release_dir"] = release_dir
     print(f"release written to {release_dir}")
 
@@ -242,8 +297,14 @@ def _push(spider: SpiderArguments, args, trainer: SpiderTrainer, release_dir: st
     push logged): whether it arrived."""
     from spider_training.hub import push_release
 
-    result = push_release(release_dir, trainer.hub_model_id, token=args.hub_token, private=args.hub_private_repo,
-                          revision=args.hub_revision, endpoint=spider.hub_endpoint)
+    result = push_release(
+        release_dir,
+        trainer.hub_model_id,
+        token=args.hub_token,
+        private=args.hub_private_repo,
+        revision=args.hub_revision,
+        endpoint=spider.hub_endpoint,
+    )
     return result.ok
 
 

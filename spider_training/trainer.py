@@ -5,7 +5,8 @@ checkpoint rotation, resume with RNG state and data skipping, the progress bar, 
 overrides public, documented methods:
 
 - ``__init__``: converts linear layers to torchao ``Float8Linear`` (:mod:`spider_training.fp8`) and the fused experts
-  to torchao's FP8 grouped GEMM, each where it measured faster (:mod:`spider_training.fp8`), and swaps in the TileKernels MoE
+  to torchao's FP8 grouped GEMM, each where it measured faster (:mod:`spider_training.fp8`), and swaps in the
+  TileKernels MoE
   routing (:mod:`spider_training.tile_kernels_moe`) and runs the experts in the autocast dtype, their weights cast
   once per forward (:mod:`spider_training.mixed_precision`), before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
@@ -35,7 +36,8 @@ does their job (the section says why for each):
   once, in ``__init__``, with tk-train.py's module filter; accelerate is then told bf16 so it does not convert again.
   ``--compile`` (``torch_compile``) compiles the model's layers in ``__init__`` (:mod:`spider_training.compile`,
   one graph per layer kind), so accelerate is given a dynamo plugin that compiles nothing more.
-- ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically (:mod:`spider_training.checkpointing`);
+- ``_get_output_dir`` / ``_save_checkpoint``: checkpoints are written atomically
+(:mod:`spider_training.checkpointing`);
   a save that fails for lack of space or on a read-only filesystem raises ``CheckpointWriteError`` naming the folder
   and the cause. With ``--compile`` a checkpoint also holds what was compiled (``compile_artifacts.bin``).
 - ``_save``: a model whose parameters are torchao weight wrappers (the FP8 grouped-GEMM experts, FSDP float8
@@ -74,8 +76,13 @@ from transformers.trainer_utils import rotate_checkpoints
 from . import checkpointing
 from .compile import compile_model, load_compile_artifacts, save_compile_artifacts
 from .data import FirstWindows, StreamingTextDataset, make_dataloader
-from .fp8 import (convert_for_fp8_training, fp8_to_plain_state_dict, has_fp8_weight_wrappers, is_float8_linear,
-                  precompute_fp8_scales)
+from .fp8 import (
+    convert_for_fp8_training,
+    fp8_to_plain_state_dict,
+    has_fp8_weight_wrappers,
+    is_float8_linear,
+    precompute_fp8_scales,
+)
 from .hub import HubPushMixin
 from .metrics import byte_nll, compute_bits_per_byte
 from .mixed_precision import autocast_experts, shared_weight_casts
@@ -117,8 +124,9 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def training_loop_count(n_loops: int, extra_train_loops: int, seed: int, step: int,
-                        counts: tuple[int, ...] | None = None) -> int:
+def training_loop_count(
+    n_loops: int, extra_train_loops: int, seed: int, step: int, counts: tuple[int, ...] | None = None
+) -> int:
     """The loop count of training step `step`: uniform over ``n_loops .. n_loops + extra_train_loops`` (or over
     `counts` when given), a function of `(seed, step)` alone (its own generator, so Trainer's RNG streams and their
     checkpointed state are untouched). Returns an int; ``n_loops`` when ``extra_train_loops`` is 0 and no `counts`."""
@@ -149,8 +157,10 @@ class SpiderTrainer(HubPushMixin, Trainer):
             evaluation always runs ``n_loops``. The draw is a function of ``args.seed`` and the global step
             (:func:`training_loop_count`): every rank and every micro-batch of a step run the same count, and a
             resumed run draws what the uninterrupted one would. 0 (default): always ``n_loops``.
-        precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see :func:`spider_training.fp8.resolve_precision`).
-        fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``.
+        precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see
+        :func:`spider_training.fp8.resolve_precision`).
+        fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``,
+        ``rowwise_with_gw_hp``.
         fp8_layers: which layers ``precision="fp8"`` converts: ``"auto"`` (default; where the GEMM table measured FP8
             faster for the layer's shape at this micro-batch, ``args.per_device_train_batch_size`` windows of the
             train dataset's ``seq_len``) or ``"tk_train"`` (every layer tk-train.py converted); see
@@ -162,7 +172,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
             ``tile_kernels`` when CUDA is available.
         max_consecutive_nonfinite: optimizer steps with a NaN/inf loss or gradient skipped in a row before the run
-            stops with ``NonFiniteLossError`` (default :data:`spider_training.nonfinite.DEFAULT_MAX_CONSECUTIVE_NONFINITE`).
+            stops with ``NonFiniteLossError`` (default
+            :data:`spider_training.nonfinite.DEFAULT_MAX_CONSECUTIVE_NONFINITE`).
         stop_signals: signals that stop training gracefully (save, then stop); default SIGTERM and SIGINT;
             ``()`` leaves signal handling alone.
         muon_lr: peak learning rate of Muon for the hidden matrices (:mod:`spider_training.optim`); AdamW at
@@ -191,18 +202,38 @@ class SpiderTrainer(HubPushMixin, Trainer):
             unknown ``sdpa_backend``, or one other than ``"auto"`` on a model whose attention is not ``"sdpa"``.
     """
 
-    def __init__(self, model=None, args=None, *, n_loops=None, extra_train_loops=0, precision="fp32", fp8_recipe="tensorwise",
-                 fp8_layers="auto", fp8_experts="auto", fp8_gemm_table=None, eval_windows=64, tile_kernels_module=None,
-                 max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE, stop_signals=DEFAULT_SIGNALS,
-                 muon_lr=0.0, muon_experts=False, hub_endpoint=None, sdpa_backend="auto", lr_scale_of=None,
-                 train_loop_counts=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        *,
+        n_loops=None,
+        extra_train_loops=0,
+        precision="fp32",
+        fp8_recipe="tensorwise",
+        fp8_layers="auto",
+        fp8_experts="auto",
+        fp8_gemm_table=None,
+        eval_windows=64,
+        tile_kernels_module=None,
+        max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE,
+        stop_signals=DEFAULT_SIGNALS,
+        muon_lr=0.0,
+        muon_experts=False,
+        hub_endpoint=None,
+        sdpa_backend="auto",
+        lr_scale_of=None,
+        train_loop_counts=None,
+        **kwargs,
+    ):
         self.hub_endpoint = hub_endpoint
         self.sdpa_backend = sdpa_backend
         attention = attention_for_backend(model.config, sdpa_backend) if model is not None else None
         if attention is not None and attention != (model.config._attn_implementation or "sdpa"):
             model.set_attn_implementation(attention)
-            logger.info("--sdpa_backend %s: attention %r (value padded to the query/key head dim)", sdpa_backend,
-                        attention)
+            logger.info(
+                "--sdpa_backend %s: attention %r (value padded to the query/key head dim)", sdpa_backend, attention
+            )
         if extra_train_loops < 0:
             raise ValueError(f"extra_train_loops must be >= 0, got {extra_train_loops}")
         self.n_loops = n_loops
@@ -215,8 +246,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.eval_windows = eval_windows
         self.fp8_report = None
         if precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":
-            self.precision = self._convert_to_fp8(model, args, kwargs.get("train_dataset"), fp8_recipe, fp8_layers,
-                                                  fp8_experts, fp8_gemm_table)
+            self.precision = self._convert_to_fp8(
+                model, args, kwargs.get("train_dataset"), fp8_recipe, fp8_layers, fp8_experts, fp8_gemm_table
+            )
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
         autocast_experts(model)  # under autocast: grouped GEMM in bf16, the experts' weights cast once per forward
@@ -228,8 +260,10 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.model_accepts_loss_kwargs = False
         check_launch(self.accelerator.num_processes)
         if self.muon_lr and self.is_fsdp_enabled:
-            raise ValueError(f"muon_lr={self.muon_lr} with FSDP: FSDP's sharded optimizer checkpoints expect one "
-                             "torch optimizer's state; train with muon_lr=0 (--muon_lr 0)")
+            raise ValueError(
+                f"muon_lr={self.muon_lr} with FSDP: FSDP's sharded optimizer checkpoints expect one "
+                "torch optimizer's state; train with muon_lr=0 (--muon_lr 0)"
+            )
         if getattr(self, "_fp8_scales_callback", None) is not None:
             self.add_callback(self._fp8_scales_callback)
         self.nonfinite_guard = NonFiniteGuardCallback(max_consecutive_nonfinite)
@@ -252,13 +286,21 @@ class SpiderTrainer(HubPushMixin, Trainer):
         fsdp = bool(args is not None and args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
         all_gather = fsdp and recipe == "tensorwise" and torch.cuda.is_available()
         self.fp8_report = convert_for_fp8_training(
-            model, recipe, layers, experts, device=args.device if args is not None else None,
+            model,
+            recipe,
+            layers,
+            experts,
+            device=args.device if args is not None else None,
             batch_size=args.per_device_train_batch_size if args is not None else None,
-            seq_len=getattr(train_dataset, "seq_len", None), gemm_table=gemm_table, fsdp_float8_all_gather=all_gather)
+            seq_len=getattr(train_dataset, "seq_len", None),
+            gemm_table=gemm_table,
+            fsdp_float8_all_gather=all_gather,
+        )
         if not self.fp8_report.converted:
             high = "bf16" if args is not None and args.bf16 else "fp32"
-            logger.warning("--precision fp8: FP8 pays for no layer here (%s); training in %s", self.fp8_report.source,
-                           high)
+            logger.warning(
+                "--precision fp8: FP8 pays for no layer here (%s); training in %s", self.fp8_report.source, high
+            )
             return high
         if all_gather and any(is_float8_linear(m) for m in model.modules()):
             self._fp8_scales_callback = PrecomputeFp8ScalesCallback()
@@ -276,9 +318,14 @@ class SpiderTrainer(HubPushMixin, Trainer):
             super().create_optimizer(model)
         else:
             self.optimizer = muon_with_adamw(
-                opt_model, self.muon_lr, self.args.learning_rate, self.args.weight_decay,
-                betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-                decay_parameter_names=set(self.get_decay_parameter_names(opt_model)), muon_experts=self.muon_experts,
+                opt_model,
+                self.muon_lr,
+                self.args.learning_rate,
+                self.args.weight_decay,
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+                decay_parameter_names=set(self.get_decay_parameter_names(opt_model)),
+                muon_experts=self.muon_experts,
             )
         if self.lr_scale_of is not None:  # before the scheduler reads each group's initial learning rate
             scale_learning_rates(self.optimizer, opt_model, self.lr_scale_of)
@@ -293,10 +340,15 @@ class SpiderTrainer(HubPushMixin, Trainer):
             return super().get_train_dataloader()
         # An accelerate DataLoaderShard: iterating it registers it with the accelerator's GradientState (end of data
         # inside an accumulation window), as a loader from `accelerator.prepare` would.
-        return make_dataloader(self.train_dataset, self._train_batch_size, device=self.args.device,
-                               num_workers=self.args.dataloader_num_workers, collate_fn=self.data_collator,
-                               pin_memory=self.args.dataloader_pin_memory,
-                               non_blocking=self.args.accelerator_config.non_blocking)
+        return make_dataloader(
+            self.train_dataset,
+            self._train_batch_size,
+            device=self.args.device,
+            num_workers=self.args.dataloader_num_workers,
+            collate_fn=self.data_collator,
+            pin_memory=self.args.dataloader_pin_memory,
+            non_blocking=self.args.accelerator_config.non_blocking,
+        )
 
     # --- the training step ---------------------------------------------------------------------------------------
 
@@ -316,12 +368,17 @@ class SpiderTrainer(HubPushMixin, Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and (self.extra_train_loops or self.train_loop_counts):
             n_loops = self.n_loops or self.accelerator.unwrap_model(model).config.n_loops
-            inputs = {**inputs, "n_loops": training_loop_count(n_loops, self.extra_train_loops, self.args.seed,
-                                                               self.state.global_step, self.train_loop_counts)}
+            inputs = {
+                **inputs,
+                "n_loops": training_loop_count(
+                    n_loops, self.extra_train_loops, self.args.seed, self.state.global_step, self.train_loop_counts
+                ),
+            }
         elif self.n_loops is not None:
             inputs = {**inputs, "n_loops": self.n_loops}
-        compute = functools.partial(super().compute_loss, model, inputs, return_outputs=True,
-                                    num_items_in_batch=num_items_in_batch)
+        compute = functools.partial(
+            super().compute_loss, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
         with shared_weight_casts():  # spider_training.mixed_precision: one cast of each expert weight per forward
             if model.training and self.throughput.flops_per_micro_batch is None:
                 # the run's FLOPs: the first micro-batch's forward under the counter (its backward runs outside it,
@@ -335,8 +392,17 @@ class SpiderTrainer(HubPushMixin, Trainer):
 
     def _record(self, outputs, inputs) -> None:
         # another causal LM (bench.quality's dense baselines) has only `loss`, its LM loss
-        terms = {name: getattr(outputs, name, None) for name in
-                 ("lm_loss", "aux_loss", "boundary_loss", "ponder_loss", "compression_rate", "mean_halting_step")}
+        terms = {
+            name: getattr(outputs, name, None)
+            for name in (
+                "lm_loss",
+                "aux_loss",
+                "boundary_loss",
+                "ponder_loss",
+                "compression_rate",
+                "mean_halting_step",
+            )
+        }
         terms = {name: value.detach().float() for name, value in terms.items() if value is not None}
         terms.setdefault("lm_loss", outputs.loss.detach().float())
         if getattr(outputs, "expert_load", None) is not None:
@@ -416,19 +482,23 @@ class SpiderTrainer(HubPushMixin, Trainer):
         finally:
             config.act_early_exit = before
         n_loops = self.n_loops or config.n_loops
-        return {"bits_per_byte": result["bits_per_byte"], "mean_halting_step": result["mean_halting_step"],
-                "loops_saved_per_segment": n_loops - result["mean_halting_step"]}
+        return {
+            "bits_per_byte": result["bits_per_byte"],
+            "mean_halting_step": result["mean_halting_step"],
+            "loops_saved_per_segment": n_loops - result["mean_halting_step"],
+        }
 
     def _held_out_bits_per_byte(self, eval_dataset, n_loops: int | None) -> dict[str, float]:
         """Trainer's evaluation loop at `n_loops` (None: the trainer's), not logged: :func:`compute_bits_per_byte`'s
         figures without a prefix."""
         trained_n_loops, self.n_loops = self.n_loops, n_loops
         try:
-            output = self.evaluation_loop(self.get_eval_dataloader(eval_dataset), description="Evaluation",
-                                          metric_key_prefix="eval")
+            output = self.evaluation_loop(
+                self.get_eval_dataloader(eval_dataset), description="Evaluation", metric_key_prefix="eval"
+            )
         finally:
             self.n_loops = trained_n_loops
-        return {name[len("eval_"):]: value for name, value in output.metrics.items()}
+        return {name[len("eval_") :]: value for name, value in output.metrics.items()}
 
     # --- Hub ----------------------------------------------------------------------------------------------------
 
@@ -457,7 +527,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
         if self.fp8_report is not None and args.get("mixed_precision") == "fp8":
-            logger.info("accelerate asked for fp8: converted once by SpiderTrainer (--fp8_layers filter); accelerate runs bf16")
+            logger.info(
+                "accelerate asked for fp8: converted once by SpiderTrainer (--fp8_layers filter); accelerate runs bf16"
+            )
             args["mixed_precision"] = "bf16"
         if self.args.torch_compile:
             # --compile compiled the layers in __init__ (spider_training.compile); accelerate would compile the whole
@@ -474,8 +546,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self.args.should_save and checkpointing.convert_older_checkpoint(resume_from_checkpoint):
-            logger.info("%s: an older checkpoint's weights, rewritten in today's layout and names",
-                        resume_from_checkpoint)
+            logger.info(
+                "%s: an older checkpoint's weights, rewritten in today's layout and names", resume_from_checkpoint
+            )
         self.accelerator.wait_for_everyone()
         if self.args.torch_compile and load_compile_artifacts(resume_from_checkpoint):
             logger.info("%s: compiled artifacts loaded (the layers compile from them)", resume_from_checkpoint)
@@ -527,12 +600,16 @@ class SpiderTrainer(HubPushMixin, Trainer):
             name = f"checkpoint-{self.state.global_step}"
             if self.args.torch_compile:  # a warm start for a resumed run and each of its ranks
                 save_compile_artifacts(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name))
-            checkpointing.publish(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), os.path.join(run_dir, name))
+            checkpointing.publish(
+                os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), os.path.join(run_dir, name)
+            )
             checkpointing.clear_staging(run_dir)
             if self.args.push_to_hub:
                 self._push_from_checkpoint(os.path.join(run_dir, name))
             rotate_checkpoints(
-                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False,
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=False,
             )
         self.accelerator.wait_for_everyone()

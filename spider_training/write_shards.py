@@ -28,15 +28,30 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from spider_training.data import (
-    BOS_ID, DEFAULT_SOTU_EVAL_FROM_YEAR, EOS_ID, HEADER_BYTES, HEADER_INTS, HEADER_MAGIC, HEADER_VERSION,
-    METADATA_NAME, PAD_ID, SHARD_SUFFIX, TOKEN_DTYPE, VOCAB_SIZE, DocumentStats, encode_texts, classify_source,
-    open_text_source, split_of_path,
+    BOS_ID,
+    DEFAULT_SOTU_EVAL_FROM_YEAR,
+    EOS_ID,
+    HEADER_BYTES,
+    HEADER_INTS,
+    HEADER_MAGIC,
+    HEADER_VERSION,
+    METADATA_NAME,
+    PAD_ID,
+    SHARD_SUFFIX,
+    TOKEN_DTYPE,
+    VOCAB_SIZE,
+    DocumentStats,
+    classify_source,
+    encode_texts,
+    open_text_source,
+    split_of_path,
 )
 from spider_training.data.shards import SHARD_FORMAT_ALIASES, SHARD_FORMATS
 
@@ -72,11 +87,22 @@ def _write_atomic(path: Path, chunks: Sequence[bytes | np.ndarray]) -> None:
             tmp.unlink()
 
 
-def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train", text_column: str = "text",
-                 tokens_per_shard: int = 100_000_000, fmt: str = "headerless", prefix: str | None = None,
-                 streaming: bool = True, eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
-                 text_sample_by: str = "document", num_samples: int = 1000, max_documents: int | None = None,
-                 overwrite: bool = False) -> dict[str, Any]:
+def write_shards(
+    source: str,
+    out_dir: str | os.PathLike,
+    *,
+    split: str = "train",
+    text_column: str = "text",
+    tokens_per_shard: int = 100_000_000,
+    fmt: str = "headerless",
+    prefix: str | None = None,
+    streaming: bool = True,
+    eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
+    text_sample_by: str = "document",
+    num_samples: int = 1000,
+    max_documents: int | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Encode ``source`` to byte shards in ``out_dir`` and update ``out_dir/metadata.json``.
 
     Args:
@@ -106,25 +132,38 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if tokens_per_shard < 2 or (fmt == "header" and tokens_per_shard > _MAX_HEADER_TOKENS):
-        raise ValueError(f"tokens_per_shard must be in [2, {_MAX_HEADER_TOKENS}] (header count is int32), "
-                         f"got {tokens_per_shard}")
+        raise ValueError(
+            f"tokens_per_shard must be in [2, {_MAX_HEADER_TOKENS}] (header count is int32), got {tokens_per_shard}"
+        )
     if max_documents is not None and max_documents < 1:
         raise ValueError(f"max_documents must be >= 1 or None, got {max_documents}")
     prefix = prefix or _default_prefix(source)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.\-]*", prefix) or split_of_path(prefix) != "train":
-        raise ValueError(f"prefix {prefix!r} must be alphanumeric/'.'/'-' and must not contain a split word "
-                         f"(val/eval/test/...)")
+        raise ValueError(
+            f"prefix {prefix!r} must be alphanumeric/'.'/'-' and must not contain a split word (val/eval/test/...)"
+        )
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(p for p in out.rglob("*" + SHARD_SUFFIX)
-                      if p.is_file() and split_of_path(p.relative_to(out).as_posix()) == split)
+    existing = sorted(
+        p
+        for p in out.rglob("*" + SHARD_SUFFIX)
+        if p.is_file() and split_of_path(p.relative_to(out).as_posix()) == split
+    )
     if existing and not overwrite:
-        raise FileExistsError(f"{out} already holds {len(existing)} {split} shard(s) ({existing[0].name}, ...); "
-                              f"pass --overwrite to replace them")
+        raise FileExistsError(
+            f"{out} already holds {len(existing)} {split} shard(s) ({existing[0].name}, ...); "
+            f"pass --overwrite to replace them"
+        )
 
-    text_source = open_text_source(source, split=split, text_column=text_column, streaming=streaming,
-                                   eval_from_year=eval_from_year, text_sample_by=text_sample_by,
-                                   num_samples=num_samples)
+    text_source = open_text_source(
+        source,
+        split=split,
+        text_column=text_column,
+        streaming=streaming,
+        eval_from_year=eval_from_year,
+        text_sample_by=text_sample_by,
+        num_samples=num_samples,
+    )
     stats = DocumentStats()
     docs = encode_texts(text_source.iter_texts(), stats, text_source.description, text_source.text_column, None)
 
@@ -146,15 +185,22 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
         partial = out / f".{name}.partial-{os.getpid()}"
         _write_atomic(partial, chunks)
         staged.append((partial, out / name))
-        written.append({"name": name, "split": split, "format": fmt, "tokens": int(n),
-                        "bytes": int(n * TOKEN_DTYPE.itemsize + (HEADER_BYTES if fmt == "header" else 0))})
+        written.append(
+            {
+                "name": name,
+                "split": split,
+                "format": fmt,
+                "tokens": int(n),
+                "bytes": int(n * TOKEN_DTYPE.itemsize + (HEADER_BYTES if fmt == "header" else 0)),
+            }
+        )
 
     try:
         for ids in docs:
             pos = 0
             while pos < len(ids):
                 take = min(tokens_per_shard - fill, len(ids) - pos)
-                buf[fill:fill + take] = ids[pos:pos + take]
+                buf[fill : fill + take] = ids[pos : pos + take]
                 fill += take
                 pos += take
                 if fill == tokens_per_shard:
@@ -165,8 +211,10 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
         if fill:
             flush(fill)
         if stats.documents == 0:
-            raise ValueError(f"text source {text_source.description} has no non-empty documents "
-                             f"({stats.skipped_empty} empty or whitespace-only skipped); no shards written")
+            raise ValueError(
+                f"text source {text_source.description} has no non-empty documents "
+                f"({stats.skipped_empty} empty or whitespace-only skipped); no shards written"
+            )
     except BaseException:  # a source failing midway: the shards already in out_dir stay as they were
         for partial, _ in staged:
             partial.unlink(missing_ok=True)
@@ -186,13 +234,21 @@ def write_shards(source: str, out_dir: str | os.PathLike, *, split: str = "train
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
         except ValueError as e:
             raise ValueError(f"{meta_path} is not valid JSON ({e}); remove it or choose another --out") from e
-    kept = [e for e in meta.get("shards", []) if isinstance(e, dict) and e.get("split") != split
-            and (out / str(e.get("name"))).is_file()]
+    kept = [
+        e
+        for e in meta.get("shards", [])
+        if isinstance(e, dict) and e.get("split") != split and (out / str(e.get("name"))).is_file()
+    ]
     splits = {k: v for k, v in (meta.get("splits") or {}).items() if k != split}
     total_tokens = sum(w["tokens"] for w in written)
-    splits[split] = {"source": text_source.description, "text_column": text_source.text_column,
-                     "documents": stats.documents, "skipped_empty": stats.skipped_empty, "tokens": total_tokens,
-                     "utf8_bytes": stats.bytes}
+    splits[split] = {
+        "source": text_source.description,
+        "text_column": text_source.text_column,
+        "documents": stats.documents,
+        "skipped_empty": stats.skipped_empty,
+        "tokens": total_tokens,
+        "utf8_bytes": stats.bytes,
+    }
     meta = {
         "format_version": 1,
         "dtype": "uint16",
@@ -241,11 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
     try:
-        summary = write_shards(args.source, args.out, split=args.split, text_column=args.text_column,
-                               tokens_per_shard=args.tokens_per_shard, fmt=args.fmt, prefix=args.prefix,
-                               streaming=args.streaming, eval_from_year=args.eval_from_year,
-                               text_sample_by=args.text_sample_by, num_samples=args.num_samples,
-                               max_documents=args.max_documents, overwrite=args.overwrite)
+        summary = write_shards(
+            args.source,
+            args.out,
+            split=args.split,
+            text_column=args.text_column,
+            tokens_per_shard=args.tokens_per_shard,
+            fmt=args.fmt,
+            prefix=args.prefix,
+            streaming=args.streaming,
+            eval_from_year=args.eval_from_year,
+            text_sample_by=args.text_sample_by,
+            num_samples=args.num_samples,
+            max_documents=args.max_documents,
+            overwrite=args.overwrite,
+        )
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"write_shards: error: {e}", file=sys.stderr)
         return 2

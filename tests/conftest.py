@@ -49,8 +49,12 @@ MARKERS = {
 def pytest_addoption(parser):
     # transformers.testing_utils.pytest_addoption_shared's option, added here: importing transformers in the
     # controlling process would hold up the start of the pytest-xdist workers (~10 s)
-    parser.addoption("--make-reports", action="store", default=False,
-                     help="generate report files. The value of this option is used as a prefix to report names")
+    parser.addoption(
+        "--make-reports",
+        action="store",
+        default=False,
+        help="generate report files. The value of this option is used as a prefix to report names",
+    )
 
 
 def pytest_configure(config):

@@ -9,8 +9,13 @@ from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
 
 #: the module files a release ships and ``trust_remote_code`` loads (setup.cfg's ``py_modules``)
-REMOTE_CODE_FILES = ("configuration_spider.py", "modeling_spider.py", "generation_spider.py", "conversion_spider.py",
-                     "tokenization_spider.py")
+REMOTE_CODE_FILES = (
+    "configuration_spider.py",
+    "modeling_spider.py",
+    "generation_spider.py",
+    "conversion_spider.py",
+    "tokenization_spider.py",
+)
 
 
 def tiny(**overrides) -> SpiderConfig:
@@ -59,7 +64,8 @@ def float_tol(reference: torch.Tensor, terms: int, ulps: float = 8.0) -> dict:
 
     Recursive summation of `terms` values carries an error of at most ``(terms - 1) * eps * sum|x_i|`` (Higham 2002,
     "Accuracy and Stability of Numerical Algorithms", §4.2); bounding ``sum|x_i|`` by the magnitude of the result and
-    allowing `ulps` units of roundoff per term gives ``rtol = ulps * eps * terms`` and ``atol = rtol * max|reference|``,
+    allowing `ulps` units of roundoff per term gives ``rtol = ulps * eps * terms`` and ``atol = rtol *
+    max|reference|``,
     with eps the machine epsilon of `reference`'s dtype. `terms` is the longest chain of accumulations that feeds an
     element: the reduction length of a matmul (its inner dimension), times the number of such layers in sequence for a
     whole-model output. Returns ``dict(rtol=..., atol=...)``."""
@@ -98,8 +104,9 @@ def run_fresh_python(code: str, *argv: str, workdir: Path, timeout: int = 600) -
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(workdir / "modules")
-    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -121,13 +128,17 @@ def checkpoint_names(output_dir) -> list[str]:
     folder = Path(output_dir)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), child.name) for child in folder.iterdir()
-             if (m := re.fullmatch(r"checkpoint-(\d+)", child.name)) and (child / "trainer_state.json").is_file()]
+    found = [
+        (int(m.group(1)), child.name)
+        for child in folder.iterdir()
+        if (m := re.fullmatch(r"checkpoint-(\d+)", child.name)) and (child / "trainer_state.json").is_file()
+    ]
     return [name for _, name in sorted(found)]
 
 
 def per_expert_state_dict(state: dict) -> dict:
-    """`state` (a Spider state dict) in the routed experts' per-expert layout of older releases, which is also tk-train.py's: each
+    """`state` (a Spider state dict) in the routed experts' per-expert layout of older releases, which is also
+    tk-train.py's: each
     fused ``P.experts.gate_up_proj`` `(E, 2I, D)` / ``P.experts.down_proj`` `(E, D, I)` pair split into
     ``P.experts.{e}.gate_proj.weight``, ``up_proj.weight`` `(I, D)` and ``down_proj.weight`` `(D, I)`, at the position
     the ModuleList of experts held (after the router, before the shared experts). Written by hand, independently of
@@ -145,4 +156,3 @@ def per_expert_state_dict(state: dict) -> dict:
         elif not key.endswith(".mlp.experts.down_proj"):
             out[key] = value.clone()
     return out
-

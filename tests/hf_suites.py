@@ -77,7 +77,6 @@ from pathlib import Path
 
 import transformers
 
-
 TRANSFORMERS_VERSION: str = transformers.__version__
 PACKAGE = "transformers_tests"
 # Bump when the extracted layout or a stand-in file changes: a new folder name forces a fresh extraction.
@@ -191,7 +190,9 @@ def _extract_tests(archive: Path, version: str, final: Path) -> None:
                         shutil.copyfileobj(src, dst)
                     count += 1
         except (tarfile.TarError, OSError, EOFError) as exc:
-            raise HFSuitesUnavailable(f"{archive} is not a readable transformers sdist ({exc}); delete it and retry") from exc
+            raise HFSuitesUnavailable(
+                f"{archive} is not a readable transformers sdist ({exc}); delete it and retry"
+            ) from exc
         if not (package / "test_modeling_common.py").is_file():
             raise HFSuitesUnavailable(
                 f"{archive} has no tests/test_modeling_common.py ({count} files under tests/): this transformers "
@@ -227,7 +228,9 @@ def suites_dir(version: str | None = None) -> Path:
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise HFSuitesUnavailable(f"cannot create the cache folder {final.parent} ({exc}); set SPIDER_HF_TESTS_CACHE") from exc
+        raise HFSuitesUnavailable(
+            f"cannot create the cache folder {final.parent} ({exc}); set SPIDER_HF_TESTS_CACHE"
+        ) from exc
     try:
         with FileLock(str(final) + ".lock", timeout=_PIP_TIMEOUT_S + 120):
             if not (final / PACKAGE / "__init__.py").is_file():
@@ -236,7 +239,9 @@ def suites_dir(version: str | None = None) -> Path:
                 archive = _download_sdist(version, final.parent / "sdist")
                 _extract_tests(archive, version, final)
     except Timeout as exc:
-        raise HFSuitesUnavailable(f"timed out waiting for the lock {exc.lock_file} (another process extracting?)") from exc
+        raise HFSuitesUnavailable(
+            f"timed out waiting for the lock {exc.lock_file} (another process extracting?)"
+        ) from exc
     return final / PACKAGE
 
 

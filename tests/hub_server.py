@@ -9,7 +9,8 @@ small ``config.json`` and a 1 MB ``model.safetensors`` calls them (measured by l
 ====  ==========================================================  =================================================
 1     ``POST /api/repos/create``                                  ``{"name", "organization", "type"?, "visibility"?}``
                                                                   -> 200 ``{"url"}``; 409 (same body) if it exists
-2     ``POST /api/validate-yaml``                                 README front matter check -> ``{"errors", "warnings"}``
+2     ``POST /api/validate-yaml``                                 README front matter check -> ``{"errors",
+"warnings"}``
 3     ``POST /api/models/<ns>/<name>/preupload/<rev>``            per file: ``uploadMode`` ``"regular"`` | ``"lfs"``
 4     ``POST /<ns>/<name>.git/info/lfs/objects/batch``            git-LFS batch API: an upload + verify URL per object
 5     ``PUT  /_fake_lfs/upload/<sha256>``                         the LFS blob (sha256 checked against the URL)
@@ -35,7 +36,8 @@ says so.
 Failure modes (``mode``, changeable while running): ``"ok"``; ``"error500"`` -- every request gets HTTP 500;
 ``"hang"`` -- the server reads the request and never answers: the handler waits until the server is closed (or
 ``hang_s`` passed), then drops the connection without a response. ``fail_first=N`` answers the first N requests with
-500 (with ``fail_path="/x"``: the first N whose path starts with ``/x``) and then behaves as ``mode``. ``token="hf_..."`` makes every API request without ``Authorization: Bearer <token>``
+500 (with ``fail_path="/x"``: the first N whose path starts with ``/x``) and then behaves as ``mode``.
+``token="hf_..."`` makes every API request without ``Authorization: Bearer <token>``
 fail with 401.
 
 Only loopback: the server binds ``127.0.0.1`` (port 0 = a free port chosen by the OS); a non-loopback ``host``
@@ -64,8 +66,28 @@ MODES = ("ok", "error500", "hang")
 
 # Extensions the Hub's default .gitattributes stores with git-LFS (subset that matters for model repos).
 LFS_EXTENSIONS = (
-    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".onnx", ".msgpack", ".npy", ".npz", ".pkl", ".pickle",
-    ".gz", ".zip", ".zst", ".tar", ".tflite", ".ot", ".model", ".arrow", ".parquet", ".joblib",
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".onnx",
+    ".msgpack",
+    ".npy",
+    ".npz",
+    ".pkl",
+    ".pickle",
+    ".gz",
+    ".zip",
+    ".zst",
+    ".tar",
+    ".tflite",
+    ".ot",
+    ".model",
+    ".arrow",
+    ".parquet",
+    ".joblib",
 )
 
 
@@ -115,7 +137,7 @@ class _HubError(Exception):
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True  # a handler stuck in "hang" never blocks interpreter exit
     allow_reuse_address = True
-    fake: "FakeHubServer"
+    fake: FakeHubServer
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -258,7 +280,7 @@ class FakeHubServer:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "FakeHubServer":
+    def start(self) -> FakeHubServer:
         """Bind ``host:0`` and serve in a daemon thread. Returns ``self``."""
         if self._httpd is not None:
             raise RuntimeError("FakeHubServer already started")
@@ -281,7 +303,7 @@ class FakeHubServer:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def __enter__(self) -> "FakeHubServer":
+    def __enter__(self) -> FakeHubServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

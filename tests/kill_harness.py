@@ -54,8 +54,16 @@ from spider_training import checkpointing  # noqa: E402
 from tests.hub_server import FakeHubServer  # noqa: E402
 
 PHASES = ("step", "save", "push")
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
-                    "trainer_state.json", "modeling_spider.py", "tokenizer_config.json")
+CHECKPOINT_FILES = (
+    "model.safetensors",
+    "config.json",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "trainer_state.json",
+    "modeling_spider.py",
+    "tokenizer_config.json",
+)
 HUB_STAGING = ".hub_push_staging"
 LOSS_RTOL = 1e-4
 LOSS_ATOL = 1e-5
@@ -63,17 +71,49 @@ LOSS_ATOL = 1e-5
 
 def command(output_dir: Path, max_steps: int, hub_url: str) -> list[str]:
     """The training command every life runs (identical each time): ``train_hf.py``'s arguments."""
-    return ["--preset", "tiny", "--data", "mock", "--seq_len", "32",
-            "--micro_batch", "2", "--logging_steps", "1", "--dataloader_num_workers", "0", "--sample_bytes", "4",
-            "--ckpt_dir", str(output_dir), "--max_steps", str(max_steps), "--save_steps", "1",
-            "--save_total_limit", "2", "--push_to_hub", "--hub_model_id", "spider/kills", "--hub_token", "hf_fake",
-            "--hub_endpoint", hub_url]
+    return [
+        "--preset",
+        "tiny",
+        "--data",
+        "mock",
+        "--seq_len",
+        "32",
+        "--micro_batch",
+        "2",
+        "--logging_steps",
+        "1",
+        "--dataloader_num_workers",
+        "0",
+        "--sample_bytes",
+        "4",
+        "--ckpt_dir",
+        str(output_dir),
+        "--max_steps",
+        str(max_steps),
+        "--save_steps",
+        "1",
+        "--save_total_limit",
+        "2",
+        "--push_to_hub",
+        "--hub_model_id",
+        "spider/kills",
+        "--hub_token",
+        "hf_fake",
+        "--hub_endpoint",
+        hub_url,
+    ]
 
 
 #: the lives' environment, set before the fork server imports anything (huggingface_hub reads its constants at
 #: import; torch its thread count at its first parallel op)
-LIFE_ENVIRONMENT = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0",
-                        TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+LIFE_ENVIRONMENT = dict(
+    OMP_NUM_THREADS="1",
+    MKL_NUM_THREADS="1",
+    HF_HUB_DISABLE_XET="1",
+    HF_HUB_OFFLINE="0",
+    TOKENIZERS_PARALLELISM="false",
+    PYTHONUNBUFFERED="1",
+)
 #: imported once by the fork server, before any life: train_hf.py's entry point and everything it imports
 PRELOADED_MODULES = ["spider_training.train", "tests.kill_harness"]
 
@@ -175,8 +215,9 @@ def _resumed_from(log_text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def run_kill_harness(n_kills: int, workdir: Path, seed: int, max_steps: int = 80,
-                     life_timeout_s: float = 120.0) -> dict:
+def run_kill_harness(
+    n_kills: int, workdir: Path, seed: int, max_steps: int = 80, life_timeout_s: float = 120.0
+) -> dict:
     """Kill a training run `n_kills` times (SIGKILL), restart it each time, and check every resume.
 
     Args:
@@ -280,9 +321,17 @@ def run_kill_harness(n_kills: int, workdir: Path, seed: int, max_steps: int = 80
     else:
         violations.append(f"run ended at step {final_step} (reference exit {reference.returncode})")
     result = {
-        "kills": kills, "survived": survived, "requested_kills": n_kills, "phases": phases, "seed": seed,
-        "max_steps": max_steps, "final_step": final_step, "max_loss_diff": max_diff,
-        "trajectory_equal": trajectory_equal, "violations": violations, "lives": life,
+        "kills": kills,
+        "survived": survived,
+        "requested_kills": n_kills,
+        "phases": phases,
+        "seed": seed,
+        "max_steps": max_steps,
+        "final_step": final_step,
+        "max_loss_diff": max_diff,
+        "trajectory_equal": trajectory_equal,
+        "violations": violations,
+        "lives": life,
         "seconds": round(time.monotonic() - started, 1),
     }
     result["summary"] = f"kills survived: {survived} / {kills}"

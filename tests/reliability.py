@@ -30,8 +30,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tests.bad_inputs import CATEGORIES, REGISTRY, BadInput, Outcome, run_case
 
@@ -75,12 +76,17 @@ def run_faults() -> dict[str, Any]:
     pytest.main(["-q", "-m", "", "-p", "no:cacheprovider", *FAULT_TESTS], plugins=[tally])
     failed = sorted(n for n, o in tally.outcomes.items() if o == "failed")
     passed = sum(o == "passed" for o in tally.outcomes.values())
-    return {"survived": passed, "total": passed + len(failed), "failed": failed,
-            "skipped": sum(o == "skipped" for o in tally.outcomes.values())}
+    return {
+        "survived": passed,
+        "total": passed + len(failed),
+        "failed": failed,
+        "skipped": sum(o == "skipped" for o in tally.outcomes.values()),
+    }
 
 
 def run_registry(cases: Sequence[BadInput], workdir: str | Path | None = None) -> list[Outcome]:
-    """Run ``cases``, each in its own fresh folder under ``workdir`` (a temporary folder if ``None``, removed after)."""
+    """Run ``cases``, each in its own fresh folder under ``workdir`` (a temporary folder if ``None``, removed
+    after)."""
     own = workdir is None
     root = Path(tempfile.mkdtemp(prefix="spider-bad-inputs-") if own else workdir)
     outcomes = []
@@ -116,17 +122,24 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         }
 
     per = {c: count([o for o in outcomes if o.case.category == c]) for c in CATEGORIES}
-    return {"categories": {c: v for c, v in per.items() if v["tried"]}, "total": count(list(outcomes)),
-            "crash_details": [{"name": o.case.name, "category": o.case.category, "detail": o.detail,
-                               "fix_proposed": o.case.xfail} for o in outcomes if o.status == "crash"],
-            "xpass": [o.case.name for o in outcomes if o.case.xfail is not None and o.status != "crash"]}
+    return {
+        "categories": {c: v for c, v in per.items() if v["tried"]},
+        "total": count(list(outcomes)),
+        "crash_details": [
+            {"name": o.case.name, "category": o.case.category, "detail": o.detail, "fix_proposed": o.case.xfail}
+            for o in outcomes
+            if o.status == "crash"
+        ],
+        "xpass": [o.case.name for o in outcomes if o.case.xfail is not None and o.status != "crash"],
+    }
 
 
 def _fraction(data: dict | None) -> tuple[int, int] | None:
     if not isinstance(data, dict):
         return None
-    survived = next((data[k] for k in ("survived", "passed", "ok", "kills_survived", "faults_survived") if k in data),
-                    None)
+    survived = next(
+        (data[k] for k in ("survived", "passed", "ok", "kills_survived", "faults_survived") if k in data), None
+    )
     total = next((data[k] for k in ("total", "tried", "n", "n_kills", "kills", "faults") if k in data), None)
     if isinstance(survived, (int, float)) and isinstance(total, (int, float)):
         return int(survived), int(total)
@@ -150,20 +163,29 @@ def run_kills(n: int, seed: int = 0) -> dict | None:
         return run_kill_harness(n, workdir, seed)
 
 
-def format_table(summary: dict[str, Any], faults: tuple[int, int] | None, kills: tuple[int, int] | None,
-                 kills_wanted: int) -> str:
+def format_table(
+    summary: dict[str, Any], faults: tuple[int, int] | None, kills: tuple[int, int] | None, kills_wanted: int
+) -> str:
     """The Markdown table."""
-    lines = ["| bad inputs | tried | clear errors | handled by design | crashes | of which fix proposed (xfail) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| bad inputs | tried | clear errors | handled by design | crashes | of which fix proposed (xfail) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, v in summary["categories"].items():
         lines.append(f"| {name} | {v['tried']} | {v['clear']} | {v['handled']} | {v['crashes']} | {v['xfail']} |")
     t = summary["total"]
-    lines.append(f"| **total** | **{t['tried']}** | **{t['clear']}** | **{t['handled']}** | **{t['crashes']}** | "
-                 f"**{t['xfail']}** |")
-    lines += ["", "| fault tolerance | result |", "|---|---|",
-              f"| faults survived | {f'{faults[0]} / {faults[1]}' if faults else 'not run'} |",
-              f"| kills survived (kill -9, then the same command) | "
-              f"{f'{kills[0]} / {kills[1]}' if kills else f'not run ({kills_wanted} wanted)'} |"]
+    lines.append(
+        f"| **total** | **{t['tried']}** | **{t['clear']}** | **{t['handled']}** | **{t['crashes']}** | "
+        f"**{t['xfail']}** |"
+    )
+    lines += [
+        "",
+        "| fault tolerance | result |",
+        "|---|---|",
+        f"| faults survived | {f'{faults[0]} / {faults[1]}' if faults else 'not run'} |",
+        f"| kills survived (kill -9, then the same command) | "
+        f"{f'{kills[0]} / {kills[1]}' if kills else f'not run ({kills_wanted} wanted)'} |",
+    ]
     return "\n".join(lines)
 
 
@@ -175,8 +197,13 @@ def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = N
     p.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     p.add_argument("--faults", action="store_true", help="run the fault tests (FAULT_TESTS) through pytest")
     p.add_argument("--faults_json", default=str(DEFAULT_DIR / "faults.json"))
-    p.add_argument("--write-readme", dest="write_readme", metavar="README", default=None,
-                   help="also put the table between the reliability markers of this file")
+    p.add_argument(
+        "--write-readme",
+        dest="write_readme",
+        metavar="README",
+        default=None,
+        help="also put the table between the reliability markers of this file",
+    )
     p.add_argument("--kills_json", default=str(DEFAULT_DIR / "kills.json"))
     p.add_argument("--only", action="append", choices=CATEGORIES, help="only this category (repeatable)")
     p.add_argument("--skip_slow", action="store_true", help="leave out the 50 MB document")
@@ -216,10 +243,14 @@ def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = N
         from bench.report import write_block
 
         write_block(args.write_readme, table + "\n", README_START, README_END)
-    details = summary["crash_details"] if args.verbose else [d for d in summary["crash_details"] if not d["fix_proposed"]]
+    details = (
+        summary["crash_details"] if args.verbose else [d for d in summary["crash_details"] if not d["fix_proposed"]]
+    )
     for d in details:
-        print(f"\ncrash: [{d['category']}] {d['name']}: {d['detail']}" + (f"\n  fix: {d['fix_proposed']}"
-                                                                        if d["fix_proposed"] else ""))
+        print(
+            f"\ncrash: [{d['category']}] {d['name']}: {d['detail']}"
+            + (f"\n  fix: {d['fix_proposed']}" if d["fix_proposed"] else "")
+        )
     for name in summary["xpass"]:
         print(f"\nnow passing (remove its xfail): {name}")
     if args.json_path:

@@ -22,11 +22,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars"]
-TEXT = ("The state of the union is strong. Our nation will continue to grow because people work hard, every day, in "
-        "every town across this land. Ünïcödé too: naïve café, 日本語, and a spider 🕷️.")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
+TEXT = (
+    "The state of the union is strong. Our nation will continue to grow because people work hard, every day, in "
+    "every town across this land. Ünïcödé too: naïve café, 日本語, and a spider 🕷️."
+)
 HOVER_SCRIPT = """<script>
 const seg = document.querySelector('[data-i="3"]'), box = seg.getBoundingClientRect();
 seg.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));
@@ -60,7 +70,7 @@ def screenshot(page: Path, out: Path) -> Path:
 
 
 def hex_rgb(colour: str) -> tuple[int, int, int]:
-    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
 
 
 def check_screenshot(path: Path, palette: tuple[str, ...], segments: int) -> dict:
@@ -72,9 +82,13 @@ def check_screenshot(path: Path, palette: tuple[str, ...], segments: int) -> dic
     by_colour = {colour: counts.get(hex_rgb(colour), 0) for colour in palette}
     dark = sum(n for rgb, n in counts.items() if max(rgb) < 90)
     shown = sum(1 for n in by_colour.values() if n > 200)
-    return {"pixels_per_palette_colour": by_colour, "dark_text_pixels": dark, "distinct_colours": len(counts),
-            "palette_colours_shown": shown,
-            "ok": shown == min(len(palette), segments) and dark > 2000}
+    return {
+        "pixels_per_palette_colour": by_colour,
+        "dark_text_pixels": dark,
+        "distinct_colours": len(counts),
+        "palette_colours_shown": shown,
+        "ok": shown == min(len(palette), segments) and dark > 2000,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     page, picture = write_map(model, args.text, args.out / "map")
     segments = int(compute_map(model, encode(args.text, model)).closed_segments[0]) + 1
     shot = check_screenshot(screenshot(page, args.out / "screenshot.png"), PALETTE, segments)
-    print(f"{page} ({page.stat().st_size} bytes, {segments} segments with the null segment) -> "
-          f"{args.out / 'screenshot.png'}")
+    print(
+        f"{page} ({page.stat().st_size} bytes, {segments} segments with the null segment) -> "
+        f"{args.out / 'screenshot.png'}"
+    )
     print(f"screenshot: {shot}")
 
     hover = args.out / "map_hover.html"

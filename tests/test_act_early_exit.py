@@ -85,7 +85,9 @@ def test_cached_decoding_follows_the_same_exit_rule():
     torch.testing.assert_close(step.logits, full.logits[:, 30:], **tol)
     prompt = ids[:1, :24]
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, **GREEDY)
-    assert torch.equal(model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
+    assert torch.equal(
+        model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs)
+    )
 
 
 def test_halt_bias_init_reaches_the_halt_predictor():

@@ -39,8 +39,10 @@ def test_eager_sdpa_and_a_registered_function_give_the_same_logits():
         if implementation == "spider_test_counting":
             config = model.config
             # every attention layer, the recurrent ones once per loop
-            assert len(CALLS) == config.num_prelude_layers + config.num_recurrent_layers * config.n_loops \
-                + config.num_coda_layers
+            assert (
+                len(CALLS)
+                == config.num_prelude_layers + config.num_recurrent_layers * config.n_loops + config.num_coda_layers
+            )
     tol = float_tol(logits["sdpa"], terms=model_terms(model))
     torch.testing.assert_close(logits["eager"], logits["sdpa"], **tol)
     assert torch.equal(logits["spider_test_counting"], logits["sdpa"])
@@ -59,8 +61,9 @@ def test_cached_generation_is_the_same_with_eager_attention():
 
 def test_from_pretrained_uses_the_requested_implementation(tmp_path):
     tiny_model(seed=2).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True,
-                                                 attn_implementation="spider_test_counting")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, trust_remote_code=True, attn_implementation="spider_test_counting"
+    )
     CALLS.clear()
     with torch.no_grad():
         model(torch.randint(0, 256, (1, 16)))

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
-from tokenization_spider import SpiderTokenizer
 from tests.helpers import REMOTE_CODE_FILES, float_tol, model_terms
+from tokenization_spider import SpiderTokenizer
 
 LOADER = r"""
 import json, sys, torch
@@ -57,12 +57,21 @@ def test_save_then_load_in_fresh_process_from_another_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
     env["HF_HUB_OFFLINE"] = "1"
-    out = subprocess.run([sys.executable, "-c", LOADER, str(folder)], cwd=elsewhere, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", LOADER, str(folder)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert (got["config_class"], got["lm_class"], got["base_class"], got["tok_class"]) == (
-        "SpiderConfig", "SpiderForConditionalGeneration", "SpiderModel", "SpiderTokenizer",
+        "SpiderConfig",
+        "SpiderForConditionalGeneration",
+        "SpiderModel",
+        "SpiderTokenizer",
     )
     # the classes come from the folder's code through transformers' dynamic modules, not from this repository
     assert all(m.startswith("transformers_modules.") for m in got["modules"]), got["modules"]
@@ -71,8 +80,9 @@ def test_save_then_load_in_fresh_process_from_another_directory(tmp_path):
     with torch.no_grad():
         expected = model(ids, attention_mask=mask)
     # another process (its own thread pool); logits went through JSON as Python floats (exact for fp32)
-    torch.testing.assert_close(torch.tensor(got["logits"]), expected.logits,
-                               **float_tol(expected.logits, model_terms(model)))
+    torch.testing.assert_close(
+        torch.tensor(got["logits"]), expected.logits, **float_tol(expected.logits, model_terms(model))
+    )
     hidden = model.model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(torch.tensor(got["hidden"]), hidden, **float_tol(hidden, model_terms(model)))
 
@@ -98,8 +108,9 @@ def test_from_config_with_a_config_built_in_code(tmp_path):
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
     env["HF_HUB_OFFLINE"] = "1"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", FROM_CONFIG, repo], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", FROM_CONFIG, repo], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"lm": "SpiderForConditionalGeneration", "base": "SpiderModel", "shape": [1, 3, 272]}
@@ -128,8 +139,13 @@ def test_release_with_flat_legacy_names_loads_with_the_legacy_key_mapping(tmp_pa
             key = key.replace(f"flexitokens.{new}", f"flexitokens.{old}")
         key = key.replace("model.recurrent_block.", "model.").replace("model.flexitokens.", "model.")
         legacy[key] = value.contiguous()
-    assert {"model.layers.0.mlp.router.weight", "model.halt_predictor.weight", "model.null_group",
-            "model.boundary_predictor.dense.weight", "model.residual_proj.weight"} <= set(legacy)
+    assert {
+        "model.layers.0.mlp.router.weight",
+        "model.halt_predictor.weight",
+        "model.null_group",
+        "model.boundary_predictor.dense.weight",
+        "model.residual_proj.weight",
+    } <= set(legacy)
     save_file(legacy, tmp_path / "model.safetensors", metadata={"format": "pt"})
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, key_mapping=LEGACY_KEY_MAPPING)

@@ -37,9 +37,9 @@ def test_registry_covers_every_category_and_names_things():
         assert not re.fullmatch(case.match.replace("{tmp}", "x"), "")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # the runner classifies: wrong type, unclear message, silent acceptance and lost files are crashes
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _case(thunk, expected=ValueError, match=r"{tmp}/x", **kw):
@@ -51,14 +51,16 @@ def test_runner_classifies_outcomes(tmp_path):
         def make(tmp):
             def run():
                 raise exc(f"file {tmp}/x is bad")
+
             return run
+
         return make
 
     for name, case, status in [
         ("clear", _case(raises(ValueError)), "clear"),
         ("wrong type", _case(raises(KeyError)), "crash"),
         ("unclear message", _case(raises(ValueError), match=r"{tmp}/y"), "crash"),
-        ("no error", _case(lambda tmp: (lambda: 1)), "crash"),
+        ("no error", _case(lambda tmp: lambda: 1), "crash"),
     ]:
         d = tmp_path / name.replace(" ", "_")
         d.mkdir()
@@ -70,6 +72,7 @@ def test_runner_classifies_outcomes(tmp_path):
         def run():
             (tmp / "precious.txt").unlink()
             raise ValueError(f"file {tmp}/x is bad")
+
         return run
 
     d = tmp_path / "loss"
@@ -84,9 +87,9 @@ def test_argparse_errors_are_matched_against_stderr(tmp_path):
     assert out.status == "clear" and "usage:" in out.text  # the argparse message the user reads
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # the reliability table command
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_reliability_table_counts_add_up(tmp_path, capsys):
@@ -96,8 +99,9 @@ def test_reliability_table_counts_add_up(tmp_path, capsys):
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps({"survived": 7, "total": 7}))
     out_json = tmp_path / "figures.json"
-    summary = reliability.main(["--json", str(out_json), "--kills_json", str(kills), "--faults_json", str(faults)],
-                               cases=fast)
+    summary = reliability.main(
+        ["--json", str(out_json), "--kills_json", str(kills), "--faults_json", str(faults)], cases=fast
+    )
     printed = capsys.readouterr().out
     total = summary["total"]
     assert total["tried"] == len(fast)
@@ -107,8 +111,11 @@ def test_reliability_table_counts_add_up(tmp_path, capsys):
     assert total["xfail"] == sum(c.xfail is not None for c in fast)  # (while the proposed fixes are pending)
     assert sum(v["tried"] for v in summary["categories"].values()) == total["tried"]
     assert json.loads(out_json.read_text())["total"] == total
-    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]] for line in printed.splitlines()
-            if line.startswith("| ") and not line.startswith("| bad inputs")}
+    rows = {
+        line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]]
+        for line in printed.splitlines()
+        if line.startswith("| ") and not line.startswith("| bad inputs")
+    }
     assert rows["byte shards"] == ["16", "16", "0", "0", "0"]
     assert rows["**total**"][0] == f"**{len(fast)}**"
     assert rows["faults survived"] == ["7 / 7"]
@@ -125,9 +132,9 @@ def test_reliability_kills_flag_without_harness(tmp_path, capsys, monkeypatch):
     assert summary["kills_survived"] is None and summary["total"]["tried"] == 12
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # long documents are encoded in pieces: same stream, same truncation, same counters
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("max_doc_bytes", [None, 1, 7, 8, 9, 20, 1000])

@@ -12,7 +12,8 @@ import math
 import pytest
 
 from bench import report
-from bench.run_all import BENCHMARKS, main as run_all_main
+from bench.run_all import BENCHMARKS
+from bench.run_all import main as run_all_main
 
 
 @pytest.fixture(scope="module")

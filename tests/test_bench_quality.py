@@ -27,25 +27,58 @@ DRAWN_LOOPS_NAME = "loop count drawn from {2, 3} each step (extra_train_loops=1)
 GATED_DEFAULT = "mixing: a learned gate that starts shut (scaled_norm, ReZero; the default before 2026-11-25)"
 LOCAL_DENSE = "dense, 4-byte local attention"
 LARGER_BATCH_NAME = "the batch-8 default at batch 16 x 256 (twice the bytes per step, Muon for every hidden matrix)"
-LARGEST_BATCH_NAME = ("the batch-8 default at batch 32 x 256 (four times the bytes per step, Muon for every hidden "
-                      "matrix)")
+LARGEST_BATCH_NAME = (
+    "the batch-8 default at batch 32 x 256 (four times the bytes per step, Muon for every hidden matrix)"
+)
 
 
 def _row(name, bpb, kind="spider", group="ablation", **extra):
-    return {"name": name, "model": kind, "group": group, "steps": 500, "lr": 1e-3, "parameters": 6_000_000,
-            "sotu_bits_per_byte": bpb, **extra}
+    return {
+        "name": name,
+        "model": kind,
+        "group": group,
+        "steps": 500,
+        "lr": 1e-3,
+        "parameters": 6_000_000,
+        "sotu_bits_per_byte": bpb,
+        **extra,
+    }
 
 
 def _rows(removed_bpb):
-    spider = _row("spider", 2.20, xz_bits_per_byte=3.03, n_loops=2, pydoc_topics_bits_per_byte=4.6,
-                  bpb_by_loops={"1": 2.25, "2": 2.20, "4": 2.205}, train_bytes_per_segment=3.4,
-                  eval_bytes_per_segment=3.2, mean_halting_step=2.0, sample="The state of the Union is a",
-                  real_word_rate=0.9)
-    return [spider, _row("global path removed (prelude + coda only)", removed_bpb, kind="bytes_only"),
-            _row("llama", 2.4, kind="llama", group="baseline equal parameters", pydoc_topics_bits_per_byte=4.5,
-                 sample="x", real_word_rate=0.8),
-            _row("llama lr=0.001, equal wall-clock", 2.5, kind="llama", group="baseline equal wall-clock",
-                 pydoc_topics_bits_per_byte=4.58)]
+    spider = _row(
+        "spider",
+        2.20,
+        xz_bits_per_byte=3.03,
+        n_loops=2,
+        pydoc_topics_bits_per_byte=4.6,
+        bpb_by_loops={"1": 2.25, "2": 2.20, "4": 2.205},
+        train_bytes_per_segment=3.4,
+        eval_bytes_per_segment=3.2,
+        mean_halting_step=2.0,
+        sample="The state of the Union is a",
+        real_word_rate=0.9,
+    )
+    return [
+        spider,
+        _row("global path removed (prelude + coda only)", removed_bpb, kind="bytes_only"),
+        _row(
+            "llama",
+            2.4,
+            kind="llama",
+            group="baseline equal parameters",
+            pydoc_topics_bits_per_byte=4.5,
+            sample="x",
+            real_word_rate=0.8,
+        ),
+        _row(
+            "llama lr=0.001, equal wall-clock",
+            2.5,
+            kind="llama",
+            group="baseline equal wall-clock",
+            pydoc_topics_bits_per_byte=4.58,
+        ),
+    ]
 
 
 @pytest.mark.parametrize("removed_bpb, met", [(2.35, "yes"), (2.21, "**no**")])
@@ -63,8 +96,10 @@ def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
 def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
     """The plain model with Spider's local attention at equal compute: its step count comes from both step times
     under each recipe, and its row stands in the first table beside the dense baselines."""
-    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
-                                                      adamw_step_times=(0.5, 1.25, 0.2))}
+    runs = {
+        r["name"]: r
+        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
+    }
     equal = runs["global path removed, equal wall-clock"]
     assert (equal["kind"], equal["steps"], equal["overrides"], equal.get("recipe")) == ("bytes_only", 1200, {}, {})
     assert runs["llama lr=0.001, equal wall-clock"]["steps"] == 250
@@ -72,23 +107,40 @@ def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
     adamw = runs["global path removed, equal wall-clock, AdamW"]
     assert (adamw["steps"], adamw["recipe"]) == (1250, {**BATCH8_RECIPE, "muon_lr": None})
     assert runs["llama lr=0.001, equal wall-clock, AdamW"]["steps"] == 200
-    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == {**BATCH8_RECIPE,
-                                                                                        **ADAMW}
+    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == {**BATCH8_RECIPE, **ADAMW}
     optimizer_at_equal_time = runs["spider, AdamW, equal wall-clock"]  # AdamW for as long as the Muon run takes
-    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == \
-        (600, {**BATCH8_RECIPE, **ADAMW})
-    rows = _rows(2.21) + [_row("global path removed, equal wall-clock", 2.1, kind="bytes_only",
-                               group="byte layers equal wall-clock", pydoc_topics_bits_per_byte=4.4, steps=1200),
-                          _row("global path removed, equal wall-clock, AdamW", 2.2, kind="bytes_only",
-                               group="byte layers equal wall-clock, AdamW", steps=1250),
-                          _row("spider, AdamW, equal wall-clock", 2.25, group="spider equal wall-clock, AdamW",
-                               steps=600)]
+    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == (600, {**BATCH8_RECIPE, **ADAMW})
+    rows = _rows(2.21) + [
+        _row(
+            "global path removed, equal wall-clock",
+            2.1,
+            kind="bytes_only",
+            group="byte layers equal wall-clock",
+            pydoc_topics_bits_per_byte=4.4,
+            steps=1200,
+        ),
+        _row(
+            "global path removed, equal wall-clock, AdamW",
+            2.2,
+            kind="bytes_only",
+            group="byte layers equal wall-clock, AdamW",
+            steps=1250,
+        ),
+        _row("spider, AdamW, equal wall-clock", 2.25, group="spider equal wall-clock, AdamW", steps=600),
+    ]
     table = quality_report.render(rows).split("\n\n")[0]
-    assert ("| Spider's byte layers alone (global path removed), equal wall-clock | Muon (lr 0.01) + AdamW | 1200 | "
-            "6.00M | 2.100 | 4.400 |") in table
-    assert ("| Spider's byte layers alone (global path removed), equal wall-clock | AdamW, batch 8 x 256 | 1250 | 6.00M | "
-            "2.200 | - |") in table
-    assert "| Spider `small`, for the default run's wall-clock | AdamW, batch 8 x 256 | 600 | 6.00M | 2.250 | - |" in table
+    assert (
+        "| Spider's byte layers alone (global path removed), equal wall-clock | Muon (lr 0.01) + AdamW | 1200 | "
+        "6.00M | 2.100 | 4.400 |"
+    ) in table
+    assert (
+        "| Spider's byte layers alone (global path removed), equal wall-clock | AdamW, batch 8 x 256 | 1250 | 6.00M | "
+        "2.200 | - |"
+    ) in table
+    assert (
+        "| Spider `small`, for the default run's wall-clock | AdamW, batch 8 x 256 | 600 | 6.00M | 2.250 | - |"
+        in table
+    )
 
 
 def test_ablations_compare_with_the_default_of_their_own_recipe():
@@ -96,12 +148,14 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     itself) against that recipe's default run, rows of today's recipe and the batch-8 default against the default
     run."""
     old = dict(overrides=END_TO_END_SEGMENTS, muon_lr=0.01)
-    rows = _rows(2.21) + [_row(REFERENCES["batch8_default"], 2.21, muon_lr=0.01,
-                               recipe={**BATCH8_RECIPE, "muon_lr": 0.01}),
-                          _row(REFERENCES["adamw_default"], 2.30), _row("n_loops=1", 2.35),
-                          _row(REFERENCES["end_to_end_default"], 2.24, **old),
-                          _row("Muon at lr 0.02", 2.25, **{**old, "muon_lr": 0.02}),
-                          _row("segments: a fixed stride of 6 bytes instead of the teacher's", 2.23, muon_lr=0.01)]
+    rows = _rows(2.21) + [
+        _row(REFERENCES["batch8_default"], 2.21, muon_lr=0.01, recipe={**BATCH8_RECIPE, "muon_lr": 0.01}),
+        _row(REFERENCES["adamw_default"], 2.30),
+        _row("n_loops=1", 2.35),
+        _row(REFERENCES["end_to_end_default"], 2.24, **old),
+        _row("Muon at lr 0.02", 2.25, **{**old, "muon_lr": 0.02}),
+        _row("segments: a fixed stride of 6 bytes instead of the teacher's", 2.23, muon_lr=0.01),
+    ]
     text = quality_report.render(rows)
     assert f"| {REFERENCES['adamw_default']} | 2.300 | +0.060 |" in text  # the optimizer alone: same segmentation
     assert "| n_loops=1 | 2.350 | +0.050 |" in text  # AdamW rows: the AdamW default
@@ -111,14 +165,17 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert f"| {REFERENCES['batch8_default']} | 2.210 | +0.010 |" in text  # the old default against today's
     drawn = dict(muon_lr=0.01, recipe={"muon_lr": 0.01, **DRAWN_LOOPS})
     seed = dict(muon_lr=0.01, recipe={**DEFAULT_RECIPE, "seed": 43})
-    text = quality_report.render(rows + [_row(DRAWN_LOOPS_NAME, 2.19, **drawn),
-                                  _row("the default run, seed 43 (seed noise)", 2.18, **seed)])
+    text = quality_report.render(
+        rows + [_row(DRAWN_LOOPS_NAME, 2.19, **drawn), _row("the default run, seed 43 (seed noise)", 2.18, **seed)]
+    )
     assert f"| {DRAWN_LOOPS_NAME} | 2.190 | -0.020 |" in text  # against the batch-8 default run
     assert "| the default run, seed 43 (seed noise) | 2.180 | -0.020 |" in text  # against the default run
     # a rerun reproduces the stored rows: the AdamW and longer-budget Spider rows run with end-to-end boundaries and
     # the gated mixing of their day
-    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
-                                                      adamw_step_times=(0.5, 1.25, 0.2))}
+    runs = {
+        r["name"]: r
+        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
+    }
     then = {**END_TO_END_SEGMENTS, **GATED_MIXING}
     assert runs["n_loops=1"]["overrides"] == {**then, "n_loops": 1}
     assert runs["segments of about 5 bytes (boundary_prior 0.2)"]["overrides"]["boundary_prior"] == 0.2
@@ -130,10 +187,13 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     # the default run trains with a fixed loop count; only the rows that name the draw draw
     assert quality.Recipe().extra_train_loops == 0
     drawn_rows = {name for name, r in runs.items() if (r.get("recipe") or {}).get("extra_train_loops")}
-    assert drawn_rows == {DRAWN_LOOPS_NAME, f"{DRAWN_LOOPS_NAME}, seed 43",
-                          f"{DRAWN_LOOPS_NAME}, the default run's recipe",
-                          "the default run, 4x the steps, loop count drawn from {2, 3}",
-                          "the default run, 4x the steps, loop count drawn from {2, 3}, seed 43"}
+    assert drawn_rows == {
+        DRAWN_LOOPS_NAME,
+        f"{DRAWN_LOOPS_NAME}, seed 43",
+        f"{DRAWN_LOOPS_NAME}, the default run's recipe",
+        "the default run, 4x the steps, loop count drawn from {2, 3}",
+        "the default run, 4x the steps, loop count drawn from {2, 3}, seed 43",
+    }
     # ... and the gated mixing is not the default any more: the rows that name it differ from the default run
     assert SpiderConfig.from_preset("small").expand_mixing != GATED_MIXING["expand_mixing"]
 
@@ -144,8 +204,10 @@ def test_shards_keep_the_baselines_together_and_balance_the_rest():
     shards = [quality.shard_of(runs, i, 2) for i in range(2)]
     assert sorted(r["name"] for s in shards for r in s) == sorted(r["name"] for r in runs)
     assert all(r["kind"] != "llama" for r in shards[0])
-    cost = [sum(quality._COST[r["kind"]] * (r["steps"] if r["kind"] == "llama" else r["steps"] / 500) for r in s)
-            for s in shards]
+    cost = [
+        sum(quality._COST[r["kind"]] * (r["steps"] if r["kind"] == "llama" else r["steps"] / 500) for r in s)
+        for s in shards
+    ]
     assert max(cost) - min(cost) <= quality._COST["spider"]  # within one run of each other
 
 
@@ -165,20 +227,24 @@ def test_sample_words_counts_words_of_the_training_text():
     train_ids = torch.tensor(list(b"the state of the union is strong ")).numpy()
     result = quality_scoring.sample_words(model, train_ids, n_samples=1, new_bytes=40)
     assert result["sample"].startswith(quality_scoring.SAMPLE_PROMPT)
-    words = re.findall(r"[A-Za-z]+", result["sample"][len(quality_scoring.SAMPLE_PROMPT):])
+    words = re.findall(r"[A-Za-z]+", result["sample"][len(quality_scoring.SAMPLE_PROMPT) :])
     vocabulary = {"the", "state", "of", "union", "is", "strong"}
     expected = sum(w.lower() in vocabulary for w in words) / max(1, len(words))
     assert result["real_word_rate"] == pytest.approx(expected)
 
 
 def test_global_path_table_pairs_each_spider_row_with_its_ablation():
-    rows = _rows(2.21) + [_row("2-byte window in the byte layers", 2.34),
-                          _row("global path removed, 2-byte window", 2.49, kind="bytes_only"),
-                          _row("3-byte window in the byte layers", 2.23)]  # no partner: no line
+    rows = _rows(2.21) + [
+        _row("2-byte window in the byte layers", 2.34),
+        _row("global path removed, 2-byte window", 2.49, kind="bytes_only"),
+        _row("3-byte window in the byte layers", 2.23),
+    ]  # no partner: no line
     text = quality_report.render(rows)
     assert "| 2-byte window | 500 | 2.340 | 2.490 | +0.150 |" in text
-    assert ("| 4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256 (the "
-            "default run) | 500 | 2.200 | 2.210 | +0.010 |") in text
+    assert (
+        "| 4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256 (the "
+        "default run) | 500 | 2.200 | 2.210 | +0.010 |"
+    ) in text
     assert "| 3-byte window |" not in text
 
 
@@ -204,7 +270,9 @@ def test_global_lr_scale_multiplies_only_the_global_path():
 
     def rates(trainer, model):
         named = {id(p): n for n, p in model.named_parameters()}
-        return {named[id(p)]: (g["lr"], g["weight_decay"]) for g in trainer.optimizer.param_groups for p in g["params"]}
+        return {
+            named[id(p)]: (g["lr"], g["weight_decay"]) for g in trainer.optimizer.param_groups for p in g["params"]
+        }
 
     before, after = rates(plain, plain.model), rates(scaled, model)
     assert set(before) == set(after) == {n for n, _ in model.named_parameters()}
@@ -242,7 +310,8 @@ def test_rows_train_with_the_main_jobs_optimizer(muon_experts):
     dense_muon = _trainer_of(dense, quality.Recipe()).optimizer.muon
     names = {id(p): n for n, p in dense.named_parameters()}
     assert {names[id(p)] for g in dense_muon.param_groups for p in g["params"]} == {
-        n for n, p in dense.named_parameters() if n.startswith("model.layers.0.") and p.dim() == 2}
+        n for n, p in dense.named_parameters() if n.startswith("model.layers.0.") and p.dim() == 2
+    }
 
 
 def _spy_forward(model, calls):
@@ -289,15 +358,19 @@ def test_a_row_trains_through_spider_trainer_and_its_loss_falls(monkeypatch):
     model = tiny_model(seed=0)
     windows = quality_scoring.heldout_windows(quality_scoring.corpus_bytes("eval"), 16, slice_bytes=16 * 17)
     before = quality_scoring.score(model, windows)["bits_per_byte"]
-    stats = quality.fit(model, quality.Recipe(steps=30, batch_size=4, seq_len=16, warmup_steps=3, lr=3e-3,
-                                              eval_every=10, eval_steps=30), windows)
+    stats = quality.fit(
+        model,
+        quality.Recipe(steps=30, batch_size=4, seq_len=16, warmup_steps=3, lr=3e-3, eval_every=10, eval_steps=30),
+        windows,
+    )
     assert len(trained) == 1 and trained[0].model is model
     history = trained[0].state.log_history
     losses = [e["bits_per_byte"] for e in history if "loss" in e and "bits_per_byte" in e]
     assert losses[-1] < losses[0] - 0.5, losses
     assert stats["train_bits_per_byte"] == pytest.approx(sum(losses[-3:]) / 3)  # the last tenth: logged every step
-    assert stats["eval_bits_per_byte"] == next(e["eval_bits_per_byte"] for e in reversed(history)
-                                               if "eval_bits_per_byte" in e)
+    assert stats["eval_bits_per_byte"] == next(
+        e["eval_bits_per_byte"] for e in reversed(history) if "eval_bits_per_byte" in e
+    )
     assert [c["step"] for c in stats["curve"]] == [10, 20, 30] and stats["curve"][-1]["bits_per_byte"] < before
     assert 0 < stats["curve"][0]["seconds"] < stats["curve"][-1]["seconds"] == stats["train_seconds"]
 
@@ -328,12 +401,22 @@ def test_step_times_given_to_the_suite_set_the_equal_wall_clock_steps(monkeypatc
     models while the others train; nothing is timed then."""
     monkeypatch.setattr(quality, "step_seconds", lambda *a, **k: pytest.fail("timed although times were given"))
     trained = []
-    monkeypatch.setattr(quality, "train_and_score", lambda kind, name, overrides, recipe, *a, **k:
-                        trained.append((name, recipe.steps, recipe.muon_lr)) or {"name": name})
-    quality.run_suite(only=["global path removed, equal wall-clock", "spider, AdamW, equal wall-clock"],
-                      step_times={"default": (0.8, 1.6, 0.4), "adamw": (0.5, 1.0, 0.25)}, log=open(os.devnull, "w"))
-    assert sorted(trained) == [("global path removed, equal wall-clock", 1000, quality.DEFAULT_MUON_LR),
-                               ("spider, AdamW, equal wall-clock", 800, None)]
+    monkeypatch.setattr(
+        quality,
+        "train_and_score",
+        lambda kind, name, overrides, recipe, *a, **k: (
+            trained.append((name, recipe.steps, recipe.muon_lr)) or {"name": name}
+        ),
+    )
+    quality.run_suite(
+        only=["global path removed, equal wall-clock", "spider, AdamW, equal wall-clock"],
+        step_times={"default": (0.8, 1.6, 0.4), "adamw": (0.5, 1.0, 0.25)},
+        log=open(os.devnull, "w"),
+    )
+    assert sorted(trained) == [
+        ("global path removed, equal wall-clock", 1000, quality.DEFAULT_MUON_LR),
+        ("spider, AdamW, equal wall-clock", 800, None),
+    ]
 
 
 def test_step_split_times_the_forward_backward_and_the_optimizer_apart():
@@ -353,12 +436,18 @@ def test_plot_draws_the_default_runs_and_their_baselines_only(tmp_path, monkeypa
     plot_line = Axes.plot
     monkeypatch.setattr(Axes, "plot", lambda ax, *a, label=None, **k: (drawn.append(label), plot_line(ax, *a, **k))[1])
     ablation = _row("n_loops=3, Muon", 2.2, curve=curve)
-    assert not quality_report.plot([ablation], str(tmp_path / "none.png"))  # no default run or baseline: nothing to draw
-    assert quality_report.plot([_row("spider", 2.1, curve=curve), ablation, _row("llama", 2.2, kind="llama", curve=curve)],
-                        str(tmp_path / "q.png"))
+    assert not quality_report.plot(
+        [ablation], str(tmp_path / "none.png")
+    )  # no default run or baseline: nothing to draw
+    assert quality_report.plot(
+        [_row("spider", 2.1, curve=curve), ablation, _row("llama", 2.2, kind="llama", curve=curve)],
+        str(tmp_path / "q.png"),
+    )
     assert (tmp_path / "q.png").stat().st_size > 0
-    assert drawn == ["Spider small (the default run), batch 16, Muon + AdamW",
-                     "LlamaForCausalLM (equal parameters), batch 16, Muon + AdamW"]
+    assert drawn == [
+        "Spider small (the default run), batch 16, Muon + AdamW",
+        "LlamaForCausalLM (equal parameters), batch 16, Muon + AdamW",
+    ]
 
 
 def test_same_init_gives_a_variant_the_default_models_initial_weights():
@@ -386,16 +475,26 @@ def test_dense_baseline_with_spiders_local_attention():
     reach = 2 * (4 - 1)  # two layers, each 3 bytes further back than the byte itself
     assert torch.equal(a[0, reach + 1 :], b[0, reach + 1 :])  # beyond the receptive field: bit-identical
     assert not torch.allclose(a[0, : reach + 1], b[0, : reach + 1])  # inside it: the byte matters
-    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
-                                                      adamw_step_times=(0.5, 1.25, 0.2))}
+    runs = {
+        r["name"]: r
+        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
+    }
     equal, timed = runs[LOCAL_DENSE], runs[f"{LOCAL_DENSE}, equal wall-clock"]
     assert (equal["kind"], equal["steps"], timed["steps"]) == ("llama_local", 500, 250)
     assert timed["recipe"] == {"muon_lr": pytest.approx(2 * quality.DEFAULT_MUON_LR)}
     last_shard = {r["name"] for r in quality.shard_of(list(runs.values()), 1, 2)}
     assert {LOCAL_DENSE, f"{LOCAL_DENSE}, equal wall-clock", "llama"} <= last_shard
-    rows = _rows(2.21) + [_row(LOCAL_DENSE, 2.02, kind="llama_local", group="local baseline equal parameters"),
-                          _row(f"{LOCAL_DENSE}, equal wall-clock", 2.12, kind="llama_local",
-                               group="local baseline equal wall-clock", steps=250, lr=2e-3)]
+    rows = _rows(2.21) + [
+        _row(LOCAL_DENSE, 2.02, kind="llama_local", group="local baseline equal parameters"),
+        _row(
+            f"{LOCAL_DENSE}, equal wall-clock",
+            2.12,
+            kind="llama_local",
+            group="local baseline equal wall-clock",
+            steps=250,
+            lr=2e-3,
+        ),
+    ]
     table = quality_report.render(rows).split("\n\n")[0]
     assert "4-byte local attention (`MistralForCausalLM`), equal parameters and steps (lr 0.001) |" in table
     assert "equal wall-clock (lr 0.002) | Muon (lr 0.01) + AdamW | 250 | 6.00M | 2.120 |" in table
@@ -445,9 +544,13 @@ def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
     kinds = dict.fromkeys(quality_scoring.BYTE_KINDS, 2.0)
     shares = dict.fromkeys(quality_scoring.BYTE_KINDS, 1 / len(quality_scoring.BYTE_KINDS))
     rows = _rows(2.21)
-    rows[0].update(bpb_by_byte_kind={**kinds, "1st byte of a word": 4.0}, byte_kind_shares=shares,
-                   bpb_by_global_stream_probe={"removed": {"bits_per_byte": 2.3,
-                                                           "by_byte_kind": {**kinds, "1st byte of a word": 4.5}}})
+    rows[0].update(
+        bpb_by_byte_kind={**kinds, "1st byte of a word": 4.0},
+        byte_kind_shares=shares,
+        bpb_by_global_stream_probe={
+            "removed": {"bits_per_byte": 2.3, "by_byte_kind": {**kinds, "1st byte of a word": 4.5}}
+        },
+    )
     rows[1].update(bpb_by_byte_kind={**kinds, "1st byte of a word": 4.25}, byte_kind_shares=shares)
     text = quality_report.render(rows)
     assert "| 1st byte of a word | 16.7% | 4.000 | 4.250 | +0.250 |" in text
@@ -455,16 +558,23 @@ def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
     assert "| removed | +0.100 | +0.500 |" in text
 
 
-@pytest.mark.parametrize("spider_name, removed_name, batch_size", [
-    (LARGER_BATCH_NAME, REFERENCES["byte_layers_alone"], 16),
-    (LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon", 32),
-])
+@pytest.mark.parametrize(
+    "spider_name, removed_name, batch_size",
+    [
+        (LARGER_BATCH_NAME, REFERENCES["byte_layers_alone"], 16),
+        (LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon", 32),
+    ],
+)
 def test_larger_batch_pairs_train_both_models_with_more_bytes_per_step(spider_name, removed_name, batch_size):
-    runs = {r["name"]: r for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25),
-                                                      adamw_step_times=(0.5, 1.25, 0.2))}
+    runs = {
+        r["name"]: r
+        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
+    }
     spider, removed = runs[spider_name], runs[removed_name]
     assert (spider["kind"], spider["overrides"], spider["steps"]) == ("spider", {}, quality.Recipe.steps)
-    trained = {name: quality.Recipe(**(r.get("recipe") or {})) for name, r in (("spider", spider), ("removed", removed))}
+    trained = {
+        name: quality.Recipe(**(r.get("recipe") or {})) for name, r in (("spider", spider), ("removed", removed))
+    }
     assert trained["spider"].batch_size == trained["removed"].batch_size == batch_size
     assert trained["spider"].muon_lr == DEFAULT_MUON_LR and trained["spider"].muon_experts  # Muon everywhere
     assert removed["kind"] == "bytes_only"  # (no experts: the default run's split leaves it on the same optimizers)
@@ -482,14 +592,27 @@ def test_the_recipe_is_train_hf_defaults(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     spider, args = parse_args([])
     recipe = quality.Recipe()
-    assert (args.max_steps, args.per_device_train_batch_size, spider.seq_len) == \
-        (recipe.steps, recipe.batch_size, recipe.seq_len)
-    assert (args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.max_grad_norm) == \
-        (recipe.lr, recipe.weight_decay, recipe.betas, recipe.max_grad_norm)
-    assert (args.warmup_steps, args.lr_scheduler_kwargs["min_lr_rate"], args.seed) == \
-        (recipe.warmup_steps, recipe.min_lr_rate, recipe.seed)
-    assert (spider.muon_lr, spider.muon_experts, spider.extra_train_loops) == \
-        (recipe.muon_lr, recipe.muon_experts, recipe.extra_train_loops)
+    assert (args.max_steps, args.per_device_train_batch_size, spider.seq_len) == (
+        recipe.steps,
+        recipe.batch_size,
+        recipe.seq_len,
+    )
+    assert (args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.max_grad_norm) == (
+        recipe.lr,
+        recipe.weight_decay,
+        recipe.betas,
+        recipe.max_grad_norm,
+    )
+    assert (args.warmup_steps, args.lr_scheduler_kwargs["min_lr_rate"], args.seed) == (
+        recipe.warmup_steps,
+        recipe.min_lr_rate,
+        recipe.seed,
+    )
+    assert (spider.muon_lr, spider.muon_experts, spider.extra_train_loops) == (
+        recipe.muon_lr,
+        recipe.muon_experts,
+        recipe.extra_train_loops,
+    )
     # ... and the arguments a row trains with are train_hf.py's, parsed by its parser: only the output folder,
     # checkpointing, progress bar and logging interval (every 10 steps either way here) differ
     _, row_args = quality.training_arguments(recipe, "/tmp/quality-row")

@@ -31,8 +31,12 @@ def _ids():
 def test_cpu_and_disk_offload_give_the_plain_logits_and_generation(release, max_memory, tmp_path):
     folder, model = release
     offloaded = AutoModelForCausalLM.from_pretrained(
-        folder, trust_remote_code=True, device_map="auto", max_memory={"cpu": max_memory},
-        offload_folder=str(tmp_path / "offload"), experts_implementation=model.config._experts_implementation,
+        folder,
+        trust_remote_code=True,
+        device_map="auto",
+        max_memory={"cpu": max_memory},
+        offload_folder=str(tmp_path / "offload"),
+        experts_implementation=model.config._experts_implementation,
     ).eval()
     assert offloaded.config._experts_implementation == model.config._experts_implementation
     assert "disk" in set(offloaded.hf_device_map.values())

@@ -47,10 +47,12 @@ class _StepAndShapes(TrainerCallback):
         if not self.hooked:
             # the hooks run inside the compiled regions: kept out of the graphs, they add no recompile of their own
             spider = model.model
-            spider.flexitokens.register_forward_hook(torch.compiler.disable(
-                lambda module, a, out: self.segment_counts.append(int(out[4].sum(1).max()))))
-            spider.recurrent_block.register_forward_pre_hook(torch.compiler.disable(
-                lambda module, a: self.segment_axes.append(a[0].shape[1])))
+            spider.flexitokens.register_forward_hook(
+                torch.compiler.disable(lambda module, a, out: self.segment_counts.append(int(out[4].sum(1).max())))
+            )
+            spider.recurrent_block.register_forward_pre_hook(
+                torch.compiler.disable(lambda module, a: self.segment_axes.append(a[0].shape[1]))
+            )
             self.hooked = True
 
 
@@ -70,9 +72,27 @@ def test_compiled_training_compiles_only_in_its_first_step(tmp_path):
         torch._dynamo.reset()
         counters.clear()
         summary = train_hf.main(
-            ["--preset", "tiny", "--data", "mock", "--max_steps", str(STEPS), "--compile",
-             "--torch_compile_backend", "eager", "--ckpt_dir", str(tmp_path / "run"), "--save_strategy", "no",
-             "--eval_strategy", "no", "--sample_bytes", "0", "--dataloader_num_workers", "0"],
+            [
+                "--preset",
+                "tiny",
+                "--data",
+                "mock",
+                "--max_steps",
+                str(STEPS),
+                "--compile",
+                "--torch_compile_backend",
+                "eager",
+                "--ckpt_dir",
+                str(tmp_path / "run"),
+                "--save_strategy",
+                "no",
+                "--eval_strategy",
+                "no",
+                "--sample_bytes",
+                "0",
+                "--dataloader_num_workers",
+                "0",
+            ],
             callbacks=[callback],
         )
         graphs = counters["stats"]["unique_graphs"]
@@ -126,7 +146,7 @@ def test_layers_compile_one_graph_per_kind_for_every_segment_count():
             segments = torch.randn(B, S, config.hidden_size, requires_grad=True)
             rope = model.model.rotary_emb(segments, torch.arange(S)[None].expand(B, S))
             mask = torch.ones(B, S, dtype=torch.bool)
-            mask[1, S // 2:] = False  # a padded row
+            mask[1, S // 2 :] = False  # a padded row
             out = block(segments, rope, None, None, torch.randn(B, S, memory_size), config.n_loops, segment_mask=mask)
             out[0].sum().backward()
         graphs = counters["stats"]["unique_graphs"]
@@ -207,9 +227,11 @@ GRAPH_CALLS = []
 def counting_backend(graph_module, example_inputs):
     """A dynamo backend that runs the captured graph as it is and counts its calls (module-level: a compiled model
     names its backend when pickled)."""
+
     def run(*args):
         GRAPH_CALLS.append(1)
         return graph_module(*args)
+
     return run
 
 
@@ -241,8 +263,11 @@ def test_a_compiled_model_pickles_and_its_copy_trains_compiled(tmp_path):
         layer = c.model.recurrent_block.layers[0]
         assert layer.forward.args[-1] is layer  # the copy's own layer
         torch.testing.assert_close(copied_loss, loss, rtol=float_eps_tolerance(loss), atol=0)
-    layer_calls = len(model.model.prelude_layers) + len(model.model.coda_layers) + (
-        model.config.num_recurrent_layers * model.config.n_loops)
+    layer_calls = (
+        len(model.model.prelude_layers)
+        + len(model.model.coda_layers)
+        + (model.config.num_recurrent_layers * model.config.n_loops)
+    )
     assert graph_calls == 2 * layer_calls, (graph_calls, layer_calls)
     assert new_graphs == 0, new_graphs
 
@@ -280,7 +305,7 @@ def test_engram_layer_compiles_once_for_every_segment_count_with_inductor():
             positions = torch.arange(S)[None].expand(B, S)
             rope = model.model.rotary_emb(hidden, positions)
             mask = torch.ones(B, S, dtype=torch.bool)
-            mask[1, S // 2:] = False
+            mask[1, S // 2 :] = False
             row_weights = RowWeights.of(mask, config.num_experts_per_tok, config.n_routed_experts)
             memory = torch.randn(B, S, memory_size)
             out = layer(hidden, rope, None, None, memory, row_weights)
@@ -322,8 +347,13 @@ def test_a_second_compile_reuses_aotautograd_cache_without_retracing():
                     torch.compile(norm, backend="inductor", **COMPILE_OPTIONS)(x).float().sum().backward()
                 state = ACTState(torch.zeros(B, S), torch.zeros(B, S), torch.zeros(B, S))
                 out = torch.compile(halting, backend="inductor", **COMPILE_OPTIONS)(
-                    torch.randn(B, S), torch.randn(B, S, D, requires_grad=True), torch.zeros(B, S, D), state,
-                    model.config.act_threshold, False)[0]
+                    torch.randn(B, S),
+                    torch.randn(B, S, D, requires_grad=True),
+                    torch.zeros(B, S, D),
+                    state,
+                    model.config.act_threshold,
+                    False,
+                )[0]
                 out.sum().backward()
                 runs.append(dict(counters["aot_autograd"]))
     finally:  # as the Engram test above: no compiled state left for the next test, also when a compile fails
@@ -358,9 +388,25 @@ def test_compiled_artifacts_travel_with_a_checkpoint_and_warm_a_resumed_run(tmp_
         torch.compile(norm, backend="inductor", fullgraph=True)(x).sum().backward()
         return dict(counters["inductor"])
 
-    common = ["--preset", "tiny", "--data", "mock", "--compile", "--torch_compile_backend", "eager", "--ckpt_dir",
-              str(tmp_path / "run"), "--eval_strategy", "no", "--sample_bytes", "0", "--dataloader_num_workers", "0",
-              "--save_steps", "2"]
+    common = [
+        "--preset",
+        "tiny",
+        "--data",
+        "mock",
+        "--compile",
+        "--torch_compile_backend",
+        "eager",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+        "--eval_strategy",
+        "no",
+        "--sample_bytes",
+        "0",
+        "--dataloader_num_workers",
+        "0",
+        "--save_steps",
+        "2",
+    ]
     try:
         with fresh_cache():  # an empty cache folder of its own
             torch.compiler.reset()  # nothing recorded from earlier tests

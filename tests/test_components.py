@@ -30,8 +30,6 @@ from tests.helpers import float_tol, model_terms, tiny, tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-
-
 # --- FlexiTokens: pool_segments / expand_segments --------------------------------------------------------------
 
 
@@ -144,8 +142,9 @@ def _act_loops(probs: list[torch.Tensor], threshold: float) -> tuple[list[torch.
     state = ACTState(*(torch.zeros_like(probs[0]) for _ in range(3)))
     h_out, weights = torch.zeros(*probs[0].shape, 1), []
     for t, p in enumerate(probs):
-        h_out, state, w = step(torch.logit(p.double()).float(), torch.ones_like(h_out), h_out, state, threshold,
-                               t == len(probs) - 1)
+        h_out, state, w = step(
+            torch.logit(p.double()).float(), torch.ones_like(h_out), h_out, state, threshold, t == len(probs) - 1
+        )
         weights.append(w)
     return weights, state
 
@@ -326,7 +325,9 @@ def test_experts_implementation_settings():
     assert tiny()._experts_implementation == "grouped_mm"
     assert tiny(moe_implementation="sorted")._experts_implementation == "grouped_mm"
     assert tiny(moe_implementation="eager")._experts_implementation == "eager"
-    assert tiny(moe_implementation="eager", experts_implementation="batched_mm")._experts_implementation == "batched_mm"
+    assert (
+        tiny(moe_implementation="eager", experts_implementation="batched_mm")._experts_implementation == "batched_mm"
+    )
     assert "moe_implementation" not in tiny(moe_implementation="eager").to_dict()
     config = tiny()
     config.update_from_string("moe_implementation=eager")
@@ -364,8 +365,13 @@ def test_engram_hashes_identical_across_processes():
     ids = torch.arange(0, 272).remainder(251).view(2, 136)
     here = SpiderEngramEmbeddings(config).hash_ids(ids).tolist()
     # one fresh interpreter with a fixed string-hash seed (this one's is random): the hashes use no Python hash()
-    out = subprocess.run([sys.executable, "-c", _hash_script(json.dumps(overrides))], capture_output=True, text=True,
-                         check=True, env={**os.environ, "PYTHONHASHSEED": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", _hash_script(json.dumps(overrides))],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "1"},
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here
 
 
@@ -425,7 +431,7 @@ def test_engram_short_conv_equals_a_depthwise_conv1d(dtype):
     torch.testing.assert_close(weight_grad, ref_weight_grad, **float_tol(ref_weight_grad, B * S))
     # the output at s reads input[..., s : s + K] only (Engram puts the K - 1 steps before the first segment in front)
     short_conv(window)[..., 2].sum().backward()
-    assert window.grad[..., 2:2 + K].abs().sum() > 0 and not window.grad[..., 2 + K:].any()
+    assert window.grad[..., 2 : 2 + K].abs().sum() > 0 and not window.grad[..., 2 + K :].any()
     assert not window.grad[..., :2].any()
     # fp32 weights on bf16 activations (a bf16 forward of an fp32 model): the output keeps the activations' dtype
     assert depthwise_conv1d(window.detach().bfloat16(), conv.weight.float()).dtype == torch.bfloat16
@@ -465,7 +471,9 @@ def test_total_loss_is_weighted_sum():
     out = model(ids, labels=ids)
     c = model.config
     expected = (
-        out.lm_loss + c.router_aux_loss_coef * out.aux_loss + c.boundary_loss_coef * out.boundary_loss
+        out.lm_loss
+        + c.router_aux_loss_coef * out.aux_loss
+        + c.boundary_loss_coef * out.boundary_loss
         + c.ponder_loss_coef * out.ponder_loss
     )
     torch.testing.assert_close(out.loss, expected)
@@ -489,8 +497,9 @@ def test_activation_checkpointing_gives_equal_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         # recomputation runs the same ops on the same inputs: only the backward's accumulation order may differ
-        torch.testing.assert_close(grads[1][name], grads[0][name], **float_tol(grads[0][name], 2 * model_terms(model)),
-                                   msg=name)
+        torch.testing.assert_close(
+            grads[1][name], grads[0][name], **float_tol(grads[0][name], 2 * model_terms(model)), msg=name
+        )
 
 
 def test_n_loops_beyond_max_loop_iters():
@@ -502,7 +511,8 @@ def test_n_loops_beyond_max_loop_iters():
     assert 1 <= float(out.mean_halting_step) <= model.config.max_loop_iters + 3
 
 
-# --- bad input ---------------------------------------------------------------------------------------------------------
+# --- bad input
+# ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad_id", [-1, 272, 10_000])
@@ -527,10 +537,17 @@ def test_bad_n_loops_raises():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("hidden_size", -8), ("num_experts_per_tok", 9), ("engram_layer_ids", [5]), ("n_loops", 0),
-        ("moe_implementation", "fast"), ("experts_implementation", "fast"), ("qk_rope_head_dim", 7),
-        ("act_threshold", 1.5), ("num_hidden_layers", 3),
-        ("boundary_threshold", 1.0), ("vocab_size", 100),
+        ("hidden_size", -8),
+        ("num_experts_per_tok", 9),
+        ("engram_layer_ids", [5]),
+        ("n_loops", 0),
+        ("moe_implementation", "fast"),
+        ("experts_implementation", "fast"),
+        ("qk_rope_head_dim", 7),
+        ("act_threshold", 1.5),
+        ("num_hidden_layers", 3),
+        ("boundary_threshold", 1.0),
+        ("vocab_size", 100),
     ],
 )
 def test_invalid_config_names_the_field(field, value):
@@ -548,7 +565,10 @@ def test_presets():
 def test_default_config_is_the_seed_1b_model():
     config = SpiderConfig()
     assert (config.hidden_size, config.num_recurrent_layers, config.n_routed_experts, config.num_experts_per_tok) == (
-        2048, 6, 32, 2,
+        2048,
+        6,
+        32,
+        2,
     )
     with torch.device("meta"):
         model = SpiderForConditionalGeneration(config)

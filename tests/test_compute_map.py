@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from spider_training.compute_map import (
-    PALETTE, compute_map, encode, held_out_paragraph, main, render_html, row_segments, write_card_map,
+    PALETTE,
+    compute_map,
+    encode,
+    held_out_paragraph,
+    main,
+    render_html,
+    row_segments,
+    write_card_map,
 )
 from tests.helpers import float_tol, tiny_model
 from tokenization_spider import SpiderTokenizer
@@ -55,8 +62,12 @@ def segments_by_hand(boundaries: list[float], mask: list[bool]) -> tuple[list[in
 def routed_rows_by_hand(segment_mask, halting_step, loop: int, early_exit: bool) -> list[tuple[int, int]]:
     """The (row, segment) pairs the MoE routed at `loop`, in the forward's flattened order."""
     B, S1 = segment_mask.shape
-    return [(b, s) for b in range(B) for s in range(S1)
-            if segment_mask[b, s] and (not early_exit or loop == 0 or halting_step[b, s] > loop)]
+    return [
+        (b, s)
+        for b in range(B)
+        for s in range(S1)
+        if segment_mask[b, s] and (not early_exit or loop == 0 or halting_step[b, s] > loop)
+    ]
 
 
 def check_against_forward(cmap, out, model, attention_mask, early_exit: bool, n_loops: int):
@@ -150,8 +161,11 @@ def test_left_padded_batch():
     # the padded row maps as it would alone (left padding is invisible to the model up to float rounding)
     alone = compute_map(model, tok(["a short row"], return_tensors="pt")["input_ids"], n_loops=3)
     real = batch["attention_mask"][0].bool()
-    torch.testing.assert_close(cmap.boundary_probs[0, real], alone.boundary_probs[0],
-                               **float_tol(alone.boundary_probs, model.config.hidden_size * 2))
+    torch.testing.assert_close(
+        cmap.boundary_probs[0, real],
+        alone.boundary_probs[0],
+        **float_tol(alone.boundary_probs, model.config.hidden_size * 2),
+    )
 
 
 def test_training_mode_is_restored_and_map_is_in_eval():

@@ -1,7 +1,8 @@
 """The main job's console: the README's command starts with what the run will do, not library noise.
 
 Runs the README's main command (``accelerate launch --num_cpu_threads_per_process $(nproc) --config_file
-configs/accelerate/single_process.yaml train_hf.py``) for one step in a subprocess and checks its output for every line of noise a fresh machine printed
+configs/accelerate/single_process.yaml train_hf.py``) for one step in a subprocess and checks its output for every line
+of noise a fresh machine printed
 before, and for the start-up summary. Slow: one short training run in a fresh process (~30 s).
 """
 
@@ -40,9 +41,21 @@ def test_quiet_loggers_restores_levels_and_leaves_other_loggers_alone():
 
 
 def test_describe_run_says_how_much_of_the_corpus_a_run_sees():
-    text = describe_run(preset="small", parameters=6_045_379, data="sotu", train_windows=44_081, window_bytes=257,
-                        eval_data="sotu", precision="fp32", moe_backend="torch", devices="1 process(es) on cpu",
-                        output_dir="runs/x", max_steps=500, batch_windows=8, eval_steps=50)
+    text = describe_run(
+        preset="small",
+        parameters=6_045_379,
+        data="sotu",
+        train_windows=44_081,
+        window_bytes=257,
+        eval_data="sotu",
+        precision="fp32",
+        moe_backend="torch",
+        devices="1 process(es) on cpu",
+        output_dir="runs/x",
+        max_steps=500,
+        batch_windows=8,
+        eval_steps=50,
+    )
     assert text.splitlines()[0] == "Spider small: 6.05M parameters"
     assert "500 steps x 8 windows see 4,000 windows (9.1% of them)" in text
     assert "scored every 50 steps and after training" in text and "output:     runs/x" in text
@@ -50,10 +63,23 @@ def test_describe_run_says_how_much_of_the_corpus_a_run_sees():
 
 @pytest.mark.slow
 def test_main_command_starts_with_the_run_summary_and_no_library_noise(tmp_path):
-    cmd = ["accelerate", "launch", "--num_cpu_threads_per_process", str(os.cpu_count()),
-           "--config_file", str(REPO / "configs/accelerate/single_process.yaml"),
-           str(REPO / "train_hf.py"), "--max_steps", "1", "--eval_windows", "1", "--sample_bytes", "2",
-           "--ckpt_dir", str(tmp_path / "run")]
+    cmd = [
+        "accelerate",
+        "launch",
+        "--num_cpu_threads_per_process",
+        str(os.cpu_count()),
+        "--config_file",
+        str(REPO / "configs/accelerate/single_process.yaml"),
+        str(REPO / "train_hf.py"),
+        "--max_steps",
+        "1",
+        "--eval_windows",
+        "1",
+        "--sample_bytes",
+        "2",
+        "--ckpt_dir",
+        str(tmp_path / "run"),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     accelerate = Path(sys.executable).with_name("accelerate")
     if accelerate.exists():

@@ -1,7 +1,8 @@
 """tk-train.py's checkpoints (`spider-stepN.pt` pickles) enter only through `spider_training.convert_tk_train`.
 
 The checkpoints here are written the way tk-train.py writes them: `torch.save` of its dict, in a
-separate process in which the config class really is tk-train.py's (`__main__.SpiderConfig`, or `tk-spider.SpiderConfig`
+separate process in which the config class really is tk-train.py's (`__main__.SpiderConfig`, or
+`tk-spider.SpiderConfig`
 imported with `importlib.import_module("tk-spider")` as tk-train.py does), so this process cannot import it.
 """
 
@@ -32,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # tk-train.py's config class. Its shape is a guess (its model file, tk-spider.py, is not public): SpiderConfig
 # field names, OpenMythos-style aliases (dim, prelude_layers, n_experts, ...) and two fields with no counterpart.
-TK_TRAIN_CFG_CLASS = '''
+TK_TRAIN_CFG_CLASS = """
 from dataclasses import dataclass, field
 
 @dataclass
@@ -66,10 +67,10 @@ class SpiderConfig:
     def __setstate__(self, state):  # runs only if something imports and executes this class while loading
         open(MARKER, "w").close()
         self.__dict__.update(state)
-'''
+"""
 
 # Writes two checkpoints the way tk-train.py's save_step_checkpoint does.
-TK_TRAIN_WRITER = r'''
+TK_TRAIN_WRITER = r"""
 import importlib, os, sys
 import torch
 from safetensors.torch import load_file
@@ -102,9 +103,9 @@ save(os.path.join(ckpt_dir, "spider-step50-main.pt"), dict(state), SpiderConfig(
 # 2) like tk-train.py: tk-spider.SpiderConfig, model.to(bf16), DDP(torch.compile(model)) key prefixes
 wrapped = {"module._orig_mod." + k: v.to(torch.bfloat16) for k, v in state.items()}
 save(os.path.join(ckpt_dir, "spider-step50-tk.pt"), wrapped, tk_spider.SpiderConfig())
-'''
+"""
 
-LOADER = r'''
+LOADER = r"""
 import json, sys, torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,9 +129,10 @@ for folder in sys.argv[1:]:
         and set(state) == set(on_disk),
     }
 print(json.dumps(results))
-'''
+"""
 
-#: tk-train.py's names for Spider's keys, as TK_TRAIN_KEY_MAPPING documents them (its inverse, test-only: the tk-train.py-format
+#: tk-train.py's names for Spider's keys, as TK_TRAIN_KEY_MAPPING documents them (its inverse, test-only: the
+#: tk-train.py-format
 #: checkpoints below are written under these names).
 TO_TK_TRAIN_NAMES = {
     r"^model\.prelude_layers\.(\d+)\.": r"model.prelude.\1.",
@@ -174,16 +176,29 @@ def tk_train(tmp_path_factory):
     checkpoint_state[bad] = torch.randn(9, ours[MISSHAPED_MODEL_KEY].shape[1])
     save_file(checkpoint_state, tmp / "checkpoint_state.safetensors")
     (tmp / "tk_train_cfg.py").write_text(TK_TRAIN_CFG_CLASS)
-    (tmp / "tk-spider.py").write_text("import os\nMARKER = os.path.join(os.path.dirname(__file__), 'tk_train_code_ran')\n"
-                                      + TK_TRAIN_CFG_CLASS)
+    (tmp / "tk-spider.py").write_text(
+        "import os\nMARKER = os.path.join(os.path.dirname(__file__), 'tk_train_code_ran')\n" + TK_TRAIN_CFG_CLASS
+    )
     script = tmp / "write_tk_train.py"
     script.write_text(TK_TRAIN_WRITER)
-    out = subprocess.run([sys.executable, str(script), str(tmp), str(tmp / "checkpoint_state.safetensors")],
-                         cwd=tmp, env=_clean_env(tmp), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp), str(tmp / "checkpoint_state.safetensors")],
+        cwd=tmp,
+        env=_clean_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (tmp / "tk_train_code_ran").exists()
-    return {"dir": tmp, "ours": ours, "checkpoint_state": checkpoint_state, "misshaped_checkpoint_key": bad,
-            "main": tmp / "spider-step50-main.pt", "tk": tmp / "spider-step50-tk.pt"}
+    return {
+        "dir": tmp,
+        "ours": ours,
+        "checkpoint_state": checkpoint_state,
+        "misshaped_checkpoint_key": bad,
+        "main": tmp / "spider-step50-main.pt",
+        "tk": tmp / "spider-step50-tk.pt",
+    }
 
 
 def test_name_rules_round_trip_every_spider_key():
@@ -200,12 +215,21 @@ def test_name_rules_round_trip_every_spider_key():
     # our own names are accepted too (identity), FSDP / checkpoint wrappers anywhere drop out, and extra rules apply
     ours = "model.recurrent_block.layers.1.engram.key_proj.weight"
     assert tk_train_to_spider_name(ours) == ours
-    assert tk_train_to_spider_name("module.model._fsdp_wrapped_module.recurrent_layers.1._checkpoint_wrapped_module."
-                               "engram.key_proj.weight") == ours
-    assert tk_train_to_spider_name("model.halt.weight", {r"^model\.halt\.": "model.recurrent_block.halt_predictor."}) == \
-        "model.recurrent_block.halt_predictor.weight"
+    assert (
+        tk_train_to_spider_name(
+            "module.model._fsdp_wrapped_module.recurrent_layers.1._checkpoint_wrapped_module.engram.key_proj.weight"
+        )
+        == ours
+    )
+    assert (
+        tk_train_to_spider_name("model.halt.weight", {r"^model\.halt\.": "model.recurrent_block.halt_predictor."})
+        == "model.recurrent_block.halt_predictor.weight"
+    )
     extra = dict([cs.parse_key_mapping(r"^blocks\.(\d+)\.ffn\.=model.recurrent_block.layers.\1.mlp.")])
-    assert tk_train_to_spider_name("blocks.3.ffn.router.weight", extra) == "model.recurrent_block.layers.3.mlp.router.weight"
+    assert (
+        tk_train_to_spider_name("blocks.3.ffn.router.weight", extra)
+        == "model.recurrent_block.layers.3.mlp.router.weight"
+    )
     for bad in ["no_equals_sign", "=model.x.", "a(b=c"]:
         with pytest.raises(ValueError, match="rename rule"):
             cs.parse_key_mapping(bad)
@@ -226,22 +250,30 @@ def test_convert_maps_tensors_and_reports_the_rest(tk_train, variant, tmp_path, 
     assert (report["step"], report["epoch"], report["best_loss"]) == (50, 0, "inf")
     assert report["dtype"] == str(expected_dtype).removeprefix("torch.")
     assert report["unmapped_checkpoint_keys"] == [prefix + UNKNOWN_KEY]
-    assert report["shape_mismatches"] == [{
-        "checkpoint_key": prefix + tk_train["misshaped_checkpoint_key"], "model_key": MISSHAPED_MODEL_KEY,
-        "checkpoint_shape": [9, 64], "model_shape": [8, 64],
-    }]
+    assert report["shape_mismatches"] == [
+        {
+            "checkpoint_key": prefix + tk_train["misshaped_checkpoint_key"],
+            "model_key": MISSHAPED_MODEL_KEY,
+            "checkpoint_shape": [9, 64],
+            "model_shape": [8, 64],
+        }
+    ]
     assert report["missing_model_keys"] == [MISSHAPED_MODEL_KEY]
     assert report["mapped"] == len(tk_train["ours"]) - 1 == report["model_keys"] - 1
     assert report["complete"] is False
-    assert report["renamed"]["%smodel.recurrent_layers.0.self_attn.o_proj.weight" % prefix] == \
-        "model.recurrent_block.layers.0.self_attn.o_proj.weight"
+    assert (
+        report["renamed"][f"{prefix}model.recurrent_layers.0.self_attn.o_proj.weight"]
+        == "model.recurrent_block.layers.0.self_attn.o_proj.weight"
+    )
     assert (prefix + "lm_head.weight") not in report["renamed"]  # only wrappers differ: counted, not listed
     # every checkpoint key that mapped carried the wrappers: all but the unknown and the misshaped one
     assert report["unwrapped"] == (len(tk_train["checkpoint_state"]) - 2 if prefix else 0)
     # tk-train.py's per-expert weights went into the fused experts
     for proj, fused in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"), ("down_proj", "down_proj")):
-        assert report["renamed"][f"{prefix}model.recurrent_layers.0.mlp.experts.3.{proj}.weight"] == \
-            f"model.recurrent_block.layers.0.mlp.experts.{fused}"
+        assert (
+            report["renamed"][f"{prefix}model.recurrent_layers.0.mlp.experts.3.{proj}.weight"]
+            == f"model.recurrent_block.layers.0.mlp.experts.{fused}"
+        )
     # cfg: names and aliases read from the pickled object; fields with no counterpart reported
     assert report["cfg_fields_used"]["dim"] == "hidden_size"
     assert report["cfg_fields_used"]["n_experts"] == "n_routed_experts"
@@ -251,8 +283,13 @@ def test_convert_maps_tensors_and_reports_the_rest(tk_train, variant, tmp_path, 
 
     # files: safetensors only, plus the config/code/tokenizer and the report
     files = set(os.listdir(out))
-    assert {"model.safetensors", "config.json", *REMOTE_CODE_FILES, "tokenizer_config.json",
-            "tk_train_conversion.json"} <= files
+    assert {
+        "model.safetensors",
+        "config.json",
+        *REMOTE_CODE_FILES,
+        "tokenizer_config.json",
+        "tk_train_conversion.json",
+    } <= files
     assert not any(f.endswith((".pt", ".bin", ".pkl", ".pth")) for f in files)
     assert json.loads((out / "tk_train_conversion.json").read_text())["mapped"] == report["mapped"]
 
@@ -269,9 +306,18 @@ def test_convert_maps_tensors_and_reports_the_rest(tk_train, variant, tmp_path, 
     # the config comes from tk-train.py's cfg object (n_loops=3 differs from the tiny preset's 2)
     config = json.loads((out / "config.json").read_text())
     reference = SpiderConfig.from_preset("tiny", n_loops=3).to_dict()
-    for field in ("hidden_size", "num_attention_heads", "num_prelude_layers", "num_recurrent_layers",
-                  "num_coda_layers", "n_routed_experts", "moe_intermediate_size", "engram_layer_ids", "n_loops",
-                  "max_position_embeddings"):
+    for field in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_prelude_layers",
+        "num_recurrent_layers",
+        "num_coda_layers",
+        "n_routed_experts",
+        "moe_intermediate_size",
+        "engram_layer_ids",
+        "n_loops",
+        "max_position_embeddings",
+    ):
         assert config[field] == reference[field], field
 
 
@@ -291,8 +337,14 @@ def test_cli_release_loads_with_auto_classes_in_a_fresh_process(tk_train, tmp_pa
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    load = subprocess.run([sys.executable, "-c", LOADER, str(cli_out), str(fp32_out)], cwd=elsewhere,
-                          env=_clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    load = subprocess.run(
+        [sys.executable, "-c", LOADER, str(cli_out), str(fp32_out)],
+        cwd=elsewhere,
+        env=_clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert load.returncode == 0, load.stderr[-3000:]
     results = json.loads(load.stdout.strip().splitlines()[-1])
     for folder, dtype in ((cli_out, "torch.bfloat16"), (fp32_out, "torch.float32")):
@@ -454,8 +506,11 @@ def test_tk_train_cfg_that_is_a_transformers_config_is_read_as_data(tmp_path):
 
     report = convert_tk_train_checkpoint(ckpt, tmp_path / "out", preset="tiny")
     assert report["cfg_global"] == "tk-spider.SpiderConfig"
-    assert report["cfg_fields_used"] == {"hidden_size": "hidden_size", "n_experts": "n_routed_experts",
-                                         "n_loops": "n_loops"}
+    assert report["cfg_fields_used"] == {
+        "hidden_size": "hidden_size",
+        "n_experts": "n_routed_experts",
+        "n_loops": "n_loops",
+    }
     assert {"return_dict", "transformers_version", "id2label"} <= set(report["cfg_fields_ignored"])
     assert json.loads((tmp_path / "out" / "config.json").read_text())["n_loops"] == 5
     # nothing mapped: every model key is reported missing
@@ -465,24 +520,29 @@ def test_tk_train_cfg_that_is_a_transformers_config_is_read_as_data(tmp_path):
 def test_map_state_dict_bare_trunk_keys_duplicates_and_non_tensors():
     model_state = tiny_model().state_dict()
     checkpoint_state = {
-        "embed_tokens.weight": torch.zeros(272, 64),                     # trunk saved without `model.`
+        "embed_tokens.weight": torch.zeros(272, 64),  # trunk saved without `model.`
         "model.recurrent_layers.1.engram.key_proj.weight": torch.ones(64, 64),
         # the same target under our own name
         "model.recurrent_block.layers.1.engram.key_proj.weight": torch.full((64, 64), 2.0),
         "model.recurrent_block.loop_lora.lora_A": torch.zeros(16, 64),
         "lm_head.weight": torch.zeros(272, 64),
-        "_extra_state": {"fp8": "metadata"},                             # not a tensor
+        "_extra_state": {"fp8": "metadata"},  # not a tensor
     }
     mapped, details = cs.map_state_dict(checkpoint_state, model_state)
-    assert set(mapped) == {"model.embed_tokens.weight", "model.recurrent_block.layers.1.engram.key_proj.weight",
-                           "model.recurrent_block.loop_lora.lora_A", "lm_head.weight"}
+    assert set(mapped) == {
+        "model.embed_tokens.weight",
+        "model.recurrent_block.layers.1.engram.key_proj.weight",
+        "model.recurrent_block.loop_lora.lora_A",
+        "lm_head.weight",
+    }
     first_wins = mapped["model.recurrent_block.layers.1.engram.key_proj.weight"]
     assert torch.equal(first_wins, torch.ones(64, 64))
     assert details["duplicate_checkpoint_keys"] == ["model.recurrent_block.layers.1.engram.key_proj.weight"]
     assert details["unmapped_checkpoint_keys"] == ["_extra_state"]
-    assert details["renamed"] == {"embed_tokens.weight": "model.embed_tokens.weight",
-                                  "model.recurrent_layers.1.engram.key_proj.weight":
-                                      "model.recurrent_block.layers.1.engram.key_proj.weight"}
+    assert details["renamed"] == {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "model.recurrent_layers.1.engram.key_proj.weight": "model.recurrent_block.layers.1.engram.key_proj.weight",
+    }
     assert set(details["missing_model_keys"]) == set(model_state) - set(mapped)
 
 
@@ -501,7 +561,9 @@ def test_map_state_dict_fuses_complete_expert_groups_only():
     assert set(mapped) == {layer0 + "gate_up_proj", layer0 + "down_proj"}
     assert torch.equal(mapped[layer0 + "gate_up_proj"], model_state[layer0 + "gate_up_proj"])
     assert torch.equal(mapped[layer0 + "down_proj"], model_state[layer0 + "down_proj"])
-    assert sorted(details["unmapped_checkpoint_keys"]) == sorted(k for k in checkpoint_state if ".recurrent_layers.1." in k)
+    assert sorted(details["unmapped_checkpoint_keys"]) == sorted(
+        k for k in checkpoint_state if ".recurrent_layers.1." in k
+    )
     assert {layer1 + "gate_up_proj", layer1 + "down_proj"} <= set(details["missing_model_keys"])
     assert details["renamed"]["model.recurrent_layers.0.mlp.experts.7.down_proj.weight"] == layer0 + "down_proj"
 
@@ -523,8 +585,9 @@ def test_old_module_name_and_dtype_seed_still_work(tk_train, tmp_path, monkeypat
     assert convert_seed.SEED_KEY_MAPPING is TK_TRAIN_KEY_MAPPING
 
     out = tmp_path / "old_cli"
-    monkeypatch.setattr(sys, "argv", ["convert_seed", str(tk_train["tk"]), str(out), "--preset", "tiny",
-                                      "--dtype", "seed"])
+    monkeypatch.setattr(
+        sys, "argv", ["convert_seed", str(tk_train["tk"]), str(out), "--preset", "tiny", "--dtype", "seed"]
+    )
     with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exited:
         warnings.simplefilter("always")
         runpy.run_module("spider_training.convert_seed", run_name="__main__", alter_sys=True)

@@ -19,7 +19,6 @@ from spider_training import data as D
 from spider_training.write_shards import write_shards
 from tests.helpers import write_header_shard, write_headerless_shard
 
-
 TEXTS = [
     "Hello world.",
     "Ünïcödé – ∑ 日本語 🕷",
@@ -32,9 +31,9 @@ TEXTS = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # independent reference (plain Python lists)
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def reference_stream(texts) -> list[int]:
@@ -52,7 +51,7 @@ def reference_windows(texts, seq_len: int) -> list[list[int]]:
     width = seq_len + 1
     out = []
     for i in range(0, len(stream), width):
-        w = stream[i:i + width]
+        w = stream[i : i + width]
         if len(w) < 2:  # a lone final token has no target
             break
         out.append(w + [256] * (width - len(w)))
@@ -77,8 +76,11 @@ def rows(batches):
 
 
 def _chunks(stream, width):
-    return [c + [256] * (width - len(c)) for c in (stream[i:i + width] for i in range(0, len(stream), width))
-            if len(c) >= 2]
+    return [
+        c + [256] * (width - len(c))
+        for c in (stream[i : i + width] for i in range(0, len(stream), width))
+        if len(c) >= 2
+    ]
 
 
 @pytest.fixture
@@ -94,9 +96,9 @@ def random_shards(tmp_path):
     return d, np.concatenate([a, b])
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # packing and labels
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seq_len", [1, 7, 16, 63, 4096])
@@ -134,8 +136,10 @@ def test_window_to_example_pad_inside_window():
 
 
 @settings(max_examples=60, deadline=None)
-@given(texts=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40), max_size=12),
-       seq_len=st.integers(1, 50))
+@given(
+    texts=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40), max_size=12),
+    seq_len=st.integers(1, 50),
+)
 def test_pack_windows_property(texts, seq_len):
     docs = [D.encode_document(t) for t in texts if t.strip()]
     got = [w.tolist() for w in D.pack_windows(docs, seq_len)]
@@ -174,9 +178,9 @@ def test_max_doc_bytes_truncates_and_counts():
     assert ds.stats.truncated == 1
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # empty documents, invalid UTF-8
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_whitespace_only_documents_are_skipped_and_counted(tmp_path):
@@ -210,9 +214,9 @@ def test_invalid_utf8_is_replaced_not_fatal(tmp_path, suffix):
     assert 0xFF not in ids
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # local files and the hub code path, through datasets streaming
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 DOCS = ["First document, plain ASCII.", "Second: ß, é, 中文.", "Third one is a bit longer " * 3]
@@ -294,9 +298,9 @@ def test_hub_source_parsing_and_errors():
         D.parse_hub_source("owner/name:bad config")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # the embedded corpus
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_sotu_split_by_year_is_disjoint_and_complete():
@@ -332,9 +336,9 @@ def test_mock_source_matches_seed_samples():
     assert as_pairs(ds) == reference_examples(texts, 32)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # map-style datasets: whole corpus, split across ranks and shuffled by the sampler
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _local_dataset(kind, random_shards, seq_len=15):
@@ -380,8 +384,14 @@ def test_accelerate_two_ranks_get_disjoint_windows_covering_the_corpus(random_sh
     every = Counter(rows(DataLoader(ds, batch_size=len(ds))))
     per_rank = []
     for rank in range(2):
-        loader = prepare_data_loader(DataLoader(ds, batch_size=3, sampler=RandomSampler(ds)), num_processes=2,
-                                     process_index=rank, put_on_device=False, use_seedable_sampler=True, data_seed=7)
+        loader = prepare_data_loader(
+            DataLoader(ds, batch_size=3, sampler=RandomSampler(ds)),
+            num_processes=2,
+            process_index=rank,
+            put_on_device=False,
+            use_seedable_sampler=True,
+            data_seed=7,
+        )
         per_rank.append(rows(loader))
     got = Counter(per_rank[0] + per_rank[1])
     assert set(got) == set(every)  # the whole corpus is covered
@@ -405,9 +415,15 @@ def _trainer_loader(ds, seed, batch_size=4):
     """Trainer's own train DataLoader for ``ds`` (what SpiderTrainer uses for a local source)."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    args = TrainingArguments(output_dir="/tmp/unused-spider-data-test", use_cpu=True, report_to="none", seed=seed,
-                             per_device_train_batch_size=batch_size, remove_unused_columns=False,
-                             dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir="/tmp/unused-spider-data-test",
+        use_cpu=True,
+        report_to="none",
+        seed=seed,
+        per_device_train_batch_size=batch_size,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
     trainer = Trainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=ds, data_collator=default_data_collator)
     return trainer.get_train_dataloader()
 
@@ -445,10 +461,23 @@ def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
     from tests.helpers import tiny_model
 
     ds = D.build_dataset("mock", 32, num_samples=50)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
-                             per_device_train_batch_size=4, remove_unused_columns=False)
-    trainer = SpiderTrainer(model=tiny_model(seed=0), args=args, train_dataset=ds, eval_dataset=ds,
-                            data_collator=default_data_collator, precision="fp32", stop_signals=())
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        remove_unused_columns=False,
+    )
+    trainer = SpiderTrainer(
+        model=tiny_model(seed=0),
+        args=args,
+        train_dataset=ds,
+        eval_dataset=ds,
+        data_collator=default_data_collator,
+        precision="fp32",
+        stop_signals=(),
+    )
     loader = trainer.get_train_dataloader()
     from accelerate.data_loader import SeedableRandomSampler, get_sampler
 
@@ -469,21 +498,36 @@ def test_spider_trainer_loaders_copy_batches_as_the_accelerator_config_says(tmp_
     from spider_training.trainer import SpiderTrainer
     from tests.helpers import tiny_model
 
-    ds = D.StreamingTextDataset(_streamed_source(tmp_path)[0], 12) if streamed else D.build_dataset("mock", 32,
-                                                                                                      num_samples=20)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=1,
-                             per_device_train_batch_size=4, remove_unused_columns=False,
-                             accelerator_config={"non_blocking": True})
-    trainer = SpiderTrainer(model=tiny_model(seed=0), args=args, train_dataset=ds, data_collator=default_data_collator,
-                            precision="fp32", stop_signals=())
+    ds = (
+        D.StreamingTextDataset(_streamed_source(tmp_path)[0], 12)
+        if streamed
+        else D.build_dataset("mock", 32, num_samples=20)
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        remove_unused_columns=False,
+        accelerator_config={"non_blocking": True},
+    )
+    trainer = SpiderTrainer(
+        model=tiny_model(seed=0),
+        args=args,
+        train_dataset=ds,
+        data_collator=default_data_collator,
+        precision="fp32",
+        stop_signals=(),
+    )
     loader = trainer.get_train_dataloader()
     assert loader._non_blocking is True
     assert Counter(rows(loader)) == Counter(rows(DataLoader(ds, batch_size=4)))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Hub sources: streamed, split across ranks with split_dataset_by_node
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _streamed_source(tmp_path, files=2):
@@ -495,7 +539,7 @@ def _streamed_source(tmp_path, files=2):
     repo.mkdir(parents=True)
     texts = [f"streamed document {i} " * (i % 5 + 1) for i in range(24)]
     per = len(texts) // files
-    parts = [texts[i * per:(i + 1) * per] for i in range(files)]
+    parts = [texts[i * per : (i + 1) * per] for i in range(files)]
     for i, part in enumerate(parts):
         pq.write_table(pa.table({"text": part}), repo / f"train-{i:05d}-of-{files:05d}.parquet")
     return D.TextSource.from_hub(str(tmp_path / "fake_hub_repo"), None, split="train"), parts
@@ -530,14 +574,34 @@ def test_spider_trainer_trains_on_a_stream_with_gradient_accumulation(tmp_path):
 
     class RecordSync(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            syncs.append((len(seen), trainer.accelerator.gradient_state.sync_gradients,
-                          trainer.accelerator.gradient_state.active_dataloader is not None))
+            syncs.append(
+                (
+                    len(seen),
+                    trainer.accelerator.gradient_state.sync_gradients,
+                    trainer.accelerator.gradient_state.active_dataloader is not None,
+                )
+            )
 
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=3,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             remove_unused_columns=False, save_strategy="no", logging_steps=100)
-    trainer = SpiderTrainer(model=tiny_model(seed=0), args=args, train_dataset=ds, data_collator=collate,
-                            precision="fp32", stop_signals=(), callbacks=[RecordSync()])
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        remove_unused_columns=False,
+        save_strategy="no",
+        logging_steps=100,
+    )
+    trainer = SpiderTrainer(
+        model=tiny_model(seed=0),
+        args=args,
+        train_dataset=ds,
+        data_collator=collate,
+        precision="fp32",
+        stop_signals=(),
+        callbacks=[RecordSync()],
+    )
     trainer.train()
     assert trainer.state.global_step == 3 and set(seen) == {2}
     # batches collated by each optimizer step: 2 more per step (accelerate reads one batch ahead to spot the end)
@@ -603,8 +667,13 @@ def test_accelerate_default_prepare_would_reshard_a_stream(tmp_path):
     resharded, ours = [], []
     for rank in range(2):
         ds = D.StreamingTextDataset(source, 15, rank=rank, world_size=2)
-        loader = prepare_data_loader(DataLoader(ds, batch_size=2), num_processes=2, process_index=rank,
-                                     dispatch_batches=False, put_on_device=False)
+        loader = prepare_data_loader(
+            DataLoader(ds, batch_size=2),
+            num_processes=2,
+            process_index=rank,
+            dispatch_batches=False,
+            put_on_device=False,
+        )
         resharded += rows(loader)
         ours += rows(D.make_dataloader(ds, 2))
     assert Counter(ours) == want
@@ -621,9 +690,9 @@ def test_stream_rank_validation(tmp_path):
         D.TextByteDataset(src, 0)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # shard formats and errors
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_headerless_and_header_formats_read_the_same_stream(tmp_path):
@@ -695,9 +764,9 @@ def test_unchecked_shard_ids_fail_when_the_window_is_read(tmp_path):
         ds.window(2)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # write_shards round trips
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_format_seed_is_a_deprecated_name_of_headerless(tmp_path):
@@ -757,8 +826,7 @@ def test_write_shards_splits_metadata_and_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite"):
         write_shards("sotu", out, split="train", eval_from_year=2016)
     # overwrite with bigger shards: stale shard files of the split disappear, eval untouched
-    again = write_shards("sotu", out, split="train", eval_from_year=2016, tokens_per_shard=50_000_000,
-                         overwrite=True)
+    again = write_shards("sotu", out, split="train", eval_from_year=2016, tokens_per_shard=50_000_000, overwrite=True)
     assert again["num_shards"] == 1 and train["num_shards"] > 1
     assert sorted(p.name for p in out.glob("*.bin")) == ["sotu_eval_000000.bin", "sotu_train_000000.bin"]
     meta = json.loads((out / "metadata.json").read_text())

@@ -66,14 +66,17 @@ def _corpus(tmp_path: Path, kind: str) -> Path:
         (d / "doc99.txt").write_bytes(b"latin-1 caf\xe9\r\nwindows line\r\n")
         return d
     if kind == "jsonl":
-        return _jsonl(tmp_path / "docs.jsonl", [{"text": t.encode("utf-8", "replace").decode()} for t in texts]
-                      + [{"id": 1}, {"text": None}])
+        return _jsonl(
+            tmp_path / "docs.jsonl",
+            [{"text": t.encode("utf-8", "replace").decode()} for t in texts] + [{"id": 1}, {"text": None}],
+        )
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     f = tmp_path / "docs.parquet"
-    pq.write_table(pa.table({"text": [t.encode("utf-8", "replace").decode() for t in texts] + [None]}), f,
-                   row_group_size=3)
+    pq.write_table(
+        pa.table({"text": [t.encode("utf-8", "replace").decode() for t in texts] + [None]}), f, row_group_size=3
+    )
     return f
 
 
@@ -85,8 +88,9 @@ def test_cached_windows_are_the_in_memory_windows(tmp_path, cache, kind, max_doc
     memory = D.build_dataset(src, 13, cache_dir=None, max_doc_bytes=max_doc_bytes)
     assert cached.cache_path is not None and cached.cache_path.parent == cache and memory.cache_path is None
     _same(cached, memory)
-    assert [cached[k]["labels"].tolist() for k in range(len(cached))] == [memory[k]["labels"].tolist()
-                                                                          for k in range(len(memory))]
+    assert [cached[k]["labels"].tolist() for k in range(len(cached))] == [
+        memory[k]["labels"].tolist() for k in range(len(memory))
+    ]
     if kind != "txt":
         assert cached.stats.missing_text == 2 - (kind == "parquet")
 
@@ -128,8 +132,9 @@ def test_second_start_reads_no_text_and_a_changed_file_is_encoded_again(tmp_path
     assert changed.cache_path != first.cache_path and not first.cache_path.exists()
     assert as_pairs(changed) == reference_examples(DOCS[:2], 9)
     assert "source files changed or are gone" in caplog.text
-    assert sorted(p.name for p in cache.iterdir()) == sorted([changed.cache_path.name, changed.cache_path.name
-                                                              + ".lock"])
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [changed.cache_path.name, changed.cache_path.name + ".lock"]
+    )
 
 
 def test_the_default_cache_lives_under_hf_datasets_cache(tmp_path, cache):
@@ -189,8 +194,17 @@ def test_processes_started_together_encode_once_and_share_the_entry(tmp_path):
     reads the same files."""
     src = _jsonl(tmp_path / "shared.jsonl", [{"text": f"document {i} " * (i % 50 + 1)} for i in range(4000)])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(src), str(tmp_path / "cache")], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(src), str(tmp_path / "cache")],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
@@ -248,7 +262,7 @@ def test_uint8_file_declared_in_metadata_is_one_document(tmp_path):
     (d / "metadata.json").write_text(json.dumps({"format": "uint8"}))
     ds = D.build_dataset(str(d), 64)
     assert ds.total_tokens == len(raw) + 2
-    assert _stream(ds)[:len(raw) + 2].tolist() == [D.BOS_ID, *raw, D.EOS_ID]
+    assert _stream(ds)[: len(raw) + 2].tolist() == [D.BOS_ID, *raw, D.EOS_ID]
     single = D.build_dataset(str(d / "enwik.bin"), 64)  # a single file: its folder's metadata.json still declares it
     assert single.shards[0].format == "uint8"
 
@@ -361,11 +375,13 @@ def test_local_snapshot_of_a_hub_dataset(tmp_path, cache):
     pq.write_table(pa.table({"text": DOCS[:3]}), snap / "data" / "train-00000-of-00001.parquet")
     pq.write_table(pa.table({"text": DOCS[3:]}), snap / "data" / "test-00000-of-00001.parquet")
     pq.write_table(pa.table({"text": DOCS[1:]}), snap / "sample" / "10BT" / "000_00000.parquet")
-    (snap / "README.md").write_text("---\nconfigs:\n- config_name: default\n  default: true\n  data_files:\n"
-                                    "  - split: train\n    path: data/train-*\n"
-                                    "  - split: test\n    path: data/test-*\n"
-                                    "- config_name: sample-10BT\n  data_files:\n  - split: train\n"
-                                    "    path: sample/10BT/*\n---\n# FineWeb-Edu (a stand-in)\n")
+    (snap / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  default: true\n  data_files:\n"
+        "  - split: train\n    path: data/train-*\n"
+        "  - split: test\n    path: data/test-*\n"
+        "- config_name: sample-10BT\n  data_files:\n  - split: train\n"
+        "    path: sample/10BT/*\n---\n# FineWeb-Edu (a stand-in)\n"
+    )
     assert D.classify_source(str(snap))[0] == "snapshot"
     assert as_pairs(D.build_dataset(str(snap), 12, cache_dir=cache)) == reference_examples(DOCS[:3], 12)
     ev = D.build_dataset(str(snap), 12, split="eval", cache_dir=cache)
@@ -384,8 +400,10 @@ def test_local_snapshot_of_a_hub_dataset(tmp_path, cache):
 def test_txt_split_by_line_paragraph_or_whole_file(tmp_path, cache):
     f = tmp_path / "book.txt"
     f.write_bytes(b"line one\r\nline two\n\n\nparagraph two\n")
-    by = {how: [e["input_ids"].tolist() for e in D.build_dataset(str(f), 200, cache_dir=cache, text_sample_by=how)]
-          for how in ("line", "paragraph", "document")}
+    by = {
+        how: [e["input_ids"].tolist() for e in D.build_dataset(str(f), 200, cache_dir=cache, text_sample_by=how)]
+        for how in ("line", "paragraph", "document")
+    }
     assert by["line"] == [w for w, _ in reference_examples(["line one", "line two", "paragraph two"], 200)]
     assert by["paragraph"] == [w for w, _ in reference_examples(["line one\nline two", "\nparagraph two\n"], 200)]
     assert by["document"] == [w for w, _ in reference_examples(["line one\nline two\n\n\nparagraph two\n"], 200)]

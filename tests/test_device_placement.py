@@ -109,9 +109,26 @@ def test_main_job_on_cuda_writes_a_release_that_generates_on_cuda(tmp_path):
 
     import train_hf
 
-    summary = train_hf.main(["--preset", "tiny", "--seq_len", "64", "--micro_batch", "4", "--max_steps", "4",
-                             "--eval_windows", "4", "--sample_bytes", "8", "--dataloader_num_workers", "0",
-                             "--ckpt_dir", str(tmp_path / "run")])
+    summary = train_hf.main(
+        [
+            "--preset",
+            "tiny",
+            "--seq_len",
+            "64",
+            "--micro_batch",
+            "4",
+            "--max_steps",
+            "4",
+            "--eval_windows",
+            "4",
+            "--sample_bytes",
+            "8",
+            "--dataloader_num_workers",
+            "0",
+            "--ckpt_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert summary["precision"] == "bf16" and isinstance(summary["sample"], str)
     release = summary["release_dir"]
     model = AutoModelForCausalLM.from_pretrained(release, trust_remote_code=True, device_map="cuda").eval()

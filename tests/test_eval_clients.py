@@ -17,9 +17,11 @@ from tests.helpers import float_tol, model_terms, tiny_model
 from tokenization_spider import BOS_ID, SpiderTokenizer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-DOCS = ["The state of the Union is strong.",
-        "Fourscore and seven years ago our fathers brought forth, upon this continent, a new nation.",
-        "Non-ASCII text counts in UTF-8 bytes: é and ü are two bytes each."]
+DOCS = [
+    "The state of the Union is strong.",
+    "Fourscore and seven years ago our fathers brought forth, upon this continent, a new nation.",
+    "Non-ASCII text counts in UTF-8 bytes: é and ü are two bytes each.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,14 @@ def test_lm_eval_bits_per_byte_agrees_with_our_evaluation(release, tmp_path):
     (tmp_path / "my_text.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     argv = shlex.split(command.replace("runs/spider-small/release", str(folder)))
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "m")}
-    done = subprocess.run([sys.executable, "-m", "lm_eval", *argv[1:]], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "lm_eval", *argv[1:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next((tmp_path / "lm-eval-results").rglob("results_*.json")).read_text())
     theirs = result["results"]["my_text"]["bits_per_byte,none"]
@@ -73,5 +81,8 @@ def test_lm_eval_bits_per_byte_agrees_with_our_evaluation(release, tmp_path):
     assert ours["bytes"] == sum(len(d.encode("utf-8")) for d in DOCS)
     # lm-eval batches the texts with padding (Spider's padding invariance) and sums log-probabilities in another
     # order: float32 roundoff of a whole-model forward, per byte
-    torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours["bits_per_byte"]),
-                               **float_tol(torch.tensor(ours["bits_per_byte"]), model_terms(model)))
+    torch.testing.assert_close(
+        torch.tensor(theirs),
+        torch.tensor(ours["bits_per_byte"]),
+        **float_tol(torch.tensor(ours["bits_per_byte"]), model_terms(model)),
+    )

@@ -17,8 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from modeling_spider import SpiderForConditionalGeneration
-from spider_training.checkpointing import convert_older_checkpoint
-from spider_training.checkpointing import fuse_per_expert_state_dict
+from spider_training.checkpointing import convert_older_checkpoint, fuse_per_expert_state_dict
 from tests.helpers import per_expert_state_dict, tiny_model
 
 
@@ -117,12 +116,19 @@ def test_fuse_per_expert_state_dict_rules():
     gate, up, down = torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 4, 3)
     state = {"a.router.weight": torch.zeros(1)}
     for e in range(2):
-        state |= {f"a.experts.{e}.gate_proj.weight": gate[e], f"a.experts.{e}.up_proj.weight": up[e],
-                  f"a.experts.{e}.down_proj.weight": down[e]}
+        state |= {
+            f"a.experts.{e}.gate_proj.weight": gate[e],
+            f"a.experts.{e}.up_proj.weight": up[e],
+            f"a.experts.{e}.down_proj.weight": down[e],
+        }
     state["a.shared_experts.gate_proj.weight"] = torch.ones(1)  # not a routed expert: kept
     fused = fuse_per_expert_state_dict(state)
-    assert list(fused) == ["a.router.weight", "a.experts.gate_up_proj", "a.experts.down_proj",
-                           "a.shared_experts.gate_proj.weight"]
+    assert list(fused) == [
+        "a.router.weight",
+        "a.experts.gate_up_proj",
+        "a.experts.down_proj",
+        "a.shared_experts.gate_proj.weight",
+    ]
     assert torch.equal(fused["a.experts.gate_up_proj"], torch.cat([gate, up], dim=1))
     assert torch.equal(fused["a.experts.down_proj"], down)
     del state["a.experts.1.up_proj.weight"]

@@ -32,20 +32,54 @@ from tests.helpers import checkpoint_names, tiny_model
 from tokenization_spider import SpiderTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--preset", "tiny", "--seq_len", "32", "--micro_batch", "2", "--eval_windows", "4", "--sample_bytes", "4",
-        "--logging_steps", "1", "--dataloader_num_workers", "0", "--data", "mock"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--seq_len",
+    "32",
+    "--micro_batch",
+    "2",
+    "--eval_windows",
+    "4",
+    "--sample_bytes",
+    "4",
+    "--logging_steps",
+    "1",
+    "--dataloader_num_workers",
+    "0",
+    "--data",
+    "mock",
+]
 
 
 def make_trainer(output_dir: Path, max_steps: int, save_steps: int = 1000, callbacks=(), **kwargs) -> SpiderTrainer:
     """A real SpiderTrainer on the tiny preset and mock data (fp32, CPU), AdamW with weight decay."""
     model = tiny_model(seed=0)
-    args = TrainingArguments(output_dir=str(output_dir), use_cpu=True, report_to="none", max_steps=max_steps,
-                             per_device_train_batch_size=2, remove_unused_columns=False, save_steps=save_steps,
-                             save_total_limit=None, logging_steps=1, learning_rate=1e-3, weight_decay=0.1,
-                             dataloader_num_workers=0, seed=0)
-    return SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
-                         data_collator=default_data_collator, processing_class=SpiderTokenizer(), precision="fp32",
-                         callbacks=list(callbacks), **kwargs)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        remove_unused_columns=False,
+        save_steps=save_steps,
+        save_total_limit=None,
+        logging_steps=1,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    return SpiderTrainer(
+        model=model,
+        args=args,
+        train_dataset=build_dataset("mock", 32),
+        data_collator=default_data_collator,
+        processing_class=SpiderTokenizer(),
+        precision="fp32",
+        callbacks=list(callbacks),
+        **kwargs,
+    )
 
 
 class NaNLossAtSteps:
@@ -217,8 +251,12 @@ def _mount_tmpfs(target: Path, size: str) -> bool:
     if os.geteuid() != 0:
         return False
     target.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 @pytest.fixture
@@ -308,8 +346,10 @@ def test_second_train_hf_run_on_same_folder_refuses_to_start(tmp_path):
 
 def test_lock_of_a_killed_run_does_not_block_the_restart(tmp_path):
     out = tmp_path / "run"
-    code = ("import sys, time\nfrom spider_training.run_lock import RunLock\n"
-            "lock = RunLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n")
+    code = (
+        "import sys, time\nfrom spider_training.run_lock import RunLock\n"
+        "lock = RunLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"

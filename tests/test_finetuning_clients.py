@@ -79,8 +79,9 @@ def test_lora_gives_the_same_output_on_every_implementation(kind):
         outputs[implementation] = logits_of(with_lora(model, TARGETS[kind], seed=2), ids)
     reference = outputs["eager"]
     for implementation in ("grouped_mm", "batched_mm"):
-        torch.testing.assert_close(outputs[implementation], reference, **float_tol(reference, terms=4096),
-                                   msg=implementation)
+        torch.testing.assert_close(
+            outputs[implementation], reference, **float_tol(reference, terms=4096), msg=implementation
+        )
 
 
 def test_lora_on_the_fused_experts_trains_only_the_adapters():
@@ -118,7 +119,10 @@ def test_lora_on_the_fused_experts_under_autocast_reads_the_adapted_weights_ever
     for shared in (True, False):
         wrapped.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16), shared_weight_casts() if shared else contextlib.nullcontext():
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            shared_weight_casts() if shared else contextlib.nullcontext(),
+        ):
             loss = wrapped(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())
@@ -144,8 +148,9 @@ def test_bitsandbytes_int8_router_matches_fp32_within_int8_error():
     reference_router = moe.router
     x = torch.randn(32, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     expected = moe.route(x)
-    quantised = bnb.nn.Linear8bitLt(reference_router.in_features, reference_router.out_features, bias=False,
-                                    has_fp16_weights=False, threshold=0.0)
+    quantised = bnb.nn.Linear8bitLt(
+        reference_router.in_features, reference_router.out_features, bias=False, has_fp16_weights=False, threshold=0.0
+    )
     quantised.load_state_dict(reference_router.state_dict())
     moe.router = quantised.to("cpu")  # bitsandbytes quantises on the move to a device
     assert moe.router.weight.dtype == torch.int8
@@ -154,7 +159,7 @@ def test_bitsandbytes_int8_router_matches_fp32_within_int8_error():
     excess = (got - expected).abs() - bound
     assert excess.max() <= 0, f"int8 router logits off by {excess.max():.3g} beyond the int8 bound"
     # the raw int8 codes (what F.linear on .weight read) are ~127/absmax times larger: far outside the bound
-    assert (expected.abs().max() * 10 < (x @ moe.router.weight.float().T).abs().max())
+    assert expected.abs().max() * 10 < (x @ moe.router.weight.float().T).abs().max()
 
 
 KEPT_FP32 = ("router", "boundary_predictor.dense", "boundary_predictor.out_proj", "halt_predictor", "lm_head")
@@ -230,8 +235,12 @@ def test_bitsandbytes_4bit_load_generates_and_trains(saved_tiny):
     assert_fused_experts_unquantised(model)
     runs_forward_and_generate(model)
     # QLoRA: adapters on the 4-bit shared experts and on the (unquantised, frozen) fused experts
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=r".*\.shared_experts\.(gate|up|down)_proj",
-                                                         target_parameters=EXPERT_PARAMETERS))
+    wrapped = peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=4, target_modules=r".*\.shared_experts\.(gate|up|down)_proj", target_parameters=EXPERT_PARAMETERS
+        ),
+    )
     wrapped.train()
     ids = torch.tensor([[257] + list(b"Four score and seven years ago")])
     loss = wrapped(input_ids=ids, labels=ids).loss

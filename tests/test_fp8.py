@@ -31,8 +31,17 @@ from spider_training.fp8 import (  # noqa: E402
 from tests.helpers import tiny_model, train_step  # noqa: E402
 
 # tk-train.py's skip list, restated here (its configure_fp8_training.module_filter_fn).
-TK_TRAIN_SKIP_WORDS = ["boundary_predictor", "loop_embedding", "engram", "layernorm", "norm", "embed_tokens",
-                       "lm_head", "halt_predictor", "router"]
+TK_TRAIN_SKIP_WORDS = [
+    "boundary_predictor",
+    "loop_embedding",
+    "engram",
+    "layernorm",
+    "norm",
+    "embed_tokens",
+    "lm_head",
+    "halt_predictor",
+    "router",
+]
 
 
 def pin_boundaries(model, logit: float = 4.0):
@@ -59,16 +68,18 @@ def input_ids():
     return torch.randint(0, 256, (2, 40))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Which modules
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_keep_rules():
     shared = "model.recurrent_block.layers.0.mlp.shared_experts.up_proj"
     assert keep_reason(nn.Linear(32, 48), shared) is None
-    assert keep_reason(nn.Linear(32, 48), "model.recurrent_block.layers.0.post_attention_layernorm.proj") == \
-        "name contains 'layernorm'"
+    assert (
+        keep_reason(nn.Linear(32, 48), "model.recurrent_block.layers.0.post_attention_layernorm.proj")
+        == "name contains 'layernorm'"
+    )
     assert keep_reason(nn.Linear(32, 48), "model.recurrent_block.layers.0.mlp.router") == "name contains 'router'"
     assert keep_reason(nn.Linear(30, 48), shared) == "30 x 48 not divisible by 16"
     assert keep_reason(nn.Linear(32, 40), shared) == "32 x 40 not divisible by 16"
@@ -83,14 +94,18 @@ def test_converts_exactly_the_intended_modules():
     model = tiny_model()
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     expected = {
-        fqn for fqn, m in linears.items()
-        if not any(word in fqn for word in TK_TRAIN_SKIP_WORDS) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        fqn
+        for fqn, m in linears.items()
+        if not any(word in fqn for word in TK_TRAIN_SKIP_WORDS)
+        and m.in_features % 16 == 0
+        and m.out_features % 16 == 0
     }
     report = convert_tk_train(model)
     converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == expected == set(report.converted)
     assert set(report.kept) == (set(linears) - expected) | {
-        f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(model.config.num_recurrent_layers)}
+        f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(model.config.num_recurrent_layers)
+    }
     assert report.recipe == "tensorwise" and report.layers == "tk_train"
     assert all(m.config.emulate and m.config.pad_inner_dim for m in model.modules() if isinstance(m, Float8Linear))
     # the message: one line per layer group, counts and reasons
@@ -112,9 +127,14 @@ def test_converts_exactly_the_intended_modules():
     for dense in ("model.prelude_layers.0", "model.coda_layers.0"):  # dense MLPs and their attention
         for proj in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj"):
             assert f"{dense}.{proj}" in converted
-    for kept in ("lm_head", "model.flexitokens.boundary_predictor.dense", "model.flexitokens.boundary_predictor.out_proj",
-                 "model.recurrent_block.halt_predictor",
-                 "model.recurrent_block.layers.1.engram.key_proj", "model.recurrent_block.layers.1.engram.value_proj"):
+    for kept in (
+        "lm_head",
+        "model.flexitokens.boundary_predictor.dense",
+        "model.flexitokens.boundary_predictor.out_proj",
+        "model.recurrent_block.halt_predictor",
+        "model.recurrent_block.layers.1.engram.key_proj",
+        "model.recurrent_block.layers.1.engram.value_proj",
+    ):
         assert kept in linears and kept not in converted
     # 64x64, 16-divisible: kept by name alone
     assert report.kept["model.flexitokens.boundary_predictor.dense"] == "name contains 'boundary_predictor'"
@@ -130,9 +150,9 @@ def test_emulate_default_follows_cuda_availability():
         convert_tk_train(tiny_model(), recipe="axiswise")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Training step on CPU, every recipe
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
@@ -152,8 +172,11 @@ def test_recipes_train_on_cpu_close_to_high_precision(recipe, input_ids):
     assert loss.item() != ref_loss.item()  # the FP8 path was really taken
     # Gradients point the same way (e4m3 keeps ~2 significant digits per element; cosine of the whole gradient
     # stays near 1 when the segmentation is the same).
-    for name, min_cosine in (("model.recurrent_block.layers.0.mlp.shared_experts.gate_proj.weight", 0.95),
-                             ("model.prelude_layers.0.self_attn.o_proj.weight", 0.95), ("lm_head.weight", 0.95)):
+    for name, min_cosine in (
+        ("model.recurrent_block.layers.0.mlp.shared_experts.gate_proj.weight", 0.95),
+        ("model.prelude_layers.0.self_attn.o_proj.weight", 0.95),
+        ("lm_head.weight", 0.95),
+    ):
         g, r = grads[name].flatten(), ref_grads[name].flatten()
         assert torch.isfinite(g).all()
         assert torch.nn.functional.cosine_similarity(g, r, dim=0) > min_cosine, name
@@ -183,9 +206,9 @@ def test_accelerate_converted_first_is_left_alone():
     assert all(m is converted[fqn] for fqn, m in model.named_modules() if fqn in converted)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Fused experts
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
@@ -205,9 +228,9 @@ def test_fused_experts_stay_high_precision_on_their_implementation(implementatio
     assert torch.isfinite(gate_up).all() and gate_up.abs().sum() > 0
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_converted_checkpoint_loads_into_plain_model(tmp_path, input_ids):
@@ -257,9 +280,9 @@ def test_fsdp_float8_all_gather_weights_save_through_plain_state_dict(tmp_path):
         convert_tk_train(tiny_model(), recipe="rowwise", fsdp_float8_all_gather=True)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # --precision
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _fake_cuda(monkeypatch, capability):
@@ -274,20 +297,21 @@ FP8_WINS = {"gpu": "test double", "batch": "-", "bf16_seconds": 1.0, "fp8_second
 @pytest.mark.parametrize(
     "capability, torchao_ok, measured, preset, expected",
     [
-        (None, True, {}, "small", "fp32"),                          # CPU
-        ((9, 0), True, None, "1b", "bf16"),                         # H100/H200, the real table: FP8 measured slower
-        ((9, 0), True, None, "small", "bf16"),                      # no measurement for the preset: bf16
-        ((10, 0), True, None, "1b", "bf16"),                        # B200: nothing measured there yet
-        ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, "1b", "fp8"),    # FP8 measured faster for this class and preset
+        (None, True, {}, "small", "fp32"),  # CPU
+        ((9, 0), True, None, "1b", "bf16"),  # H100/H200, the real table: FP8 measured slower
+        ((9, 0), True, None, "small", "bf16"),  # no measurement for the preset: bf16
+        ((10, 0), True, None, "1b", "bf16"),  # B200: nothing measured there yet
+        ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, "1b", "fp8"),  # FP8 measured faster for this class and preset
         ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, "small", "bf16"),  # ... but not for another preset
-        ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, None, "bf16"),   # a custom config has no measurement
+        ((9, 0), True, {((9, 0), "1b"): FP8_WINS}, None, "bf16"),  # a custom config has no measurement
         ((10, 0), True, {((9, 0), "1b"): FP8_WINS}, "1b", "bf16"),  # ... nor another GPU class
-        ((8, 0), True, {((8, 0), "1b"): FP8_WINS}, "1b", "bf16"),   # A100: no FP8 matmuls, whatever the table says
+        ((8, 0), True, {((8, 0), "1b"): FP8_WINS}, "1b", "bf16"),  # A100: no FP8 matmuls, whatever the table says
         ((9, 0), False, {((9, 0), "1b"): FP8_WINS}, "1b", "bf16"),  # no torchao
     ],
 )
-def test_resolve_precision_auto_follows_the_measurements(monkeypatch, capability, torchao_ok, measured, preset,
-                                                          expected):
+def test_resolve_precision_auto_follows_the_measurements(
+    monkeypatch, capability, torchao_ok, measured, preset, expected
+):
     _fake_cuda(monkeypatch, capability)
     monkeypatch.setattr(fp8, "torchao_fp8_available", lambda: torchao_ok)
     if measured is not None:
@@ -301,9 +325,9 @@ def test_the_recorded_h200_measurement_keeps_bf16():
     assert not fp8.fp8_measured_faster("1b", (9, 0)) and not fp8.fp8_measured_faster("1b", (10, 0))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # --fp8_layers auto: the measured GEMM table, torchao's size filter where none is measured
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +355,12 @@ def test_gemm_shapes_follow_the_rows_each_layer_sees(model_1b):
 
 
 def test_measured_speedup_reads_the_nearest_row_within_a_factor_of_two():
-    gpu = {"gemms": [{"kind": "linear", "m": 4096, "k": 64, "n": 128, "seconds": {"bf16": 2.0, "tensorwise": 1.0}},
-                     {"kind": "linear", "m": 256, "k": 64, "n": 128, "seconds": {"bf16": 1.0, "tensorwise": 2.0}}]}
+    gpu = {
+        "gemms": [
+            {"kind": "linear", "m": 4096, "k": 64, "n": 128, "seconds": {"bf16": 2.0, "tensorwise": 1.0}},
+            {"kind": "linear", "m": 256, "k": 64, "n": 128, "seconds": {"bf16": 1.0, "tensorwise": 2.0}},
+        ]
+    }
     assert measured_speedup(gpu, "linear", 3000, 64, 128, "tensorwise") == (2.0, 4096)
     assert measured_speedup(gpu, "linear", 300, 64, 128, "tensorwise") == (0.5, 256)
     assert measured_speedup(gpu, "linear", 1024, 64, 128, "tensorwise") is None  # 4x from either row
@@ -343,10 +371,20 @@ def test_measured_speedup_reads_the_nearest_row_within_a_factor_of_two():
 def fake_table(shapes: dict, faster) -> dict:
     """A GEMM table (a test double for a GPU's measurement) for every shape in `shapes`: FP8 twice as fast where
     ``faster(kind, m, k, n)``, twice as slow elsewhere."""
-    gemms = [{"kind": kind, "m": m, "k": k, "n": n,
-              "seconds": {"bf16": 1.0, "tensorwise": 0.5 if faster(kind, m, k, n) else 2.0,
-                          "rowwise": 0.5 if faster(kind, m, k, n) else 2.0}}
-             for kind, m, k, n in set(shapes.values())]
+    gemms = [
+        {
+            "kind": kind,
+            "m": m,
+            "k": k,
+            "n": n,
+            "seconds": {
+                "bf16": 1.0,
+                "tensorwise": 0.5 if faster(kind, m, k, n) else 2.0,
+                "rowwise": 0.5 if faster(kind, m, k, n) else 2.0,
+            },
+        }
+        for kind, m, k, n in set(shapes.values())
+    ]
     return {"gpus": {"Test GPU": {"capability": [9, 0], "gemms": gemms}}}
 
 
@@ -354,18 +392,21 @@ def test_auto_converts_the_layers_the_table_measured_faster(input_ids):
     model = tiny_model()
     shapes = gemm_shapes(model, 8, 256)
     table = fake_table(shapes, lambda kind, m, k, n: m == 8 * 256 and k == 64)  # byte layers reading the hidden state
-    report = convert_for_fp8_training(model, batch_size=8, seq_len=256, gemm_table=table, gpu="Test GPU",
-                                      emulate=True)
+    report = convert_for_fp8_training(model, batch_size=8, seq_len=256, gemm_table=table, gpu="Test GPU", emulate=True)
     float8 = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-    expected = {fqn for fqn, (kind, m, k, n) in shapes.items() if kind == "linear" and m == 8 * 256 and k == 64
-                and not any(word in fqn for word in TK_TRAIN_SKIP_WORDS)}
+    expected = {
+        fqn
+        for fqn, (kind, m, k, n) in shapes.items()
+        if kind == "linear" and m == 8 * 256 and k == 64 and not any(word in fqn for word in TK_TRAIN_SKIP_WORDS)
+    }
     assert float8 == expected == set(report.converted) and expected
     assert report.source == "GEMM table of Test GPU at 8 x 256 bytes"
     shared = "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj"
     assert report.kept[shared].startswith(f"measured 0.50x at (M={shapes[shared][1]}, K=64, N=32) on Test GPU")
     # at another batch the rows differ: nothing in the table lies within a factor of 2
-    other = convert_for_fp8_training(tiny_model(), batch_size=1, seq_len=64, gemm_table=table, gpu="Test GPU",
-                                     emulate=True)
+    other = convert_for_fp8_training(
+        tiny_model(), batch_size=1, seq_len=64, gemm_table=table, gpu="Test GPU", emulate=True
+    )
     assert not other.converted and "not measured on Test GPU" in other.kept["model.prelude_layers.0.mlp.up_proj"]
     loss, _ = loss_and_grads(model, input_ids)
     assert torch.isfinite(loss)
@@ -376,19 +417,26 @@ def test_auto_without_a_table_for_the_gpu_follows_torchaos_filter(model_1b, capl
 
     for recipe in ("tensorwise", "rowwise"):
         torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=TK_TRAIN_SKIP_WORDS)
-        chosen = {fqn for fqn, m in model_1b.named_modules() if isinstance(m, nn.Linear)
-                  and keep_reason(m, fqn, "auto", recipe) is None}
+        chosen = {
+            fqn
+            for fqn, m in model_1b.named_modules()
+            if isinstance(m, nn.Linear) and keep_reason(m, fqn, "auto", recipe) is None
+        }
         expected = {fqn for fqn, m in model_1b.named_modules() if torchao_filter(m, fqn)}
         assert chosen == expected and chosen, recipe
     gate = model_1b.model.recurrent_block.layers[0].mlp.shared_experts.gate_proj
-    assert keep_reason(gate, "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj", "auto") == \
-        "torchao's size filter (tensorwise): no gain at K=2048, N=512"
+    assert (
+        keep_reason(gate, "model.recurrent_block.layers.0.mlp.shared_experts.gate_proj", "auto")
+        == "torchao's size filter (tensorwise): no gain at K=2048, N=512"
+    )
     # the tiny preset: nothing large enough, and the report says where the decision came from
     with caplog.at_level("WARNING", logger="spider_training.fp8"):
-        report = convert_for_fp8_training(tiny_model(), batch_size=8, seq_len=256, gemm_table={"gpus": {}},
-                                          gpu="Unmeasured GPU", emulate=True)
-    assert not report.converted and report.source.startswith("torchao's size filter (no measured GEMM table for "
-                                                              "Unmeasured GPU")
+        report = convert_for_fp8_training(
+            tiny_model(), batch_size=8, seq_len=256, gemm_table={"gpus": {}}, gpu="Unmeasured GPU", emulate=True
+        )
+    assert not report.converted and report.source.startswith(
+        "torchao's size filter (no measured GEMM table for Unmeasured GPU"
+    )
     assert any("no GEMM table for Unmeasured GPU" in r.getMessage() for r in caplog.records)
 
 
@@ -396,8 +444,9 @@ def test_the_committed_table_loads_and_bad_tables_are_named(tmp_path):
     table = load_gemm_table()
     assert isinstance(table["gpus"], dict)
     for gpu in table["gpus"].values():  # every measured row has the fields the selection reads
-        assert all({"kind", "m", "k", "n", "seconds"} <= row.keys() and "bf16" in row["seconds"]
-                   for row in gpu["gemms"])
+        assert all(
+            {"kind", "m", "k", "n", "seconds"} <= row.keys() and "bf16" in row["seconds"] for row in gpu["gemms"]
+        )
     bad = tmp_path / "table.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="table.json: cannot read it as JSON"):
@@ -419,15 +468,31 @@ def test_trainer_trains_in_high_precision_when_no_layer_pays(tmp_path, caplog):
     dataset = build_dataset("mock", 64)
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"gpus": {}}))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
-                             per_device_train_batch_size=2, eval_strategy="no", save_strategy="no")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        eval_strategy="no",
+        save_strategy="no",
+    )
     with caplog.at_level("WARNING"):
-        trainer = SpiderTrainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
-                                precision="fp8", fp8_gemm_table=str(table), stop_signals=())
+        trainer = SpiderTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=default_data_collator,
+            precision="fp8",
+            fp8_gemm_table=str(table),
+            stop_signals=(),
+        )
     assert trainer.precision == "fp32" and not trainer.fp8_report.converted
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
-    assert any("FP8 pays for no layer here" in r.getMessage() and "torchao's size filter" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "FP8 pays for no layer here" in r.getMessage() and "torchao's size filter" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_resolve_precision_explicit_and_invalid(monkeypatch):

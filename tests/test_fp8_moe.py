@@ -38,7 +38,7 @@ FP8_GROUP_ALIGNMENT = fp8.FP8_DIM_MULTIPLE  # rows per expert group that torchao
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 #: e4m3 keeps 3 mantissa bits: round-to-nearest moves a value by at most 2^-4 of itself (normal range)
-E4M3_UNIT_ROUNDOFF = 2.0 ** -4
+E4M3_UNIT_ROUNDOFF = 2.0**-4
 EPS = 1e-12  # torchao.float8.float8_utils.EPS: the amax floor of a scale
 
 
@@ -68,9 +68,13 @@ class EmulatedFp8Kernels:
         self.calls = {"2d_3d": 0, "2d_2d": 0}
         self.transpose_square_weights = transpose_square_weights  # a wrong layout, for the bound's own test
 
-    def install(self, monkeypatch) -> "EmulatedFp8Kernels":
-        for name in ("triton_fp8_rowwise_2d_scale_and_cast", "triton_fp8_colwise_3d_scale_and_cast",
-                     "triton_fp8_rowwise_3d_transpose_rhs", "triton_fp8_per_group_colwise_scales_dual"):
+    def install(self, monkeypatch) -> EmulatedFp8Kernels:
+        for name in (
+            "triton_fp8_rowwise_2d_scale_and_cast",
+            "triton_fp8_colwise_3d_scale_and_cast",
+            "triton_fp8_rowwise_3d_transpose_rhs",
+            "triton_fp8_per_group_colwise_scales_dual",
+        ):
             monkeypatch.setattr(fp8_grouped_mm, name, getattr(self, name))
         monkeypatch.setattr(torch, "_scaled_grouped_mm", self.scaled_grouped_mm)
         return self
@@ -102,21 +106,24 @@ class EmulatedFp8Kernels:
         for x in (x1, x2):
             q, scales, start = torch.zeros(x.shape, dtype=output_dtype), [], 0
             for end in offsets.tolist():
-                scale = _scale(x[start:end].abs().amax(0) if end > start else torch.zeros(x.shape[1]),
-                               round_scales_to_power_of_2)
+                scale = _scale(
+                    x[start:end].abs().amax(0) if end > start else torch.zeros(x.shape[1]), round_scales_to_power_of_2
+                )
                 q[start:end] = _cast(x[start:end], scale).to(output_dtype)
                 scales.append(scale)
                 start = end
             out += [_column_major(q), torch.cat(scales)]
         return tuple(out)
 
-    def scaled_grouped_mm(self, a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
-                          use_fast_accum=False):
+    def scaled_grouped_mm(
+        self, a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False
+    ):
         assert a.dtype == b.dtype == E4M3, (a.dtype, b.dtype)
         for name, t in (("a", a), ("b", b)):  # cuBLAS's rule, which torch checks ("strides should be multiple of
             # 16 bytes"): every stride but the unit one
-            assert all(st * t.element_size() % 16 == 0 for st in t.stride() if st != 1), \
+            assert all(st * t.element_size() % 16 == 0 for st in t.stride() if st != 1), (
                 f"{name} strides {t.stride()} should be multiple of 16 bytes"
+            )
         assert not _is_column_major(a) and _is_column_major(b), "a row-major, b column-major"
         assert offs is not None and offs.dtype == torch.int32 and bias is None
         ends = offs.tolist()
@@ -137,8 +144,9 @@ class EmulatedFp8Kernels:
         n, k = a.shape[0], b.shape[1]
         out = torch.empty(len(ends), n, k)
         for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
-            out[e] = (a[:, start:end].float() * scale_a[e * n:(e + 1) * n, None]) @ \
-                     (b[start:end].float() * scale_b[e * k:(e + 1) * k][None, :])
+            out[e] = (a[:, start:end].float() * scale_a[e * n : (e + 1) * n, None]) @ (
+                b[start:end].float() * scale_b[e * k : (e + 1) * k][None, :]
+            )
         return out.to(out_dtype)
 
 
@@ -159,22 +167,31 @@ def test_the_doubles_keep_within_the_fp8_error_bound_and_enforce_the_kernel_cont
     A, B = torch.randn(48, 64, generator=gen), torch.randn(4, 48, 64, generator=gen)  # B: (E, N, K), as stored
     B_t = B.transpose(-2, -1)  # (E, K, N) column-major, as the experts pass it
     offs = torch.tensor([16, 16, 32, 48], dtype=torch.int32)
-    got = fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm(A, B_t, offs, torch.float32,
-                                                                pad_token_groups_for_grouped_mm=False)
+    got = fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm(
+        A, B_t, offs, torch.float32, pad_token_groups_for_grouped_mm=False
+    )
     exact = torch._grouped_mm(A, B_t, offs=offs)
     magnitude = torch._grouped_mm(A.abs(), B_t.abs(), offs=offs)
-    subnormal = 2 * 2.0 ** -9 / E4M3_MAX
-    bound = ((1 + E4M3_UNIT_ROUNDOFF) ** 2 - 1) * magnitude \
-        + 2 * subnormal * A.abs().amax() * B_t.abs().amax() * A.shape[1] \
+    subnormal = 2 * 2.0**-9 / E4M3_MAX
+    bound = (
+        ((1 + E4M3_UNIT_ROUNDOFF) ** 2 - 1) * magnitude
+        + 2 * subnormal * A.abs().amax() * B_t.abs().amax() * A.shape[1]
         + float_tol(exact, terms=A.shape[1])["atol"]
+    )
     assert ((got - exact).abs() <= bound).all()
     assert not torch.equal(got, exact)  # it does round
     with pytest.raises(AssertionError, match="not multiples of 16"):
-        fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm(A, B_t, torch.tensor([10, 10, 25, 48], dtype=torch.int32),
-                                                              torch.float32, pad_token_groups_for_grouped_mm=False)
+        fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm(
+            A,
+            B_t,
+            torch.tensor([10, 10, 25, 48], dtype=torch.int32),
+            torch.float32,
+            pad_token_groups_for_grouped_mm=False,
+        )
     with pytest.raises(AssertionError, match="not yet supported"):
-        fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm(A, B_t, offs, torch.float32,
-                                                              pad_token_groups_for_grouped_mm=True)
+        fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm(
+            A, B_t, offs, torch.float32, pad_token_groups_for_grouped_mm=True
+        )
 
 
 def test_aligned_experts_equal_grouped_mm_and_align_every_group():
@@ -283,7 +300,7 @@ def fp8_error_bound(x, gate_up, down, scores, top_k, sigmas: float = 6.0) -> tor
 
     F = torch.nn.functional
     rel_sd = E4M3_UNIT_ROUNDOFF * (2.0 / 3.0) ** 0.5
-    half_subnormal = 2.0 ** -9 / E4M3_MAX  # relative to the amax of the row / column scaled (a power-of-two scale: 2x)
+    half_subnormal = 2.0**-9 / E4M3_MAX  # relative to the amax of the row / column scaled (a power-of-two scale: 2x)
     silu_lipschitz = 1.1  # max |silu'(g)| = 1.0998
     idx = SpiderMoEKernels.topk_gate(scores, top_k)
     weights = SpiderMoEKernels.normalize_weight(scores.gather(1, idx))[1]
@@ -295,11 +312,11 @@ def fp8_error_bound(x, gate_up, down, scores, top_k, sigmas: float = 6.0) -> tor
             xt = x[t]
             h = w_gu @ xt
             sub_h = half_subnormal * (xt.abs().max() * w_gu.abs().sum(1) + w_gu.abs().amax(1) * xt.abs().sum())
-            dh = rel_sd * ((w_gu ** 2) @ (xt ** 2)).sqrt()
+            dh = rel_sd * ((w_gu**2) @ (xt**2)).sqrt()
             g, u, dg, du = h[:I], h[I:], dh[:I], dh[I:]
             z = F.silu(g) * u
             dz = ((silu_lipschitz * dg * u) ** 2 + (F.silu(g) * du) ** 2).sqrt()
-            dy = ((w_d ** 2) @ (dz ** 2) + rel_sd ** 2 * (w_d ** 2) @ (z ** 2)).sqrt()
+            dy = ((w_d**2) @ (dz**2) + rel_sd**2 * (w_d**2) @ (z**2)).sqrt()
             sub_y = half_subnormal * (z.abs().max() * w_d.abs().sum(1) + w_d.abs().amax(1) * z.abs().sum())
             sub_z = w_d.abs() @ (silu_lipschitz * sub_h[:I] * u.abs() + F.silu(g).abs() * sub_h[I:])
             out[t] += weights[t, j] * (sigmas * dy + sub_y + sub_z)
@@ -364,7 +381,9 @@ def test_fp8_experts_modes_on_a_machine_without_the_kernels():
     experts = [f"model.recurrent_block.layers.{i}.mlp.experts" for i in range(model.config.num_recurrent_layers)]
     auto = convert_for_fp8_training(model, experts="auto", device="cpu")
     assert not auto.converted and all(fqn in auto.kept for fqn in experts)
-    assert all("needs CUDA" in auto.kept[fqn] for fqn in experts) and "routed experts: converted 0 of 2" in auto.message
+    assert (
+        all("needs CUDA" in auto.kept[fqn] for fqn in experts) and "routed experts: converted 0 of 2" in auto.message
+    )
     assert not has_fp8_weight_wrappers(model)
     with pytest.raises(RuntimeError, match="--fp8_experts on: .*needs CUDA"):
         convert_for_fp8_training(model, experts="on", device="cpu")
@@ -384,15 +403,30 @@ def test_trainer_trains_fp8_experts_and_writes_a_plain_checkpoint(tmp_path, fp8_
     from spider_training.data import build_dataset
     from spider_training.trainer import SpiderTrainer
 
-
     model = tiny_model(seed=0)
     initial = model.model.recurrent_block.layers[0].mlp.experts.gate_up_proj.detach().clone()
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2,
-                             per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="steps",
-                             save_steps=2, eval_strategy="no")
-    trainer = SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
-                            data_collator=default_data_collator, precision="fp8", stop_signals=())
-    assert sum(fqn.endswith("mlp.experts") for fqn in trainer.fp8_report.converted) == model.config.num_recurrent_layers
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=2,
+        per_device_train_batch_size=2,
+        remove_unused_columns=False,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="no",
+    )
+    trainer = SpiderTrainer(
+        model=model,
+        args=args,
+        train_dataset=build_dataset("mock", 32),
+        data_collator=default_data_collator,
+        precision="fp8",
+        stop_signals=(),
+    )
+    assert (
+        sum(fqn.endswith("mlp.experts") for fqn in trainer.fp8_report.converted) == model.config.num_recurrent_layers
+    )
     assert has_fp8_weight_wrappers(trainer.model)
     trainer.train()
     assert fp8_double.calls["2d_3d"] > 0 and fp8_double.calls["2d_2d"] > 0  # forward, input and weight gradients

@@ -29,9 +29,19 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/fsdp2.yaml"), "--num_processes", "2", "--main_process_port", str(_free_port()),
-           str(REPO / "tests/fsdp2_worker.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/fsdp2.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        str(REPO / "tests/fsdp2_worker.py"),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -54,8 +64,9 @@ def test_fsdp2_shards_every_parameter_and_matches_one_process(fsdp_run):
     assert r["sharded_units"].count("FSDPSpiderDecoderLayer") == 2
     assert r["sharded_units"].count("FSDPSpiderRecurrentLayer") == 2
     steps = len(r["fsdp_losses"])
-    torch.testing.assert_close(torch.tensor(r["fsdp_losses"]), torch.tensor(r["reference_losses"]),
-                               **_loss_tol(r["reference_losses"], steps))
+    torch.testing.assert_close(
+        torch.tensor(r["fsdp_losses"]), torch.tensor(r["reference_losses"]), **_loss_tol(r["reference_losses"], steps)
+    )
     # training moved the weights (the comparison is not of two untrained models)
     assert r["fsdp_losses"][-1] != r["fsdp_losses"][0]
 
@@ -63,8 +74,11 @@ def test_fsdp2_shards_every_parameter_and_matches_one_process(fsdp_run):
 @pytest.mark.slow
 def test_fsdp2_activation_checkpointing_gives_the_same_curve(fsdp_run):
     _, r = fsdp_run
-    torch.testing.assert_close(torch.tensor(r["checkpointed_losses"]), torch.tensor(r["fsdp_losses"]),
-                               **_loss_tol(r["fsdp_losses"], len(r["fsdp_losses"])))
+    torch.testing.assert_close(
+        torch.tensor(r["checkpointed_losses"]),
+        torch.tensor(r["fsdp_losses"]),
+        **_loss_tol(r["fsdp_losses"], len(r["fsdp_losses"])),
+    )
 
 
 @pytest.mark.slow
@@ -72,8 +86,9 @@ def test_fsdp2_sharded_checkpoint_resumes_the_same_curve(fsdp_run):
     _, r = fsdp_run
     assert r["checkpoint_files"] == ["optimizer_0", "pytorch_model_fsdp_0"]  # accelerate's SHARDED_STATE_DICT layout
     assert len(r["resumed_losses"]) == len(r["continued_losses"]) == 2
-    torch.testing.assert_close(torch.tensor(r["resumed_losses"]), torch.tensor(r["continued_losses"]),
-                               **_loss_tol(r["continued_losses"], 1))
+    torch.testing.assert_close(
+        torch.tensor(r["resumed_losses"]), torch.tensor(r["continued_losses"]), **_loss_tol(r["continued_losses"], 1)
+    )
 
 
 @pytest.mark.slow
@@ -83,8 +98,11 @@ def test_fsdp2_with_compiled_layers_gives_the_same_curve(fsdp_run):
     loss curve is the uncompiled sharded one."""
     _, r = fsdp_run
     assert r["compiled_graphs"] == 3, r["compiled_graphs"]
-    torch.testing.assert_close(torch.tensor(r["compiled_losses"]), torch.tensor(r["fsdp_losses"]),
-                               **_loss_tol(r["fsdp_losses"], len(r["fsdp_losses"])))
+    torch.testing.assert_close(
+        torch.tensor(r["compiled_losses"]),
+        torch.tensor(r["fsdp_losses"]),
+        **_loss_tol(r["fsdp_losses"], len(r["fsdp_losses"])),
+    )
 
 
 @pytest.mark.slow
@@ -96,8 +114,12 @@ def test_fsdp2_emulated_fp8_shards_and_trains(fsdp_run):
     assert r["fp8_converted"] > 0 and r["fp8_dtensor_weights"] == r["fp8_converted"]
     steps = len(r["fp8_losses"])
     rtol = 2.0**-3 / tiny().hidden_size * steps
-    torch.testing.assert_close(torch.tensor(r["fp8_losses"]), torch.tensor(r["fp8_reference_losses"]),
-                               rtol=rtol, atol=rtol * max(r["fp8_reference_losses"]))
+    torch.testing.assert_close(
+        torch.tensor(r["fp8_losses"]),
+        torch.tensor(r["fp8_reference_losses"]),
+        rtol=rtol,
+        atol=rtol * max(r["fp8_reference_losses"]),
+    )
 
 
 @pytest.mark.slow

@@ -69,7 +69,6 @@ def test_left_padded_batch_generates_as_each_row_alone():
     assert torch.equal(cached[1, 9:], alone[0])
 
 
-
 # with and without spaces (TextStreamer flushes its text at a space)
 STREAMED_TEXTS = ["héllo wörld — 日本語 🕷️", "héllowörld—日本語🕷️"]
 
@@ -128,9 +127,14 @@ def test_generate_streams_whole_characters():
     tokenizer = SpiderTokenizer()
     streamer, chunks = _recording_streamer(tokenizer, skip_prompt=True)
     prompt = tokenizer("Say: ", return_tensors="pt").input_ids[:, :-1]  # BOS and the bytes, no EOS
-    tiny_model(seed=1).eval().generate(prompt, max_new_tokens=len(target), min_new_tokens=len(target),
-                                       streamer=streamer, logits_processor=LogitsProcessorList([Force()]),
-                                       **GREEDY)
+    tiny_model(seed=1).eval().generate(
+        prompt,
+        max_new_tokens=len(target),
+        min_new_tokens=len(target),
+        streamer=streamer,
+        logits_processor=LogitsProcessorList([Force()]),
+        **GREEDY,
+    )
     _assert_whole_characters(chunks, text)
 
 
@@ -138,7 +142,9 @@ def test_beam_search_with_cache_equals_without():
     model = tiny_model(seed=5).eval()
     prompt = _prompt(2, 24, seed=8)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, **GREEDY)
-    assert torch.equal(model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
+    assert torch.equal(
+        model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs)
+    )
 
 
 def test_cache_refuses_other_loop_count_and_labels():
@@ -180,8 +186,9 @@ def test_decode_hidden_states_follow_the_full_forward_layout():
     for got, expected in zip(step.hidden_states, full.hidden_states):
         assert got.shape == (2, 18, model.config.hidden_size)
         torch.testing.assert_close(got, expected[:, 30:], **float_tol(expected, model_terms(model)))
-    out = model.generate(ids[:, :10], max_new_tokens=3, output_hidden_states=True, return_dict_in_generate=True,
-                         **GREEDY)
+    out = model.generate(
+        ids[:, :10], max_new_tokens=3, output_hidden_states=True, return_dict_in_generate=True, **GREEDY
+    )
     assert len(out.hidden_states) == 3  # the prompt's step, then one per new byte
     assert all(len(step) == len(full.hidden_states) for step in out.hidden_states)
     assert [step[0].shape[1] for step in out.hidden_states] == [10, 1, 1]
@@ -244,10 +251,10 @@ def test_cache_holds_one_transformers_layer_per_model_layer():
     cache = model(_prompt(2, 24), use_cache=True).cache
     assert len(cache) == config.num_hidden_layers
     P, R = config.num_prelude_layers, config.num_recurrent_layers
-    byte_layers = cache.layers[:P] + cache.layers[P + R:]
+    byte_layers = cache.layers[:P] + cache.layers[P + R :]
     assert all(type(layer) is DynamicLayer and layer.get_seq_length() == 24 for layer in byte_layers)
     assert byte_layers == cache.prelude + cache.coda
-    recurrent = cache.layers[P:P + R]
+    recurrent = cache.layers[P : P + R]
     assert all(isinstance(layer, SpiderRecurrentLayerCache) and len(layer.loops) == 3 for layer in recurrent)
     assert all(recurrent[i].loops[t] is cache.recurrent[t][i] for t in range(3) for i in range(R))
     assert recurrent[0].get_seq_length() == cache.recurrent[0][0].keys.shape[2] > 1
@@ -304,8 +311,7 @@ def test_generation_continues_from_a_returned_cache():
     model = tiny_model(seed=3).eval()
     prompt = _prompt(1, 20, seed=2)
     first = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, return_dict_in_generate=True, **GREEDY)
-    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=10,
-                          min_new_tokens=10, **GREEDY)
+    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=10, min_new_tokens=10, **GREEDY)
     assert torch.equal(more, model.generate(prompt, max_new_tokens=20, min_new_tokens=20, **GREEDY))
 
 
@@ -332,5 +338,6 @@ def test_batch_repeat_interleave_and_select_keep_rows_consistent():
         full = model(ids)
         cache.batch_select_indices(torch.tensor([3]))
         assert cache.num_segments.shape == (1,) and cache.input_ids.shape == (1, 30)
-    torch.testing.assert_close(step.logits, full.logits[:, 20:].repeat_interleave(2, 0),
-                               **float_tol(full.logits, model_terms(model)))
+    torch.testing.assert_close(
+        step.logits, full.logits[:, 20:].repeat_interleave(2, 0), **float_tol(full.logits, model_terms(model))
+    )

@@ -11,7 +11,11 @@ import torch
 from configuration_spider import BOUNDARY_TEACHERS
 from generation_spider import segment_slot_mask_function
 from modeling_spider import (
-    BOUNDARY_TEACHER_RULES, attention_mask_function, boundary_teacher_loss, expand_segments, pool_segments,
+    BOUNDARY_TEACHER_RULES,
+    attention_mask_function,
+    boundary_teacher_loss,
+    expand_segments,
+    pool_segments,
     spacelike_boundaries,
 )
 from tests.helpers import float_tol, model_terms, tiny, tiny_model
@@ -21,9 +25,9 @@ def _ids(batch=2, length=48, seed=0):
     return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # One segmentation rule
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_hard_boundaries_are_the_same_in_training_and_evaluation():
@@ -75,9 +79,9 @@ def test_fixed_stride_segments_follow_real_byte_positions_and_decode_as_the_full
     torch.testing.assert_close(torch.cat([prefill.logits, step.logits], 1), full, **tol)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Pooling bytes into segments, expanding segments to bytes
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_expand_segments_gradient_reaches_only_each_bytes_own_decision():
@@ -120,9 +124,9 @@ def test_a_batch_without_a_closed_segment_still_gives_every_parameter_a_gradient
     assert [name for name, p in model.named_parameters() if p.grad is None] == []
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Mixing the expanded stream into the bytes
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_scaled_norm_mixing_starts_at_the_configured_scale():
@@ -190,17 +194,25 @@ def test_language_model_loss_reaches_the_boundary_predictor():
     assert grad is not None and float(grad.abs().sum()) > 0
 
 
-@pytest.mark.parametrize("field, value", [("boundary_mode", "soft"), ("expand_mixing", "concat"),
-                                          ("sliding_window", 0), ("recurrent_sliding_window", 0),
-                                          ("expand_scale_init", -1.0), ("expand_rms_ratio", 0.0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("boundary_mode", "soft"),
+        ("expand_mixing", "concat"),
+        ("sliding_window", 0),
+        ("recurrent_sliding_window", 0),
+        ("expand_scale_init", -1.0),
+        ("expand_rms_ratio", 0.0),
+    ],
+)
 def test_invalid_global_path_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         tiny(**{field: value})
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Sliding-window byte attention
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def build_attention_mask(token_mask, window, query_positions=None, key_positions=None, q_offset=0, shape=None):
@@ -217,8 +229,14 @@ def build_attention_mask(token_mask, window, query_positions=None, key_positions
     reference = key_positions if key_positions is not None else token_mask
     batch, kv_length = reference.shape if reference is not None else shape
     q_length = kv_length - q_offset if query_positions is None else query_positions.shape[1]
-    return sdpa_mask(batch, q_length, kv_length, q_offset=q_offset, mask_function=function or causal_mask_function,
-                     allow_is_causal_skip=False)
+    return sdpa_mask(
+        batch,
+        q_length,
+        kv_length,
+        q_offset=q_offset,
+        mask_function=function or causal_mask_function,
+        allow_is_causal_skip=False,
+    )
 
 
 def test_sliding_window_mask_counts_real_bytes():
@@ -312,9 +330,9 @@ def test_sliding_window_cache_decoding_equals_full_forward_and_padding_is_invisi
     assert torch.equal(cached[1, 10:], model.generate(short, use_cache=True, **greedy)[0])
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The boundary teacher (boundary_teacher="spacelike")
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_spacelike_teacher_closes_a_segment_on_the_byte_after_each_word():
@@ -359,8 +377,10 @@ def test_teacher_loss_puts_a_constant_predictor_at_the_threshold_not_at_the_base
     mask = torch.ones_like(ids, dtype=torch.bool)
     rate = float(spacelike_boundaries(ids).mean())
     assert 0.1 < rate < 0.25
-    loss = {c: float(boundary_teacher_loss(torch.full(ids.shape, c), ids, mask, "spacelike"))
-            for c in (rate, 0.4, 0.5, 0.6, 1 - rate)}
+    loss = {
+        c: float(boundary_teacher_loss(torch.full(ids.shape, c), ids, mask, "spacelike"))
+        for c in (rate, 0.4, 0.5, 0.6, 1 - rate)
+    }
     assert min(loss, key=loss.get) == 0.5
     assert loss[0.4] > loss[0.5] < loss[0.6]
 
@@ -389,9 +409,9 @@ def test_with_a_teacher_the_predictor_learns_from_the_teacher_alone():
         assert torch.equal(model.train().model(ids).boundaries, model.eval().model(ids).boundaries)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # A short training run (slow)
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +454,8 @@ def test_short_run_learns_the_teachers_segmentation(short_run):
     """The small preset's boundary predictor, supervised by the spacelike teacher, closes segments on unseen text
     where the teacher does: an untrained predictor closes a segment at ~43% of the bytes (precision ~0.1). With the
     class-balanced teacher loss it finds most of the teacher's boundaries early (precision 0.82, recall 0.84 after
-    these 60 steps of 8 windows, 0.87 / 0.84 after 100; under the plain cross-entropy recall was about 0.1, the predictor closing only the
+    these 60 steps of 8 windows, 0.87 / 0.84 after 100; under the plain cross-entropy recall was about 0.1, the
+    predictor closing only the
     segments it was sure of) and agrees with the rule on 99.8% of held-out bytes after the 500-step run."""
     model, _, windows = short_run
     with torch.no_grad():

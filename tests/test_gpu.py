@@ -10,8 +10,11 @@ same functions at toy sizes.
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench.gpu_check's checks)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench.gpu_check's checks)"),
+]
 
 
 def outcome(check: dict) -> None:

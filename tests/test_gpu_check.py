@@ -28,18 +28,59 @@ def _one_thread():
 
 
 TOY_ARGS = [
-    "--presets", "tiny", "1b",
-    "--main_job_preset", "tiny", "--main_job_steps", "3", "--main_job_args", "--eval_windows 8",
-    "--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1", "--compile_backend", "eager",
-    "--tk_train_recipe_shape", "2x32",
+    "--presets",
+    "tiny",
+    "1b",
+    "--main_job_preset",
+    "tiny",
+    "--main_job_steps",
+    "3",
+    "--main_job_args",
+    "--eval_windows 8",
+    "--step_table_preset",
+    "tiny",
+    "--step_table_shapes",
+    "2x32",
+    "--step_repeats",
+    "1",
+    "--compile_backend",
+    "eager",
+    "--tk_train_recipe_shape",
+    "2x32",
     # the default rows but the compiled one, whose compilation requested_rows below pays once for every test
-    "--step_table_models", *(label for label in step_table.STEP_TABLE_MODELS if label != "spider_compiled"),
-    "--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64",
-    "--distributed_preset", "tiny", "--distributed_steps", "2", "--distributed_shape", "2x48",
-    "--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48",
-    "--attention_visits", "2",
-    "--run_1b_preset", "tiny", "--run_1b_steps", "4", "--run_1b_batch", "2x64", "--run_1b_args", "--eval_windows 8",
-    "--fp8_gemm_presets", "tiny", "--fp8_gemm_batches", "2x64",
+    "--step_table_models",
+    *(label for label in step_table.STEP_TABLE_MODELS if label != "spider_compiled"),
+    "--host_syncs_preset",
+    "tiny",
+    "--host_syncs_shape",
+    "1x64",
+    "--distributed_preset",
+    "tiny",
+    "--distributed_steps",
+    "2",
+    "--distributed_shape",
+    "2x48",
+    "--attention_preset",
+    "tiny",
+    "--attention_batch",
+    "2",
+    "--attention_segments",
+    "16",
+    "48",
+    "--attention_visits",
+    "2",
+    "--run_1b_preset",
+    "tiny",
+    "--run_1b_steps",
+    "4",
+    "--run_1b_batch",
+    "2x64",
+    "--run_1b_args",
+    "--eval_windows 8",
+    "--fp8_gemm_presets",
+    "tiny",
+    "--fp8_gemm_batches",
+    "2x64",
 ]
 
 
@@ -69,15 +110,18 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
 
     gemm = by_name["fp8_gemm"]  # the FP8 GEMM table, emulated: the runner and its output's shape, not FP8's times
     assert gemm["status"] == "passed" and gemm["rows"], gemm
-    (gpu, measured), = gemm["fp8_gemm_table"]["gpus"].items()
+    ((gpu, measured),) = gemm["fp8_gemm_table"]["gpus"].items()
     assert all("bf16" in row["seconds"] for row in measured["gemms"])
-    assert all({"tensorwise", "rowwise"} <= row["seconds"].keys() for row in measured["gemms"] if row["kind"] == "linear")
+    assert all(
+        {"tensorwise", "rowwise"} <= row["seconds"].keys() for row in measured["gemms"] if row["kind"] == "linear"
+    )
     assert all(row["seconds"].keys() == {"bf16"} for row in measured["gemms"] if row["kind"] == "grouped")  # no CUDA
     from spider_training.fp8 import convert_for_fp8_training
     from tests.helpers import tiny_model
 
-    report = convert_for_fp8_training(tiny_model(), batch_size=2, seq_len=64, gemm_table=gemm["fp8_gemm_table"],
-                                      gpu=gpu, emulate=True)
+    report = convert_for_fp8_training(
+        tiny_model(), batch_size=2, seq_len=64, gemm_table=gemm["fp8_gemm_table"], gpu=gpu, emulate=True
+    )
     assert report.source == f"GEMM table of {gpu} at 2 x 64 bytes"
     assert not any("not measured" in reason for reason in report.kept.values())  # every shape has its row
 
@@ -87,7 +131,10 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
     comparison = [label for label in step_table.STEP_TABLE_MODELS if label not in ("spider_compiled", "spider_fp8")]
     # the slow rows last: compiled (requested_rows), then FP8 (on the H200 its first step took 54 s)
     assert [row["model"] for row in table["rows"]] == [*comparison, "spider_tk_train_recipe", "spider_fp8"]
-    assert rows["spider_tk_train_recipe"]["activation_checkpointing"] and rows["spider_tk_train_recipe"]["precision"] == "float32"
+    assert (
+        rows["spider_tk_train_recipe"]["activation_checkpointing"]
+        and rows["spider_tk_train_recipe"]["precision"] == "float32"
+    )
     for row in table["rows"]:
         assert row["status"] == "passed" and row["shape"] == "2x32", row
         assert row["bytes_per_s"] > 0 and row["step_s"] > 0 and row["flops_per_step"] > 0 and 0 < row["mfu"]
@@ -130,9 +177,13 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
         # each step's segment axis (the trainer hook on flexitokens): the first step meets the first size
         assert times["new_axis_steps"][0] == 1 and len(times["new_axis_steps"]) == len(times["axis_sizes"]) >= 1
     config = spider_config("tiny")
-    status, reason, _ = training_runs.judge_1b_run(run["held_out_bits_per_byte"], run["compression_rate"],
-                                               config.boundary_prior, config.boundary_prior_std,
-                                               config.boundary_prior_k)
+    status, reason, _ = training_runs.judge_1b_run(
+        run["held_out_bits_per_byte"],
+        run["compression_rate"],
+        config.boundary_prior,
+        config.boundary_prior_std,
+        config.boundary_prior_k,
+    )
     assert (run["status"], run["reason"]) == (status, reason)  # the entry is the judgement of its own curves
 
     for recipe in correctness.FP8_RECIPES:
@@ -183,30 +234,50 @@ def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
 def requested_rows():
     """One step table at 2 x 64 (two timed steps) with the rows on request and the regionally compiled ones (each
     costs a compilation, ~15 s here), shared by the tests that read them."""
-    table = step_table.step_table_check("tiny", shapes=[(2, 64)], repeats=2, device=torch.device("cpu"),
-                                       models=("spider_fp8_rowwise_compiled", "spider", "spider_word_rate",
-                                               "deepseek_v3", "spider_compiled", "spider_fp8",
-                                               "spider_compiled_automatic_dynamic", "spider_word_rate_compiled",
-                                               "spider_tk_train_recipe_compiled"),
-                                       compile_backend="eager", tk_train_recipe_shape=(2, 32))
+    table = step_table.step_table_check(
+        "tiny",
+        shapes=[(2, 64)],
+        repeats=2,
+        device=torch.device("cpu"),
+        models=(
+            "spider_fp8_rowwise_compiled",
+            "spider",
+            "spider_word_rate",
+            "deepseek_v3",
+            "spider_compiled",
+            "spider_fp8",
+            "spider_compiled_automatic_dynamic",
+            "spider_word_rate_compiled",
+            "spider_tk_train_recipe_compiled",
+        ),
+        compile_backend="eager",
+        tk_train_recipe_shape=(2, 32),
+    )
     assert table["status"] == "passed", table
     return table
 
 
 def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
     """``spider_word_rate_compiled`` and ``spider_tk_train_recipe_compiled`` (on request): the word-rate model and
-    activation checkpointing compiled as ``--compile`` compiles, each timed with its eager twin's FLOPs, after the compiled
+    activation checkpointing compiled as ``--compile`` compiles, each timed with its eager twin's FLOPs, after the
+    compiled
     row and before FP8's; the compiled FP8 rows (on request) last: Spider converted as ``--precision fp8`` with the
     row's recipe and ``--fp8_experts`` (emulated ``Float8Linear`` on CPU, where the experts stay in bf16 and the row
     says why; one row here, each costs a compilation), then compiled as ``--compile`` compiles, with the eager row's
     FLOPs."""
     table = requested_rows
-    assert [row["model"] for row in table["rows"]] == ["spider", "spider_word_rate", "deepseek_v3",
-                                                       "spider_tk_train_recipe",
-                                                       "spider_compiled", "spider_compiled_automatic_dynamic",
-                                                       "spider_word_rate_compiled",
-                                                       "spider_tk_train_recipe_compiled", "spider_fp8",
-                                                       "spider_fp8_rowwise_compiled"]
+    assert [row["model"] for row in table["rows"]] == [
+        "spider",
+        "spider_word_rate",
+        "deepseek_v3",
+        "spider_tk_train_recipe",
+        "spider_compiled",
+        "spider_compiled_automatic_dynamic",
+        "spider_word_rate_compiled",
+        "spider_tk_train_recipe_compiled",
+        "spider_fp8",
+        "spider_fp8_rowwise_compiled",
+    ]
     rows = {row["model"]: row for row in table["rows"]}
     compiled = rows["spider_compiled"]  # as --compile compiles: the segment axis dynamic, the eager row's FLOPs
     assert compiled["compile_backend"] == "eager" and len(compiled["warmup_step_s"]) == 3
@@ -214,7 +285,9 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
     graphs = compiled["graphs_compiled_per_step"]  # the first warm-up step compiles; an eager row records nothing
     assert graphs["warmup"][0] > 0 and len(graphs["warmup"]) == 3 and len(graphs["timed"]) == 2, graphs
     assert "graphs_compiled_per_step" not in rows["spider"]
-    assert "spider_compiled" in step_table.STEP_TABLE_MODELS  # a default row (test_cpu_run_of_every_part leaves it out)
+    assert (
+        "spider_compiled" in step_table.STEP_TABLE_MODELS
+    )  # a default row (test_cpu_run_of_every_part leaves it out)
     automatic = rows["spider_compiled_automatic_dynamic"]  # torch's automatic dynamic shapes, no axis marked
     assert automatic["compile_dynamic"] is None and rows["spider_compiled"]["compile_dynamic"] is False
     assert automatic["flops_per_step"] == rows["spider"]["flops_per_step"] and automatic["graphs_compiled_per_step"]
@@ -224,7 +297,9 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
     assert rowwise["compile_backend"] == "eager" and len(rowwise["warmup_step_s"]) == 3, rowwise
     assert rowwise["flops_per_step"] == rows["spider"]["flops_per_step"] > 0 and rowwise["aten_ops_per_step"] is None
     word = rows["spider_word_rate_compiled"]
-    assert word["boundary_mode"] == "fixed" and word["compile_backend"] == "eager" and word["aten_ops_per_step"] is None
+    assert (
+        word["boundary_mode"] == "fixed" and word["compile_backend"] == "eager" and word["aten_ops_per_step"] is None
+    )
     assert word["flops_per_step"] == rows["spider_word_rate"]["flops_per_step"] > 0
     assert word["segment_axis"]["timed"] == rows["spider_word_rate"]["segment_axis"]["timed"]
     compiled = rows["spider_tk_train_recipe_compiled"]
@@ -238,8 +313,12 @@ def _assert_each_row_was_written_as_it_was_measured(snapshots: list[dict], resul
     a device call) keeps the rows it measured: each snapshot on disk is whole JSON marked incomplete, the step
     table's running entry one row longer each time, and the last snapshot the result."""
     partial = [snap for snap in snapshots if not snap["complete"]]
-    running = [[row["model"] for row in check["rows"]] for snap in partial for check in snap["checks"]
-               if check["name"] == "step_table" and check["status"] == "running"]
+    running = [
+        [row["model"] for row in check["rows"]]
+        for snap in partial
+        for check in snap["checks"]
+        if check["name"] == "step_table" and check["status"] == "running"
+    ]
     final_rows = [row["model"] for row in next(c for c in result["checks"] if c["name"] == "step_table")["rows"]]
     assert running == [final_rows[: n + 1] for n in range(len(final_rows))], running
     counts = [len(snap["parts"]) for snap in partial]
@@ -250,8 +329,9 @@ def _assert_each_row_was_written_as_it_was_measured(snapshots: list[dict], resul
 def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
     """tk-train.py was once called "the seed": ``--seed_recipe_shape`` and the ``spider_seed_recipe_compiled`` row
     still parse, as the ``tk_train`` names."""
-    args = gpu_check.build_parser().parse_args(["--seed_recipe_shape", "2x32", "--step_table_models",
-                                                "spider_seed_recipe_compiled"])
+    args = gpu_check.build_parser().parse_args(
+        ["--seed_recipe_shape", "2x32", "--step_table_models", "spider_seed_recipe_compiled"]
+    )
     assert args.tk_train_recipe_shape == (2, 32)
     renamed = step_table.DEPRECATED_ROW_NAMES[args.step_table_models[0]]
     assert renamed == "spider_tk_train_recipe_compiled" and renamed in step_table.STEP_TABLE_MODEL_CHOICES
@@ -260,8 +340,14 @@ def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
 def test_distributed_judgement_names_what_differs():
     from bench import distributed
 
-    figures = dict(rtol=distributed.loss_rtol(torch.float32), ddp_max_rel_diff=0.0, fsdp2_max_rel_diff=0.0,
-                   resumed_max_rel_diff=0.0, release_logits_max_rel_diff=0.0, release_has_dtensors=False)
+    figures = dict(
+        rtol=distributed.loss_rtol(torch.float32),
+        ddp_max_rel_diff=0.0,
+        fsdp2_max_rel_diff=0.0,
+        resumed_max_rel_diff=0.0,
+        release_logits_max_rel_diff=0.0,
+        release_has_dtensors=False,
+    )
     assert distributed.judge(figures) == ("passed", "")
     # a gradient summed twice or a lost optimizer state moves the losses after the first step far past rtol
     status, reason = distributed.judge({**figures, "resumed_max_rel_diff": 0.02, "ddp_max_rel_diff": float("nan")})
@@ -274,8 +360,9 @@ def test_attention_backends_at_toy_sizes_on_cpu():
     """Every SDPA kernel over the same shuffled segment counts: CPU has math and flash (the value padded to the
     query/key head dim), torch's default runs math for MLA's unequal head dims; cuDNN and memory-efficient are
     skipped with torch's reason."""
-    entry = diagnostics.attention_backends_check("tiny", batch=2, segment_counts=(16, 48), visits=3,
-                                               device=torch.device("cpu"))
+    entry = diagnostics.attention_backends_check(
+        "tiny", batch=2, segment_counts=(16, 48), visits=3, device=torch.device("cpu")
+    )
     assert entry["status"] == "passed" and entry["reason"] == "", entry
     assert entry["shape"] == {"batch": 2, "heads": 4, "qk_head_dim": 32, "v_head_dim": 16}
     assert sorted(entry["sequence"]) == [16, 16, 16, 48, 48, 48] and entry["warmup_segments"] not in (16, 48)
@@ -298,8 +385,9 @@ def test_attention_backends_at_toy_sizes_on_cpu():
 
 
 def test_attention_backends_stop_at_the_deadline():
-    entry = diagnostics.attention_backends_check("tiny", batch=1, segment_counts=(16,), visits=1,
-                                               device=torch.device("cpu"), deadline=parts.Deadline(0.0))
+    entry = diagnostics.attention_backends_check(
+        "tiny", batch=1, segment_counts=(16,), visits=1, device=torch.device("cpu"), deadline=parts.Deadline(0.0)
+    )
     assert entry["status"] == "skipped" and entry["reason"] == "time budget"
     assert {r["reason"] for r in entry["backends"].values()} == {"time budget"}
 
@@ -337,10 +425,12 @@ def test_1b_run_judgement():
 
 
 def test_held_out_and_compression_curves_from_a_log_history():
-    history = [{"eval_before_bits_per_byte": 8.0, "step": 0}, {"loss": 5.0, "compression_rate": 2.0,
-                                                                "bits_per_byte": 7.5, "step": 10},
-               {"eval_bits_per_byte": 7.0, "eval_compression_rate": 3.0, "step": 10},
-               {"eval_after_bits_per_byte": 6.5, "step": 12}]
+    history = [
+        {"eval_before_bits_per_byte": 8.0, "step": 0},
+        {"loss": 5.0, "compression_rate": 2.0, "bits_per_byte": 7.5, "step": 10},
+        {"eval_bits_per_byte": 7.0, "eval_compression_rate": 3.0, "step": 10},
+        {"eval_after_bits_per_byte": 6.5, "step": 12},
+    ]
     assert training_runs.held_out_curve(history) == [(0, 8.0), (10, 7.0), (12, 6.5)]  # training's bpb is not held-out
     assert training_runs.compression_curve(history) == [(10, 2.0)]
     assert training_runs.training_curve(history, "bits_per_byte") == [(10, 7.5)]
@@ -360,8 +450,11 @@ def test_part_cap_replaces_one_parts_cap():
     assert result["checks"][0]["status"] == "skipped" and result["checks"][0]["reason"].startswith("time budget")
     assert result["parts"][0]["ran"] is False
     assert gpu_check.parse_part_cap("step_table=400") == ("step_table", 400.0)
-    for bad, message in (("tables=400", "unknown part"), ("step_table=x", "PART=SECONDS"),
-                         ("step_table=0", "must be > 0")):
+    for bad, message in (
+        ("tables=400", "unknown part"),
+        ("step_table=x", "PART=SECONDS"),
+        ("step_table=0", "must be > 0"),
+    ):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             gpu_check.parse_part_cap(bad)
 
@@ -387,8 +480,12 @@ def test_a_part_running_past_its_allowance_is_cut_off(monkeypatch):
 def test_main_job_stops_training_at_its_deadline():
     """A deadline that leaves no time for training: the trainer stops after its first step, and the run still
     scores, writes and reloads its release (the time kept for them is not the training's)."""
-    entry = training_runs.main_job_check(steps=50, preset="tiny", deadline=parts.Deadline(1.0),
-                                     extra_args=("--eval_windows", "4", "--save_strategy", "no"))
+    entry = training_runs.main_job_check(
+        steps=50,
+        preset="tiny",
+        deadline=parts.Deadline(1.0),
+        extra_args=("--eval_windows", "4", "--save_strategy", "no"),
+    )
     assert entry["steps"] == 1 and entry["stopped_by_time_budget_at_step"] == 1, entry
     assert "time budget at step 1 of 50" in entry["note"] and entry["release_reload_ok"]
 
@@ -455,12 +552,19 @@ def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
         return SimpleNamespace(name=name, time_range=SimpleNamespace(elapsed_us=lambda: us))
 
     long_name = "void at::native::elementwise_kernel<" + "x" * 300 + ">"
-    events = [kernel("gemm", 30.0), kernel(long_name, 1000.0), kernel(long_name, 2000.0), kernel(long_name, 1500.0),
-              kernel("gemm", 10.0)] + [kernel(f"k{i}", 1.0) for i in range(diagnostics.TOP_BY_COUNT)]
+    events = [
+        kernel("gemm", 30.0),
+        kernel(long_name, 1000.0),
+        kernel(long_name, 2000.0),
+        kernel(long_name, 1500.0),
+        kernel("gemm", 10.0),
+    ] + [kernel(f"k{i}", 1.0) for i in range(diagnostics.TOP_BY_COUNT)]
     ranked = diagnostics._kernels_by_launches(events)
     assert len(ranked) == diagnostics.TOP_BY_COUNT
-    assert list(ranked.items())[:2] == [(long_name[:120], {"launches": 3, "device_ms": 4.5}),
-                                         ("gemm", {"launches": 2, "device_ms": 0.04})]
+    assert list(ranked.items())[:2] == [
+        (long_name[:120], {"launches": 3, "device_ms": 4.5}),
+        ("gemm", {"launches": 2, "device_ms": 0.04}),
+    ]
 
 
 class BrokenTileKernels(FakeTileKernels2x):
@@ -501,6 +605,7 @@ def test_cuda_sync_warnings_counts_the_sync_debug_warnings(monkeypatch):
 def test_a_row_whose_counting_step_fails_is_still_timed(monkeypatch):
     """A model the counting modes trip on (say a tensor subclass) keeps its timing; the row says why it has no counts
     and takes the FLOPs it was given."""
+
     def failing(step, device):
         step.forward_backward()  # fails halfway: gradients were written
         raise RuntimeError("a counting mode tripped")
@@ -517,8 +622,10 @@ def test_repeated_axis_summary_times_the_steps_at_an_axis_met_before():
     summary = diagnostics.repeated_axis_summary([64, 80], [80, 96, 96, 112, 64], [0.25, 1.4, 0.26, 1.3, 0.24])
     assert summary["timed_steps_at_new_axis"] == 2  # 96 first, 112
     assert summary["step_s_repeated_axis"] == 0.25  # median of 0.25 (80), 0.26 (96 again), 0.24 (64)
-    assert diagnostics.repeated_axis_summary([], [48, 64], [1.0, 1.1]) == {"timed_steps_at_new_axis": 2,
-                                                                         "step_s_repeated_axis": None}
+    assert diagnostics.repeated_axis_summary([], [48, 64], [1.0, 1.1]) == {
+        "timed_steps_at_new_axis": 2,
+        "step_s_repeated_axis": None,
+    }
 
 
 def test_step_rows_record_the_segment_axis_of_each_step(requested_rows):
@@ -538,8 +645,10 @@ def test_step_rows_record_the_segment_axis_of_each_step(requested_rows):
     for label in ("spider", "spider_compiled"):
         axis = rows[label]["segment_axis"]
         assert len(axis["timed"]) == 2 and len(axis["warmup"]) == step_table.STEP_TABLE_WARMUP.get(label, 1), axis
-        assert all(size % pad == 0 and pad <= size <= -(-(1 + length) // pad) * pad
-                   for size in axis["warmup"] + axis["instrumented"] + axis["timed"]), axis
+        assert all(
+            size % pad == 0 and pad <= size <= -(-(1 + length) // pad) * pad
+            for size in axis["warmup"] + axis["instrumented"] + axis["timed"]
+        ), axis
     assert "segment_axis" not in rows["deepseek_v3"] and "step_s_repeated_axis" not in rows["deepseek_v3"]
 
     model = spider_model("tiny")

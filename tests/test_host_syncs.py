@@ -1,4 +1,5 @@
-"""A training step on the `grouped_mm` experts path without per-loop host syncs, one host sync per training step, and an MoE
+"""A training step on the `grouped_mm` experts path without per-loop host syncs, one host sync per training step, and
+an MoE
 layer without any.
 
 On a GPU every op that needs a value on the host (`.item()`, `.tolist()`, a boolean-mask gather, `nonzero`, `bincount`
@@ -20,8 +21,9 @@ from tests.helpers import float_tol, tiny, tiny_model
 
 
 def _training_step_syncs(layers: int, loops: int, padded: bool) -> collections.Counter:
-    model = tiny_model(seed=0, num_recurrent_layers=layers, engram_layer_ids=[0], n_loops=loops,
-                       experts_implementation="grouped_mm").train()
+    model = tiny_model(
+        seed=0, num_recurrent_layers=layers, engram_layer_ids=[0], n_loops=loops, experts_implementation="grouped_mm"
+    ).train()
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if padded:
@@ -34,7 +36,9 @@ def _training_step_syncs(layers: int, loops: int, padded: bool) -> collections.C
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_host_syncs_do_not_grow_with_layers_or_loops(padded):
-    counts = {(layers, loops): _training_step_syncs(layers, loops, padded) for layers, loops in ((1, 1), (2, 3), (6, 6))}
+    counts = {
+        (layers, loops): _training_step_syncs(layers, loops, padded) for layers, loops in ((1, 1), (2, 3), (6, 6))
+    }
     # the 1b preset's depth (6 layers x 6 loops) needed ~330 before; now the same handful as one layer and one loop
     assert counts[(6, 6)] == counts[(1, 1)] == counts[(2, 3)], counts
     assert sum(counts[(6, 6)].values()) <= 8, counts[(6, 6)]
@@ -52,8 +56,9 @@ def test_training_step_on_an_accelerator_syncs_once(monkeypatch, boundary_mode):
     import modeling_spider
 
     monkeypatch.setattr(modeling_spider, "value_checks_sync", lambda tensor, training: not training)
-    model = tiny_model(seed=0, num_recurrent_layers=6, engram_layer_ids=[0, 3], n_loops=6,
-                       boundary_mode=boundary_mode).train()
+    model = tiny_model(
+        seed=0, num_recurrent_layers=6, engram_layer_ids=[0, 3], n_loops=6, boundary_mode=boundary_mode
+    ).train()
     ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
     ids[0, ::3] = ord(" ")  # the rows close different numbers of segments: padding segments in the block
     with HostSyncCounter() as first:
@@ -170,7 +175,8 @@ class _GroupedMMDtypes(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_grouped_experts_run_in_the_autocast_dtype():
     """Under bf16 autocast with fp32 master weights every grouped GEMM of the experts, forward and backward, gets bf16
-    operands: torch's CUDA grouped GEMM takes its fast kernel only for bf16 operands, and otherwise falls back to a loop
+    operands: torch's CUDA grouped GEMM takes its fast kernel only for bf16 operands, and otherwise falls back to a
+    loop
     over the groups that reads the offsets on the host (aten/native/cuda/GroupedBlas.cpp). torch's grouped GEMM is no
     autocast op, so the fp32 weights set the dtype of the model alone; the trainer's
     ``spider_training.mixed_precision.autocast_experts`` casts. The gradients reach the fp32 weights, and the output

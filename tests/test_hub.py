@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import socket
 import threading
 import time
@@ -90,8 +89,15 @@ def test_push_folder_uploads_every_file_intact(server, tmp_path):
     files = make_folder(tmp_path / "release")
     assert len(files["model.safetensors"]) > 1_000_000
 
-    result = push_folder(tmp_path / "release", REPO, token=TOKEN, endpoint=server.url, commit_message="first release",
-                         private=True, timeout_s=20)
+    result = push_folder(
+        tmp_path / "release",
+        REPO,
+        token=TOKEN,
+        endpoint=server.url,
+        commit_message="first release",
+        private=True,
+        timeout_s=20,
+    )
 
     assert isinstance(result, PushResult)
     assert result.ok, result.error
@@ -101,9 +107,13 @@ def test_push_folder_uploads_every_file_intact(server, tmp_path):
     assert server.repos[REPO].private is True
     assert [c.summary for c in server.commits] == ["first release"]
     # binary files went through the LFS upload (PUT of the exact bytes), text files inline in the commit
-    assert set(server.lfs_blobs) == {hashlib.sha256(files[p]).hexdigest() for p in ("model.safetensors", "loss_curve.png")}
+    assert set(server.lfs_blobs) == {
+        hashlib.sha256(files[p]).hexdigest() for p in ("model.safetensors", "loss_curve.png")
+    }
     assert server.count("PUT", "") == 2
-    assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in server.requests if r.path.startswith("/api/"))
+    assert all(
+        r.headers.get("authorization") == f"Bearer {TOKEN}" for r in server.requests if r.path.startswith("/api/")
+    )
 
 
 def test_push_folder_into_subfolder_of_existing_repo(server, tmp_path):
@@ -112,8 +122,15 @@ def test_push_folder_into_subfolder_of_existing_repo(server, tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "trainer_state.json").write_text('{"global_step": 7}')
 
-    result = push_folder(tmp_path / "b", REPO, token=TOKEN, endpoint=server.url, commit_message="two",
-                         path_in_repo="last-checkpoint", timeout_s=20)
+    result = push_folder(
+        tmp_path / "b",
+        REPO,
+        token=TOKEN,
+        endpoint=server.url,
+        commit_message="two",
+        path_in_repo="last-checkpoint",
+        timeout_s=20,
+    )
 
     assert result.ok, result.error
     assert server.count("POST", "/api/repos/create") == 2  # the second create answered 409, accepted as "exists"
@@ -125,8 +142,15 @@ def test_push_folder_into_subfolder_of_existing_repo(server, tmp_path):
 def test_push_to_a_branch_creates_it(server, tmp_path):
     files = make_folder(tmp_path / "f")
     for message in ("first", "second"):  # the second push finds the branch (409 accepted)
-        result = push_folder(tmp_path / "f", REPO, token=TOKEN, endpoint=server.url, commit_message=message,
-                             revision="training-run-1", timeout_s=20)
+        result = push_folder(
+            tmp_path / "f",
+            REPO,
+            token=TOKEN,
+            endpoint=server.url,
+            commit_message=message,
+            revision="training-run-1",
+            timeout_s=20,
+        )
         assert result.ok, result.error
     assert server.files(REPO, "training-run-1") == files
     assert server.files(REPO, "main") == {}
@@ -180,8 +204,9 @@ def test_wait_is_bounded_while_huggingface_hub_retries(tmp_path, caplog):
     with FakeHubServer(fail_first=3, fail_path="/_fake_lfs/upload/") as srv:
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
-            result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
-                                 timeout_s=1.5)
+            result = push_folder(
+                tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x", timeout_s=1.5
+            )
         elapsed = time.monotonic() - start
         assert not result.ok and result.timed_out and "gave up waiting after 1.5s" in result.error
         assert 1.4 <= elapsed < 3.0
@@ -197,8 +222,9 @@ def test_hang_returns_within_timeout_and_server_closes(tmp_path, caplog):
     try:
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="spider_training.hub"):
-            result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
-                                 timeout_s=1.5)
+            result = push_folder(
+                tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x", timeout_s=1.5
+            )
         elapsed = time.monotonic() - start
         assert srv.count("POST", "/api/repos/create") == 1  # the request arrived and was never answered
     finally:
@@ -222,8 +248,7 @@ def test_http_read_timeout_ends_a_hung_request(tmp_path):
 
         assert get_session().timeout.read == 0.5
         with FakeHubServer(mode="hang", hang_s=30) as srv:
-            result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x",
-                                 timeout_s=10)
+            result = push_folder(tmp_path / "f", REPO, endpoint=srv.url, token=TOKEN, commit_message="x", timeout_s=10)
     finally:
         configure_http_timeouts()  # back to the module defaults for the rest of the session
     assert not result.ok and not result.timed_out  # it failed by itself, well before timeout_s
@@ -254,8 +279,7 @@ def test_configure_http_timeouts_keeps_your_timeouts_and_every_push_restores_its
 
 def test_unauthorized_is_not_retried(server, tmp_path):
     make_folder(tmp_path / "f")
-    result = push_folder(tmp_path / "f", REPO, token="hf_wrong", endpoint=server.url, commit_message="x",
-                         timeout_s=10)
+    result = push_folder(tmp_path / "f", REPO, token="hf_wrong", endpoint=server.url, commit_message="x", timeout_s=10)
     assert not result.ok and server.count("POST", "/api/repos/create") == 1
     assert "401" in result.error
     assert REPO not in server.repos
@@ -291,9 +315,15 @@ def test_release_with_model_card_reaches_the_hub(server, tmp_path):
 
     release = tmp_path / "release"
     make_folder(release)
-    write_model_card(release, config={"hidden_size": 64, "n_loops": 2}, training={"precision": "fp8"},
-                     data={"source": "sotu"}, metrics={"bits_per_byte_after": 2.5},
-                     loss_history=[{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}], repo_id=REPO)
+    write_model_card(
+        release,
+        config={"hidden_size": 64, "n_loops": 2},
+        training={"precision": "fp8"},
+        data={"source": "sotu"},
+        metrics={"bits_per_byte_after": 2.5},
+        loss_history=[{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}],
+        repo_id=REPO,
+    )
     files = {p.relative_to(release).as_posix(): p.read_bytes() for p in release.rglob("*") if p.is_file()}
 
     result = push_release(release, REPO, token=TOKEN, endpoint=server.url, timeout_s=20)
@@ -343,12 +373,24 @@ class PushingTrainer(HubPushMixin, Trainer):
         super().__init__(*args, **kwargs)
 
 
-def _trainer(output_dir: Path, endpoint: str | None = None, timeout_s: float = 20.0, **training_args) -> PushingTrainer:
-    settings = dict(push_to_hub=True, hub_model_id=REPO, hub_token=TOKEN, max_steps=2, save_steps=2,
-                    per_device_train_batch_size=2, report_to="none", use_cpu=True, disable_tqdm=True)
+def _trainer(
+    output_dir: Path, endpoint: str | None = None, timeout_s: float = 20.0, **training_args
+) -> PushingTrainer:
+    settings = dict(
+        push_to_hub=True,
+        hub_model_id=REPO,
+        hub_token=TOKEN,
+        max_steps=2,
+        save_steps=2,
+        per_device_train_batch_size=2,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     args = TrainingArguments(output_dir=str(output_dir), **{**settings, **training_args})
-    return PushingTrainer(model=TinyModel(), args=args, train_dataset=TinyData(), hub_endpoint=endpoint,
-                          hub_push_timeout_s=timeout_s)
+    return PushingTrainer(
+        model=TinyModel(), args=args, train_dataset=TinyData(), hub_endpoint=endpoint, hub_push_timeout_s=timeout_s
+    )
 
 
 def test_trainer_builds_and_trains_without_contacting_the_hub(tmp_path):
@@ -375,14 +417,20 @@ def test_trainer_pushes_model_files_to_root_and_checkpoint_to_last_checkpoint(se
 
     assert [r.ok for r in trainer.hub_push_results] == [True], [r.error for r in trainer.hub_push_results]
     assert pushes == [2]  # Trainer's on_push_begin event
-    local = {p.relative_to(out / "checkpoint-2").as_posix(): p.read_bytes()
-             for p in (out / "checkpoint-2").rglob("*") if p.is_file()}
+    local = {
+        p.relative_to(out / "checkpoint-2").as_posix(): p.read_bytes()
+        for p in (out / "checkpoint-2").rglob("*")
+        if p.is_file()
+    }
     remote = server.files(REPO)
-    resume_state = {name for name in local if name.startswith(("optimizer", "scheduler", "rng_state", "trainer_state"))}
+    resume_state = {
+        name for name in local if name.startswith(("optimizer", "scheduler", "rng_state", "trainer_state"))
+    }
     assert resume_state and "model.safetensors" in local
     assert {k: v for k, v in remote.items() if not k.startswith("last-checkpoint/")} == {
-        name: data for name, data in local.items() if name not in resume_state}  # model files at the root
-    assert {k[len("last-checkpoint/"):]: v for k, v in remote.items() if k.startswith("last-checkpoint/")} == local
+        name: data for name, data in local.items() if name not in resume_state
+    }  # model files at the root
+    assert {k[len("last-checkpoint/") :]: v for k, v in remote.items() if k.startswith("last-checkpoint/")} == local
     assert [c.summary for c in server.commits] == ["Training in progress, step 2"]  # one commit
     assert server.repos[REPO].private is True
     assert not (out / hub.STAGING_DIR_NAME / "checkpoint-2").exists()  # snapshot cleaned up
@@ -425,8 +473,9 @@ def test_trainer_all_checkpoints_survive_checkpoint_rotation(server, tmp_path):
     """4 steps, save every 2, keep 1 checkpoint, push every save: both checkpoints reach the Hub under checkpoint-N/,
     although Trainer deletes checkpoint-2 while it may still be uploading (the upload reads a hard-linked snapshot)."""
     out = tmp_path / "run"
-    trainer = _trainer(out, server.url, hub_strategy="all_checkpoints", hub_always_push=True, max_steps=4,
-                       save_total_limit=1)
+    trainer = _trainer(
+        out, server.url, hub_strategy="all_checkpoints", hub_always_push=True, max_steps=4, save_total_limit=1
+    )
     trainer.train()
 
     assert [r.ok for r in trainer.hub_push_results] == [True, True], [r.error for r in trainer.hub_push_results]

@@ -14,7 +14,11 @@ import pytest
 from huggingface_hub import ModelCard
 
 from spider_training.model_card import (
-    LOSS_CURVE_NAME, inspect_remote_code, loading_requirements, plot_loss_curve, write_model_card,
+    LOSS_CURVE_NAME,
+    inspect_remote_code,
+    loading_requirements,
+    plot_loss_curve,
+    write_model_card,
 )
 from tests.helpers import REMOTE_CODE_FILES
 
@@ -39,8 +43,15 @@ def log_history(steps: int = 60, eval_every: int = 20, with_bpb: bool = True) ->
     """Trainer.state.log_history-shaped entries: train logs, eval logs, and the final summary entry."""
     history = []
     for step in range(1, steps + 1):
-        history.append({"step": step, "epoch": step / steps, "loss": 4.0 * math.exp(-step / 20) + 1.5,
-                        "learning_rate": 1e-3, "grad_norm": 1.0})
+        history.append(
+            {
+                "step": step,
+                "epoch": step / steps,
+                "loss": 4.0 * math.exp(-step / 20) + 1.5,
+                "learning_rate": 1e-3,
+                "grad_norm": 1.0,
+            }
+        )
         if step % eval_every == 0:
             entry = {"step": step, "eval_loss": 3.5 * math.exp(-step / 20) + 1.7, "eval_runtime": 0.5}
             if with_bpb:
@@ -69,12 +80,31 @@ def release(tmp_path) -> Path:
 def write(release: Path, config: dict, **overrides) -> Path:
     kwargs = dict(
         config=config,
-        training={"precision": "fp8", "optimizer": "adamw_torch", "learning_rate": 1e-3, "max_steps": 60,
-                  "seq_len": 256, "num_parameters": 1_234_567, "train_runtime_s": 12.0, "custom_knob": "on"},
-        data={"source": "sotu", "name": "State of the Union addresses", "hub_dataset": "someone/sotu-bytes",
-              "train_bytes": 11_534_336, "eval_bytes": 1_048_576, "eval_split": "addresses from 2000 on"},
-        metrics={"bits_per_byte_before": 8.123, "bits_per_byte_after": 2.456, "final_train_loss": 1.61,
-                 "final_eval_loss": 1.702, "tokens_per_second": 4321.0},
+        training={
+            "precision": "fp8",
+            "optimizer": "adamw_torch",
+            "learning_rate": 1e-3,
+            "max_steps": 60,
+            "seq_len": 256,
+            "num_parameters": 1_234_567,
+            "train_runtime_s": 12.0,
+            "custom_knob": "on",
+        },
+        data={
+            "source": "sotu",
+            "name": "State of the Union addresses",
+            "hub_dataset": "someone/sotu-bytes",
+            "train_bytes": 11_534_336,
+            "eval_bytes": 1_048_576,
+            "eval_split": "addresses from 2000 on",
+        },
+        metrics={
+            "bits_per_byte_before": 8.123,
+            "bits_per_byte_after": 2.456,
+            "final_train_loss": 1.61,
+            "final_eval_loss": 1.702,
+            "tokens_per_second": 4321.0,
+        },
         loss_history=log_history(),
         repo_id=REPO,
     )
@@ -120,7 +150,7 @@ def test_usage_names_the_versions_loading_needs(release, config):
     assert {"torch", "transformers"} <= names and not any("extra ==" in r for r in requirements)
     text = write(release, config).read_text()
     start = text.index("## Usage")
-    usage = text[start:text.index("```python", start)]
+    usage = text[start : text.index("```python", start)]
     for requirement in requirements:
         assert f'"{requirement}"' in usage
     assert loading_requirements("no-such-distribution-spider") == []
@@ -137,8 +167,11 @@ def test_loops_table_marks_the_trained_count_and_is_absent_without_a_sweep(relea
 
 def test_act_early_exit_is_reported_under_the_loops_table(release, config):
     sweep = {"1": 2.5, str(config["n_loops"]): 2.25}
-    exit_result = {"bits_per_byte": 2.2513, "mean_halting_step": config["n_loops"] - 0.375,
-                   "loops_saved_per_segment": 0.375}
+    exit_result = {
+        "bits_per_byte": 2.2513,
+        "mean_halting_step": config["n_loops"] - 0.375,
+        "loops_saved_per_segment": 0.375,
+    }
     text = write(release, config, bits_per_byte_by_loops=sweep, act_early_exit=exit_result).read_text()
     assert "held-out bits per byte are 2.2513 at" in text and "saves 0.375 loops on average" in text
     assert text.index("| 1 | 2.5000 |") < text.index("saves 0.375 loops")
@@ -156,7 +189,11 @@ def test_metadata_round_trips_through_modelcard_load(release, config):
     assert data.datasets == ["someone/sotu-bytes"]
     assert data.model_name == "spider-tiny"
     (result,) = data.eval_results
-    assert (result.metric_type, result.metric_value, result.dataset_type) == ("bits_per_byte", 2.456, "someone/sotu-bytes")
+    assert (result.metric_type, result.metric_value, result.dataset_type) == (
+        "bits_per_byte",
+        2.456,
+        "someone/sotu-bytes",
+    )
     assert card.text.lstrip().startswith("# spider-tiny")
 
 
@@ -204,14 +241,16 @@ def test_no_history_means_no_curve_and_the_card_says_so(release, config):
     assert not (release / LOSS_CURVE_NAME).exists()  # the earlier run's curve is not left behind
     assert "No loss history was recorded" in text and LOSS_CURVE_NAME not in text
     # only non-plottable entries (summary, NaN loss): nothing to draw either
-    assert not plot_loss_curve([{"step": 1, "loss": float("nan")}, {"step": 2, "train_runtime": 3.0}],
-                               release / "x.png")
+    assert not plot_loss_curve(
+        [{"step": 1, "loss": float("nan")}, {"step": 2, "train_runtime": 3.0}], release / "x.png"
+    )
     assert not (release / "x.png").exists()
 
 
 def test_minimal_inputs_render(tmp_path):
-    text = write_model_card(tmp_path, config={}, training={}, data={}, metrics={}, loss_history=None,
-                            repo_id=None).read_text()
+    text = write_model_card(
+        tmp_path, config={}, training={}, data={}, metrics={}, loss_history=None, repo_id=None
+    ).read_text()
     card = ModelCard.load(tmp_path / "README.md")
     assert card.data.eval_results is None and card.data.datasets is None
     assert "# Spider" in text
@@ -255,12 +294,26 @@ def test_bad_inputs_raise(release, config, tmp_path):
 def test_key_names_of_release_py_are_understood(release, config):
     """spider_training/release.py passes Trainer-style names (eval_before_bits_per_byte, micro_batch, eval, ...)."""
     readme = write(
-        release, config,
-        training={"steps": 60, "precision": "bf16", "moe_backend": "sorted", "seq_len": 256, "micro_batch": 4,
-                  "grad_accum": 2, "optimizer": "adamw_torch", "world_size": 1},
+        release,
+        config,
+        training={
+            "steps": 60,
+            "precision": "bf16",
+            "moe_backend": "sorted",
+            "seq_len": 256,
+            "micro_batch": 4,
+            "grad_accum": 2,
+            "optimizer": "adamw_torch",
+            "world_size": 1,
+        },
         data={"source": "sotu", "eval": "sotu, years >= 2000"},
-        metrics={"steps": 60, "train_loss": 2.1, "eval_before_bits_per_byte": 8.3, "eval_after_bits_per_byte": 2.9,
-                 "parameters": 2_000_000},
+        metrics={
+            "steps": 60,
+            "train_loss": 2.1,
+            "eval_before_bits_per_byte": 8.3,
+            "eval_after_bits_per_byte": 2.9,
+            "parameters": 2_000_000,
+        },
     )
     text = readme.read_text()
     assert "from **8.300** (the freshly initialised model) to **2.900**" in text
@@ -278,8 +331,10 @@ def test_release_model_name_prefers_the_flag_then_the_hub_id_then_preset_and_siz
     from spider_training.release import release_model_name
 
     assert release_model_name(SimpleNamespace(preset="small", model_name=None), None, 6_045_379) == "spider-small-6.0M"
-    assert release_model_name(SimpleNamespace(preset="small", model_name=None), "me/spider-sotu", 6_045_379) == \
-        "spider-sotu"
+    assert (
+        release_model_name(SimpleNamespace(preset="small", model_name=None), "me/spider-sotu", 6_045_379)
+        == "spider-sotu"
+    )
     named = SimpleNamespace(preset="small", model_name="spider-small-sotu-500steps")
     assert release_model_name(named, "me/spider-sotu", 6_045_379) == "spider-small-sotu-500steps"
 
@@ -292,11 +347,14 @@ def test_sample_and_the_recipes_dense_baseline_reference(release, config, tmp_pa
     reference = reference_quality("small", "sotu")
     assert reference is not None and reference_quality("1b", "sotu") is None
     assert reference_quality("small", "sotu", path=tmp_path / "missing.json") is None
-    text = write(release, config, sample={"prompt": "The state of", "text": " the Union is"},
-                 reference=reference).read_text()
+    text = write(
+        release, config, sample={"prompt": "The state of", "text": " the Union is"}, reference=reference
+    ).read_text()
     assert "```text\nThe state of the Union is\n```" in text
-    assert f"| `LlamaForCausalLM`, equal parameters and steps | {reference['llama_parameters']} | " \
-           f"{reference['llama_bits_per_byte']} |" in text
+    assert (
+        f"| `LlamaForCausalLM`, equal parameters and steps | {reference['llama_parameters']} | "
+        f"{reference['llama_bits_per_byte']} |" in text
+    )
     assert "not by this run" in text
     plain = write(release, config).read_text()
     assert "LlamaForCausalLM" not in plain and "```text" not in plain

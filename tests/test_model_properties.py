@@ -31,8 +31,9 @@ def batches(draw):
     ``pad_b`` leading PAD tokens (mask 0) and at least one real token."""
     b = draw(st.integers(1, 3))
     length = draw(st.integers(1, 64))
-    rows = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length), min_size=b,
-                         max_size=b))
+    rows = draw(
+        st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length), min_size=b, max_size=b)
+    )
     ids = torch.tensor(rows, dtype=torch.long)
     if not draw(st.booleans()):
         return ids, None
@@ -78,8 +79,7 @@ def test_loss_without_any_target_is_finite(ids, labels):
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(row=st.lists(st.integers(0, 255), min_size=1, max_size=40), pad=st.integers(1, 16),
-       n_loops=st.integers(1, 4))
+@given(row=st.lists(st.integers(0, 255), min_size=1, max_size=40), pad=st.integers(1, 16), n_loops=st.integers(1, 4))
 def test_left_padding_leaves_the_real_tokens_unchanged(row, pad, n_loops):
     alone = torch.tensor([row])
     padded = torch.tensor([[PAD] * pad + row])

@@ -14,8 +14,8 @@ from transformers.models.auto import modeling_auto
 
 from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration, SpiderModel
-from tests.hf_suites import suite_class
 from tests.helpers import float_tol, model_terms
+from tests.hf_suites import suite_class
 from tokenization_spider import SpiderTokenizer
 
 ModelTesterMixin = suite_class("test_modeling_common", "ModelTesterMixin")
@@ -41,10 +41,24 @@ class SpiderModelTester:
 
     def get_config(self):
         return SpiderConfig.from_preset(
-            "tiny", hidden_size=self.hidden_size, intermediate_size=64, num_attention_heads=self.num_attention_heads,
-            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-            moe_intermediate_size=16, n_routed_experts=4, engram_head_dim=8, engram_table_size=101, loop_adapter_rank=4,
-            max_position_embeddings=64, num_prelude_layers=1, num_recurrent_layers=1, num_coda_layers=0,
+            "tiny",
+            hidden_size=self.hidden_size,
+            intermediate_size=64,
+            num_attention_heads=self.num_attention_heads,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            engram_head_dim=8,
+            engram_table_size=101,
+            loop_adapter_rank=4,
+            max_position_embeddings=64,
+            num_prelude_layers=1,
+            num_recurrent_layers=1,
+            num_coda_layers=0,
             engram_layer_ids=[0],
         )
 
@@ -87,9 +101,17 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
 
     def setUp(self):
         self.model_tester = SpiderModelTester(self)
-        self.config_tester = ConfigTester(self, config_class=SpiderConfig, hidden_size=32, common_properties=[
-            "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
-        ])
+        self.config_tester = ConfigTester(
+            self,
+            config_class=SpiderConfig,
+            hidden_size=32,
+            common_properties=[
+                "hidden_size",
+                "num_attention_heads",
+                "num_hidden_layers",
+                "vocab_size",
+            ],
+        )
 
     def test_config(self):
         self.config_tester.run_common_tests()
@@ -132,10 +154,10 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
             for attentions in (by_argument, by_config):
                 self.assertEqual(len(attentions), calls)
                 byte_calls = list(attentions[: config.num_prelude_layers])
-                byte_calls += list(attentions[len(attentions) - config.num_coda_layers:])
+                byte_calls += list(attentions[len(attentions) - config.num_coda_layers :])
                 for weights in byte_calls:
                     self.assertEqual(weights.shape, (B, config.num_attention_heads, L, L))
-                for weights in attentions[config.num_prelude_layers: len(attentions) - config.num_coda_layers]:
+                for weights in attentions[config.num_prelude_layers : len(attentions) - config.num_coda_layers]:
                     self.assertEqual(weights.shape, (B, config.num_attention_heads, segments, segments))
             self.assertTrue(any(isinstance(x, tuple) and len(x) == calls for x in as_tuple))
 
@@ -165,8 +187,10 @@ class SpiderModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
         def save_original_format(model, *args, **kwargs):
             return PreTrainedModel.save_pretrained(model, *args, **{"save_original_format": True, **kwargs})
 
-        with unittest.mock.patch.object(SpiderForConditionalGeneration, "save_pretrained", save_original_format), \
-                unittest.mock.patch.object(SpiderModel, "save_pretrained", save_original_format):
+        with (
+            unittest.mock.patch.object(SpiderForConditionalGeneration, "save_pretrained", save_original_format),
+            unittest.mock.patch.object(SpiderModel, "save_pretrained", save_original_format),
+        ):
             super().test_reverse_loading_mapping()
 
     # The suite's parameterized RoPE test feeds 1.5x max_position_embeddings bytes, which Spider refuses (an input
@@ -246,8 +270,9 @@ def test_rope_parameters_pick_transformers_rope(tmp_path):
     torch.manual_seed(0)
     default = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny")).eval()
     torch.manual_seed(0)
-    linear = SpiderForConditionalGeneration(SpiderConfig.from_preset(
-        "tiny", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})).eval()
+    linear = SpiderForConditionalGeneration(
+        SpiderConfig.from_preset("tiny", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    ).eval()
     default_freq, linear_freq = default.model.rotary_emb.inv_freq, linear.model.rotary_emb.inv_freq
     assert default_freq.shape == (default.config.qk_rope_head_dim // 2,)
     torch.testing.assert_close(linear_freq, default_freq / 2.0, rtol=0, atol=0)
@@ -262,8 +287,9 @@ def test_rope_parameters_pick_transformers_rope(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     loaded = SpiderForConditionalGeneration.from_pretrained(tmp_path)
     assert loaded.config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
-    expected = 1.0 / (500000.0 ** (torch.arange(0, loaded.config.qk_rope_head_dim, 2).float()
-                                   / loaded.config.qk_rope_head_dim))
+    expected = 1.0 / (
+        500000.0 ** (torch.arange(0, loaded.config.qk_rope_head_dim, 2).float() / loaded.config.qk_rope_head_dim)
+    )
     torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import modeling_spider
-
 from bench.common import HostSyncCounter, peer_model, random_bytes
 from bench.diagnostics import proxy_1b_config
 from modeling_spider import (
@@ -40,7 +39,8 @@ def test_training_ops_per_layer_application_stay_near_deepseek_v3():
     = 40 layer applications) against transformers' `DeepseekV3ForCausalLM` of the same config (10 layers). Measured
     on CPU, torch 2.13 / transformers 5.x: DeepseekV3 2,522 ops (252 per layer); Spider 12,834 (321 per layer
     application, 1.27x) before RoPE ran once per layer and the MoE's row weights once per forward, 12,233 (306, 1.21x)
-    after, 12,079 (302, 1.20x) once the loss left its zero-weighted terms out, 12,127 (303) with Engram's ShortConv as a
+    after, 12,079 (302, 1.20x) once the loss left its zero-weighted terms out, 12,127 (303) with Engram's ShortConv as
+    a
     windowed sum (it compiles once for every segment count), 12,023 (301) with the balancing statistics' normalisers
     in `RowWeights`. The bound, 1.25x, keeps that gain with room for a few ops per layer."""
     config = proxy_1b_config()
@@ -61,10 +61,16 @@ def _reference_rms_norm(norm: SpiderRMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * h.to(x.dtype)
 
 
-@pytest.mark.parametrize("x_dtype, w_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-    (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+)
 def test_rms_norm_matches_the_reference_formula(x_dtype, w_dtype):
     D = 96
     norm = SpiderRMSNorm(D, eps=1e-6).to(w_dtype)
@@ -80,8 +86,12 @@ def test_rms_norm_matches_the_reference_formula(x_dtype, w_dtype):
     # its own ulps apart from the reference
     tol = float_tol(ref.detach().float(), D)
     out_eps = torch.finfo(out.dtype).eps
-    torch.testing.assert_close(out.detach().float(), ref.detach().float(), rtol=tol["rtol"] + out_eps,
-                               atol=tol["atol"] + out_eps * float(ref.detach().abs().max()))
+    torch.testing.assert_close(
+        out.detach().float(),
+        ref.detach().float(),
+        rtol=tol["rtol"] + out_eps,
+        atol=tol["atol"] + out_eps * float(ref.detach().abs().max()),
+    )
     if x_dtype == w_dtype == torch.float32:
         grad = torch.randn(out.shape, generator=generator)
         out.backward(grad)
@@ -153,8 +163,12 @@ def test_loss_terms_weighted_zero_add_no_backward():
             out = model(ids, labels=ids)
             loss = out.loss
             if composed:  # every term, as before: the zero-weighted ones in the graph
-                loss = (out.lm_loss + config.router_aux_loss_coef * out.aux_loss
-                        + config.boundary_loss_coef * out.boundary_loss + config.ponder_loss_coef * out.ponder_loss)
+                loss = (
+                    out.lm_loss
+                    + config.router_aux_loss_coef * out.aux_loss
+                    + config.boundary_loss_coef * out.boundary_loss
+                    + config.ponder_loss_coef * out.ponder_loss
+                )
             loss.backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
@@ -165,7 +179,8 @@ def test_loss_terms_weighted_zero_add_no_backward():
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     assert all(torch.equal(grads[name], ref_grads[name]) for name in grads), [
-        name for name in grads if not torch.equal(grads[name], ref_grads[name])]
+        name for name in grads if not torch.equal(grads[name], ref_grads[name])
+    ]
     assert ops < ref_ops - 3 * config.num_recurrent_layers * config.n_loops, (ops, ref_ops)
 
 
@@ -212,8 +227,11 @@ def test_training_casts_per_layer_application_under_autocast():
     config = proxy_1b_config()
     ids = random_bytes(2, 64)
     torch.manual_seed(0)
-    spider = _casts_per_application(SpiderForConditionalGeneration(config), ids, config.num_prelude_layers
-                                    + config.num_recurrent_layers * config.n_loops + config.num_coda_layers)
+    spider = _casts_per_application(
+        SpiderForConditionalGeneration(config),
+        ids,
+        config.num_prelude_layers + config.num_recurrent_layers * config.n_loops + config.num_coda_layers,
+    )
     peer = peer_model(config)
     deepseek = _casts_per_application(peer, ids, peer.config.num_hidden_layers)
     assert spider <= 0.8 * deepseek, (spider, deepseek)
@@ -252,10 +270,9 @@ def test_attention_hands_rotated_queries_and_keys_in_the_autocast_dtype(monkeypa
     q = q.view(B, T, H, nope + rope).transpose(1, 2)
     assert torch.equal(seen["query"][..., :nope], q[..., :nope])
     assert torch.equal(seen["query"][..., nope:], apply_rotary_pos_emb(q[..., nope:], cos, sin).to(torch.bfloat16))
-    k_pe = kv_a[..., config.kv_lora_rank:].view(B, 1, T, rope)
+    k_pe = kv_a[..., config.kv_lora_rank :].view(B, 1, T, rope)
     k_rot = apply_rotary_pos_emb(k_pe, cos, sin).to(torch.bfloat16)
     assert torch.equal(seen["key"][..., nope:], k_rot.expand(B, H, T, rope))
-
 
 
 def test_experts_weights_are_cast_once_per_forward():
@@ -292,8 +309,9 @@ def test_shared_weight_casts_with_activation_checkpointing():
     _, grads = _autocast_step(model, ids)
     assert grads.keys() == reference.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], reference[name], **float_tol(reference[name], 2 * model_terms(model)),
-                                   msg=name)
+        torch.testing.assert_close(
+            grads[name], reference[name], **float_tol(reference[name], 2 * model_terms(model)), msg=name
+        )
 
 
 def test_cast_weight_shares_one_cast_per_parameter():
@@ -361,6 +379,7 @@ def test_an_input_cast_once_gives_the_per_projection_casts_values(monkeypatch, w
 
         def run(m, x):
             return m(x, rope, None)[0]
+
     (out, grad), (ref_out, ref_grad) = _layer_with_one_or_per_layer_casts(monkeypatch, module, run)
     assert torch.equal(out, ref_out)
     assert not torch.equal(grad, ref_grad)  # the rounding is real: the test would see a gradient left out

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from spider_training.arguments import DEFAULT_MUON_LR, parse_args
 from spider_training import optim
+from spider_training.arguments import DEFAULT_MUON_LR, parse_args
 from spider_training.optim import Muon, MuonWithAdamW, is_hidden_matrix, muon_with_adamw
 from tests.helpers import tiny_model, train_step
 
@@ -27,11 +27,18 @@ def test_the_split_follows_the_layer_stacks():
     model = tiny_model(seed=0)
     muon = {n for n, p in model.named_parameters() if is_hidden_matrix(n, p)}
     assert "model.prelude_layers.0.self_attn.q_a_proj.weight" in muon
-    assert {"model.recurrent_block.layers.0.mlp.experts.gate_up_proj",
-            "model.recurrent_block.layers.0.mlp.experts.down_proj"} <= muon
+    assert {
+        "model.recurrent_block.layers.0.mlp.experts.gate_up_proj",
+        "model.recurrent_block.layers.0.mlp.experts.down_proj",
+    } <= muon
     assert "model.flexitokens.boundary_predictor.dense.weight" in muon
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.recurrent_block.layers.0.mlp.router.weight",
-                 "model.recurrent_block.loop_lora.lora_B", "model.norm.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.recurrent_block.layers.0.mlp.router.weight",
+        "model.recurrent_block.loop_lora.lora_B",
+        "model.norm.weight",
+    ):
         assert name not in muon, name
     assert all(dict(model.named_parameters())[n].dim() == (3 if ".mlp.experts." in n else 2) for n in muon)
 
@@ -47,11 +54,25 @@ def test_one_optimizer_steps_as_muon_and_adamw_side_by_side():
     rest = [p for n, p in named.items() if not is_hidden_matrix(n, p)]
     gate_up = [p for n, p in named.items() if n.endswith("mlp.experts.gate_up_proj")]
     assert gate_up
-    separate = [Muon([{"params": [p for p in hidden if all(p is not q for q in gate_up)]},
-                      {"params": gate_up, "row_blocks": 2}], lr=0.02, weight_decay=0.1 * 1e-3 / 0.02),
-                torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
-                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)]
+    separate = [
+        Muon(
+            [
+                {"params": [p for p in hidden if all(p is not q for q in gate_up)]},
+                {"params": gate_up, "row_blocks": 2},
+            ],
+            lr=0.02,
+            weight_decay=0.1 * 1e-3 / 0.02,
+        ),
+        torch.optim.AdamW(
+            [
+                {"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        ),
+    ]
     for seed in range(3):
         _step(model, combined, seed)
         train_step(twin, _ids(seed), seed=seed)
@@ -65,7 +86,7 @@ def test_one_optimizer_steps_as_muon_and_adamw_side_by_side():
     assert changed > 0
 
 
-BF16_UNIT_ROUNDOFF = 2.0 ** -8
+BF16_UNIT_ROUNDOFF = 2.0**-8
 
 
 @pytest.mark.parametrize("shape", [(96, 160), (160, 96), (128, 128)])
@@ -161,13 +182,16 @@ def test_a_scheduler_drives_both_halves_and_state_round_trips():
     optimizer continues exactly as the run that never stopped (Trainer's resume)."""
     ref = tiny_model(seed=0)
     opt = muon_with_adamw(ref, muon_lr=0.02, lr=1e-3, weight_decay=0.1)
-    sched = LambdaLR(opt, lambda step: 0.5 ** step)
+    sched = LambdaLR(opt, lambda step: 0.5**step)
     _step(ref, opt, 0)
     sched.step()
     assert opt.muon.param_groups[0]["lr"] == pytest.approx(0.01)
     assert [g["lr"] for g in opt.adamw.param_groups] == pytest.approx([5e-4, 5e-4])
-    saved_model, saved_opt, saved_sched = copy.deepcopy(ref.state_dict()), copy.deepcopy(opt.state_dict()), \
-        copy.deepcopy(sched.state_dict())
+    saved_model, saved_opt, saved_sched = (
+        copy.deepcopy(ref.state_dict()),
+        copy.deepcopy(opt.state_dict()),
+        copy.deepcopy(sched.state_dict()),
+    )
     assert set(saved_opt) == {"muon", "adamw"} and saved_opt["muon"]["state"]
     for seed in (1, 2):
         _step(ref, opt, seed)
@@ -176,7 +200,7 @@ def test_a_scheduler_drives_both_halves_and_state_round_trips():
     resumed = tiny_model(seed=5)
     resumed.load_state_dict(saved_model)
     opt2 = muon_with_adamw(resumed, muon_lr=0.02, lr=1e-3, weight_decay=0.1)
-    sched2 = LambdaLR(opt2, lambda step: 0.5 ** step)
+    sched2 = LambdaLR(opt2, lambda step: 0.5**step)
     opt2.load_state_dict(saved_opt)
     sched2.load_state_dict(saved_sched)
     assert opt2.param_groups[-1] is opt2.muon.param_groups[0]  # re-linked after the children made new groups
@@ -184,7 +208,7 @@ def test_a_scheduler_drives_both_halves_and_state_round_trips():
     for seed in (1, 2):
         _step(resumed, opt2, seed)
         sched2.step()
-    assert opt2.muon.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** 3)
+    assert opt2.muon.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5**3)
     for (name, p), q in zip(ref.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
 
@@ -228,8 +252,10 @@ def test_the_optimizer_is_named_on_the_console_and_the_card():
 
     from spider_training.optim import describe_optimizer
 
-    assert describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=True) == \
-        "Muon (hidden matrices, peak lr 0.01) + adamw_torch"
+    assert (
+        describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=True)
+        == "Muon (hidden matrices, peak lr 0.01) + adamw_torch"
+    )
     assert describe_optimizer(0.0, OptimizerNames.ADAMW_BNB) == "adamw_bnb_8bit"
 
 
@@ -268,5 +294,7 @@ def test_routed_experts_can_train_with_adamw_instead_of_muon(monkeypatch, tmp_pa
     assert muon_and_decayed(SpiderTrainer(model=model, args=args, muon_lr=0.02).create_optimizer())[0] == muon
     trainer = SpiderTrainer(model=model, args=args, muon_lr=0.02, muon_experts=True)
     assert muon_and_decayed(trainer.create_optimizer())[0] == all_muon
-    assert describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=False) == \
-        "Muon (hidden matrices but the routed experts, peak lr 0.01) + adamw_torch"
+    assert (
+        describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=False)
+        == "Muon (hidden matrices but the routed experts, peak lr 0.01) + adamw_torch"
+    )

@@ -3,6 +3,7 @@ writer works from site-packages alone (a folder the wheel was installed into, th
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -34,8 +35,12 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     wheel_file = _build_wheel(tmp / "dist")
     site = tmp / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel_file)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel_file)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return wheel_file, site
 
 
@@ -46,8 +51,7 @@ def test_wheel_ships_the_card_template_and_no_generic_top_level_module(installed
     assert top_level == {*REMOTE_CODE_FILES, "spider_training"}
     assert "spider_training/hub_card/model_card.md.j2" in names
     assert "spider_training/hub_card/card_labels.json" in names
-    entry_points = zipfile.ZipFile(wheel_file).read(
-        next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    entry_points = zipfile.ZipFile(wheel_file).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "spider-train = spider_training.train:cli" in entry_points
     assert "spider-serve = spider_training.serve:cli" in entry_points
     assert "spider_training/serve.py" in names
@@ -73,9 +77,24 @@ print(json.dumps({"card": readme.read_text()}))
 """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
-    done = subprocess.run([sys.executable, "-c", script, str(site), str(tmp_path / "release"),
-                           ",".join(REMOTE_CODE_FILES)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(site), str(tmp_path / "release"), ",".join(REMOTE_CODE_FILES)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     card = json.loads(done.stdout.strip().splitlines()[-1])["card"]
     assert "# spider-tiny-0.3M" in card and (tmp_path / "release" / "loss_curve.png").is_file()
+
+
+def test_the_code_is_formatted_and_linted_with_the_projects_ruff_settings():
+    """``ruff format --check`` and ``ruff check`` with pyproject.toml's settings pass on the whole tree."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (the test extra pins it)")
+    for command in (["format", "--check", "."], ["check", "."]):
+        done = subprocess.run([ruff, *command], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -6,8 +6,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.profiler import profile
 
-from spider_training.sdpa import (KERNEL_OPS, VALUE_PADDED_SDPA, attention_for_backend, preference_order,
-                                  sdpa_backend_context)
+from spider_training.sdpa import (
+    KERNEL_OPS,
+    VALUE_PADDED_SDPA,
+    attention_for_backend,
+    preference_order,
+    sdpa_backend_context,
+)
 from tests.helpers import float_tol, model_terms, tiny, tiny_model
 
 
@@ -22,6 +27,7 @@ def attention_step(q, k, v):
     def step():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out.sum(), (q, k, v))
+
     return step
 
 
@@ -98,11 +104,23 @@ def test_trainer_steps_run_the_chosen_kernel(tmp_path, backend, kernels):
     from spider_training.trainer import SpiderTrainer
 
     model = tiny_model(seed=0)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
-                             per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="no",
-                             eval_strategy="no")
-    trainer = SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
-                            data_collator=default_data_collator, sdpa_backend=backend)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        remove_unused_columns=False,
+        save_strategy="no",
+        eval_strategy="no",
+    )
+    trainer = SpiderTrainer(
+        model=model,
+        args=args,
+        train_dataset=build_dataset("mock", 32),
+        data_collator=default_data_collator,
+        sdpa_backend=backend,
+    )
     assert model.config._attn_implementation == (VALUE_PADDED_SDPA if backend == "flash" else "sdpa")
     assert kernels_run(trainer.train) == kernels
     assert VALUE_PADDED_SDPA not in model.config.to_json_string()  # a release's config names no training-only function

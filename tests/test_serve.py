@@ -93,9 +93,16 @@ def expected(release, prompt: str, max_tokens: int, n_loops: int | None = None, 
     _, model, tokenizer = release
     ids = prompt_ids or [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
     ids = torch.tensor([ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, n_loops=n_loops)
-    new = out[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        n_loops=n_loops,
+    )
+    new = out[0, ids.shape[1] :].tolist()
     reason = "stop" if new[-1] == tokenizer.eos_token_id else "length"
     return tokenizer.decode(new, skip_special_tokens=True), reason
 
@@ -122,15 +129,18 @@ def test_streamed_chunks_are_whole_characters_and_join_to_the_completion(release
     text, _ = expected(release, PROMPT, 60)
     assert re.search(r"[^\x00-\x7f\ufffd]", text), text  # the output holds multi-byte characters
     whole = client.completions.create(model="spider", prompt=PROMPT, max_tokens=60, temperature=0)
-    chunks = [c.choices[0].text for c in client.completions.create(model="spider", prompt=PROMPT, max_tokens=60,
-                                                                   temperature=0, stream=True)]
+    chunks = [
+        c.choices[0].text
+        for c in client.completions.create(model="spider", prompt=PROMPT, max_tokens=60, temperature=0, stream=True)
+    ]
     assert "".join(chunks) == whole.choices[0].text == text
     assert all("\ufffd" not in chunk for chunk in chunks) and sum(1 for c in chunks if c) > 5
 
     # on the wire: SSE events, each a JSON chunk of valid UTF-8, ending with [DONE]
     body = json.dumps({"model": "spider", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True})
-    request = urllib.request.Request(server[0] + "/v1/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server[0] + "/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
         events = [line.decode("utf-8") for line in response.read().split(b"\n\n") if line]
@@ -143,18 +153,33 @@ def test_streamed_chunks_are_whole_characters_and_join_to_the_completion(release
 def test_concurrent_clients_are_batched_and_each_gets_what_it_gets_alone(release, server, client):
     model = server[1].state.engine.model
     batch_sizes = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(
-        (args[0] if args else kwargs["input_ids"]).shape), with_kwargs=True)
-    prompts = [("The state", 30, None), ("Spider says: héllo", 45, None), ("ça", 12, None), ("日本語 ", 50, None),
-               ("The union is", 25, 1), ("wörld", 40, 1), ("x", 35, None), ("Spider", 20, None)]
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_sizes.append((args[0] if args else kwargs["input_ids"]).shape),
+        with_kwargs=True,
+    )
+    prompts = [
+        ("The state", 30, None),
+        ("Spider says: héllo", 45, None),
+        ("ça", 12, None),
+        ("日本語 ", 50, None),
+        ("The union is", 25, 1),
+        ("wörld", 40, 1),
+        ("x", 35, None),
+        ("Spider", 20, None),
+    ]
     results = [None] * len(prompts)
     barrier = threading.Barrier(len(prompts))
 
     def ask(i):
         prompt, max_tokens, n_loops = prompts[i]
         barrier.wait()
-        results[i] = client.completions.create(model="spider", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                               extra_body={"n_loops": n_loops} if n_loops else None)
+        results[i] = client.completions.create(
+            model="spider",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"n_loops": n_loops} if n_loops else None,
+        )
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     try:
@@ -213,10 +238,10 @@ def test_a_client_that_disconnects_stops_its_generation_and_others_go_on(release
     steps = []
     hook = model.register_forward_pre_hook(lambda module, args: steps.append(time.monotonic()))
     try:
-        other = client.completions.create(model="spider", prompt="The state", max_tokens=150, temperature=0,
-                                          stream=True)
-        leaving = client.completions.create(model="spider", prompt=PROMPT, max_tokens=480, temperature=0,
-                                            stream=True)
+        other = client.completions.create(
+            model="spider", prompt="The state", max_tokens=150, temperature=0, stream=True
+        )
+        leaving = client.completions.create(model="spider", prompt=PROMPT, max_tokens=480, temperature=0, stream=True)
         for _, _ in zip(range(3), leaving):
             pass
         leaving.close()  # the client goes away mid-stream
@@ -227,8 +252,9 @@ def test_a_client_that_disconnects_stops_its_generation_and_others_go_on(release
     finally:
         hook.remove()
     text, _ = expected(release, PROMPT, 20)
-    assert client.completions.create(model="spider", prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text \
-        == text
+    assert (
+        client.completions.create(model="spider", prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text == text
+    )
 
 
 def test_stop_strings_cut_the_output_streamed_or_not(release, client):
@@ -236,8 +262,9 @@ def test_stop_strings_cut_the_output_streamed_or_not(release, client):
     stop = text[8:11]
     cut = text[: text.find(stop)]
     for stream in (False, True):
-        out = client.completions.create(model="spider", prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop, "#"],
-                                        stream=stream)
+        out = client.completions.create(
+            model="spider", prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop, "#"], stream=stream
+        )
         chunks = [c.choices[0] for c in out] if stream else out.choices
         assert "".join(c.text for c in chunks) == cut and chunks[-1].finish_reason == "stop"
 
@@ -253,8 +280,9 @@ def test_sampling_knobs(release, client):
 
 def test_act_early_exit_per_request(release, client):
     model = release[1]
-    out = client.completions.create(model="spider", prompt=PROMPT, max_tokens=30, temperature=0,
-                                    extra_body={"act_early_exit": True, "n_loops": 3})
+    out = client.completions.create(
+        model="spider", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"act_early_exit": True, "n_loops": 3}
+    )
     model.config.act_early_exit = True
     try:
         text, _ = expected(release, PROMPT, 30, n_loops=3)
@@ -265,15 +293,20 @@ def test_act_early_exit_per_request(release, client):
 
 def test_chat_completions_with_a_chat_template(release):
     tokenizer = SpiderTokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     model, _ = load_release(str(release[0]), "cpu")
     messages = [{"role": "user", "content": PROMPT}]
     with serving(build_app(model, tokenizer, "spider")) as url:
         chat = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         out = chat.chat.completions.create(model="spider", messages=messages, max_tokens=30, temperature=0)
-        chunks = list(chat.chat.completions.create(model="spider", messages=messages, max_completion_tokens=30,
-                                                   temperature=0, stream=True))
+        chunks = list(
+            chat.chat.completions.create(
+                model="spider", messages=messages, max_completion_tokens=30, temperature=0, stream=True
+            )
+        )
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt == f"user: {PROMPT}\nassistant: "
     text, _ = expected(release, prompt, 30)
@@ -304,16 +337,19 @@ def test_readme_serving_recipe_as_written(release, tmp_path):
     argv = shlex.split(here(command), comments=True) + ["--port", str(port)]
     argv[0] = shutil.which("spider-serve", path=str(Path(sys.executable).parent)) or argv[0]
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    with subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as process:
+    with subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
         try:
             _wait_for(f"http://127.0.0.1:{port}/v1/models", process)
             text, _ = expected(release, "The state of the union", 64)
-            done = subprocess.run(shlex.split(here(curl), comments=True), capture_output=True, text=True,
-                                  timeout=120, check=False)
+            done = subprocess.run(
+                shlex.split(here(curl), comments=True), capture_output=True, text=True, timeout=120, check=False
+            )
             assert json.loads(done.stdout)["choices"][0]["text"] == text
-            done = subprocess.run([sys.executable, "-c", here(python)], capture_output=True, text=True, timeout=120,
-                                  check=False)
+            done = subprocess.run(
+                [sys.executable, "-c", here(python)], capture_output=True, text=True, timeout=120, check=False
+            )
             assert done.returncode == 0, done.stderr
             assert done.stdout.startswith(text)
         finally:

@@ -15,8 +15,10 @@ from spider_training.sft import SpiderSFTTrainer  # noqa: E402
 from tests.helpers import assert_lora_adapters_trained, float_tol, run_readme_recipe  # noqa: E402
 from tokenization_spider import SpiderTokenizer  # noqa: E402
 
-TEXTS = ["Four score and seven years ago our fathers brought forth on this continent a new nation.",
-         "We hold these truths to be self-evident."] * 8
+TEXTS = [
+    "Four score and seven years ago our fathers brought forth on this continent a new nation.",
+    "We hold these truths to be self-evident.",
+] * 8
 
 
 def _release(tmp_path, **overrides):
@@ -30,10 +32,20 @@ def _release(tmp_path, **overrides):
 
 
 def _trainer(tmp_path, model, tokenizer, **config):
-    args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, use_cpu=True, bf16=False,
-                     report_to=[], logging_steps=1, max_length=64, save_strategy="no", **config)
-    return SpiderSFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
-                            processing_class=tokenizer)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        max_length=64,
+        save_strategy="no",
+        **config,
+    )
+    return SpiderSFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer
+    )
 
 
 def test_sft_loss_is_spiders_own_loss_with_the_same_gradients(tmp_path):
@@ -42,8 +54,11 @@ def test_sft_loss_is_spiders_own_loss_with_the_same_gradients(tmp_path):
     batch = next(iter(trainer.get_train_dataloader()))
     assert (batch["labels"] == -100).any()  # padded rows: the ignored labels take part
     model.train()  # deterministic all the same: hard boundaries, no dropout in the tiny preset
-    watched = [model.model.recurrent_block.halt_predictor.weight, model.model.flexitokens.boundary_predictor.out_proj.weight,
-               model.model.recurrent_block.layers[0].mlp.router.weight]
+    watched = [
+        model.model.recurrent_block.halt_predictor.weight,
+        model.model.flexitokens.boundary_predictor.out_proj.weight,
+        model.model.recurrent_block.layers[0].mlp.router.weight,
+    ]
 
     own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
     own_grads = torch.autograd.grad(own.loss, watched)
@@ -79,10 +94,19 @@ def test_plain_sft_trainer_is_what_this_class_fixes(tmp_path):
     from trl import SFTTrainer
 
     model, tokenizer = _release(tmp_path)
-    args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, use_cpu=True, bf16=False,
-                     report_to=[], max_length=64, save_strategy="no", max_steps=1)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
-                         processing_class=tokenizer)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        max_length=64,
+        save_strategy="no",
+        max_steps=1,
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer
+    )
     with pytest.raises(RuntimeError, match="size of tensor"):
         trainer.train()
 
@@ -92,8 +116,9 @@ def test_trl_router_coefficient_and_paths_are_refused(tmp_path):
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
         _trainer(tmp_path, model, tokenizer, max_steps=1, router_aux_loss_coef=0.01)
     with pytest.raises(ValueError, match="loaded Spider model"):
-        SpiderSFTTrainer(model=str(tmp_path / "release"),
-                         args=SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False))
+        SpiderSFTTrainer(
+            model=str(tmp_path / "release"), args=SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False)
+        )
 
 
 def test_readme_peft_trl_recipe_runs_as_written(tmp_path):

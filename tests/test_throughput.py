@@ -72,8 +72,11 @@ def test_meter_scales_the_counted_micro_batch_by_the_micro_batches_since_the_las
     for _ in range(4):
         meter.step()
     first = meter.read()  # t = 110: 4 micro-batches in 10 s
-    assert first == {"flops_per_step": 2.0 * flops, "tflops_per_second": float(f"{4 * flops / 10 / 1e12:.4g}"),
-                     "mfu": float(f"{4 * flops / 10 / 1e12:.4g}")}
+    assert first == {
+        "flops_per_step": 2.0 * flops,
+        "tflops_per_second": float(f"{4 * flops / 10 / 1e12:.4g}"),
+        "mfu": float(f"{4 * flops / 10 / 1e12:.4g}"),
+    }
     meter.step()
     assert meter.read()["mfu"] == float(f"{flops / 20 / 1e12:.4g}")  # t = 130: 1 micro-batch in 20 s
 
@@ -87,11 +90,21 @@ def test_a_training_run_logs_flops_and_mfu_at_every_logging_step(tmp_path):
     from spider_training.trainer import SpiderTrainer
 
     dataset = build_dataset("mock", 32)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=20, logging_steps=5,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=2, eval_strategy="no",
-                             save_strategy="no", remove_unused_columns=False)
-    trainer = SpiderTrainer(model=tiny_model(), args=args, train_dataset=dataset, data_collator=default_data_collator,
-                            stop_signals=())
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=20,
+        logging_steps=5,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        eval_strategy="no",
+        save_strategy="no",
+        remove_unused_columns=False,
+    )
+    trainer = SpiderTrainer(
+        model=tiny_model(), args=args, train_dataset=dataset, data_collator=default_data_collator, stop_signals=()
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in logs] == [5, 10, 15, 20]
@@ -100,8 +113,9 @@ def test_a_training_run_logs_flops_and_mfu_at_every_logging_step(tmp_path):
     for entry in logs:
         assert entry["flops_per_step"] == 2 * per_micro_batch
         assert 0 < entry["mfu"] < 1 and entry["tflops_per_second"] > 0
-        assert math.isclose(entry["mfu"], entry["tflops_per_second"] * 1e12 / trainer.throughput.peak,
-                            rel_tol=2e-3)  # both to 4 significant digits
+        assert math.isclose(
+            entry["mfu"], entry["tflops_per_second"] * 1e12 / trainer.throughput.peak, rel_tol=2e-3
+        )  # both to 4 significant digits
     # an independent count of one micro-batch of the same shape, fresh model: the same matmuls up to the segment
     # count (the recurrent block runs on the segments its boundary predictor closes)
     batch = torch.stack([torch.as_tensor(dataset[i]["input_ids"]) for i in range(2)]).long()

@@ -28,9 +28,9 @@ from spider_training.tile_kernels_moe import (
 )
 from tests.helpers import float_tol, model_terms, tiny_model, train_step
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Test double
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class FakeTileKernels2x:
@@ -92,9 +92,9 @@ class FakeTileKernels2x:
         raise AssertionError("moe_topk_gate_backward must not be called by Spider's adapter")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Op level: the adapter over the double == torch reference, values and gradients
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_fake_topk_gate_breaks_ties_to_smaller_index():
@@ -141,9 +141,9 @@ def test_adapter_keeps_cpu_tensors_off_cuda_only_kernels_and_needs_both_function
         TileKernelsMoEKernels(types.SimpleNamespace(topk_gate=fake.topk_gate))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Model level: swap_in_tile_kernels with the double == torch path (outputs and gradients)
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
@@ -155,7 +155,9 @@ def test_model_with_fake_tile_kernels_matches_torch_path(implementation):
 
     fake = FakeTileKernels2x()
     backend = swap_in_tile_kernels(model, fake)
-    assert backend == BACKEND_TILE_KERNELS and backend.num_layers == SpiderConfig.from_preset("tiny").num_recurrent_layers
+    assert (
+        backend == BACKEND_TILE_KERNELS and backend.num_layers == SpiderConfig.from_preset("tiny").num_recurrent_layers
+    )
     assert all(isinstance(layer.kernels, TileKernelsMoEKernels) for layer in spider_moe_layers(model))
     out, grads = train_step(model, input_ids)
 

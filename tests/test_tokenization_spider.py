@@ -30,8 +30,8 @@ import tokenization_spider
 from tests import hf_suites
 from tokenization_spider import SENTINEL_TOKENS, SpiderTokenizer
 
-
 REPO_ROOT = Path(tokenization_spider.__file__).resolve().parent
+
 
 # tk-train.py's tokenizer, verbatim from seeds/hub-README.md ("## Tokenizer"): the oracle for ids.
 def seed_encode(text: str) -> list[int]:

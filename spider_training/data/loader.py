@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -14,10 +14,22 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from spider_training.data.cache import default_cache_dir
 from spider_training.data.shards import ByteShardDataset
-from spider_training.data.sources import (DEFAULT_SOTU_EVAL_FROM_YEAR, TextByteDataset, TextSource, classify_source,
-                                          open_text_source)
-from spider_training.data.windows import (_PIECE_CHARS, ByteWindowDataset, DocumentStats, _check_seq_len, _pack_views,
-                                          encode_texts, window_to_example)
+from spider_training.data.sources import (
+    DEFAULT_SOTU_EVAL_FROM_YEAR,
+    TextByteDataset,
+    TextSource,
+    classify_source,
+    open_text_source,
+)
+from spider_training.data.windows import (
+    _PIECE_CHARS,
+    ByteWindowDataset,
+    DocumentStats,
+    _check_seq_len,
+    _pack_views,
+    encode_texts,
+    window_to_example,
+)
 
 logger = logging.getLogger("spider_training.data")  # one logger for the whole package
 
@@ -45,8 +57,18 @@ class StreamingTextDataset(IterableDataset):
     Raises (when iterated): ValueError naming the source if this rank's whole stream has no non-empty document.
     """
 
-    def __init__(self, source: TextSource, seq_len: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = False, shuffle_buffer: int = 10_000, max_doc_bytes: int | None = None):
+    def __init__(
+        self,
+        source: TextSource,
+        seq_len: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = False,
+        shuffle_buffer: int = 10_000,
+        max_doc_bytes: int | None = None,
+    ):
         super().__init__()
         _check_seq_len(seq_len)
         if not isinstance(world_size, (int, np.integer)) or isinstance(world_size, bool) or world_size < 1:
@@ -64,16 +86,21 @@ class StreamingTextDataset(IterableDataset):
         if self.world_size > 1:
             from datasets.distributed import split_dataset_by_node
 
-            source = TextSource(split_dataset_by_node(source.dataset, rank=self.rank, world_size=self.world_size),
-                                f"{source.description} (rank {self.rank} of {self.world_size})", source.text_column,
-                                is_hub=source.is_hub)
+            source = TextSource(
+                split_dataset_by_node(source.dataset, rank=self.rank, world_size=self.world_size),
+                f"{source.description} (rank {self.rank} of {self.world_size})",
+                source.text_column,
+                is_hub=source.is_hub,
+            )
         self.source = source
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # reaches persistent workers
         self.stats = DocumentStats()
 
     def __repr__(self) -> str:
-        return (f"StreamingTextDataset({self.source.description!r}, seq_len={self.seq_len}, rank={self.rank}/"
-                f"{self.world_size}, shuffle={self.shuffle})")
+        return (
+            f"StreamingTextDataset({self.source.description!r}, seq_len={self.seq_len}, rank={self.rank}/"
+            f"{self.world_size}, shuffle={self.shuffle})"
+        )
 
     @property
     def width(self) -> int:
@@ -91,11 +118,20 @@ class StreamingTextDataset(IterableDataset):
         """This rank's windows for worker ``worker_id`` of ``num_workers`` (``uint16`` ``[seq_len + 1]``)."""
         by_files = num_workers > 1 and self.source.num_shards >= num_workers
         stats = self.stats = DocumentStats()
-        texts = self.source.iter_texts(epoch=self.epoch, shuffle_seed=self.seed if self.shuffle else None,
-                                       shuffle_buffer=self.shuffle_buffer,
-                                       shard=(num_workers, worker_id) if by_files else None)
-        docs = encode_texts(texts, stats, self.source.description, self.source.text_column, self.max_doc_bytes,
-                            piece_chars=_PIECE_CHARS)
+        texts = self.source.iter_texts(
+            epoch=self.epoch,
+            shuffle_seed=self.seed if self.shuffle else None,
+            shuffle_buffer=self.shuffle_buffer,
+            shard=(num_workers, worker_id) if by_files else None,
+        )
+        docs = encode_texts(
+            texts,
+            stats,
+            self.source.description,
+            self.source.text_column,
+            self.max_doc_bytes,
+            piece_chars=_PIECE_CHARS,
+        )
         for k, window in enumerate(_pack_views(docs, self.width, stats)):
             stats.windows += 1
             if by_files or k % num_workers == worker_id:
@@ -119,12 +155,25 @@ class StreamingTextDataset(IterableDataset):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int = 1, split: str = "train",
-                  seed: int = 0, shuffle: bool = False, text_column: str = "text", streaming: bool = True,
-                  shuffle_buffer: int = 10_000, eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
-                  text_sample_by: str = "document", num_samples: int = 1000, max_doc_bytes: int | None = None,
-                  check_ids: bool = True, cache_dir: str | os.PathLike | None = "auto"
-                  ) -> ByteWindowDataset | StreamingTextDataset:
+def build_dataset(
+    source: str,
+    seq_len: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    split: str = "train",
+    seed: int = 0,
+    shuffle: bool = False,
+    text_column: str = "text",
+    streaming: bool = True,
+    shuffle_buffer: int = 10_000,
+    eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
+    text_sample_by: str = "document",
+    num_samples: int = 1000,
+    max_doc_bytes: int | None = None,
+    check_ids: bool = True,
+    cache_dir: str | os.PathLike | None = "auto",
+) -> ByteWindowDataset | StreamingTextDataset:
     """The single entry point of the trainer: the dataset of
     ``{"input_ids": LongTensor[seq_len + 1], "labels": LongTensor[seq_len + 1]}`` for ``source``.
 
@@ -163,12 +212,26 @@ def build_dataset(source: str, seq_len: int, *, rank: int = 0, world_size: int =
     if kind == "shards":
         return ByteShardDataset(source, seq_len, split=split, check_ids=check_ids)
     _check_seq_len(seq_len)
-    text_source = open_text_source(source, split=split, text_column=text_column, streaming=streaming,
-                                   eval_from_year=eval_from_year, text_sample_by=text_sample_by,
-                                   num_samples=num_samples)
+    text_source = open_text_source(
+        source,
+        split=split,
+        text_column=text_column,
+        streaming=streaming,
+        eval_from_year=eval_from_year,
+        text_sample_by=text_sample_by,
+        num_samples=num_samples,
+    )
     if kind == "hub":
-        return StreamingTextDataset(text_source, seq_len, rank=rank, world_size=world_size, seed=seed,
-                                    shuffle=shuffle, shuffle_buffer=shuffle_buffer, max_doc_bytes=max_doc_bytes)
+        return StreamingTextDataset(
+            text_source,
+            seq_len,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
+            max_doc_bytes=max_doc_bytes,
+        )
     if cache_dir == "auto":
         cache_dir = default_cache_dir()
     return TextByteDataset(text_source, seq_len, max_doc_bytes=max_doc_bytes, cache_dir=cache_dir)
@@ -192,10 +255,19 @@ class FirstWindows(IterableDataset):
         return itertools.islice(iter(self.dataset), self.count)
 
 
-def make_dataloader(dataset: Dataset, batch_size: int, *, num_workers: int = 0,
-                    collate_fn: Callable | None = None, device: torch.device | str | None = None,
-                    pin_memory: bool = False, prefetch_factor: int | None = None, persistent_workers: bool = False,
-                    in_order: bool = True, non_blocking: bool = False):
+def make_dataloader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    num_workers: int = 0,
+    collate_fn: Callable | None = None,
+    device: torch.device | str | None = None,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
+    in_order: bool = True,
+    non_blocking: bool = False,
+):
     """DataLoader that reads ``dataset`` as it is, with no re-sharding: for the rank-split
     :class:`StreamingTextDataset` (``SpiderTrainer`` uses it for those), and a sequential reader of a map-style
     dataset (benchmarks).
@@ -208,16 +280,28 @@ def make_dataloader(dataset: Dataset, batch_size: int, *, num_workers: int = 0,
     dataset) may be smaller (``drop_last=False``).
     """
     from accelerate.data_loader import prepare_data_loader
-    from torch.utils.data import DataLoader
-    from torch.utils.data import default_collate
+    from torch.utils.data import DataLoader, default_collate
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                        collate_fn=collate_fn or default_collate, pin_memory=pin_memory,
-                        prefetch_factor=prefetch_factor if num_workers > 0 else None,
-                        persistent_workers=persistent_workers and num_workers > 0, drop_last=False,
-                        in_order=in_order)
-    return prepare_data_loader(loader, device=torch.device(device) if device is not None else None,
-                               num_processes=1, process_index=0, put_on_device=device is not None,
-                               dispatch_batches=False, rng_types=None, non_blocking=non_blocking)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=collate_fn or default_collate,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        persistent_workers=persistent_workers and num_workers > 0,
+        drop_last=False,
+        in_order=in_order,
+    )
+    return prepare_data_loader(
+        loader,
+        device=torch.device(device) if device is not None else None,
+        num_processes=1,
+        process_index=0,
+        put_on_device=device is not None,
+        dispatch_batches=False,
+        rng_types=None,
+        non_blocking=non_blocking,
+    )

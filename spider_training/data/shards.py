@@ -11,15 +11,14 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-
 from spider_training.data.windows import MAX_TOKEN_ID, ByteWindowDataset
+from tokenization_spider import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 logger = logging.getLogger("spider_training.data")  # one logger for the whole package
 
@@ -44,8 +43,10 @@ DOCUMENTS_SUFFIX = ".docs.npy"
 SHARD_FORMAT_ALIASES = {"seed": "headerless"}
 
 _ID_CHECK_CHUNK = 1 << 24  # tokens per vectorised max() when validating a shard
-_UINT8_HINT = (f"Raw bytes (uint8) are read as such when declared: a NAME{DOCUMENTS_SUFFIX} of document offsets "
-               f"beside NAME.bin, or \"format\": \"uint8\" in the folder's {METADATA_NAME}")
+_UINT8_HINT = (
+    f"Raw bytes (uint8) are read as such when declared: a NAME{DOCUMENTS_SUFFIX} of document offsets "
+    f'beside NAME.bin, or "format": "uint8" in the folder\'s {METADATA_NAME}'
+)
 
 
 class ShardFormatError(ValueError):
@@ -126,7 +127,7 @@ class DocumentBytes:
             return out
         first, last = self._document_of(lo), self._document_of(hi - 1)
         docs = np.arange(first, last + 2, dtype=np.int64)
-        starts = np.asarray(self.offsets[first:last + 2], dtype=np.int64) + 2 * docs  # token starts, one past last
+        starts = np.asarray(self.offsets[first : last + 2], dtype=np.int64) + 2 * docs  # token starts, one past last
         t = np.arange(lo, hi, dtype=np.int64)
         rel = np.searchsorted(starts, t, side="right") - 1
         bos, eos = t == starts[rel], t == starts[rel + 1] - 1
@@ -136,7 +137,7 @@ class DocumentBytes:
         if n:  # the body tokens of a slice are consecutive bytes of data
             k = int(np.argmax(body))
             start = int(t[k] - 2 * docs[rel[k]] - 1)
-            out[body] = self.data[start:start + n]
+            out[body] = self.data[start : start + n]
         return out
 
 
@@ -153,17 +154,25 @@ def open_shard(info: ShardInfo) -> np.ndarray | DocumentBytes:
 def _check_ids(path: Path, offset: int, num_tokens: int) -> None:
     arr = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=offset, shape=(num_tokens,))
     for start in range(0, num_tokens, _ID_CHECK_CHUNK):
-        chunk = arr[start:start + _ID_CHECK_CHUNK]
+        chunk = arr[start : start + _ID_CHECK_CHUNK]
         if int(chunk.max()) > MAX_TOKEN_ID:
             i = int(np.flatnonzero(chunk > MAX_TOKEN_ID)[0])
-            raise ShardFormatError(path, f"token id {int(chunk[i])} at token {start + i} is > {MAX_TOKEN_ID} "
-                                         f"(vocab size {VOCAB_SIZE}); not a Spider uint16 byte shard (GPT-2 tokens?). "
-                                         f"{_UINT8_HINT}")
+            raise ShardFormatError(
+                path,
+                f"token id {int(chunk[i])} at token {start + i} is > {MAX_TOKEN_ID} "
+                f"(vocab size {VOCAB_SIZE}); not a Spider uint16 byte shard (GPT-2 tokens?). "
+                f"{_UINT8_HINT}",
+            )
     del arr
 
 
-def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True, fmt: str | None = None,
-                  documents: str | os.PathLike | None = None) -> ShardInfo:
+def inspect_shard(
+    path: str | os.PathLike,
+    *,
+    check_ids: bool = True,
+    fmt: str | None = None,
+    documents: str | os.PathLike | None = None,
+) -> ShardInfo:
     """Validate one ``.bin`` shard and detect its format.
 
     A ``uint8`` shard is one declared so (``fmt="uint8"``) or one with a ``NAME.docs.npy`` beside it. Otherwise the
@@ -202,16 +211,18 @@ def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True, fmt: str |
     magic = int.from_bytes(head[:4], "little", signed=True) if size >= 4 else None
     if magic == HEADER_MAGIC:
         if size < HEADER_BYTES:
-            raise ShardFormatError(p, f"starts with header magic {HEADER_MAGIC} but has only {size} bytes "
-                                      f"(< {HEADER_BYTES}-byte header)")
+            raise ShardFormatError(
+                p, f"starts with header magic {HEADER_MAGIC} but has only {size} bytes (< {HEADER_BYTES}-byte header)"
+            )
         header = np.frombuffer(head, dtype="<i4")
         if int(header[1]) != HEADER_VERSION:
             raise ShardFormatError(p, f"header version {int(header[1])} is not supported (expected {HEADER_VERSION})")
         count = int(header[2])
         expected = HEADER_BYTES + TOKEN_DTYPE.itemsize * count
         if count < 0 or size != expected:
-            raise ShardFormatError(p, f"header token count {count} needs {expected} bytes but the file has {size} "
-                                      f"(truncated or corrupt)")
+            raise ShardFormatError(
+                p, f"header token count {count} needs {expected} bytes but the file has {size} (truncated or corrupt)"
+            )
         if count == 0:
             raise ShardFormatError(p, "header shard holds 0 tokens")
         info = ShardInfo(str(p), "header", HEADER_BYTES, count)
@@ -220,11 +231,17 @@ def inspect_shard(path: str | os.PathLike, *, check_ids: bool = True, fmt: str |
             header = np.frombuffer(head, dtype="<i4")
             count = int(header[2])
             if int(header[1]) == HEADER_VERSION and count > 0 and size == HEADER_BYTES + 2 * count:
-                raise ShardFormatError(p, f"looks like a header shard (version 1, token count {count} matches the "
-                                          f"size) but its magic is {int(header[0])}, expected {HEADER_MAGIC}")
+                raise ShardFormatError(
+                    p,
+                    f"looks like a header shard (version 1, token count {count} matches the "
+                    f"size) but its magic is {int(header[0])}, expected {HEADER_MAGIC}",
+                )
         if size % TOKEN_DTYPE.itemsize:
-            raise ShardFormatError(p, f"odd byte length {size}: a headerless uint16 shard needs an even size "
-                                      f"(and a header shard starts with magic {HEADER_MAGIC}). {_UINT8_HINT}")
+            raise ShardFormatError(
+                p,
+                f"odd byte length {size}: a headerless uint16 shard needs an even size "
+                f"(and a header shard starts with magic {HEADER_MAGIC}). {_UINT8_HINT}",
+            )
         info = ShardInfo(str(p), "headerless", 0, size // TOKEN_DTYPE.itemsize)
     if check_ids:
         _check_ids(p, info.offset, info.num_tokens)
@@ -240,14 +257,19 @@ def _inspect_uint8(p: Path, size: int, documents: str | os.PathLike | None, chec
     except (OSError, ValueError) as e:
         raise ShardFormatError(documents, f"document offsets of {p} cannot be read: {type(e).__name__}: {e}") from e
     if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 2:
-        raise ShardFormatError(documents, f"document offsets of {p} must be 1-D integers [num_documents + 1], got "
-                                          f"{offsets.dtype} {offsets.shape}")
+        raise ShardFormatError(
+            documents,
+            f"document offsets of {p} must be 1-D integers [num_documents + 1], got {offsets.dtype} {offsets.shape}",
+        )
     if int(offsets[0]) != 0 or int(offsets[-1]) != size:
-        raise ShardFormatError(documents, f"document offsets of {p} run from {int(offsets[0])} to "
-                                          f"{int(offsets[-1])}; expected 0 to the file size {size}")
+        raise ShardFormatError(
+            documents,
+            f"document offsets of {p} run from {int(offsets[0])} to "
+            f"{int(offsets[-1])}; expected 0 to the file size {size}",
+        )
     n = len(offsets) - 1
     for start in range(0, n if check else 0, _ID_CHECK_CHUNK):
-        step = np.diff(np.asarray(offsets[start:start + _ID_CHECK_CHUNK + 1], dtype=np.int64))
+        step = np.diff(np.asarray(offsets[start : start + _ID_CHECK_CHUNK + 1], dtype=np.int64))
         if (step < 0).any():
             i = start + int(np.flatnonzero(step < 0)[0])
             raise ShardFormatError(documents, f"document offsets of {p} decrease at document {i}")
@@ -286,8 +308,9 @@ def _check_metadata(root: Path, meta: dict | None, infos: list[ShardInfo], split
     meta_path = root / METADATA_NAME
     if meta is None:
         if any(i.format == "headerless" for i in infos):
-            logger.warning("no %s beside the shards in %s; reading them as headerless byte shards", METADATA_NAME,
-                           root)
+            logger.warning(
+                "no %s beside the shards in %s; reading them as headerless byte shards", METADATA_NAME, root
+            )
         return
     vocab = meta.get("vocab") or {}
     for key, expected in (("pad", PAD_ID), ("bos", BOS_ID), ("eos", EOS_ID)):
@@ -334,8 +357,9 @@ def discover_shards(source: str | os.PathLike, split: str = "train", *, check_id
             raise ValueError(f"split for shard directory {path} must be 'train' or 'eval', got {split!r}")
         files = [p for p in files if split_of_path(p.relative_to(root).as_posix()) == split]
         if not files:
-            raise FileNotFoundError(f"shard directory {path} has no {split} shards (eval shards carry val/eval/test "
-                                    f"in their name)")
+            raise FileNotFoundError(
+                f"shard directory {path} has no {split} shards (eval shards carry val/eval/test in their name)"
+            )
     elif path.is_file():
         files = [path]
     elif _GLOB_CHARS.search(source):
@@ -367,8 +391,14 @@ class ByteShardDataset(ByteWindowDataset):
         FileNotFoundError, ShardFormatError: see :func:`discover_shards`. ValueError: fewer than 2 tokens in total.
     """
 
-    def __init__(self, shards: str | os.PathLike | Sequence[ShardInfo], seq_len: int, *, split: str = "train",
-                 check_ids: bool = True):
+    def __init__(
+        self,
+        shards: str | os.PathLike | Sequence[ShardInfo],
+        seq_len: int,
+        *,
+        split: str = "train",
+        check_ids: bool = True,
+    ):
         super().__init__(seq_len)
         if isinstance(shards, (str, os.PathLike)):
             self.description = str(shards)
@@ -385,8 +415,10 @@ class ByteShardDataset(ByteWindowDataset):
             raise ValueError(f"shards {self.description} hold {self.total_tokens} token(s): nothing to train on")
 
     def __repr__(self) -> str:
-        return (f"ByteShardDataset({self.description!r}, {len(self.shards)} shards, {self.total_tokens} tokens, "
-                f"{self.num_windows} windows, seq_len={self.seq_len})")
+        return (
+            f"ByteShardDataset({self.description!r}, {len(self.shards)} shards, {self.total_tokens} tokens, "
+            f"{self.num_windows} windows, seq_len={self.seq_len})"
+        )
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

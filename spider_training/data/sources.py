@@ -10,21 +10,30 @@ import importlib.util
 import logging
 import os
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from spider_training.data.cache import cached_shard, file_stats
-from spider_training.data.shards import SHARD_SUFFIX, _GLOB_CHARS, _glob_files, open_shard, split_of_path
+from spider_training.data.shards import _GLOB_CHARS, SHARD_SUFFIX, _glob_files, open_shard, split_of_path
 from spider_training.data.windows import _CHUNK_TOKENS, _PIECE_CHARS, ByteWindowDataset, DocumentStats, encode_texts
 
 logger = logging.getLogger("spider_training.data")  # one logger for the whole package
 
 
 #: local file suffix -> ``datasets`` packaged builder
-TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
-                 ".parquet": "parquet", ".arrow": "arrow"}
+TEXT_SUFFIXES = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
 #: compressed files ``datasets`` opens on the fly (``.zst`` needs ``zstandard``), for the row-per-line builders
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _COMPRESSIBLE_KINDS = ("text", "json", "csv")
@@ -97,8 +106,15 @@ def sotu_documents(split: str = "train", eval_from_year: int = DEFAULT_SOTU_EVAL
         year = int(m["year"])
         if split == "train" and year >= eval_from_year or split == "eval" and year < eval_from_year:
             continue
-        docs.append({"fileid": path.stem, "year": year, "president": m["president"], "number": int(m["number"]),
-                     "text": path.read_text(encoding="utf-8", errors="replace")})
+        docs.append(
+            {
+                "fileid": path.stem,
+                "year": year,
+                "president": m["president"],
+                "number": int(m["number"]),
+                "text": path.read_text(encoding="utf-8", errors="replace"),
+            }
+        )
     if not docs:
         raise ValueError(f"sotu split {split!r} with eval_from_year={eval_from_year} is empty (corpus in {d})")
     return docs
@@ -115,6 +131,7 @@ def sotu_dataset(split: str = "train", eval_from_year: int = DEFAULT_SOTU_EVAL_F
 # ---------------------------------------------------------------------------------------------------------------------
 # Source classification and text sources
 # ---------------------------------------------------------------------------------------------------------------------
+
 
 def is_hub_repo_id(value: str) -> bool:
     """True for a Hub repository id of the form ``owner/name`` that ``huggingface_hub.utils.validate_repo_id``
@@ -150,8 +167,11 @@ def _suffix_kind(path: Path) -> str | None:
 
 def _visible_files(folder: Path) -> list[Path]:
     """Files under ``folder``, sorted, without hidden ones (``.git``, ``.cache/huggingface`` of a snapshot)."""
-    return sorted(p for p in folder.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
 
 
 def _is_snapshot(folder: Path, files: list[Path]) -> bool:
@@ -198,8 +218,9 @@ def classify_source(source: str) -> tuple[str, list[Path]]:
             return "snapshot", _visible_files(path)
         files = [p for p in files if _suffix_kind(p) not in (None, "shards")]
         if not files:
-            raise FileNotFoundError(f"directory {path} holds no .bin shards and no "
-                                    f"{'/'.join(sorted(TEXT_SUFFIXES))} files")
+            raise FileNotFoundError(
+                f"directory {path} holds no .bin shards and no {'/'.join(sorted(TEXT_SUFFIXES))} files"
+            )
     elif path.is_file():
         files = [path]
     elif _GLOB_CHARS.search(source):
@@ -212,9 +233,11 @@ def classify_source(source: str) -> tuple[str, list[Path]]:
     kinds = {_suffix_kind(p) for p in files}
     if None in kinds:
         bad = [str(p) for p in files if _suffix_kind(p) is None][:3]
-        raise ValueError(f"data source {source!r}: unsupported file type(s) {bad}; expected .bin shards or "
-                         f"{'/'.join(sorted(TEXT_SUFFIXES))} (.txt/.jsonl/.json/.csv also compressed: "
-                         f"{'/'.join(COMPRESSION_SUFFIXES)})")
+        raise ValueError(
+            f"data source {source!r}: unsupported file type(s) {bad}; expected .bin shards or "
+            f"{'/'.join(sorted(TEXT_SUFFIXES))} (.txt/.jsonl/.json/.csv also compressed: "
+            f"{'/'.join(COMPRESSION_SUFFIXES)})"
+        )
     if len(kinds) > 1:
         raise ValueError(f"data source {source!r} mixes file types {sorted(kinds)}; give one kind per source")
     return kinds.pop(), files
@@ -230,7 +253,8 @@ def _select_split(files: list[Path], root: Path | None, split: str, source: str)
     if not chosen:
         raise FileNotFoundError(
             f"local source {source!r} has no {split} files (eval files carry val/valid/validation/eval/test/dev in "
-            f"their name, train files do not); found {[p.name for p in files[:5]]}")
+            f"their name, train files do not); found {[p.name for p in files[:5]]}"
+        )
     return chosen
 
 
@@ -279,8 +303,10 @@ def _pick_split(available: Sequence[str], split: str, source: str) -> str:
         for name in EVAL_SPLIT_NAMES:
             if name in available:
                 return name
-    raise FileNotFoundError(f"data source {source!r} has no {split!r} split (splits: {sorted(available)}; "
-                            f"'eval' reads the first of {list(EVAL_SPLIT_NAMES)})")
+    raise FileNotFoundError(
+        f"data source {source!r} has no {split!r} split (splits: {sorted(available)}; "
+        f"'eval' reads the first of {list(EVAL_SPLIT_NAMES)})"
+    )
 
 
 def _load_files(kind: str, files: list[str], streaming: bool, kwargs: dict[str, Any], description: str):
@@ -290,8 +316,10 @@ def _load_files(kind: str, files: list[str], streaming: bool, kwargs: dict[str, 
     try:
         return datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming, **kwargs)
     except Exception as e:  # e.g. StopIteration from a JSON Lines file without a record
-        raise ValueError(f"could not read local {kind} source {description} with datasets.load_dataset: "
-                         f"{type(e).__name__}: {e or 'no records found'}") from e
+        raise ValueError(
+            f"could not read local {kind} source {description} with datasets.load_dataset: "
+            f"{type(e).__name__}: {e or 'no records found'}"
+        ) from e
 
 
 class TextSource:
@@ -312,8 +340,15 @@ class TextSource:
             (:class:`TextByteDataset`). ``None`` (lists in memory, Hub streams): never cached.
     """
 
-    def __init__(self, dataset, description: str, text_column: str = "text", *, is_hub: bool = False,
-                 identity: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        dataset,
+        description: str,
+        text_column: str = "text",
+        *,
+        is_hub: bool = False,
+        identity: dict[str, Any] | None = None,
+    ):
         self.description = description
         self.text_column = text_column
         self.is_hub = is_hub
@@ -355,14 +390,14 @@ class TextSource:
 
     # -- constructors ------------------------------------------------------------------------------------------------
     @classmethod
-    def from_texts(cls, texts: Sequence[str], description: str) -> "TextSource":
+    def from_texts(cls, texts: Sequence[str], description: str) -> TextSource:
         """In-memory list of documents."""
         import datasets
 
         return cls(datasets.Dataset.from_dict({"text": list(texts)}), description)
 
     @classmethod
-    def mock(cls, num_samples: int = 1000) -> "TextSource":
+    def mock(cls, num_samples: int = 1000) -> TextSource:
         """tk-train.py's mock corpus: :data:`MOCK_SAMPLES` cycled until ``num_samples`` documents."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -370,17 +405,31 @@ class TextSource:
         return cls.from_texts(texts, f"mock ({num_samples} documents)")
 
     @classmethod
-    def sotu(cls, split: str = "train", eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR) -> "TextSource":
+    def sotu(cls, split: str = "train", eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR) -> TextSource:
         """The embedded State of the Union corpus, split by year (:func:`sotu_documents`)."""
-        identity = {"kind": "sotu", "split": split, "eval_from_year": eval_from_year,
-                    "files": file_stats(sorted(sotu_speeches_dir().iterdir()))}
-        return cls(functools.partial(sotu_dataset, split, eval_from_year),
-                   f"sotu {split} (eval_from_year={eval_from_year})", identity=identity)
+        identity = {
+            "kind": "sotu",
+            "split": split,
+            "eval_from_year": eval_from_year,
+            "files": file_stats(sorted(sotu_speeches_dir().iterdir())),
+        }
+        return cls(
+            functools.partial(sotu_dataset, split, eval_from_year),
+            f"sotu {split} (eval_from_year={eval_from_year})",
+            identity=identity,
+        )
 
     @classmethod
-    def from_files(cls, files: Sequence[str | os.PathLike], kind: str, *, text_column: str = "text",
-                   streaming: bool = True, text_sample_by: str = "document", description: str | None = None
-                   ) -> "TextSource":
+    def from_files(
+        cls,
+        files: Sequence[str | os.PathLike],
+        kind: str,
+        *,
+        text_column: str = "text",
+        streaming: bool = True,
+        text_sample_by: str = "document",
+        description: str | None = None,
+    ) -> TextSource:
         """Local files through ``datasets.load_dataset(kind, data_files=...)``: ``kind`` is ``text``, ``json``,
         ``csv``, ``parquet`` or ``arrow``; ``text``/``json``/``csv`` files may be compressed (``.gz``, ``.bz2``,
         ``.xz``, ``.zst``: ``datasets`` opens them on the fly).
@@ -413,8 +462,10 @@ class TextSource:
         if kind != "text":
             files = [f for f in files if not _empty_data_file(f, kind)]
             if not files:
-                raise ValueError(f"text source {desc} has no non-empty documents (all {given} {kind} file(s) are "
-                                 f"empty: 0 bytes, only whitespace or 0 rows)")
+                raise ValueError(
+                    f"text source {desc} has no non-empty documents (all {given} {kind} file(s) are "
+                    f"empty: 0 bytes, only whitespace or 0 rows)"
+                )
         _check_compression(files)
         kwargs: dict[str, Any] = {}
         if kind == "text":
@@ -426,15 +477,19 @@ class TextSource:
             kwargs = {"encoding": "utf-8-sig", "encoding_errors": "replace"}
         elif kind == "csv":
             kwargs = {"encoding_errors": "replace", "keep_default_na": False, "converters": {text_column: str}}
-        identity = {"kind": kind, "files": file_stats(files), "text_column": text_column,
-                    "sample_by": text_sample_by if kind == "text" else None}
+        identity = {
+            "kind": kind,
+            "files": file_stats(files),
+            "text_column": text_column,
+            "sample_by": text_sample_by if kind == "text" else None,
+        }
         # opened when the documents are first read: a source found in the byte cache is never opened
-        return cls(functools.partial(_load_files, kind, files, streaming, kwargs, desc), desc, text_column,
-                   identity=identity)
+        return cls(
+            functools.partial(_load_files, kind, files, streaming, kwargs, desc), desc, text_column, identity=identity
+        )
 
     @classmethod
-    def from_disk(cls, folder: str | os.PathLike, *, split: str = "train", text_column: str = "text"
-                  ) -> "TextSource":
+    def from_disk(cls, folder: str | os.PathLike, *, split: str = "train", text_column: str = "text") -> TextSource:
         """A folder written by ``datasets``' ``save_to_disk``, opened with ``datasets.load_from_disk`` (memory-mapped
         Arrow). A ``Dataset`` is read whole for any split; a ``DatasetDict`` gives the split named ``split``, or for
         ``"eval"`` the first of :data:`EVAL_SPLIT_NAMES`.
@@ -448,19 +503,25 @@ class TextSource:
         try:
             loaded = datasets.load_from_disk(folder)
         except Exception as e:
-            raise ValueError(f"could not read save_to_disk folder {folder} with datasets.load_from_disk: "
-                             f"{type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"could not read save_to_disk folder {folder} with datasets.load_from_disk: {type(e).__name__}: {e}"
+            ) from e
         name = None
         if isinstance(loaded, datasets.DatasetDict):
             name = _pick_split(list(loaded), split, folder)
             loaded = loaded[name]
-        identity = {"kind": "disk", "files": file_stats(_visible_files(Path(folder))), "split": name,
-                    "text_column": text_column}
+        identity = {
+            "kind": "disk",
+            "files": file_stats(_visible_files(Path(folder))),
+            "split": name,
+            "text_column": text_column,
+        }
         return cls(loaded, folder + (f" [{name}]" if name else ""), text_column, identity=identity)
 
     @classmethod
-    def from_snapshot(cls, folder: str | os.PathLike, config: str | None = None, *, split: str = "train",
-                      text_column: str = "text") -> "TextSource":
+    def from_snapshot(
+        cls, folder: str | os.PathLike, config: str | None = None, *, split: str = "train", text_column: str = "text"
+    ) -> TextSource:
         """A local copy of a Hub dataset repository (its card ``README.md`` beside its data files), read as the Hub
         would: ``datasets.load_dataset(folder, name=config, streaming=True)`` (the card's configs and the files'
         split names decide). Takes the split named ``split``, or for ``"eval"`` the first of
@@ -479,16 +540,29 @@ class TextSource:
         try:
             splits = datasets.load_dataset(folder, name=config, streaming=True)
         except Exception as e:  # no data files, an unknown config, a card whose configs do not parse
-            raise ValueError(f"could not read the dataset snapshot {desc} with datasets.load_dataset: "
-                             f"{type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"could not read the dataset snapshot {desc} with datasets.load_dataset: {type(e).__name__}: {e}"
+            ) from e
         name = _pick_split(list(splits), split, desc)
-        identity = {"kind": "snapshot", "files": file_stats(files), "config": config, "split": name,
-                    "text_column": text_column}
+        identity = {
+            "kind": "snapshot",
+            "files": file_stats(files),
+            "config": config,
+            "split": name,
+            "text_column": text_column,
+        }
         return cls(splits[name], f"{desc} [{name}]", text_column, identity=identity)
 
     @classmethod
-    def from_hub(cls, repo_id: str, config: str | None = None, *, split: str = "train", text_column: str = "text",
-                 streaming: bool = True) -> "TextSource":
+    def from_hub(
+        cls,
+        repo_id: str,
+        config: str | None = None,
+        *,
+        split: str = "train",
+        text_column: str = "text",
+        streaming: bool = True,
+    ) -> TextSource:
         """A dataset loaded with ``datasets.load_dataset(repo_id, name=config, split=split, streaming=streaming)``
         (a Hub id, or any path ``load_dataset`` accepts, e.g. a local dataset directory).
 
@@ -501,15 +575,23 @@ class TextSource:
         try:
             ds = datasets.load_dataset(repo_id, name=config, split=split, streaming=streaming)
         except Exception as e:  # offline, unknown repo/config/split: say which source failed
-            raise ValueError(f"could not load dataset source {desc} with datasets.load_dataset: "
-                             f"{type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"could not load dataset source {desc} with datasets.load_dataset: {type(e).__name__}: {e}"
+            ) from e
         if isinstance(ds, datasets.Dataset):
             ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 256)))
         return cls(ds, desc, text_column, is_hub=True)
 
     # -- iteration ---------------------------------------------------------------------------------------------------
-    def iter_texts(self, *, epoch: int = 0, shuffle_seed: int | None = None, shuffle_buffer: int = 10_000,
-                   shard: tuple[int, int] | None = None, batch_size: int = 256) -> Iterator[Any]:
+    def iter_texts(
+        self,
+        *,
+        epoch: int = 0,
+        shuffle_seed: int | None = None,
+        shuffle_buffer: int = 10_000,
+        shard: tuple[int, int] | None = None,
+        batch_size: int = 256,
+    ) -> Iterator[Any]:
         """Yield the raw values of ``text_column`` (``str``, ``bytes`` or ``None``) in a deterministic order.
 
         Uses ``IterableDataset.iter(batch_size)``, which -- unlike ``iter(ds)`` -- does not split the files between
@@ -540,9 +622,16 @@ class TextSource:
             yield from batch[col]
 
 
-def open_text_source(source: str, *, split: str = "train", text_column: str = "text", streaming: bool = True,
-                     eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR, text_sample_by: str = "document",
-                     num_samples: int = 1000) -> TextSource:
+def open_text_source(
+    source: str,
+    *,
+    split: str = "train",
+    text_column: str = "text",
+    streaming: bool = True,
+    eval_from_year: int = DEFAULT_SOTU_EVAL_FROM_YEAR,
+    text_sample_by: str = "document",
+    num_samples: int = 1000,
+) -> TextSource:
     """Resolve a text ``source`` string (``"mock"``, ``"sotu"``, local file/glob/directory, ``save_to_disk``
     folder, local Hub snapshot ``folder[:config]``, Hub ``id[:config]``).
 
@@ -573,8 +662,9 @@ def open_text_source(source: str, *, split: str = "train", text_column: str = "t
     root = Path(source).expanduser() if Path(source).expanduser().is_dir() else None
     files = _select_split(files, root, split, source)
     desc = f"{source} [{split}]" if root is not None else None
-    return TextSource.from_files(files, kind, text_column=text_column, streaming=streaming,
-                                 text_sample_by=text_sample_by, description=desc)
+    return TextSource.from_files(
+        files, kind, text_column=text_column, streaming=streaming, text_sample_by=text_sample_by, description=desc
+    )
 
 
 class TextByteDataset(ByteWindowDataset):
@@ -604,8 +694,14 @@ class TextByteDataset(ByteWindowDataset):
         TypeError: a text column value that is neither ``str`` nor ``bytes``.
     """
 
-    def __init__(self, source: TextSource, seq_len: int, *, max_doc_bytes: int | None = None,
-                 cache_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        source: TextSource,
+        seq_len: int,
+        *,
+        max_doc_bytes: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ):
         super().__init__(seq_len)
         if max_doc_bytes is not None and max_doc_bytes < 1:
             raise ValueError(f"max_doc_bytes must be >= 1 or None, got {max_doc_bytes}")
@@ -618,8 +714,13 @@ class TextByteDataset(ByteWindowDataset):
             try:
                 self._shard, self.stats, self.cache_path = cached_shard(source, max_doc_bytes, cache_dir)
             except OSError as e:  # a read-only or full disk: the run still starts (a source file's error recurs)
-                logger.warning("%s: byte cache in %s unavailable (%s: %s); encoding into memory instead",
-                               source.description, cache_dir, type(e).__name__, e)
+                logger.warning(
+                    "%s: byte cache in %s unavailable (%s: %s); encoding into memory instead",
+                    source.description,
+                    cache_dir,
+                    type(e).__name__,
+                    e,
+                )
                 self.stats = DocumentStats()
         if self._shard is not None:
             self._chunks = None  # opened on first read (and again in each dataloader worker)
@@ -628,16 +729,32 @@ class TextByteDataset(ByteWindowDataset):
             self._chunks = self._encode_in_memory()
             self._set_lengths([len(c) for c in self._chunks])
         stats = self.stats
-        logger.info("%s: %d documents (%d empty skipped, %d without text, %d truncated, %d with U+FFFD), %d tokens, "
-                    "%d windows of %d%s", source.description, stats.documents, stats.skipped_empty,
-                    stats.missing_text, stats.truncated, stats.replaced_documents, self.total_tokens,
-                    self.num_windows, self.width, f" (byte cache {self.cache_path})" if self.cache_path else "")
+        logger.info(
+            "%s: %d documents (%d empty skipped, %d without text, %d truncated, %d with U+FFFD), %d tokens, "
+            "%d windows of %d%s",
+            source.description,
+            stats.documents,
+            stats.skipped_empty,
+            stats.missing_text,
+            stats.truncated,
+            stats.replaced_documents,
+            self.total_tokens,
+            self.num_windows,
+            self.width,
+            f" (byte cache {self.cache_path})" if self.cache_path else "",
+        )
 
     def _encode_in_memory(self) -> list[np.ndarray]:
         """The encoded stream as ``uint16`` chunks of :data:`_CHUNK_TOKENS` (the last one shorter)."""
         source, stats = self.source, self.stats
-        docs = encode_texts(source.iter_texts(), stats, source.description, source.text_column, self.max_doc_bytes,
-                            piece_chars=_PIECE_CHARS)
+        docs = encode_texts(
+            source.iter_texts(),
+            stats,
+            source.description,
+            source.text_column,
+            self.max_doc_bytes,
+            piece_chars=_PIECE_CHARS,
+        )
         chunks: list[np.ndarray] = []
         buf = np.empty(_CHUNK_TOKENS, dtype=np.uint16)
         fill = 0
@@ -645,7 +762,7 @@ class TextByteDataset(ByteWindowDataset):
             pos, n = 0, len(ids)
             while pos < n:
                 take = min(_CHUNK_TOKENS - fill, n - pos)
-                buf[fill:fill + take] = ids[pos:pos + take]
+                buf[fill : fill + take] = ids[pos : pos + take]
                 fill += take
                 pos += take
                 if fill == _CHUNK_TOKENS:
@@ -660,8 +777,10 @@ class TextByteDataset(ByteWindowDataset):
         return chunks
 
     def __repr__(self) -> str:
-        return (f"TextByteDataset({self.description!r}, {self.total_tokens} tokens, {self.num_windows} windows, "
-                f"seq_len={self.seq_len})")
+        return (
+            f"TextByteDataset({self.description!r}, {self.total_tokens} tokens, {self.num_windows} windows, "
+            f"seq_len={self.seq_len})"
+        )
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

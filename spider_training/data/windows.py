@@ -5,8 +5,9 @@ map-style dataset of those windows that the text and shard datasets share."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,8 +50,9 @@ def encode_document(text: str | bytes) -> np.ndarray:
     return out
 
 
-def _pack_views(documents: Iterable[np.ndarray], width: int, stats: "DocumentStats | None" = None
-                ) -> Iterator[np.ndarray]:
+def _pack_views(
+    documents: Iterable[np.ndarray], width: int, stats: DocumentStats | None = None
+) -> Iterator[np.ndarray]:
     """Linear-time packer behind :func:`pack_windows`; yields *views* valid only until the next ``next()``."""
     buf = np.empty(width, dtype=np.uint16)
     fill = 0
@@ -59,7 +61,7 @@ def _pack_views(documents: Iterable[np.ndarray], width: int, stats: "DocumentSta
         pos = 0
         if fill:
             take = min(width - fill, n)
-            buf[fill:fill + take] = ids[:take]
+            buf[fill : fill + take] = ids[:take]
             fill += take
             pos = take
             if fill < width:
@@ -68,7 +70,7 @@ def _pack_views(documents: Iterable[np.ndarray], width: int, stats: "DocumentSta
             fill = 0
         full = (n - pos) // width
         for i in range(full):  # whole windows straight out of a long document, no copy
-            yield ids[pos + i * width: pos + (i + 1) * width]
+            yield ids[pos + i * width : pos + (i + 1) * width]
         pos += full * width
         rest = n - pos
         if rest:
@@ -130,10 +132,15 @@ class DocumentStats:
 
     def no_documents_error(self, description: str, column: str) -> ValueError:
         """The error for a pass that found no non-empty document, with what was skipped and why."""
-        missing = (f", {self.missing_text} without a value in column {column!r} (missing or null)"
-                   if self.missing_text else "")
-        return ValueError(f"text source {description} has no non-empty documents ({self.skipped_empty} empty or "
-                          f"whitespace-only skipped{missing})")
+        missing = (
+            f", {self.missing_text} without a value in column {column!r} (missing or null)"
+            if self.missing_text
+            else ""
+        )
+        return ValueError(
+            f"text source {description} has no non-empty documents ({self.skipped_empty} empty or "
+            f"whitespace-only skipped{missing})"
+        )
 
 
 def _check_seq_len(seq_len: int) -> None:
@@ -150,13 +157,19 @@ def _accepted(texts: Iterable[Any], stats: DocumentStats, description: str, colu
         if text is None:
             stats.missing_text += 1
             if stats.missing_text == 1:
-                logger.warning("text source %s: row %d has no value in column %r (a JSON line without the key, or a "
-                               "null); such rows are skipped and counted in stats.missing_text", description, index,
-                               column)
+                logger.warning(
+                    "text source %s: row %d has no value in column %r (a JSON line without the key, or a "
+                    "null); such rows are skipped and counted in stats.missing_text",
+                    description,
+                    index,
+                    column,
+                )
             continue
         if not isinstance(text, (str, bytes, bytearray, memoryview)):
-            raise TypeError(f"text source {description}: column {column!r} holds {type(text).__name__} "
-                            f"(document {index}), expected str or bytes")
+            raise TypeError(
+                f"text source {description}: column {column!r} holds {type(text).__name__} "
+                f"(document {index}), expected str or bytes"
+            )
         if isinstance(text, memoryview):
             text = bytes(text)
         if not text or text.isspace():
@@ -165,23 +178,32 @@ def _accepted(texts: Iterable[Any], stats: DocumentStats, description: str, colu
         if isinstance(text, str) and "\ufffd" in text:
             stats.replaced_documents += 1
             if stats.replaced_documents == 1:
-                logger.warning("text source %s: document %d holds U+FFFD at character %d: invalid UTF-8 in the source "
-                               "is replaced by U+FFFD (errors='replace'), not an error; further such documents are "
-                               "counted in stats.replaced_documents", description, index, text.index("\ufffd"))
+                logger.warning(
+                    "text source %s: document %d holds U+FFFD at character %d: invalid UTF-8 in the source "
+                    "is replaced by U+FFFD (errors='replace'), not an error; further such documents are "
+                    "counted in stats.replaced_documents",
+                    description,
+                    index,
+                    text.index("\ufffd"),
+                )
         stats.documents += 1
         yield text
 
 
-def _utf8_pieces(text: str | bytes, piece_chars: int, max_doc_bytes: int | None, stats: DocumentStats
-                 ) -> Iterator[bytes | memoryview]:
+def _utf8_pieces(
+    text: str | bytes, piece_chars: int, max_doc_bytes: int | None, stats: DocumentStats
+) -> Iterator[bytes | memoryview]:
     """The UTF-8 bytes of one document in non-empty pieces of at most ``piece_chars`` characters (bytes for
     ``bytes``), cut at ``max_doc_bytes`` bytes (counted in ``stats.truncated``); ``stats.bytes`` counts what is
     yielded. The pieces concatenate to ``text.encode("utf-8", "replace")[:max_doc_bytes]``."""
     remaining = max_doc_bytes
     view = memoryview(text) if not isinstance(text, str) else None
     for start in range(0, len(text), piece_chars):
-        data = (text[start:start + piece_chars].encode("utf-8", "replace") if view is None
-                else view[start:start + piece_chars])
+        data = (
+            text[start : start + piece_chars].encode("utf-8", "replace")
+            if view is None
+            else view[start : start + piece_chars]
+        )
         cut = remaining is not None and len(data) > remaining  # every piece is non-empty
         if cut:
             data = data[:remaining]
@@ -195,8 +217,15 @@ def _utf8_pieces(text: str | bytes, piece_chars: int, max_doc_bytes: int | None,
             break
 
 
-def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, column: str,
-                 max_doc_bytes: int | None, *, piece_chars: int | None = None) -> Iterator[np.ndarray]:
+def encode_texts(
+    texts: Iterable[Any],
+    stats: DocumentStats,
+    description: str,
+    column: str,
+    max_doc_bytes: int | None,
+    *,
+    piece_chars: int | None = None,
+) -> Iterator[np.ndarray]:
     """Encode raw documents with :func:`encode_document`, skipping (and counting in ``stats``) ``None``, empty and
     whitespace-only ones; cut documents longer than ``max_doc_bytes`` bytes (counted as ``truncated``).
 
@@ -226,7 +255,7 @@ def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, c
         if piece_chars is None or len(text) <= piece_chars:
             ids = encode_document(text)
             if max_doc_bytes is not None and len(ids) - 2 > max_doc_bytes:
-                ids = np.concatenate([ids[:max_doc_bytes + 1], ids[-1:]])
+                ids = np.concatenate([ids[: max_doc_bytes + 1], ids[-1:]])
                 stats.truncated += 1
             stats.bytes += len(ids) - 2
             yield ids
@@ -237,9 +266,15 @@ def encode_texts(texts: Iterable[Any], stats: DocumentStats, description: str, c
         yield np.array([EOS_ID], dtype=np.uint16)
 
 
-def document_bytes(texts: Iterable[Any], stats: DocumentStats, description: str, column: str,
-                   max_doc_bytes: int | None, *, piece_chars: int = _PIECE_CHARS
-                   ) -> Iterator[tuple[bytes | memoryview, bool]]:
+def document_bytes(
+    texts: Iterable[Any],
+    stats: DocumentStats,
+    description: str,
+    column: str,
+    max_doc_bytes: int | None,
+    *,
+    piece_chars: int = _PIECE_CHARS,
+) -> Iterator[tuple[bytes | memoryview, bool]]:
     """The UTF-8 bytes of each document of ``texts``, without ``BOS``/``EOS``: what :func:`encode_texts` encodes,
     for writers that store bytes (``uint8``) and mark documents apart (the byte cache, ``uint8`` shards).
 
@@ -330,7 +365,7 @@ class ByteWindowDataset(Dataset):
         end = min(start + self.width, self.total_tokens)
         out = np.empty(self.width, dtype=np.uint16)
         if end - start < self.width:
-            out[end - start:] = PAD_ID
+            out[end - start :] = PAD_ID
         arrays = self._arrays()
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         pos = start
@@ -339,7 +374,7 @@ class ByteWindowDataset(Dataset):
             hi = min(end, int(self._starts[i + 1])) - int(self._starts[i])
             piece = arrays[i][lo:hi]
             self._check_piece(i, lo, hi, piece)
-            out[pos - start: pos - start + hi - lo] = piece
+            out[pos - start : pos - start + hi - lo] = piece
             pos += hi - lo
             i += 1
         return out
