@@ -14,6 +14,7 @@ after a successful publish) and the staging debris is removed by the next save.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -229,6 +230,57 @@ def save_folder_atomically(final: str | os.PathLike, write) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return publish(tmp, final)
+
+
+#: What a checkpoint records of how its run split the data: a resume must split it the same way.
+DATA_LAYOUT_NAME = "spider_data_layout.json"
+
+
+def write_data_layout(folder: str | os.PathLike, world_size: int, per_device_batch: int, accumulation: int) -> None:
+    """Record in checkpoint `folder` the data layout of the run writing it: processes, windows per process and
+    micro-batch, micro-batches per optimizer step (:data:`DATA_LAYOUT_NAME`)."""
+    layout = {
+        "world_size": world_size,
+        "per_device_train_batch_size": per_device_batch,
+        "gradient_accumulation_steps": accumulation,
+    }
+    (Path(folder) / DATA_LAYOUT_NAME).write_text(json.dumps(layout, indent=1) + "\n", encoding="utf-8")
+
+
+def check_data_layout(folder: str | os.PathLike, world_size: int, per_device_batch: int, accumulation: int) -> None:
+    """Refuse to resume from checkpoint `folder` with another data layout than the run that wrote it.
+
+    The windows a step trains on follow the process count, the micro-batch and the accumulation (Trainer's sampler
+    splits the shuffled order across processes and skips the consumed batches by count), so resuming with any of them
+    changed would skip some windows of the epoch and repeat others, silently. A checkpoint without the record
+    (written before it existed) is not checked.
+
+    Raises:
+        ValueError: the layout differs; the message names both and how to resume.
+    """
+    path = Path(folder) / DATA_LAYOUT_NAME
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    now = {
+        "world_size": world_size,
+        "per_device_train_batch_size": per_device_batch,
+        "gradient_accumulation_steps": accumulation,
+    }
+    if saved != now:
+
+        def describe(layout: dict) -> str:
+            return (
+                f"{layout['world_size']} process(es) x {layout['per_device_train_batch_size']} windows x "
+                f"{layout['gradient_accumulation_steps']} accumulation step(s)"
+            )
+
+        raise ValueError(
+            f"{folder} was written by a run of {describe(saved)}; this run has {describe(now)}. Resuming would skip "
+            "some windows of the epoch and repeat others (the order of the windows follows that layout). Resume "
+            "with the same process count, --micro_batch/--per_device_train_batch_size and --grad_accum, or start a "
+            f"new run from its weights with --init_from {folder} (a new data order)."
+        )
 
 
 def convert_older_checkpoint(folder: str | os.PathLike) -> bool:

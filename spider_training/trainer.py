@@ -45,7 +45,9 @@ does their job (the section says why for each):
   ``save_pretrained`` cannot write the wrappers, and the checkpoint loads as a plain model.
 - ``_load_from_checkpoint``: a checkpoint of older runs (per-expert expert layout, older segmentation names) is
   rewritten in today's names once (:func:`spider_training.checkpointing.convert_older_checkpoint`) before Trainer's
-  resume reads it; with ``--compile`` every rank loads the checkpoint's compiled artifacts (warm start).
+  resume reads it; with ``--compile`` every rank loads the checkpoint's compiled artifacts (warm start); a resume
+  with another process count, micro-batch or accumulation than the checkpoint's run is refused
+  (:func:`spider_training.checkpointing.check_data_layout`: it would skip some windows and repeat others).
 - ``_push_from_checkpoint``: Trainer calls it inside the save, on rank 0, while other ranks may still be writing
   into the staged folder; it runs once the checkpoint is published, complete. Hub pushing (``args.push_to_hub``) is
   otherwise Trainer's own, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`; a run stopped by a
@@ -519,7 +521,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # - `_save`: Trainer saves `model.state_dict()` unless a state dict is passed in, and only its FSDP/DeepSpeed paths
     #   pass one; torchao's weight wrappers (FP8 grouped-GEMM experts) need the plain tensors passed instead.
     # - `_load_from_checkpoint`: Trainer reads the checkpoint's weights with `load_state_dict`, which knows only the
-    #   fused expert names; a checkpoint in the per-expert layout of older runs is rewritten fused first, once.
+    #   fused expert names; a checkpoint in the per-expert layout of older runs is rewritten fused first, once; and
+    #   the data layout is checked before anything is loaded (no hook runs earlier on resume).
     # - `_push_from_checkpoint` (HubPushMixin's, see spider_training/hub.py): Trainer calls it from `_save_checkpoint`
     #   on rank 0 as soon as its own files are written; the push waits until every rank has written its part and the
     #   folder is published.
@@ -544,7 +547,12 @@ class SpiderTrainer(HubPushMixin, Trainer):
             state_dict = fp8_to_plain_state_dict(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
         super()._save(output_dir, state_dict=state_dict)
 
+    def _data_layout(self) -> tuple[int, int, int]:
+        """Processes, windows per process and micro-batch, micro-batches per optimizer step."""
+        return (self.args.world_size, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        checkpointing.check_data_layout(resume_from_checkpoint, *self._data_layout())
         if self.args.should_save and checkpointing.convert_older_checkpoint(resume_from_checkpoint):
             logger.info(
                 "%s: an older checkpoint's weights, rewritten in today's layout and names", resume_from_checkpoint
@@ -598,6 +606,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             name = f"checkpoint-{self.state.global_step}"
+            checkpointing.write_data_layout(
+                os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), *self._data_layout()
+            )
             if self.args.torch_compile:  # a warm start for a resumed run and each of its ranks
                 save_compile_artifacts(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name))
             checkpointing.publish(

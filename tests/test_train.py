@@ -748,3 +748,57 @@ def test_push_to_hub_against_fake_hub_and_closed_port(tmp_path, monkeypatch):
     )
     assert summary["pushed"] is False and summary["steps"] == 2
     assert (out / "release" / "model.safetensors").exists()
+
+
+def test_resume_with_another_data_layout_is_refused(tmp_path):
+    """Issue 67 D3: a checkpoint records its run's processes, micro-batch and accumulation; resuming with another
+    layout (here: one process resuming a two-process checkpoint, or another micro-batch) would skip and repeat windows,
+    so it is refused with a message naming both layouts; the same layout resumes."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from configuration_spider import SpiderConfig
+    from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.checkpointing import DATA_LAYOUT_NAME
+    from spider_training.data import build_dataset
+    from spider_training.trainer import SpiderTrainer
+
+    dataset = build_dataset("mock", 32)
+
+    def trainer(batch: int, steps: int) -> SpiderTrainer:
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to="none",
+            max_steps=steps,
+            per_device_train_batch_size=batch,
+            save_strategy="steps",
+            save_steps=1,
+            eval_strategy="no",
+            remove_unused_columns=False,
+        )
+        return SpiderTrainer(
+            model=SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny")),
+            args=args,
+            train_dataset=dataset,
+            data_collator=default_data_collator,
+            stop_signals=(),
+        )
+
+    trainer(2, 1).train()
+    checkpoint = tmp_path / "checkpoint-1"
+    layout = json.loads((checkpoint / DATA_LAYOUT_NAME).read_text())
+    assert layout == {"world_size": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    with pytest.raises(
+        ValueError,
+        match=r"written by a run of 1 process\(es\) x 2 windows x 1 accumulation step\(s\); "
+        r"this run has 1 process\(es\) x 4 windows",
+    ):
+        trainer(4, 2).train(resume_from_checkpoint=str(checkpoint))
+    (checkpoint / DATA_LAYOUT_NAME).write_text(json.dumps({**layout, "world_size": 2}))
+    with pytest.raises(ValueError, match=r"2 process\(es\) x 2 windows .* --init_from"):
+        trainer(2, 2).train(resume_from_checkpoint=str(checkpoint))
+    (checkpoint / DATA_LAYOUT_NAME).write_text(json.dumps(layout))
+    resumed = trainer(2, 2)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 2
