@@ -63,7 +63,20 @@ def test_quick_run_has_every_benchmark_with_measurements(quick_results):
         for i in r.get("info", []):
             assert _positive_number(i["measured"]), (name, i)
     assert exit_code == 0
-    assert isinstance(results["benchmarks"]["generation"]["outputs_equal"], bool)
+    generation = results["benchmarks"]["generation"]
+    assert isinstance(generation["outputs_equal"], bool)
+    peers = generation["measurements"]["peers"]  # issue 65's table: Spider's loop counts beside Llama and Mistral
+    assert set(peers["bytes_per_s"]) == {
+        *(f"spider_loops{n}{exit_}" for n in (1, 2, 4) for exit_ in ("", "_act_early_exit")),
+        *(f"{peer}_{cache}" for peer in ("llama", "mistral") for cache in ("dynamic", "static")),
+    }
+    assert all(_positive_number(v) for v in peers["bytes_per_s"].values())
+    for peer in ("llama", "mistral"):  # each peer's best cache
+        assert peers["best_peer_bytes_per_s"][peer] == max(
+            peers["bytes_per_s"][f"{peer}_{c}"] for c in ("dynamic", "static")
+        )
+    sizes = peers["parameters"]
+    assert abs(sizes["llama"] - sizes["spider"]) < 0.2 * sizes["spider"]  # peers of about Spider's size
     summary = results["summary"]
     assert sorted(summary["met"] + summary["missed"]) == sorted(BENCHMARKS) and summary["errors"] == []
 
