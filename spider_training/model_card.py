@@ -215,6 +215,24 @@ def reference_quality(preset: str | None, data: str | None, path: str | Path | N
     return ref if (preset, data) == (ref.get("preset"), ref.get("data")) else None
 
 
+def _loops_finding(bits_per_byte_by_loops: dict | None, trained: int | None) -> str:
+    """The card's sentence on what more loops did for this checkpoint, from its own loop table (never a claim the
+    table does not show)."""
+    if not bits_per_byte_by_loops:
+        return "whether more loops help is measured per checkpoint"
+    scores = {int(n): float(v) for n, v in bits_per_byte_by_loops.items()}
+    best, most = min(scores, key=scores.get), max(scores)
+    where = " (the trained count)" if best == trained else f" (trained with {trained})" if trained else ""
+    if len(scores) == 1:
+        return f"this checkpoint was measured at {best} loop{'s' if best != 1 else ''} only (the loop table below)"
+    if best == most:
+        return f"on this checkpoint's held-out text the most loops tried ({most}) scored best (the loop table below)"
+    return (
+        f"on this checkpoint's held-out text {best} loop{'s' if best != 1 else ''} scored best{where}; more did not "
+        "help (the loop table below)"
+    )
+
+
 def write_model_card(
     release_dir: str | Path,
     *,
@@ -321,6 +339,8 @@ def write_model_card(
     kwargs = dict(
         model_name=model_name,
         loops_rows=loops_rows,
+        loops_finding=_loops_finding(bits_per_byte_by_loops, config.get("n_loops")),
+        code_files=sorted(path.name for path in Path(release_dir).glob("*.py")),
         repo_id=repo_id,
         model_ref=repo_id or str(release_dir),
         early_exit=None

@@ -165,6 +165,25 @@ def test_loops_table_marks_the_trained_count_and_is_absent_without_a_sweep(relea
     assert "| loops | held-out bits per byte |" not in write(release, config).read_text()
 
 
+def test_the_cards_prose_says_only_what_its_figures_show(release, config):
+    """Issue 66 D6: the loop sentence follows the card's own loop table (the small release's 4 loops scored worse
+    than 2), and the code sentence counts the Python files the release holds."""
+    n = config["n_loops"]
+    worse_with_more = write(release, config, bits_per_byte_by_loops={"1": 2.5, str(n): 2.2, str(2 * n): 2.3})
+    text = " ".join(worse_with_more.read_text().split())
+    assert f"{n} loops scored best (the trained count); more did not help" in text
+    assert "usually give better predictions" not in text
+    better_with_more = " ".join(
+        write(release, config, bits_per_byte_by_loops={"1": 2.5, str(n): 2.3, str(2 * n): 2.2}).read_text().split()
+    )
+    assert f"the most loops tried ({2 * n}) scored best" in better_with_more
+    assert "whether more loops help is measured per checkpoint" in " ".join(write(release, config).read_text().split())
+    files = sorted(p.name for p in release.glob("*.py"))
+    assert len(files) == len(REMOTE_CODE_FILES)
+    expected = f"The code is the {len(files)} Python files in this repository (" + ", ".join(f"`{f}`" for f in files)
+    assert expected in " ".join(worse_with_more.read_text().split())
+
+
 def test_act_early_exit_is_reported_under_the_loops_table(release, config):
     sweep = {"1": 2.5, str(config["n_loops"]): 2.25}
     exit_result = {
