@@ -137,9 +137,13 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
 
 
 def _compile_config():
+    """transformers' ``CompileConfig`` for a static cache's decode step; on every device (by default transformers
+    compiles it on accelerators only)."""
     from transformers import CompileConfig
 
-    return CompileConfig(fullgraph=False, dynamic=False)
+    config = CompileConfig(fullgraph=False, dynamic=False)
+    config._compile_all_devices = True
+    return config
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
