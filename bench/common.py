@@ -140,11 +140,9 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: in
 
 
 def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeats: int = 5) -> dict[str, float]:
-    """Measured peak FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (2 n^3 FLOPs per call), median of repeats."""
-    a = torch.randn(n, n, dtype=torch.float32).to(dtype)
-    b = torch.randn(n, n, dtype=torch.float32).to(dtype)
-    timed = time_interleaved({"mm": lambda: torch.mm(a, b)}, warmup, repeats)["mm"]
-    return {"n": n, "median_s": timed["median_s"], "flops_per_s": 2 * n**3 / timed["median_s"]}
+    """Measured peak FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on CPU (2 n^3 FLOPs per call), median of
+    repeats: the trainer's own measurement (:func:`spider_training.throughput.measured_matmul_flops`)."""
+    return measured_matmul_flops("cpu", dtype, n=n, warmup=warmup, repeats=repeats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -105,7 +105,8 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
 
             calls[f"spider_loops{loops}" + ("_act_early_exit" if early_exit else "")] = call
     caches = ("dynamic", "static", "static_compiled") if compile_static else ("dynamic", "static")
-    for name, peer in peer_models(spider.config).items():
+    peers = peer_models(spider.config)
+    for name, peer in peers.items():
         for cache in caches:
 
             def call(peer=peer, cache=cache):
@@ -131,7 +132,7 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
         "best_peer_bytes_per_s": {k: round(v, 2) for k, v in best.items()},
         "parameters": {
             "spider": num_params(spider),
-            **{k: num_params(m) for k, m in peer_models(spider.config).items()},
+            **{k: num_params(m) for k, m in peers.items()},
         },
     }
 

@@ -236,19 +236,24 @@ def save_folder_atomically(final: str | os.PathLike, write) -> Path:
 DATA_LAYOUT_NAME = "spider_data_layout.json"
 
 
-def write_data_layout(folder: str | os.PathLike, world_size: int, per_device_batch: int, accumulation: int) -> None:
-    """Record in checkpoint `folder` the data layout of the run writing it: processes, windows per process and
-    micro-batch, micro-batches per optimizer step (:data:`DATA_LAYOUT_NAME`)."""
-    layout = {
-        "world_size": world_size,
-        "per_device_train_batch_size": per_device_batch,
-        "gradient_accumulation_steps": accumulation,
+def data_layout(args) -> dict[str, int]:
+    """How a run with ``TrainingArguments`` `args` splits the data: processes, windows per process and micro-batch,
+    micro-batches per optimizer step (what :data:`DATA_LAYOUT_NAME` records)."""
+    return {
+        "world_size": args.world_size,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
     }
+
+
+def write_data_layout(folder: str | os.PathLike, layout: dict[str, int]) -> None:
+    """Record in checkpoint `folder` the :func:`data_layout` of the run writing it (:data:`DATA_LAYOUT_NAME`)."""
     (Path(folder) / DATA_LAYOUT_NAME).write_text(json.dumps(layout, indent=1) + "\n", encoding="utf-8")
 
 
-def check_data_layout(folder: str | os.PathLike, world_size: int, per_device_batch: int, accumulation: int) -> None:
-    """Refuse to resume from checkpoint `folder` with another data layout than the run that wrote it.
+def check_data_layout(folder: str | os.PathLike, layout: dict[str, int]) -> None:
+    """Refuse to resume from checkpoint `folder` with another :func:`data_layout` (`layout`) than the run that wrote
+    it.
 
     The windows a step trains on follow the process count, the micro-batch and the accumulation (Trainer's sampler
     splits the shuffled order across processes and skips the consumed batches by count), so resuming with any of them
@@ -261,12 +266,7 @@ def check_data_layout(folder: str | os.PathLike, world_size: int, per_device_bat
     path = Path(folder) / DATA_LAYOUT_NAME
     if not path.is_file():
         return
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    now = {
-        "world_size": world_size,
-        "per_device_train_batch_size": per_device_batch,
-        "gradient_accumulation_steps": accumulation,
-    }
+    saved, now = json.loads(path.read_text(encoding="utf-8")), layout
     if saved != now:
 
         def describe(layout: dict) -> str:

@@ -547,12 +547,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
             state_dict = fp8_to_plain_state_dict(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
         super()._save(output_dir, state_dict=state_dict)
 
-    def _data_layout(self) -> tuple[int, int, int]:
-        """Processes, windows per process and micro-batch, micro-batches per optimizer step."""
-        return (self.args.world_size, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps)
-
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        checkpointing.check_data_layout(resume_from_checkpoint, *self._data_layout())
+        checkpointing.check_data_layout(resume_from_checkpoint, checkpointing.data_layout(self.args))
         if self.args.should_save and checkpointing.convert_older_checkpoint(resume_from_checkpoint):
             logger.info(
                 "%s: an older checkpoint's weights, rewritten in today's layout and names", resume_from_checkpoint
@@ -607,7 +603,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if self.args.should_save:
             name = f"checkpoint-{self.state.global_step}"
             checkpointing.write_data_layout(
-                os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), *self._data_layout()
+                os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name), checkpointing.data_layout(self.args)
             )
             if self.args.torch_compile:  # a warm start for a resumed run and each of its ranks
                 save_compile_artifacts(os.path.join(run_dir, checkpointing.STAGING_DIRNAME, name))
