@@ -156,3 +156,31 @@ def per_expert_state_dict(state: dict) -> dict:
         elif not key.endswith(".mlp.experts.down_proj"):
             out[key] = value.clone()
     return out
+
+
+def cpu_trainer(output_dir, model=None, train_dataset=None, trainer_kwargs: dict | None = None, **training_args):
+    """A ``SpiderTrainer`` on this CPU for a test: `model` (default :func:`tiny_model`) on `train_dataset` (default
+    32-byte ``mock`` windows), one step of 2 windows, no evaluation, saving, reporting or signal handlers unless
+    `training_args` (``TrainingArguments`` fields) say otherwise; `trainer_kwargs` go to ``SpiderTrainer``."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from spider_training.data import build_dataset
+    from spider_training.trainer import SpiderTrainer
+
+    defaults = dict(
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        eval_strategy="no",
+        save_strategy="no",
+        remove_unused_columns=False,
+    )
+    args = TrainingArguments(output_dir=str(output_dir), **{**defaults, **training_args})
+    return SpiderTrainer(
+        model=tiny_model() if model is None else model,
+        args=args,
+        train_dataset=build_dataset("mock", 32) if train_dataset is None else train_dataset,
+        data_collator=default_data_collator,
+        **{"stop_signals": (), **(trainer_kwargs or {})},
+    )

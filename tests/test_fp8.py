@@ -459,33 +459,18 @@ def test_the_committed_table_loads_and_bad_tables_are_named(tmp_path):
 def test_trainer_trains_in_high_precision_when_no_layer_pays(tmp_path, caplog):
     """``--precision fp8`` where the table shows no layer paying at this batch: nothing is converted and the run
     trains in its high precision with a warning that cites the table."""
-    from transformers import TrainingArguments, default_data_collator
-
     from spider_training.data import build_dataset
-    from spider_training.trainer import SpiderTrainer
+    from tests.helpers import cpu_trainer
 
     model = tiny_model()
-    dataset = build_dataset("mock", 64)
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"gpus": {}}))
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to="none",
-        max_steps=1,
-        per_device_train_batch_size=2,
-        eval_strategy="no",
-        save_strategy="no",
-    )
     with caplog.at_level("WARNING"):
-        trainer = SpiderTrainer(
+        trainer = cpu_trainer(
+            tmp_path,
             model=model,
-            args=args,
-            train_dataset=dataset,
-            data_collator=default_data_collator,
-            precision="fp8",
-            fp8_gemm_table=str(table),
-            stop_signals=(),
+            train_dataset=build_dataset("mock", 64),
+            trainer_kwargs=dict(precision="fp8", fp8_gemm_table=str(table)),
         )
     assert trainer.precision == "fp32" and not trainer.fp8_report.converted
     assert not any(isinstance(m, Float8Linear) for m in model.modules())

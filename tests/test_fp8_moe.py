@@ -398,31 +398,12 @@ def test_trainer_trains_fp8_experts_and_writes_a_plain_checkpoint(tmp_path, fp8_
     hardware check answers as on an SM90 GPU with triton, and the FP8 op is the emulated double. The experts train
     through the FP8 grouped GEMM, and the checkpoint Trainer writes holds the plain trained tensors and loads into a
     plain model."""
-    from transformers import TrainingArguments, default_data_collator
-
-    from spider_training.data import build_dataset
-    from spider_training.trainer import SpiderTrainer
+    from tests.helpers import cpu_trainer
 
     model = tiny_model(seed=0)
     initial = model.model.recurrent_block.layers[0].mlp.experts.gate_up_proj.detach().clone()
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to="none",
-        max_steps=2,
-        per_device_train_batch_size=2,
-        remove_unused_columns=False,
-        save_strategy="steps",
-        save_steps=2,
-        eval_strategy="no",
-    )
-    trainer = SpiderTrainer(
-        model=model,
-        args=args,
-        train_dataset=build_dataset("mock", 32),
-        data_collator=default_data_collator,
-        precision="fp8",
-        stop_signals=(),
+    trainer = cpu_trainer(
+        tmp_path, model=model, max_steps=2, save_strategy="steps", save_steps=2, trainer_kwargs={"precision": "fp8"}
     )
     assert (
         sum(fqn.endswith("mlp.experts") for fqn in trainer.fp8_report.converted) == model.config.num_recurrent_layers

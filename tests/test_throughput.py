@@ -10,7 +10,7 @@ import torch
 
 from spider_training import throughput
 from spider_training.throughput import ThroughputMeter, count_flops, peak_flops
-from tests.helpers import tiny_model
+from tests.helpers import cpu_trainer, tiny_model
 
 
 def test_count_flops_counts_matmuls_forward_and_backward_and_grouped_mm():
@@ -84,26 +84,11 @@ def test_meter_scales_the_counted_micro_batch_by_the_micro_batches_since_the_las
 def test_a_training_run_logs_flops_and_mfu_at_every_logging_step(tmp_path):
     """The issue's target: a 20-step tiny run's logs carry ``mfu`` and ``flops_per_step`` at every logging step,
     and the counted FLOPs are those of one of its micro-batches (forward and backward) times the accumulation."""
-    from transformers import TrainingArguments, default_data_collator
-
     from spider_training.data import build_dataset
-    from spider_training.trainer import SpiderTrainer
 
     dataset = build_dataset("mock", 32)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to="none",
-        max_steps=20,
-        logging_steps=5,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        eval_strategy="no",
-        save_strategy="no",
-        remove_unused_columns=False,
-    )
-    trainer = SpiderTrainer(
-        model=tiny_model(), args=args, train_dataset=dataset, data_collator=default_data_collator, stop_signals=()
+    trainer = cpu_trainer(
+        tmp_path, train_dataset=dataset, max_steps=20, logging_steps=5, gradient_accumulation_steps=2
     )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]

@@ -754,35 +754,12 @@ def test_resume_with_another_data_layout_is_refused(tmp_path):
     """Issue 67 D3: a checkpoint records its run's processes, micro-batch and accumulation; resuming with another
     layout (here: one process resuming a two-process checkpoint, or another micro-batch) would skip and repeat windows,
     so it is refused with a message naming both layouts; the same layout resumes."""
-    from transformers import TrainingArguments, default_data_collator
-
-    from configuration_spider import SpiderConfig
-    from modeling_spider import SpiderForConditionalGeneration
     from spider_training.checkpointing import DATA_LAYOUT_NAME
-    from spider_training.data import build_dataset
-    from spider_training.trainer import SpiderTrainer
+    from tests.helpers import cpu_trainer
 
-    dataset = build_dataset("mock", 32)
-
-    def trainer(batch: int, steps: int) -> SpiderTrainer:
-        torch.manual_seed(0)
-        args = TrainingArguments(
-            output_dir=str(tmp_path),
-            use_cpu=True,
-            report_to="none",
-            max_steps=steps,
-            per_device_train_batch_size=batch,
-            save_strategy="steps",
-            save_steps=1,
-            eval_strategy="no",
-            remove_unused_columns=False,
-        )
-        return SpiderTrainer(
-            model=SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny")),
-            args=args,
-            train_dataset=dataset,
-            data_collator=default_data_collator,
-            stop_signals=(),
+    def trainer(batch: int, steps: int):
+        return cpu_trainer(
+            tmp_path, max_steps=steps, per_device_train_batch_size=batch, save_strategy="steps", save_steps=1
         )
 
     trainer(2, 1).train()
