@@ -14,11 +14,12 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   layer, so nothing grows faster). Segments close at the boundary prior's rate (a fixed stride of
   ``round(1 / boundary_prior)`` bytes, the rate training holds them to), and the recurrent block runs the most loops
   a training step runs with the default arguments (``n_loops + extra_train_loops``,
-  :class:`spider_training.arguments.SpiderArguments`), the step that sets the peak. With activation checkpointing
-  (``gradient_checkpointing_enable``; every prelude, recurrent and coda layer is a ``GradientCheckpointingLayer``)
-  what stays is what the non-checkpointed parts save, the inputs of every checkpointed layer call, and one layer's
-  activations while it is recomputed in the backward pass (the largest, measured per layer call). Activations are
-  measured in fp32 (the CPU run) and reported for bf16 autocast at half that (FP8 saves its inputs in bf16 too).
+  :class:`spider_training.arguments.SpiderTrainingArguments`), the step that sets the peak. With activation
+  checkpointing (``gradient_checkpointing_enable``; every prelude, recurrent and coda layer is a
+  ``GradientCheckpointingLayer``) what stays is what the non-checkpointed parts save, the inputs of every checkpointed
+  layer call, and one layer's activations while it is recomputed in the backward pass (the largest, measured per layer
+  call). Activations are measured in fp32 (the CPU run) and reported for bf16 autocast at half that (FP8 saves its
+  inputs in bf16 too).
   Measured on an H200 (docs/results.md, after the plan) a step held 1.5x these activations with checkpointing and
   1.7x without: autocast also keeps the fp32 inputs of what it casts, and the experts' bf16 weight copies.
 - **FLOPs per training step** of one sequence: counted by ``FlopCounterMode``
@@ -133,10 +134,11 @@ class SavedActivations:
 
 def training_loops_max(preset: str) -> int:
     """The most recurrent loops a training step of `preset` runs with the default arguments: the preset's ``n_loops``
-    plus ``SpiderArguments.extra_train_loops`` (each step draws its count from ``n_loops .. n_loops + extra``)."""
-    from spider_training.arguments import SpiderArguments
+    plus ``SpiderTrainingArguments.extra_train_loops`` (each step draws its count from ``n_loops .. n_loops +
+    extra``)."""
+    from spider_training.arguments import SpiderTrainingArguments
 
-    return spider_config(preset).n_loops + SpiderArguments().extra_train_loops
+    return spider_config(preset).n_loops + SpiderTrainingArguments.extra_train_loops
 
 
 def probe(preset: str, length: int, seed: int = 0, n_loops: int | None = None) -> dict[str, float]:

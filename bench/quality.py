@@ -107,11 +107,11 @@ def suite() -> dict:
 
 
 def training_arguments(recipe: Recipe, output_dir: str, evaluate: bool = True):
-    """``(SpiderArguments, TrainingArguments)`` of ``train_hf.py`` for `recipe`, parsed by its own parser
-    (:func:`spider_training.arguments.parse_args`), so that every setting the recipe does not name is the main job's.
-    No checkpoints; logs every 10 steps (fewer where the last tenth of the steps is not a multiple of 10: :func:`fit`
-    averages the logged training loss over it); `evaluate`: the main job's held-out evaluation every tenth of the
-    steps (Spider models only)."""
+    """The :class:`~spider_training.arguments.SpiderTrainingArguments` of ``train_hf.py`` for `recipe`, parsed by its
+    own parser (:func:`spider_training.arguments.parse_args`), so that every setting the recipe does not name is the
+    main job's. No checkpoints; logs every 10 steps (fewer where the last tenth of the steps is not a multiple of 10:
+    :func:`fit` averages the logged training loss over it); `evaluate`: the main job's held-out evaluation every tenth
+    of the steps (Spider models only)."""
     from spider_training.arguments import parse_args
 
     argv = [
@@ -151,10 +151,10 @@ def training_arguments(recipe: Recipe, output_dir: str, evaluate: bool = True):
         *(["--eval_steps", str(recipe.eval_steps)] if recipe.eval_steps else []),
         *([] if evaluate and recipe.eval_steps != 0 else ["--eval_strategy", "no"]),
     ]
-    spider, args = parse_args(argv)
+    args = parse_args(argv)
     if recipe.min_lr_rate != args.lr_scheduler_kwargs.get("min_lr_rate"):
         args.lr_scheduler_kwargs = {**args.lr_scheduler_kwargs, "min_lr_rate": recipe.min_lr_rate}
-    return spider, args
+    return args
 
 
 @functools.cache
@@ -215,7 +215,7 @@ def fit(
     output_dir = tempfile.mkdtemp(prefix="quality-")
     clock = clock or StepClock(eval_windows, recipe.eval_every)
     try:
-        spider, args = training_arguments(recipe, output_dir, evaluate=is_spider)
+        args = training_arguments(recipe, output_dir, evaluate=is_spider)
         evaluate = args.eval_strategy != "no"
         train_dataset, eval_dataset = sotu_datasets(recipe.seq_len)
         extra = {"train_dataset": train_dataset, "eval_dataset": eval_dataset if evaluate else None}
@@ -224,7 +224,7 @@ def fit(
             extra["lr_scale_of"] = lambda name: 1.0 if name.startswith(BYTE_LAYERS) else scale
         if is_spider and recipe.loop_counts:
             extra["train_loop_counts"] = tuple(recipe.loop_counts)
-        trainer = build_trainer(spider, args, model, callbacks=[clock], stop_signals=(), **extra)
+        trainer = build_trainer(args, model, callbacks=[clock], stop_signals=(), **extra)
         trainer.remove_callback(PrinterCallback)  # the logs stay in log_history; stdout carries the rows
         if evaluate:  # as the main job: the held-out figure before training
             trainer.evaluate(metric_key_prefix="eval_before")

@@ -1,4 +1,5 @@
-"""Command line of ``train_hf.py``: ``TrainingArguments`` plus Spider's own fields, with tk-train.py's flags.
+"""Settings of a training run: :class:`SpiderTrainingArguments` (``TrainingArguments`` plus Spider's own fields) and
+``train_hf.py``'s command line over it, with tk-train.py's flags.
 
 The original training script, ``tk-train.py``, took ``--seq_len --micro_batch --grad_accum --n_loops --lr --precision
 --compile --resume --reset_steps --ckpt_dir --data_dir --mock_data --max_steps --no_gradient_checkpointing`` and the
@@ -12,6 +13,7 @@ tk-train.py did: ``steps = TARGET_TOKENS // (world_size * micro_batch * grad_acc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -29,6 +31,7 @@ from configuration_spider import SPIDER_PRESETS, SpiderConfig
 from .compile import compile_by_default
 from .data import is_hub_repo_id
 from .fp8 import FP8_EXPERTS_MODES, FP8_LAYER_FILTERS, resolve_precision
+from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from .optim import DEFAULT_MUON_LR
 from .sdpa import check_sdpa_backend
 
@@ -37,11 +40,19 @@ logger = logging.getLogger(__name__)
 # Defaults of the no-argument run: the small preset on the embedded corpus, ~5 minutes on 2 CPU cores.
 DEFAULT_MAX_STEPS = 500
 DEFAULT_OUTPUT_DIR = "runs/spider-small"
+DEFAULT_SEQ_LEN = 256
 
 
 @dataclass
-class SpiderArguments:
-    """Spider's own training fields (everything else is a ``TrainingArguments`` field)."""
+class SpiderTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus Spider's own training fields, each with its help text: the one settings object of a
+    run. :func:`parse_args` fills it from the command line (``HfArgumentParser``) and
+    :class:`~spider_training.trainer.SpiderTrainer` reads its settings from it (``self.args``), as TRL's ``SFTConfig``
+    extends ``TrainingArguments`` for its trainer. Built directly, each field keeps its default here; the command
+    line's defaults that depend on other fields (``--muon_lr``, ``max_steps``, warmup, compile, ...) are
+    :func:`parse_args`' (``muon_lr=None`` is AdamW for every parameter).
+
+    Raises: ValueError / FileNotFoundError from :func:`check_spider_fields`, naming the flag."""
 
     preset: str = field(default="small", metadata={"help": "model preset: tiny, small, 1b (SpiderConfig.from_preset)"})
     config_overrides: str | None = field(
@@ -78,11 +89,11 @@ class SpiderArguments:
     eval_from_year: int = field(default=2000, metadata={"help": "sotu: speeches from this year on are held out"})
     eval_windows: int = field(default=64, metadata={"help": "held-out windows scored for bits-per-byte"})
     max_consecutive_nonfinite: int = field(
-        default=10,
+        default=DEFAULT_MAX_CONSECUTIVE_NONFINITE,
         metadata={"help": "optimizer steps with a NaN/inf loss or gradient skipped in a row before the run stops"},
     )
     seq_len: int | None = field(
-        default=None, metadata={"help": "bytes per training window (env SEQ_LEN; default 256)"}
+        default=DEFAULT_SEQ_LEN, metadata={"help": "bytes per training window (env SEQ_LEN; default 256)"}
     )
     micro_batch: int | None = field(
         default=None,
@@ -222,12 +233,27 @@ class SpiderArguments:
     )
     sample_bytes: int = field(default=96, metadata={"help": "bytes generated for the sample"})
 
+    def __post_init__(self):
+        check_spider_fields(self)
+        super().__post_init__()
+
+
+def spider_training_arguments(args: TrainingArguments | None) -> SpiderTrainingArguments:
+    """`args` as :class:`SpiderTrainingArguments`: itself; a plain ``TrainingArguments``' fields with Spider's at their
+    defaults (as TRL's trainers convert ``TrainingArguments`` into their config); None: every default (output folder
+    ``trainer_output``, as ``Trainer``'s own). Raises ValueError for a field that fails ``__post_init__``."""
+    if isinstance(args, SpiderTrainingArguments):
+        return args
+    if args is None:
+        return SpiderTrainingArguments()
+    return SpiderTrainingArguments(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
+
 
 class TkTrainFlag(NamedTuple):
-    """One flag of tk-train.py (a :class:`SpiderArguments` field of the same name): the environment variable it read
-    (``env``, parsed with ``cast``) when the flag is not given, the fields a given value sets (``TrainingArguments``
-    fields; ``"data"`` is Spider's own) through ``convert``, and ``default``, the first field's value when neither the
-    flag, its variable nor that field's own flag is given (``None``: the field's own default)."""
+    """One flag of tk-train.py (a :class:`SpiderTrainingArguments` field of the same name): the environment variable
+    it read (``env``, parsed with ``cast``) when the flag is not given, the fields a given value sets (through
+    ``convert``), and ``default``, their value when neither the flag, its variable nor the field's own flag is given
+    (``None``: the field's own default)."""
 
     env: str | None = None
     cast: type = int
@@ -239,7 +265,7 @@ class TkTrainFlag(NamedTuple):
 #: tk-train.py's flags -> what they set, read by :func:`parse_args` in this order (``--mock_data`` after
 #: ``--data_dir``: it wins). ``--seq_len``/``--n_loops``/``--target_tokens`` set only Spider's own fields.
 TK_TRAIN_FLAGS: dict[str, TkTrainFlag] = {
-    "seq_len": TkTrainFlag("SEQ_LEN", default=256),
+    "seq_len": TkTrainFlag("SEQ_LEN", default=DEFAULT_SEQ_LEN),
     "micro_batch": TkTrainFlag("MICRO_BATCH", sets=("per_device_train_batch_size",), default=16),
     "grad_accum": TkTrainFlag("GRAD_ACCUM", sets=("gradient_accumulation_steps",), default=1),
     "n_loops": TkTrainFlag("N_LOOPS"),
@@ -301,41 +327,98 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
     raise FileNotFoundError(f"{flag} {value}: no such folder")
 
 
-def _resolve_muon_lr(spider: SpiderArguments, training: dict) -> float:
+def _resolve_muon_lr(values: dict) -> float:
     """``--muon_lr``, or its default: :data:`DEFAULT_MUON_LR`, but 0 (AdamW everywhere) with ``--adamw_8bit``, a
     non-default ``--optim`` or FSDP (``--fsdp`` or accelerate's ``ACCELERATE_USE_FSDP``), which Muon does not
-    combine with here (FSDP's sharded optimizer checkpoints expect one torch optimizer's state dict).
+    combine with here (FSDP's sharded optimizer checkpoints expect one torch optimizer's state dict). `values`: the
+    parsed fields by name.
 
-    Raises: ValueError for a negative or non-finite value, or an explicit one combined with any of those."""
-    fsdp = bool(training.get("fsdp")) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-    other_optimizer = training.get("optim") not in (None, "adamw_torch")
+    Raises: ValueError for an explicit value combined with any of those."""
+    fsdp = bool(values.get("fsdp")) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    other_optimizer = values.get("optim") not in (None, "adamw_torch")
     conflict = (
         "--adamw_8bit"
-        if spider.adamw_8bit
-        else f"--optim {training.get('optim')}"
+        if values["adamw_8bit"]
+        else f"--optim {values.get('optim')}"
         if other_optimizer
         else "FSDP"
         if fsdp
         else None
     )
-    if spider.muon_lr is None:
+    muon_lr = values["muon_lr"]
+    if muon_lr is None:
         return 0.0 if conflict else DEFAULT_MUON_LR
-    if not (math.isfinite(spider.muon_lr) and spider.muon_lr >= 0):
+    if muon_lr > 0 and conflict:
         raise ValueError(
-            f"--muon_lr must be a finite number >= 0 (0: AdamW for every parameter), got {spider.muon_lr}"
-        )
-    if spider.muon_lr > 0 and conflict:
-        raise ValueError(
-            f"--muon_lr {spider.muon_lr} cannot be combined with {conflict}: Muon trains the hidden "
+            f"--muon_lr {muon_lr} cannot be combined with {conflict}: Muon trains the hidden "
             "matrices with its own optimizer state; pass --muon_lr 0 to train every parameter with "
             f"{'the chosen optimizer' if conflict != 'FSDP' else 'AdamW'}"
         )
-    return spider.muon_lr
+    return muon_lr
+
+
+def _check_size(attr: str, value, origin: str = "") -> None:
+    """An int setting must be >= 1, a float one finite and > 0. Raises ValueError naming ``--attr`` and `origin`."""
+    if isinstance(value, float) and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--{attr} must be a finite number > 0, got {value}{origin}")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"--{attr} must be >= 1, got {value}{origin}")
+
+
+def check_spider_fields(args) -> None:
+    """Check Spider's own fields of `args` (a :class:`SpiderTrainingArguments`, or the parser's namespace before it
+    is built): sizes, choices, files and their combinations, each error naming the flag.
+
+    Raises:
+        ValueError: a non-positive size or learning rate, a negative ``--extra_train_loops`` / ``--sample_bytes`` /
+            ``--muon_lr``, an unknown preset/precision/recipe/SDPA backend/layer filter/expert mode, a missing
+            ``--fp8_gemm_table``, ``--reset_steps`` without ``--resume``, ``--compile`` with ``--no_compile``,
+            ``--resume`` / ``--init_from`` naming a file (a tk-train.py ``.pt``), a ``--config_overrides`` item
+            that is malformed, names no config field or gives it a bad value.
+        FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
+    """
+    for attr in ("seq_len", "micro_batch", "grad_accum", "n_loops", "lr", "target_tokens", "ckpt_every"):
+        if getattr(args, attr) is not None:
+            _check_size(attr, getattr(args, attr))
+    _check_size("eval_windows", args.eval_windows)
+    for attr in ("extra_train_loops", "sample_bytes"):
+        if getattr(args, attr) < 0:
+            raise ValueError(f"--{attr} must be >= 0, got {getattr(args, attr)}")
+    if args.muon_lr is not None and not (math.isfinite(args.muon_lr) and args.muon_lr >= 0):
+        raise ValueError(f"--muon_lr must be a finite number >= 0 (0: AdamW for every parameter), got {args.muon_lr}")
+    check_sdpa_backend(args.sdpa_backend)
+    if args.preset not in SPIDER_PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(SPIDER_PRESETS)}; got {args.preset!r}")
+    if args.config_overrides and not (args.init_from or args.reset_steps):
+        # checked against the preset before anything runs (with --init_from, against the loaded config at build time)
+        try:
+            SpiderConfig.from_preset(args.preset).update_from_string(args.config_overrides)
+        except (ValueError, TypeError, StrictDataclassError) as err:
+            raise ValueError(f"--config_overrides {args.config_overrides!r}: {err}") from None
+    if args.precision not in ("auto", "fp8", "bf16", "fp32"):
+        raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {args.precision!r}")
+    if args.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {args.fp8_recipe!r}")
+    if args.text_sample_by not in ("document", "paragraph", "line"):
+        raise ValueError(f"--text_sample_by must be document, paragraph or line; got {args.text_sample_by!r}")
+    if args.fp8_layers not in FP8_LAYER_FILTERS:
+        raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}; got {args.fp8_layers!r}")
+    if args.fp8_experts not in FP8_EXPERTS_MODES:
+        raise ValueError(f"--fp8_experts must be one of {FP8_EXPERTS_MODES}; got {args.fp8_experts!r}")
+    if args.fp8_gemm_table is not None and not Path(args.fp8_gemm_table).is_file():
+        raise ValueError(f"--fp8_gemm_table {args.fp8_gemm_table}: no such file")
+    if args.reset_steps and not args.resume:
+        raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
+    if args.compile and args.no_compile:
+        raise ValueError("--compile and --no_compile contradict each other: give one")
+    _check_weights_path("--resume", args.resume, local_only=True)
+    _check_weights_path("--init_from", args.init_from, local_only=False)
 
 
 def build_parser() -> HfArgumentParser:
-    """The ``HfArgumentParser`` over (SpiderArguments, TrainingArguments) with Spider's defaults set."""
-    parser = HfArgumentParser((SpiderArguments, TrainingArguments), description=__doc__)
+    """The ``HfArgumentParser`` over :class:`SpiderTrainingArguments` with Spider's defaults set (the command
+    line's: ``None`` where :func:`parse_args` fills the value in)."""
+    parser = HfArgumentParser(SpiderTrainingArguments, description=__doc__)
     parser.set_defaults(
         output_dir=None,
         learning_rate=None,
@@ -357,153 +440,109 @@ def build_parser() -> HfArgumentParser:
         eval_strategy="steps",
         eval_steps=None,
         hub_strategy="checkpoint",  # with --push_to_hub, each checkpoint also goes to last-checkpoint/ (resumable)
+        seq_len=None,  # SEQ_LEN when the flag is not given, then TK_TRAIN_FLAGS' default
     )
     return parser
 
 
-def parse_args(
-    argv: list[str] | None = None, world_size: int | None = None
-) -> tuple[SpiderArguments, TrainingArguments]:
-    """Parse the command line (and env vars) into ``(SpiderArguments, TrainingArguments)``.
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> SpiderTrainingArguments:
+    """Parse the command line (and tk-train.py's environment variables) into :class:`SpiderTrainingArguments`:
+    :data:`TK_TRAIN_FLAGS` applied, then the run's derived defaults (:func:`_set_run_defaults`) and the compile
+    choice (:func:`_set_compile`). `world_size`: for ``TARGET_TOKENS`` (default: ``WORLD_SIZE`` or 1).
 
     Raises:
-        ValueError: a bad env var value (names the variable), an unknown preset/precision/recipe/SDPA backend, a
-            non-positive size or learning rate (names the flag, and the env var it came from), ``--max_steps`` < 1
-            other than -1,
-            ``--reset_steps`` without ``--resume``, ``--resume`` / ``--init_from`` naming a file (a tk-train.py
-            ``.pt``), a
-            ``--config_overrides`` item that is malformed, names no config field or gives it a bad value.
+        ValueError: a bad environment variable (names it), what :func:`check_spider_fields` refuses, a non-positive
+            ``--learning_rate``, ``--max_steps`` < 1 other than -1, ``--muon_lr`` with an optimizer it does not
+            combine with, ``--precision fp8`` with ``--no_compile`` on CUDA without ``--allow_eager_fp8``.
         FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
         SystemExit: argparse errors (unknown flags, wrong types), with argparse's message on stderr naming the flag.
     """
-    parser = build_parser()
-    namespace = parser.parse_args(argv)
+    namespace = build_parser().parse_args(argv)
+    for attr, flag in TK_TRAIN_FLAGS.items():  # a flag wins over its environment variable
+        if flag.env is not None and getattr(namespace, attr) is None:
+            value = _from_env(flag.env, flag.cast)
+            if value is not None:
+                _check_size(attr, value, f" (from environment variable {flag.env})")
+                setattr(namespace, attr, value)
+    if namespace.seq_len is None:
+        namespace.seq_len = TK_TRAIN_FLAGS["seq_len"].default
+    check_spider_fields(namespace)  # before anything below reads them; SpiderTrainingArguments checks them again
+    if namespace.learning_rate is not None:
+        _check_size("learning_rate", namespace.learning_rate)
+    if namespace.max_steps is not None and namespace.max_steps != -1 and namespace.max_steps < 1:
+        raise ValueError(f"--max_steps must be >= 1 (or -1: not set), got {namespace.max_steps}")
     values = vars(namespace)
-    spider_fields = {f for f in SpiderArguments.__dataclass_fields__}
-    spider = SpiderArguments(**{k: v for k, v in values.items() if k in spider_fields})
-    from_env = {}
-    for attr, flag in TK_TRAIN_FLAGS.items():
-        if flag.env is not None and getattr(spider, attr) is None:
-            setattr(spider, attr, _from_env(flag.env, flag.cast))
-            if getattr(spider, attr) is not None:
-                from_env[attr] = flag.env
-    if spider.seq_len is None:
-        spider.seq_len = TK_TRAIN_FLAGS["seq_len"].default
-
-    def origin(attr: str) -> str:
-        return f" (from environment variable {from_env[attr]})" if attr in from_env else ""
-
-    for attr in (
-        "seq_len",
-        "micro_batch",
-        "grad_accum",
-        "n_loops",
-        "target_tokens",
-        "ckpt_every",
-        "eval_windows",
-        "sample_bytes",
-    ):
-        value = getattr(spider, attr)
-        if value is not None and value < 1 and not (attr == "sample_bytes" and value == 0):
-            raise ValueError(f"--{attr} must be >= 1, got {value}{origin(attr)}")
-    if spider.extra_train_loops < 0:
-        raise ValueError(f"--extra_train_loops must be >= 0, got {spider.extra_train_loops}")
-    for attr, value in (("lr", spider.lr), ("learning_rate", values.get("learning_rate"))):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{attr} must be a finite number > 0, got {value}{origin(attr)}")
-    max_steps_flag = values.get("max_steps")
-    if max_steps_flag is not None and max_steps_flag != -1 and max_steps_flag < 1:
-        raise ValueError(f"--max_steps must be >= 1 (or -1: not set), got {max_steps_flag}")
-    check_sdpa_backend(spider.sdpa_backend)
-    if spider.preset not in SPIDER_PRESETS:
-        raise ValueError(f"--preset must be one of {sorted(SPIDER_PRESETS)}; got {spider.preset!r}")
-    if spider.config_overrides and not (spider.init_from or spider.reset_steps):
-        # checked against the preset before anything runs (with --init_from, against the loaded config at build time)
-        try:
-            SpiderConfig.from_preset(spider.preset).update_from_string(spider.config_overrides)
-        except (ValueError, TypeError, StrictDataclassError) as err:
-            raise ValueError(f"--config_overrides {spider.config_overrides!r}: {err}") from None
-    if spider.precision not in ("auto", "fp8", "bf16", "fp32"):
-        raise ValueError(f"--precision must be one of auto, fp8, bf16, fp32; got {spider.precision!r}")
-    if spider.fp8_recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
-        raise ValueError(f"--fp8_recipe must be tensorwise, rowwise or rowwise_with_gw_hp; got {spider.fp8_recipe!r}")
-    if spider.text_sample_by not in ("document", "paragraph", "line"):
-        raise ValueError(f"--text_sample_by must be document, paragraph or line; got {spider.text_sample_by!r}")
-    if spider.fp8_layers not in FP8_LAYER_FILTERS:
-        raise ValueError(f"--fp8_layers must be one of {FP8_LAYER_FILTERS}; got {spider.fp8_layers!r}")
-    if spider.fp8_gemm_table is not None and not Path(spider.fp8_gemm_table).is_file():
-        raise ValueError(f"--fp8_gemm_table {spider.fp8_gemm_table}: no such file")
-    if spider.fp8_experts not in FP8_EXPERTS_MODES:
-        raise ValueError(f"--fp8_experts must be one of {FP8_EXPERTS_MODES}; got {spider.fp8_experts!r}")
-    if spider.reset_steps and not spider.resume:
-        raise ValueError("--reset_steps needs --resume PATH (the weights to start from)")
-    _check_weights_path("--resume", spider.resume, local_only=True)
-    _check_weights_path("--init_from", spider.init_from, local_only=False)
-
-    training = {k: v for k, v in values.items() if k not in spider_fields}
-    for attr, flag in TK_TRAIN_FLAGS.items():
-        value = getattr(spider, attr)  # sizes and rates validated above
+    for attr, flag in TK_TRAIN_FLAGS.items():  # the tk-train.py flag, else its field's own flag, else the default
         for name in flag.sets:
-            target = vars(spider) if name in spider_fields else training
-            if value:
-                target[name] = flag.convert(value)
-            elif flag.default is not None and not target.get(name):
-                target[name] = flag.default
-    if spider.adamw_8bit:
-        training["optim"] = "adamw_bnb_8bit"
-    spider.muon_lr = _resolve_muon_lr(spider, training)
-    if training.get("gradient_checkpointing") is None and training.get("activation_checkpointing") is None:
-        # On for tk-train.py's 1B model, as tk-train.py trains it. The CPU presets need no memory back (the small
-        # preset
-        # peaks near 1.1 GB) and recomputing every layer's forward cost 1.38x the step
-        # (bench.activation_checkpointing),
-        # which put the default run over its 10 minutes on a slower 2-core machine.
-        training["activation_checkpointing"] = spider.preset == "1b"
+            if values[attr]:
+                values[name] = flag.convert(values[attr])
+            elif flag.default is not None and not values.get(name):
+                values[name] = flag.default
+    if values["adamw_8bit"]:
+        values["optim"] = "adamw_bnb_8bit"
+    values["muon_lr"] = _resolve_muon_lr(values)
+    _set_run_defaults(values, world_size)
+    _set_compile(values)
+    return SpiderTrainingArguments(**values)
 
-    max_steps = training.get("max_steps")
-    if spider.target_tokens:
+
+def _set_run_defaults(values: dict, world_size: int | None) -> None:
+    """The defaults that depend on other fields: activation checkpointing by preset, ``max_steps`` (from
+    ``TARGET_TOKENS``, else :data:`DEFAULT_MAX_STEPS`), the schedule's floor and warmup, pinned non-blocking copies
+    on CUDA, and ``eval_steps``. Raises ValueError for ``WORLD_SIZE`` < 1."""
+    if values.get("gradient_checkpointing") is None and values.get("activation_checkpointing") is None:
+        # On for tk-train.py's 1B model, as tk-train.py trains it. The CPU presets need no memory back (the small
+        # preset peaks near 1.1 GB) and recomputing every layer's forward cost 1.38x the step
+        # (bench.activation_checkpointing), which put the default run over its 10 minutes on a slower 2-core machine.
+        values["activation_checkpointing"] = values["preset"] == "1b"
+    max_steps = values.get("max_steps")
+    if values["target_tokens"]:
         world = world_size or _from_env("WORLD_SIZE", int) or 1
         if world < 1:
             raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
         per_step = (
-            world * training["per_device_train_batch_size"] * training["gradient_accumulation_steps"] * spider.seq_len
+            world * values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] * values["seq_len"]
         )
-        steps = max(1, spider.target_tokens // per_step)
+        steps = max(1, values["target_tokens"] // per_step)
         max_steps = min(steps, max_steps) if max_steps and max_steps > 0 else steps
-    training["max_steps"] = max_steps if max_steps and max_steps > 0 else DEFAULT_MAX_STEPS
-    if training.get("lr_scheduler_kwargs") in (None, {}) and training["lr_scheduler_type"] == "cosine_with_min_lr":
-        training["lr_scheduler_kwargs"] = {"min_lr_rate": 0.1}
-    if not training.get("warmup_steps"):
-        training["warmup_steps"] = min(200, max(1, training["max_steps"] // 10))
+    values["max_steps"] = max_steps if max_steps and max_steps > 0 else DEFAULT_MAX_STEPS
+    if values.get("lr_scheduler_kwargs") in (None, {}) and values["lr_scheduler_type"] == "cosine_with_min_lr":
+        values["lr_scheduler_kwargs"] = {"min_lr_rate": 0.1}
+    if not values.get("warmup_steps"):
+        values["warmup_steps"] = min(200, max(1, values["max_steps"] // 10))
     if not _cuda_available():
-        training["dataloader_pin_memory"] = False  # pinned memory needs an accelerator (DataLoader warns otherwise)
-    elif training.get("dataloader_pin_memory", True):
+        values["dataloader_pin_memory"] = False  # pinned memory needs an accelerator (DataLoader warns otherwise)
+    elif values.get("dataloader_pin_memory", True):
         # Pinned batches copied with non_blocking, as transformers advises: a blocking host-to-device copy waits for
         # the stream (ATen's memcpy_and_sync), a host sync per tensor per micro-batch. A user's `--accelerator_config`
         # file, or a `non_blocking` entry in it, wins.
-        config = training.get("accelerator_config")
+        config = values.get("accelerator_config")
         if config is None or (isinstance(config, dict) and "non_blocking" not in config):
-            training["accelerator_config"] = {**(config or {}), "non_blocking": True}
-    if not training.get("eval_steps"):  # held-out bits per byte ten times per run (the card's held-out curve)
-        training["eval_steps"] = max(1, training["max_steps"] // 10)
-    if spider.compile and spider.no_compile:
-        raise ValueError("--compile and --no_compile contradict each other: give one")
-    fp8 = _cuda_available() and (
-        spider.precision == "fp8"
+            values["accelerator_config"] = {**(config or {}), "non_blocking": True}
+    if not values.get("eval_steps"):  # held-out bits per byte ten times per run (the card's held-out curve)
+        values["eval_steps"] = max(1, values["max_steps"] // 10)
+
+
+def _set_compile(values: dict) -> None:
+    """``torch_compile`` from ``--compile`` / ``--no_compile``, else :func:`compile_by_default`'s measured rule (FP8
+    on CUDA always compiles). Raises ValueError for ``--precision fp8`` with ``--no_compile`` on CUDA without
+    ``--allow_eager_fp8``."""
+    cuda = _cuda_available()
+    fp8 = cuda and (
+        values["precision"] == "fp8"
         or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8"
-        or spider.precision == "auto"
-        and resolve_precision("auto", spider.preset) == "fp8"
+        or values["precision"] == "auto"
+        and resolve_precision("auto", values["preset"]) == "fp8"
     )
-    if spider.no_compile and fp8 and not spider.allow_eager_fp8:
+    if values["no_compile"] and fp8 and not values["allow_eager_fp8"]:
         raise ValueError(
             "--precision fp8 with --no_compile: FP8 runs compiled (torchao's float8 gains are measured under "
             "torch.compile; eagerly, separate amax and cast kernels per matmul made a 1b step up to 14x slower than "
             "bf16 on an H200). Drop --no_compile, train in bf16, or pass --allow_eager_fp8 to run it eagerly anyway"
         )
-    if spider.no_compile:
-        training["torch_compile"] = False
-    elif not spider.compile and not training.get("torch_compile"):
-        compiled, why = compile_by_default(spider.preset, training["max_steps"], _cuda_available(), fp8=fp8)
-        training["torch_compile"] = compiled
+    if values["no_compile"]:
+        values["torch_compile"] = False
+    elif not values["compile"] and not values.get("torch_compile"):
+        compiled, why = compile_by_default(values["preset"], values["max_steps"], cuda, fp8=fp8)
+        values["torch_compile"] = compiled
         logger.info("--compile not given: %s", why)
-    return spider, TrainingArguments(**training)

@@ -32,14 +32,14 @@ LEGACY_KEY_MAPPING: dict[str, str] = {
 }
 
 
-def release_model_name(spider, hub_id: str | None, parameters: int | None) -> str:
+def release_model_name(args, hub_id: str | None, parameters: int | None) -> str:
     """The name on the release's model card (title and model-index): ``--model_name`` when given, else the name part
     of the hub id, else ``spider-<preset>-<parameters in millions>M`` (``spider-small-6.0M``)."""
-    if spider.model_name:
-        return spider.model_name
+    if args.model_name:
+        return args.model_name
     if hub_id:
         return hub_id.split("/")[-1]
-    return f"spider-{spider.preset}" + (f"-{parameters / 1e6:.1f}M" if parameters else "")
+    return f"spider-{args.preset}" + (f"-{parameters / 1e6:.1f}M" if parameters else "")
 
 
 def gather_unsharded(model):
@@ -78,7 +78,6 @@ def write_release(
     model,
     tokenizer,
     *,
-    spider,
     args,
     summary: dict,
     log_history: list[dict],
@@ -87,7 +86,7 @@ def write_release(
     """Save `model` (unwrapped; FP8 layers saved as their plain weights) and `tokenizer` with a model card.
 
     Args:
-        spider: the run's :class:`~spider_training.arguments.SpiderArguments`; args: its ``TrainingArguments``.
+        args: the run's :class:`~spider_training.arguments.SpiderTrainingArguments`.
         summary: the run's figures (bits-per-byte before/after, steps, precision, ...), shown on the card.
         log_history: ``trainer.state.log_history`` (for the loss curve).
         card_map_text: a held-out paragraph whose compute map the card shows (``compute_map.png``), or None; a map
@@ -112,25 +111,24 @@ def write_release(
             "steps": summary.get("steps"),
             "precision": summary.get("precision"),
             "moe_backend": summary.get("moe_backend"),
-            "seq_len": spider.seq_len,
+            "seq_len": args.seq_len,
             "micro_batch": args.per_device_train_batch_size,
             "grad_accum": args.gradient_accumulation_steps,
             "learning_rate": args.learning_rate,
-            "optimizer": describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
+            "optimizer": describe_optimizer(args.muon_lr, args.optim, args.muon_experts),
             "lr_scheduler": getattr(args.lr_scheduler_type, "value", str(args.lr_scheduler_type)),
-            "n_loops": training_loops(model.config.n_loops, spider.extra_train_loops),
+            "n_loops": training_loops(model.config.n_loops, args.extra_train_loops),
             "world_size": args.world_size,
         }
         data = {
-            "source": spider.data,
-            "eval": spider.eval_data
-            or (f"sotu, years >= {spider.eval_from_year:d}" if spider.data == "sotu" else None),
+            "source": args.data,
+            "eval": args.eval_data or (f"sotu, years >= {args.eval_from_year:d}" if args.data == "sotu" else None),
         }
         metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and k != "parameters"}
         metrics["parameters"] = summary.get("parameters")
         hub_id = getattr(args, "hub_model_id", None)
-        model_name = release_model_name(spider, hub_id, summary.get("parameters"))
-        sample = {"prompt": spider.sample_prompt, "text": summary["sample"]} if summary.get("sample") else None
+        model_name = release_model_name(args, hub_id, summary.get("parameters"))
+        sample = {"prompt": args.sample_prompt, "text": summary["sample"]} if summary.get("sample") else None
         write_model_card(
             folder,
             config=config,
@@ -144,7 +142,7 @@ def write_release(
             sample=sample,
             act_early_exit=summary.get("act_early_exit"),
             compute_map=card_map,
-            reference=reference_quality(spider.preset, spider.data),
+            reference=reference_quality(args.preset, args.data),
         )
 
     return save_folder_atomically(release_dir, write)

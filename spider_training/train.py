@@ -20,16 +20,14 @@ from spider_training.console import configure_logging, describe_run, import_libr
 
 import_libraries_quietly()  # before transformers imports them: their import-time warnings concern the install
 
-import torch  # noqa: E402
 from transformers import default_data_collator, set_seed  # noqa: E402
 
 from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
 from spider_training import checkpointing
-from spider_training.arguments import SpiderArguments, parse_args
+from spider_training.arguments import SpiderTrainingArguments, parse_args
 from spider_training.compute_map import held_out_paragraph
 from spider_training.data import build_dataset
-from spider_training.fp8 import resolve_precision
 from spider_training.generate import sample
 from spider_training.optim import describe_optimizer
 from spider_training.release import checked_from_pretrained, gather_unsharded, write_release
@@ -40,20 +38,20 @@ from tokenization_spider import SpiderTokenizer
 logger = logging.getLogger(__name__)
 
 
-def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
+def build_model(args: SpiderTrainingArguments) -> SpiderForConditionalGeneration:
     """A fresh model from the preset, or the weights of ``--init_from`` / ``--resume --reset_steps``; either way with
     ``--config_overrides`` applied by :meth:`SpiderConfig.update_from_string` (transformers' ``key=value,...``
     format) and ``--n_loops``."""
-    weights = spider.init_from or (spider.resume if spider.reset_steps else None)
+    weights = args.init_from or (args.resume if args.reset_steps else None)
     config = (
         checked_from_pretrained(SpiderConfig.from_pretrained, weights)
         if weights
-        else SpiderConfig.from_preset(spider.preset)
+        else SpiderConfig.from_preset(args.preset)
     )
-    if spider.config_overrides:
-        config.update_from_string(spider.config_overrides)
-    if spider.n_loops is not None:
-        config.n_loops = spider.n_loops
+    if args.config_overrides:
+        config.update_from_string(args.config_overrides)
+    if args.n_loops is not None:
+        config.n_loops = args.n_loops
     if weights:
         logger.info("loading weights from %s", weights)
         return checked_from_pretrained(SpiderForConditionalGeneration.from_pretrained, weights, config=config)
@@ -61,61 +59,42 @@ def build_model(spider: SpiderArguments) -> SpiderForConditionalGeneration:
 
 
 def build_trainer(
-    spider: SpiderArguments, args, model, *, callbacks: list | None = None, **trainer_kwargs
+    args: SpiderTrainingArguments, model, *, train_dataset=None, eval_dataset=..., **trainer_kwargs
 ) -> SpiderTrainer:
-    """The run's :class:`SpiderTrainer` for `model` (built under ``set_seed(args.seed)``): the precision resolved (bf16
-    turns on ``args.bf16``), the ``--data`` and held-out datasets built, every Spider flag passed. ``bench.quality``
-    trains its rows through this too, a dense model included; `trainer_kwargs` add to or replace SpiderTrainer's
-    arguments (its ``lr_scale_of``, ``train_loop_counts``; ``train_dataset`` / ``eval_dataset`` built beforehand,
-    ``eval_dataset=None`` for none)."""
-    precision = resolve_precision(spider.precision, spider.preset)
-    if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
-        # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
-        args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
+    """The run's :class:`SpiderTrainer` for `model` (built under ``set_seed(args.seed)``) with the ``--data`` and
+    held-out datasets built from `args` (or `train_dataset` / `eval_dataset` built beforehand, ``eval_dataset=None``
+    for none: evaluation off); every setting reaches the trainer as `args`. ``bench.quality`` trains its rows through
+    this too, a dense model included; `trainer_kwargs` are the trainer's other arguments (``callbacks``, and
+    SpiderTrainer's ``lr_scale_of``, ``train_loop_counts``, ``stop_signals``)."""
     data_kwargs = dict(
         rank=args.process_index,
         world_size=args.world_size,
         seed=args.seed,
-        text_column=spider.text_column,
-        text_sample_by=spider.text_sample_by,
-        eval_from_year=spider.eval_from_year,
+        text_column=args.text_column,
+        text_sample_by=args.text_sample_by,
+        eval_from_year=args.eval_from_year,
     )
-    train_dataset = trainer_kwargs.pop("train_dataset", None)
     if train_dataset is None:
-        train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **data_kwargs)
-    eval_dataset, eval_source = trainer_kwargs.pop("eval_dataset", ...), held_out_source(spider)
+        train_dataset = build_dataset(args.data, args.seq_len, split="train", **data_kwargs)
     if eval_dataset is ...:
-        eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None
+        eval_source = held_out_source(args)
+        eval_dataset = build_dataset(eval_source, args.seq_len, split="eval", **data_kwargs) if eval_source else None
     if eval_dataset is None:
         args = dataclasses.replace(args, eval_strategy="no")
-    kwargs = dict(
+    return SpiderTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=SpiderTokenizer(),
         data_collator=default_data_collator,
-        hub_endpoint=spider.hub_endpoint,
-        n_loops=spider.n_loops,
-        extra_train_loops=spider.extra_train_loops,
-        precision=precision,
-        fp8_recipe=spider.fp8_recipe,
-        fp8_layers=spider.fp8_layers,
-        fp8_experts=spider.fp8_experts,
-        fp8_gemm_table=spider.fp8_gemm_table,
-        eval_windows=spider.eval_windows,
-        max_consecutive_nonfinite=spider.max_consecutive_nonfinite,
-        muon_lr=spider.muon_lr,
-        muon_experts=spider.muon_experts,
-        sdpa_backend=spider.sdpa_backend,
-        callbacks=callbacks,
+        **trainer_kwargs,
     )
-    return SpiderTrainer(**{**kwargs, **trainer_kwargs})
 
 
-def held_out_source(spider: SpiderArguments) -> str | None:
+def held_out_source(args: SpiderTrainingArguments) -> str | None:
     """The held-out source: ``--eval_data``, or sotu's split by year when training on sotu; None otherwise."""
-    return spider.eval_data or ("sotu" if spider.data == "sotu" else None)
+    return args.eval_data or ("sotu" if args.data == "sotu" else None)
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
@@ -126,30 +105,30 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     a second run on the same folder fails at once with ``RunLockedError``. SIGTERM/SIGINT during training save a
     checkpoint and stop; this function then returns at once (no evaluation, sample or release, pending Hub pushes
     abandoned) with ``summary["stopped_by"]`` set, and the same command resumes from that checkpoint."""
-    spider, args = parse_args(argv)
+    args = parse_args(argv)
     check_launch(args.world_size)  # before the lock, the model and the data (SpiderTrainer checks again)
     with RunLock(args.output_dir, rank=args.process_index):
-        return _run(spider, args, callbacks)
+        return _run(args, callbacks)
 
 
-def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
+def _run(args: SpiderTrainingArguments, callbacks: list | None = None) -> dict:
     """The run inside the lock, step by step: build, train, evaluate (and sweep the loop count), sample and release,
     push. `callbacks` go to the trainer."""
     configure_logging(args.process_index)
     set_seed(args.seed)  # model initialisation is part of the run's reproducible state
-    model = build_model(spider)
+    model = build_model(args)
     if args.push_to_hub and not args.hub_model_id:
         raise ValueError("--push_to_hub needs --hub_model_id OWNER/NAME")
-    trainer = build_trainer(spider, args, model, callbacks=callbacks)
+    trainer = build_trainer(args, model, callbacks=callbacks)
     args, train_dataset, eval_dataset = trainer.args, trainer.train_dataset, trainer.eval_dataset
     tokenizer = trainer.processing_class
-    eval_source = held_out_source(spider)
+    eval_source = held_out_source(args)
     n_params = sum(p.numel() for p in model.parameters())
     if trainer.is_world_process_zero():
-        _print_start_summary(spider, args, trainer, train_dataset, eval_source, n_params)
+        _print_start_summary(args, trainer, train_dataset, eval_source, n_params)
 
     before = trainer.evaluate(metric_key_prefix="eval_before") if eval_dataset is not None else {}
-    resume = _resume_checkpoint(spider, args)
+    resume = _resume_checkpoint(args)
     if resume:
         logger.info("resuming from %s", resume)
     train_result = trainer.train(resume_from_checkpoint=resume)
@@ -158,7 +137,7 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
         return _stopped(trainer, stop, args, train_result)
     after, loops, early_exit = {}, {}, {}
     if eval_dataset is not None:
-        after, loops, early_exit = _evaluate_after_training(trainer, spider, model)
+        after, loops, early_exit = _evaluate_after_training(trainer, model)
 
     summary = {
         "steps": trainer.state.global_step,
@@ -185,25 +164,25 @@ def _run(spider: SpiderArguments, args, callbacks: list | None = None) -> dict:
     # FSDP2: the full weights are gathered on every rank (a collective), then only rank 0 samples and writes
     plain = gather_unsharded(trainer.accelerator.unwrap_model(trainer.model))
     if trainer.is_world_process_zero():
-        _sample_and_release(spider, args, trainer, plain, tokenizer, summary, before, after)
+        _sample_and_release(args, trainer, plain, tokenizer, summary, before, after)
         if args.push_to_hub:  # the checkpoint pushes are done: Trainer waited for them at the end of train()
-            summary["pushed"] = _push(spider, args, trainer, summary["release_dir"])
+            summary["pushed"] = _push(args, trainer, summary["release_dir"])
         print(json.dumps({k: v for k, v in summary.items() if k != "sample"}, indent=2, default=str))
     trainer.accelerator.wait_for_everyone()
     return summary
 
 
 def _print_start_summary(
-    spider: SpiderArguments, args, trainer: SpiderTrainer, train_dataset, eval_source, n_params: int
+    args: SpiderTrainingArguments, trainer: SpiderTrainer, train_dataset, eval_source, n_params: int
 ) -> None:
     """The console's start-up summary (rank 0): :func:`spider_training.console.describe_run`."""
     print(
         describe_run(
-            preset=spider.preset,
+            preset=args.preset,
             parameters=n_params,
-            data=spider.data,
+            data=args.data,
             train_windows=len(train_dataset) if hasattr(train_dataset, "__len__") else None,
-            window_bytes=spider.seq_len + 1,
+            window_bytes=args.seq_len + 1,
             eval_data=eval_source,
             precision=trainer.precision,
             moe_backend=trainer.moe_backend,
@@ -213,18 +192,18 @@ def _print_start_summary(
             max_steps=args.max_steps,
             batch_windows=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
             eval_steps=args.eval_steps if args.eval_strategy != "no" else None,
-            optimizer=describe_optimizer(spider.muon_lr, args.optim, spider.muon_experts),
+            optimizer=describe_optimizer(args.muon_lr, args.optim, args.muon_experts),
         ),
         flush=True,
     )
 
 
-def _resume_checkpoint(spider: SpiderArguments, args) -> str | None:
+def _resume_checkpoint(args: SpiderTrainingArguments) -> str | None:
     """``--resume PATH`` as given; otherwise the newest complete checkpoint of the output folder; ``None`` with
     ``--reset_steps`` (weights only, loaded by :func:`build_model`)."""
-    if spider.reset_steps:
+    if args.reset_steps:
         return None
-    return spider.resume or checkpointing.latest_checkpoint(args.output_dir)
+    return args.resume or checkpointing.latest_checkpoint(args.output_dir)
 
 
 def _stopped(trainer: SpiderTrainer, stop, args, train_result) -> dict:
@@ -246,7 +225,7 @@ def _stopped(trainer: SpiderTrainer, stop, args, train_result) -> dict:
     }
 
 
-def _evaluate_after_training(trainer: SpiderTrainer, spider: SpiderArguments, model) -> tuple[dict, dict, dict]:
+def _evaluate_after_training(trainer: SpiderTrainer, model) -> tuple[dict, dict, dict]:
     """The held-out scores of the trained model: the final evaluation, the loop sweep (1, half, the trained and twice
     the trained count; ``{str(count): bits_per_byte}``) and ACT early exit."""
     # The periodic evaluation usually just scored the final step (max_steps is a multiple of eval_steps): reuse
@@ -256,7 +235,7 @@ def _evaluate_after_training(trainer: SpiderTrainer, spider: SpiderArguments, mo
         after = {"eval_after_" + k[len("eval_") :]: v for k, v in final.items() if k.startswith("eval_")}
     else:
         after = trainer.evaluate(metric_key_prefix="eval_after")
-    n = spider.n_loops or model.config.n_loops
+    n = trainer.args.n_loops or model.config.n_loops
     counts = sorted({1, max(1, n // 2), n, 2 * n})
     others = trainer.evaluate_loop_counts([c for c in counts if c != n])
     loops = {str(c): after["eval_after_bits_per_byte"] if c == n else others[str(c)] for c in counts}
@@ -264,26 +243,25 @@ def _evaluate_after_training(trainer: SpiderTrainer, spider: SpiderArguments, mo
 
 
 def _sample_and_release(
-    spider: SpiderArguments, args, trainer: SpiderTrainer, plain, tokenizer, summary: dict, before: dict, after: dict
+    args: SpiderTrainingArguments, trainer: SpiderTrainer, plain, tokenizer, summary: dict, before: dict, after: dict
 ) -> None:
     """Rank 0: print a sample and the held-out scores, write the release folder; adds ``sample`` and
     ``release_dir`` to ``summary``."""
-    if spider.sample_bytes > 0:  # --sample_bytes 0: no sample
+    if args.sample_bytes > 0:  # --sample_bytes 0: no sample
         summary["sample"] = sample(
-            plain, tokenizer, spider.sample_prompt, max_new_tokens=spider.sample_bytes, n_loops=spider.n_loops
+            plain, tokenizer, args.sample_prompt, max_new_tokens=args.sample_bytes, n_loops=args.n_loops
         )
-        print(f"\nsample: {spider.sample_prompt!r} -> {summary['sample']!r}")
+        print(f"\nsample: {args.sample_prompt!r} -> {summary['sample']!r}")
     if before:
         print(
             f"held-out bits-per-byte: before {before['eval_before_bits_per_byte']:.4f}, "
             f"after {after['eval_after_bits_per_byte']:.4f}"
         )
-    release_dir = spider.release_dir or os.path.join(args.output_dir, "release")
+    release_dir = args.release_dir or os.path.join(args.output_dir, "release")
     write_release(
         release_dir,
         plain,
         tokenizer,
-        spider=spider,
         args=args,
         summary=summary,
         log_history=trainer.state.log_history,
@@ -293,7 +271,7 @@ def _sample_and_release(
     print(f"release written to {release_dir}")
 
 
-def _push(spider: SpiderArguments, args, trainer: SpiderTrainer, release_dir: str) -> bool:
+def _push(args: SpiderTrainingArguments, trainer: SpiderTrainer, release_dir: str) -> bool:
     """Push the release folder to the Hub (:func:`spider_training.hub.push_release`: bounded in time, a failed
     push logged): whether it arrived."""
     from spider_training.hub import push_release
@@ -304,7 +282,7 @@ def _push(spider: SpiderArguments, args, trainer: SpiderTrainer, release_dir: st
         token=args.hub_token,
         private=args.hub_private_repo,
         revision=args.hub_revision,
-        endpoint=spider.hub_endpoint,
+        endpoint=args.hub_endpoint,
     )
     return result.ok
 

@@ -63,6 +63,7 @@ Two callbacks are added (Trainer's documented ``TrainerCallback`` events):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -76,6 +77,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import checkpointing
+from .arguments import spider_training_arguments
 from .compile import compile_model, load_compile_artifacts, save_compile_artifacts
 from .data import FirstWindows, StreamingTextDataset, make_dataloader
 from .fp8 import (
@@ -84,11 +86,12 @@ from .fp8 import (
     has_fp8_weight_wrappers,
     is_float8_linear,
     precompute_fp8_scales,
+    resolve_precision,
 )
 from .hub import HubPushMixin
 from .metrics import byte_nll, compute_bits_per_byte
 from .mixed_precision import autocast_experts, shared_weight_casts
-from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
+from .nonfinite import NonFiniteGuardCallback
 from .optim import muon_with_adamw, scale_learning_rates
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
 from .sdpa import attention_for_backend, sdpa_backend_context
@@ -149,9 +152,11 @@ class PrecomputeFp8ScalesCallback(TrainerCallback):
 
 
 class SpiderTrainer(HubPushMixin, Trainer):
-    """Trainer for :class:`SpiderForConditionalGeneration`.
+    """Trainer for :class:`SpiderForConditionalGeneration`, its settings read from `args`, a
+    :class:`~spider_training.arguments.SpiderTrainingArguments` (TRL's trainers read their ``SFTConfig`` the same way;
+    a plain ``TrainingArguments`` is converted, Spider's fields at their defaults, and None is the defaults).
 
-    Args (beyond ``Trainer``'s):
+    Settings read from ``args`` (beyond ``TrainingArguments``'; each field's help text says more):
         n_loops: recurrent iterations per forward (None: the model config's).
         extra_train_loops: each training step draws its loop count uniformly from ``n_loops`` to ``n_loops +
             extra_train_loops`` (Huginn's randomised recurrence, Geiping et al. 2025, arXiv 2502.05171, narrowed to the
@@ -159,40 +164,38 @@ class SpiderTrainer(HubPushMixin, Trainer):
             evaluation always runs ``n_loops``. The draw is a function of ``args.seed`` and the global step
             (:func:`training_loop_count`): every rank and every micro-batch of a step run the same count, and a
             resumed run draws what the uninterrupted one would. 0 (default): always ``n_loops``.
-        precision: the resolved precision, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (see
-        :func:`spider_training.fp8.resolve_precision`).
-        fp8_recipe: torchao recipe for ``precision="fp8"``: ``tensorwise`` (default), ``rowwise``,
-        ``rowwise_with_gw_hp``.
-        fp8_layers: which layers ``precision="fp8"`` converts: ``"auto"`` (default; where the GEMM table measured FP8
-            faster for the layer's shape at this micro-batch, ``args.per_device_train_batch_size`` windows of the
-            train dataset's ``seq_len``) or ``"tk_train"`` (every layer tk-train.py converted); see
-            :mod:`spider_training.fp8`.
-        fp8_experts: what ``precision="fp8"`` does to the routed experts: ``"auto"`` (default; torchao's FP8 grouped
-            GEMM where this GPU has it and it measured faster), ``"on"`` (raise where it cannot run) or ``"off"``.
-        fp8_gemm_table: the GEMM table's path (None: the committed ``spider_training/fp8_gemm_table.json``).
+        precision, preset: the precision, resolved by :func:`spider_training.fp8.resolve_precision` (``auto``: by
+            device and preset); bf16 (and FP8 on CUDA) turns on ``args.bf16`` autocast.
+        fp8_recipe, fp8_layers, fp8_experts, fp8_gemm_table: with FP8, torchao's recipe, which layers convert
+            (``"auto"``: where the GEMM table measured FP8 faster for the layer's shape at this micro-batch,
+            ``args.per_device_train_batch_size`` windows of the train dataset's ``seq_len``; ``"tk_train"``: every
+            layer tk-train.py converted) and what the routed experts do (:mod:`spider_training.fp8`).
         eval_windows: held-out windows scored by :meth:`evaluate` (rounded up to whole eval batches).
+        max_consecutive_nonfinite: optimizer steps with a NaN/inf loss or gradient skipped in a row before the run
+            stops with ``NonFiniteLossError``.
+        muon_lr, muon_experts: Muon's peak learning rate for the hidden matrices (:mod:`spider_training.optim`),
+            AdamW at ``args.learning_rate`` for the rest, both on ``args``' schedule; 0 or None: Trainer's own
+            optimizer (``args.optim``) for every parameter. ``muon_experts``: the routed experts' matrices too.
+        hub_endpoint: Hub URL for ``args.push_to_hub`` (None: ``HF_ENDPOINT`` or huggingface.co); pushing is
+            Trainer's, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`.
+        sdpa_backend: the SDPA kernel training steps prefer (:mod:`spider_training.sdpa`): ``"auto"`` (torch's
+            choice), ``"cudnn"``, ``"flash"`` (with MLA's narrower value head dim the model's attention becomes
+            :data:`spider_training.sdpa.VALUE_PADDED_SDPA`), ``"efficient"`` or ``"math"``.
+
+    Keyword arguments (beyond ``Trainer``'s): objects a caller hands over rather than settings of a run, so they are
+    not fields of `args` (which is saved with each checkpoint and parsed from the command line):
         tile_kernels_module: inject a TileKernels implementation (tests pass a CPU test double); default: import
             ``tile_kernels`` when CUDA is available.
-        max_consecutive_nonfinite: optimizer steps with a NaN/inf loss or gradient skipped in a row before the run
-            stops with ``NonFiniteLossError`` (default
-            :data:`spider_training.nonfinite.DEFAULT_MAX_CONSECUTIVE_NONFINITE`).
         stop_signals: signals that stop training gracefully (save, then stop); default SIGTERM and SIGINT;
-            ``()`` leaves signal handling alone.
-        muon_lr: peak learning rate of Muon for the hidden matrices (:mod:`spider_training.optim`); AdamW at
-            ``args.learning_rate`` trains the rest, both on ``args``' schedule. 0 (default): Trainer's own optimizer
-            (``args.optim``) for every parameter.
-        muon_experts: with `muon_lr`, Muon for the routed MoE experts' matrices too; False (default): AdamW for them.
+            ``()`` leaves signal handling alone (tests, benchmarks running in-process).
         lr_scale_of: a function of a parameter's name giving its learning-rate multiplier on top of the schedule
             (:func:`spider_training.optim.scale_learning_rates`; ``bench.quality``'s global path at 3x); None: 1.
         train_loop_counts: each training step's loop count drawn uniformly from these (Huginn's set, e.g. ``(1, 2,
             3)``) instead of from `extra_train_loops`' range; same draw rule (:func:`training_loop_count`).
-        hub_endpoint: Hub URL for ``args.push_to_hub`` (None: ``HF_ENDPOINT`` or huggingface.co); pushing is
-            Trainer's, made offline-tolerant by :class:`spider_training.hub.HubPushMixin`.
-        sdpa_backend: the SDPA kernel training steps prefer (:mod:`spider_training.sdpa`): ``"auto"`` (default,
-            torch's choice), ``"cudnn"``, ``"flash"`` (with MLA's narrower value head dim the model's attention becomes
-            :data:`spider_training.sdpa.VALUE_PADDED_SDPA`), ``"efficient"`` or ``"math"``.
 
     Attributes:
+        n_loops: the loop count in use (``args.n_loops``; :meth:`evaluate_loop_counts` changes it while it scores).
+        precision: the precision trained in, ``"fp8"``, ``"bf16"`` or ``"fp32"`` (FP8 falls back where no layer pays).
         fp8_report: the :class:`spider_training.fp8.Fp8Report` (linear layers and experts), or None (not FP8).
         nonfinite_guard: the :class:`NonFiniteGuardCallback` (``skipped_steps``, ``skipped_at``).
         stop_callback: the :class:`StopOnSignalCallback` (``received``, ``stopped_at_step``), or None.
@@ -201,7 +204,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         LaunchMismatchError: ``WORLD_SIZE > 1`` in the environment but accelerate runs a single process (on CPU,
             ``accelerate launch --multi_gpu`` needs ``--use_cpu``).
         ValueError: ``muon_lr > 0`` with FSDP (its sharded optimizer checkpoints expect one torch optimizer); an
-            unknown ``sdpa_backend``, or one other than ``"auto"`` on a model whose attention is not ``"sdpa"``.
+            ``sdpa_backend`` other than ``"auto"`` on a model whose attention is not ``"sdpa"``; what
+            :class:`~spider_training.arguments.SpiderTrainingArguments` refuses, when converting a plain
+            ``TrainingArguments``.
     """
 
     def __init__(
@@ -209,66 +214,51 @@ class SpiderTrainer(HubPushMixin, Trainer):
         model=None,
         args=None,
         *,
-        n_loops=None,
-        extra_train_loops=0,
-        precision="fp32",
-        fp8_recipe="tensorwise",
-        fp8_layers="auto",
-        fp8_experts="auto",
-        fp8_gemm_table=None,
-        eval_windows=64,
         tile_kernels_module=None,
-        max_consecutive_nonfinite=DEFAULT_MAX_CONSECUTIVE_NONFINITE,
         stop_signals=DEFAULT_SIGNALS,
-        muon_lr=0.0,
-        muon_experts=False,
-        hub_endpoint=None,
-        sdpa_backend="auto",
         lr_scale_of=None,
         train_loop_counts=None,
         **kwargs,
     ):
-        self.hub_endpoint = hub_endpoint
-        self.sdpa_backend = sdpa_backend
-        attention = attention_for_backend(model.config, sdpa_backend) if model is not None else None
+        args = spider_training_arguments(args)
+        precision = resolve_precision(args.precision, args.preset)
+        if precision == "bf16" or (precision == "fp8" and torch.cuda.is_available()):
+            # bf16 autocast; Trainer accepts bf16 without a GPU only with use_cpu
+            args = dataclasses.replace(args, bf16=True, use_cpu=args.use_cpu or not torch.cuda.is_available())
+        self.hub_endpoint = args.hub_endpoint
+        attention = attention_for_backend(model.config, args.sdpa_backend) if model is not None else None
         if attention is not None and attention != (model.config._attn_implementation or "sdpa"):
             model.set_attn_implementation(attention)
             logger.info(
-                "--sdpa_backend %s: attention %r (value padded to the query/key head dim)", sdpa_backend, attention
+                "--sdpa_backend %s: attention %r (value padded to the query/key head dim)",
+                args.sdpa_backend,
+                attention,
             )
-        if extra_train_loops < 0:
-            raise ValueError(f"extra_train_loops must be >= 0, got {extra_train_loops}")
-        self.n_loops = n_loops
-        self.extra_train_loops = extra_train_loops
-        self.muon_lr = muon_lr
-        self.muon_experts = muon_experts
+        self.n_loops = args.n_loops
         self.lr_scale_of = lr_scale_of
         self.train_loop_counts = tuple(train_loop_counts) if train_loop_counts else None
         self.precision = precision
-        self.eval_windows = eval_windows
         self.fp8_report = None
         if precision == "fp8" or os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp8":
-            self.precision = self._convert_to_fp8(
-                model, args, kwargs.get("train_dataset"), fp8_recipe, fp8_layers, fp8_experts, fp8_gemm_table
-            )
+            self.precision = self._convert_to_fp8(model, args, kwargs.get("train_dataset"))
         self.moe_backend = swap_in_tile_kernels(model, tile_kernels_module)
         logger.info("MoE routing backend: %s", self.moe_backend)
         autocast_experts(model)  # under autocast: grouped GEMM in bf16, the experts' weights cast once per forward
-        if args is not None and args.torch_compile and model is not None:  # after FP8, before DDP/FSDP wrap it
+        if args.torch_compile and model is not None:  # after FP8, before DDP/FSDP wrap it
             compile_model(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
         kwargs.setdefault("compute_metrics", compute_bits_per_byte)
         super().__init__(model=model, args=args, **kwargs)
         # Spider's loss is a per-batch mean plus per-batch regularisers: let Trainer divide by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         check_launch(self.accelerator.num_processes)
-        if self.muon_lr and self.is_fsdp_enabled:
+        if self.args.muon_lr and self.is_fsdp_enabled:
             raise ValueError(
-                f"muon_lr={self.muon_lr} with FSDP: FSDP's sharded optimizer checkpoints expect one "
+                f"muon_lr={self.args.muon_lr} with FSDP: FSDP's sharded optimizer checkpoints expect one "
                 "torch optimizer's state; train with muon_lr=0 (--muon_lr 0)"
             )
         if getattr(self, "_fp8_scales_callback", None) is not None:
             self.add_callback(self._fp8_scales_callback)
-        self.nonfinite_guard = NonFiniteGuardCallback(max_consecutive_nonfinite)
+        self.nonfinite_guard = NonFiniteGuardCallback(self.args.max_consecutive_nonfinite)
         self.add_callback(self.nonfinite_guard)
         self.stop_callback = StopOnSignalCallback(stop_signals) if stop_signals else None
         if self.stop_callback is not None:
@@ -280,26 +270,26 @@ class SpiderTrainer(HubPushMixin, Trainer):
         matmul_dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else torch.float32
         self.throughput = ThroughputMeter(self.args.device, matmul_dtype, self.args.gradient_accumulation_steps)
 
-    def _convert_to_fp8(self, model, args, train_dataset, recipe, layers, experts, gemm_table) -> str:
+    def _convert_to_fp8(self, model, args, train_dataset) -> str:
         """FP8 where it pays at this run's micro-batch (:func:`spider_training.fp8.convert_for_fp8_training`); under
         FSDP2 with tensorwise scales the weights are all-gathered in float8, their scales precomputed after each
         optimizer step. Returns the precision the run trains in: ``"fp8"``, or, when no layer pays, the high precision
         with a warning citing the table."""
-        fsdp = bool(args is not None and args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-        all_gather = fsdp and recipe == "tensorwise" and torch.cuda.is_available()
+        fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        all_gather = fsdp and args.fp8_recipe == "tensorwise" and torch.cuda.is_available()
         self.fp8_report = convert_for_fp8_training(
             model,
-            recipe,
-            layers,
-            experts,
-            device=args.device if args is not None else None,
-            batch_size=args.per_device_train_batch_size if args is not None else None,
+            args.fp8_recipe,
+            args.fp8_layers,
+            args.fp8_experts,
+            device=args.device,
+            batch_size=args.per_device_train_batch_size,
             seq_len=getattr(train_dataset, "seq_len", None),
-            gemm_table=gemm_table,
+            gemm_table=args.fp8_gemm_table,
             fsdp_float8_all_gather=all_gather,
         )
         if not self.fp8_report.converted:
-            high = "bf16" if args is not None and args.bf16 else "fp32"
+            high = "bf16" if args.bf16 else "fp32"
             logger.warning(
                 "--precision fp8: FP8 pays for no layer here (%s); training in %s", self.fp8_report.source, high
             )
@@ -316,18 +306,18 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if self.optimizer is not None:
             return super().create_optimizer(model)
         opt_model = self.model if model is None else model
-        if not self.muon_lr:
+        if not self.args.muon_lr:
             super().create_optimizer(model)
         else:
             self.optimizer = muon_with_adamw(
                 opt_model,
-                self.muon_lr,
+                self.args.muon_lr,
                 self.args.learning_rate,
                 self.args.weight_decay,
                 betas=(self.args.adam_beta1, self.args.adam_beta2),
                 eps=self.args.adam_epsilon,
                 decay_parameter_names=set(self.get_decay_parameter_names(opt_model)),
-                muon_experts=self.muon_experts,
+                muon_experts=self.args.muon_experts,
             )
         if self.lr_scale_of is not None:  # before the scheduler reads each group's initial learning rate
             scale_learning_rates(self.optimizer, opt_model, self.lr_scale_of)
@@ -360,7 +350,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         forwards all run before their backwards, so graph trees would not start one by themselves)."""
         if self.args.torch_compile and self.args.torch_compile_mode in ("reduce-overhead", "max-autotune"):
             torch.compiler.cudagraph_mark_step_begin()
-        with sdpa_backend_context(self.sdpa_backend, self.args.device):
+        with sdpa_backend_context(self.args.sdpa_backend, self.args.device):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self.throughput.step()
         return loss
@@ -368,12 +358,16 @@ class SpiderTrainer(HubPushMixin, Trainer):
     # --- loss and logging ----------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if model.training and (self.extra_train_loops or self.train_loop_counts):
+        if model.training and (self.args.extra_train_loops or self.train_loop_counts):
             n_loops = self.n_loops or self.accelerator.unwrap_model(model).config.n_loops
             inputs = {
                 **inputs,
                 "n_loops": training_loop_count(
-                    n_loops, self.extra_train_loops, self.args.seed, self.state.global_step, self.train_loop_counts
+                    n_loops,
+                    self.args.extra_train_loops,
+                    self.args.seed,
+                    self.state.global_step,
+                    self.train_loop_counts,
                 ),
             }
         elif self.n_loops is not None:
@@ -445,7 +439,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if isinstance(dataset, str):
             dataset = self.eval_dataset[dataset]
         batch_size = self.args.per_device_eval_batch_size
-        windows = max(1, math.ceil(self.eval_windows / batch_size)) * batch_size
+        windows = max(1, math.ceil(self.args.eval_windows / batch_size)) * batch_size
         if isinstance(dataset, StreamingTextDataset):
             return make_dataloader(FirstWindows(dataset, windows), batch_size, collate_fn=self.data_collator)
         if len(dataset) > windows:

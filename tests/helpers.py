@@ -161,9 +161,11 @@ def per_expert_state_dict(state: dict) -> dict:
 def cpu_trainer(output_dir, model=None, train_dataset=None, trainer_kwargs: dict | None = None, **training_args):
     """A ``SpiderTrainer`` on this CPU for a test: `model` (default :func:`tiny_model`) on `train_dataset` (default
     32-byte ``mock`` windows), one step of 2 windows, no evaluation, saving, reporting or signal handlers unless
-    `training_args` (``TrainingArguments`` fields) say otherwise; `trainer_kwargs` go to ``SpiderTrainer``."""
-    from transformers import TrainingArguments, default_data_collator
+    `training_args` (``SpiderTrainingArguments`` fields, Spider's settings included) say otherwise; `trainer_kwargs`
+    go to ``SpiderTrainer``."""
+    from transformers import default_data_collator
 
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.data import build_dataset
     from spider_training.trainer import SpiderTrainer
 
@@ -176,7 +178,7 @@ def cpu_trainer(output_dir, model=None, train_dataset=None, trainer_kwargs: dict
         save_strategy="no",
         remove_unused_columns=False,
     )
-    args = TrainingArguments(output_dir=str(output_dir), **{**defaults, **training_args})
+    args = SpiderTrainingArguments(output_dir=str(output_dir), **{**defaults, **training_args})
     return SpiderTrainer(
         model=tiny_model() if model is None else model,
         args=args,

@@ -252,8 +252,8 @@ def _trainer_of(model, recipe, **fit_kwargs):
     """The SpiderTrainer :func:`bench.quality.fit` builds for `model` and `recipe`, set up but not trained."""
     from spider_training.train import build_trainer
 
-    spider, args = quality.training_arguments(recipe, "/nonexistent-not-written", evaluate=False)
-    trainer = build_trainer(spider, args, model, stop_signals=(), eval_dataset=None, **fit_kwargs)
+    args = quality.training_arguments(recipe, "/nonexistent-not-written", evaluate=False)
+    trainer = build_trainer(args, model, stop_signals=(), eval_dataset=None, **fit_kwargs)
     trainer.create_optimizer()
     return trainer
 
@@ -590,9 +590,9 @@ def test_the_recipe_is_train_hf_defaults(monkeypatch):
 
     for var in ("ACCELERATE_USE_FSDP", "MICRO_BATCH", "LR", "SEQ_LEN", "N_LOOPS", "TARGET_TOKENS"):
         monkeypatch.delenv(var, raising=False)
-    spider, args = parse_args([])
+    args = parse_args([])
     recipe = quality.Recipe()
-    assert (args.max_steps, args.per_device_train_batch_size, spider.seq_len) == (
+    assert (args.max_steps, args.per_device_train_batch_size, args.seq_len) == (
         recipe.steps,
         recipe.batch_size,
         recipe.seq_len,
@@ -608,14 +608,14 @@ def test_the_recipe_is_train_hf_defaults(monkeypatch):
         recipe.min_lr_rate,
         recipe.seed,
     )
-    assert (spider.muon_lr, spider.muon_experts, spider.extra_train_loops) == (
+    assert (args.muon_lr, args.muon_experts, args.extra_train_loops) == (
         recipe.muon_lr,
         recipe.muon_experts,
         recipe.extra_train_loops,
     )
     # ... and the arguments a row trains with are train_hf.py's, parsed by its parser: only the output folder,
     # checkpointing, progress bar and logging interval (every 10 steps either way here) differ
-    _, row_args = quality.training_arguments(recipe, "/tmp/quality-row")
+    row_args = quality.training_arguments(recipe, "/tmp/quality-row")
     differ = {"output_dir", "logging_dir", "save_strategy", "disable_tqdm", "logging_steps"}
     mine, main_job = row_args.to_dict(), args.to_dict()
     assert {k for k in mine if mine[k] != main_job.get(k)} <= differ

@@ -455,19 +455,21 @@ def test_resume_with_skip_first_batches_gives_the_same_batches(random_shards, ki
 
 
 def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.trainer import SpiderTrainer
     from tests.helpers import tiny_model
 
     ds = D.build_dataset("mock", 32, num_samples=50)
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
         report_to="none",
         max_steps=1,
         per_device_train_batch_size=4,
         remove_unused_columns=False,
+        precision="fp32",
     )
     trainer = SpiderTrainer(
         model=tiny_model(seed=0),
@@ -475,7 +477,6 @@ def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
         train_dataset=ds,
         eval_dataset=ds,
         data_collator=default_data_collator,
-        precision="fp32",
         stop_signals=(),
     )
     loader = trainer.get_train_dataloader()
@@ -485,7 +486,7 @@ def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
     assert Counter(rows(loader)) == Counter(rows(DataLoader(ds, batch_size=4)))
     eval_rows = rows(trainer.get_eval_dataloader(ds))
     # eval stays in stream order and stops after the trainer's eval_windows (64, whole batches of 8)
-    assert len(ds) > trainer.eval_windows == 64
+    assert len(ds) > trainer.args.eval_windows == 64
     assert eval_rows == rows(DataLoader(ds, batch_size=8))[:64]
 
 
@@ -493,8 +494,9 @@ def test_spider_trainer_keeps_trainers_loader_for_local_data(tmp_path):
 def test_spider_trainer_loaders_copy_batches_as_the_accelerator_config_says(tmp_path, streamed):
     """``non_blocking`` (train_hf.py sets it on CUDA, with pinned memory) reaches the loader that moves the batches,
     Trainer's for local data and SpiderTrainer's own for a stream, and the batches it yields are unchanged."""
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.trainer import SpiderTrainer
     from tests.helpers import tiny_model
 
@@ -503,7 +505,7 @@ def test_spider_trainer_loaders_copy_batches_as_the_accelerator_config_says(tmp_
         if streamed
         else D.build_dataset("mock", 32, num_samples=20)
     )
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         report_to="none",
@@ -511,13 +513,13 @@ def test_spider_trainer_loaders_copy_batches_as_the_accelerator_config_says(tmp_
         per_device_train_batch_size=4,
         remove_unused_columns=False,
         accelerator_config={"non_blocking": True},
+        precision="fp32",
     )
     trainer = SpiderTrainer(
         model=tiny_model(seed=0),
         args=args,
         train_dataset=ds,
         data_collator=default_data_collator,
-        precision="fp32",
         stop_signals=(),
     )
     loader = trainer.get_train_dataloader()
@@ -559,8 +561,9 @@ def test_spider_trainer_trains_on_a_stream_with_gradient_accumulation(tmp_path):
     """A streamed (Hub) source through SpiderTrainer's own loader: with gradient accumulation every optimizer step
     consumes `gradient_accumulation_steps` batches in stream order, and the accelerator's GradientState tracks the
     loader (it syncs gradients on the last micro-batch of each step only)."""
-    from transformers import TrainerCallback, TrainingArguments, default_data_collator
+    from transformers import TrainerCallback, default_data_collator
 
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.trainer import SpiderTrainer
     from tests.helpers import tiny_model
 
@@ -582,7 +585,7 @@ def test_spider_trainer_trains_on_a_stream_with_gradient_accumulation(tmp_path):
                 )
             )
 
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         report_to="none",
@@ -592,13 +595,13 @@ def test_spider_trainer_trains_on_a_stream_with_gradient_accumulation(tmp_path):
         remove_unused_columns=False,
         save_strategy="no",
         logging_steps=100,
+        precision="fp32",
     )
     trainer = SpiderTrainer(
         model=tiny_model(seed=0),
         args=args,
         train_dataset=ds,
         data_collator=collate,
-        precision="fp32",
         stop_signals=(),
         callbacks=[RecordSync()],
     )

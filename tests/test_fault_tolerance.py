@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback, TrainingArguments, default_data_collator
+from transformers import TrainerCallback, default_data_collator
 
 from spider_training import checkpointing
+from spider_training.arguments import SpiderTrainingArguments
 from spider_training.checkpointing import CheckpointWriteError
 from spider_training.data import build_dataset
 from spider_training.nonfinite import NonFiniteGuardCallback, NonFiniteLossError
-from spider_training.preemption import StopOnSignalCallback
+from spider_training.preemption import DEFAULT_SIGNALS, StopOnSignalCallback
 from spider_training.run_lock import RunLock, RunLockedError, lock_path
 from spider_training.trainer import SpiderTrainer
 from tests.helpers import checkpoint_names, tiny_model
@@ -52,10 +53,13 @@ TINY = [
 ]
 
 
-def make_trainer(output_dir: Path, max_steps: int, save_steps: int = 1000, callbacks=(), **kwargs) -> SpiderTrainer:
-    """A real SpiderTrainer on the tiny preset and mock data (fp32, CPU), AdamW with weight decay."""
+def make_trainer(
+    output_dir: Path, max_steps: int, save_steps: int = 1000, callbacks=(), stop_signals=DEFAULT_SIGNALS, **settings
+) -> SpiderTrainer:
+    """A real SpiderTrainer on the tiny preset and mock data (fp32, CPU), AdamW with weight decay; `settings` are
+    further ``SpiderTrainingArguments`` fields."""
     model = tiny_model(seed=0)
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(output_dir),
         use_cpu=True,
         report_to="none",
@@ -69,6 +73,8 @@ def make_trainer(output_dir: Path, max_steps: int, save_steps: int = 1000, callb
         weight_decay=0.1,
         dataloader_num_workers=0,
         seed=0,
+        precision="fp32",
+        **settings,
     )
     return SpiderTrainer(
         model=model,
@@ -76,9 +82,8 @@ def make_trainer(output_dir: Path, max_steps: int, save_steps: int = 1000, callb
         train_dataset=build_dataset("mock", 32),
         data_collator=default_data_collator,
         processing_class=SpiderTokenizer(),
-        precision="fp32",
         callbacks=list(callbacks),
-        **kwargs,
+        stop_signals=stop_signals,
     )
 
 

@@ -470,7 +470,8 @@ def test_trainer_trains_in_high_precision_when_no_layer_pays(tmp_path, caplog):
             tmp_path,
             model=model,
             train_dataset=build_dataset("mock", 64),
-            trainer_kwargs=dict(precision="fp8", fp8_gemm_table=str(table)),
+            precision="fp8",
+            fp8_gemm_table=str(table),
         )
     assert trainer.precision == "fp32" and not trainer.fp8_report.converted
     assert not any(isinstance(m, Float8Linear) for m in model.modules())

@@ -394,17 +394,15 @@ def test_fp8_experts_modes_on_a_machine_without_the_kernels():
 
 
 def test_trainer_trains_fp8_experts_and_writes_a_plain_checkpoint(tmp_path, fp8_double, monkeypatch):
-    """``SpiderTrainer(precision="fp8")`` on a machine that has the kernels. Test doubles for what this CPU lacks: the
-    hardware check answers as on an SM90 GPU with triton, and the FP8 op is the emulated double. The experts train
-    through the FP8 grouped GEMM, and the checkpoint Trainer writes holds the plain trained tensors and loads into a
-    plain model."""
+    """``SpiderTrainer`` with ``precision="fp8"`` on a machine that has the kernels. Test doubles for what this CPU
+    lacks: the hardware check answers as on an SM90 GPU with triton, and the FP8 op is the emulated double. The experts
+    train through the FP8 grouped GEMM, and the checkpoint Trainer writes holds the plain trained tensors and loads
+    into a plain model."""
     from tests.helpers import cpu_trainer
 
     model = tiny_model(seed=0)
     initial = model.model.recurrent_block.layers[0].mlp.experts.gate_up_proj.detach().clone()
-    trainer = cpu_trainer(
-        tmp_path, model=model, max_steps=2, save_strategy="steps", save_steps=2, trainer_kwargs={"precision": "fp8"}
-    )
+    trainer = cpu_trainer(tmp_path, model=model, max_steps=2, save_strategy="steps", save_steps=2, precision="fp8")
     assert (
         sum(fqn.endswith("mlp.experts") for fqn in trainer.fp8_report.converted) == model.config.num_recurrent_layers
     )

@@ -47,9 +47,11 @@ def test_plan_of_the_tiny_preset(tiny_plan):
 
 def test_the_plan_runs_the_most_loops_a_training_step_draws(tiny_plan):
     from configuration_spider import SpiderConfig
-    from spider_training.arguments import SpiderArguments
+    from spider_training.arguments import SpiderTrainingArguments
 
-    assert tiny_plan["n_loops"] == SpiderConfig.from_preset("tiny").n_loops + SpiderArguments().extra_train_loops
+    assert (
+        tiny_plan["n_loops"] == SpiderConfig.from_preset("tiny").n_loops + SpiderTrainingArguments().extra_train_loops
+    )
     fewer = memory_plan.probe("tiny", memory_plan.PROBE_LENGTHS[0], n_loops=tiny_plan["n_loops"] - 1)
     peak = tiny_plan["probes"][0]
     assert fewer["activations"] < peak["activations"] and fewer["flops"] < peak["flops"]

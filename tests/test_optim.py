@@ -1,6 +1,7 @@
 """spider_training.optim: Muon for the hidden matrices and AdamW for the rest, as one optimizer for Trainer."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -233,16 +234,16 @@ def test_parameters_without_a_gradient_are_left_alone_and_bad_input_is_refused()
 
 def test_train_hf_trains_with_muon_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    spider, _ = parse_args([])
-    assert spider.muon_lr == DEFAULT_MUON_LR
-    assert parse_args(["--muon_lr", "0"])[0].muon_lr == 0.0
-    assert parse_args(["--adamw_8bit"])[0].muon_lr == 0.0
+    args = parse_args([])
+    assert args.muon_lr == DEFAULT_MUON_LR
+    assert parse_args(["--muon_lr", "0"]).muon_lr == 0.0
+    assert parse_args(["--adamw_8bit"]).muon_lr == 0.0
     with pytest.raises(ValueError, match="--muon_lr 0.02 cannot be combined with --adamw_8bit"):
         parse_args(["--adamw_8bit", "--muon_lr", "0.02"])
     with pytest.raises(ValueError, match="--muon_lr must be a finite number >= 0"):
         parse_args(["--muon_lr", "-1"])
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    assert parse_args([])[0].muon_lr == 0.0
+    assert parse_args([]).muon_lr == 0.0
     with pytest.raises(ValueError, match="cannot be combined with FSDP"):
         parse_args(["--muon_lr", "0.01"])
 
@@ -263,9 +264,9 @@ def test_routed_experts_can_train_with_adamw_instead_of_muon(monkeypatch, tmp_pa
     """`experts=False` (the default run's; ``--muon_experts`` keeps them on Muon): only the routed experts' matrices
     leave Muon (the shared expert and the attention stay) and join AdamW's decayed group; the flag reaches the
     optimizer Trainer builds and its name."""
-    from transformers import TrainingArguments
     from transformers.training_args import OptimizerNames
 
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.optim import describe_optimizer
     from spider_training.trainer import SpiderTrainer
 
@@ -288,11 +289,13 @@ def test_routed_experts_can_train_with_adamw_instead_of_muon(monkeypatch, tmp_pa
     assert all_muon == {id(named[n]) for n in everything}
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert parse_args([])[0].muon_experts is False
-    assert parse_args(["--muon_experts"])[0].muon_experts is True
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
-    assert muon_and_decayed(SpiderTrainer(model=model, args=args, muon_lr=0.02).create_optimizer())[0] == muon
-    trainer = SpiderTrainer(model=model, args=args, muon_lr=0.02, muon_experts=True)
+    assert parse_args([]).muon_experts is False
+    assert parse_args(["--muon_experts"]).muon_experts is True
+    args = SpiderTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", muon_lr=0.02
+    )
+    assert muon_and_decayed(SpiderTrainer(model=model, args=args).create_optimizer())[0] == muon
+    trainer = SpiderTrainer(model=model, args=dataclasses.replace(args, muon_experts=True))
     assert muon_and_decayed(trainer.create_optimizer())[0] == all_muon
     assert (
         describe_optimizer(0.01, OptimizerNames.ADAMW_TORCH, muon_experts=False)

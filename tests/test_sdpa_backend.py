@@ -1,5 +1,7 @@
 """``--sdpa_backend`` (spider_training/sdpa.py): the kernel SDPA prefers in a training step, seen in the profiler."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,13 +100,14 @@ def test_a_backend_needs_sdpa_and_flash_needs_a_value_no_wider_than_the_query():
 
 @pytest.mark.parametrize("backend, kernels", [("flash", {"flash"}), ("math", {"math"})])
 def test_trainer_steps_run_the_chosen_kernel(tmp_path, backend, kernels):
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.data import build_dataset
     from spider_training.trainer import SpiderTrainer
 
     model = tiny_model(seed=0)
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
         report_to="none",
@@ -113,25 +116,25 @@ def test_trainer_steps_run_the_chosen_kernel(tmp_path, backend, kernels):
         remove_unused_columns=False,
         save_strategy="no",
         eval_strategy="no",
+        sdpa_backend=backend,
     )
     trainer = SpiderTrainer(
         model=model,
         args=args,
         train_dataset=build_dataset("mock", 32),
         data_collator=default_data_collator,
-        sdpa_backend=backend,
     )
     assert model.config._attn_implementation == (VALUE_PADDED_SDPA if backend == "flash" else "sdpa")
     assert kernels_run(trainer.train) == kernels
     assert VALUE_PADDED_SDPA not in model.config.to_json_string()  # a release's config names no training-only function
     with pytest.raises(ValueError, match="--sdpa_backend must be one of"):
-        SpiderTrainer(model=model, args=args, sdpa_backend="fastest")
+        SpiderTrainer(model=model, args=dataclasses.replace(args, sdpa_backend="fastest"))
 
 
 def test_command_line_flag():
     from spider_training.arguments import parse_args
 
-    assert parse_args([])[0].sdpa_backend == "auto"
-    assert parse_args(["--sdpa_backend", "efficient"])[0].sdpa_backend == "efficient"
+    assert parse_args([]).sdpa_backend == "auto"
+    assert parse_args(["--sdpa_backend", "efficient"]).sdpa_backend == "efficient"
     with pytest.raises(ValueError, match="--sdpa_backend must be one of"):
         parse_args(["--sdpa_backend", "xformers"])

@@ -1,5 +1,6 @@
 """End-to-end tests of train_hf.py: smoke runs, resume equality, release loading, distributed launch."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -53,16 +54,14 @@ def test_tk_train_flags_and_env_vars(monkeypatch):
     monkeypatch.setenv("LR", "2e-4")
     monkeypatch.setenv("CKPT_EVERY", "7")
     monkeypatch.setenv("TARGET_TOKENS", "10_000")
-    spider, args = parse_args(["--grad_accum", "1"])  # a flag wins over its env var
-    assert (spider.seq_len, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (48, 3, 1)
+    args = parse_args(["--grad_accum", "1"])  # a flag wins over its env var
+    assert (args.seq_len, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (48, 3, 1)
     assert args.learning_rate == 2e-4 and args.save_steps == 7
     assert args.max_steps == 10_000 // (3 * 1 * 48)
-    spider, args = parse_args(["--max_steps", "5"])  # TARGET_TOKENS capped by --max_steps
+    args = parse_args(["--max_steps", "5"])  # TARGET_TOKENS capped by --max_steps
     assert args.max_steps == 5
-    spider, args = parse_args(
-        ["--mock_data", "--preset", "1b", "--no_gradient_checkpointing", "--compile", "--ckpt_dir", "x"]
-    )
-    assert spider.data == "mock" and args.activation_checkpointing is False and args.torch_compile
+    args = parse_args(["--mock_data", "--preset", "1b", "--no_gradient_checkpointing", "--compile", "--ckpt_dir", "x"])
+    assert args.data == "mock" and args.activation_checkpointing is False and args.torch_compile
     assert args.output_dir == "x"
     monkeypatch.setenv("N_LOOPS", "many")
     with pytest.raises(ValueError, match="N_LOOPS"):
@@ -75,7 +74,7 @@ def test_every_tk_train_flag_lands_where_the_table_says(monkeypatch, tmp_path):
     for flag in TK_TRAIN_FLAGS.values():
         if flag.env:
             monkeypatch.delenv(flag.env, raising=False)
-    spider, args = parse_args(
+    args = parse_args(
         [
             "--micro_batch",
             "3",
@@ -107,9 +106,9 @@ def test_every_tk_train_flag_lands_where_the_table_says(monkeypatch, tmp_path):
         args.learning_rate,
         args.save_steps,
         args.output_dir,
-        spider.data,
+        args.data,
     ) == (3, 4, 2e-4, 9, "a", str(tmp_path))
-    _, args = parse_args(
+    args = parse_args(
         [
             "--per_device_train_batch_size",
             "5",
@@ -130,7 +129,7 @@ def test_every_tk_train_flag_lands_where_the_table_says(monkeypatch, tmp_path):
         args.save_steps,
         args.output_dir,
     ) == (5, 6, 5e-4, 11, "b")
-    spider, args = parse_args([])
+    args = parse_args([])
     defaults = {flag.sets[0]: flag.default for flag in TK_TRAIN_FLAGS.values() if flag.sets and flag.default}
     assert (
         {name: getattr(args, name) for name in defaults}
@@ -143,8 +142,8 @@ def test_every_tk_train_flag_lands_where_the_table_says(monkeypatch, tmp_path):
             "output_dir": "runs/spider-small",
         }
     )
-    assert spider.seq_len == 256 and spider.data == "sotu" and args.torch_compile is False
-    assert parse_args(["--data_dir", str(tmp_path), "--mock_data"])[0].data == "mock"
+    assert args.seq_len == 256 and args.data == "sotu" and args.torch_compile is False
+    assert parse_args(["--data_dir", str(tmp_path), "--mock_data"]).data == "mock"
 
 
 def test_batches_are_copied_to_a_gpu_without_waiting_for_it(monkeypatch, tmp_path):
@@ -154,16 +153,16 @@ def test_batches_are_copied_to_a_gpu_without_waiting_for_it(monkeypatch, tmp_pat
     still sees this CPU machine)."""
     from spider_training import arguments
 
-    _, args = parse_args([])
+    args = parse_args([])
     assert not args.dataloader_pin_memory and not args.accelerator_config.non_blocking
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
-    _, args = parse_args([])
+    args = parse_args([])
     assert args.dataloader_pin_memory and args.accelerator_config.non_blocking
-    _, args = parse_args(["--dataloader_pin_memory", "False"])
+    args = parse_args(["--dataloader_pin_memory", "False"])
     assert not args.accelerator_config.non_blocking
     config = tmp_path / "accelerator.json"
     config.write_text('{"non_blocking": false, "split_batches": true}')
-    _, args = parse_args(["--accelerator_config", str(config)])
+    args = parse_args(["--accelerator_config", str(config)])
     assert not args.accelerator_config.non_blocking and args.accelerator_config.split_batches
 
 
@@ -177,14 +176,14 @@ def test_compile_default_follows_the_measured_rule(monkeypatch):
     monkeypatch.delenv("TARGET_TOKENS", raising=False)
     pays = COMPILE_PAYS_AFTER_STEPS["1b"]
     long_1b = ["--preset", "1b", "--max_steps", str(pays)]
-    assert parse_args(long_1b)[1].torch_compile is False  # this machine: no CUDA
+    assert parse_args(long_1b).torch_compile is False  # this machine: no CUDA
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
-    assert parse_args(long_1b)[1].torch_compile is True
-    assert parse_args(["--preset", "1b", "--max_steps", str(pays - 1)])[1].torch_compile is False
-    assert parse_args([])[1].torch_compile is False  # the small preset's 500-step main job
-    assert parse_args([*long_1b, "--no_compile"])[1].torch_compile is False
-    assert parse_args(["--compile"])[1].torch_compile is True
-    assert parse_args(["--torch_compile"])[1].torch_compile is True  # TrainingArguments' own flag is kept
+    assert parse_args(long_1b).torch_compile is True
+    assert parse_args(["--preset", "1b", "--max_steps", str(pays - 1)]).torch_compile is False
+    assert parse_args([]).torch_compile is False  # the small preset's 500-step main job
+    assert parse_args([*long_1b, "--no_compile"]).torch_compile is False
+    assert parse_args(["--compile"]).torch_compile is True
+    assert parse_args(["--torch_compile"]).torch_compile is True  # TrainingArguments' own flag is kept
     with pytest.raises(ValueError, match="--compile and --no_compile"):
         parse_args(["--compile", "--no_compile"])
 
@@ -199,22 +198,22 @@ def test_fp8_on_cuda_compiles_and_is_not_run_eagerly_by_accident(monkeypatch):
 
     monkeypatch.delenv("TARGET_TOKENS", raising=False)
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    assert parse_args(["--precision", "fp8"])[1].torch_compile is False  # this machine: no CUDA
-    assert parse_args(["--precision", "fp8", "--no_compile"])[1].torch_compile is False
+    assert parse_args(["--precision", "fp8"]).torch_compile is False  # this machine: no CUDA
+    assert parse_args(["--precision", "fp8", "--no_compile"]).torch_compile is False
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
-    assert parse_args([])[1].torch_compile is False  # the small main job in bf16: eager
-    assert parse_args(["--precision", "fp8"])[1].torch_compile is True  # the same run in FP8: compiled
+    assert parse_args([]).torch_compile is False  # the small main job in bf16: eager
+    assert parse_args(["--precision", "fp8"]).torch_compile is True  # the same run in FP8: compiled
     with pytest.raises(ValueError, match="--allow_eager_fp8"):
         parse_args(["--precision", "fp8", "--no_compile"])
-    assert parse_args(["--precision", "fp8", "--no_compile", "--allow_eager_fp8"])[1].torch_compile is False
+    assert parse_args(["--precision", "fp8", "--no_compile", "--allow_eager_fp8"]).torch_compile is False
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
-    assert parse_args([])[1].torch_compile is True
+    assert parse_args([]).torch_compile is True
     with pytest.raises(ValueError, match="--precision fp8 with --no_compile"):
         parse_args(["--no_compile"])
 
 
 def test_fp8_layer_options_are_checked(tmp_path):
-    assert parse_args(["--fp8_layers", "tk_train"])[0].fp8_layers == "tk_train"
+    assert parse_args(["--fp8_layers", "tk_train"]).fp8_layers == "tk_train"
     for wrong in ("all", "seed"):  # "seed": tk-train.py's old name of tk_train, removed with fp8_moe.py
         with pytest.raises(ValueError, match=r"--fp8_layers must be one of \('auto', 'tk_train'\)"):
             parse_args(["--fp8_layers", wrong])
@@ -222,16 +221,16 @@ def test_fp8_layer_options_are_checked(tmp_path):
         parse_args(["--fp8_gemm_table", str(tmp_path / "missing.json")])
     table = tmp_path / "table.json"
     table.write_text('{"gpus": {}}')
-    assert parse_args(["--fp8_gemm_table", str(table)])[0].fp8_gemm_table == str(table)
+    assert parse_args(["--fp8_gemm_table", str(table)]).fp8_gemm_table == str(table)
 
 
 def test_activation_checkpointing_default_follows_the_preset():
     """On for tk-train.py's 1B model (as tk-train.py trains it), off for the CPU presets; either flag overrides."""
-    assert parse_args(["--preset", "1b"])[1].activation_checkpointing is True
-    assert parse_args([])[1].activation_checkpointing is False
-    assert parse_args(["--preset", "tiny"])[1].activation_checkpointing is False
-    assert parse_args(["--activation_checkpointing", "true"])[1].activation_checkpointing is True
-    assert parse_args(["--preset", "1b", "--no_gradient_checkpointing"])[1].activation_checkpointing is False
+    assert parse_args(["--preset", "1b"]).activation_checkpointing is True
+    assert parse_args([]).activation_checkpointing is False
+    assert parse_args(["--preset", "tiny"]).activation_checkpointing is False
+    assert parse_args(["--activation_checkpointing", "true"]).activation_checkpointing is True
+    assert parse_args(["--preset", "1b", "--no_gradient_checkpointing"]).activation_checkpointing is False
 
 
 def test_bad_flags_are_refused(monkeypatch):
@@ -256,7 +255,7 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
     from modeling_spider import SpiderForConditionalGeneration
     from spider_training.train import build_model
 
-    spider, _ = parse_args(
+    args = parse_args(
         TINY
         + [
             "--ckpt_dir",
@@ -266,7 +265,7 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
             "boundary_prior=0.25,num_recurrent_layers=3",
         ]
     )
-    config = build_model(spider).config
+    config = build_model(args).config
     assert (config.n_loops, config.engram_layer_ids, config.sliding_window) == (3, [0, 1], None)
     assert (config.norm_topk_prob, config.boundary_prior, config.num_recurrent_layers) == (False, 0.25, 3)
     assert config.num_hidden_layers == config.num_prelude_layers + 3 + config.num_coda_layers
@@ -274,7 +273,7 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
     torch.manual_seed(0)
     saved = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny"))
     saved.save_pretrained(tmp_path / "init")
-    spider, _ = parse_args(
+    args = parse_args(
         TINY
         + [
             "--ckpt_dir",
@@ -285,7 +284,7 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
             "n_loops=3,sliding_window=8",
         ]
     )
-    loaded = build_model(spider)
+    loaded = build_model(args)
     assert (loaded.config.n_loops, loaded.config.sliding_window) == (3, 8)
     for name, tensor in saved.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
@@ -505,17 +504,18 @@ def test_check_launch_refuses_only_a_lone_process_of_a_multi_process_launch(monk
 def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
     """FP8 asked through accelerate's own config: SpiderTrainer converts once (its --fp8_layers filter); accelerate
     does not."""
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
     from configuration_spider import SpiderConfig
     from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.data import build_dataset
     from spider_training.trainer import SpiderTrainer
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     torch.manual_seed(0)
     model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny"))
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
         report_to="none",
@@ -523,14 +523,14 @@ def test_accelerate_fp8_config_converts_once(tmp_path, monkeypatch):
         per_device_train_batch_size=2,
         remove_unused_columns=False,
         save_strategy="no",
+        precision="fp32",
+        fp8_layers="tk_train",
     )
     trainer = SpiderTrainer(
         model=model,
         args=args,
         train_dataset=build_dataset("mock", 32),
         data_collator=default_data_collator,
-        precision="fp32",
-        fp8_layers="tk_train",
     )
     assert trainer.precision == "fp8" and trainer.fp8_report.converted
     assert trainer.accelerator.mixed_precision == "bf16"
@@ -543,10 +543,11 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
     """extra_train_loops=1: each training step runs n_loops or n_loops + 1, the same count for both micro-batches of
     a step, drawn from (seed, step) alone (so a resumed run draws what the uninterrupted one did); evaluation runs
     the configured n_loops."""
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
     from configuration_spider import SpiderConfig
     from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.data import build_dataset
     from spider_training.trainer import SpiderTrainer, training_loop_count
 
@@ -556,7 +557,7 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
     model.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append((m.training, kwargs.get("n_loops"))), with_kwargs=True
     )
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
         report_to="none",
@@ -567,6 +568,8 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
         remove_unused_columns=False,
         save_strategy="no",
         eval_strategy="no",
+        extra_train_loops=1,
+        eval_windows=2,
     )
     data = build_dataset("mock", 32)
     trainer = SpiderTrainer(
@@ -575,8 +578,6 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
         train_dataset=data,
         eval_dataset=data,
         data_collator=default_data_collator,
-        extra_train_loops=1,
-        eval_windows=2,
     )
     trainer.train()
     counts = [n for training, n in seen if training]
@@ -590,7 +591,10 @@ def test_training_draws_the_loop_count_per_step_and_evaluation_runs_n_loops(tmp_
     assert seen and all(not training and n is None for training, n in seen)  # the config's n_loops
     with pytest.raises(ValueError, match="extra_train_loops must be >= 0"):
         SpiderTrainer(
-            model=model, args=args, train_dataset=data, data_collator=default_data_collator, extra_train_loops=-1
+            model=model,
+            args=dataclasses.replace(args, extra_train_loops=-1),
+            train_dataset=data,
+            data_collator=default_data_collator,
         )
 
 
@@ -600,10 +604,11 @@ def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path
     count: a window that is mostly padding weighs by its few bytes, not as one window or one batch. The same
     figure as spider_training.metrics.bits_per_byte over the same windows."""
     from torch.utils.data import DataLoader, Subset
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import default_data_collator
 
     from configuration_spider import SpiderConfig
     from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.data import FirstWindows, build_dataset
     from spider_training.metrics import bits_per_byte
     from spider_training.trainer import SpiderTrainer
@@ -614,16 +619,15 @@ def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path
     padded = {name: value.clone() for name, value in windows[1].items()}
     padded["labels"][4:] = -100  # 3 predicted bytes in this window, 32 in the others
     windows[1] = padded
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
         report_to="none",
         per_device_eval_batch_size=2,
         remove_unused_columns=False,
+        eval_windows=3,
     )
-    trainer = SpiderTrainer(
-        model=model, args=args, eval_dataset=windows, data_collator=default_data_collator, eval_windows=3
-    )
+    trainer = SpiderTrainer(model=model, args=args, eval_dataset=windows, data_collator=default_data_collator)
     metrics = trainer.evaluate()
     assert metrics["eval_bytes"] == 3 * 32 + 3  # windows 0-3: eval_windows=3 rounded up to two batches of 2
     assert {"eval_runtime", "eval_samples_per_second"} <= set(metrics)  # Trainer's evaluate, not a replacement
@@ -651,8 +655,9 @@ def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path
 def test_evaluation_scores_another_causal_lm_in_bits_per_byte(tmp_path):
     """A dense byte model (bench.quality's peers) evaluates through the same loop: bits per byte from its logits, no
     segment or halting figures (it has neither), equal to the summed next-byte cross-entropy of its own logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments, default_data_collator
+    from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
 
+    from spider_training.arguments import SpiderTrainingArguments
     from spider_training.data import build_dataset
     from spider_training.trainer import SpiderTrainer
 
@@ -668,15 +673,16 @@ def test_evaluation_scores_another_causal_lm_in_bits_per_byte(tmp_path):
         )
     )
     windows = [build_dataset("mock", 32)[k] for k in range(4)]
-    args = TrainingArguments(
+    args = SpiderTrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
         report_to="none",
         per_device_eval_batch_size=2,
         remove_unused_columns=False,
+        eval_windows=4,
     )
     metrics = SpiderTrainer(
-        model=model, args=args, eval_dataset=windows, data_collator=default_data_collator, eval_windows=4
+        model=model, args=args, eval_dataset=windows, data_collator=default_data_collator
     ).evaluate()
     assert "eval_compression_rate" not in metrics and "eval_mean_halting_step" not in metrics
     nll = [
@@ -791,7 +797,7 @@ def test_text_sample_by_splits_local_txt_files(tmp_path):
     text.write_text("first line\nsecond line\nthird line\n")
     documents = {}
     for mode in ("document", "line"):
-        spider, args = parse_args(
+        args = parse_args(
             [
                 "--data",
                 str(text),
@@ -806,7 +812,7 @@ def test_text_sample_by_splits_local_txt_files(tmp_path):
                 "--use_cpu",
             ]
         )
-        trainer = build_trainer(spider, args, tiny_model(), stop_signals=())
+        trainer = build_trainer(args, tiny_model(), stop_signals=())
         documents[mode] = trainer.train_dataset.stats.documents
     assert documents == {"document": 1, "line": 3}
     with pytest.raises(ValueError, match="--text_sample_by must be document, paragraph or line; got 'word'"):
