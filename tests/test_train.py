@@ -246,6 +246,48 @@ def test_bad_flags_are_refused(monkeypatch):
         parse_args(["--fp8_experts", "always"])
 
 
+def test_trainer_reads_its_settings_from_spider_training_arguments(tmp_path):
+    """One settings object: a SpiderTrainingArguments built in Python is checked as the command line is (each error
+    naming the flag); a plain TrainingArguments given to SpiderTrainer becomes one with every field it had and
+    Spider's at their defaults (as TRL's trainers convert theirs), and the trainer reads its settings from it."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from spider_training.arguments import SpiderTrainingArguments, spider_training_arguments
+    from spider_training.data import build_dataset
+    from spider_training.trainer import SpiderTrainer
+    from tests.helpers import tiny_model
+
+    with pytest.raises(ValueError, match="--precision must be one of"):
+        SpiderTrainingArguments(output_dir=str(tmp_path), precision="fp4")
+    with pytest.raises(ValueError, match="--eval_windows must be >= 1, got 0"):
+        SpiderTrainingArguments(output_dir=str(tmp_path), eval_windows=0)
+    plain = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=3, learning_rate=2e-4
+    )
+    converted = spider_training_arguments(plain)
+    assert isinstance(converted, SpiderTrainingArguments)
+    assert (converted.per_device_train_batch_size, converted.learning_rate, converted.output_dir) == (
+        3,
+        2e-4,
+        str(tmp_path),
+    )
+    defaults = SpiderTrainingArguments(output_dir=str(tmp_path))
+    assert (converted.eval_windows, converted.sdpa_backend, converted.muon_lr) == (
+        defaults.eval_windows,
+        defaults.sdpa_backend,
+        defaults.muon_lr,
+    )
+    trainer = SpiderTrainer(
+        model=tiny_model(seed=0),
+        args=plain,
+        train_dataset=build_dataset("mock", 32),
+        data_collator=default_data_collator,
+        stop_signals=(),
+    )
+    assert isinstance(trainer.args, SpiderTrainingArguments) and trainer.args.per_device_train_batch_size == 3
+    assert trainer.precision == "fp32" and trainer.n_loops is None  # CPU: precision auto is fp32; n_loops the config's
+
+
 @pytest.mark.slow
 def test_config_overrides_use_the_transformers_format(tmp_path):
     """`--config_overrides` goes through SpiderConfig.update_from_string (transformers' key=value,... format): scalars
