@@ -221,6 +221,14 @@ class SpiderArguments:
         default="The state of the union is", metadata={"help": "prompt of the sample generation"}
     )
     sample_bytes: int = field(default=96, metadata={"help": "bytes generated for the sample"})
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "stream local text training data as a Hub dataset is (datasets streaming, packed on the fly, "
+            "each process reading its own files or documents; a resume continues from the position saved in the "
+            "checkpoint, with --dataloader_num_workers 0) instead of encoding it once into the byte cache"
+        },
+    )
 
 
 class TkTrainFlag(NamedTuple):

@@ -10,10 +10,13 @@ overrides public, documented methods:
   routing (:mod:`spider_training.tile_kernels_moe`) and runs the experts in the autocast dtype, their weights cast
   once per forward (:mod:`spider_training.mixed_precision`), before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
-- ``get_train_dataloader``: only for a streamed Hub source (:class:`spider_training.data.StreamingTextDataset`, which
+- ``get_train_dataloader``: only for a streamed source (:class:`spider_training.data.StreamingTextDataset`, which
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
-  re-sharded. Local sources are map-style datasets and keep Trainer's own loader (seeded random sampler, accelerate's
-  split across processes, ``skip_first_batches`` on resume).
+  re-sharded; its state (the stream's position) goes into every checkpoint, one file per rank. Map-style sources
+  keep Trainer's own loader (seeded random sampler, accelerate's split across processes, ``skip_first_batches`` on
+  resume).
+- ``train``: resuming a streamed source continues from the checkpoint's stream position rather than Trainer's replay
+  of the consumed batches (``skip_first_batches``); a checkpoint without one is refused.
 - ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in
   training drawn per step with ``extra_train_loops``) and log every loss term, bits-per-byte, compression rate,
   expert load balance, mean halting step, tokens/s, peak memory, and FLOPs per step, TFLOP/s and MFU
@@ -341,8 +344,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if not isinstance(self.train_dataset, StreamingTextDataset):
             return super().get_train_dataloader()
         # An accelerate DataLoaderShard: iterating it registers it with the accelerator's GradientState (end of data
-        # inside an accumulation window), as a loader from `accelerator.prepare` would.
-        return make_dataloader(
+        # inside an accumulation window), as a loader from `accelerator.prepare` would. With num_workers=0 its
+        # state_dict() is the stream's position at the last batch handed out: saved in every checkpoint.
+        self._stream_loader = make_dataloader(
             self.train_dataset,
             self._train_batch_size,
             device=self.args.device,
@@ -351,6 +355,58 @@ class SpiderTrainer(HubPushMixin, Trainer):
             pin_memory=self.args.dataloader_pin_memory,
             non_blocking=self.args.accelerator_config.non_blocking,
         )
+        return self._stream_loader
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """Trainer's ``train``; resuming a streamed source (:class:`StreamingTextDataset`), it continues from the
+        stream position saved in the checkpoint (:meth:`_resume_stream`) instead of Trainer's replay of the consumed
+        batches (``skip_first_batches``, which re-reads and re-packs every skipped window)."""
+        restore = None
+        if resume_from_checkpoint and isinstance(self.train_dataset, StreamingTextDataset):
+            folder = (
+                checkpointing.latest_checkpoint(self.args.output_dir)
+                if resume_from_checkpoint is True
+                else resume_from_checkpoint
+            )
+            if folder and self._resume_stream(folder):
+                restore, self.args.ignore_data_skip = self.args.ignore_data_skip, True
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            if restore is not None:
+                self.args.ignore_data_skip = restore
+
+    def _resume_stream(self, folder: str) -> bool:
+        """Position the streamed train dataset where checkpoint `folder`'s run left it (this rank's
+        :func:`spider_training.checkpointing.read_stream_position`). Returns True when positioned (Trainer must then
+        not skip batches), False with ``--ignore_data_skip`` (the stream starts again from its beginning).
+
+        Raises:
+            ValueError: the checkpoint's process count, micro-batch or accumulation differ
+                (:func:`spider_training.checkpointing.check_data_layout`), it holds no position for this rank (written
+                with dataloader workers, or before positions were saved: the stream cannot continue exactly), or its
+                position is of another stream (another source, split, seq_len, shuffle).
+        """
+        checkpointing.check_data_layout(folder, checkpointing.data_layout(self.args))
+        if self.args.ignore_data_skip:
+            logger.info("%s: --ignore_data_skip: the stream starts again from its beginning", folder)
+            return False
+        state = checkpointing.read_stream_position(folder, self.args.process_index)
+        if state is None:
+            raise ValueError(
+                f"{folder} holds no position in the streamed source for process {self.args.process_index} (written "
+                "by a run with --dataloader_num_workers > 0, whose workers hold the stream's position, or before "
+                "positions were saved), so the stream cannot continue where it stopped. Pass --ignore_data_skip to "
+                "resume the model and optimizer with the stream from its beginning, or --init_from for a new run."
+            )
+        self.train_dataset.load_state_dict(state)
+        logger.info(
+            "%s: the stream continues at window %d of epoch %d (saved position; nothing replayed)",
+            folder,
+            state["windows"],
+            state["epoch"],
+        )
+        return True
 
     # --- the training step ---------------------------------------------------------------------------------------
 
@@ -599,6 +655,13 @@ class SpiderTrainer(HubPushMixin, Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_root = None
+        loader = getattr(self, "_stream_loader", None)
+        if loader is not None and self.args.dataloader_num_workers == 0:  # every rank its own position
+            checkpointing.write_stream_position(
+                os.path.join(run_dir, checkpointing.STAGING_DIRNAME, f"checkpoint-{self.state.global_step}"),
+                self.args.process_index,
+                loader.state_dict(),
+            )
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             name = f"checkpoint-{self.state.global_step}"
