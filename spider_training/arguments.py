@@ -229,6 +229,15 @@ class SpiderArguments:
             "checkpoint, with --dataloader_num_workers 0) instead of encoding it once into the byte cache"
         },
     )
+    shuffle_buffer: int = field(
+        default=10_000,
+        metadata={
+            "help": "streamed training data (a Hub dataset, or --streaming): its files in a seeded order and its "
+            "documents shuffled in blocks of this many (held in memory; a resume reads one block again), seeded by "
+            "--data_seed (else --seed) and the epoch. 0: the stream's own order. Map-style data is shuffled by "
+            "Trainer's sampler"
+        },
+    )
 
 
 class TkTrainFlag(NamedTuple):
@@ -414,6 +423,8 @@ def parse_args(
         value = getattr(spider, attr)
         if value is not None and value < 1 and not (attr == "sample_bytes" and value == 0):
             raise ValueError(f"--{attr} must be >= 1, got {value}{origin(attr)}")
+    if spider.shuffle_buffer < 0:
+        raise ValueError(f"--shuffle_buffer must be >= 0 (0: no shuffle), got {spider.shuffle_buffer}")
     if spider.extra_train_loops < 0:
         raise ValueError(f"--extra_train_loops must be >= 0, got {spider.extra_train_loops}")
     for attr, value in (("lr", spider.lr), ("learning_rate", values.get("learning_rate"))):

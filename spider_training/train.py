@@ -82,9 +82,13 @@ def build_trainer(
     )
     train_dataset = trainer_kwargs.pop("train_dataset", None)
     if train_dataset is None:
-        train_dataset = build_dataset(
-            spider.data, spider.seq_len, split="train", stream=spider.streaming, **data_kwargs
+        stream_kwargs = dict(  # a streamed source shuffles itself (map-style ones: Trainer's sampler)
+            stream=spider.streaming,
+            shuffle=spider.shuffle_buffer > 0,
+            shuffle_buffer=max(1, spider.shuffle_buffer),
+            seed=args.data_seed if args.data_seed is not None else args.seed,
         )
+        train_dataset = build_dataset(spider.data, spider.seq_len, split="train", **{**data_kwargs, **stream_kwargs})
     eval_dataset, eval_source = trainer_kwargs.pop("eval_dataset", ...), held_out_source(spider)
     if eval_dataset is ...:
         eval_dataset = build_dataset(eval_source, spider.seq_len, split="eval", **data_kwargs) if eval_source else None

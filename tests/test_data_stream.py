@@ -187,3 +187,66 @@ def test_trainer_refuses_a_stream_checkpoint_without_a_position(tmp_path):
     fresh = RecordingTrainer.build(tmp_path / "fresh", streamed(tmp_path / "data"), 6, ignore_data_skip=True)
     fresh.train(resume_from_checkpoint=str(checkpoint))
     assert torch.equal(fresh.seen[0][1], trainer.seen[0][1]) and fresh.seen[0][0] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the shuffle and the split across processes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_shuffle_is_a_permutation_fixed_by_the_seed(tmp_path):
+    """The shuffled stream holds the same documents as the stream's own order, in an order fixed by the seed."""
+    docs = write_jsonl(tmp_path / "data", files=2, per_file=60)
+
+    def documents(**options):
+        dataset = D.StreamingTextDataset(D.open_text_source(str(tmp_path / "data")), 4096, **options)
+        stream = np.concatenate(list(dataset.iter_windows()))
+        bos = np.flatnonzero(stream == D.BOS_ID)
+        eos = np.flatnonzero(stream == D.EOS_ID)
+        return [bytes(stream[a + 1 : b].astype(np.uint8)).decode() for a, b in zip(bos, eos)]
+
+    assert documents() == docs
+    one, again, other = (documents(shuffle=True, shuffle_buffer=16, seed=s) for s in (0, 0, 1))
+    assert one == again and one != other and one != docs
+    assert sorted(one) == sorted(other) == sorted(docs)
+
+
+@pytest.mark.parametrize("files", [2, 3])
+def test_two_processes_read_disjoint_parts_of_a_local_stream(tmp_path, files):
+    """split_dataset_by_node: 2 files give each process one file to read (it never opens the other), 3 files (not
+    divisible) every other document; either way the processes' documents are disjoint and cover the source."""
+    docs = write_jsonl(tmp_path / "data", files=files, per_file=30)
+    seen = []
+    for rank in range(2):
+        dataset = streamed(tmp_path / "data", rank=rank, world_size=2)
+        stream = np.concatenate(list(dataset.iter_windows()))
+        text = bytes(stream[stream < 256].astype(np.uint8)).decode()
+        mine = [d for d in docs if d in text]
+        assert dataset.stats.documents == len(mine) == dataset.documents_read
+        if files == 2:
+            assert dataset.source.num_shards == 1 and mine == docs[rank * 30 : (rank + 1) * 30]
+        seen += mine
+    assert sorted(seen) == sorted(docs)
+
+
+def test_training_run_shuffles_a_stream_with_its_flags(tmp_path):
+    """--shuffle_buffer reaches the streamed train dataset (seeded by --data_seed, else --seed); 0 keeps the
+    stream's order; a negative value is refused."""
+    from spider_training.arguments import parse_args
+    from spider_training.train import build_trainer
+    from tests.helpers import tiny_model
+
+    write_jsonl(tmp_path / "data", files=1, per_file=20)
+    base = ["--preset", "tiny", "--data", str(tmp_path / "data"), "--streaming", "--seq_len", "32"]
+    base += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "--precision", "fp32", "--max_steps", "2"]
+    spider, args = parse_args([*base, "--shuffle_buffer", "16", "--seed", "5"])
+    dataset = build_trainer(spider, args, tiny_model()).train_dataset
+    assert isinstance(dataset, D.StreamingTextDataset)
+    assert (dataset.shuffle, dataset.shuffle_buffer, dataset.seed) == (True, 16, 5)
+    spider, args = parse_args([*base, "--data_seed", "7"])
+    dataset = build_trainer(spider, args, tiny_model()).train_dataset
+    assert (dataset.shuffle, dataset.shuffle_buffer, dataset.seed) == (True, 10_000, 7)
+    spider, args = parse_args([*base, "--shuffle_buffer", "0"])
+    assert build_trainer(spider, args, tiny_model()).train_dataset.shuffle is False
+    with pytest.raises(ValueError, match="--shuffle_buffer must be >= 0"):
+        parse_args([*base, "--shuffle_buffer", "-1"])
