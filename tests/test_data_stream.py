@@ -250,3 +250,32 @@ def test_training_run_shuffles_a_stream_with_its_flags(tmp_path):
     assert build_trainer(spider, args, tiny_model()).train_dataset.shuffle is False
     with pytest.raises(ValueError, match="--shuffle_buffer must be >= 0"):
         parse_args([*base, "--shuffle_buffer", "-1"])
+
+
+def test_a_stream_resumed_by_another_number_of_processes_is_refused(tmp_path):
+    """Issue 67 D3 for streamed sources: each process's saved position is in its own part of the stream
+    (split_dataset_by_node), so one process cannot continue a two-process run's stream: refused by the checkpoint's
+    data layout, and by the position itself when the checkpoint has no layout record (never silent)."""
+    write_jsonl(tmp_path / "data", files=2, per_file=50)
+    RecordingTrainer.build(tmp_path / "run", streamed(tmp_path / "data"), 3).train()
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    layout_file = checkpoint / checkpointing.DATA_LAYOUT_NAME
+    layout = json.loads(layout_file.read_text())
+    layout_file.write_text(json.dumps({**layout, "world_size": 2}))
+
+    def resume():
+        trainer = RecordingTrainer.build(tmp_path / "again", streamed(tmp_path / "data"), 6)
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+        return trainer
+
+    with pytest.raises(ValueError, match=r"written by a run of 2 process\(es\).*this run has 1 process\(es\)"):
+        resume()
+    layout_file.unlink()  # a checkpoint without the record: the position still knows its process count
+    position_file = checkpoint / checkpointing.STREAM_POSITION_NAME.format(rank=0)
+    position = json.loads(position_file.read_text())
+    two = streamed(tmp_path / "data", rank=0, world_size=2)
+    position_file.write_text(json.dumps({**position, "layout": two.state_dict()["layout"]}))
+    with pytest.raises(ValueError, match=r"world_size was 2, now 1"):
+        resume()
+    position_file.write_text(json.dumps(position))
+    assert resume().state.global_step == 6
