@@ -67,7 +67,12 @@ def test_quick_run_has_every_benchmark_with_measurements(quick_results):
     assert isinstance(generation["outputs_equal"], bool)
     peers = generation["measurements"]["peers"]  # issue 65's table: Spider's loop counts beside Llama and Mistral
     assert set(peers["bytes_per_s"]) == {
-        *(f"spider_loops{n}{exit_}" for n in (1, 2, 4) for exit_ in ("", "_act_early_exit")),
+        *(
+            f"spider_loops{n}{exit_}{cache}"
+            for n in (1, 2, 4)
+            for exit_ in ("", "_act_early_exit")
+            for cache in ("", "_static")  # --quick: SpiderStaticCache uncompiled
+        ),
         *(f"{peer}_{cache}" for peer in ("llama", "mistral") for cache in ("dynamic", "static")),
     }
     assert all(_positive_number(v) for v in peers["bytes_per_s"].values())
