@@ -46,7 +46,8 @@
   trainer logs), MFU against the matmul
   peak measured in-process (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten
   ops dispatched per step,
-  host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the
+  host syncs per step, forward+backward and optimizer apart (:class:`spider_training.profiling.HostSyncCounter`; on
+  CUDA also the
   ``set_sync_debug_mode`` warnings and the lines they point at, ``cuda_sync_sources``; torch's CPU AdamW reads each
   parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
   post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
@@ -69,7 +70,6 @@ import torch
 from bench.common import (
     dense_llama_config,
     device_peak_matmul_flops,
-    graphs_compiled,
     num_params,
     peer_model,
     random_bytes,
@@ -97,6 +97,7 @@ from bench.parts import (
     free_memory,
     train_step_of,
 )
+from spider_training.profiling import graphs_compiled
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
 #: the compiled FP8 rows (on request; issue 51): row -> (torchao recipe, ``--fp8_experts``). FP8 is judged under

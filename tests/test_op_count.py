@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import modeling_spider
-from bench.common import HostSyncCounter, peer_model, random_bytes
+from bench.common import peer_model, random_bytes
 from bench.diagnostics import proxy_1b_config
 from modeling_spider import (
     ALL_ATTENTION_FUNCTIONS,
@@ -23,6 +23,7 @@ from modeling_spider import (
     to_autocast_dtype,
 )
 from spider_training.mixed_precision import autocast_experts, cast_weight, shared_weight_casts
+from spider_training.profiling import HostSyncCounter
 from tests.helpers import float_tol, model_terms, tiny_model
 
 
