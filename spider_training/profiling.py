@@ -13,6 +13,7 @@ GPU's).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import TrainerCallback
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -251,3 +253,52 @@ class CudaSyncWarnings:
                 pass
             self.sources[f"{filename}:{w.lineno}"] += 1
         return False
+
+
+class HostSyncsPerStep(TrainerCallback):
+    """``--log_host_syncs``: a :class:`HostSyncCounter` open from each training step's start
+    (``on_step_begin``: its micro-batches' forwards and backwards, Trainer's loss checks, gradient clipping, the
+    optimizer step, the other callbacks' ``on_step_end`` when this one is added last) to its end (``on_step_end``),
+    so that :meth:`read` gives the mean count per optimizer step since the previous read; ``SpiderTrainer`` logs it as
+    ``host_syncs_per_step`` at every logging step. Nothing outside the steps (data loading, logging, evaluation,
+    checkpoints) is counted.
+
+    Costs: every aten op of a counted step goes through Python (the dispatch mode), so a step runs several times
+    slower; ``torch.compile``'d layers run eagerly while counted (``torch.compiler.set_stance("force_eager")``: dynamo
+    does not trace under a dispatch mode), so the count is the eager step's. Hence off by default (torchtitan's
+    trainer likewise leaves its profiling off unless asked). Call :meth:`close` if training stops mid-step (an
+    exception): ``SpiderTrainer.train`` does.
+    """
+
+    def __init__(self):
+        self._open: contextlib.ExitStack | None = None
+        self._counter: HostSyncCounter | None = None
+        self._syncs = 0
+        self._steps = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.close()
+        self._open = contextlib.ExitStack()
+        self._open.enter_context(torch.compiler.set_stance("force_eager"))
+        self._counter = self._open.enter_context(HostSyncCounter(record_sources=False))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._counter is not None:
+            self._syncs += self._counter.total
+            self._steps += 1
+        self.close()
+
+    def close(self) -> None:
+        """Leave the counter and the eager stance if a step left them open (nothing is added to the counts)."""
+        if self._open is not None:
+            self._open.close()
+        self._open, self._counter = None, None
+
+    def read(self) -> dict[str, float]:
+        """``{"host_syncs_per_step": mean syncs per step since the previous read}`` (4 significant digits); empty
+        when no step ended since then."""
+        if not self._steps:
+            return {}
+        mean = self._syncs / self._steps
+        self._syncs, self._steps = 0, 0
+        return {"host_syncs_per_step": float(f"{mean:.4g}")}

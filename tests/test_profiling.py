@@ -1,9 +1,17 @@
-"""spider_training.profiling: the host syncs, aten ops and compiled graphs of a step, counted on CPU (the CUDA warnings'
-parsing half with a stand-in for the debug mode)."""
+"""spider_training.profiling: the host syncs, aten ops and compiled graphs of a step, counted on CPU (the CUDA
+warnings' parsing half with a stand-in for the debug mode), and the trainer's ``host_syncs_per_step`` on request."""
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from spider_training.profiling import CudaSyncWarnings, HostSyncCounter, eager_aten_ops, graphs_compiled
+from spider_training.profiling import (
+    CudaSyncWarnings,
+    HostSyncCounter,
+    HostSyncsPerStep,
+    eager_aten_ops,
+    graphs_compiled,
+)
+from tests.helpers import cpu_trainer
 
 
 def test_host_sync_counter_counts_deliberate_syncs():
@@ -78,3 +86,46 @@ def test_cuda_sync_warnings_counts_the_sync_debug_warnings(monkeypatch):
     assert modes[-1] == "default"
     assert syncs.count == 2 and len(syncs.sources) == 1
     assert next(iter(syncs.sources)).startswith("tests/test_profiling.py:")
+
+
+def test_host_syncs_per_step_is_the_mean_over_the_steps_since_the_last_read():
+    """Counted between ``on_step_begin`` and ``on_step_end`` only; a step left open is closed without being counted,
+    and nothing stays patched or on the dispatch-mode stack."""
+    callback, x, original_tolist = HostSyncsPerStep(), torch.arange(4.0), torch.Tensor.tolist
+    for syncs in (2, 1):
+        callback.on_step_begin(None, None, None)
+        for _ in range(syncs):
+            x.sum().item()
+        callback.on_step_end(None, None, None)
+        x.sum().item()  # between steps: not counted
+    assert callback.read() == {"host_syncs_per_step": 1.5}
+    assert callback.read() == {}  # nothing since the previous read
+    callback.on_step_begin(None, None, None)
+    x.tolist()
+    callback.close()  # training stopped mid-step
+    assert callback.read() == {}
+    assert _get_current_dispatch_mode() is None and torch.Tensor.tolist is original_tolist
+
+
+def test_a_training_run_logs_host_syncs_per_step_on_request(tmp_path):
+    """``log_host_syncs``: every logging step of a tiny run carries ``host_syncs_per_step``; a step of two
+    micro-batches syncs more than a step of one (each forward needs its segment count on the host); off by default."""
+    per_step = {}
+    for accumulation in (1, 2):
+        trainer = cpu_trainer(
+            tmp_path / str(accumulation),
+            max_steps=6,
+            logging_steps=2,
+            gradient_accumulation_steps=accumulation,
+            trainer_kwargs={"log_host_syncs": True},
+        )
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert [entry["step"] for entry in logs] == [2, 4, 6]
+        assert all(entry["host_syncs_per_step"] >= accumulation for entry in logs), logs
+        per_step[accumulation] = logs[-1]["host_syncs_per_step"]
+        assert _get_current_dispatch_mode() is None  # the counter closed with the run
+    assert per_step[2] > per_step[1], per_step
+    trainer = cpu_trainer(tmp_path / "off", max_steps=2, logging_steps=1)
+    trainer.train()
+    assert not any("host_syncs_per_step" in entry for entry in trainer.state.log_history)
