@@ -100,15 +100,16 @@ class _RecompileLog:
 
 def build_model(preset: str):
     """A seeded Spider model of `preset`, or of ``"proxy_1b"``: the 1b preset's depth and loops at the tiny preset's
-    widths (:func:`bench.diagnostics.proxy_1b_config`), to see what compiling costs at the 1b structure on a CPU."""
+    widths (:func:`spider_training.profiling.proxy_1b_config`), to see what compiling costs at the 1b structure on a
+    CPU."""
     from bench.common import spider_model
 
     if preset != "proxy_1b":
         return spider_model(preset)
     import torch
 
-    from bench.diagnostics import proxy_1b_config
     from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.profiling import proxy_1b_config
 
     torch.manual_seed(0)
     return SpiderForConditionalGeneration(proxy_1b_config())

@@ -44,36 +44,19 @@ import torch
 
 from bench.common import (
     TrainStep,
-    peer_model,
     random_bytes,
     spider_config,
     synchronize,
 )
 from bench.parts import MIN_PART_S, TIME_BUDGET, Deadline, build_on, default_device, entry, free_memory, train_step_of
-from spider_training.profiling import CudaSyncWarnings, HostSyncCounter, eager_aten_ops
+from spider_training.peers import peer_model
+from spider_training.profiling import CudaSyncWarnings, HostSyncCounter, eager_aten_ops, proxy_1b_config
 from spider_training.throughput import count_flops
 
 #: ops named in a profiled step's ``top_host_ops``
 TOP_HOST_OPS = 8
 #: kernels and aten ops named in a profiled step's ``top_kernels`` and ``top_aten_ops`` (by launches / calls)
 TOP_BY_COUNT = 20
-#: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
-_WIDTH_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "v_head_dim",
-    "moe_intermediate_size",
-    "engram_num_heads",
-    "engram_head_dim",
-    "engram_table_size",
-    "loop_adapter_rank",
-    "max_position_embeddings",
-)
 #: a training step slower than this x the run's median step counts as slow (``step_seconds.slow_steps``)
 SLOW_STEP_FACTOR = 2.0
 
@@ -272,13 +255,6 @@ def split_by_axis(axes: list, times: list[float], met_before=()) -> tuple[list[i
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def proxy_1b_config(**overrides):
-    """The ``1b`` preset's structure (layers, loops, experts, Engram layers, boundaries) at the ``tiny`` preset's
-    widths: a CPU stand-in for counting host syncs, which depend on the structure and not the width."""
-    tiny = spider_config("tiny")
-    return spider_config("1b", **{**{k: getattr(tiny, k) for k in _WIDTH_FIELDS}, **overrides})
 
 
 def host_syncs_check(

@@ -9,7 +9,8 @@
   ``1b``, so 1 + S = 64 slots at 256 bytes, the same slot count the SpaceByte teacher's 0.167 segments per byte on
   the SOTU text gives, where the 1b run's boundaries settle; the same modules and ops, and one axis size every step),
   transformers' ``DeepseekV3ForCausalLM`` of the same shape
-  (:func:`bench.common.peer_config`; with fp32 master weights under autocast, as every row, its experts' grouped GEMMs
+  (:func:`spider_training.peers.peer_config`; with fp32 master weights under autocast, as every row, its experts'
+  grouped GEMMs
   run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense
   ``LlamaForCausalLM`` of about the same parameter count
   (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
@@ -71,7 +72,6 @@ from bench.common import (
     dense_llama_config,
     device_peak_matmul_flops,
     num_params,
-    peer_model,
     random_bytes,
     spider_config,
     spider_model,
@@ -97,6 +97,7 @@ from bench.parts import (
     free_memory,
     train_step_of,
 )
+from spider_training.peers import peer_model
 from spider_training.profiling import graphs_compiled
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))

@@ -25,6 +25,23 @@ from transformers import TrainerCallback
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+#: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
+_WIDTH_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "moe_intermediate_size",
+    "engram_num_heads",
+    "engram_head_dim",
+    "engram_table_size",
+    "loop_adapter_rank",
+    "max_position_embeddings",
+)
 #: aten ops whose output size or value has to reach the host before the next op can be launched
 SYNC_OPS = {
     "_local_scalar_dense",
@@ -253,6 +270,15 @@ class CudaSyncWarnings:
                 pass
             self.sources[f"{filename}:{w.lineno}"] += 1
         return False
+
+
+def proxy_1b_config(**overrides):
+    """The ``1b`` preset's structure (layers, loops, experts, Engram layers, boundaries) at the ``tiny`` preset's
+    widths: a CPU stand-in for counting host syncs, which depend on the structure and not the width."""
+    from configuration_spider import SpiderConfig
+
+    tiny = SpiderConfig.from_preset("tiny")
+    return SpiderConfig.from_preset("1b", **{**{k: getattr(tiny, k) for k in _WIDTH_FIELDS}, **overrides})
 
 
 class HostSyncsPerStep(TrainerCallback):
