@@ -339,9 +339,10 @@ def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
 
 def test_distributed_judgement_names_what_differs():
     from bench import distributed
+    from tests.distributed_worker import loss_rtol
 
     figures = dict(
-        rtol=distributed.loss_rtol(torch.float32),
+        rtol=loss_rtol(torch.float32),
         ddp_max_rel_diff=0.0,
         fsdp2_max_rel_diff=0.0,
         resumed_max_rel_diff=0.0,
@@ -353,7 +354,7 @@ def test_distributed_judgement_names_what_differs():
     status, reason = distributed.judge({**figures, "resumed_max_rel_diff": 0.02, "ddp_max_rel_diff": float("nan")})
     assert status == "failed" and "resumed_max_rel_diff 0.02" in reason and "ddp_max_rel_diff nan" in reason
     assert "DTensor" in distributed.judge({**figures, "release_has_dtensors": True})[1]
-    assert distributed.loss_rtol(torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
+    assert loss_rtol(torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
 
 
 def test_attention_backends_at_toy_sizes_on_cpu():
