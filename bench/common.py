@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from spider_training.mixed_precision import autocast_experts, shared_weight_casts
-from spider_training.throughput import measured_matmul_flops, synchronize  # noqa: F401 (synchronize: bench's API)
+from spider_training.throughput import synchronize  # noqa: F401 (bench's API)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -135,12 +135,6 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: in
     return {
         name: {"median_s": statistics.median(ts), "times_s": [round(t, 5) for t in ts]} for name, ts in times.items()
     }
-
-
-def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeats: int = 5) -> dict[str, float]:
-    """Measured peak FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on CPU (2 n^3 FLOPs per call), median of
-    repeats: the trainer's own measurement (:func:`spider_training.throughput.measured_matmul_flops`)."""
-    return measured_matmul_flops("cpu", dtype, n=n, warmup=warmup, repeats=repeats)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -284,21 +278,9 @@ def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# GPU matmul peak, the dense peer of the same size (host syncs, ops and graphs: spider_training.profiling)
+# The dense peer of the same size (host syncs, ops and graphs: spider_training.profiling; matmul peaks:
+# spider_training.throughput.measured_matmul_flops)
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def device_peak_matmul_flops(
-    device: torch.device | str,
-    dtype: torch.dtype = torch.bfloat16,
-    n: int | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-) -> dict[str, float]:
-    """The trainer's own measurement (:func:`spider_training.throughput.measured_matmul_flops`): the median of
-    `repeats` timed ``n x n @ n x n`` matmuls on `device` (n: 8192 on CUDA, as ``/work/shared/NOTES.md``, 1024 on
-    CPU)."""
-    return measured_matmul_flops(device, dtype, n=n, warmup=warmup, repeats=repeats)
 
 
 def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):

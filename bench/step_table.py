@@ -45,7 +45,8 @@
   issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
   optimizer state included; null on CPU), FLOPs per step (:func:`spider_training.throughput.count_flops`, what the
   trainer logs), MFU against the matmul
-  peak measured in-process (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten
+  peak measured in-process (:func:`spider_training.throughput.measured_matmul_flops`: bf16 8192^3 on CUDA, fp32 on
+  CPU), aten
   ops dispatched per step,
   host syncs per step, forward+backward and optimizer apart (:class:`spider_training.profiling.HostSyncCounter`; on
   CUDA also the
@@ -70,7 +71,6 @@ import torch
 
 from bench.common import (
     dense_llama_config,
-    device_peak_matmul_flops,
     num_params,
     random_bytes,
     spider_config,
@@ -99,6 +99,7 @@ from bench.parts import (
 )
 from spider_training.peers import peer_model
 from spider_training.profiling import graphs_compiled
+from spider_training.throughput import measured_matmul_flops
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
 #: the compiled FP8 rows (on request; issue 51): row -> (torchao recipe, ``--fp8_experts``). FP8 is judged under
@@ -377,7 +378,7 @@ def step_table_check(
         )
     shapes = [tuple(s) for s in (shapes or STEP_TABLE_SHAPES)]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    peak = device_peak_matmul_flops(device, dtype)
+    peak = measured_matmul_flops(device, dtype)
     config = spider_config(preset)
     llama_config = dense_llama_config(config)
     default_experts = config._experts_implementation
