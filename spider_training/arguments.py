@@ -238,6 +238,14 @@ class SpiderArguments:
             "Trainer's sampler"
         },
     )
+    log_host_syncs: bool = field(
+        default=False,
+        metadata={
+            "help": "count the device-to-host syncs of every training step and log their mean per step "
+            "(host_syncs_per_step) at each logging step (spider_training.profiling.HostSyncsPerStep; the counted "
+            "steps run several times slower, compiled layers eagerly)"
+        },
+    )
 
 
 class TkTrainFlag(NamedTuple):

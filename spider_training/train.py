@@ -114,6 +114,7 @@ def build_trainer(
         muon_lr=spider.muon_lr,
         muon_experts=spider.muon_experts,
         sdpa_backend=spider.sdpa_backend,
+        log_host_syncs=spider.log_host_syncs,
         callbacks=callbacks,
     )
     return SpiderTrainer(**{**kwargs, **trainer_kwargs})

@@ -20,7 +20,8 @@ overrides public, documented methods:
 - ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in
   training drawn per step with ``extra_train_loops``) and log every loss term, bits-per-byte, compression rate,
   expert load balance, mean halting step, tokens/s, peak memory, and FLOPs per step, TFLOP/s and MFU
-  (:mod:`spider_training.throughput`: the first micro-batch's forward counted, against the device's peak).
+  (:mod:`spider_training.throughput`: the first micro-batch's forward counted, against the device's peak), and on
+  request (``log_host_syncs``) the device-to-host syncs per step (:mod:`spider_training.profiling`).
 - ``get_eval_dataloader`` / ``prediction_step``: Trainer's own ``evaluate`` and evaluation loop score the first
   ``eval_windows`` held-out windows; bits per byte is its metric (``compute_metrics`` defaults to
   :func:`spider_training.metrics.compute_bits_per_byte`), counted in bytes, not tokens or batches: each window's summed
@@ -94,6 +95,7 @@ from .mixed_precision import autocast_experts, shared_weight_casts
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuardCallback
 from .optim import muon_with_adamw, scale_learning_rates
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
+from .profiling import HostSyncsPerStep
 from .sdpa import attention_for_backend, sdpa_backend_context
 from .throughput import ThroughputMeter
 from .tile_kernels_moe import swap_in_tile_kernels
@@ -194,6 +196,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         sdpa_backend: the SDPA kernel training steps prefer (:mod:`spider_training.sdpa`): ``"auto"`` (default,
             torch's choice), ``"cudnn"``, ``"flash"`` (with MLA's narrower value head dim the model's attention becomes
             :data:`spider_training.sdpa.VALUE_PADDED_SDPA`), ``"efficient"`` or ``"math"``.
+        log_host_syncs: count each training step's device-to-host syncs and log their mean per step as
+            ``host_syncs_per_step`` at every logging step (:class:`spider_training.profiling.HostSyncsPerStep`; the
+            counted steps run slower, compiled layers eagerly). False (default): not counted.
 
     Attributes:
         fp8_report: the :class:`spider_training.fp8.Fp8Report` (linear layers and experts), or None (not FP8).
@@ -229,6 +234,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         sdpa_backend="auto",
         lr_scale_of=None,
         train_loop_counts=None,
+        log_host_syncs=False,
         **kwargs,
     ):
         self.hub_endpoint = hub_endpoint
@@ -282,6 +288,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self._last_log_time = time.perf_counter()
         matmul_dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else torch.float32
         self.throughput = ThroughputMeter(self.args.device, matmul_dtype, self.args.gradient_accumulation_steps)
+        self.host_syncs = HostSyncsPerStep() if log_host_syncs else None
+        if self.host_syncs is not None:
+            self.add_callback(self.host_syncs)  # last: the other callbacks' on_step_end is inside the count
 
     def _convert_to_fp8(self, model, args, train_dataset, recipe, layers, experts, gemm_table) -> str:
         """FP8 where it pays at this run's micro-batch (:func:`spider_training.fp8.convert_for_fp8_training`); under
@@ -410,6 +419,14 @@ class SpiderTrainer(HubPushMixin, Trainer):
 
     # --- the training step ---------------------------------------------------------------------------------------
 
+    def train(self, *args, **kwargs):
+        """Trainer's ``train``; with ``log_host_syncs``, the step's host-sync counter is closed however it ends."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.host_syncs is not None:
+                self.host_syncs.close()
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step, forward and backward, with SDPA preferring ``sdpa_backend``'s kernel. Under
         ``--torch_compile_mode reduce-overhead`` each step begins a new CUDA graph generation (the layer graphs'
@@ -479,6 +496,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
             logs["tokens_per_second"] = round(self._tokens_since_log / max(now - self._last_log_time, 1e-9), 1)
             logs["peak_memory_mb"] = round(peak_memory_mb(), 1)
             logs.update(self.throughput.read())
+            if self.host_syncs is not None:
+                logs.update(self.host_syncs.read())
             self._metric_sums, self._metric_count, self._tokens_since_log = {}, 0, 0
             self._last_log_time = now
         if "loss" in logs:
