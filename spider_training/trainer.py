@@ -369,7 +369,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """Trainer's ``train``; resuming a streamed source (:class:`StreamingTextDataset`), it continues from the
         stream position saved in the checkpoint (:meth:`_resume_stream`) instead of Trainer's replay of the consumed
-        batches (``skip_first_batches``, which re-reads and re-packs every skipped window)."""
+        batches (``skip_first_batches``, which re-reads and re-packs every skipped window). With ``log_host_syncs``,
+        the step's host-sync counter is closed however training ends."""
         restore = None
         if resume_from_checkpoint and isinstance(self.train_dataset, StreamingTextDataset):
             folder = (
@@ -384,6 +385,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         finally:
             if restore is not None:
                 self.args.ignore_data_skip = restore
+            if self.host_syncs is not None:
+                self.host_syncs.close()
 
     def _resume_stream(self, folder: str) -> bool:
         """Position the streamed train dataset where checkpoint `folder`'s run left it (this rank's
@@ -418,14 +421,6 @@ class SpiderTrainer(HubPushMixin, Trainer):
         return True
 
     # --- the training step ---------------------------------------------------------------------------------------
-
-    def train(self, *args, **kwargs):
-        """Trainer's ``train``; with ``log_host_syncs``, the step's host-sync counter is closed however it ends."""
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            if self.host_syncs is not None:
-                self.host_syncs.close()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step, forward and backward, with SDPA preferring ``sdpa_backend``'s kernel. Under
