@@ -383,8 +383,8 @@ class SpiderConfig(PreTrainedConfig):
         return LEGACY_MOE_IMPLEMENTATIONS[value]
 
     def _derive_fields(self, num_hidden_layers_given: bool = True) -> None:
-        """Set the fields derived from others (``num_hidden_layers``, ``qk_head_dim``); a given ``num_hidden_layers``
-        that disagrees raises ``ValueError``."""
+        """Set the fields derived from others (``num_hidden_layers``, ``qk_head_dim``, ``num_key_value_heads``); a
+        given ``num_hidden_layers`` that disagrees raises ``ValueError``."""
         derived = self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
         if num_hidden_layers_given and self.num_hidden_layers is not None and self.num_hidden_layers != derived:
             raise ValueError(
@@ -393,6 +393,9 @@ class SpiderConfig(PreTrainedConfig):
             )
         self.num_hidden_layers = derived
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        # what a cache holds per byte layer (DeepseekV3Config's name): MLA expands its one latent into a key and a
+        # value per head, keys (B, num_key_value_heads, L, qk_head_dim), values (..., v_head_dim)
+        self.num_key_value_heads = self.num_attention_heads
         self.head_dim = self.qk_rope_head_dim  # the rotated part: what transformers' RoPE functions read (DeepSeek-V3)
 
     def update_from_string(self, update_str: str) -> None:

@@ -38,13 +38,16 @@ logger = logging.get_logger(__name__)
 
 def write_segment_slots(cache: SpiderCache, buffer: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     """`buffer` grown (zeros) to `cache.segment_slots` along `dim`, with `new` (one segment per
-    row) written at each row's slot `cache.segment_write_index` `(B,)`."""
+    row) written at each row's slot `cache.segment_write_index` `(B,)`; a fixed-size cache's buffer
+    is written in place."""
+    index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
+    if cache.is_compileable:  # fixed size: written in place, so the buffer keeps its address (CUDA graphs)
+        return buffer.scatter_(dim, index, new)
     slots = cache.segment_slots
     if buffer.shape[dim] < slots:
         grow = list(buffer.shape)
         grow[dim] = slots - buffer.shape[dim]
         buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
-    index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
     return buffer.scatter(dim, index, new)
 
 
@@ -136,6 +139,56 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.LongTensor) -> None:
         for loop in self.loops:
             loop.select_rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+
+def fixed_size(tensor: torch.Tensor, dim: int, length: int, fill=0) -> torch.Tensor:
+    """`tensor` copied into a new buffer `length` long along `dim`, the rest `fill`."""
+    shape = list(tensor.shape)
+    shape[dim] = length
+    buffer = tensor.new_full(shape, fill)
+    buffer.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return buffer
+
+
+class SpiderStaticByteLayer(CacheLayerMixin):
+    """A prelude or coda layer's keys `(B, H, max_cache_len, qk_head_dim)` and values `(B, H, max_cache_len,
+    v_head_dim)` in fixed-size buffers (transformers' ``StaticLayer`` with Spider's write position): a decode step
+    writes its byte's column ``cache.position`` in place and attends over the whole buffer, the mask hiding the
+    columns not yet written."""
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, cache: SpiderStaticCache, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.cache = cache
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one byte's `key_states`/`value_states` `(B, H, 1, d)` at column ``cache.position``; return the
+        whole buffers."""
+        self.keys.index_copy_(2, self.cache.position, key_states)
+        self.values.index_copy_(2, self.cache.position, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.cache.seen_bytes
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+    def batch_select_indices(self, indices: torch.LongTensor) -> None:
+        _select_rows(self, ("keys", "values"), indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -294,8 +347,103 @@ class SpiderCache(Cache):
         """Rows `closing` `(B,)` bool closed a segment whose recurrent output is `h_out`
         `(B, 1, D)` fp32."""
         self.segment_outputs = write_segment_slots(self, self.segment_outputs, h_out, dim=1)
-        self.last_segment_output = torch.where(closing[:, None], h_out[:, 0], self.last_segment_output)
-        self.num_segments = self.num_segments + closing.long()
+        self.last_segment_output.copy_(torch.where(closing[:, None], h_out[:, 0], self.last_segment_output))
+        self.num_segments.add_(closing.long())
+
+    def advance(self) -> None:
+        """After a decode step: the next byte's RoPE positions and the bytes seen."""
+        self.byte_positions.add_(1)
+        self.seen_bytes += 1
+
+
+class SpiderStaticCache(SpiderCache):
+    """:class:`SpiderCache` in buffers of fixed size (``generate(cache_implementation="static")``): after the prefill
+    (which fills it as :class:`SpiderCache` does) every tensor is moved into a buffer sized for `max_cache_len` bytes
+    (byte keys and values, the per-byte record, the byte mask) and `max_cache_len + 1` segment slots (a byte can close
+    a segment at every step; slot 0 is the null segment), and each decode step writes in place at the tensor
+    ``position``. A decode step then has the same shapes at every byte, so its regions compile once
+    (:meth:`SpiderDecodingMixin.compile_decode`) and, on CUDA, replay as CUDA graphs; its outputs equal
+    :class:`SpiderCache`'s (masked keys add exact zeros). Not croppable.
+
+    Raises:
+        ValueError: (at the prefill) a prompt longer than `max_cache_len`.
+    """
+
+    def __init__(self, config: SpiderConfig, n_loops: int, max_cache_len: int):
+        super().__init__(config, n_loops)
+        self.max_cache_len = max_cache_len
+        self.position = None  # (1,) int64: the column the next byte is written at
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        self.__init__(self.config, self.n_loops, self.max_cache_len)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("SpiderStaticCache cannot be cropped (assisted decoding): use the dynamic SpiderCache")
+
+    def start(self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs) -> None:
+        """As :meth:`SpiderCache.start`, then every tensor moved into its fixed-size buffer."""
+        super().start(input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs)
+        N, T = self.max_cache_len, self.seen_bytes
+        if T > N:
+            raise ValueError(f"the prompt has {T} bytes, more than the static cache's max_cache_len={N}")
+        for layers in (self.prelude, self.coda):
+            layers[:] = [
+                SpiderStaticByteLayer(self, fixed_size(layer.keys, 2, N), fixed_size(layer.values, 2, N))
+                for layer in layers
+            ]
+        self.layers[: len(self.prelude)] = self.prelude
+        self.layers[len(self.layers) - len(self.coda) :] = self.coda
+        self.segment_slots = N + 1
+        for loop in self.recurrent:
+            for layer in loop:
+                layer.keys = fixed_size(layer.keys, 2, N + 1)
+                layer.values = fixed_size(layer.values, 2, N + 1)
+                if layer.conv_inputs is not None:
+                    layer.conv_inputs = fixed_size(layer.conv_inputs, 1, N + 1)
+        self.segment_outputs = fixed_size(self.segment_outputs, 1, N + 1)
+        self.record = {name: fixed_size(t, 1, N) for name, t in self.record.items()}
+        mask = self.byte_mask if self.byte_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        self.byte_mask = fixed_size(mask, 1, N, fill=True)  # the columns to come are real bytes
+        self.position = torch.tensor([T], device=input_ids.device)
+        self.segment_write_index = torch.zeros_like(self.num_segments)
+        for buffer in self.buffers().values():  # as transformers' StaticCache: CUDA graphs may keep the addresses
+            torch._dynamo.mark_static_address(buffer)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor a decode step reads or writes in place, by name (after the prefill)."""
+        byte_layers = enumerate(self.prelude + self.coda)
+        tensors = {f"byte{i}.{kv}": getattr(layer, kv) for i, layer in byte_layers for kv in ("keys", "values")}
+        for t, loop in enumerate(self.recurrent):
+            for i, layer in enumerate(loop):
+                for name in ("keys", "values", "conv_inputs"):
+                    tensors[f"loop{t}.layer{i}.{name}"] = getattr(layer, name)
+        tensors.update({f"record.{name}": t for name, t in self.record.items()})
+        for name in (*self.ROW_STATE, "position", "segment_write_index"):
+            tensors[name] = getattr(self, name)
+        return {name: t for name, t in tensors.items() if t is not None}
+
+    def append(self, input_ids, byte_state, memory, boundary) -> None:
+        """Write one decoded byte per row at column ``position`` (`record_length` moves in :meth:`advance`)."""
+        for name, column in zip(self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())):
+            self.record[name].index_copy_(1, self.position, column.to(self.record[name].dtype))
+
+    def advance(self) -> None:
+        """After a decode step: the next byte's column and positions."""
+        super().advance()
+        self.record_length += 1
+        self.position.add_(1)
+
+    def begin_segment_step(self) -> torch.LongTensor:
+        """Point every row at its next segment's slot, in place (no host read); `(B,)` int64."""
+        return self.segment_write_index.copy_(self.num_segments + 1)
+
+    def batch_select_indices(self, indices: torch.LongTensor) -> None:
+        super().batch_select_indices(indices)
+        self.segment_write_index = self.segment_write_index.index_select(0, indices)
 
 
 class SpiderDecodingMixin:
@@ -343,31 +491,63 @@ class SpiderDecodingMixin:
         self, input_ids: torch.LongTensor, cache: SpiderCache, output_hidden_states: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """One new byte per row, `input_ids` `(B, 1)` -> `(byte state (B, 1, D), boundary (B, 1)
-        fp32, hidden states in the full forward's layout or None)`."""
-        B = input_ids.shape[0]
-        if cache.byte_mask is not None:
-            cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(B, 1)], dim=1)
-        x = self.embed_tokens(input_ids)
-        byte_attention_mask = self.attention_mask(
-            x,
-            cache.seen_bytes + 1,
-            cache.byte_mask,
-            self.config.sliding_window,
-            q_offset=cache.seen_bytes,
-        )
-        byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
+        fp32, hidden states in the full forward's layout or None)`. Three regions with a host read
+        between them (does any row close a segment?); with a :class:`SpiderStaticCache` each has
+        fixed shapes, and runs compiled after :meth:`compile_decode`."""
+        if cache.is_compileable and cache.seen_bytes >= cache.max_cache_len:
+            raise ValueError(
+                f"the static cache is full: max_cache_len={cache.max_cache_len} bytes (prompt included); "
+                "build it with a larger max_cache_len (generate: max_length)"
+            )
         hidden = [] if output_hidden_states else None
+        compiled = getattr(self, "compiled_decode", None) if cache.is_compileable and hidden is None else None
+        byte_in, segment, byte_out = compiled or (self.decode_byte_in, self.decode_segment, self.decode_byte_out)
+        if self.config.act_early_exit:  # halted rows leave the MoE by index: shapes follow the data
+            segment = self.decode_segment
+        input_ids = input_ids.clone(memory_format=torch.contiguous_format)  # a column of the ids: strides vary
+        x, boundary, closing, e, segment_memory, byte_rope, byte_attention_mask = byte_in(input_ids, cache, hidden)
+        if bool(closing.any()):  # every row runs the block; the others keep their last output
+            segment(e, segment_memory, closing, cache)
+        y = byte_out(x, byte_rope, byte_attention_mask, cache, hidden)
+        cache.advance()
+        return y, boundary, tuple(hidden) if output_hidden_states else None
+
+    def decode_byte_in(self, input_ids: torch.LongTensor, cache: SpiderCache, hidden: list | None):
+        """The new bytes `input_ids` `(B, 1)` through the prelude, Engram lookup and pooling, recorded in `cache`.
+        Returns `(prelude output (B, 1, D), boundary (B, 1) fp32, closing (B,) bool, segment (B, 1, D), segment
+        memory (B, 1, M), byte RoPE, byte attention mask)`."""
+        x = self.embed_tokens(input_ids)
+        if cache.is_compileable:
+            byte_attention_mask = self.attention_mask(
+                x, cache.max_cache_len, mask_function=static_byte_mask_function(cache, self.config.sliding_window)
+            )
+        else:
+            if cache.byte_mask is not None:
+                cache.byte_mask = torch.cat([cache.byte_mask, cache.byte_mask.new_ones(x.shape[0], 1)], dim=1)
+            byte_attention_mask = self.attention_mask(
+                x, cache.seen_bytes + 1, cache.byte_mask, self.config.sliding_window, q_offset=cache.seen_bytes
+            )
+        byte_rope = self.rotary_emb(x, cache.byte_positions[:, None])
         x = self.prelude(x, byte_rope, byte_attention_mask, cache, hidden)
-        past_mask = None if cache.byte_mask is None else cache.byte_mask[:, :-1]
-        memory = engram_step(self.engram_embeddings, cache.input_ids, past_mask, input_ids)
+        memory = engram_step(self.engram_embeddings, cache, input_ids)
         boundary, closing, e, segment_memory = pool_step(self.flexitokens, x, memory, cache)
         cache.append(input_ids, x, memory, boundary)
-        if bool(closing.any()):  # every row runs the block; the others keep their last output
-            self.decode_segment(e, segment_memory, closing, cache)
-        y = self.coda(expand_step(self.flexitokens, cache, x), byte_rope, byte_attention_mask, cache, hidden)
-        cache.byte_positions = cache.byte_positions + 1
-        cache.seen_bytes += 1
-        return y, boundary, tuple(hidden) if output_hidden_states else None
+        return x, boundary, closing, e, segment_memory, byte_rope, byte_attention_mask
+
+    def decode_byte_out(self, x, byte_rope, byte_attention_mask, cache: SpiderCache, hidden: list | None):
+        """The coda over the prelude output `x` `(B, 1, D)` mixed with its row's last closed segment; `(B, 1, D)`."""
+        return self.coda(expand_step(self.flexitokens, cache, x), byte_rope, byte_attention_mask, cache, hidden)
+
+    def compile_decode(self, **compile_kwargs) -> None:
+        """Compile the three regions of a :class:`SpiderStaticCache` decode step (:meth:`decode_byte`), each traced
+        whole with fixed shapes (``fullgraph=True, dynamic=False``); `compile_kwargs` (``backend``, ``mode``,
+        ``options``: a ``CompileConfig``'s) go to ``torch.compile``. The segment region stays eager under ACT early
+        exit."""
+        compile_kwargs = {**compile_kwargs, "fullgraph": True, "dynamic": False}
+        self.compiled_decode = tuple(
+            torch.compile(region, **compile_kwargs)
+            for region in (self.decode_byte_in, self.decode_segment, self.decode_byte_out)
+        )
 
     def decode_segment(
         self, e: torch.Tensor, segment_memory: torch.Tensor, closing: torch.Tensor, cache: SpiderCache
@@ -383,15 +563,35 @@ class SpiderDecodingMixin:
         cache.end_segment_step(closing, h_out)
 
 
-def engram_step(engram_embeddings, past_ids, past_mask, input_ids: torch.LongTensor):
-    """``SpiderEngramEmbeddings`` for one new byte per row, `input_ids` `(B, 1)` after `past_ids`
-    `(B, n)` (`past_mask` `(B, n)` bool or None) -> `(B, M)`: the full lookup over the last
-    n-gram's context."""
+def static_byte_mask_function(cache: SpiderStaticCache, sliding_window: int | None) -> Callable:
+    """A byte decode step's mask function over a :class:`SpiderStaticCache`'s `max_cache_len` columns: the query
+    at column ``cache.position`` sees the real bytes (``cache.byte_mask``) at or before it and, with a
+    `sliding_window`, less than `sliding_window` before it (the same keys as :func:`attention_mask_function`)."""
+    position, byte_mask = cache.position, cache.byte_mask
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        distance = position - kv_idx
+        visible = (distance >= 0) & byte_mask[batch_idx, kv_idx]
+        return visible if sliding_window is None else visible & (distance < sliding_window)
+
+    return inner_mask
+
+
+def engram_step(engram_embeddings, cache: SpiderCache, input_ids: torch.LongTensor):
+    """``SpiderEngramEmbeddings`` for one new byte per row, `input_ids` `(B, 1)`, after the bytes `cache` recorded
+    -> `(B, M)`: the full lookup over the last n-gram's context (padding and columns before the first read as
+    ``fill_id``)."""
     context = max(engram_embeddings.ngram_sizes) - 1
-    past_ids = past_ids[:, past_ids.shape[1] - context :]
-    if past_mask is not None:
-        past_mask = past_mask[:, past_mask.shape[1] - past_ids.shape[1] :]
+    if cache.is_compileable:  # fixed shapes: the `context` columns before `position`, gathered
+        columns = cache.position + torch.arange(-context, 0, device=input_ids.device)
+        past_ids = cache.record["input_ids"].index_select(1, columns.clamp(min=0))
+        past_mask = cache.byte_mask.index_select(1, columns.clamp(min=0)) & (columns >= 0)
         past_ids = past_ids.masked_fill(~past_mask, engram_embeddings.fill_id)
+    else:
+        past_ids = cache.input_ids[:, -context:]
+        if cache.byte_mask is not None:  # already one column longer: the new byte's
+            past_mask = cache.byte_mask[:, -1 - past_ids.shape[1] : -1]
+            past_ids = past_ids.masked_fill(~past_mask, engram_embeddings.fill_id)
     return engram_embeddings(torch.cat([past_ids, input_ids], dim=1))[:, -1]
 
 
@@ -408,9 +608,9 @@ def pool_step(flexitokens, x: torch.Tensor, memory: torch.Tensor, cache: SpiderC
     segment = flexitokens.pool_norm((open_sum / open_count[:, None]).to(x.dtype)[:, None])
     segment_memory = (open_memory_sum / open_count[:, None]).to(memory.dtype)[:, None]
     keep = (~closing).to(torch.float32)
-    cache.open_sum = open_sum * keep[:, None]
-    cache.open_memory_sum = open_memory_sum * keep[:, None]
-    cache.open_count = open_count * keep
+    cache.open_sum.copy_(open_sum * keep[:, None])
+    cache.open_memory_sum.copy_(open_memory_sum * keep[:, None])
+    cache.open_count.copy_(open_count * keep)
     return boundary, closing, segment, segment_memory
 
 
@@ -436,14 +636,30 @@ class SpiderGenerationMixin(GenerationMixin):
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
-        if generation_config.cache_implementation not in (None, "dynamic"):
+        implementation = generation_config.cache_implementation
+        if implementation not in (None, "dynamic", "static"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not "
-                "supported: Spider decodes with its own SpiderCache (per-byte layers plus "
-                "per-segment recurrent state); leave it unset"
+                f"cache_implementation={implementation!r} is not supported: Spider decodes with its own "
+                "SpiderCache (per-byte layers plus per-segment recurrent state); use None/'dynamic' or 'static' "
+                "(SpiderStaticCache, fixed-size buffers for compiled decoding)"
             )
         n_loops = model_kwargs.get("n_loops") or self.config.n_loops
-        model_kwargs["cache"] = SpiderCache(self.config, n_loops)
+        if implementation == "static":
+            model_kwargs["cache"] = SpiderStaticCache(self.config, n_loops, max_cache_length)
+        else:
+            model_kwargs["cache"] = SpiderCache(self.config, n_loops)
+
+    def get_compiled_call(self, compile_config) -> Callable:
+        """What ``generate()`` calls per step when it compiles (a compileable cache on CUDA, or
+        ``CompileConfig._compile_all_devices``): the model uncompiled, its decode step's regions compiled once
+        (:meth:`SpiderDecodingMixin.compile_decode`) with `compile_config`'s backend, mode and options. The whole
+        forward does not compile as one graph: a host read decides whether the recurrent block runs."""
+        compile_config = compile_config or self._default_compile_config()
+        options = {"backend": compile_config.backend, "mode": compile_config.mode, "options": compile_config.options}
+        if getattr(self, "decode_compile_options", None) != options:
+            self.model.compile_decode(**options)
+            self.decode_compile_options = options
+        return self.__call__
 
     def prepare_inputs_for_generation(
         self,

@@ -1479,6 +1479,7 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
     _keep_in_fp32_modules = ["lm_head", *(f"model.{name}" for name in SpiderModel._keep_in_fp32_modules)]
     _keep_in_fp32_modules_strict = ["lm_head.weight"]
     _tied_weights_keys = {}
+    get_compiled_call = SpiderGenerationMixin.get_compiled_call  # not PreTrainedModel's: the decode step's regions
 
     def __init__(self, config: SpiderConfig):
         super().__init__(config)

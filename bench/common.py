@@ -21,7 +21,6 @@ crashed is recorded by the runner as ``{"benchmark": name, "error": "...", "met"
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import platform
@@ -33,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from spider_training.mixed_precision import autocast_experts, shared_weight_casts
-from spider_training.throughput import measured_matmul_flops, synchronize  # noqa: F401 (synchronize: bench's API)
+from spider_training.throughput import synchronize  # noqa: F401 (bench's API)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -139,12 +137,6 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: in
     }
 
 
-def peak_matmul_flops(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeats: int = 5) -> dict[str, float]:
-    """Measured peak FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on CPU (2 n^3 FLOPs per call), median of
-    repeats: the trainer's own measurement (:func:`spider_training.throughput.measured_matmul_flops`)."""
-    return measured_matmul_flops("cpu", dtype, n=n, warmup=warmup, repeats=repeats)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------------
@@ -163,59 +155,6 @@ def spider_model(preset: str, seed: int = 0, dtype: torch.dtype = torch.float32,
 
     torch.manual_seed(seed)
     return SpiderForConditionalGeneration(spider_config(preset, **overrides)).to(dtype)
-
-
-def peer_config(spider_cfg):
-    """transformers' ``DeepseekV3Config`` with Spider's width, heads, MLA ranks, experts, layer count and vocab.
-
-    Layers: ``num_hidden_layers = prelude + recurrent + coda``; ``first_k_dense_replace = num_prelude_layers`` makes
-    the prelude dense. DeepseekV3 cannot make a *last* layer dense (``layer_idx >= first_k_dense_replace`` is MoE),
-    so the peer's coda layers are MoE layers -- a documented mismatch. Routing: one group (``n_group=topk_group=1``),
-    no multi-token prediction, non-interleaved RoPE as in Spider, SDPA attention, transformers' default experts
-    implementation.
-    """
-    from transformers import DeepseekV3Config
-
-    c = spider_cfg
-    return DeepseekV3Config(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        moe_intermediate_size=c.moe_intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_attention_heads,
-        n_shared_experts=c.n_shared_experts,
-        n_routed_experts=c.n_routed_experts,
-        num_experts_per_tok=c.num_experts_per_tok,
-        kv_lora_rank=c.kv_lora_rank,
-        q_lora_rank=c.q_lora_rank,
-        qk_rope_head_dim=c.qk_rope_head_dim,
-        qk_nope_head_dim=c.qk_nope_head_dim,
-        v_head_dim=c.v_head_dim,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=c.num_prelude_layers,
-        norm_topk_prob=c.norm_topk_prob,
-        max_position_embeddings=c.max_position_embeddings,
-        num_mtp_layers=0,
-        rope_interleave=False,
-        rms_norm_eps=c.rms_norm_eps,
-        initializer_range=c.initializer_range,
-        pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-
-
-def peer_model(spider_cfg, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A freshly initialised ``DeepseekV3ForCausalLM`` built from :func:`peer_config`."""
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    return DeepseekV3ForCausalLM(peer_config(spider_cfg)).to(dtype)
 
 
 def num_params(model: torch.nn.Module) -> int:
@@ -339,252 +278,9 @@ def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Device-to-host syncs, GPU matmul peak (bench/gpu_check.py, tests/test_host_syncs.py)
+# The dense peer of the same size (host syncs, ops and graphs: spider_training.profiling; matmul peaks:
+# spider_training.throughput.measured_matmul_flops)
 # ---------------------------------------------------------------------------------------------------------------------
-
-#: aten ops whose output size or value has to reach the host before the next op can be launched
-SYNC_OPS = {
-    "_local_scalar_dense",
-    "item",
-    "nonzero",
-    "masked_select",
-    "bincount",
-    "unique_consecutive",
-    "_unique2",
-    "unique_dim",
-    "equal",
-}
-_INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
-_SKIPPED_SOURCE_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}contextlib.py", f"{os.sep}bench{os.sep}common.py")
-
-
-def _calling_line() -> str | None:
-    """``path:line`` of the innermost Python frame outside torch, contextlib and this file (the model or trainer line
-    that asked for the value), relative to the repository root when inside it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not any(part in filename for part in _SKIPPED_SOURCE_PARTS):
-            try:
-                filename = str(Path(filename).resolve().relative_to(REPO_ROOT))
-            except ValueError:
-                pass
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
-
-
-def _host_copy(func_name: str, args, kwargs) -> str | None:
-    """``"copy to host"``: a copy from an accelerator tensor into host memory (``.cpu()``, ``.to("cpu")``,
-    ``cpu_tensor.copy_(gpu)``); ``"copy to device"``: a blocking copy from host memory into an accelerator tensor
-    (``cpu_tensor.to("cuda")``, ``gpu.copy_(cpu)`` without ``non_blocking``), which ATen runs as ``memcpy_and_sync``,
-    waiting for the stream (``Copy.cu``); None for any other op."""
-    kwargs = kwargs or {}
-    if func_name == "_to_copy" and args and isinstance(args[0], torch.Tensor) and kwargs.get("device") is not None:
-        source, target = args[0].device.type, torch.device(kwargs["device"]).type
-        non_blocking = kwargs.get("non_blocking", False)
-    elif func_name in ("copy_", "copy") and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
-        source, target = args[1].device.type, args[0].device.type
-        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-    else:
-        return None
-    if source != "cpu" and target == "cpu":
-        return "copy to host"
-    if source == "cpu" and target != "cpu" and not non_blocking:
-        return "copy to device"
-    return None
-
-
-def graphs_compiled(call) -> tuple:
-    """Run `call()`; returns its result and how many graphs ``torch.compile`` compiled meanwhile (dynamo's
-    ``unique_graphs`` counter: first compilations and recompilations alike, 0 for an eager model). A step that
-    compiles is slow for it: ``TORCH_LOGS=recompiles`` prints why."""
-    from torch._dynamo.utils import counters
-
-    before = counters["stats"]["unique_graphs"]
-    result = call()
-    return result, counters["stats"]["unique_graphs"] - before
-
-
-#: profiler event names that mark code ``torch.compile`` runs: a region's forward and its backward
-COMPILED_REGION_EVENTS = ("Torch-Compiled Region", "CompiledFunction", "CompiledFunctionBackward")
-
-
-#: aten ops other than views that launch no kernel: left out of the op counts that stand in for launches
-NO_KERNEL_OPS = ("detach", "empty", "empty_like", "empty_strided")
-
-
-@functools.cache
-def _is_view_op(name: str) -> bool:
-    """Whether the aten op `name` (``"aten::transpose"``) is a view or one of :data:`NO_KERNEL_OPS`: no kernel of its
-    own."""
-    op = name.removeprefix("aten::")
-    if op in NO_KERNEL_OPS:
-        return True
-    packet = getattr(torch.ops.aten, op, None)
-    if packet is None:
-        return False
-    return any(getattr(packet, overload).is_view for overload in packet.overloads())
-
-
-def eager_aten_ops(events, top: int = 10) -> dict:
-    """The aten ops that ran eagerly in a ``torch.profiler`` trace (`events`: ``prof.events()``, CPU activity): the
-    outermost ``aten::`` events (an op's own sub-ops are not counted again) that are not nested, on the same thread,
-    in a compiled region's event (:data:`COMPILED_REGION_EVENTS`), views, ``detach`` and ``empty*`` left out. For a
-    compiled model these are the glue between the regions; on a GPU each is a kernel launch from Python. Returns
-    ``{"count": int, "by_op": {name: count}}`` with the `top` most frequent names."""
-    import collections
-
-    by_thread: dict[int, list] = collections.defaultdict(list)
-    for event in events:
-        by_thread[event.thread].append(event)
-    counts = collections.Counter()
-    for thread_events in by_thread.values():
-        stack = []  # (end, compiled?, aten?) of the events enclosing the current one
-        for event in sorted(thread_events, key=lambda e: (e.time_range.start, -e.time_range.end)):
-            while stack and stack[-1][0] <= event.time_range.start:
-                stack.pop()
-            compiled = event.name.startswith(COMPILED_REGION_EVENTS)
-            aten = event.name.startswith("aten::")
-            if aten and not any(c or a for _, c, a in stack) and not _is_view_op(event.name):
-                counts[event.name] += 1
-            stack.append((event.time_range.end, compiled, aten))
-    return {"count": sum(counts.values()), "by_op": dict(counts.most_common(top))}
-
-
-class HostSyncCounter(TorchDispatchMode):
-    """Counts the device-to-host synchronisations run inside the context, on any device.
-
-    A ``TorchDispatchMode`` sees every aten op (backward included: the autograd engine carries the mode to its
-    threads): it counts :data:`SYNC_OPS` (``.item()``, ``bool(tensor)`` and ``int(tensor)`` arrive as
-    ``_local_scalar_dense``), ``index`` / ``index_put`` with a boolean index (a ``nonzero`` on the device),
-    ``repeat_interleave`` without ``output_size``, copies from a device tensor into host memory, blocking copies from
-    host memory into a device tensor (``"copy to device"``) and tensors made from Python or NumPy data
-    (``"tensor from host data"``: ``torch.tensor(data, device=...)``, seen as ``lift_fresh``; on an accelerator it is a
-    blocking host-to-device copy, which waits for the stream like any other sync; on CPU the counter cannot tell the
-    line's device, so it counts every one). On CPU
-    ``Tensor.tolist`` reads the data without dispatching any op, so with ``count_tolist`` (default) the context also
-    wraps ``torch.Tensor.tolist`` and counts its calls as ``"tolist"`` (on a GPU the same call is one device-to-host
-    copy, counted once, as ``"tolist"``).
-
-    ``counts`` maps op name to calls; ``sources`` maps ``path:line`` (the innermost frame outside torch: the model's
-    line that asked for the value) to calls; ``total`` is their sum. ``ops`` counts every aten op dispatched except
-    views, ``detach`` and ``empty*`` (a CPU proxy for the kernels a GPU would launch).
-    """
-
-    def __init__(self, count_tolist: bool = True, record_sources: bool = True):
-        super().__init__()
-        import collections
-
-        self.counts = collections.Counter()
-        self.sources = collections.Counter()
-        self.count_tolist = count_tolist
-        self.record_sources = record_sources
-        self.ops = 0
-        self._original_tolist = None
-        self._inside_tolist = 0
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def _count(self, name: str) -> None:
-        self.counts[name] += 1
-        if self.record_sources:
-            self.sources[_calling_line() or "?"] += 1
-
-    def __enter__(self):
-        if self.count_tolist:
-            original = self._original_tolist = torch.Tensor.tolist
-            counter = self
-
-            def tolist(tensor, *args, **kwargs):
-                counter._count("tolist")
-                counter._inside_tolist += 1
-                try:
-                    return original(tensor, *args, **kwargs)
-                finally:
-                    counter._inside_tolist -= 1
-
-            torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            if self._original_tolist is not None:
-                torch.Tensor.tolist = self._original_tolist
-                self._original_tolist = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not (func.is_view or name in NO_KERNEL_OPS):
-            self.ops += 1
-        if self._inside_tolist:  # the copy a GPU tensor's .tolist() makes was counted as "tolist"
-            pass
-        elif name in SYNC_OPS:
-            self._count(name)
-        elif name in _INDEX_OPS:
-            if len(args) > 1 and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
-                self._count(f"{name} (boolean)")
-        elif name == "repeat_interleave":
-            if (kwargs or {}).get("output_size") is None and any(isinstance(a, torch.Tensor) for a in args[:2]):
-                self._count(name)
-        elif (copy := _host_copy(name, args, kwargs)) is not None:
-            self._count(copy)
-        elif name in ("lift_fresh", "lift_fresh_copy"):
-            self._count("tensor from host data")
-        return func(*args, **(kwargs or {}))
-
-
-class CudaSyncWarnings:
-    """``torch.cuda.set_sync_debug_mode("warn")`` inside the context, every warning recorded
-    (``warnings.catch_warnings(record=True)`` with ``simplefilter("always")``): ``count`` is the number of
-    synchronising CUDA calls, ``sources`` maps the ``path:line`` each warning points at to its count (warnings raised
-    during backward are replayed by autograd at the ``.backward()`` call). CUDA only."""
-
-    MESSAGE = "synchroniz"  # "called a synchronizing CUDA operation"
-
-    def __enter__(self):
-        import warnings
-
-        self._catch = warnings.catch_warnings(record=True)
-        self._records = self._catch.__enter__()
-        warnings.simplefilter("always")
-        self._previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc):
-        import collections
-
-        torch.cuda.set_sync_debug_mode(self._previous)
-        self._catch.__exit__(*exc)
-        syncs = [w for w in self._records if self.MESSAGE in str(w.message)]
-        self.count = len(syncs)
-        self.sources = collections.Counter()
-        for w in syncs:
-            filename = w.filename
-            try:
-                filename = str(Path(filename).resolve().relative_to(REPO_ROOT))
-            except ValueError:
-                pass
-            self.sources[f"{filename}:{w.lineno}"] += 1
-        return False
-
-
-def device_peak_matmul_flops(
-    device: torch.device | str,
-    dtype: torch.dtype = torch.bfloat16,
-    n: int | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-) -> dict[str, float]:
-    """The trainer's own measurement (:func:`spider_training.throughput.measured_matmul_flops`): the median of
-    `repeats` timed ``n x n @ n x n`` matmuls on `device` (n: 8192 on CUDA, as ``/work/shared/NOTES.md``, 1024 on
-    CPU)."""
-    return measured_matmul_flops(device, dtype, n=n, warmup=warmup, repeats=repeats)
 
 
 def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):

@@ -14,8 +14,8 @@ recompilations it logged in the first step and after it (``compile_steps`` steps
 (``torch._dynamo.utils.compilation_time_metrics``: dynamo's tracing, AOTAutograd, inductor's code generation and
 C++/Triton compile, forward and backward), the cache hits, then ``repeats`` interleaved steady-state steps of both
 models: speedup = median eager step / median compiled step. ``eager_aten_ops_per_step`` counts the aten ops each model
-runs eagerly in one forward+backward (:func:`bench.common.eager_aten_ops`): the eager model's all, the compiled model's
-glue between its layers (on a GPU each is a kernel launch from Python).
+runs eagerly in one forward+backward (:func:`spider_training.profiling.eager_aten_ops`): the eager model's all, the
+compiled model's glue between its layers (on a GPU each is a kernel launch from Python).
 
 Both models train on the same batches from the same weights (the tiny preset's boundaries are deterministic), so
 their losses over the ``compile_steps + warmup + repeats`` steps (20) are compared too.
@@ -100,15 +100,16 @@ class _RecompileLog:
 
 def build_model(preset: str):
     """A seeded Spider model of `preset`, or of ``"proxy_1b"``: the 1b preset's depth and loops at the tiny preset's
-    widths (:func:`bench.diagnostics.proxy_1b_config`), to see what compiling costs at the 1b structure on a CPU."""
+    widths (:func:`spider_training.profiling.proxy_1b_config`), to see what compiling costs at the 1b structure on a
+    CPU."""
     from bench.common import spider_model
 
     if preset != "proxy_1b":
         return spider_model(preset)
     import torch
 
-    from bench.diagnostics import proxy_1b_config
     from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.profiling import proxy_1b_config
 
     torch.manual_seed(0)
     return SpiderForConditionalGeneration(proxy_1b_config())
@@ -119,8 +120,9 @@ def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: in
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.common import TrainStep, eager_aten_ops, graphs_compiled, random_bytes, time_call
+    from bench.common import TrainStep, random_bytes, time_call
     from spider_training.compile import compile_model
+    from spider_training.profiling import eager_aten_ops, graphs_compiled
 
     log = _RecompileLog()
     eager_model, compiled_model = build_model(preset), build_model(preset)

@@ -17,13 +17,26 @@ Targets: ``delivered / consumed >= 50`` for the shard path and for the text path
 writing speed (``write_shards``' own MB/s of shard bytes, which includes reading and encoding the text, and the
 wall-clock MB/s of the whole call).
 
-Run alone: ``python -m bench.data_pipeline [--quick]``.
+Corpus costs (:func:`corpus_costs`, also alone: ``python -m bench.data_pipeline --corpus [--quick]``): for a
+generated ``.jsonl`` corpus of each size in ``corpus_mb``, each source kind measured in a fresh process (so that its
+max RSS is its own): seconds from the dataset's construction to its first batch and the process's max RSS, for the
+byte cache's first start (encoding the cache) and second start (reusing it), the in-memory encoding
+(``cache_dir=None``, before the cache) and the stream (``--streaming``), and for the stream the time to its first
+batch when resumed from the position saved 90 % of the way through the corpus (``load_state_dict``: nothing
+replayed) against that of a fresh start. ``import_rss_mb`` is the process's RSS after its imports, before any data.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 from bench.common import (
     TrainStep,
@@ -47,10 +60,23 @@ FULL = dict(
     max_documents=None,
     step_warmup=2,
     step_repeats=5,
+    corpus_mb=(10, 100),
 )
 QUICK = dict(
-    preset="tiny", micro_batch=2, seq_len=64, batches=20, repeats=2, max_documents=5, step_warmup=1, step_repeats=2
+    preset="tiny",
+    micro_batch=2,
+    seq_len=64,
+    batches=20,
+    repeats=2,
+    max_documents=5,
+    step_warmup=1,
+    step_repeats=2,
+    corpus_mb=(2,),
 )
+#: where the corpus costs' stream resumes, as a fraction of the corpus's windows
+RESUME_AT = 0.9
+#: the corpus costs' loader shape (bench.training_runs' CPU runs: 8 windows of 256 bytes)
+CORPUS_BATCH, CORPUS_SEQ_LEN = 8, 255
 
 
 def loader_rate(make_loader, batches: int, repeats: int, bytes_per_batch: int) -> dict:
@@ -70,6 +96,93 @@ def loader_rate(make_loader, batches: int, repeats: int, bytes_per_batch: int) -
         raise RuntimeError("the data loader yielded no batch")
     rates = [d * bytes_per_batch / t for d, t in zip(delivered, times)]
     return {"bytes_per_s": statistics.median(rates), "times_s": [round(t, 5) for t in times], "batches": delivered}
+
+
+def write_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
+    """A ``.jsonl`` corpus of about `megabytes` MB of English-like documents of 200-4,000 bytes (column ``text``);
+    returns its size in bytes."""
+    rng = random.Random(seed)
+    words = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
+    words += "state union congress people government nation year law country great public power war".split()
+    target = int(megabytes * 1e6)
+    with open(path, "w", encoding="utf-8") as handle:
+        while handle.tell() < target:
+            n = rng.randint(40, 700)
+            handle.write(json.dumps({"text": " ".join(rng.choices(words, k=n))}) + "\n")
+    return path.stat().st_size
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(kind: str, corpus: str, cache_dir: str, position: str | None = None, batches: int = 0) -> dict:
+    """One measurement, in this (fresh) process: the dataset of `kind` (``"cache"``, ``"memory"``, ``"stream"``)
+    over `corpus` built and its first batch read. ``"stream"`` with `position` loads that saved position first;
+    with `batches` it reads that many batches and writes the position after them to `position`. Returns
+    ``{"seconds_to_first_batch", "max_rss_mb", "import_rss_mb"}`` (and ``"seconds_to_position"``)."""
+    import datasets  # noqa: F401 -- imported before the clock starts, as a training run has it
+
+    from spider_training.data import build_dataset, make_dataloader
+
+    import_rss = _max_rss_mb()
+    start = time.perf_counter()
+    if kind == "stream":
+        dataset = build_dataset(corpus, CORPUS_SEQ_LEN, stream=True, shuffle=True, shuffle_buffer=10_000)
+    else:
+        dataset = build_dataset(corpus, CORPUS_SEQ_LEN, cache_dir=cache_dir if kind == "cache" else None)
+    loader = make_dataloader(dataset, CORPUS_BATCH)
+    if position is not None and not batches:
+        loader.load_state_dict(json.loads(Path(position).read_text()))
+    iterator = iter(loader)
+    next(iterator)
+    out = {"seconds_to_first_batch": round(time.perf_counter() - start, 4)}
+    if batches:
+        for _ in range(batches - 1):
+            next(iterator)
+        Path(position).write_text(json.dumps(loader.state_dict()))
+        out["seconds_to_position"] = round(time.perf_counter() - start, 3)
+    return {**out, "max_rss_mb": round(_max_rss_mb(), 1), "import_rss_mb": round(import_rss, 1)}
+
+
+def _measure_in_child(**kwargs) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": kwargs["cache_dir"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.data_pipeline", "--measure", json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=3600,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"measurement {kwargs} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def corpus_costs(corpus_mb=(10, 100)) -> list[dict]:
+    """Per corpus size: what each source kind costs to its first batch (seconds, max RSS in MB), measured in fresh
+    processes (see the module docstring)."""
+    rows = []
+    for megabytes in corpus_mb:
+        with tempfile.TemporaryDirectory(prefix="spider-bench-corpus-") as tmp:
+            corpus, cache = Path(tmp) / "corpus.jsonl", str(Path(tmp) / "cache")
+            size = write_corpus(corpus, megabytes)
+            common = dict(corpus=str(corpus), cache_dir=cache)
+            row = {"corpus_bytes": size, "documents": sum(1 for _ in open(corpus, "rb"))}
+            row["cache_first_start"] = _measure_in_child(kind="cache", **common)
+            row["cache_second_start"] = _measure_in_child(kind="cache", **common)
+            row["in_memory"] = _measure_in_child(kind="memory", **common)
+            row["stream_fresh"] = _measure_in_child(kind="stream", **common)
+            windows = int(size * RESUME_AT / (CORPUS_SEQ_LEN + 1))
+            position = str(Path(tmp) / "position.json")
+            row["stream_reach_position"] = _measure_in_child(
+                kind="stream", position=position, batches=max(1, windows // CORPUS_BATCH), **common
+            )
+            row["stream_resumed"] = _measure_in_child(kind="stream", position=position, **common)
+            row["stream_resumed"]["resumed_at_window"] = json.loads(Path(position).read_text())["windows"]
+            rows.append(row)
+    return rows
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
@@ -99,6 +212,8 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         bytes_per_batch,
     )
 
+    corpus = corpus_costs(s["corpus_mb"])
+
     cfg = spider_config(s["preset"])
     step = TrainStep(spider_model(s["preset"]), random_bytes(s["micro_batch"], s["seq_len"]))
     step_s = time_interleaved({"step": step}, s["step_warmup"], s["step_repeats"])["step"]
@@ -123,6 +238,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "train_step_n_loops": cfg.n_loops,
             "shards_pass_times_s": shards["times_s"],
             "text_pass_times_s": text["times_s"],
+            "corpus_costs": corpus,
             "write_shards": {
                 "tokens": summary["tokens"],
                 "documents": summary["documents"],
@@ -145,4 +261,10 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
 
 
 if __name__ == "__main__":
-    main_for(run)
+    if "--measure" in sys.argv:  # a child of corpus_costs
+        print(json.dumps(measure(**json.loads(sys.argv[sys.argv.index("--measure") + 1]))))
+    elif "--corpus" in sys.argv:
+        quick = "--quick" in sys.argv
+        print(json.dumps({"corpus_costs": corpus_costs((QUICK if quick else FULL)["corpus_mb"])}, indent=2))
+    else:
+        main_for(run)

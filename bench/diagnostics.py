@@ -4,13 +4,13 @@ step, and two parts of ``python -m bench.gpu_check``:
 - ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
   default experts implementation (``grouped_mm``) and with ``eager``. On CUDA,
   ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
-  recorded (:class:`bench.common.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
-  dispatch-level count by op and source line (:class:`bench.common.HostSyncCounter`: ``.item()``, ``nonzero``,
-  boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset runs at the
-  ``tiny`` preset's widths with the ``1b`` depth, loops and experts (the sync count depends on the structure, not
-  the width; the full ``1b`` takes minutes per step there). Beside each count, the aten ops dispatched by the same
-  forward+backward (``aten_ops_forward_backward``: every op but views, ``detach`` and ``empty*``; a proxy for the
-  kernels a GPU launches, which tracked it on the H200: 32,344 ops, 40,967 launches) and those of transformers'
+  recorded (:class:`spider_training.profiling.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
+  dispatch-level count by op and source line (:class:`spider_training.profiling.HostSyncCounter`: ``.item()``,
+  ``nonzero``, boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset
+  runs at the ``tiny`` preset's widths with the ``1b`` depth, loops and experts (the sync count depends on the
+  structure, not the width; the full ``1b`` takes minutes per step there). Beside each count, the aten ops dispatched
+  by the same forward+backward (``aten_ops_forward_backward``: every op but views, ``detach`` and ``empty*``; a proxy
+  for the kernels a GPU launches, which tracked it on the H200: 32,344 ops, 40,967 launches) and those of transformers'
   ``DeepseekV3ForCausalLM`` of the same config (``deepseek_v3_aten_ops_forward_backward``). A measurement: passes
   when it ran.
 - ``attention_backends``: which of torch's SDPA kernels the recurrent layers' attention should run
@@ -43,39 +43,20 @@ import time
 import torch
 
 from bench.common import (
-    CudaSyncWarnings,
-    HostSyncCounter,
     TrainStep,
-    eager_aten_ops,
-    peer_model,
     random_bytes,
     spider_config,
     synchronize,
 )
 from bench.parts import MIN_PART_S, TIME_BUDGET, Deadline, build_on, default_device, entry, free_memory, train_step_of
+from spider_training.peers import peer_model
+from spider_training.profiling import CudaSyncWarnings, HostSyncCounter, eager_aten_ops, proxy_1b_config
 from spider_training.throughput import count_flops
 
 #: ops named in a profiled step's ``top_host_ops``
 TOP_HOST_OPS = 8
 #: kernels and aten ops named in a profiled step's ``top_kernels`` and ``top_aten_ops`` (by launches / calls)
 TOP_BY_COUNT = 20
-#: the widths the CPU proxy of the 1b preset takes from ``tiny`` (``host_syncs`` on CPU)
-_WIDTH_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "v_head_dim",
-    "moe_intermediate_size",
-    "engram_num_heads",
-    "engram_head_dim",
-    "engram_table_size",
-    "loop_adapter_rank",
-    "max_position_embeddings",
-)
 #: a training step slower than this x the run's median step counts as slow (``step_seconds.slow_steps``)
 SLOW_STEP_FACTOR = 2.0
 
@@ -85,7 +66,8 @@ def _profile_kernels(step, device: torch.device) -> dict:
     events (kernels, memcpy, memset), the host-side launch calls, the summed device time, the profiled wall time and
     the :data:`TOP_HOST_OPS` ops with the most self host time (``top_host_ops``: where a slow step's host time goes,
     e.g. a cuDNN plan built at a new segment count), and the aten ops run outside compiled regions
-    (``eager_aten_ops``, :func:`bench.common.eager_aten_ops`: a compiled model's glue between its regions)."""
+    (``eager_aten_ops``, :func:`spider_training.profiling.eager_aten_ops`: a compiled model's glue between its
+    regions)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -273,13 +255,6 @@ def split_by_axis(axes: list, times: list[float], met_before=()) -> tuple[list[i
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def proxy_1b_config(**overrides):
-    """The ``1b`` preset's structure (layers, loops, experts, Engram layers, boundaries) at the ``tiny`` preset's
-    widths: a CPU stand-in for counting host syncs, which depend on the structure and not the width."""
-    tiny = spider_config("tiny")
-    return spider_config("1b", **{**{k: getattr(tiny, k) for k in _WIDTH_FIELDS}, **overrides})
 
 
 def host_syncs_check(

@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from bench.common import check, finish, main_for, peak_matmul_flops, profile_top, time_interleaved
+from bench.common import check, finish, main_for, profile_top, time_interleaved
 from bench.train_step import FULL as TRAIN_FULL
 from bench.train_step import QUICK as TRAIN_QUICK
 from bench.train_step import build_steps
-from spider_training.throughput import count_flops
+from spider_training.throughput import count_flops, measured_matmul_flops
 
 TARGET = 1.0
 FULL = {**TRAIN_FULL, "matmul_n": 2048}
@@ -43,7 +43,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     for name, step in steps.items():
         torch.manual_seed(0)  # Spider's boundary sampling (hence its segment count) is seeded
         flops[name] = count_flops(step)
-    peak = peak_matmul_flops(torch.float32, n=s["matmul_n"])
+    peak = measured_matmul_flops("cpu", torch.float32, n=s["matmul_n"])
     timed = time_interleaved(steps, s["warmup"], s["repeats"])
     mfu = {n: flops[n]["total"] / (timed[n]["median_s"] * peak["flops_per_s"]) for n in steps}
     result = {

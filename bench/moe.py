@@ -33,12 +33,11 @@ from bench.common import (
     finish,
     info,
     main_for,
-    peak_matmul_flops,
     profile_top,
     spider_config,
     time_interleaved,
 )
-from spider_training.throughput import count_flops
+from spider_training.throughput import count_flops, measured_matmul_flops
 
 TARGET = 1.5
 FAST = ("grouped_mm",)
@@ -152,7 +151,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         # The ceiling: eager's matmul FLOPs at this machine's peak matmul rate. No implementation can do the same
         # matmuls faster, so eager_time / ceiling_time bounds any fast path's speedup on this CPU.
         flops = count_flops(lambda: fwd_bwd(layers["eager"], x, grad))["total"]
-        peak = peak_matmul_flops(dtype, n=s["matmul_n"])["flops_per_s"]
+        peak = measured_matmul_flops("cpu", dtype, n=s["matmul_n"])["flops_per_s"]
         result.setdefault("info", []).extend(
             [
                 info(f"moe eager {dname}: share of peak matmul FLOP/s", flops / eager / peak, "fraction"),

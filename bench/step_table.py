@@ -9,7 +9,8 @@
   ``1b``, so 1 + S = 64 slots at 256 bytes, the same slot count the SpaceByte teacher's 0.167 segments per byte on
   the SOTU text gives, where the 1b run's boundaries settle; the same modules and ops, and one axis size every step),
   transformers' ``DeepseekV3ForCausalLM`` of the same shape
-  (:func:`bench.common.peer_config`; with fp32 master weights under autocast, as every row, its experts' grouped GEMMs
+  (:func:`spider_training.peers.peer_config`; with fp32 master weights under autocast, as every row, its experts'
+  grouped GEMMs
   run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense
   ``LlamaForCausalLM`` of about the same parameter count
   (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
@@ -44,9 +45,11 @@
   issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
   optimizer state included; null on CPU), FLOPs per step (:func:`spider_training.throughput.count_flops`, what the
   trainer logs), MFU against the matmul
-  peak measured in-process (:func:`bench.common.device_peak_matmul_flops`: bf16 8192^3 on CUDA, fp32 on CPU), aten
+  peak measured in-process (:func:`spider_training.throughput.measured_matmul_flops`: bf16 8192^3 on CUDA, fp32 on
+  CPU), aten
   ops dispatched per step,
-  host syncs per step, forward+backward and optimizer apart (:class:`bench.common.HostSyncCounter`; on CUDA also the
+  host syncs per step, forward+backward and optimizer apart (:class:`spider_training.profiling.HostSyncCounter`; on
+  CUDA also the
   ``set_sync_debug_mode`` warnings and the lines they point at, ``cuda_sync_sources``; torch's CPU AdamW reads each
   parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
   post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
@@ -68,10 +71,7 @@ import torch
 
 from bench.common import (
     dense_llama_config,
-    device_peak_matmul_flops,
-    graphs_compiled,
     num_params,
-    peer_model,
     random_bytes,
     spider_config,
     spider_model,
@@ -97,6 +97,9 @@ from bench.parts import (
     free_memory,
     train_step_of,
 )
+from spider_training.peers import peer_model
+from spider_training.profiling import graphs_compiled
+from spider_training.throughput import measured_matmul_flops
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
 #: the compiled FP8 rows (on request; issue 51): row -> (torchao recipe, ``--fp8_experts``). FP8 is judged under
@@ -375,7 +378,7 @@ def step_table_check(
         )
     shapes = [tuple(s) for s in (shapes or STEP_TABLE_SHAPES)]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    peak = device_peak_matmul_flops(device, dtype)
+    peak = measured_matmul_flops(device, dtype)
     config = spider_config(preset)
     llama_config = dense_llama_config(config)
     default_experts = config._experts_implementation

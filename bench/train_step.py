@@ -1,7 +1,8 @@
 """Benchmark 2 -- training step: Spider vs the HF-native peer (transformers' ``DeepseekV3ForCausalLM``).
 
 Spider ``small`` preset at ``n_loops=1`` and at its default ``n_loops``; the peer is
-:func:`bench.common.peer_config` (same width, heads, MLA ranks, experts, layer count, vocab 272; prelude dense via
+:func:`spider_training.peers.peer_config` (same width, heads, MLA ranks, experts, layer count, vocab 272; prelude
+dense via
 ``first_k_dense_replace``; the coda layers are MoE in the peer because DeepseekV3 cannot make a last layer dense).
 One step = ``model.train()``, forward with ``labels=input_ids``, backward, ``torch.optim.AdamW.step()``,
 ``zero_grad(set_to_none=True)``; fp32, same random byte batch for both.
@@ -31,13 +32,13 @@ from bench.common import (
     info,
     main_for,
     num_params,
-    peer_model,
     profile_top,
     random_bytes,
     spider_config,
     spider_model,
     time_interleaved,
 )
+from spider_training.peers import peer_model
 
 TARGET = 1.5
 FULL = dict(preset="small", batch=8, seq_len=256, warmup=2, repeats=7)

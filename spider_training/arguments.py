@@ -232,6 +232,31 @@ class SpiderTrainingArguments(TrainingArguments):
         default="The state of the union is", metadata={"help": "prompt of the sample generation"}
     )
     sample_bytes: int = field(default=96, metadata={"help": "bytes generated for the sample"})
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "stream local text training data as a Hub dataset is (datasets streaming, packed on the fly, "
+            "each process reading its own files or documents; a resume continues from the position saved in the "
+            "checkpoint, with --dataloader_num_workers 0) instead of encoding it once into the byte cache"
+        },
+    )
+    shuffle_buffer: int = field(
+        default=10_000,
+        metadata={
+            "help": "streamed training data (a Hub dataset, or --streaming): its files in a seeded order and its "
+            "documents shuffled in blocks of this many (held in memory; a resume reads one block again), seeded by "
+            "--data_seed (else --seed) and the epoch. 0: the stream's own order. Map-style data is shuffled by "
+            "Trainer's sampler"
+        },
+    )
+    log_host_syncs: bool = field(
+        default=False,
+        metadata={
+            "help": "count the device-to-host syncs of every training step and log their mean per step "
+            "(host_syncs_per_step) at each logging step (spider_training.profiling.HostSyncsPerStep; the counted "
+            "steps run several times slower, compiled layers eagerly)"
+        },
+    )
 
     def __post_init__(self):
         check_spider_fields(self)
@@ -371,10 +396,10 @@ def check_spider_fields(args) -> None:
 
     Raises:
         ValueError: a non-positive size or learning rate, a negative ``--extra_train_loops`` / ``--sample_bytes`` /
-            ``--muon_lr``, an unknown preset/precision/recipe/SDPA backend/layer filter/expert mode, a missing
-            ``--fp8_gemm_table``, ``--reset_steps`` without ``--resume``, ``--compile`` with ``--no_compile``,
-            ``--resume`` / ``--init_from`` naming a file (a tk-train.py ``.pt``), a ``--config_overrides`` item
-            that is malformed, names no config field or gives it a bad value.
+            ``--shuffle_buffer`` / ``--muon_lr``, an unknown preset/precision/recipe/SDPA backend/layer filter/expert
+            mode, a missing ``--fp8_gemm_table``, ``--reset_steps`` without ``--resume``, ``--compile`` with
+            ``--no_compile``, ``--resume`` / ``--init_from`` naming a file (a tk-train.py ``.pt``), a
+            ``--config_overrides`` item that is malformed, names no config field or gives it a bad value.
         FileNotFoundError: ``--resume`` (or a path-like ``--init_from``) that does not exist.
     """
     for attr in ("seq_len", "micro_batch", "grad_accum", "n_loops", "lr", "target_tokens", "ckpt_every"):
@@ -384,6 +409,8 @@ def check_spider_fields(args) -> None:
     for attr in ("extra_train_loops", "sample_bytes"):
         if getattr(args, attr) < 0:
             raise ValueError(f"--{attr} must be >= 0, got {getattr(args, attr)}")
+    if args.shuffle_buffer < 0:
+        raise ValueError(f"--shuffle_buffer must be >= 0 (0: no shuffle), got {args.shuffle_buffer}")
     if args.muon_lr is not None and not (math.isfinite(args.muon_lr) and args.muon_lr >= 0):
         raise ValueError(f"--muon_lr must be a finite number >= 0 (0: AdamW for every parameter), got {args.muon_lr}")
     check_sdpa_backend(args.sdpa_backend)

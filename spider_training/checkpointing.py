@@ -283,6 +283,25 @@ def check_data_layout(folder: str | os.PathLike, layout: dict[str, int]) -> None
         )
 
 
+#: Where a checkpoint holds each rank's position in a streamed source (``{rank}``: the process index).
+STREAM_POSITION_NAME = "spider_stream_position_{rank}.json"
+
+
+def write_stream_position(folder: str | os.PathLike, rank: int, state: dict) -> None:
+    """Record in checkpoint `folder` rank `rank`'s position in its streamed source (the JSON of
+    :meth:`spider_training.data.StreamingTextDataset.state_dict`), :data:`STREAM_POSITION_NAME`."""
+    Path(folder).mkdir(parents=True, exist_ok=True)  # another rank may not have created the staged folder yet
+    path = Path(folder) / STREAM_POSITION_NAME.format(rank=rank)
+    path.write_text(json.dumps(state) + "\n", encoding="utf-8")
+
+
+def read_stream_position(folder: str | os.PathLike, rank: int) -> dict | None:
+    """Rank `rank`'s saved stream position in checkpoint `folder` (:func:`write_stream_position`), or None when the
+    checkpoint has none (written by a run with dataloader workers, or before positions were saved)."""
+    path = Path(folder) / STREAM_POSITION_NAME.format(rank=rank)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def convert_older_checkpoint(folder: str | os.PathLike) -> bool:
     """Rewrite `folder`'s ``model.safetensors`` once in today's names when it holds an older checkpoint's: the
     per-expert layout (``...experts.{e}.gate_proj.weight`` etc.; :func:`fuse_per_expert_state_dict`) fused, the

@@ -75,7 +75,13 @@ def build_trainer(
         eval_from_year=args.eval_from_year,
     )
     if train_dataset is None:
-        train_dataset = build_dataset(args.data, args.seq_len, split="train", **data_kwargs)
+        stream_kwargs = dict(  # a streamed source shuffles itself (map-style ones: Trainer's sampler)
+            stream=args.streaming,
+            shuffle=args.shuffle_buffer > 0,
+            shuffle_buffer=max(1, args.shuffle_buffer),
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+        )
+        train_dataset = build_dataset(args.data, args.seq_len, split="train", **{**data_kwargs, **stream_kwargs})
     if eval_dataset is ...:
         eval_source = held_out_source(args)
         eval_dataset = build_dataset(eval_source, args.seq_len, split="eval", **data_kwargs) if eval_source else None

@@ -10,14 +10,18 @@ overrides public, documented methods:
   routing (:mod:`spider_training.tile_kernels_moe`) and runs the experts in the autocast dtype, their weights cast
   once per forward (:mod:`spider_training.mixed_precision`), before Trainer/accelerate wrap the model, and
   refuses a launch whose processes do not see each other.
-- ``get_train_dataloader``: only for a streamed Hub source (:class:`spider_training.data.StreamingTextDataset`, which
+- ``get_train_dataloader``: only for a streamed source (:class:`spider_training.data.StreamingTextDataset`, which
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
-  re-sharded. Local sources are map-style datasets and keep Trainer's own loader (seeded random sampler, accelerate's
-  split across processes, ``skip_first_batches`` on resume).
+  re-sharded; its state (the stream's position) goes into every checkpoint, one file per rank. Map-style sources
+  keep Trainer's own loader (seeded random sampler, accelerate's split across processes, ``skip_first_batches`` on
+  resume).
+- ``train``: resuming a streamed source continues from the checkpoint's stream position rather than Trainer's replay
+  of the consumed batches (``skip_first_batches``); a checkpoint without one is refused.
 - ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in
   training drawn per step with ``extra_train_loops``) and log every loss term, bits-per-byte, compression rate,
   expert load balance, mean halting step, tokens/s, peak memory, and FLOPs per step, TFLOP/s and MFU
-  (:mod:`spider_training.throughput`: the first micro-batch's forward counted, against the device's peak).
+  (:mod:`spider_training.throughput`: the first micro-batch's forward counted, against the device's peak), and on
+  request (``log_host_syncs``) the device-to-host syncs per step (:mod:`spider_training.profiling`).
 - ``get_eval_dataloader`` / ``prediction_step``: Trainer's own ``evaluate`` and evaluation loop score the first
   ``eval_windows`` held-out windows; bits per byte is its metric (``compute_metrics`` defaults to
   :func:`spider_training.metrics.compute_bits_per_byte`), counted in bytes, not tokens or batches: each window's summed
@@ -94,6 +98,7 @@ from .mixed_precision import autocast_experts, shared_weight_casts
 from .nonfinite import NonFiniteGuardCallback
 from .optim import muon_with_adamw, scale_learning_rates
 from .preemption import DEFAULT_SIGNALS, StopOnSignalCallback
+from .profiling import HostSyncsPerStep
 from .sdpa import attention_for_backend, sdpa_backend_context
 from .throughput import ThroughputMeter
 from .tile_kernels_moe import swap_in_tile_kernels
@@ -181,6 +186,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         sdpa_backend: the SDPA kernel training steps prefer (:mod:`spider_training.sdpa`): ``"auto"`` (torch's
             choice), ``"cudnn"``, ``"flash"`` (with MLA's narrower value head dim the model's attention becomes
             :data:`spider_training.sdpa.VALUE_PADDED_SDPA`), ``"efficient"`` or ``"math"``.
+        log_host_syncs: count each training step's device-to-host syncs and log their mean per step as
+            ``host_syncs_per_step`` at every logging step (:class:`spider_training.profiling.HostSyncsPerStep`; the
+            counted steps run slower, compiled layers eagerly). False (default): not counted.
 
     Keyword arguments (beyond ``Trainer``'s): objects a caller hands over rather than settings of a run, so they are
     not fields of `args` (which is saved with each checkpoint and parsed from the command line):
@@ -199,6 +207,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
         fp8_report: the :class:`spider_training.fp8.Fp8Report` (linear layers and experts), or None (not FP8).
         nonfinite_guard: the :class:`NonFiniteGuardCallback` (``skipped_steps``, ``skipped_at``).
         stop_callback: the :class:`StopOnSignalCallback` (``received``, ``stopped_at_step``), or None.
+        host_syncs: the :class:`spider_training.profiling.HostSyncsPerStep` counting each step's host syncs
+            (``args.log_host_syncs``), or None.
 
     Raises:
         LaunchMismatchError: ``WORLD_SIZE > 1`` in the environment but accelerate runs a single process (on CPU,
@@ -269,6 +279,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         self._last_log_time = time.perf_counter()
         matmul_dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else torch.float32
         self.throughput = ThroughputMeter(self.args.device, matmul_dtype, self.args.gradient_accumulation_steps)
+        self.host_syncs = HostSyncsPerStep() if self.args.log_host_syncs else None
+        if self.host_syncs is not None:
+            self.add_callback(self.host_syncs)  # last: the other callbacks' on_step_end is inside the count
 
     def _convert_to_fp8(self, model, args, train_dataset) -> str:
         """FP8 where it pays at this run's micro-batch (:func:`spider_training.fp8.convert_for_fp8_training`); under
@@ -331,8 +344,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if not isinstance(self.train_dataset, StreamingTextDataset):
             return super().get_train_dataloader()
         # An accelerate DataLoaderShard: iterating it registers it with the accelerator's GradientState (end of data
-        # inside an accumulation window), as a loader from `accelerator.prepare` would.
-        return make_dataloader(
+        # inside an accumulation window), as a loader from `accelerator.prepare` would. With num_workers=0 its
+        # state_dict() is the stream's position at the last batch handed out: saved in every checkpoint.
+        self._stream_loader = make_dataloader(
             self.train_dataset,
             self._train_batch_size,
             device=self.args.device,
@@ -341,6 +355,61 @@ class SpiderTrainer(HubPushMixin, Trainer):
             pin_memory=self.args.dataloader_pin_memory,
             non_blocking=self.args.accelerator_config.non_blocking,
         )
+        return self._stream_loader
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """Trainer's ``train``; resuming a streamed source (:class:`StreamingTextDataset`), it continues from the
+        stream position saved in the checkpoint (:meth:`_resume_stream`) instead of Trainer's replay of the consumed
+        batches (``skip_first_batches``, which re-reads and re-packs every skipped window). With ``log_host_syncs``,
+        the step's host-sync counter is closed however training ends."""
+        restore = None
+        if resume_from_checkpoint and isinstance(self.train_dataset, StreamingTextDataset):
+            folder = (
+                checkpointing.latest_checkpoint(self.args.output_dir)
+                if resume_from_checkpoint is True
+                else resume_from_checkpoint
+            )
+            if folder and self._resume_stream(folder):
+                restore, self.args.ignore_data_skip = self.args.ignore_data_skip, True
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            if restore is not None:
+                self.args.ignore_data_skip = restore
+            if self.host_syncs is not None:
+                self.host_syncs.close()
+
+    def _resume_stream(self, folder: str) -> bool:
+        """Position the streamed train dataset where checkpoint `folder`'s run left it (this rank's
+        :func:`spider_training.checkpointing.read_stream_position`). Returns True when positioned (Trainer must then
+        not skip batches), False with ``--ignore_data_skip`` (the stream starts again from its beginning).
+
+        Raises:
+            ValueError: the checkpoint's process count, micro-batch or accumulation differ
+                (:func:`spider_training.checkpointing.check_data_layout`), it holds no position for this rank (written
+                with dataloader workers, or before positions were saved: the stream cannot continue exactly), or its
+                position is of another stream (another source, split, seq_len, shuffle).
+        """
+        checkpointing.check_data_layout(folder, checkpointing.data_layout(self.args))
+        if self.args.ignore_data_skip:
+            logger.info("%s: --ignore_data_skip: the stream starts again from its beginning", folder)
+            return False
+        state = checkpointing.read_stream_position(folder, self.args.process_index)
+        if state is None:
+            raise ValueError(
+                f"{folder} holds no position in the streamed source for process {self.args.process_index} (written "
+                "by a run with --dataloader_num_workers > 0, whose workers hold the stream's position, or before "
+                "positions were saved), so the stream cannot continue where it stopped. Pass --ignore_data_skip to "
+                "resume the model and optimizer with the stream from its beginning, or --init_from for a new run."
+            )
+        self.train_dataset.load_state_dict(state)
+        logger.info(
+            "%s: the stream continues at window %d of epoch %d (saved position; nothing replayed)",
+            folder,
+            state["windows"],
+            state["epoch"],
+        )
+        return True
 
     # --- the training step ---------------------------------------------------------------------------------------
 
@@ -417,6 +486,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
             logs["tokens_per_second"] = round(self._tokens_since_log / max(now - self._last_log_time, 1e-9), 1)
             logs["peak_memory_mb"] = round(peak_memory_mb(), 1)
             logs.update(self.throughput.read())
+            if self.host_syncs is not None:
+                logs.update(self.host_syncs.read())
             self._metric_sums, self._metric_count, self._tokens_since_log = {}, 0, 0
             self._last_log_time = now
         if "loss" in logs:
@@ -593,6 +664,13 @@ class SpiderTrainer(HubPushMixin, Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_root = None
+        loader = getattr(self, "_stream_loader", None)
+        if loader is not None and self.args.dataloader_num_workers == 0:  # every rank its own position
+            checkpointing.write_stream_position(
+                os.path.join(run_dir, checkpointing.STAGING_DIRNAME, f"checkpoint-{self.state.global_step}"),
+                self.args.process_index,
+                loader.state_dict(),
+            )
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             name = f"checkpoint-{self.state.global_step}"

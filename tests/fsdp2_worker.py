@@ -4,7 +4,7 @@ Run by ``tests/test_fsdp2.py`` as ``accelerate launch --config_file configs/acce
 --num_processes 2 tests/fsdp2_worker.py OUT_DIR``: the ``FSDP_*`` environment is the shipped config's. accelerate does
 not switch to FSDP on CPU (its ``AcceleratorState`` stays
 ``MULTI_CPU``), so the worker calls accelerate's own ``fsdp2_prepare_model`` with
-:class:`bench.distributed.AcceleratorAttributes` (a test
+:class:`tests.distributed_worker.AcceleratorAttributes` (a test
 double for the :class:`~accelerate.Accelerator`, exposing the attributes that function reads) and the real
 ``FullyShardedDataParallelPlugin`` built from that environment: the model is wrapped exactly as the shipped config
 wraps it on GPUs (one ``fully_shard`` per ``SpiderDecoderLayer`` / ``SpiderRecurrentLayer``, the embedding and the
@@ -31,10 +31,10 @@ from torch.distributed.tensor import DTensor
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.distributed import AcceleratorAttributes  # noqa: E402
 from configuration_spider import SpiderConfig  # noqa: E402
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training.release import gather_unsharded  # noqa: E402
+from tests.distributed_worker import AcceleratorAttributes  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH, SEQ_LEN = 4, 48

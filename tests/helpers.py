@@ -1,5 +1,8 @@
 """Small builders shared by the test modules."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -7,6 +10,9 @@ import torch
 
 from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
+
+#: the repository root (the commands below run from it)
+REPO = Path(__file__).resolve().parents[1]
 
 #: the module files a release ships and ``trust_remote_code`` loads (setup.cfg's ``py_modules``)
 REMOTE_CODE_FILES = (
@@ -27,6 +33,11 @@ def tiny_model(seed: int = 0, **overrides) -> SpiderForConditionalGeneration:
     """A freshly initialised tiny model, reproducible for a given `seed`."""
     torch.manual_seed(seed)
     return SpiderForConditionalGeneration(tiny(**overrides))
+
+
+def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
+    """int64 ``(batch, length)`` ids drawn uniformly from the 256 byte values (no specials), seeded."""
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def train_step(model, input_ids: torch.Tensor, seed: int = 1):
@@ -186,3 +197,12 @@ def cpu_trainer(output_dir, model=None, train_dataset=None, trainer_kwargs: dict
         data_collator=default_data_collator,
         **{"stop_signals": (), **(trainer_kwargs or {})},
     )
+
+
+def run_module(module: str, *args, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python -m module args`` from the repository root with this checkout first on ``PYTHONPATH``, output captured
+    as text: how tests drive a command (``bench``'s runners among them) through its command line and JSON files
+    rather than its internals. Raises ``subprocess.TimeoutExpired`` after `timeout` seconds."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

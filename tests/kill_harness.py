@@ -1,9 +1,10 @@
 """kill -9 harness: SIGKILL ``train_hf.py`` at random moments, restart it with the same command, check every resume.
 
-:func:`run_kill_harness` trains the tiny preset (``--data mock``, seq_len 32, micro_batch 2, a checkpoint every step,
-each pushed to a local :class:`tests.hub_server.FakeHubServer` -- the Hub test double) in a subprocess and kills it
-``n_kills`` times with SIGKILL. Each kill waits until the life made progress (a checkpoint newer than the one it
-resumed from) and then lands in a phase drawn from a seeded RNG:
+:func:`run_kill_harness` trains the tiny preset (``--data mock``, or a local ``.jsonl`` corpus through the byte
+cache or streamed: ``source``; seq_len 32, micro_batch 2, a checkpoint every step, each pushed to a local
+:class:`tests.hub_server.FakeHubServer` -- the Hub test double) in a subprocess and kills it ``n_kills`` times
+with SIGKILL. Each kill waits until the life made progress (a checkpoint newer than the one it resumed from) and then
+lands in a phase drawn from a seeded RNG:
 
 * ``"step"``: a uniform random delay (0-0.4 s) -- anywhere in a step, a save or a push;
 * ``"save"``: the moment ``OUTPUT_DIR/.staging/checkpoint-*`` appears (a checkpoint half-written);
@@ -43,6 +44,7 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -69,13 +71,13 @@ LOSS_RTOL = 1e-4
 LOSS_ATOL = 1e-5
 
 
-def command(output_dir: Path, max_steps: int, hub_url: str) -> list[str]:
-    """The training command every life runs (identical each time): ``train_hf.py``'s arguments."""
+def command(output_dir: Path, max_steps: int, hub_url: str, data_args: list[str] | None = None) -> list[str]:
+    """The training command every life runs (identical each time): ``train_hf.py``'s arguments; `data_args` in place
+    of ``--data mock``."""
     return [
         "--preset",
         "tiny",
-        "--data",
-        "mock",
+        *(data_args or ["--data", "mock"]),
         "--seq_len",
         "32",
         "--micro_batch",
@@ -113,6 +115,8 @@ LIFE_ENVIRONMENT = dict(
     HF_HUB_OFFLINE="0",
     TOKENIZERS_PARALLELISM="false",
     PYTHONUNBUFFERED="1",
+    # the byte cache of a local text source (<HF_DATASETS_CACHE>/spider_bytes) kept out of the user's cache
+    HF_DATASETS_CACHE=os.path.join(tempfile.gettempdir(), "spider-kill-harness-datasets"),
 )
 #: imported once by the fork server, before any life: train_hf.py's entry point and everything it imports
 PRELOADED_MODULES = ["spider_training.train", "tests.kill_harness"]
@@ -215,8 +219,42 @@ def _resumed_from(log_text: str) -> str | None:
     return match.group(1) if match else None
 
 
+#: training data the harness can run on besides ``mock`` (``--source``): a local ``.jsonl`` corpus written into the
+#: work folder, read through the byte cache or streamed (``--streaming``, its position saved in each checkpoint)
+SOURCES = ("mock", "cached_text", "streamed_text")
+
+
+def write_corpus(folder: Path, documents: int = 400) -> Path:
+    """A small ``.jsonl`` corpus (`documents` lines of 20-200 bytes, varied) in `folder`; returns its path."""
+    rng = random.Random(7)
+    words = ["spider", "byte", "window", "resume", "kill", "stream", "cache", "loss", "step", "shard"]
+    path = Path(folder) / "corpus.jsonl"
+    with open(path, "w", encoding="utf-8") as handle:
+        for _ in range(documents):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))
+            handle.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def data_arguments(source: str, workdir: Path) -> list[str]:
+    """The ``--data`` arguments of `source` (one of :data:`SOURCES`), writing its corpus into `workdir`."""
+    if source == "mock":
+        return ["--data", "mock"]
+    corpus = str(write_corpus(workdir))
+    if source == "cached_text":
+        return ["--data", corpus]
+    if source == "streamed_text":
+        return ["--data", corpus, "--streaming", "--shuffle_buffer", "16"]
+    raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+
+
 def run_kill_harness(
-    n_kills: int, workdir: Path, seed: int, max_steps: int = 80, life_timeout_s: float = 120.0
+    n_kills: int,
+    workdir: Path,
+    seed: int,
+    max_steps: int = 80,
+    life_timeout_s: float = 120.0,
+    source: str = "mock",
 ) -> dict:
     """Kill a training run `n_kills` times (SIGKILL), restart it each time, and check every resume.
 
@@ -226,6 +264,8 @@ def run_kill_harness(
         seed: seeds the RNG choosing the phase and delay of each kill.
         max_steps: training length (a life makes ~1-3 steps before its kill).
         life_timeout_s: a life that makes no progress for this long is a failure.
+        source: the training data, one of :data:`SOURCES` (``mock``; a local ``.jsonl`` corpus through the byte cache,
+            or streamed with its position in each checkpoint).
 
     Returns:
         dict with ``kills`` (attempted), ``survived``, ``phases`` (kills per phase), ``violations`` (list of str),
@@ -242,9 +282,10 @@ def run_kill_harness(
     phases = {phase: 0 for phase in PHASES}
     kills = survived = 0
     context = _life_context()
+    data_args = data_arguments(source, workdir)
     with FakeHubServer(token="hf_fake") as hub:
-        cmd = command(out, max_steps, hub.url)
-        ref_cmd = command(ref_out, max_steps, hub.url)
+        cmd = command(out, max_steps, hub.url, data_args)
+        ref_cmd = command(ref_out, max_steps, hub.url, data_args)
         ref_cmd[ref_cmd.index("spider/kills")] = "spider/reference"
         reference = _start(context, ref_cmd, workdir / "reference.log")
         life = 0
@@ -326,6 +367,7 @@ def run_kill_harness(
         "requested_kills": n_kills,
         "phases": phases,
         "seed": seed,
+        "source": source,
         "max_steps": max_steps,
         "final_step": final_step,
         "max_loss_diff": max_diff,
@@ -346,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/spider-kill-harness"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=80)
+    parser.add_argument("--source", choices=SOURCES, default="mock")
     ns = parser.parse_args(argv)
-    result = run_kill_harness(ns.kills, ns.workdir, ns.seed, max_steps=ns.max_steps)
+    result = run_kill_harness(ns.kills, ns.workdir, ns.seed, max_steps=ns.max_steps, source=ns.source)
     print(json.dumps(result, indent=2))
     return 0 if not result["violations"] and result["survived"] == result["kills"] else 1
 

@@ -189,6 +189,21 @@ def format_table(
     return "\n".join(lines)
 
 
+def write_block(path: Path, section: str) -> None:
+    """Replace the text between :data:`README_START` and :data:`README_END` in `path` with `section` (the contract of
+    ``python -m bench.report --write-results``). Raises ``ValueError`` naming the file if a marker is missing,
+    duplicated or out of order."""
+    text = path.read_text(encoding="utf-8")
+    if (
+        text.count(README_START) != 1
+        or text.count(README_END) != 1
+        or text.index(README_START) > text.index(README_END)
+    ):
+        raise ValueError(f"{path} must contain exactly one {README_START} followed by exactly one {README_END}")
+    head, rest = text.split(README_START, 1)
+    path.write_text(f"{head}{README_START}\n{section}{README_END}{rest.split(README_END, 1)[1]}", encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = None) -> dict[str, Any]:
     """Run the registry (or ``cases``), print the table, and return the figures (what ``--json`` writes)."""
     p = argparse.ArgumentParser(prog="python -m tests.reliability", description=__doc__.split("\n")[0])
@@ -240,9 +255,7 @@ def main(argv: Sequence[str] | None = None, cases: Sequence[BadInput] | None = N
     table = format_table(summary, faults, kills, kills_wanted)
     print(table)
     if args.write_readme:
-        from bench.report import write_block
-
-        write_block(args.write_readme, table + "\n", README_START, README_END)
+        write_block(Path(args.write_readme), table + "\n")
     details = (
         summary["crash_details"] if args.verbose else [d for d in summary["crash_details"] if not d["fix_proposed"]]
     )

@@ -3,25 +3,42 @@
 No timing assertions (timings on a shared 2-core machine are noise): the test checks that every benchmark ran, that
 every measured figure is a finite positive number and every ``met`` a bool, and that the report renders and
 replaces exactly the text between the markers. The whole quick run takes ~1.5 min on an idle 2-core CPU
-(more under load), hence ``slow``.
+(more under load), hence ``slow``. The runner is driven through its command line (``python -m bench.run_all``,
+``python -m bench.report``) and read through its JSON: the tests import nothing of ``bench``.
 """
 
+import ast
 import json
 import math
+import re
 
 import pytest
 
-from bench import report
-from bench.run_all import BENCHMARKS
-from bench.run_all import main as run_all_main
+from tests.helpers import run_module
+
+#: the markers ``python -m bench.report --write-results`` fills (docs/results.md)
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def _rejected_unknown_benchmark():
+    """``python -m bench.run_all --only nope``: the command's result and the benchmarks its error names as known."""
+    done = run_module("bench.run_all", "--only", "nope", "--out", "/dev/null")
+    known = re.search(r"known: (\[[^\]]*\])", done.stderr)
+    return done, ast.literal_eval(known.group(1)) if known else None
 
 
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "results.json"
-    exit_code = run_all_main(["--quick", "--out", str(out)])
+    exit_code = run_module("bench.run_all", "--quick", "--out", out).returncode
     results = json.loads(out.read_text())
     return exit_code, results
+
+
+@pytest.fixture(scope="module")
+def benchmarks():
+    """Every benchmark ``run_all`` runs by default, as its error for an unknown name lists them."""
+    return _rejected_unknown_benchmark()[1]
 
 
 def _finite_number(x) -> bool:
@@ -33,12 +50,12 @@ def _positive_number(x) -> bool:
 
 
 @pytest.mark.slow
-def test_quick_run_has_every_benchmark_with_measurements(quick_results):
+def test_quick_run_has_every_benchmark_with_measurements(quick_results, benchmarks):
     exit_code, results = quick_results
     assert results["quick"] is True
     env = results["environment"]
     assert env["torch"] and env["torch_num_threads"] >= 1
-    assert set(results["benchmarks"]) == set(BENCHMARKS)
+    assert set(results["benchmarks"]) == set(benchmarks)
     for name, r in results["benchmarks"].items():
         assert "error" not in r, f"{name} crashed: {r.get('error')}\n{r.get('traceback', '')}"
         assert r["benchmark"] == name
@@ -67,7 +84,12 @@ def test_quick_run_has_every_benchmark_with_measurements(quick_results):
     assert isinstance(generation["outputs_equal"], bool)
     peers = generation["measurements"]["peers"]  # issue 65's table: Spider's loop counts beside Llama and Mistral
     assert set(peers["bytes_per_s"]) == {
-        *(f"spider_loops{n}{exit_}" for n in (1, 2, 4) for exit_ in ("", "_act_early_exit")),
+        *(
+            f"spider_loops{n}{exit_}{cache}"
+            for n in (1, 2, 4)
+            for exit_ in ("", "_act_early_exit")
+            for cache in ("", "_static")  # --quick: SpiderStaticCache uncompiled
+        ),
         *(f"{peer}_{cache}" for peer in ("llama", "mistral") for cache in ("dynamic", "static")),
     }
     assert all(_positive_number(v) for v in peers["bytes_per_s"].values())
@@ -78,41 +100,44 @@ def test_quick_run_has_every_benchmark_with_measurements(quick_results):
     sizes = peers["parameters"]
     assert abs(sizes["llama"] - sizes["spider"]) < 0.2 * sizes["spider"]  # peers of about Spider's size
     summary = results["summary"]
-    assert sorted(summary["met"] + summary["missed"]) == sorted(BENCHMARKS) and summary["errors"] == []
+    assert sorted(summary["met"] + summary["missed"]) == sorted(benchmarks) and summary["errors"] == []
 
 
 @pytest.mark.slow
 def test_report_renders_every_check_and_replaces_only_the_marked_block(quick_results, tmp_path):
     _, results = quick_results
-    section = report.render(results)
+    results_file = tmp_path / "results.json"
+    results_file.write_text(json.dumps(results))
+    rendered = run_module("bench.report", results_file)
+    assert rendered.returncode == 0, rendered.stderr
+    section = rendered.stdout
     n_checks = sum(len(r["checks"]) for r in results["benchmarks"].values())
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Benchmark")]
     assert sum(line.endswith("| yes |") or line.endswith("| no |") for line in rows) == n_checks
 
     readme = tmp_path / "results.md"
-    readme.write_text(f"# Spider\n\nintro\n\n{report.START}\nold table\n{report.END}\n\n## Next\nrest\n")
-    results_file = tmp_path / "results.json"
-    results_file.write_text(json.dumps(results))
-    assert report.main([str(results_file), "--write-results", str(readme)]) == 0
+    readme.write_text(f"# Spider\n\nintro\n\n{START}\nold table\n{END}\n\n## Next\nrest\n")
+    assert run_module("bench.report", results_file, "--write-results", readme).returncode == 0
     text = readme.read_text()
     assert "old table" not in text
-    assert text.startswith("# Spider\n\nintro\n\n" + report.START + "\n## Performance")
-    assert text.endswith(report.END + "\n\n## Next\nrest\n")
+    assert text.startswith("# Spider\n\nintro\n\n" + START + "\n## Performance")
+    assert text.endswith(END + "\n\n## Next\nrest\n")
     # idempotent: a second write gives the same file
-    assert report.main([str(results_file), "--write-results", str(readme)]) == 0
+    assert run_module("bench.report", results_file, "--write-results", readme).returncode == 0
     assert readme.read_text() == text
 
 
 def test_write_block_rejects_a_file_without_markers(tmp_path):
     readme = tmp_path / "results.md"
     readme.write_text("# Spider\nno markers here\n")
-    with pytest.raises(ValueError, match="bench:start"):
-        report.write_block(readme, "## Performance\n")
+    results_file = tmp_path / "results.json"
+    results_file.write_text(json.dumps({"benchmarks": {}}))
+    done = run_module("bench.report", results_file, "--write-results", readme)
+    assert done.returncode == 2 and "bench:start" in done.stderr, done.stderr  # the ValueError, named
     assert readme.read_text() == "# Spider\nno markers here\n"
 
 
 def test_run_all_rejects_unknown_benchmark():
-    from bench.run_all import run_all
-
-    with pytest.raises(ValueError, match="unknown benchmark"):
-        run_all(quick=True, only=["nope"])
+    done, known = _rejected_unknown_benchmark()
+    assert done.returncode == 2 and "unknown benchmark" in done.stderr, done.stderr
+    assert known and "nope" not in known

@@ -231,8 +231,8 @@ def test_spider_cache_is_a_transformers_cache():
         cache.crop(3)
     with pytest.raises(ValueError, match="removes more bytes than the cache holds"):
         cache.crop(-17)
-    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
-        model.generate(_prompt(1, 8), max_new_tokens=2, cache_implementation="static", **GREEDY)
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported"):
+        model.generate(_prompt(1, 8), max_new_tokens=2, cache_implementation="offloaded", **GREEDY)
     with pytest.raises(ValueError, match=r"inputs_embeds=\.\.\.\) is not supported: Spider reads byte ids"):
         model.generate(inputs_embeds=model.get_input_embeddings()(_prompt(1, 8)), max_new_tokens=2, **GREEDY)
 

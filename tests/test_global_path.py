@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from configuration_spider import BOUNDARY_TEACHERS
+from configuration_spider import BOUNDARY_TEACHERS, SpiderConfig
 from generation_spider import segment_slot_mask_function
 from modeling_spider import (
     BOUNDARY_TEACHER_RULES,
+    SpiderForConditionalGeneration,
     attention_mask_function,
     boundary_teacher_loss,
     expand_segments,
@@ -414,23 +415,69 @@ def test_with_a_teacher_the_predictor_learns_from_the_teacher_alone():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def short_run():
-    from bench.quality import Recipe, fit, initial_model
-    from bench.quality_scoring import corpus_bytes, heldout_windows
+def heldout_windows(seq_len: int = 256, slice_bytes: int = 32 * 1024) -> torch.Tensor:
+    """``bench.quality``'s held-out slice: the SOTU addresses from 2000 on as one id stream, a `slice_bytes` slice
+    starting a third of the way in, as non-overlapping windows of `seq_len + 1` ids, int64 `(N, seq_len + 1)`."""
+    import numpy as np
 
-    model = initial_model("spider", {}, seed=0)
-    # the default recipe for 60 steps of 8 windows, through train_hf.py's trainer (no held-out evaluation): about
-    # 60 s on one thread of this 2-core machine (100 steps took 95-140 s, the longest item of the test run)
-    recipe = Recipe(steps=60, warmup_steps=10, batch_size=8, eval_steps=0)
-    stats = fit(model, recipe)
-    return model, stats, heldout_windows(corpus_bytes("eval"), recipe.seq_len)[:32]
+    from spider_training.data import encode_document, sotu_documents
+
+    ids = np.concatenate([encode_document(d["text"]) for d in sotu_documents("eval")]).astype(np.int64)
+    start = int(len(ids) / 3) if len(ids) > slice_bytes else 0
+    piece = ids[start : start + slice_bytes]
+    n = (len(piece) - 1) // seq_len
+    return torch.from_numpy(np.stack([piece[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]))
+
+
+@torch.no_grad()
+def score(model, windows: torch.Tensor) -> dict:
+    """Bits per predicted byte of `model` over `windows` `(N, T)` in eval mode, and bytes per segment (the mean of
+    the batches' ``compression_rate``, weighted by their bytes): what ``bench.quality`` scores a row by."""
+    model.eval()
+    nll, segments = 0.0, 0.0
+    for batch in windows.split(16):
+        out = model(input_ids=batch)
+        logits = out.logits[:, :-1].float()
+        nll += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+        ).item()
+        segments += batch.numel() / float(out.compression_rate)
+    return {
+        "bits_per_byte": nll / windows[:, 1:].numel() / math.log(2),
+        "bytes_per_segment": windows.numel() / segments,
+    }
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    from transformers import set_seed
+
+    from spider_training.arguments import parse_args
+    from spider_training.data import build_dataset
+    from spider_training.train import build_trainer
+
+    set_seed(0)
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("small"))
+    # the main job's recipe (train_hf.py's defaults, bench.quality's Recipe) for 60 steps of 8 windows, through
+    # train_hf.py's trainer (no held-out evaluation): about 60 s on one thread of this 2-core machine (100 steps took
+    # 95-140 s, the longest item of the test run)
+    steps, logging_steps = 60, 2
+    args = parse_args(
+        ["--output_dir", str(tmp_path_factory.mktemp("short_run")), "--max_steps", str(steps), "--micro_batch", "8"]
+        + ["--warmup_steps", "10", "--extra_train_loops", "0", "--save_strategy", "no", "--eval_strategy", "no"]
+        + ["--logging_steps", str(logging_steps), "--disable_tqdm", "True"]
+    )
+    train_dataset = build_dataset("sotu", args.seq_len, split="train")
+    trainer = build_trainer(args, model, stop_signals=(), train_dataset=train_dataset, eval_dataset=None)
+    trainer.train()
+    # the training's bytes per segment: the mean over the last tenth of the steps' logs
+    tail = [e["compression_rate"] for e in trainer.state.log_history if "compression_rate" in e and e["step"] > 54]
+    stats = {"train_bytes_per_segment": sum(tail) / len(tail)}
+    return model, stats, heldout_windows(args.seq_len)[:32]
 
 
 @pytest.mark.slow
 def test_short_run_learns_and_segments_as_it_trains(short_run):
-    from bench.quality_scoring import score
-
     model, stats, windows = short_run
     result = score(model, windows)
     # 60 steps of 8 windows (measured 3.04; 2.62 after 100): far below a uniform byte model (8 bits) and below an

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench import correctness, diagnostics, gpu_check, parts, step_table, training_runs
-from bench.common import HostSyncCounter, eager_aten_ops, graphs_compiled, spider_config, spider_model
+from bench.common import spider_config, spider_model
 from tests.test_tile_kernels_moe import FakeTileKernels2x
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
@@ -339,9 +339,10 @@ def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
 
 def test_distributed_judgement_names_what_differs():
     from bench import distributed
+    from tests.distributed_worker import loss_rtol
 
     figures = dict(
-        rtol=distributed.loss_rtol(torch.float32),
+        rtol=loss_rtol(torch.float32),
         ddp_max_rel_diff=0.0,
         fsdp2_max_rel_diff=0.0,
         resumed_max_rel_diff=0.0,
@@ -353,7 +354,7 @@ def test_distributed_judgement_names_what_differs():
     status, reason = distributed.judge({**figures, "resumed_max_rel_diff": 0.02, "ddp_max_rel_diff": float("nan")})
     assert status == "failed" and "resumed_max_rel_diff 0.02" in reason and "ddp_max_rel_diff nan" in reason
     assert "DTensor" in distributed.judge({**figures, "release_has_dtensors": True})[1]
-    assert distributed.loss_rtol(torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
+    assert loss_rtol(torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
 
 
 def test_attention_backends_at_toy_sizes_on_cpu():
@@ -390,24 +391,6 @@ def test_attention_backends_stop_at_the_deadline():
     )
     assert entry["status"] == "skipped" and entry["reason"] == "time budget"
     assert {r["reason"] for r in entry["backends"].values()} == {"time budget"}
-
-
-def test_host_sync_counter_counts_deliberate_syncs():
-    x = torch.arange(6.0)
-    original_tolist = torch.Tensor.tolist
-    with HostSyncCounter() as counter:
-        y = (x * 2 + 1).sum()  # no sync
-        y.item()  # line A
-        x.tolist()  # line B
-        x[x > 2]  # boolean index: a nonzero on the device
-        torch.nonzero(x)
-    assert torch.Tensor.tolist is original_tolist  # the wrapper is gone after the context
-    assert counter.counts == {"_local_scalar_dense": 1, "tolist": 1, "index (boolean)": 1, "nonzero": 1}
-    assert counter.total == 4 and counter.ops > 4
-    assert sum(counter.sources.values()) == 4
-    assert all(source.startswith("tests/test_gpu_check.py:") for source in counter.sources), counter.sources
-    x.tolist()  # outside: not counted
-    assert counter.counts["tolist"] == 1
 
 
 def test_1b_run_judgement():
@@ -506,44 +489,6 @@ def test_profile_kernels_on_cpu_sees_no_device_events():
     assert eager["by_op"]["aten::linear"] == 1 and "aten::addmm" not in eager["by_op"] and eager["count"] >= 3, eager
 
 
-def test_graphs_compiled_counts_compilations_and_recompilations():
-    torch._dynamo.reset()
-    try:
-        double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
-        counts = [graphs_compiled(lambda n=n: double(torch.ones(n)))[1] for n in (3, 3, 4)]
-        result, eager = graphs_compiled(lambda: torch.ones(2) * 2)
-    finally:
-        torch._dynamo.reset()
-    assert counts == [1, 0, 1] and eager == 0 and result.tolist() == [2.0, 2.0]
-
-
-def test_eager_aten_ops_leaves_out_what_compiled_regions_ran():
-    """The ops of a compiled function's forward and backward (``aot_eager``: both are compiled regions) are not
-    counted; the ops around it are, once each (not their sub-ops), and views are not."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def region(x):
-        return x.sin().cos() * 3
-
-    compiled = torch.compile(region, backend="aot_eager")
-    x = torch.randn(8, requires_grad=True)
-    torch._dynamo.reset()
-    try:
-        compiled(x)  # compiles outside the profile
-        counts = {}
-        for name, fn in (("compiled", compiled), ("eager", region)):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                (fn(x) * 2 + 1).t().sum().backward()
-            counts[name] = eager_aten_ops(prof.events())
-    finally:
-        torch._dynamo.reset()
-    glue, everything = counts["compiled"]["by_op"], counts["eager"]["by_op"]
-    assert "aten::sin" not in glue and "aten::cos" not in glue  # the region's forward and backward
-    assert everything["aten::sin"] >= 1 and everything["aten::cos"] >= 1  # cos backward is a sin, and so on
-    assert glue["aten::add"] == 1 and glue["aten::sum"] == 1 and "aten::t" not in glue  # around it, no views
-    assert counts["compiled"]["count"] < counts["eager"]["count"]
-
-
 def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
     """Profiler device events stand in as plain objects with the two attributes read (a name, a time range)."""
     from types import SimpleNamespace
@@ -580,26 +525,6 @@ def test_tile_kernels_comparison_with_a_cpu_double(double, status):
     assert entry["status"] == status, entry
     assert entry["backend"] == "tile_kernels"
     assert entry["step_s_torch"] > 0 and entry["step_s_tile_kernels"] > 0
-
-
-def test_cuda_sync_warnings_counts_the_sync_debug_warnings(monkeypatch):
-    """The parsing half of CudaSyncWarnings (the warnings themselves need a GPU): the debug mode is set to "warn"
-    inside the context and restored after it; only the synchronisation warnings count, by source line."""
-    import warnings
-
-    from bench.common import CudaSyncWarnings
-
-    modes = ["default"]
-    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
-    with CudaSyncWarnings() as syncs:
-        assert modes[-1] == "warn"
-        for _ in range(2):
-            warnings.warn("called a synchronizing CUDA operation")  # as TORCH_WARN reaches Python
-        warnings.warn("something else")
-    assert modes[-1] == "default"
-    assert syncs.count == 2 and len(syncs.sources) == 1
-    assert next(iter(syncs.sources)).startswith("tests/test_gpu_check.py:")
 
 
 def test_a_row_whose_counting_step_fails_is_still_timed(monkeypatch):

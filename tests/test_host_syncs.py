@@ -15,8 +15,8 @@ import pickle
 import pytest
 import torch
 
-from bench.common import HostSyncCounter
 from modeling_spider import SpiderMoE, SpiderRecurrentLayer
+from spider_training.profiling import HostSyncCounter
 from tests.helpers import float_tol, tiny, tiny_model
 
 

@@ -1,10 +1,14 @@
-"""bench/memory_plan.py: what it counts and how it extrapolates, on the tiny preset."""
+"""spider_training/memory_plan.py: what it counts and how it extrapolates, on the tiny preset; ``python -m
+bench.memory_plan`` writing its table into docs/results.md."""
+
+import json
 
 import pytest
 import torch
 from torch import nn
 
-from bench import memory_plan
+from spider_training import memory_plan
+from tests.helpers import run_module
 
 
 def test_saved_activations_count_what_autograd_keeps_once_and_no_parameters():
@@ -58,12 +62,15 @@ def test_the_plan_runs_the_most_loops_a_training_step_draws(tiny_plan):
 
 
 def test_results_block_is_filled_and_a_missing_block_is_named(tiny_plan, tmp_path):
-    readme = tmp_path / "results.md"
-    start, end = memory_plan.MARKERS
+    readme, saved = tmp_path / "results.md", tmp_path / "plan.json"
+    saved.write_text(json.dumps(tiny_plan))
+    start, end = "<!-- memory_plan:start -->", "<!-- memory_plan:end -->"  # the block in docs/results.md
     readme.write_text(f"before\n{start}\nold\n{end}\nafter\n")
-    memory_plan.write_results(tiny_plan, readme)
+    done = run_module("bench.memory_plan", "--report", saved, "--write_results", readme)
+    assert done.returncode == 0, done.stderr
     text = readme.read_text()
     assert "old" not in text and "| FSDP2 | 8-bit AdamW | checkpointing |" in text and text.endswith("after\n")
+    assert memory_plan.render(tiny_plan) in text
     readme.write_text("no block\n")
-    with pytest.raises(ValueError, match="results.md"):
-        memory_plan.write_results(tiny_plan, readme)
+    done = run_module("bench.memory_plan", "--report", saved, "--write_results", readme)
+    assert done.returncode != 0 and "ValueError" in done.stderr and "results.md" in done.stderr, done.stderr

