@@ -40,6 +40,8 @@ TARGET = 5.0
 TARGET_VS_LLAMA = 2.0
 #: issue 65: the compiled fixed-size cache against today's growing one, same run
 TARGET_STATIC = 3.0
+#: issue 65: 8 concurrent streams through spider-serve against one, aggregate bytes/s
+TARGET_SERVING = 4.0
 FULL = dict(preset="small", prompt_len=256, new_tokens=512, warmup=1, repeats=1, compile_static=True)
 QUICK = dict(preset="tiny", prompt_len=32, new_tokens=32, warmup=1, repeats=2, compile_static=False)
 
@@ -156,6 +158,58 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
     }
 
 
+def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8) -> dict:
+    """Bytes/s through ``spider-serve`` (issue 65's serving target): the app of :func:`spider_training.serve.build_app`
+    on uvicorn in a thread, the official ``openai`` client streaming greedy completions of `new_tokens` bytes after a
+    `prompt_len`-byte prompt, first one stream alone, then `streams` at once (one thread each); aggregate bytes/s =
+    completion bytes (the server's ``usage``) / wall time. Target: `streams` streams ``>= 4x`` one stream."""
+    import threading
+
+    import openai
+    import uvicorn
+
+    from spider_training.serve import build_app
+    from tokenization_spider import SpiderTokenizer
+
+    model = spider_model(preset).eval()
+    tokenizer = SpiderTokenizer(padding_side="left")
+    prompt = bytes(prompt_ids(prompt_len)[0, 1:].tolist()).decode("utf-8", errors="replace")
+    app = build_app(model, tokenizer, "spider", max_batch_size=streams)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1", api_key="-"
+    )
+
+    def stream(done: list) -> None:
+        chunks = client.completions.create(
+            model="spider", prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        done.append(sum(c.usage.completion_tokens for c in chunks if c.usage is not None))
+
+    def aggregate(n: int) -> float:
+        done: list[int] = []
+        threads = [threading.Thread(target=stream, args=(done,)) for _ in range(n)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(done) / (time.perf_counter() - start)
+
+    try:
+        aggregate(1)  # warm-up
+        rows = {"one_stream": aggregate(1), f"{streams}_streams": aggregate(streams)}
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    return {"bytes_per_s": {k: round(v, 2) for k, v in rows.items()}, "streams": streams}
+
+
 def _compile_config():
     """transformers' ``CompileConfig`` for a static cache's decode step; on every device (by default transformers
     compiles it on accelerators only)."""
@@ -222,6 +276,16 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             rows["best_peer_bytes_per_s"][trained] / rows["best_peer_bytes_per_s"]["llama"],
         )
     )
+    serving = serving_rows(s["preset"], s["prompt_len"], s["new_tokens"])
+    result["measurements"]["serving"] = serving
+    result["checks"].append(
+        check(
+            "spider-serve batching",
+            "aggregate bytes/s ratio (8 concurrent streams / one stream)",
+            TARGET_SERVING,
+            serving["bytes_per_s"]["8_streams"] / serving["bytes_per_s"]["one_stream"],
+        )
+    )
     fixed = rows["bytes_per_s"].get(trained + "_static_compiled")
     if fixed is not None:
         result["checks"].append(
@@ -237,5 +301,55 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     return finish(result, start)
 
 
+def card_reference(results: dict, machine: str = "a 2-core CPU, 2 threads") -> dict:
+    """The model card's generation table (``hub_card/reference_generation.json``,
+    ``spider_training.model_card.reference_generation``) from a full run's JSON (``--out``): Spider's rows at each
+    loop count and cache (ACT early exit beside), each peer's caches on one row."""
+    generation = results["benchmarks"]["generation"]
+    rows, sizes = generation["measurements"]["peers"]["bytes_per_s"], generation["sizes"]
+    loop_counts = sorted({int(k.split("_")[1].removeprefix("loops")) for k in rows if k.startswith("spider_")})
+    trained = sorted(loop_counts)[len(loop_counts) // 2]  # 1, trained, 2x trained
+
+    def spider_row(loops: int, cache: str, suffix: str) -> dict | None:
+        name = f"spider_loops{loops}"
+        if name + suffix not in rows:
+            return None
+        label = f"Spider, {loops} loop{'s' if loops > 1 else ''}" + (" (trained)" if loops == trained else "")
+        early = rows.get(f"{name}_act_early_exit{suffix}")
+        value = f"{rows[name + suffix]:.0f}" + (f" (ACT early exit: {early:.0f})" if early is not None else "")
+        return {"model": label, "cache": cache, "bytes_per_s": value}
+
+    table = [
+        row
+        for loops in loop_counts
+        for cache, suffix in (("`SpiderCache`", ""), ("`SpiderStaticCache`, compiled", "_static_compiled"))
+        if (row := spider_row(loops, cache, suffix)) is not None
+    ]
+    for peer, label in (("llama", "dense `LlamaForCausalLM`"), ("mistral", "`MistralForCausalLM`, local attention")):
+        caches = [c for c in ("dynamic", "static", "static_compiled") if f"{peer}_{c}" in rows]
+        table.append(
+            {
+                "model": label,
+                "cache": " / ".join(c.replace("_", " ") for c in caches),
+                "bytes_per_s": " / ".join(f"{rows[f'{peer}_{c}']:.0f}" for c in caches),
+            }
+        )
+    return {
+        "preset": sizes["preset"],
+        "machine": machine,
+        "prompt_len": sizes["prompt_len"],
+        "new_tokens": sizes["new_tokens"],
+        "rows": table,
+    }
+
+
 if __name__ == "__main__":
-    main_for(run)
+    import json
+    import sys
+    from pathlib import Path
+
+    if sys.argv[1:2] == ["--write_card_reference"]:  # --write_card_reference RESULTS.json OUT.json
+        results, out = sys.argv[2:4]
+        Path(out).write_text(json.dumps(card_reference(json.loads(Path(results).read_text())), indent=1) + "\n")
+    else:
+        main_for(run)

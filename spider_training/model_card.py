@@ -215,6 +215,24 @@ def reference_quality(preset: str | None, data: str | None, path: str | Path | N
     return ref if (preset, data) == (ref.get("preset"), ref.get("data")) else None
 
 
+#: Spider's greedy decoding speed beside its dense peers for a preset, written by ``python -m bench.generation
+#: --write_card_reference bench/generation_cpu.json hub_card/reference_generation.json``.
+REFERENCE_GENERATION = DEFAULT_TEMPLATE.parent / "reference_generation.json"
+
+
+def reference_generation(preset: str | None, path: str | Path | None = None) -> dict | None:
+    """``bench/generation.py``'s table (cached greedy bytes/s of Spider at its loop counts and caches beside a dense
+    ``LlamaForCausalLM`` and ``MistralForCausalLM`` of its size) from ``path`` (default :data:`REFERENCE_GENERATION`)
+    when it was measured for `preset`; else, or when the file is missing, None. The card shows it as the preset's
+    reference at initialisation, not this run's measurement (speed does not depend on the weights' values)."""
+    path = Path(path) if path is not None else REFERENCE_GENERATION
+    try:
+        ref = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return ref if preset == ref.get("preset") else None
+
+
 def _loops_finding(bits_per_byte_by_loops: dict | None, trained: int | None) -> str:
     """The card's sentence on what more loops did for this checkpoint, from its own loop table (never a claim the
     table does not show)."""
@@ -249,6 +267,7 @@ def write_model_card(
     reference: dict | None = None,
     act_early_exit: dict | None = None,
     compute_map: str | None = None,
+    generation_reference: dict | None = None,
 ) -> Path:
     """Render the model card into ``release_dir/README.md`` and the loss curve into ``release_dir/loss_curve.png``.
 
@@ -265,6 +284,7 @@ def write_model_card(
         reference: :func:`reference_quality`'s figures, or None.
         act_early_exit: ``{"bits_per_byte", "loops_saved_per_segment", ...}`` with ACT early exit, or None.
         compute_map: the file name of a held-out paragraph's compute map in ``release_dir``, or None.
+        generation_reference: :func:`reference_generation`'s table, or None.
 
     Returns:
         Path of the written ``README.md``.
@@ -371,6 +391,7 @@ def write_model_card(
         weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         sample=sample,
         reference=reference,
+        generation_reference=generation_reference,
         compute_map=compute_map if compute_map and (release_dir / compute_map).is_file() else None,
     )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .checkpointing import save_folder_atomically
 from .fp8 import fp8_to_plain_state_dict
-from .model_card import reference_quality, write_model_card
+from .model_card import reference_generation, reference_quality, write_model_card
 from .optim import describe_optimizer
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ def write_release(
             act_early_exit=summary.get("act_early_exit"),
             compute_map=card_map,
             reference=reference_quality(args.preset, args.data),
+            generation_reference=reference_generation(args.preset),
         )
 
     return save_folder_atomically(release_dir, write)

@@ -99,6 +99,10 @@ def test_quick_run_has_every_benchmark_with_measurements(quick_results, benchmar
         )
     sizes = peers["parameters"]
     assert abs(sizes["llama"] - sizes["spider"]) < 0.2 * sizes["spider"]  # peers of about Spider's size
+    serving = generation["measurements"]["serving"]  # through spider-serve: one stream, then 8 at once
+    assert set(serving["bytes_per_s"]) == {"one_stream", "8_streams"} and serving["streams"] == 8
+    assert all(_positive_number(v) for v in serving["bytes_per_s"].values())
+    assert "spider-serve batching" in {c["name"] for c in generation["checks"]}
     summary = results["summary"]
     assert sorted(summary["met"] + summary["missed"]) == sorted(benchmarks) and summary["errors"] == []
 

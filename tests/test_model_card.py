@@ -413,3 +413,31 @@ def test_the_compute_map_is_shown_with_its_command_only_when_drawn(release, conf
     assert f"]({CARD_MAP_NAME})" in text and "each colour is one segment" in text
     assert f"python -m spider_training.compute_map {REPO} --file paragraph.txt" in text
     assert CARD_MAP_NAME not in write(release, config).read_text()
+
+
+def test_generation_speed_reference_for_its_preset(release, config, tmp_path):
+    """The card shows bench.generation's speed table for the preset it was measured on (labelled as the preset's
+    reference, not this run's), and nothing for another preset or without the file."""
+    from spider_training.model_card import reference_generation
+
+    reference = reference_generation("small")
+    assert reference is not None and reference_generation("1b") is None
+    assert reference_generation("small", path=tmp_path / "missing.json") is None
+    text = write(release, config, generation_reference=reference).read_text()
+    assert "Generation speed (measured by `bench/generation.py` for the `small` preset" in text
+    for row in reference["rows"]:
+        assert f"| {row['model']} | {row['cache']} | {row['bytes_per_s']} |" in text
+    assert any("SpiderStaticCache" in row["cache"] for row in reference["rows"])
+    assert "Generation speed" not in write(release, config).read_text()
+
+
+def test_shipped_generation_reference_matches_the_committed_benchmark(tmp_path):
+    """hub_card/reference_generation.json is what ``python -m bench.generation --write_card_reference
+    bench/generation_cpu.json FILE`` derives from the committed full run."""
+    from spider_training.model_card import REFERENCE_GENERATION
+    from tests.helpers import run_module
+
+    derived = tmp_path / "reference_generation.json"
+    done = run_module("bench.generation", "--write_card_reference", ROOT / "bench" / "generation_cpu.json", derived)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(derived.read_text()) == json.loads(REFERENCE_GENERATION.read_text())
