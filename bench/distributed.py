@@ -1,25 +1,8 @@
 """The ``distributed`` part of ``python -m bench.gpu_check``: DDP and FSDP2 at world size 1 on the device at hand.
 
-Multi-GPU users train under DDP or FSDP2 (``configs/accelerate/``). This part runs both where a one-GPU session can:
-a process group of one rank over NCCL on CUDA (gloo on CPU), in a fresh process
-(``python -m tests.distributed_worker OUT``,
-``tests/distributed_worker.py``)
-so that its process group and accelerate's state stay out of the other parts. On the same batches and from the same
-initial weights it trains
-
-- the unwrapped model (the reference),
-- the model under ``DistributedDataParallel``,
-- the model sharded as ``configs/accelerate/fsdp2.yaml`` shards it (accelerate's own ``fsdp2_prepare_model``: one
-  ``fully_shard`` per ``SpiderDecoderLayer`` / ``SpiderRecurrentLayer``, then the root), whose sharded checkpoint is
-  written mid-run by accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` (torch distributed checkpoint,
-  ``SHARDED_STATE_DICT``, as the Trainer saves it), loaded into a freshly initialised sharded model that trains on,
-  and gathered into a release (:func:`spider_training.release.gather_unsharded`) that ``from_pretrained`` loads.
-
-One training step is a user's: bf16 autocast on CUDA, fp32 on CPU, AdamW. The check passes when the DDP and FSDP2
-losses equal the reference's, the resumed losses equal the uninterrupted run's, and the release's logits equal the
-sharded model's, each within the worker's ``loss_rtol`` (a wrong gradient scale or a lost reduction moves the second
-loss by far more). accelerate refuses FSDP without a launcher on CPU (its state stays ``MULTI_CPU``), so
-``fsdp2_prepare_model`` is called with the worker's ``AcceleratorAttributes``, the attributes it reads.
+It runs ``python -m tests.distributed_worker OUT`` in a fresh process (so that its process group and accelerate's
+state stay out of the other parts) and judges the JSON it writes; what the worker trains, saves, resumes and gathers,
+and its tolerance, are in ``tests/distributed_worker.py``'s docstring.
 """
 
 from __future__ import annotations
