@@ -541,8 +541,9 @@ class SpiderDecodingMixin:
     def compile_decode(self, **compile_kwargs) -> None:
         """Compile the three regions of a :class:`SpiderStaticCache` decode step (:meth:`decode_byte`), each traced
         whole with fixed shapes (``fullgraph=True, dynamic=False``); `compile_kwargs` (``backend``, ``mode``,
-        ``options``: a ``CompileConfig``'s) go to ``torch.compile``. The segment region stays eager under ACT early
-        exit."""
+        ``options``: a ``CompileConfig``'s) go to ``torch.compile``. From then on every decode step over a
+        :class:`SpiderStaticCache` runs them (one without ``output_hidden_states``; ``del model.compiled_decode``
+        returns to eager); the segment region stays eager under ACT early exit."""
         compile_kwargs = {**compile_kwargs, "fullgraph": True, "dynamic": False}
         self.compiled_decode = tuple(
             torch.compile(region, **compile_kwargs)
