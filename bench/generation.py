@@ -160,29 +160,21 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
 
 def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8) -> dict:
     """Bytes/s through ``spider-serve`` (issue 65's serving target): the app of :func:`spider_training.serve.build_app`
-    on uvicorn in a thread, the official ``openai`` client streaming greedy completions of `new_tokens` bytes after a
-    `prompt_len`-byte prompt, first one stream alone, then `streams` at once (one thread each); aggregate bytes/s =
-    completion bytes (the server's ``usage``) / wall time. Target: `streams` streams ``>= 4x`` one stream."""
+    on uvicorn in a thread (:func:`spider_training.serve.serving_in_thread`), the official ``openai`` client
+    streaming greedy completions of `new_tokens` bytes after a `prompt_len`-byte prompt, first one stream alone, then
+    `streams` at once (one thread each); aggregate bytes/s = completion bytes (the server's ``usage``) / wall time.
+    Target: `streams` streams ``>= 4x`` one stream."""
     import threading
 
     import openai
-    import uvicorn
 
-    from spider_training.serve import build_app
+    from spider_training.serve import build_app, serving_in_thread
     from tokenization_spider import SpiderTokenizer
 
     model = spider_model(preset).eval()
     tokenizer = SpiderTokenizer(padding_side="left")
     prompt = bytes(prompt_ids(prompt_len)[0, 1:].tolist()).decode("utf-8", errors="replace")
     app = build_app(model, tokenizer, "spider", max_batch_size=streams)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1", api_key="-"
-    )
 
     def stream(done: list) -> None:
         chunks = client.completions.create(
@@ -201,12 +193,10 @@ def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8
             t.join()
         return sum(done) / (time.perf_counter() - start)
 
-    try:
+    with serving_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-")
         aggregate(1)  # warm-up
         rows = {"one_stream": aggregate(1), f"{streams}_streams": aggregate(streams)}
-    finally:
-        server.should_exit = True
-        thread.join(30)
     return {"bytes_per_s": {k: round(v, 2) for k, v in rows.items()}, "streams": streams}
 
 

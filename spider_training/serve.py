@@ -509,6 +509,29 @@ def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_
     return app
 
 
+@contextlib.contextmanager
+def serving_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    """Run `app` with uvicorn in a daemon thread (port 0: a free one) and yield its base URL ``http://host:port``;
+    stops the server on exit. What tests and ``bench.generation`` serve a release with, beside the console script.
+
+    Raises:
+        RuntimeError: the server's thread ended before it started listening."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def load_release(path: str, device: str | None = None):
     """`(model, tokenizer)` of the release folder `path`, loaded as a user would (``AutoModelForCausalLM`` /
     ``AutoTokenizer``, ``trust_remote_code=True``), the model in eval mode on `device` (default: CUDA if available).

@@ -5,7 +5,6 @@ The release is a tiny model trained for a few seconds to continue a text with mu
 outputs hold them (a random model writes mostly invalid UTF-8).
 """
 
-import contextlib
 import json
 import os
 import re
@@ -22,9 +21,8 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-import uvicorn
 
-from spider_training.serve import build_app, load_release
+from spider_training.serve import build_app, load_release, serving_in_thread
 from tests.helpers import tiny_model
 from tokenization_spider import SpiderTokenizer
 
@@ -57,29 +55,12 @@ def release(tmp_path_factory):
     return folder, model, tokenizer
 
 
-@contextlib.contextmanager
-def serving(app):
-    """Run `app` with uvicorn on a free localhost port in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def server(release):
     """`(base_url, app)` of a server on the release, loaded through trust_remote_code as ``spider-serve`` does."""
     model, tokenizer = load_release(str(release[0]), "cpu")
     app = build_app(model, tokenizer, "spider", batch_wait_s=0.2)
-    with serving(app) as url:
+    with serving_in_thread(app) as url:
         yield url, app
 
 
@@ -299,7 +280,7 @@ def test_chat_completions_with_a_chat_template(release):
     )
     model, _ = load_release(str(release[0]), "cpu")
     messages = [{"role": "user", "content": PROMPT}]
-    with serving(build_app(model, tokenizer, "spider")) as url:
+    with serving_in_thread(build_app(model, tokenizer, "spider")) as url:
         chat = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         out = chat.chat.completions.create(model="spider", messages=messages, max_tokens=30, temperature=0)
         chunks = list(
