@@ -20,6 +20,7 @@ transformers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -40,9 +41,13 @@ def write_segment_slots(cache: SpiderCache, buffer: torch.Tensor, new: torch.Ten
     """`buffer` grown (zeros) to `cache.segment_slots` along `dim`, with `new` (one segment per
     row) written at each row's slot `cache.segment_write_index` `(B,)`; a fixed-size cache's buffer
     is written in place."""
-    index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
     if cache.is_compileable:  # fixed size: written in place, so the buffer keeps its address (CUDA graphs)
-        return buffer.scatter_(dim, index, new)
+        # an index_put_ (not scatter_): inductor writes it into the buffer instead of copying the whole buffer
+        rows = torch.arange(new.shape[0], device=new.device)
+        index = (rows, *([slice(None)] * (dim - 1)), cache.segment_write_index)
+        buffer[index] = new.select(dim, 0)
+        return buffer
+    index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
     slots = cache.segment_slots
     if buffer.shape[dim] < slots:
         grow = list(buffer.shape)
@@ -373,6 +378,7 @@ class SpiderStaticCache(SpiderCache):
         super().__init__(config, n_loops)
         self.max_cache_len = max_cache_len
         self.position = None  # (1,) int64: the column the next byte is written at
+        self.guarded_regions = set()  # compiled decode regions whose guards passed on these buffers
 
     @property
     def is_compileable(self) -> bool:
@@ -444,6 +450,7 @@ class SpiderStaticCache(SpiderCache):
     def batch_select_indices(self, indices: torch.LongTensor) -> None:
         super().batch_select_indices(indices)
         self.segment_write_index = self.segment_write_index.index_select(0, indices)
+        self.guarded_regions.clear()
 
 
 class SpiderDecodingMixin:
@@ -501,6 +508,8 @@ class SpiderDecodingMixin:
             )
         hidden = [] if output_hidden_states else None
         compiled = getattr(self, "compiled_decode", None) if cache.is_compileable and hidden is None else None
+        if compiled:
+            compiled = tuple(functools.partial(call_compiled, region, cache) for region in compiled)
         byte_in, segment, byte_out = compiled or (self.decode_byte_in, self.decode_segment, self.decode_byte_out)
         if self.config.act_early_exit:  # halted rows leave the MoE by index: shapes follow the data
             segment = self.decode_segment
@@ -562,6 +571,20 @@ class SpiderDecodingMixin:
         mask = self.attention_mask(e, cache.segment_slots, mask_function=mask_function)
         h_out = self.recurrent_block(e, segment_rope, mask, None, segment_memory, cache.n_loops, cache).h_out
         cache.end_segment_step(closing, h_out)
+
+
+def call_compiled(region: Callable, cache: SpiderStaticCache, *args):
+    """`region` (one of :meth:`SpiderDecodingMixin.compile_decode`'s) on `args`, its guards evaluated only at its
+    first call for `cache`: later steps over the same buffers have the same shapes, strides and Python state (the
+    write position is a tensor), so they run the entry the first call chose, under
+    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (which skips about 0.1 ms of guards per call on CPU).
+    ``SpiderStaticCache.batch_select_indices`` (new buffers) makes the next call evaluate them again."""
+    if region in cache.guarded_regions:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return region(*args)
+    outputs = region(*args)
+    cache.guarded_regions.add(region)
+    return outputs
 
 
 def static_byte_mask_function(cache: SpiderStaticCache, sliding_window: int | None) -> Callable:
