@@ -158,23 +158,29 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
     }
 
 
-def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8) -> dict:
-    """Bytes/s through ``spider-serve`` (issue 65's serving target): the app of :func:`spider_training.serve.build_app`
-    on uvicorn in a thread (:func:`spider_training.serve.serving_in_thread`), the official ``openai`` client
-    streaming greedy completions of `new_tokens` bytes after a `prompt_len`-byte prompt, first one stream alone, then
-    `streams` at once (one thread each); aggregate bytes/s = completion bytes (the server's ``usage``) / wall time.
-    Target: `streams` streams ``>= 4x`` one stream."""
+def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8, compile: bool = False) -> dict:
+    """Bytes/s through ``spider-serve`` (issue 65's serving target), run as a user runs it: the model saved as a
+    release and served by ``python -m spider_training.serve RELEASE --port P [--compile]`` in a process of its own,
+    the official ``openai`` client (here, one thread per stream) streaming greedy completions of `new_tokens` bytes
+    after a `prompt_len`-byte prompt, first one stream alone, then `streams` at once; aggregate bytes/s = completion
+    bytes (the server's ``usage``) / wall time, after one untimed round of each (which pays `compile`'s compiles).
+    Target: `streams` streams ``>= 4x`` one stream.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within 300 s."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
     import threading
+    import urllib.request
+    from pathlib import Path
 
     import openai
 
-    from spider_training.serve import build_app, serving_in_thread
     from tokenization_spider import SpiderTokenizer
 
-    model = spider_model(preset).eval()
-    tokenizer = SpiderTokenizer(padding_side="left")
     prompt = bytes(prompt_ids(prompt_len)[0, 1:].tolist()).decode("utf-8", errors="replace")
-    app = build_app(model, tokenizer, "spider", max_batch_size=streams)
 
     def stream(done: list) -> None:
         chunks = client.completions.create(
@@ -193,11 +199,36 @@ def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8
             t.join()
         return sum(done) / (time.perf_counter() - start)
 
-    with serving_in_thread(app) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-")
-        aggregate(1)  # warm-up
-        rows = {"one_stream": aggregate(1), f"{streams}_streams": aggregate(streams)}
-    return {"bytes_per_s": {k: round(v, 2) for k, v in rows.items()}, "streams": streams}
+    with tempfile.TemporaryDirectory() as release, socket.socket() as probe:
+        spider_model(preset).eval().save_pretrained(release)
+        SpiderTokenizer().save_pretrained(release)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        command = [sys.executable, "-m", "spider_training.serve", release, "--served-model-name", "spider",
+                   "--port", str(port), "--max-batch-size", str(streams), "--device", "cpu"]  # fmt: skip
+        server = subprocess.Popen(
+            command + (["--compile"] if compile else []), cwd=Path(__file__).resolve().parents[1],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"spider-serve did not start ({' '.join(command)})")
+                try:
+                    urllib.request.urlopen(f"{url}/v1/models", timeout=5).close()
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=600)
+            aggregate(1), aggregate(streams)  # warm-up (and, with compile, the compile of each batch shape)
+            rows = {"one_stream": aggregate(1), f"{streams}_streams": aggregate(streams)}
+        finally:
+            server.terminate()
+            server.wait(30)
+    return {"bytes_per_s": {k: round(v, 2) for k, v in rows.items()}, "streams": streams, "compile": compile}
 
 
 def _compile_config():
@@ -266,8 +297,10 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             rows["best_peer_bytes_per_s"][trained] / rows["best_peer_bytes_per_s"]["llama"],
         )
     )
-    serving = serving_rows(s["preset"], s["prompt_len"], s["new_tokens"])
+    serving = serving_rows(s["preset"], s["prompt_len"], s["new_tokens"], compile=s["compile_static"])
     result["measurements"]["serving"] = serving
+    if s["compile_static"]:  # the server without --compile, for comparison
+        result["measurements"]["serving_dynamic"] = serving_rows(s["preset"], s["prompt_len"], s["new_tokens"])
     result["checks"].append(
         check(
             "spider-serve batching",

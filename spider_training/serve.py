@@ -10,7 +10,8 @@ error object whose ``param`` and message name the field.
 Concurrent requests are batched: a worker thread (:class:`Engine`) takes up to ``--max-batch-size`` waiting requests
 that share ``n_loops`` and ``act_early_exit``, left-pads their prompts into one batch, prefills Spider's cache and
 decodes one byte per row per step, sampling each row with its own settings. A row leaves the batch (its cache rows
-dropped) when it ends: end of text, ``max_tokens``, a ``stop`` string, or its client going away. Each row's bytes
+dropped) when it ends: end of text, ``max_tokens``, a ``stop`` string, or its client going away (with ``--compile``
+the caches have fixed sizes and compiled decode steps, and a finished row stays, ignored). Each row's bytes
 are decoded incrementally, so a streamed chunk only ever holds whole UTF-8 characters; text that may be the start of
 a ``stop`` string is held back until it is known not to be.
 """
@@ -23,6 +24,7 @@ import codecs
 import contextlib
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -215,14 +217,15 @@ class Job:
             self.sent = end
 
 
-def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
-    """The next id of each row: `logits` `(B, V)` float, one job per row -> `(B,)` int64. Greedy where a job's
+def next_tokens(logits: torch.Tensor, jobs: list[Job | None]) -> torch.Tensor:
+    """The next id of each row: `logits` `(B, V)` float, one job (or None: greedy) per row -> `(B,)` int64. Greedy
+    where there is no job or its
     temperature is 0, else sampled from ``softmax(logits / temperature)`` restricted to the smallest set of ids whose
     probability reaches `top_p` (transformers' ``TopPLogitsWarper``), with the job's own generator when it has a seed.
     """
     chosen = logits.argmax(-1)
     for row, job in enumerate(jobs):
-        if job.temperature == 0:
+        if job is None or job.temperature == 0:
             continue
         probs = torch.softmax(logits[row].float() / job.temperature, -1)
         if job.top_p < 1.0:
@@ -242,11 +245,20 @@ class Engine:
         pad_token_id: the id left padding uses (masked out).
         max_batch_size: most jobs generated together.
         batch_wait_s: seconds the worker waits after the first job of a batch for concurrent ones to arrive.
+        compile: decode over fixed-size caches (``SpiderStaticCache``: a batch of 1, 2, 4, 8... rows, the extra
+            rows and finished jobs' rows kept and ignored; a length rounded up to a power of two) whose decode step's
+            regions are compiled (``compile_decode``) once per shape: the first batch of each shape pays the compile.
+            Without it a growing ``SpiderCache`` drops each job's rows when it ends.
     """
 
-    def __init__(self, model, pad_token_id: int, max_batch_size: int = 8, batch_wait_s: float = 0.01):
+    def __init__(
+        self, model, pad_token_id: int, max_batch_size: int = 8, batch_wait_s: float = 0.01, compile: bool = False
+    ):
         self.model, self.pad_token_id = model, pad_token_id
         self.max_batch_size, self.batch_wait_s = max_batch_size, batch_wait_s
+        self.compile = compile
+        if compile:
+            model.model.compile_decode()
         self.context = model.config.max_position_embeddings
         self.waiting: list[Job] = []
         self.condition = threading.Condition()
@@ -305,28 +317,42 @@ class Engine:
     @torch.inference_mode()
     def generate(self, jobs: list[Job]) -> None:
         """Generate `jobs` (same `n_loops` and `act_early_exit`) as one left-padded batch, feeding each job the ids
-        it gets; a row leaves the batch, and Spider's cache, when its job ends."""
-        width = max(len(job.prompt_ids) for job in jobs)
-        ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
+        it gets. A row leaves the batch, and Spider's cache, when its job ends; with `compile` every row stays (a
+        fixed shape) and finished or filler rows (copies of the first job's prompt) are ignored."""
+        rows: list[Job | None] = list(jobs)
+        cache = None
+        n_loops = jobs[0].n_loops
+        if self.compile:
+            # the release's own generation_spider (trust_remote_code loads a copy of it beside modeling_spider)
+            modeling = sys.modules[type(self.model).__module__]
+            SpiderStaticCache = sys.modules[modeling.SpiderCache.__module__].SpiderStaticCache  # noqa: N806
+
+            rows += [None] * (min(self.max_batch_size, 1 << (len(jobs) - 1).bit_length()) - len(jobs))
+            length = max(len(job.prompt_ids) + job.budget - 1 for job in jobs)
+            cache = SpiderStaticCache(self.model.config, n_loops, min(self.context, 1 << (length - 1).bit_length()))
+        prompts = [(job or jobs[0]).prompt_ids for job in rows]
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for row, job in enumerate(jobs):
-            ids[row, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids)
-            mask[row, width - len(job.prompt_ids) :] = 1
-        device, n_loops = self.model.device, jobs[0].n_loops
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        device = self.model.device
         self.model.config.act_early_exit = jobs[0].act_early_exit
         out = self.model(
-            ids.to(device), attention_mask=mask.to(device), n_loops=n_loops, use_cache=True, logits_to_keep=1
-        )
+            ids.to(device), attention_mask=mask.to(device), n_loops=n_loops, cache=cache, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
         cache = out.cache
-        while jobs:
-            chosen = next_tokens(out.logits[:, -1], jobs)
-            keep = [row for row, (job, token) in enumerate(zip(jobs, chosen.tolist())) if job.step(token)]
-            if len(keep) < len(jobs):
-                if not keep:
-                    return
-                rows = torch.tensor(keep, device=device)
-                cache.batch_select_indices(rows)
-                chosen, jobs = chosen[rows], [jobs[row] for row in keep]
+        while True:
+            chosen = next_tokens(out.logits[:, -1], rows)
+            rows = [job if job is not None and job.step(token) else None for job, token in zip(rows, chosen.tolist())]
+            if all(job is None for job in rows):
+                return
+            if not self.compile and None in rows:
+                keep = torch.tensor([row for row, job in enumerate(rows) if job is not None], device=device)
+                cache.batch_select_indices(keep)
+                chosen, rows = chosen[keep], [job for job in rows if job is not None]
             out = self.model(chosen[:, None], n_loops=n_loops, cache=cache, logits_to_keep=1)
 
 
@@ -347,17 +373,19 @@ class JobStream(StreamingResponse):
             self.job.cancel()
 
 
-def build_app(model, tokenizer, model_name: str, max_batch_size: int = 8, batch_wait_s: float = 0.01) -> FastAPI:
+def build_app(
+    model, tokenizer, model_name: str, max_batch_size: int = 8, batch_wait_s: float = 0.01, compile: bool = False
+) -> FastAPI:
     """The FastAPI app serving `model` (a Spider ``...ForCausalLM``, eval mode) and its `tokenizer` as `model_name`.
 
-    The app's lifespan starts and stops an :class:`Engine` (``app.state.engine``) with `max_batch_size` and
-    `batch_wait_s`; run it with uvicorn (:func:`cli`) or any ASGI server."""
+    The app's lifespan starts and stops an :class:`Engine` (``app.state.engine``) with `max_batch_size`,
+    `batch_wait_s` and `compile`; run it with uvicorn (:func:`cli`) or any ASGI server."""
     config = model.config
     context, max_loops, default_exit = config.max_position_embeddings, config.max_loop_iters, config.act_early_exit
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.engine = Engine(model, tokenizer.pad_token_id, max_batch_size, batch_wait_s)
+        app.state.engine = Engine(model, tokenizer.pad_token_id, max_batch_size, batch_wait_s, compile)
         app.state.engine.start()
         yield
         await asyncio.to_thread(app.state.engine.stop)
@@ -550,7 +578,7 @@ def load_release(path: str, device: str | None = None):
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """``spider-serve RELEASE [--host] [--port] [--served-model-name] [--max-batch-size] [--device]``."""
+    """``spider-serve RELEASE [--host] [--port] [--served-model-name] [--max-batch-size] [--device] [--compile]``."""
     import uvicorn
 
     parser = argparse.ArgumentParser(
@@ -562,12 +590,20 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model id clients name (default: RELEASE)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests generated together")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode over fixed-size caches with the decode step compiled (batches of 1, 2, 4, 8... rows, lengths "
+        "rounded up to powers of two; the first batch of each shape pays the compile)",
+    )
     args = parser.parse_args(argv)
     local = args.release.startswith(("/", ".", "~")) or args.release.count("/") != 1  # else maybe a Hub id
     if local and not Path(args.release).expanduser().is_dir():
         parser.error(f"{args.release}: no such release folder")
     model, tokenizer = load_release(str(Path(args.release).expanduser()) if local else args.release, args.device)
-    app = build_app(model, tokenizer, args.served_model_name or args.release, args.max_batch_size)
+    app = build_app(
+        model, tokenizer, args.served_model_name or args.release, args.max_batch_size, compile=args.compile
+    )
     uvicorn.run(app, host=args.host, port=args.port)
 
 

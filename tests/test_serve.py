@@ -178,6 +178,53 @@ def test_concurrent_clients_are_batched_and_each_gets_what_it_gets_alone(release
     assert len(prefills) < len(prompts)
 
 
+@pytest.mark.slow
+def test_compiled_server_keeps_fixed_batch_slots_and_each_client_gets_what_it_gets_alone(release):
+    """``--compile``: three concurrent requests fill a batch of four fixed rows (one filler) over a
+    ``SpiderStaticCache``; the rows of requests that end early stay in the batch, and every answer, streamed or not,
+    equals greedy ``generate`` on its prompt alone."""
+    model, tokenizer = load_release(str(release[0]), "cpu")
+    app = build_app(model, tokenizer, "spider", batch_wait_s=0.5, compile=True)
+    shapes, caches = [], []
+
+    def record(module, args, kwargs):
+        shapes.append(tuple((args[0] if args else kwargs["input_ids"]).shape))
+        caches.append(type(kwargs.get("cache")).__name__)
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    prompts = [("The state", 30), ("Spider says: héllo", 12), ("日本語 ", 45)]
+    results = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+    try:
+        with serving_in_thread(app) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+            def ask(i):
+                prompt, max_tokens = prompts[i]
+                barrier.wait()
+                create = dict(model="spider", prompt=prompt, max_tokens=max_tokens, temperature=0)
+                if i == 2:  # streamed
+                    chunks = list(client.completions.create(**create, stream=True))
+                    results[i] = ("".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason)
+                else:
+                    out = client.completions.create(**create).choices[0]
+                    results[i] = (out.text, out.finish_reason)
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+    finally:
+        hook.remove()
+    for (prompt, max_tokens), result in zip(prompts, results):
+        assert result == expected(release, prompt, max_tokens), prompt
+    assert {shape[0] for shape in shapes} == {4}  # one batch of 4 rows from the prefill to the last step
+    assert sum(shape[1] > 1 for shape in shapes) == 1 and set(caches) == {"SpiderStaticCache"}
+    assert len(shapes) == 1 + max(max_tokens for _, max_tokens in prompts) - 1
+    del model.model.compiled_decode
+
+
 BAD_REQUESTS = {  # name -> (body, the field the message names)
     "unknown model": ({"model": "gpt-4", "prompt": "hi"}, "model"),
     "n_loops 0": ({"model": "spider", "prompt": "hi", "n_loops": 0}, "n_loops"),
