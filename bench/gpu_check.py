@@ -18,12 +18,12 @@ The parts, in the order they run (most important first), and the module that say
 - ``step_table``: one training step of Spider 1b and its peers, timed and counted (``bench.step_table``)
 - ``host_syncs``: the device-to-host syncs of one 1b forward+backward (``bench.diagnostics``)
 - ``distributed``: DDP and FSDP2 at world size 1 over NCCL: losses against the unwrapped model's, FSDP2's sharded
-  checkpoint saved, resumed and gathered into a release that loads (``bench.distributed``)
+  checkpoint saved, resumed and gathered into a release that loads (``tests/test_gpu.py``)
 - ``attention_backends``: SDPA forward+backward per kernel at the 1b attention's shapes (``bench.diagnostics``)
 - ``run_1b``: 300 training steps of the 1b preset, judged by its boundary rate and held-out loss
   (``bench.training_runs``)
 - ``fp8_<recipe>_<preset>``, ``tile_kernels_moe``, ``fsdp2_fp8_all_gather``: FP8 against bf16, TileKernels against
-  torch's MoE routing, FSDP2 with float8 all-gather (``bench.correctness``)
+  torch's MoE routing, FSDP2 with float8 all-gather (``tests/test_gpu.py``)
 - ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``bench.fp8_gemm``); its ``fp8_gemm_table`` is
   what ``spider_training/fp8_gemm_table.json`` holds per GPU
 
@@ -49,9 +49,7 @@ from pathlib import Path
 import torch
 
 from bench.common import environment
-from bench.correctness import FP8_RECIPES, SHAPES, fp8_check, fsdp2_fp8_all_gather_check, tile_kernels_check
 from bench.diagnostics import attention_backends_check, host_syncs_check
-from bench.distributed import distributed_check
 from bench.fp8_gemm import DEFAULT_BATCHES, fp8_gemm_check
 from bench.parts import (
     MIN_PART_S,
@@ -63,6 +61,7 @@ from bench.parts import (
     error_reason,
     free_memory,
     hard_limit,
+    run_tests,
 )
 from bench.step_table import (
     DEPRECATED_ROW_NAMES,
@@ -86,6 +85,8 @@ PARTS = (
     "fsdp2_fp8_all_gather",
 )
 CHECKS = PARTS  # the name earlier versions used
+FP8_RECIPES = ("tensorwise", "rowwise")
+PRESETS = ("tiny", "small", "1b")
 #: each part's largest time allowance in seconds (see bench.parts: "Time budget")
 PART_CAPS_S = {
     "main_job": 90,
@@ -127,37 +128,28 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch, length
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Time budget
+#: the correctness checks' tests (tests/test_gpu.py), run by pytest in this process (bench.parts.run_tests)
+CHECK_TESTS = "tests/test_gpu.py::"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+def _fp8_names(options) -> dict[str, str]:
+    return {
+        f"{CHECK_TESTS}test_fp8_training_step_matches_bf16[{recipe}_{preset}]": f"fp8_{recipe}_{preset}"
+        for preset in options.presets
+        for recipe in FP8_RECIPES
+    }
 
 
-def _fp8_part(options, deadline: Deadline) -> list[dict]:
-    entries = []
-    for preset in options.presets:
-        for recipe in FP8_RECIPES:
-            name = f"fp8_{recipe}_{preset}"
-            if deadline.expired(MIN_PART_S):
-                entries.append(entry(name, "skipped", TIME_BUDGET))
-                continue
-            try:
-                entries.append(
-                    fp8_check(
-                        preset,
-                        recipe,
-                        repeats=options.step_repeats,
-                        layers=options.fp8_layers or ("auto" if preset == "1b" else "tk_train"),
-                    )
-                )
-            except PartTimeout as exc:  # the hard limit: keep the entries measured so far
-                entries.append(entry(name, "skipped", f"{TIME_BUDGET}: {exc}"))
-                deadline.end = time.monotonic()
-            except Exception as exc:  # noqa: BLE001
-                entries.append(entry(name, "failed", error_reason(exc)))
-            free_memory()
-    return entries
+def _test_options(options) -> tuple[str, ...]:
+    """The flags of ``tests/conftest.py`` that size the checks, from this command's flags of the same names."""
+    sizes = {
+        "--step_repeats": options.step_repeats,
+        "--fp8_layers": options.fp8_layers,
+        "--distributed_preset": options.distributed_preset,
+        "--distributed_steps": options.distributed_steps,
+        "--distributed_shape": "x".join(map(str, options.distributed_shape)),
+    }
+    return tuple(arg for flag, value in sizes.items() if value is not None for arg in (flag, str(value)))
 
 
 def _part_functions(options, on_row=None) -> dict:
@@ -181,14 +173,11 @@ def _part_functions(options, on_row=None) -> dict:
             )
         ],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
-        "distributed": lambda d: [
-            distributed_check(
-                options.distributed_preset,
-                options.distributed_steps,
-                options.distributed_shape,
-                timeout_s=max(d.left(), 1.0),
-            )
-        ],
+        "distributed": lambda d: run_tests(
+            {f"{CHECK_TESTS}test_ddp_and_fsdp2_at_world_size_1_match_the_unwrapped_model": "distributed_world_size_1"},
+            _test_options(options),
+            d,
+        ),
         "attention_backends": lambda d: [
             attention_backends_check(
                 options.attention_preset,
@@ -208,7 +197,7 @@ def _part_functions(options, on_row=None) -> dict:
                 extra_args=tuple(options.run_1b_args),
             )
         ],
-        "fp8": lambda d: _fp8_part(options, d),
+        "fp8": lambda d: run_tests(_fp8_names(options), _test_options(options), d),
         "fp8_gemm": lambda d: [
             fp8_gemm_check(
                 options.fp8_gemm_presets,
@@ -218,15 +207,23 @@ def _part_functions(options, on_row=None) -> dict:
                 deadline=d,
             )
         ],
-        "tile_kernels_moe": lambda d: [tile_kernels_check()],
-        "fsdp2_fp8_all_gather": lambda d: [fsdp2_fp8_all_gather_check()],
+        "tile_kernels_moe": lambda d: run_tests(
+            {f"{CHECK_TESTS}test_tile_kernels_moe_matches_torch_routing": "tile_kernels_moe"},
+            _test_options(options),
+            d,
+        ),
+        "fsdp2_fp8_all_gather": lambda d: run_tests(
+            {f"{CHECK_TESTS}test_fsdp2_float8_all_gather_matches_plain_fp8": "fsdp2_fp8_all_gather"},
+            _test_options(options),
+            d,
+        ),
     }
 
 
 def _placeholder_names(part: str, options) -> list[str]:
     if part == "fp8":
-        return [f"fp8_{recipe}_{preset}" for preset in options.presets for recipe in FP8_RECIPES]
-    return [part]
+        return list(_fp8_names(options).values())
+    return {"distributed": ["distributed_world_size_1"]}.get(part, [part])
 
 
 def run(
@@ -421,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'",
     )
     parser.add_argument(
-        "--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES), help="presets of the FP8 comparison"
+        "--presets", nargs="+", default=["small", "1b"], choices=PRESETS, help="presets of the FP8 comparison"
     )
     parser.add_argument(
         "--fp8_layers",
@@ -433,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8_gemm_presets",
         nargs="+",
         default=["1b"],
-        choices=sorted(SHAPES),
+        choices=PRESETS,
         help="fp8_gemm: the presets whose GEMM shapes are timed (bench.fp8_gemm)",
     )
     parser.add_argument(

@@ -55,6 +55,13 @@ def pytest_addoption(parser):
         default=False,
         help="generate report files. The value of this option is used as a prefix to report names",
     )
+    # the sizes of tests/test_gpu.py's checks; python -m bench.gpu_check passes its own flags of these names on
+    group = parser.getgroup("spider checks", "sizes of tests/test_gpu.py (bench.gpu_check's checks)")
+    group.addoption("--step_repeats", type=int, default=1, help="timed steps after a warm-up; the median is used")
+    group.addoption("--fp8_layers", default=None, help="FP8 layer selection (default: auto for 1b, else tk_train)")
+    group.addoption("--distributed_preset", default="tiny", help="preset of the DDP/FSDP2 world-size-1 check")
+    group.addoption("--distributed_steps", type=int, default=2, help="steps before the FSDP2 checkpoint")
+    group.addoption("--distributed_shape", default="2x48", help="BATCHxBYTES per step of the distributed check")
 
 
 def pytest_configure(config):
