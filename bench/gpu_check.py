@@ -6,11 +6,11 @@
     python -m pytest -m gpu                                                        # the correctness checks as tests
 
 It prints one JSON result (``--out FILE`` also writes it, and rewrites it after each part and each step-table row with
-``"complete": false`` until the end, so a run killed from outside keeps what it measured; everything the parts print,
-the trainer's progress
-included, goes to stderr). ``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or
-``"skipped"``, a ``reason`` (empty when passed) and its figures; ``passed`` is true when no check failed; ``parts``
-records each part's time allowance and wall time. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
+``"complete": false`` until the end, so a run killed from outside keeps what it measured; ``--progress_log FILE``
+appends each of those as a JSON line; everything the parts print, the trainer's progress included, goes to stderr).
+``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or ``"skipped"``, a ``reason``
+(empty when passed) and its figures; ``passed`` is true when no check failed; ``parts`` records each part's time
+allowance and wall time; ``options`` the command's flags. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
 
 The parts, in the order they run (most important first), and the module that says what each entry means:
 
@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run (default: all)")
     parser.add_argument("--out", help="also write the JSON result here")
     parser.add_argument(
+        "--progress_log",
+        help="append each partial result (after each part and step-table row) and the final one as a JSON line "
+        "(follow a long run with tail -f)",
+    )
+    parser.add_argument(
         "--budget_s",
         type=float,
         default=DEFAULT_BUDGET_S,
@@ -454,19 +459,32 @@ def _write_json(path: str, result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in ("only", "out", "budget_s", "presets", "part_cap")}
-    progress = (lambda partial: _write_json(args.out, partial)) if args.out else None
+    args.step_table_models = [DEPRECATED_ROW_NAMES.get(label, label) for label in args.step_table_models]
+    kept = ("only", "out", "progress_log", "budget_s", "presets", "part_cap")
+    options = {k: v for k, v in vars(args).items() if k not in kept}
+
+    def progress(partial: dict) -> None:
+        if args.out:
+            _write_json(args.out, partial)
+        if args.progress_log:
+            with open(args.progress_log, "a") as log:
+                log.write(json.dumps(partial, default=str) + "\n")
+
     result = run(
         tuple(args.presets),
         tuple(args.only),
         args.budget_s if args.budget_s > 0 else None,
         caps=dict(args.part_cap),
-        progress=progress,
+        progress=progress if args.out or args.progress_log else None,
         **options,
     )
+    result["options"] = {k: v for k, v in vars(args).items() if k not in ("out", "progress_log")}
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         _write_json(args.out, result)
+    if args.progress_log:
+        with open(args.progress_log, "a") as log:
+            log.write(json.dumps(result, default=str) + "\n")
     print(text)
     return json.loads(text)
 

@@ -19,11 +19,8 @@
   unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
   and the entry says how many. Reported beside the judgement: each step's wall time summarised (``step_seconds``,
-  :func:`bench.diagnostics.step_time_summary`: median, mean, 90th percentile, max, and how many steps took over twice
-  the median,
-  which is what a segment count not seen before costs in a real run; with each step's padded segment axis, the
-  sizes met, the steps that met one first, how many of the slow steps those were and the median of the other
-  steps), the mean ACT halting step along the run
+  :func:`spider_training.step_times.step_time_summary`: median, mean, 90th percentile, max, the steps over twice
+  the median, and with each step's segment axis which of them met a new one), the mean ACT halting step along the run
   (``mean_halting_step``: loops per segment; near 1 means the later loops get no weight) and the held-out bits per
   byte at 1, 2 and 4 loops after training.
 """
@@ -38,72 +35,38 @@ from pathlib import Path
 
 import torch
 
-from bench.diagnostics import SegmentAxisRecorder, step_time_summary
 from bench.parts import Deadline, PartTimeout, default_device, entry, error_reason, free_memory
+from spider_training.step_times import StepTimes
 
 
-def _trainer_hook_class():
-    from transformers import TrainerCallback
+class _TrainerHook(StepTimes):
+    """:class:`spider_training.step_times.StepTimes` handed to :func:`spider_training.train.main` that also keeps the
+    run's ``state`` (``log_history``) and config and, with `stop_at` (``time.monotonic``), stops training at the first
+    step that ends after it (``control.should_training_stop``: the run then scores, samples and writes its release as
+    after its last step)."""
 
-    class TrainerHook(TrainerCallback):
-        """A ``TrainerCallback`` handed to :func:`spider_training.train.main` (``callbacks=``): keeps the run's
-        ``state`` (``log_history``), the trained model's config and each step's wall time (``step_times``: from
-        ``on_step_begin`` to ``on_step_end``, so evaluation and the next batch's loading are outside it; the step's
-        one host sync keeps the host within a step of the device), each step's largest padded segment axis
-        (``step_axes``, :class:`SegmentAxisRecorder`; empty for a model without one or under ``--compile``) and, with
-        `stop_at` (``time.monotonic``), stops training at the first step that ends after it
-        (``control.should_training_stop``: the run then scores, samples and writes its release as after its last
-        step)."""
+    def __init__(self, stop_at: float | None):
+        super().__init__()
+        self.stop_at, self.state, self.config, self.stopped_at_step = stop_at, None, None, None
 
-        def __init__(self, stop_at: float | None):
-            self.stop_at = stop_at
-            self.state = None
-            self.config = None
-            self.stopped_at_step = None
-            self.step_times: list[float] = []
-            self.step_axes: list[int | None] = []
-            self._step_start = None
-            self._axis = None
-            self._axis_mark = 0
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.state, self.config = state, getattr(model, "config", None)
+        super().on_train_begin(args, state, control, model=model, **kwargs)
 
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.state = state
-            self.config = getattr(model, "config", None)
-            # not under --compile: a hook inside a compiled region would be traced (and could specialise the axis)
-            if model is not None and self._axis is None and not getattr(args, "torch_compile", False):
-                recorder = SegmentAxisRecorder(model)
-                self._axis = recorder if recorder.active else None
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self._axis is not None:
-                self._axis.close()
-                self._axis = None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._step_start = time.perf_counter()
-            self._axis_mark = len(self._axis.sizes) if self._axis is not None else 0
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self._step_start is not None:
-                self.step_times.append(time.perf_counter() - self._step_start)
-                self._step_start = None
-                if self._axis is not None:  # the step's forwards (micro-batches) only: evaluation runs after this
-                    sizes = self._axis.sizes[self._axis_mark :]
-                    self.step_axes.append(max(sizes) if sizes else None)
-            if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
-                control.should_training_stop = True
-                self.stopped_at_step = state.global_step
-            return control
-
-    return TrainerHook
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
+            control.should_training_stop = True
+            self.stopped_at_step = state.global_step
+        return control
 
 
 def _train_main(argv: list[str], stop_at: float | None):
-    """``spider_training.train.main(argv)`` with a trainer hook (:func:`_trainer_hook_class`); returns (summary, hook,
+    """``spider_training.train.main(argv)`` with a :class:`_TrainerHook`; returns (summary, hook,
     seconds)."""
     from spider_training import train as train_module
 
-    hook = _trainer_hook_class()(stop_at)
+    hook = _TrainerHook(stop_at)
     start = time.perf_counter()
     summary = train_module.main(argv, callbacks=[hook])
     return summary, hook, time.perf_counter() - start
@@ -154,7 +117,7 @@ def main_job_check(
             steps=summary.get("steps"),
             seconds=round(seconds, 2),
             train_runtime_s=_train_runtime(hook),
-            step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
+            step_seconds=hook.summary(),
             precision=summary.get("precision"),
             moe_backend=summary.get("moe_backend"),
             parameters=summary.get("parameters"),
@@ -372,7 +335,7 @@ def run_1b_check(
             boundary_prior=config.boundary_prior,
             boundary_prior_std=config.boundary_prior_std,
             boundary_prior_k=config.boundary_prior_k,
-            step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
+            step_seconds=hook.summary(),
             **judged,
         )
         if hook.stopped_at_step is not None:

@@ -387,6 +387,32 @@ def test_fsdp2_float8_all_gather_matches_plain_fp8(request, record_property):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The step table's CUDA-only figures (through the command)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (the caching allocator's counts, kernel events)")
+def test_step_table_counts_device_allocations_and_ranks_kernels(tmp_path):
+    """On CUDA each timed step records the ``cudaMalloc`` calls it made, and the profiled step names the kernels
+    launched most often: at most 20, most launches first, names cut to 120 characters."""
+    out = tmp_path / "gpu_check.json"
+    args = ("--only", "step_table", "--step_table_preset", "tiny", "--step_table_shapes", "2x64")
+    args += ("--step_table_models", "spider", "deepseek_v3")
+    done = run_module("bench.gpu_check", "--budget_s", "0", "--out", out, *args, "--step_repeats", "2")
+    assert out.exists(), done.stderr[-3000:]
+    ((table,),) = [json.loads(out.read_text())["checks"]]
+    assert table["status"] == "passed", table
+    for row in table["rows"]:
+        allocations = row["device_allocations_per_step"]
+        assert len(allocations) == 2 and all(isinstance(n, int) and n >= 0 for n in allocations), row
+        kernels = row["top_kernels"]
+        launches = [k["launches"] for k in kernels.values()]
+        assert 0 < len(kernels) <= 20 and launches == sorted(launches, reverse=True), kernels
+        assert all(len(name) <= 120 and k["device_ms"] >= 0 for name, k in kernels.items())
+        assert sum(launches) <= row["kernel_launches"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The main job on a GPU (through the command)
 
 
