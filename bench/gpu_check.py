@@ -14,14 +14,15 @@ allowance and wall time; ``options`` the command's flags. The H200 run of 2026-1
 
 The parts, in the order they run (most important first), and the module that says what each entry means:
 
-- ``main_job``: the README's main job end to end, then its release reloaded onto the GPU (``bench.training_runs``)
+- ``main_job``: the README's main job end to end, then its release reloaded onto the GPU
+  (``tests/test_training_runs.py``)
 - ``step_table``: one training step of Spider 1b and its peers, timed and counted (``bench.step_table``)
 - ``host_syncs``: the device-to-host syncs of one 1b forward+backward (``bench.diagnostics``)
 - ``distributed``: DDP and FSDP2 at world size 1 over NCCL: losses against the unwrapped model's, FSDP2's sharded
   checkpoint saved, resumed and gathered into a release that loads (``tests/test_gpu.py``)
 - ``attention_backends``: SDPA forward+backward per kernel at the 1b attention's shapes (``bench.diagnostics``)
 - ``run_1b``: 300 training steps of the 1b preset, judged by its boundary rate and held-out loss
-  (``bench.training_runs``)
+  (``tests/test_training_runs.py``)
 - ``fp8_<recipe>_<preset>``, ``tile_kernels_moe``, ``fsdp2_fp8_all_gather``: FP8 against bf16, TileKernels against
   torch's MoE routing, FSDP2 with float8 all-gather (``tests/test_gpu.py``)
 - ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``bench.fp8_gemm``); its ``fp8_gemm_table`` is
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import sys
@@ -70,7 +72,6 @@ from bench.step_table import (
     TK_TRAIN_RECIPE_SHAPE,
     step_table_check,
 )
-from bench.training_runs import main_job_check, run_1b_check
 
 PARTS = (
     "main_job",
@@ -128,37 +129,52 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch, length
 
 
-#: the correctness checks' tests (tests/test_gpu.py), run by pytest in this process (bench.parts.run_tests)
-CHECK_TESTS = "tests/test_gpu.py::"
-
-
-def _fp8_names(options) -> dict[str, str]:
+def _check_tests(options) -> dict[str, dict[str, str]]:
+    """The parts that are tests (``tests/test_gpu.py``, ``tests/test_training_runs.py``), run by pytest in this
+    process (``bench.parts.run_tests``): each part's tests, node id -> entry name."""
+    gpu, runs = "tests/test_gpu.py::", "tests/test_training_runs.py::"
+    fp8 = f"{gpu}test_fp8_training_step_matches_bf16"
     return {
-        f"{CHECK_TESTS}test_fp8_training_step_matches_bf16[{recipe}_{preset}]": f"fp8_{recipe}_{preset}"
-        for preset in options.presets
-        for recipe in FP8_RECIPES
+        "main_job": {f"{runs}test_main_job_trains_and_its_release_generates": "main_job"},
+        "distributed": {
+            f"{gpu}test_ddp_and_fsdp2_at_world_size_1_match_the_unwrapped_model": "distributed_world_size_1"
+        },
+        "run_1b": {f"{runs}test_1b_run_keeps_its_boundary_rate_in_band_and_learns": "run_1b"},
+        "fp8": {f"{fp8}[{r}_{p}]": f"fp8_{r}_{p}" for p in options.presets for r in FP8_RECIPES},
+        "tile_kernels_moe": {f"{gpu}test_tile_kernels_moe_matches_torch_routing": "tile_kernels_moe"},
+        "fsdp2_fp8_all_gather": {f"{gpu}test_fsdp2_float8_all_gather_matches_plain_fp8": "fsdp2_fp8_all_gather"},
     }
 
 
-def _test_options(options) -> tuple[str, ...]:
-    """The flags of ``tests/conftest.py`` that size the checks, from this command's flags of the same names."""
+def _test_options(options, deadline: Deadline) -> tuple[str, ...]:
+    """The flags of ``tests/conftest.py`` that size the checks, from this command's flags of the same names, and the
+    part's allowance (``--check_allowance_s``)."""
     sizes = {
         "--step_repeats": options.step_repeats,
         "--fp8_layers": options.fp8_layers,
         "--distributed_preset": options.distributed_preset,
         "--distributed_steps": options.distributed_steps,
         "--distributed_shape": "x".join(map(str, options.distributed_shape)),
+        "--main_job_steps": options.main_job_steps,
+        "--main_job_preset": options.main_job_preset,
+        "--main_job_args": shlex.join(options.main_job_args),
+        "--run_1b_steps": options.run_1b_steps,
+        "--run_1b_preset": options.run_1b_preset,
+        "--run_1b_batch": "x".join(map(str, options.run_1b_batch)),
+        "--run_1b_experts": options.run_1b_experts or None,
+        "--run_1b_args": shlex.join(options.run_1b_args),
+        "--check_allowance_s": deadline.left() if math.isfinite(deadline.left()) else None,
     }
-    return tuple(arg for flag, value in sizes.items() if value is not None for arg in (flag, str(value)))
+    return tuple(f"{flag}={value}" for flag, value in sizes.items() if value is not None)
 
 
 def _part_functions(options, on_row=None) -> dict:
+    tests = {
+        part: (lambda d, names=names: run_tests(names, _test_options(options, d), d))
+        for part, names in _check_tests(options).items()
+    }
     return {
-        "main_job": lambda d: [
-            main_job_check(
-                options.main_job_steps, options.main_job_preset, deadline=d, extra_args=tuple(options.main_job_args)
-            )
-        ],
+        **tests,
         "step_table": lambda d: [
             step_table_check(
                 options.step_table_preset,
@@ -173,11 +189,6 @@ def _part_functions(options, on_row=None) -> dict:
             )
         ],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
-        "distributed": lambda d: run_tests(
-            {f"{CHECK_TESTS}test_ddp_and_fsdp2_at_world_size_1_match_the_unwrapped_model": "distributed_world_size_1"},
-            _test_options(options),
-            d,
-        ),
         "attention_backends": lambda d: [
             attention_backends_check(
                 options.attention_preset,
@@ -187,17 +198,6 @@ def _part_functions(options, on_row=None) -> dict:
                 deadline=d,
             )
         ],
-        "run_1b": lambda d: [
-            run_1b_check(
-                options.run_1b_steps,
-                options.run_1b_preset,
-                *options.run_1b_batch,
-                deadline=d,
-                experts_implementation=options.run_1b_experts or None,
-                extra_args=tuple(options.run_1b_args),
-            )
-        ],
-        "fp8": lambda d: run_tests(_fp8_names(options), _test_options(options), d),
         "fp8_gemm": lambda d: [
             fp8_gemm_check(
                 options.fp8_gemm_presets,
@@ -207,23 +207,11 @@ def _part_functions(options, on_row=None) -> dict:
                 deadline=d,
             )
         ],
-        "tile_kernels_moe": lambda d: run_tests(
-            {f"{CHECK_TESTS}test_tile_kernels_moe_matches_torch_routing": "tile_kernels_moe"},
-            _test_options(options),
-            d,
-        ),
-        "fsdp2_fp8_all_gather": lambda d: run_tests(
-            {f"{CHECK_TESTS}test_fsdp2_float8_all_gather_matches_plain_fp8": "fsdp2_fp8_all_gather"},
-            _test_options(options),
-            d,
-        ),
     }
 
 
 def _placeholder_names(part: str, options) -> list[str]:
-    if part == "fp8":
-        return list(_fp8_names(options).values())
-    return {"distributed": ["distributed_world_size_1"]}.get(part, [part])
+    return list(_check_tests(options).get(part, {part: part}).values())
 
 
 def run(

@@ -1,6 +1,7 @@
 """The correctness checks that ``python -m bench.gpu_check`` reports: FP8 against bf16, TileKernels against torch's MoE
-routing, DDP/FSDP2 at world size 1 against the unwrapped model, FSDP2 with float8 all-gather, and the main job on a
-GPU. The ones that need CUDA are marked ``gpu`` (``pytest -m gpu``) and skip without it, naming what they need.
+routing, DDP/FSDP2 at world size 1 against the unwrapped model, FSDP2 with float8 all-gather, and the step table's
+CUDA-only figures (the training checks, main job and 1b run: ``tests/test_training_runs.py``). The ones that need
+CUDA are marked ``gpu`` (``pytest -m gpu``) and skip without it, naming what they need.
 
 ``bench.gpu_check`` runs these tests in its process (``bench.parts.run_tests``) and turns each outcome into an entry of
 its JSON: the test's status, the reason it failed or skipped, and the figures it recorded with ``record_property``
@@ -410,22 +411,3 @@ def test_step_table_counts_device_allocations_and_ranks_kernels(tmp_path):
         assert 0 < len(kernels) <= 20 and launches == sorted(launches, reverse=True), kernels
         assert all(len(name) <= 120 and k["device_ms"] >= 0 for name, k in kernels.items())
         assert sum(launches) <= row["kernel_launches"]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The main job on a GPU (through the command)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(not CUDA, reason="needs CUDA (bench.gpu_check's main_job on the GPU)")
-def test_main_job_trains_and_its_release_generates_on_cuda(tmp_path):
-    """The README's main job (a few steps) on the GPU, its release reloaded onto the GPU."""
-    out = tmp_path / "gpu_check.json"
-    args = ("--only", "main_job", "--main_job_steps", "20", "--main_job_preset", "small")
-    done = run_module("bench.gpu_check", "--budget_s", "0", "--out", out, *args)
-    assert out.exists(), done.stderr[-3000:]
-    (check,) = json.loads(out.read_text())["checks"]
-    if check["status"] == "skipped":
-        pytest.skip(f"{check['name']}: {check['reason']}")
-    assert check["status"] == "passed", f"{check['name']}: {check['reason']}"

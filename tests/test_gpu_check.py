@@ -410,19 +410,6 @@ def test_a_part_running_past_its_allowance_is_cut_off():
     assert entry["status"] == "skipped" and entry["reason"].startswith("time budget"), entry
 
 
-def test_main_job_stops_training_at_its_deadline():
-    """An allowance that leaves no time for training (20 s, all kept for what follows training): the trainer stops
-    after its first step, and the run still scores, writes and reloads its release (the time kept for them is not the
-    training's)."""
-    entry = gpu_check_checks(
-        *("--budget_s", "1000", "--part_cap", "main_job=20", "--only", "main_job"),
-        *("--main_job_preset", "tiny", "--main_job_steps", "50"),
-        "--main_job_args=--eval_windows 4 --save_strategy no",
-    )["main_job"]
-    assert entry["steps"] == 1 and entry["stopped_by_time_budget_at_step"] == 1, entry
-    assert "time budget at step 1 of 50" in entry["note"] and entry["release_reload_ok"]
-
-
 def test_step_rows_record_the_segment_axis_of_each_step(requested_rows):
     """Spider's rows (eager and regionally compiled) record the padded segment axis of every step; the word-rate row
     closes a segment every round(1 / boundary_prior) bytes, so its axis is fixed by the length; the peer records
