@@ -1,6 +1,6 @@
 """``python -m bench.gpu_check`` through its command line and JSON: every part that can run on CPU runs here at toy
-sizes; the GPU-only parts say they need CUDA and skip. The correctness checks it runs are tests/test_gpu.py; what it
-times steps with is spider_training.step_times (tests/test_step_times.py)."""
+sizes; the GPU-only parts say they need CUDA and skip. The checks it runs as tests are tests/test_gpu.py and
+tests/test_training_runs.py; what it times steps with is spider_training.step_times (tests/test_step_times.py)."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import torch
 from configuration_spider import SpiderConfig
 from tests.helpers import run_module
 from tests.test_gpu import FP8_LOSS_RTOL, FP8_RECIPES
+from tests.test_training_runs import judge_1b_run
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
 
@@ -114,22 +115,6 @@ def _assert_profiled_on_cpu(row: dict) -> None:
     assert eager["count"] >= sum(eager["by_op"].values()) > 0 or eager["count"] > 0, eager
 
 
-def _assert_1b_run_is_judged_by_its_own_curves(run: dict, config: SpiderConfig) -> None:
-    """run_1b's rule (bench/training_runs.py's docstring), restated: passed when the last logged boundary rate
-    ``1 / compression_rate`` lies in ``[prior - k*std, prior]`` and held-out bits per byte fell (last < first); the
-    reason names each that failed."""
-    low, high = config.boundary_prior - config.boundary_prior_k * config.boundary_prior_std, config.boundary_prior
-    held_out = run["held_out_bits_per_byte"]
-    assert [s for s, _ in held_out] == sorted(s for s, _ in held_out)  # before, during and after training
-    rate = 1 / run["compression_rate"][-1][1]
-    in_band, falling = low <= rate <= high, held_out[-1][1] < held_out[0][1]
-    assert run["boundary_rate_band"] == pytest.approx([low, high]) and run["boundary_rate_end"] == pytest.approx(rate)
-    assert (run["bits_per_byte_first"], run["bits_per_byte_last"]) == (held_out[0][1], held_out[-1][1])
-    assert run["status"] == ("passed" if in_band and falling else "failed"), run
-    assert ("outside the prior's band" in run["reason"]) == (not in_band)
-    assert ("did not fall" in run["reason"]) == (not falling)
-
-
 @pytest.mark.slow
 def test_cpu_run_of_every_part(tmp_path, default_rows):
     out, log = tmp_path / "gpu_check.json", tmp_path / "progress.jsonl"
@@ -217,7 +202,15 @@ def test_cpu_run_of_every_part(tmp_path, default_rows):
         assert times["steps"] == entry["steps"] and 0 < times["median_s"] <= times["p90_s"] <= times["max_s"], times
         # each step's segment axis (the trainer hook on flexitokens): the first step meets the first size
         assert times["new_axis_steps"][0] == 1 and len(times["new_axis_steps"]) == len(times["axis_sizes"]) >= 1
-    _assert_1b_run_is_judged_by_its_own_curves(run, spider_config("tiny"))
+    config = spider_config("tiny")
+    status, reason, _ = judge_1b_run(
+        run["held_out_bits_per_byte"],
+        run["compression_rate"],
+        config.boundary_prior,
+        config.boundary_prior_std,
+        config.boundary_prior_k,
+    )
+    assert (run["status"], run["reason"]) == (status, reason)  # the entry is the judgement of its own curves
 
     for recipe in FP8_RECIPES:
         tiny = by_name[f"fp8_{recipe}_tiny"]
