@@ -1,5 +1,6 @@
 """The frame every part of ``python -m bench.gpu_check`` runs in: its JSON entry, its device, its time budget
-(:class:`Deadline`, the hard limit :func:`hard_limit`) and building its models on the device.
+(:class:`Deadline`, the hard limit :func:`hard_limit`), building its models on the device, and running the checks
+that are tests (:func:`run_tests`: ``tests/test_gpu.py``, ``tests/test_training_runs.py``) into entries.
 
 Time budget: ``--budget_s`` (default 460 s, so that the command with its imports stays under 8 minutes) is shared
 by the parts in the order of ``bench.gpu_check.PARTS``; each part gets at most its own cap (``PART_CAPS_S``;
@@ -86,7 +87,11 @@ class _EntryRecorder:
             status, reason = "skipped", str(report.longrepr[-1]).removeprefix("Skipped: ")
         else:
             crash = getattr(report.longrepr, "reprcrash", None)
-            status, reason = "failed", (crash.message if crash is not None else report.longreprtext)[-2000:]
+            reason = crash.message if crash is not None else report.longreprtext
+            # the test's own message (pytest.fail's, an assert's), without pytest's introspection of the assert
+            for prefix in ("Failed: ", "AssertionError: "):
+                reason = reason.removeprefix(prefix)
+            status, reason = "failed", reason.split("\nassert ")[0][-2000:]
             if "PartTimeout" in reason:  # the hard limit cut the test off
                 status, reason = "skipped", f"{TIME_BUDGET}: {reason}"
         self.entries[name] = entry(name, status, reason, **figures)

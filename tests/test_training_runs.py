@@ -394,7 +394,8 @@ def record_outcome(record_property, result: dict) -> None:
     record_property("figures", {k: v for k, v in result.items() if k not in ("name", "status", "reason")})
     if result["status"] == "skipped":
         pytest.skip(result["reason"])
-    assert result["status"] == "passed", result["reason"]
+    if result["status"] != "passed":
+        pytest.fail(result["reason"], pytrace=False)
 
 
 @pytest.mark.slow
