@@ -5,6 +5,8 @@ tests/test_training_runs.py; what it times steps with is spider_training.step_ti
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,7 +87,7 @@ def toy_args(default_rows: list[str]) -> list[str]:
         *("--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64"),
         *("--distributed_preset", "tiny", "--distributed_steps", "2", "--distributed_shape", "2x48"),
         *("--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48"),
-        *("--attention_visits", "2"),
+        *("--attention_visits", "3"),
         *(
             "--run_1b_preset",
             "tiny",
@@ -115,10 +117,21 @@ def _assert_profiled_on_cpu(row: dict) -> None:
     assert eager["count"] >= sum(eager["by_op"].values()) > 0 or eager["count"] > 0, eager
 
 
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory, default_rows) -> tuple[dict, subprocess.CompletedProcess, Path]:
+    """Every part at toy sizes (:func:`toy_args`) with ``--out`` and ``--progress_log`` in a temporary folder: the
+    result, the process and the folder."""
+    folder = tmp_path_factory.mktemp("gpu_check")
+    result, done = gpu_check(
+        *toy_args(default_rows), "--out", folder / "gpu_check.json", "--progress_log", folder / "progress.jsonl"
+    )
+    return result, done, folder
+
+
 @pytest.mark.slow
-def test_cpu_run_of_every_part(tmp_path, default_rows):
+def test_cpu_run_of_every_part(toy_run, default_rows):
+    result, done, tmp_path = toy_run
     out, log = tmp_path / "gpu_check.json", tmp_path / "progress.jsonl"
-    result, done = gpu_check(*toy_args(default_rows), "--out", out, "--progress_log", log)
     assert json.loads(out.read_text()) == json.loads(done.stdout) == result  # stdout holds the JSON only
     snapshots = [json.loads(line) for line in log.read_text().splitlines()]  # what a kill at each moment leaves
     _assert_each_row_was_written_as_it_was_measured(snapshots, result)
@@ -330,23 +343,12 @@ def _assert_each_row_was_written_as_it_was_measured(snapshots: list[dict], resul
     assert snapshots[-1] == result and result["complete"]
 
 
-def test_attention_backends_at_toy_sizes_on_cpu():
+@pytest.mark.slow
+def test_attention_backends_at_toy_sizes_on_cpu(toy_run):
     """Every SDPA kernel over the same shuffled segment counts: CPU has math and flash (the value padded to the
     query/key head dim), torch's default runs math for MLA's unequal head dims; cuDNN and memory-efficient are
     skipped with torch's reason."""
-    entry = gpu_check_checks(
-        "--only",
-        "attention_backends",
-        "--attention_preset",
-        "tiny",
-        "--attention_batch",
-        "2",
-        "--attention_segments",
-        "16",
-        "48",
-        "--attention_visits",
-        "3",
-    )["attention_backends"]
+    entry = next(c for c in toy_run[0]["checks"] if c["name"] == "attention_backends")
     assert entry["status"] == "passed" and entry["reason"] == "", entry
     assert entry["shape"] == {"batch": 2, "heads": 4, "qk_head_dim": 32, "v_head_dim": 16}
     assert sorted(entry["sequence"]) == [16, 16, 16, 48, 48, 48] and entry["warmup_segments"] not in (16, 48)
@@ -382,13 +384,11 @@ def test_part_cap_replaces_one_parts_cap(budget_run):
     assert result["checks"][0]["status"] == "skipped" and result["checks"][0]["reason"].startswith("time budget")
     assert result["parts"][0]["ran"] is False
     assert budget_run["options"]["part_cap"] == [["host_syncs", 1.0]]
-    for bad, message in (
-        ("tables=400", "unknown part"),
-        ("step_table=x", "PART=SECONDS"),
-        ("step_table=0", "must be > 0"),
-    ):
-        done = run_module("bench.gpu_check", "--part_cap", bad, "--only", "host_syncs")
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+    bad = {"tables=400": "unknown part", "step_table=x": "PART=SECONDS", "step_table=0": "must be > 0"}
+    with ThreadPoolExecutor(len(bad)) as pool:  # three interpreters starting at once: the test waits on one
+        done = pool.map(lambda cap: run_module("bench.gpu_check", "--part_cap", cap, "--only", "host_syncs"), bad)
+    for process, message in zip(done, bad.values()):
+        assert process.returncode == 2 and message in process.stderr, process.stderr
 
 
 def test_a_part_running_past_its_allowance_is_cut_off():
