@@ -68,7 +68,11 @@ class _EntryRecorder:
     would start with less than :data:`MIN_PART_S` of `deadline` left is skipped ("time budget")."""
 
     def __init__(self, names: dict[str, str], deadline):
-        self.names, self.deadline, self.entries = names, deadline, {}
+        self.names, self.deadline, self.entries, self.collect_errors = names, deadline, {}, []
+
+    def pytest_collectreport(self, report):
+        if report.failed:  # e.g. a test module that does not import on this machine
+            self.collect_errors.append(report.longreprtext[-1500:])
 
     def pytest_runtest_setup(self, item):
         import pytest
@@ -114,7 +118,7 @@ def run_tests(names: dict[str, str], options: tuple[str, ...] = (), deadline=Non
     finally:
         os.environ.clear()
         os.environ.update(environ)
-    missing = f"pytest did not run the test (exit code {code})"
+    missing = f"pytest did not run the test (exit code {code}) {' '.join(recorder.collect_errors)}".strip()
     return [recorder.entries.get(name) or entry(name, "failed", missing) for name in names.values()]
 
 
