@@ -75,7 +75,7 @@ QUICK = dict(
 )
 #: where the corpus costs' stream resumes, as a fraction of the corpus's windows
 RESUME_AT = 0.9
-#: the corpus costs' loader shape (bench.training_runs' CPU runs: 8 windows of 256 bytes)
+#: the corpus costs' loader shape (gpu_check's training runs on CPU: 8 windows of 256 bytes)
 CORPUS_BATCH, CORPUS_SEQ_LEN = 8, 255
 
 

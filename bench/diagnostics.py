@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
-import statistics
 import time
 
 import torch
@@ -57,8 +55,6 @@ from spider_training.throughput import count_flops
 TOP_HOST_OPS = 8
 #: kernels and aten ops named in a profiled step's ``top_kernels`` and ``top_aten_ops`` (by launches / calls)
 TOP_BY_COUNT = 20
-#: a training step slower than this x the run's median step counts as slow (``step_seconds.slow_steps``)
-SLOW_STEP_FACTOR = 2.0
 
 
 def _profile_kernels(step, device: torch.device) -> dict:
@@ -151,107 +147,12 @@ def _instrumented_step(step: TrainStep, device: torch.device) -> dict:
     return figures
 
 
-class SegmentAxisRecorder:
-    """The segment axis ``1 + S`` (padded to ``pad_segments_to_multiple_of``) of each forward of a Spider model: a
-    forward hook on ``model.model.flexitokens`` (eager glue in a compiled model too), reading
-    the segments' shape (no host sync). Inert (:attr:`active` False) for a model without one (the transformers peers).
-
-    On the H200 some steps took several times the others, most likely those at an axis size the process had not met
-    (cuDNN plans attention once per shape; not yet traced): :meth:`step` tells which steps met one."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.sizes: list[int] = []
-        flexitokens = getattr(getattr(model, "model", None), "flexitokens", None)
-        self._handle = flexitokens.register_forward_hook(self._record) if flexitokens is not None else None
-
-    @property
-    def active(self) -> bool:
-        return self._handle is not None
-
-    def _record(self, module, args, output) -> None:
-        self.sizes.append(int(output[2].shape[1]))
-
-    def step(self, call):
-        """Run `call()`; returns its result and the axis size of its first forward (None: no forward was
-        recorded)."""
-        before = len(self.sizes)
-        result = call()
-        return result, (self.sizes[before] if len(self.sizes) > before else None)
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-
 def device_allocations(device: torch.device) -> int | None:
     """How many times the CUDA caching allocator has called ``cudaMalloc`` so far (``torch.cuda.memory_stats``'
     ``num_device_alloc``); None off CUDA or where torch does not count them."""
     if device.type != "cuda":
         return None
     return torch.cuda.memory_stats(device).get("num_device_alloc")
-
-
-def repeated_axis_summary(axis_before: list, timed_axis: list, times: list[float]) -> dict:
-    """Which timed steps ran at a segment axis an earlier step of the row (`axis_before`: warm-up and instrumented
-    steps; then the earlier timed steps) had met, and the median seconds of those (``step_s_repeated_axis``, None when
-    none had): what a long run's steps cost once its few axis sizes have all been met (the main job met 11 in 500
-    steps, the last new one at step 86). Inputs in step order; `timed_axis` and `times` of equal length."""
-    new, repeated = split_by_axis(timed_axis, times, met_before=axis_before)
-    return {
-        "timed_steps_at_new_axis": len(new),
-        "step_s_repeated_axis": statistics.median(repeated) if repeated else None,
-    }
-
-
-def step_time_summary(
-    step_times: list[float], slow_factor: float = SLOW_STEP_FACTOR, step_axes: list[int | None] | None = None
-) -> dict | None:
-    """Wall seconds of a run's training steps (the trainer hook's ``step_times``): count, median, mean, 90th
-    percentile, max, and the steps slower than `slow_factor` x the median (1-based step numbers; on the H200 a step at
-    a segment count not seen before took 5x a repeated one). With `step_axes` (each step's padded segment axis, as
-    long as `step_times`): the axis sizes met (``axis_sizes``), the steps that met one first (``new_axis_steps``,
-    1-based), how many slow steps were among them (``slow_steps_at_new_axis``) and the median of the other steps
-    (``median_s_repeated_axis``). None for no steps."""
-    if not step_times:
-        return None
-    median = statistics.median(step_times)
-    ordered = sorted(step_times)
-    slow = [i + 1 for i, t in enumerate(step_times) if t > slow_factor * median]
-    summary = {
-        "steps": len(step_times),
-        "median_s": round(median, 4),
-        "mean_s": round(statistics.fmean(step_times), 4),
-        "p90_s": round(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)], 4),
-        "max_s": round(ordered[-1], 4),
-        "slow_factor": slow_factor,
-        "slow_steps": len(slow),
-        "slow_step_numbers": slow[:50],
-    }
-    if step_axes and len(step_axes) == len(step_times):
-        new, repeated = split_by_axis(step_axes, step_times)
-        new = [i + 1 for i in new]
-        summary.update(
-            axis_sizes=sorted({size for size in step_axes if size is not None}),
-            new_axis_steps=new[:50],
-            slow_steps_at_new_axis=len(set(slow) & set(new)),
-            median_s_repeated_axis=round(statistics.median(repeated), 4) if repeated else None,
-        )
-    return summary
-
-
-def split_by_axis(axes: list, times: list[float], met_before=()) -> tuple[list[int], list[float]]:
-    """Steps in order, each with its segment axis size in `axes` and its seconds in `times` (equal lengths): the
-    0-based indices of the steps that met their size first (not in `met_before`, nor at an earlier step), and the
-    seconds of the others (steps at a size already met)."""
-    seen, new, repeated = set(met_before), [], []
-    for index, (size, seconds) in enumerate(zip(axes, times)):
-        if size in seen:
-            repeated.append(seconds)
-        else:
-            new.append(index)
-            seen.add(size)
-    return new, repeated
 
 
 # ---------------------------------------------------------------------------------------------------------------------

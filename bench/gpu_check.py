@@ -6,24 +6,25 @@
     python -m pytest -m gpu                                                        # the correctness checks as tests
 
 It prints one JSON result (``--out FILE`` also writes it, and rewrites it after each part and each step-table row with
-``"complete": false`` until the end, so a run killed from outside keeps what it measured; everything the parts print,
-the trainer's progress
-included, goes to stderr). ``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or
-``"skipped"``, a ``reason`` (empty when passed) and its figures; ``passed`` is true when no check failed; ``parts``
-records each part's time allowance and wall time. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
+``"complete": false`` until the end, so a run killed from outside keeps what it measured; ``--progress_log FILE``
+appends each of those as a JSON line; everything the parts print, the trainer's progress included, goes to stderr).
+``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or ``"skipped"``, a ``reason``
+(empty when passed) and its figures; ``passed`` is true when no check failed; ``parts`` records each part's time
+allowance and wall time; ``options`` the command's flags. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
 
 The parts, in the order they run (most important first), and the module that says what each entry means:
 
-- ``main_job``: the README's main job end to end, then its release reloaded onto the GPU (``bench.training_runs``)
+- ``main_job``: the README's main job end to end, then its release reloaded onto the GPU
+  (``tests/test_training_runs.py``)
 - ``step_table``: one training step of Spider 1b and its peers, timed and counted (``bench.step_table``)
 - ``host_syncs``: the device-to-host syncs of one 1b forward+backward (``bench.diagnostics``)
 - ``distributed``: DDP and FSDP2 at world size 1 over NCCL: losses against the unwrapped model's, FSDP2's sharded
-  checkpoint saved, resumed and gathered into a release that loads (``bench.distributed``)
+  checkpoint saved, resumed and gathered into a release that loads (``tests/test_gpu.py``)
 - ``attention_backends``: SDPA forward+backward per kernel at the 1b attention's shapes (``bench.diagnostics``)
 - ``run_1b``: 300 training steps of the 1b preset, judged by its boundary rate and held-out loss
-  (``bench.training_runs``)
+  (``tests/test_training_runs.py``)
 - ``fp8_<recipe>_<preset>``, ``tile_kernels_moe``, ``fsdp2_fp8_all_gather``: FP8 against bf16, TileKernels against
-  torch's MoE routing, FSDP2 with float8 all-gather (``bench.correctness``)
+  torch's MoE routing, FSDP2 with float8 all-gather (``tests/test_gpu.py``)
 - ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``bench.fp8_gemm``); its ``fp8_gemm_table`` is
   what ``spider_training/fp8_gemm_table.json`` holds per GPU
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import sys
@@ -49,9 +51,7 @@ from pathlib import Path
 import torch
 
 from bench.common import environment
-from bench.correctness import FP8_RECIPES, SHAPES, fp8_check, fsdp2_fp8_all_gather_check, tile_kernels_check
 from bench.diagnostics import attention_backends_check, host_syncs_check
-from bench.distributed import distributed_check
 from bench.fp8_gemm import DEFAULT_BATCHES, fp8_gemm_check
 from bench.parts import (
     MIN_PART_S,
@@ -63,6 +63,7 @@ from bench.parts import (
     error_reason,
     free_memory,
     hard_limit,
+    run_tests,
 )
 from bench.step_table import (
     DEPRECATED_ROW_NAMES,
@@ -71,7 +72,6 @@ from bench.step_table import (
     TK_TRAIN_RECIPE_SHAPE,
     step_table_check,
 )
-from bench.training_runs import main_job_check, run_1b_check
 
 PARTS = (
     "main_job",
@@ -86,6 +86,8 @@ PARTS = (
     "fsdp2_fp8_all_gather",
 )
 CHECKS = PARTS  # the name earlier versions used
+FP8_RECIPES = ("tensorwise", "rowwise")
+PRESETS = ("tiny", "small", "1b")
 #: each part's largest time allowance in seconds (see bench.parts: "Time budget")
 PART_CAPS_S = {
     "main_job": 90,
@@ -127,46 +129,52 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch, length
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Time budget
+def _check_tests(options) -> dict[str, dict[str, str]]:
+    """The parts that are tests (``tests/test_gpu.py``, ``tests/test_training_runs.py``), run by pytest in this
+    process (``bench.parts.run_tests``): each part's tests, node id -> entry name."""
+    gpu, runs = "tests/test_gpu.py::", "tests/test_training_runs.py::"
+    fp8 = f"{gpu}test_fp8_training_step_matches_bf16"
+    return {
+        "main_job": {f"{runs}test_main_job_trains_and_its_release_generates": "main_job"},
+        "distributed": {
+            f"{gpu}test_ddp_and_fsdp2_at_world_size_1_match_the_unwrapped_model": "distributed_world_size_1"
+        },
+        "run_1b": {f"{runs}test_1b_run_keeps_its_boundary_rate_in_band_and_learns": "run_1b"},
+        "fp8": {f"{fp8}[{r}_{p}]": f"fp8_{r}_{p}" for p in options.presets for r in FP8_RECIPES},
+        "tile_kernels_moe": {f"{gpu}test_tile_kernels_moe_matches_torch_routing": "tile_kernels_moe"},
+        "fsdp2_fp8_all_gather": {f"{gpu}test_fsdp2_float8_all_gather_matches_plain_fp8": "fsdp2_fp8_all_gather"},
+    }
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _fp8_part(options, deadline: Deadline) -> list[dict]:
-    entries = []
-    for preset in options.presets:
-        for recipe in FP8_RECIPES:
-            name = f"fp8_{recipe}_{preset}"
-            if deadline.expired(MIN_PART_S):
-                entries.append(entry(name, "skipped", TIME_BUDGET))
-                continue
-            try:
-                entries.append(
-                    fp8_check(
-                        preset,
-                        recipe,
-                        repeats=options.step_repeats,
-                        layers=options.fp8_layers or ("auto" if preset == "1b" else "tk_train"),
-                    )
-                )
-            except PartTimeout as exc:  # the hard limit: keep the entries measured so far
-                entries.append(entry(name, "skipped", f"{TIME_BUDGET}: {exc}"))
-                deadline.end = time.monotonic()
-            except Exception as exc:  # noqa: BLE001
-                entries.append(entry(name, "failed", error_reason(exc)))
-            free_memory()
-    return entries
+def _test_options(options, deadline: Deadline) -> tuple[str, ...]:
+    """The flags of ``tests/conftest.py`` that size the checks, from this command's flags of the same names, and the
+    part's allowance (``--check_allowance_s``)."""
+    sizes = {
+        "--step_repeats": options.step_repeats,
+        "--fp8_layers": options.fp8_layers,
+        "--distributed_preset": options.distributed_preset,
+        "--distributed_steps": options.distributed_steps,
+        "--distributed_shape": "x".join(map(str, options.distributed_shape)),
+        "--main_job_steps": options.main_job_steps,
+        "--main_job_preset": options.main_job_preset,
+        "--main_job_args": shlex.join(options.main_job_args),
+        "--run_1b_steps": options.run_1b_steps,
+        "--run_1b_preset": options.run_1b_preset,
+        "--run_1b_batch": "x".join(map(str, options.run_1b_batch)),
+        "--run_1b_experts": options.run_1b_experts or None,
+        "--run_1b_args": shlex.join(options.run_1b_args),
+        "--check_allowance_s": deadline.left() if math.isfinite(deadline.left()) else None,
+    }
+    return tuple(f"{flag}={value}" for flag, value in sizes.items() if value is not None)
 
 
 def _part_functions(options, on_row=None) -> dict:
+    tests = {
+        part: (lambda d, names=names: run_tests(names, _test_options(options, d), d))
+        for part, names in _check_tests(options).items()
+    }
     return {
-        "main_job": lambda d: [
-            main_job_check(
-                options.main_job_steps, options.main_job_preset, deadline=d, extra_args=tuple(options.main_job_args)
-            )
-        ],
+        **tests,
         "step_table": lambda d: [
             step_table_check(
                 options.step_table_preset,
@@ -181,14 +189,6 @@ def _part_functions(options, on_row=None) -> dict:
             )
         ],
         "host_syncs": lambda d: [host_syncs_check(options.host_syncs_preset, options.host_syncs_shape, deadline=d)],
-        "distributed": lambda d: [
-            distributed_check(
-                options.distributed_preset,
-                options.distributed_steps,
-                options.distributed_shape,
-                timeout_s=max(d.left(), 1.0),
-            )
-        ],
         "attention_backends": lambda d: [
             attention_backends_check(
                 options.attention_preset,
@@ -198,17 +198,6 @@ def _part_functions(options, on_row=None) -> dict:
                 deadline=d,
             )
         ],
-        "run_1b": lambda d: [
-            run_1b_check(
-                options.run_1b_steps,
-                options.run_1b_preset,
-                *options.run_1b_batch,
-                deadline=d,
-                experts_implementation=options.run_1b_experts or None,
-                extra_args=tuple(options.run_1b_args),
-            )
-        ],
-        "fp8": lambda d: _fp8_part(options, d),
         "fp8_gemm": lambda d: [
             fp8_gemm_check(
                 options.fp8_gemm_presets,
@@ -218,15 +207,11 @@ def _part_functions(options, on_row=None) -> dict:
                 deadline=d,
             )
         ],
-        "tile_kernels_moe": lambda d: [tile_kernels_check()],
-        "fsdp2_fp8_all_gather": lambda d: [fsdp2_fp8_all_gather_check()],
     }
 
 
 def _placeholder_names(part: str, options) -> list[str]:
-    if part == "fp8":
-        return [f"fp8_{recipe}_{preset}" for preset in options.presets for recipe in FP8_RECIPES]
-    return [part]
+    return list(_check_tests(options).get(part, {part: part}).values())
 
 
 def run(
@@ -317,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--only", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run (default: all)")
     parser.add_argument("--out", help="also write the JSON result here")
+    parser.add_argument(
+        "--progress_log",
+        help="append each partial result (after each part and step-table row) and the final one as a JSON line "
+        "(follow a long run with tail -f)",
+    )
     parser.add_argument(
         "--budget_s",
         type=float,
@@ -421,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="more flags for the 1b run's command line, one string: --run_1b_args='--lr 3e-4'",
     )
     parser.add_argument(
-        "--presets", nargs="+", default=["small", "1b"], choices=sorted(SHAPES), help="presets of the FP8 comparison"
+        "--presets", nargs="+", default=["small", "1b"], choices=PRESETS, help="presets of the FP8 comparison"
     )
     parser.add_argument(
         "--fp8_layers",
@@ -433,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8_gemm_presets",
         nargs="+",
         default=["1b"],
-        choices=sorted(SHAPES),
+        choices=PRESETS,
         help="fp8_gemm: the presets whose GEMM shapes are timed (bench.fp8_gemm)",
     )
     parser.add_argument(
@@ -457,19 +447,32 @@ def _write_json(path: str, result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in ("only", "out", "budget_s", "presets", "part_cap")}
-    progress = (lambda partial: _write_json(args.out, partial)) if args.out else None
+    args.step_table_models = [DEPRECATED_ROW_NAMES.get(label, label) for label in args.step_table_models]
+    kept = ("only", "out", "progress_log", "budget_s", "presets", "part_cap")
+    options = {k: v for k, v in vars(args).items() if k not in kept}
+
+    def progress(partial: dict) -> None:
+        if args.out:
+            _write_json(args.out, partial)
+        if args.progress_log:
+            with open(args.progress_log, "a") as log:
+                log.write(json.dumps(partial, default=str) + "\n")
+
     result = run(
         tuple(args.presets),
         tuple(args.only),
         args.budget_s if args.budget_s > 0 else None,
         caps=dict(args.part_cap),
-        progress=progress,
+        progress=progress if args.out or args.progress_log else None,
         **options,
     )
+    result["options"] = {k: v for k, v in vars(args).items() if k not in ("out", "progress_log")}
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         _write_json(args.out, result)
+    if args.progress_log:
+        with open(args.progress_log, "a") as log:
+            log.write(json.dumps(result, default=str) + "\n")
     print(text)
     return json.loads(text)
 

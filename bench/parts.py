@@ -1,5 +1,6 @@
 """The frame every part of ``python -m bench.gpu_check`` runs in: its JSON entry, its device, its time budget
-(:class:`Deadline`, the hard limit :func:`hard_limit`) and building its models on the device.
+(:class:`Deadline`, the hard limit :func:`hard_limit`), building its models on the device, and running the checks
+that are tests (:func:`run_tests`: ``tests/test_gpu.py``, ``tests/test_training_runs.py``) into entries.
 
 Time budget: ``--budget_s`` (default 460 s, so that the command with its imports stays under 8 minutes) is shared
 by the parts in the order of ``bench.gpu_check.PARTS``; each part gets at most its own cap (``PART_CAPS_S``;
@@ -24,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import signal
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -57,6 +60,66 @@ def error_reason(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"{type(exc).__name__}: {exc}{where}"[:2000]
+
+
+class _EntryRecorder:
+    """pytest plugin: one :func:`entry` per test of `names` (node id -> entry name), with the test's outcome, the
+    reason it failed or skipped, and the figures it recorded (``record_property("figures", {...})``); a test that
+    would start with less than :data:`MIN_PART_S` of `deadline` left is skipped ("time budget")."""
+
+    def __init__(self, names: dict[str, str], deadline):
+        self.names, self.deadline, self.entries, self.collect_errors = names, deadline, {}, []
+
+    def pytest_collectreport(self, report):
+        if report.failed:  # e.g. a test module that does not import on this machine
+            self.collect_errors.append(report.longreprtext[-1500:])
+
+    def pytest_runtest_setup(self, item):
+        import pytest
+
+        if self.deadline is not None and self.deadline.expired(MIN_PART_S):
+            pytest.skip(TIME_BUDGET)
+
+    def pytest_runtest_logreport(self, report):
+        name = self.names.get(report.nodeid)
+        if name is None or (report.when != "call" and report.passed) or name in self.entries:
+            return
+        figures = dict(report.user_properties).get("figures", {})
+        if report.passed:
+            status, reason = "passed", ""
+        elif report.skipped:
+            status, reason = "skipped", str(report.longrepr[-1]).removeprefix("Skipped: ")
+        else:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            reason = crash.message if crash is not None else report.longreprtext
+            # the test's own message (pytest.fail's, an assert's), without pytest's introspection of the assert
+            for prefix in ("Failed: ", "AssertionError: "):
+                reason = reason.removeprefix(prefix)
+            status, reason = "failed", reason.split("\nassert ")[0][-2000:]
+            if "PartTimeout" in reason:  # the hard limit cut the test off
+                status, reason = "skipped", f"{TIME_BUDGET}: {reason}"
+        self.entries[name] = entry(name, status, reason, **figures)
+
+
+def run_tests(names: dict[str, str], options: tuple[str, ...] = (), deadline=None) -> list[dict]:
+    """The tests of `names` (pytest node id relative to the repository root -> entry name) run by pytest in this
+    process with the command-line `options` (``tests/conftest.py``'s sizes), one :func:`entry` each in the order of
+    `names`: how ``gpu_check`` reports the correctness checks that live in ``tests/test_gpu.py``. The environment is
+    restored afterwards (the test conftest sets its own dataset cache). A test pytest did not report (not collected)
+    is ``failed`` with the reason."""
+    import pytest
+
+    repo = Path(__file__).resolve().parents[1]
+    recorder = _EntryRecorder(names, deadline)
+    environ = dict(os.environ)
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", "--rootdir", str(repo), *options]
+    try:
+        code = pytest.main([*args, *(str(repo / nodeid) for nodeid in names)], plugins=[recorder])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    missing = f"pytest did not run the test (exit code {code}) {' '.join(recorder.collect_errors)}".strip()
+    return [recorder.entries.get(name) or entry(name, "failed", missing) for name in names.values()]
 
 
 # step_table

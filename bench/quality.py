@@ -42,7 +42,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -63,6 +62,7 @@ from bench.quality_scoring import (  # noqa: E402
 )
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR  # noqa: E402
+from spider_training.step_times import StepTimes  # noqa: E402
 
 #: the rows of the suite and the tables' references and pairs (see its "about")
 ROWS_FILE = Path(__file__).with_name("quality_rows.json")
@@ -166,31 +166,22 @@ def sotu_datasets(seq_len: int) -> tuple:
     return tuple(build_dataset("sotu", seq_len, split=split) for split in ("train", "eval"))
 
 
-class StepClock(TrainerCallback):
-    """Times every optimizer step through Trainer's callback events (evaluation, logging and this callback's own
-    scoring fall between steps and are not counted): ``steps`` holds ``(forward + backward + clipping, optimizer +
-    scheduler + zeroing)`` seconds per step. With `windows` and `every`, it also scores the held-out `windows`
-    (:func:`bench.quality_scoring.score`) every `every` steps into ``curve`` (``step``, ``seconds`` of training so far,
-    ``bits_per_byte``)."""
+class StepClock(StepTimes):
+    """:class:`spider_training.step_times.StepTimes` that, with `windows` and `every`, also scores the held-out
+    `windows` (:func:`bench.quality_scoring.score`) every `every` steps into ``curve`` (``step``, ``seconds`` of
+    training so far, ``bits_per_byte``); the scoring falls between steps and is not timed."""
 
     def __init__(self, windows: torch.Tensor | None = None, every: int = 0):
+        super().__init__()
         self.windows, self.every = windows, every
-        self.steps: list[tuple[float, float]] = []
         self.curve: list[dict] = []
 
     @property
     def seconds(self) -> float:
-        return float(sum(a + b for a, b in self.steps))
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._begin = time.perf_counter()
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._backward_done = time.perf_counter()
+        return float(sum(self.step_times))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        end = time.perf_counter()
-        self.steps.append((self._backward_done - self._begin, end - self._backward_done))
+        super().on_step_end(args, state, control, **kwargs)
         if self.every and self.windows is not None and state.global_step % self.every == 0:
             self.curve.append({"step": state.global_step, "seconds": self.seconds, **score(model, self.windows)})
             model.train()
@@ -260,7 +251,7 @@ def step_split(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warm
         Recipe(**{**recipe.__dict__, "steps": warmup + steps, "warmup_steps": 1, "eval_every": 0, "eval_steps": 0}),
         clock=clock,
     )
-    timed = clock.steps[warmup:]
+    timed = clock.phase_times[warmup:]
     parts = {
         "step": [a + b for a, b in timed],
         "forward_backward": [a for a, _ in timed],

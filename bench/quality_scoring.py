@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from modeling_spider import word_bytes
 from spider_training.data import encode_document, sotu_documents
+from spider_training.metrics import byte_nll
 from tokenization_spider import BOS_ID, PAD_ID
 
 
@@ -67,7 +68,9 @@ def byte_kinds(windows: torch.Tensor) -> torch.LongTensor:
 def score(
     model, windows: torch.Tensor, n_loops: int | None = None, batch_size: int = 16, by_byte_kind: bool = False
 ) -> dict:
-    """Bits per predicted byte of `model` over `windows` `(N, T)`, in eval mode; Spider's bytes per segment too.
+    """Bits per predicted byte of `model` over `windows` `(N, T)`, in eval mode (summed next-byte cross-entropy,
+    :func:`spider_training.metrics.byte_nll`, as the trainer scores its held-out windows); Spider's bytes per segment
+    too.
     `by_byte_kind`: also ``bits_per_byte_by_byte_kind`` (bits per byte of the bytes of each :data:`BYTE_KINDS` kind)
     and ``byte_kind_shares`` (each kind's share of the predicted bytes)."""
     model.eval()
@@ -79,14 +82,13 @@ def score(
         batch = windows[i : i + batch_size].to(device)
         kwargs = {"n_loops": n_loops} if n_loops is not None else {}
         out = model(input_ids=batch, **kwargs)
-        logits = out.logits[:, :-1].float()
-        flat_logits, targets = logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
-        nll += F.cross_entropy(flat_logits, targets, reduction="sum").item()
-        count += batch[:, 1:].numel()
-        if kinds is not None:  # a second, unreduced pass: the sum above keeps the headline bit-identical to rows
-            # measured before the split (a sum of the unreduced losses differs in the last bits)
-            per_byte = F.cross_entropy(flat_logits, targets, reduction="none").double().cpu()
-            kind_nll.index_add_(0, kinds[i : i + batch_size].reshape(-1), per_byte)
+        row_nll, row_bytes = byte_nll(out.logits, batch)  # the trainer's held-out computation
+        nll += float(row_nll.sum())
+        count += int(row_bytes.sum())
+        if kinds is not None:
+            logits = out.logits[:, :-1].float()
+            per_byte = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").double().cpu()
+            kind_nll.index_add_(0, kinds[i : i + batch_size].reshape(-1), per_byte.reshape(-1))
         if getattr(out, "compression_rate", None) is not None:
             segs += batch.numel() / float(out.compression_rate)
             seg_bytes += batch.numel()

@@ -36,9 +36,8 @@
   there). Per
   row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
   a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
-  instrumented, timed and profiled step, ``segment_axis`` (:class:`bench.diagnostics.SegmentAxisRecorder`), how many
-  timed steps met a
-  new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``; on CUDA each timed
+  instrumented, timed and profiled step, ``segment_axis`` (``spider_training.step_times``), how many timed steps met
+  a new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``; on CUDA each timed
   step's ``cudaMalloc`` calls, ``device_allocations_per_step``: a larger axis grows the allocator's pool; for a
   compiled model the graphs each warm-up and timed step compiled, ``graphs_compiled_per_step``), host seconds
   (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
@@ -51,13 +50,13 @@
   host syncs per step, forward+backward and optimizer apart (:class:`spider_training.profiling.HostSyncCounter`; on
   CUDA also the
   ``set_sync_debug_mode`` warnings and the lines they point at, ``cuda_sync_sources``; torch's CPU AdamW reads each
-  parameter's step count on the host, the fused CUDA one does not), and on CUDA, at the first shape (the profiler's
-  post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape), the kernels
-  launched in one profiled step, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
+  parameter's step count on the host, the fused CUDA one does not), and at the first shape (the profiler's
+  post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape) one profiled step:
+  on CUDA the kernels launched, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
   ``gpu_busy_fraction`` = busy time / median step time; for Spider also ``gpu_busy_fraction_repeated_axis``, over
   ``step_s_repeated_axis``), the ops with the most host time (``top_host_ops``), the kernels launched most often
-  (``top_kernels``: launches and device milliseconds by kernel name) and the aten ops called most often
-  (``top_aten_ops``). A
+  (``top_kernels``: launches and device milliseconds by kernel name; on CPU none of these), the aten ops called most
+  often (``top_aten_ops``) and those outside compiled regions (``eager_aten_ops``). A
   measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is given.
 """
 
@@ -77,13 +76,7 @@ from bench.common import (
     spider_model,
     synchronize,
 )
-from bench.diagnostics import (
-    SegmentAxisRecorder,
-    _instrumented_step,
-    _profile_kernels,
-    device_allocations,
-    repeated_axis_summary,
-)
+from bench.diagnostics import _instrumented_step, _profile_kernels, device_allocations
 from bench.parts import (
     MIN_PART_S,
     TIME_BUDGET,
@@ -99,6 +92,7 @@ from bench.parts import (
 )
 from spider_training.peers import peer_model
 from spider_training.profiling import graphs_compiled
+from spider_training.step_times import SegmentAxisRecorder, repeated_axis_summary
 from spider_training.throughput import measured_matmul_flops
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
@@ -249,13 +243,15 @@ def _timed_row(
         peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None,
     )
-    if device.type == "cuda" and profile:
+    if profile:  # on CPU: the host ops and aten ops (no kernels)
         try:
             profiled, size = axis.step(lambda: _profile_kernels(step, device))
-            row.update(profiled, gpu_busy_fraction=profiled["gpu_busy_s"] / median)
+            row.update(profiled)
+            if device.type == "cuda":
+                row["gpu_busy_fraction"] = profiled["gpu_busy_s"] / median
             if axis.active:  # a profiled step at a new axis size times the planning too
                 row["segment_axis"]["profiled"] = [size] if size is not None else []
-                if row["step_s_repeated_axis"]:  # the share of a step whose plans and graphs exist
+                if device.type == "cuda" and row["step_s_repeated_axis"]:  # the share of a step whose plans exist
                     row["gpu_busy_fraction_repeated_axis"] = profiled["gpu_busy_s"] / row["step_s_repeated_axis"]
         except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
             row["profile_error"] = error_reason(exc)

@@ -55,6 +55,24 @@ def pytest_addoption(parser):
         default=False,
         help="generate report files. The value of this option is used as a prefix to report names",
     )
+    # the sizes of the checks python -m bench.gpu_check runs (tests/test_gpu.py, tests/test_training_runs.py); it
+    # passes its own flags of these names on
+    group = parser.getgroup("spider checks", "sizes of bench.gpu_check's checks")
+    group.addoption("--step_repeats", type=int, default=1, help="timed steps after a warm-up; the median is used")
+    group.addoption("--fp8_layers", default=None, help="FP8 layer selection (default: auto for 1b, else tk_train)")
+    group.addoption("--distributed_preset", default="tiny", help="preset of the DDP/FSDP2 world-size-1 check")
+    group.addoption("--distributed_steps", type=int, default=2, help="steps before the FSDP2 checkpoint")
+    group.addoption("--distributed_shape", default="2x48", help="BATCHxBYTES per step of the distributed check")
+    # tests/test_training_runs.py (default: toy sizes on CPU, the command's defaults on CUDA)
+    group.addoption("--main_job_steps", default=None, help="training steps of the main job")
+    group.addoption("--main_job_preset", default=None, help="preset of the main job")
+    group.addoption("--main_job_args", default=None, help="more flags for the main job's command line, one string")
+    group.addoption("--run_1b_steps", default=None, help="training steps of the 1b run")
+    group.addoption("--run_1b_preset", default=None, help="preset of the 1b run")
+    group.addoption("--run_1b_batch", default=None, help="BATCHxBYTES per step of the 1b run")
+    group.addoption("--run_1b_experts", default=None, help="experts_implementation of the 1b run")
+    group.addoption("--run_1b_args", default=None, help="more flags for the 1b run's command line, one string")
+    group.addoption("--check_allowance_s", type=float, default=None, help="seconds a training check may take")
 
 
 def pytest_configure(config):

@@ -1,5 +1,5 @@
 """DDP and FSDP2 at world size 1 on the device at hand: the worker of ``python -m bench.gpu_check``'s ``distributed``
-part (``python -m tests.distributed_worker OUT``; ``bench.distributed`` runs and judges it).
+part (``python -m tests.distributed_worker OUT``; ``tests/test_gpu.py`` runs and judges it).
 
 Multi-GPU users train under DDP or FSDP2 (``configs/accelerate/``). This part runs both where a one-GPU session can:
 a process group of one rank over NCCL on CUDA (gloo on CPU), in a fresh process

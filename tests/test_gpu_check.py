@@ -1,106 +1,143 @@
-"""bench/gpu_check.py and the modules of its parts (bench/parts.py, training_runs.py, step_table.py, diagnostics.py,
-correctness.py): every part that can run on CPU runs here at toy sizes; the GPU-only parts say they need CUDA and
-skip."""
+"""``python -m bench.gpu_check`` through its command line and JSON: every part that can run on CPU runs here at toy
+sizes; the GPU-only parts say they need CUDA and skip. The checks it runs as tests are tests/test_gpu.py and
+tests/test_training_runs.py; what it times steps with is spider_training.step_times (tests/test_step_times.py)."""
 
-import argparse
 import json
-import threading
-import time
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench import correctness, diagnostics, gpu_check, parts, step_table, training_runs
-from bench.common import spider_config, spider_model
-from tests.test_tile_kernels_moe import FakeTileKernels2x
+from configuration_spider import SpiderConfig
+from tests.helpers import run_module
+from tests.test_gpu import FP8_LOSS_RTOL, FP8_RECIPES
+from tests.test_training_runs import judge_1b_run
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU check")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (as under pytest-xdist): with more threads than free cores every aten op of these
-    many-small-op models waits on the others, and the toy runs take many times longer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-TOY_ARGS = [
-    "--presets",
-    "tiny",
-    "1b",
-    "--main_job_preset",
-    "tiny",
-    "--main_job_steps",
-    "3",
-    "--main_job_args",
-    "--eval_windows 8",
-    "--step_table_preset",
-    "tiny",
-    "--step_table_shapes",
-    "2x32",
-    "--step_repeats",
-    "1",
-    "--compile_backend",
-    "eager",
-    "--tk_train_recipe_shape",
-    "2x32",
-    # the default rows but the compiled one, whose compilation requested_rows below pays once for every test
-    "--step_table_models",
-    *(label for label in step_table.STEP_TABLE_MODELS if label != "spider_compiled"),
-    "--host_syncs_preset",
-    "tiny",
-    "--host_syncs_shape",
-    "1x64",
-    "--distributed_preset",
-    "tiny",
-    "--distributed_steps",
-    "2",
-    "--distributed_shape",
-    "2x48",
-    "--attention_preset",
-    "tiny",
-    "--attention_batch",
-    "2",
-    "--attention_segments",
-    "16",
-    "48",
-    "--attention_visits",
-    "2",
-    "--run_1b_preset",
-    "tiny",
-    "--run_1b_steps",
-    "4",
-    "--run_1b_batch",
-    "2x64",
-    "--run_1b_args",
-    "--eval_windows 8",
-    "--fp8_gemm_presets",
-    "tiny",
-    "--fp8_gemm_batches",
-    "2x64",
+#: the parts in the order they run (bench/gpu_check.py's PARTS, its JSON's ``parts``)
+PARTS = [
+    "main_job",
+    "step_table",
+    "host_syncs",
+    "distributed",
+    "attention_backends",
+    "run_1b",
+    "fp8",
+    "fp8_gemm",
+    "tile_kernels_moe",
+    "fsdp2_fp8_all_gather",
 ]
+#: warm-up steps of a step-table row: 3 for a compiled row (the first compiles), 1 for an eager one
+WARMUP_STEPS = {"spider": 1, "spider_compiled": 3}
+
+
+def spider_config(preset: str) -> SpiderConfig:
+    return SpiderConfig.from_preset(preset)
+
+
+def gpu_check(*args, timeout: float = 900) -> tuple[dict, subprocess.CompletedProcess]:
+    """``python -m bench.gpu_check *args`` with one intra-op thread (as under pytest-xdist: with more threads than
+    free cores every aten op of these many-small-op models waits on the others); its JSON result (stdout) and the
+    process. Fails with the process's stderr when it exited with an error."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        done = run_module("bench.gpu_check", *args, timeout=timeout)
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout), done
+
+
+def gpu_check_checks(*args) -> dict:
+    """The checks of ``python -m bench.gpu_check --budget_s 0 *args`` by name."""
+    result, _ = gpu_check("--budget_s", "0", *args)
+    return {c["name"]: c for c in result["checks"]}
+
+
+@pytest.fixture(scope="module")
+def budget_run() -> dict:
+    """A run whose budget (3 s) fits none of its parts; its JSON records the command's options, defaults included."""
+    result, _ = gpu_check("--budget_s", "3", "--only", "main_job", "host_syncs", "--part_cap", "host_syncs=1")
+    return result
+
+
+@pytest.fixture(scope="module")
+def default_rows(budget_run) -> list[str]:
+    """The step table's default rows (``--step_table_models``' default)."""
+    return budget_run["options"]["step_table_models"]
+
+
+def toy_args(default_rows: list[str]) -> list[str]:
+    return [
+        *("--presets", "tiny", "1b"),
+        *("--main_job_preset", "tiny", "--main_job_steps", "3", "--main_job_args", "--eval_windows 8"),
+        *("--step_table_preset", "tiny", "--step_table_shapes", "2x32", "--step_repeats", "1"),
+        *("--compile_backend", "eager", "--tk_train_recipe_shape", "2x32"),
+        # the default rows but the compiled one, whose compilation requested_rows below pays once for every test
+        "--step_table_models",
+        *(label for label in default_rows if label != "spider_compiled"),
+        *("--host_syncs_preset", "tiny", "--host_syncs_shape", "1x64"),
+        *("--distributed_preset", "tiny", "--distributed_steps", "2", "--distributed_shape", "2x48"),
+        *("--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48"),
+        *("--attention_visits", "3"),
+        *(
+            "--run_1b_preset",
+            "tiny",
+            "--run_1b_steps",
+            "4",
+            "--run_1b_batch",
+            "2x64",
+            "--run_1b_args",
+            "--eval_windows 8",
+        ),
+        *("--fp8_gemm_presets", "tiny", "--fp8_gemm_batches", "2x64"),
+    ]
+
+
+def _assert_profiled_on_cpu(row: dict) -> None:
+    """A step-table row's profiled step on CPU: no device events or kernels; where the host's time went, most first
+    (``top_host_ops``), the aten ops called most often (``top_aten_ops``, most first) and those outside compiled
+    regions (``eager_aten_ops``: in an eager row, every outermost op)."""
+    assert row["kernel_launches"] == row["device_events"] == 0 and row["profiled_step_s"] > 0, row
+    top = row["top_host_ops"]
+    times = [op["self_host_ms"] for op in top.values()]
+    assert 0 < len(top) <= 8 and times == sorted(times, reverse=True) and all(op["calls"] >= 1 for op in top.values())
+    assert row["top_kernels"] == {}
+    aten = row["top_aten_ops"]
+    assert aten and list(aten.values()) == sorted(aten.values(), reverse=True) and all(c >= 1 for c in aten.values())
+    eager = row["eager_aten_ops"]
+    assert eager["count"] >= sum(eager["by_op"].values()) > 0 or eager["count"] > 0, eager
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory, default_rows) -> tuple[dict, subprocess.CompletedProcess, Path]:
+    """Every part at toy sizes (:func:`toy_args`) with ``--out`` and ``--progress_log`` in a temporary folder: the
+    result, the process and the folder."""
+    folder = tmp_path_factory.mktemp("gpu_check")
+    result, done = gpu_check(
+        *toy_args(default_rows), "--out", folder / "gpu_check.json", "--progress_log", folder / "progress.jsonl"
+    )
+    return result, done, folder
 
 
 @pytest.mark.slow
-def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
-    out = tmp_path / "gpu_check.json"
-    snapshots = []
-    write = gpu_check._write_json
-
-    def recording_write(path, result):
-        write(path, result)
-        snapshots.append(json.loads(out.read_text()))  # what a kill at this moment leaves
-
-    monkeypatch.setattr(gpu_check, "_write_json", recording_write)
-    result = gpu_check.main([*TOY_ARGS, "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out) == result  # stdout holds the JSON only
+def test_cpu_run_of_every_part(toy_run, default_rows):
+    result, done, tmp_path = toy_run
+    out, log = tmp_path / "gpu_check.json", tmp_path / "progress.jsonl"
+    assert json.loads(out.read_text()) == json.loads(done.stdout) == result  # stdout holds the JSON only
+    snapshots = [json.loads(line) for line in log.read_text().splitlines()]  # what a kill at each moment leaves
     _assert_each_row_was_written_as_it_was_measured(snapshots, result)
     assert not (tmp_path / "gpu_check.json.tmp").exists()
     by_name = {c["name"]: c for c in result["checks"]}
-    assert [p["name"] for p in result["parts"]] == list(gpu_check.PARTS) and all(p["ran"] for p in result["parts"])
+    assert [p["name"] for p in result["parts"]] == PARTS and all(p["ran"] for p in result["parts"])
 
     main_job = by_name["main_job"]
     assert main_job["status"] == "passed", main_job
@@ -128,7 +165,7 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
     table = by_name["step_table"]
     assert table["status"] == "passed", table
     rows = {row["model"]: row for row in table["rows"]}
-    comparison = [label for label in step_table.STEP_TABLE_MODELS if label not in ("spider_compiled", "spider_fp8")]
+    comparison = [label for label in default_rows if label not in ("spider_compiled", "spider_fp8")]
     # the slow rows last: compiled (requested_rows), then FP8 (on the H200 its first step took 54 s)
     assert [row["model"] for row in table["rows"]] == [*comparison, "spider_tk_train_recipe", "spider_fp8"]
     assert (
@@ -137,6 +174,8 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
     )
     for row in table["rows"]:
         assert row["status"] == "passed" and row["shape"] == "2x32", row
+        assert "device_allocations_per_step" not in row  # no CUDA allocator count on CPU
+        _assert_profiled_on_cpu(row)
         assert row["bytes_per_s"] > 0 and row["step_s"] > 0 and row["flops_per_step"] > 0 and 0 < row["mfu"]
         assert 0 < row["step_s_min"] <= row["step_s"] and len(row["step_times_s"]) == 1
         assert row["peak_memory_bytes"] is None  # no CUDA allocator on CPU
@@ -177,7 +216,7 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
         # each step's segment axis (the trainer hook on flexitokens): the first step meets the first size
         assert times["new_axis_steps"][0] == 1 and len(times["new_axis_steps"]) == len(times["axis_sizes"]) >= 1
     config = spider_config("tiny")
-    status, reason, _ = training_runs.judge_1b_run(
+    status, reason, _ = judge_1b_run(
         run["held_out_bits_per_byte"],
         run["compression_rate"],
         config.boundary_prior,
@@ -186,10 +225,10 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
     )
     assert (run["status"], run["reason"]) == (status, reason)  # the entry is the judgement of its own curves
 
-    for recipe in correctness.FP8_RECIPES:
+    for recipe in FP8_RECIPES:
         tiny = by_name[f"fp8_{recipe}_tiny"]
         assert tiny["status"] == "passed" and tiny["emulated"] and tiny["converted_layers"] > 0, tiny
-        assert tiny["loss_rel_difference"] <= correctness.FP8_LOSS_RTOL and "not FP8's" in tiny["note"]
+        assert tiny["loss_rel_difference"] <= FP8_LOSS_RTOL and "not FP8's" in tiny["note"]
         assert tiny["step_s_bf16"] > 0 and tiny["step_s_fp8"] > 0
         assert by_name[f"fp8_{recipe}_1b"]["status"] == "skipped"
     for name in ("fp8_tensorwise_1b", "tile_kernels_moe", "fsdp2_fp8_all_gather"):
@@ -198,66 +237,46 @@ def test_cpu_run_of_every_part(tmp_path, capsys, monkeypatch):
     assert result["passed"] == all(c["status"] != "failed" for c in result["checks"])
 
 
-def test_step_time_summary_counts_the_slow_steps():
-    """Steps over twice the median are named (1-based); the percentiles come from the sorted times."""
-    times = [0.25, 0.26, 1.4, 0.25, 0.24, 0.26, 0.25, 1.3, 0.25, 0.26]
-    summary = diagnostics.step_time_summary(times)
-    assert summary["steps"] == 10 and summary["median_s"] == 0.255 and summary["max_s"] == 1.4
-    assert summary["slow_steps"] == 2 and summary["slow_step_numbers"] == [3, 8]
-    assert summary["p90_s"] == 1.3 and summary["mean_s"] == round(sum(times) / 10, 4)
-    assert diagnostics.step_time_summary([]) is None
-    assert diagnostics.step_time_summary(times, slow_factor=6.0)["slow_steps"] == 0
-    assert "new_axis_steps" not in summary  # no axes given
-
-
-def test_step_time_summary_with_each_steps_segment_axis():
-    """Given each step's segment axis, the summary names the steps that met a size first and how many of the slow
-    steps they were, and takes the median of the others."""
-    times = [3.0, 0.25, 1.4, 0.26, 0.25, 1.3, 0.24]
-    axes = [64, 64, 80, 64, 80, 96, 80]
-    summary = diagnostics.step_time_summary(times, step_axes=axes)
-    assert summary["axis_sizes"] == [64, 80, 96] and summary["new_axis_steps"] == [1, 3, 6]
-    assert summary["slow_step_numbers"] == [1, 3, 6] and summary["slow_steps_at_new_axis"] == 3
-    assert summary["median_s_repeated_axis"] == 0.25  # of 0.25, 0.26, 0.25, 0.24
-    assert "new_axis_steps" not in diagnostics.step_time_summary(times, step_axes=axes[:3])  # lengths differ
-
-
 def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
-    """Without size flags the 1b run and the 1b step table say they need CUDA (they would take hours on a CPU)."""
-    table = step_table.step_table_check("1b")
-    run = training_runs.run_1b_check()
+    """Without size flags the 1b run and the 1b step table say they need CUDA (they would take hours on a CPU); the
+    step table's rows and tk-train.py's recipe shape keep their earlier names ("the seed": ``--seed_recipe_shape``,
+    ``spider_seed_recipe_compiled``), as the ``tk_train`` names."""
+    result, _ = gpu_check(
+        *("--budget_s", "0", "--only", "step_table", "run_1b"),
+        *("--seed_recipe_shape", "2x32", "--step_table_models", "spider", "spider_seed_recipe_compiled"),
+    )
+    table, run = result["checks"]
     assert table["status"] == run["status"] == "skipped"
     assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
+    assert result["options"]["tk_train_recipe_shape"] == [2, 32]
+    assert result["options"]["step_table_models"] == ["spider", "spider_tk_train_recipe_compiled"]
 
 
 @pytest.fixture(scope="module")
 def requested_rows():
     """One step table at 2 x 64 (two timed steps) with the rows on request and the regionally compiled ones (each
     costs a compilation, ~15 s here), shared by the tests that read them."""
-    table = step_table.step_table_check(
-        "tiny",
-        shapes=[(2, 64)],
-        repeats=2,
-        device=torch.device("cpu"),
-        models=(
-            "spider_fp8_rowwise_compiled",
-            "spider",
-            "spider_word_rate",
-            "deepseek_v3",
-            "spider_compiled",
-            "spider_fp8",
-            "spider_compiled_automatic_dynamic",
-            "spider_word_rate_compiled",
-            "spider_tk_train_recipe_compiled",
-        ),
-        compile_backend="eager",
-        tk_train_recipe_shape=(2, 32),
+    models = (
+        "spider_fp8_rowwise_compiled",
+        "spider",
+        "spider_word_rate",
+        "deepseek_v3",
+        "spider_compiled",
+        "spider_fp8",
+        "spider_compiled_automatic_dynamic",
+        "spider_word_rate_compiled",
+        "spider_tk_train_recipe_compiled",
     )
+    table = gpu_check_checks(
+        *("--only", "step_table", "--step_table_preset", "tiny", "--step_table_shapes", "2x64"),
+        *("--step_repeats", "2", "--step_table_models", *models),
+        *("--compile_backend", "eager", "--tk_train_recipe_shape", "2x32"),
+    )["step_table"]
     assert table["status"] == "passed", table
     return table
 
 
-def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
+def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows, default_rows):
     """``spider_word_rate_compiled`` and ``spider_tk_train_recipe_compiled`` (on request): the word-rate model and
     activation checkpointing compiled as ``--compile`` compiles, each timed with its eager twin's FLOPs, after the
     compiled
@@ -285,9 +304,7 @@ def test_compiled_rows_on_request_run_before_the_fp8_rows(requested_rows):
     graphs = compiled["graphs_compiled_per_step"]  # the first warm-up step compiles; an eager row records nothing
     assert graphs["warmup"][0] > 0 and len(graphs["warmup"]) == 3 and len(graphs["timed"]) == 2, graphs
     assert "graphs_compiled_per_step" not in rows["spider"]
-    assert (
-        "spider_compiled" in step_table.STEP_TABLE_MODELS
-    )  # a default row (test_cpu_run_of_every_part leaves it out)
+    assert "spider_compiled" in default_rows  # a default row (test_cpu_run_of_every_part leaves it out)
     automatic = rows["spider_compiled_automatic_dynamic"]  # torch's automatic dynamic shapes, no axis marked
     assert automatic["compile_dynamic"] is None and rows["spider_compiled"]["compile_dynamic"] is False
     assert automatic["flops_per_step"] == rows["spider"]["flops_per_step"] and automatic["graphs_compiled_per_step"]
@@ -326,44 +343,12 @@ def _assert_each_row_was_written_as_it_was_measured(snapshots: list[dict], resul
     assert snapshots[-1] == result and result["complete"]
 
 
-def test_tk_train_recipe_keeps_its_earlier_flag_and_row_names():
-    """tk-train.py was once called "the seed": ``--seed_recipe_shape`` and the ``spider_seed_recipe_compiled`` row
-    still parse, as the ``tk_train`` names."""
-    args = gpu_check.build_parser().parse_args(
-        ["--seed_recipe_shape", "2x32", "--step_table_models", "spider_seed_recipe_compiled"]
-    )
-    assert args.tk_train_recipe_shape == (2, 32)
-    renamed = step_table.DEPRECATED_ROW_NAMES[args.step_table_models[0]]
-    assert renamed == "spider_tk_train_recipe_compiled" and renamed in step_table.STEP_TABLE_MODEL_CHOICES
-
-
-def test_distributed_judgement_names_what_differs():
-    from bench import distributed
-    from tests.distributed_worker import loss_rtol
-
-    figures = dict(
-        rtol=loss_rtol(torch.float32),
-        ddp_max_rel_diff=0.0,
-        fsdp2_max_rel_diff=0.0,
-        resumed_max_rel_diff=0.0,
-        release_logits_max_rel_diff=0.0,
-        release_has_dtensors=False,
-    )
-    assert distributed.judge(figures) == ("passed", "")
-    # a gradient summed twice or a lost optimizer state moves the losses after the first step far past rtol
-    status, reason = distributed.judge({**figures, "resumed_max_rel_diff": 0.02, "ddp_max_rel_diff": float("nan")})
-    assert status == "failed" and "resumed_max_rel_diff 0.02" in reason and "ddp_max_rel_diff nan" in reason
-    assert "DTensor" in distributed.judge({**figures, "release_has_dtensors": True})[1]
-    assert loss_rtol(torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
-
-
-def test_attention_backends_at_toy_sizes_on_cpu():
+@pytest.mark.slow
+def test_attention_backends_at_toy_sizes_on_cpu(toy_run):
     """Every SDPA kernel over the same shuffled segment counts: CPU has math and flash (the value padded to the
     query/key head dim), torch's default runs math for MLA's unequal head dims; cuDNN and memory-efficient are
     skipped with torch's reason."""
-    entry = diagnostics.attention_backends_check(
-        "tiny", batch=2, segment_counts=(16, 48), visits=3, device=torch.device("cpu")
-    )
+    entry = next(c for c in toy_run[0]["checks"] if c["name"] == "attention_backends")
     assert entry["status"] == "passed" and entry["reason"] == "", entry
     assert entry["shape"] == {"batch": 2, "heads": 4, "qk_head_dim": 32, "v_head_dim": 16}
     assert sorted(entry["sequence"]) == [16, 16, 16, 48, 48, 48] and entry["warmup_segments"] not in (16, 48)
@@ -385,178 +370,43 @@ def test_attention_backends_at_toy_sizes_on_cpu():
     assert entry["fastest_sequence_total"] in {"default", "flash"}
 
 
-def test_attention_backends_stop_at_the_deadline():
-    entry = diagnostics.attention_backends_check(
-        "tiny", batch=1, segment_counts=(16,), visits=1, device=torch.device("cpu"), deadline=parts.Deadline(0.0)
-    )
-    assert entry["status"] == "skipped" and entry["reason"] == "time budget"
-    assert {r["reason"] for r in entry["backends"].values()} == {"time budget"}
-
-
-def test_1b_run_judgement():
-    band = dict(boundary_prior=0.2, boundary_prior_std=0.023, boundary_prior_k=3.0)  # rate in [0.131, 0.2]
-    falling, rising = [(0, 3.1), (50, 2.6), (100, 2.3)], [(0, 2.3), (50, 2.6), (100, 2.9)]
-    in_band, too_few = [(10, 9.0), (100, 6.0)], [(10, 9.0), (100, 12.0)]  # bytes per segment: rate 1/6, 1/12
-    assert training_runs.judge_1b_run(falling, in_band, **band)[:2] == ("passed", "")
-    status, reason, figures = training_runs.judge_1b_run(rising, in_band, **band)
-    assert status == "failed" and "did not fall" in reason and figures["bits_per_byte_last"] == 2.9
-    status, reason, figures = training_runs.judge_1b_run(falling, too_few, **band)
-    assert status == "failed" and "outside the prior's band" in reason
-    assert figures["boundary_rate_end"] == pytest.approx(1 / 12)
-    assert figures["boundary_rate_band"] == pytest.approx([0.2 - 3 * 0.023, 0.2])
-    assert training_runs.judge_1b_run(falling[:1], in_band, **band)[0] == "failed"  # one scoring shows no trend
-
-
-def test_held_out_and_compression_curves_from_a_log_history():
-    history = [
-        {"eval_before_bits_per_byte": 8.0, "step": 0},
-        {"loss": 5.0, "compression_rate": 2.0, "bits_per_byte": 7.5, "step": 10},
-        {"eval_bits_per_byte": 7.0, "eval_compression_rate": 3.0, "step": 10},
-        {"eval_after_bits_per_byte": 6.5, "step": 12},
-    ]
-    assert training_runs.held_out_curve(history) == [(0, 8.0), (10, 7.0), (12, 6.5)]  # training's bpb is not held-out
-    assert training_runs.compression_curve(history) == [(10, 2.0)]
-    assert training_runs.training_curve(history, "bits_per_byte") == [(10, 7.5)]
-
-
-def test_budget_skips_parts_that_do_not_fit():
-    result = gpu_check.main(["--budget_s", "3", "--only", "main_job", "host_syncs"])
+def test_budget_skips_parts_that_do_not_fit(budget_run):
+    result = budget_run
     assert [c["name"] for c in result["checks"]] == ["main_job", "host_syncs"]
     assert all(c["status"] == "skipped" and c["reason"].startswith("time budget") for c in result["checks"])
     assert result["passed"] and result["seconds"] < 3
 
 
-def test_part_cap_replaces_one_parts_cap():
+def test_part_cap_replaces_one_parts_cap(budget_run):
     """``--part_cap PART=SECONDS`` replaces that part's cap: below the minimum a part needs, it is skipped however
     much budget is left; bad values name the problem."""
-    result = gpu_check.main(["--budget_s", "1000", "--part_cap", "host_syncs=1", "--only", "host_syncs"])
+    result, _ = gpu_check("--budget_s", "1000", "--part_cap", "host_syncs=1", "--only", "host_syncs")
     assert result["checks"][0]["status"] == "skipped" and result["checks"][0]["reason"].startswith("time budget")
     assert result["parts"][0]["ran"] is False
-    assert gpu_check.parse_part_cap("step_table=400") == ("step_table", 400.0)
-    for bad, message in (
-        ("tables=400", "unknown part"),
-        ("step_table=x", "PART=SECONDS"),
-        ("step_table=0", "must be > 0"),
-    ):
-        with pytest.raises(argparse.ArgumentTypeError, match=message):
-            gpu_check.parse_part_cap(bad)
+    assert budget_run["options"]["part_cap"] == [["host_syncs", 1.0]]
+    bad = {"tables=400": "unknown part", "step_table=x": "PART=SECONDS", "step_table=0": "must be > 0"}
+    with ThreadPoolExecutor(len(bad)) as pool:  # three interpreters starting at once: the test waits on one
+        done = pool.map(lambda cap: run_module("bench.gpu_check", "--part_cap", cap, "--only", "host_syncs"), bad)
+    for process, message in zip(done, bad.values()):
+        assert process.returncode == 2 and message in process.stderr, process.stderr
 
 
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="SIGALRM needs the main thread")
-def test_a_part_running_past_its_allowance_is_cut_off(monkeypatch):
-    seen = {}
-
-    def slow_part(deadline):
-        seen["allowed"] = deadline.seconds
-        time.sleep(30)
-        return [parts.entry("host_syncs", "passed")]
-
-    monkeypatch.setattr(gpu_check, "MIN_PART_S", 0.1)
-    monkeypatch.setattr(gpu_check, "_part_functions", lambda options, on_row=None: {"host_syncs": slow_part})
-    start = time.monotonic()
-    result = gpu_check.run(only=("host_syncs",), caps={"host_syncs": 0.5})
-    assert time.monotonic() - start < 10 and seen["allowed"] == 0.5
-    (entry,) = result["checks"]
-    assert entry["status"] == "skipped" and entry["reason"].startswith("time budget"), entry
-
-
-def test_main_job_stops_training_at_its_deadline():
-    """A deadline that leaves no time for training: the trainer stops after its first step, and the run still
-    scores, writes and reloads its release (the time kept for them is not the training's)."""
-    entry = training_runs.main_job_check(
-        steps=50,
-        preset="tiny",
-        deadline=parts.Deadline(1.0),
-        extra_args=("--eval_windows", "4", "--save_strategy", "no"),
+def test_a_part_running_past_its_allowance_is_cut_off():
+    """A part still running at the end of its allowance is cut off (SIGALRM) and reported skipped for the time
+    budget: the host syncs of the small preset at 8 x 2048 bytes take far longer than 5.5 s here."""
+    result, _ = gpu_check(
+        *("--budget_s", "1000", "--part_cap", "host_syncs=5.5", "--only", "host_syncs"),
+        *("--host_syncs_preset", "small", "--host_syncs_shape", "8x2048"),
     )
-    assert entry["steps"] == 1 and entry["stopped_by_time_budget_at_step"] == 1, entry
-    assert "time budget at step 1 of 50" in entry["note"] and entry["release_reload_ok"]
-
-
-def test_profile_kernels_on_cpu_sees_no_device_events():
-    model = torch.nn.Linear(8, 8)
-    entry = diagnostics._profile_kernels(lambda: model(torch.randn(4, 8)).sum().backward(), torch.device("cpu"))
-    assert entry["kernel_launches"] == entry["device_events"] == 0 and entry["profiled_step_s"] > 0
-    top = entry["top_host_ops"]  # where the host's time went, most first
-    assert 0 < len(top) <= diagnostics.TOP_HOST_OPS and any("addmm" in name for name in top), top
-    times = [op["self_host_ms"] for op in top.values()]
-    assert times == sorted(times, reverse=True) and all(op["calls"] >= 1 for op in top.values())
-    assert entry["top_kernels"] == {}
-    aten = entry["top_aten_ops"]  # one forward+backward of a linear layer: one addmm, the weight's grad one mm
-    assert aten["aten::addmm"] == 1 and aten["aten::mm"] >= 1, aten
-    assert list(aten.values()) == sorted(aten.values(), reverse=True)
-    eager = entry["eager_aten_ops"]  # nothing compiled: every outermost op (linear, not the addmm inside it) counts
-    assert eager["by_op"]["aten::linear"] == 1 and "aten::addmm" not in eager["by_op"] and eager["count"] >= 3, eager
-
-
-def test_kernels_by_launches_ranks_kernel_names_by_launch_count():
-    """Profiler device events stand in as plain objects with the two attributes read (a name, a time range)."""
-    from types import SimpleNamespace
-
-    def kernel(name, us):
-        return SimpleNamespace(name=name, time_range=SimpleNamespace(elapsed_us=lambda: us))
-
-    long_name = "void at::native::elementwise_kernel<" + "x" * 300 + ">"
-    events = [
-        kernel("gemm", 30.0),
-        kernel(long_name, 1000.0),
-        kernel(long_name, 2000.0),
-        kernel(long_name, 1500.0),
-        kernel("gemm", 10.0),
-    ] + [kernel(f"k{i}", 1.0) for i in range(diagnostics.TOP_BY_COUNT)]
-    ranked = diagnostics._kernels_by_launches(events)
-    assert len(ranked) == diagnostics.TOP_BY_COUNT
-    assert list(ranked.items())[:2] == [
-        (long_name[:120], {"launches": 3, "device_ms": 4.5}),
-        ("gemm", {"launches": 2, "device_ms": 0.04}),
-    ]
-
-
-class BrokenTileKernels(FakeTileKernels2x):
-    """A test double of tile_kernels whose topk_gate picks the least likely experts (what the check must catch)."""
-
-    def topk_gate(self, scores, num_topk):
-        return super().topk_gate(-scores, num_topk)
-
-
-@pytest.mark.parametrize("double, status", [(FakeTileKernels2x, "passed"), (BrokenTileKernels, "failed")])
-def test_tile_kernels_comparison_with_a_cpu_double(double, status):
-    entry = correctness.tile_kernels_check(double(), preset="tiny", repeats=1)
-    assert entry["status"] == status, entry
-    assert entry["backend"] == "tile_kernels"
-    assert entry["step_s_torch"] > 0 and entry["step_s_tile_kernels"] > 0
-
-
-def test_a_row_whose_counting_step_fails_is_still_timed(monkeypatch):
-    """A model the counting modes trip on (say a tensor subclass) keeps its timing; the row says why it has no counts
-    and takes the FLOPs it was given."""
-
-    def failing(step, device):
-        step.forward_backward()  # fails halfway: gradients were written
-        raise RuntimeError("a counting mode tripped")
-
-    monkeypatch.setattr(step_table, "_instrumented_step", failing)
-    model = spider_model("tiny")
-    row = step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=1e9, flops=123)
-    assert row["status"] == "passed" and row["step_s"] > 0 and "a counting mode tripped" in row["instrument_error"]
-    assert row["flops_per_step"] == 123 and row["aten_ops_per_step"] is None and row["mfu"] > 0
-
-
-def test_repeated_axis_summary_times_the_steps_at_an_axis_met_before():
-    """A timed step counts as repeated when a warm-up, instrumented or earlier timed step ran its segment axis."""
-    summary = diagnostics.repeated_axis_summary([64, 80], [80, 96, 96, 112, 64], [0.25, 1.4, 0.26, 1.3, 0.24])
-    assert summary["timed_steps_at_new_axis"] == 2  # 96 first, 112
-    assert summary["step_s_repeated_axis"] == 0.25  # median of 0.25 (80), 0.26 (96 again), 0.24 (64)
-    assert diagnostics.repeated_axis_summary([], [48, 64], [1.0, 1.1]) == {
-        "timed_steps_at_new_axis": 2,
-        "step_s_repeated_axis": None,
-    }
+    ((part,), (entry,)) = result["parts"], result["checks"]
+    assert part["allowed_s"] == 5.5 and part["seconds"] < 5.5 + 5, part
+    assert entry["status"] == "skipped" and entry["reason"].startswith("time budget"), entry
 
 
 def test_step_rows_record_the_segment_axis_of_each_step(requested_rows):
     """Spider's rows (eager and regionally compiled) record the padded segment axis of every step; the word-rate row
     closes a segment every round(1 / boundary_prior) bytes, so its axis is fixed by the length; the peer records
-    none; no row leaves its hook behind."""
+    none."""
     config = spider_config("tiny")
     length = 64  # requested_rows' shape
     rows = {row["model"]: row for row in requested_rows["rows"]}
@@ -565,35 +415,18 @@ def test_step_rows_record_the_segment_axis_of_each_step(requested_rows):
     word_axis = -(-(1 + length // stride) // pad) * pad
     word = rows["spider_word_rate"]
     assert word["boundary_mode"] == "fixed" and word["bytes_per_segment"] == stride
-    assert word["segment_axis"] == {"warmup": [word_axis], "instrumented": [word_axis], "timed": [word_axis] * 2}
+    assert word["segment_axis"] == {
+        "warmup": [word_axis],
+        "instrumented": [word_axis],
+        "timed": [word_axis] * 2,
+        "profiled": [word_axis],  # the profiled step (its top host and aten ops)
+    }
     assert word["timed_steps_at_new_axis"] == 0 and word["step_s_repeated_axis"] > 0
     for label in ("spider", "spider_compiled"):
         axis = rows[label]["segment_axis"]
-        assert len(axis["timed"]) == 2 and len(axis["warmup"]) == step_table.STEP_TABLE_WARMUP.get(label, 1), axis
+        assert len(axis["timed"]) == 2 and len(axis["warmup"]) == WARMUP_STEPS[label], axis
         assert all(
             size % pad == 0 and pad <= size <= -(-(1 + length) // pad) * pad
-            for size in axis["warmup"] + axis["instrumented"] + axis["timed"]
+            for size in axis["warmup"] + axis["instrumented"] + axis["timed"] + axis["profiled"]
         ), axis
     assert "segment_axis" not in rows["deepseek_v3"] and "step_s_repeated_axis" not in rows["deepseek_v3"]
-
-    model = spider_model("tiny")
-    step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=1, peak_flops=None)
-    assert not model.model.flexitokens._forward_hooks
-
-
-def test_device_allocations_per_timed_step(monkeypatch):
-    """Off CUDA there is no allocator count and the row has no such field; with a stand-in for the CUDA caching
-    allocator's ``num_device_alloc`` counter (no CUDA here), each timed step records the calls it made."""
-    assert diagnostics.device_allocations(torch.device("cpu")) is None
-    model = spider_model("tiny")
-    row = step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
-    assert "device_allocations_per_step" not in row
-
-    calls = iter([10, 13, 13, 20])  # before / after each of the two timed steps
-
-    def fake_allocator_counter(device):  # test double: the CUDA caching allocator's num_device_alloc
-        return next(calls)
-
-    monkeypatch.setattr(step_table, "device_allocations", fake_allocator_counter)
-    row = step_table._step_row(model, "spider", (1, 32), torch.device("cpu"), repeats=2, peak_flops=None)
-    assert row["device_allocations_per_step"] == [3, 7]

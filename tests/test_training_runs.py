@@ -1,5 +1,9 @@
-"""The two parts of ``python -m bench.gpu_check`` that train through :func:`spider_training.train.main` (with a
-``TrainerCallback`` that times each step and can stop the run at the part's time budget):
+"""The two checks of ``python -m bench.gpu_check`` that train through :func:`spider_training.train.main` (with a
+``TrainerCallback`` that times each step and can stop the run within the part's allowance), as tests: the command runs
+them in its process (``bench.parts.run_tests``) with its flags of the same names (``tests/conftest.py``:
+``--main_job_*``, ``--run_1b_*``, ``--check_allowance_s``), each test's status and recorded figures one entry of its
+JSON. Alone, ``pytest tests/test_training_runs.py`` runs them at toy sizes on CPU and at the command's sizes on CUDA
+(the ``1b`` run skipped without it).
 
 - ``main_job``: the README's main job end to end, :func:`spider_training.train.main` with its defaults (the
   ``small`` preset on the embedded SOTU corpus, 500 steps, held-out scoring before, during and after, a sample, a
@@ -19,91 +23,86 @@
   unless ``--run_1b_preset`` names a smaller preset (``--run_1b_steps``, ``--run_1b_batch``, ``--run_1b_experts`` and
   ``--run_1b_args`` change the run). If the time budget ends training early, the checks judge the steps that ran
   and the entry says how many. Reported beside the judgement: each step's wall time summarised (``step_seconds``,
-  :func:`bench.diagnostics.step_time_summary`: median, mean, 90th percentile, max, and how many steps took over twice
-  the median,
-  which is what a segment count not seen before costs in a real run; with each step's padded segment axis, the
-  sizes met, the steps that met one first, how many of the slow steps those were and the median of the other
-  steps), the mean ACT halting step along the run
+  :func:`spider_training.step_times.step_time_summary`: median, mean, 90th percentile, max, the steps over twice
+  the median, and with each step's segment axis which of them met a new one), the mean ACT halting step along the run
   (``mean_halting_step``: loops per segment; near 1 means the later loops get no weight) and the held-out bits per
   byte at 1, 2 and 4 loops after training.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
+import shlex
 import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from bench.diagnostics import SegmentAxisRecorder, step_time_summary
-from bench.parts import Deadline, PartTimeout, default_device, entry, error_reason, free_memory
+from spider_training.step_times import StepTimes
+
+CUDA = torch.cuda.is_available()
 
 
-def _trainer_hook_class():
-    from transformers import TrainerCallback
+def default_device() -> torch.device:
+    return torch.device("cuda") if CUDA else torch.device("cpu")
 
-    class TrainerHook(TrainerCallback):
-        """A ``TrainerCallback`` handed to :func:`spider_training.train.main` (``callbacks=``): keeps the run's
-        ``state`` (``log_history``), the trained model's config and each step's wall time (``step_times``: from
-        ``on_step_begin`` to ``on_step_end``, so evaluation and the next batch's loading are outside it; the step's
-        one host sync keeps the host within a step of the device), each step's largest padded segment axis
-        (``step_axes``, :class:`SegmentAxisRecorder`; empty for a model without one or under ``--compile``) and, with
-        `stop_at` (``time.monotonic``), stops training at the first step that ends after it
-        (``control.should_training_stop``: the run then scores, samples and writes its release as after its last
-        step)."""
 
-        def __init__(self, stop_at: float | None):
-            self.stop_at = stop_at
-            self.state = None
-            self.config = None
-            self.stopped_at_step = None
-            self.step_times: list[float] = []
-            self.step_axes: list[int | None] = []
-            self._step_start = None
-            self._axis = None
-            self._axis_mark = 0
+def entry(name: str, status: str, reason: str = "", **figures) -> dict:
+    """``bench.gpu_check``'s JSON entry of a check."""
+    return {"name": name, "status": status, "reason": reason, **figures}
 
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.state = state
-            self.config = getattr(model, "config", None)
-            # not under --compile: a hook inside a compiled region would be traced (and could specialise the axis)
-            if model is not None and self._axis is None and not getattr(args, "torch_compile", False):
-                recorder = SegmentAxisRecorder(model)
-                self._axis = recorder if recorder.active else None
 
-        def on_train_end(self, args, state, control, **kwargs):
-            if self._axis is not None:
-                self._axis.close()
-                self._axis = None
+def error_reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._step_start = time.perf_counter()
-            self._axis_mark = len(self._axis.sizes) if self._axis is not None else 0
 
-        def on_step_end(self, args, state, control, **kwargs):
-            if self._step_start is not None:
-                self.step_times.append(time.perf_counter() - self._step_start)
-                self._step_start = None
-                if self._axis is not None:  # the step's forwards (micro-batches) only: evaluation runs after this
-                    sizes = self._axis.sizes[self._axis_mark :]
-                    self.step_axes.append(max(sizes) if sizes else None)
-            if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
-                control.should_training_stop = True
-                self.stopped_at_step = state.global_step
-            return control
+def free_memory() -> None:
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
 
-    return TrainerHook
+
+def stop_time(allowance_s: float | None, fraction: float, keep_s: float) -> float | None:
+    """The ``time.monotonic`` at which training should stop within an allowance of `allowance_s` seconds from now:
+    `fraction` of it, and at least `keep_s` before its end (for the final scoring and the release). None: no
+    allowance."""
+    if allowance_s is None:
+        return None
+    return time.monotonic() + max(0.0, min(fraction * allowance_s, allowance_s - keep_s))
+
+
+class _TrainerHook(StepTimes):
+    """:class:`spider_training.step_times.StepTimes` handed to :func:`spider_training.train.main` that also keeps the
+    run's ``state`` (``log_history``) and config and, with `stop_at` (``time.monotonic``), stops training at the first
+    step that ends after it (``control.should_training_stop``: the run then scores, samples and writes its release as
+    after its last step)."""
+
+    def __init__(self, stop_at: float | None):
+        super().__init__()
+        self.stop_at, self.state, self.config, self.stopped_at_step = stop_at, None, None, None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.state, self.config = state, getattr(model, "config", None)
+        super().on_train_begin(args, state, control, model=model, **kwargs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        if self.stop_at is not None and time.monotonic() >= self.stop_at and not control.should_training_stop:
+            control.should_training_stop = True
+            self.stopped_at_step = state.global_step
+        return control
 
 
 def _train_main(argv: list[str], stop_at: float | None):
-    """``spider_training.train.main(argv)`` with a trainer hook (:func:`_trainer_hook_class`); returns (summary, hook,
+    """``spider_training.train.main(argv)`` with a :class:`_TrainerHook`; returns (summary, hook,
     seconds)."""
     from spider_training import train as train_module
 
-    hook = _trainer_hook_class()(stop_at)
+    hook = _TrainerHook(stop_at)
     start = time.perf_counter()
     summary = train_module.main(argv, callbacks=[hook])
     return summary, hook, time.perf_counter() - start
@@ -118,7 +117,7 @@ def main_job_check(
     steps: int = 500,
     preset: str = "small",
     device: torch.device | None = None,
-    deadline: Deadline | None = None,
+    allowance_s: float | None = None,
     extra_args: tuple[str, ...] = (),
     prompt: str = "The state of the union is",
     new_bytes: int = 16,
@@ -128,18 +127,15 @@ def main_job_check(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
-    deadline = deadline or Deadline(None)
     name = "main_job"
     figures = {"device": str(device), "preset": preset, "steps_requested": steps}
     with tempfile.TemporaryDirectory(prefix="spider_gpu_check_main_") as tmp:
         argv = ["--preset", preset, "--max_steps", str(steps), "--output_dir", os.path.join(tmp, "run"), *extra_args]
         # training stops early enough to keep 15% of the allowance (at least 20 s) for the final scoring, the sample,
         # the release and its reload
-        stop_at = deadline.at_fraction(0.85, keep_s=max(20.0, 0.15 * min(deadline.left(), 1e9)))
+        stop_at = stop_time(allowance_s, 0.85, keep_s=max(20.0, 0.15 * (allowance_s or 0)))
         try:
             summary, hook, seconds = _train_main(argv, stop_at)
-        except PartTimeout:
-            raise
         except Exception as exc:  # noqa: BLE001 - the check reports what broke
             return entry(
                 name,
@@ -154,7 +150,7 @@ def main_job_check(
             steps=summary.get("steps"),
             seconds=round(seconds, 2),
             train_runtime_s=_train_runtime(hook),
-            step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
+            step_seconds=hook.summary(),
             precision=summary.get("precision"),
             moe_backend=summary.get("moe_backend"),
             parameters=summary.get("parameters"),
@@ -204,8 +200,6 @@ def main_job_check(
                     f"the reloaded release generated {generated.numel()} of {new_bytes} bytes on {out.device}"
                 )
             del model
-        except PartTimeout:
-            raise
         except Exception as exc:  # noqa: BLE001
             figures["release_reload_ok"] = False
             problems.append(f"reloading the release and generating on {device} raised {error_reason(exc)}")
@@ -291,14 +285,13 @@ def run_1b_check(
     batch: int = 32,
     seq_len: int = 256,
     device: torch.device | None = None,
-    deadline: Deadline | None = None,
+    allowance_s: float | None = None,
     experts_implementation: str | None = None,
     extra_args: tuple[str, ...] = (),
 ) -> dict:
     """`steps` training steps of `preset` on the embedded corpus, judged by :func:`judge_1b_run` (see the module
     docstring). Skipped without CUDA for the ``1b`` preset."""
     device = device or default_device()
-    deadline = deadline or Deadline(None)
     name = "run_1b"
     if preset == "1b" and device.type != "cuda":
         return entry(name, "skipped", "needs CUDA (300 steps of the 1b preset take days on a CPU)")
@@ -337,11 +330,9 @@ def run_1b_check(
         if experts_implementation:  # the config field of releases before the fused experts, still mapped
             argv += ["--config_overrides", f"moe_implementation={experts_implementation}"]
         argv += list(extra_args)
-        stop_at = deadline.at_fraction(0.8, keep_s=max(20.0, 0.2 * min(deadline.left(), 1e9)))
+        stop_at = stop_time(allowance_s, 0.8, keep_s=max(20.0, 0.2 * (allowance_s or 0)))
         try:
             summary, hook, seconds = _train_main(argv, stop_at)
-        except PartTimeout:
-            raise
         except Exception as exc:  # noqa: BLE001
             return entry(
                 name,
@@ -372,7 +363,7 @@ def run_1b_check(
             boundary_prior=config.boundary_prior,
             boundary_prior_std=config.boundary_prior_std,
             boundary_prior_k=config.boundary_prior_k,
-            step_seconds=step_time_summary(hook.step_times, step_axes=hook.step_axes),
+            step_seconds=hook.summary(),
             **judged,
         )
         if hook.stopped_at_step is not None:
@@ -392,3 +383,90 @@ def _thin(points: list, at_most: int) -> list:
     stride = math.ceil(len(points) / at_most)
     kept = points[::stride]
     return kept if kept[-1] == points[-1] else kept + [points[-1]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The checks (run by bench.gpu_check with its sizes; alone: toy sizes on CPU, the command's on CUDA)
+
+
+def record_outcome(record_property, result: dict) -> None:
+    """Record `result`'s figures for ``bench.gpu_check`` and pass, skip or fail as its status says."""
+    record_property("figures", {k: v for k, v in result.items() if k not in ("name", "status", "reason")})
+    if result["status"] == "skipped":
+        pytest.skip(result["reason"])
+    if result["status"] != "passed":
+        pytest.fail(result["reason"], pytrace=False)
+
+
+@pytest.mark.slow
+def test_main_job_trains_and_its_release_generates(request, record_property):
+    """The README's main job (20 steps of ``small`` on CUDA, ``--main_job_*`` otherwise): held-out bits per byte
+    fall, and the release reloads onto the device and generates there. On CPU it runs when the sizes are given
+    (``tests/test_gpu_check.py``'s toy run of the command gives them)."""
+    option = request.config.getoption
+    if not CUDA and option("--main_job_preset") is None:
+        pytest.skip(
+            "needs CUDA, or --main_job_preset (tests/test_gpu_check.py runs it on CPU through bench.gpu_check)"
+        )
+    result = main_job_check(
+        steps=int(option("--main_job_steps") or 20),
+        preset=option("--main_job_preset") or "small",
+        allowance_s=option("--check_allowance_s"),
+        extra_args=tuple(shlex.split(option("--main_job_args") or "")),
+    )
+    record_outcome(record_property, result)
+
+
+@pytest.mark.slow
+def test_1b_run_keeps_its_boundary_rate_in_band_and_learns(request, record_property):
+    """``--run_1b_steps`` (300) of the ``--run_1b_preset`` (1b, skipped without CUDA; a smaller preset runs on CPU,
+    where a few steps do not reach the band: the command's toy run records that judgement): the boundary rate ends
+    inside the prior's band and held-out bits per byte fall."""
+    option = request.config.getoption
+    batch, length = (int(n) for n in (option("--run_1b_batch") or "32x256").lower().split("x"))
+    result = run_1b_check(
+        steps=int(option("--run_1b_steps") or 300),
+        preset=option("--run_1b_preset") or "1b",
+        batch=batch,
+        seq_len=length,
+        allowance_s=option("--check_allowance_s"),
+        experts_implementation=option("--run_1b_experts") or None,
+        extra_args=tuple(shlex.split(option("--run_1b_args") or "")),
+    )
+    record_outcome(record_property, result)
+
+
+def test_1b_run_judgement():
+    band = dict(boundary_prior=0.2, boundary_prior_std=0.023, boundary_prior_k=3.0)  # rate in [0.131, 0.2]
+    falling, rising = [(0, 3.1), (50, 2.6), (100, 2.3)], [(0, 2.3), (50, 2.6), (100, 2.9)]
+    in_band, too_few = [(10, 9.0), (100, 6.0)], [(10, 9.0), (100, 12.0)]  # bytes per segment: rate 1/6, 1/12
+    assert judge_1b_run(falling, in_band, **band)[:2] == ("passed", "")
+    status, reason, figures = judge_1b_run(rising, in_band, **band)
+    assert status == "failed" and "did not fall" in reason and figures["bits_per_byte_last"] == 2.9
+    status, reason, figures = judge_1b_run(falling, too_few, **band)
+    assert status == "failed" and "outside the prior's band" in reason
+    assert figures["boundary_rate_end"] == pytest.approx(1 / 12)
+    assert figures["boundary_rate_band"] == pytest.approx([0.2 - 3 * 0.023, 0.2])
+    assert judge_1b_run(falling[:1], in_band, **band)[0] == "failed"  # one scoring shows no trend
+
+
+def test_held_out_and_compression_curves_from_a_log_history():
+    history = [
+        {"eval_before_bits_per_byte": 8.0, "step": 0},
+        {"loss": 5.0, "compression_rate": 2.0, "bits_per_byte": 7.5, "step": 10},
+        {"eval_bits_per_byte": 7.0, "eval_compression_rate": 3.0, "step": 10},
+        {"eval_after_bits_per_byte": 6.5, "step": 12},
+    ]
+    assert held_out_curve(history) == [(0, 8.0), (10, 7.0), (12, 6.5)]  # training's bpb is not held-out
+    assert compression_curve(history) == [(10, 2.0)]
+    assert training_curve(history, "bits_per_byte") == [(10, 7.5)]
+
+
+def test_main_job_stops_training_at_its_deadline():
+    """An allowance that leaves no time for training: the trainer stops after its first step, and the run still
+    scores, writes and reloads its release (the time kept for them is not the training's)."""
+    result = main_job_check(
+        steps=50, preset="tiny", allowance_s=1.0, extra_args=("--eval_windows", "4", "--save_strategy", "no")
+    )
+    assert result["steps"] == 1 and result["stopped_by_time_budget_at_step"] == 1, result
+    assert "time budget at step 1 of 50" in result["note"] and result["release_reload_ok"]
