@@ -58,7 +58,7 @@ MEASURED_TRAINING_CHOICES: dict = dict(
 
 SPIDER_PRESETS: dict[str, dict] = {
     # SpiderConfig()'s shape (tk-train.py's ~1B model) with the measured choices; SpiderConfig() itself stays
-    # tk-train.py's (spider_training.convert_tk_train builds its checkpoints on it)
+    # tk-train.py's (spider_training.commands.convert_tk_train builds its checkpoints on it)
     "1b": dict(MEASURED_TRAINING_CHOICES),
     "small": dict(
         hidden_size=256,

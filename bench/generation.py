@@ -160,10 +160,10 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
 
 def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8, compile: bool = False) -> dict:
     """Bytes/s through ``spider-serve`` (issue 65's serving target), run as a user runs it: the model saved as a
-    release and served by ``python -m spider_training.serve RELEASE --port P [--compile]`` in a process of its own,
-    the official ``openai`` client (here, one thread per stream) streaming greedy completions of `new_tokens` bytes
-    after a `prompt_len`-byte prompt, first one stream alone, then `streams` at once; aggregate bytes/s = completion
-    bytes (the server's ``usage``) / wall time, after one untimed round of each (which pays `compile`'s compiles).
+    release and served by ``spider-serve RELEASE --port P [--compile]`` in a process of its own, the official
+    ``openai`` client (here, one thread per stream) streaming greedy completions of `new_tokens` bytes after a
+    `prompt_len`-byte prompt, first one stream alone, then `streams` at once; aggregate bytes/s = completion bytes
+    (the server's ``usage``) / wall time, after one untimed round of each (which pays `compile`'s compiles).
     Target: `streams` streams ``>= 4x`` one stream.
 
     Raises:
@@ -205,7 +205,7 @@ def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
         probe.close()
-        command = [sys.executable, "-m", "spider_training.serve", release, "--served-model-name", "spider",
+        command = [sys.executable, "-m", "spider_training.commands.serve", release, "--served-model-name", "spider",
                    "--port", str(port), "--max-batch-size", str(streams), "--device", "cpu"]  # fmt: skip
         server = subprocess.Popen(
             command + (["--compile"] if compile else []), cwd=Path(__file__).resolve().parents[1],

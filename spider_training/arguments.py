@@ -337,10 +337,7 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
     if os.path.isfile(path):
         hint = ""
         if path.endswith((".pt", ".pth")):
-            hint = (
-                " -- a tk-train.py .pt checkpoint is converted first: python -m spider_training.convert_tk_train "
-                f"{value} OUTPUT_DIR"
-            )
+            hint = f" -- a tk-train.py .pt checkpoint is converted first: spider-convert-tk-train {value} OUTPUT_DIR"
         raise ValueError(
             f"{flag} {value}: is a file; expected a folder saved with save_pretrained (config.json + "
             f"model.safetensors){hint}"

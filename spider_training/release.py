@@ -100,7 +100,7 @@ def write_release(
         tokenizer.save_pretrained(folder)
         card_map = None
         if card_map_text:
-            from .compute_map import write_card_map
+            from .commands.compute_map import write_card_map
 
             try:
                 card_map = write_card_map(folder, card_map_text, model=model).name

@@ -26,9 +26,9 @@ from configuration_spider import SpiderConfig
 from modeling_spider import SpiderForConditionalGeneration
 from spider_training import checkpointing
 from spider_training.arguments import SpiderTrainingArguments, parse_args
-from spider_training.compute_map import held_out_paragraph
+from spider_training.commands.compute_map import held_out_paragraph
+from spider_training.commands.generate import sample
 from spider_training.data import build_dataset
-from spider_training.generate import sample
 from spider_training.optim import describe_optimizer
 from spider_training.release import checked_from_pretrained, gather_unsharded, write_release
 from spider_training.run_lock import RunLock

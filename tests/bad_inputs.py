@@ -1032,7 +1032,7 @@ def _env() -> list[BadInput]:
 
 
 def _load(path: Path):
-    """How the training code loads a release or checkpoint (``--init_from``, ``spider_training.generate``)."""
+    """How the training code loads a release or checkpoint (``--init_from``, ``spider_training.commands.generate``)."""
     from modeling_spider import SpiderForConditionalGeneration
     from spider_training.release import checked_from_pretrained
 
@@ -1292,7 +1292,7 @@ def _model_forward() -> list[BadInput]:
 def _write_shards_failing_midway(tmp: Path):
     """A dataset folder from an earlier ``write_shards`` run, then ``--overwrite`` from a source whose second file is
     malformed: the error must name the source and leave the earlier dataset untouched."""
-    from spider_training.write_shards import write_shards
+    from spider_training.commands.write_shards import write_shards
 
     good = tmp / "good.jsonl"
     good.write_text("".join(json.dumps({"text": f"first run {i} " * 20}) + "\n" for i in range(300)))

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", default=TEXT)
     parser.add_argument("--out", type=Path, default=Path("compute_map_browser"))
     args = parser.parse_args(argv)
-    from spider_training.compute_map import PALETTE, compute_map, encode, load_release, write_map
+    from spider_training.commands.compute_map import PALETTE, compute_map, encode, load_release, write_map
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.release is None:

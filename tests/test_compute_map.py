@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from spider_training.compute_map import (
+from spider_training.commands.compute_map import (
     PALETTE,
     compute_map,
     encode,

@@ -1,4 +1,5 @@
-"""tk-train.py's checkpoints (`spider-stepN.pt` pickles) enter only through `spider_training.convert_tk_train`.
+"""tk-train.py's checkpoints (`spider-stepN.pt` pickles) enter only through
+`spider_training.commands.convert_tk_train`.
 
 The checkpoints here are written the way tk-train.py writes them: `torch.save` of its dict, in a
 separate process in which the config class really is tk-train.py's (`__main__.SpiderConfig`, or
@@ -20,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from configuration_spider import SpiderConfig
-from spider_training import convert_tk_train as cs
-from spider_training.convert_tk_train import (
+from spider_training.commands import convert_tk_train as cs
+from spider_training.commands.convert_tk_train import (
     TK_TRAIN_KEY_MAPPING,
     UnsafeCheckpointError,
     convert_tk_train_checkpoint,
@@ -360,7 +361,7 @@ def test_cli_release_loads_with_auto_classes_in_a_fresh_process(tk_train, tmp_pa
 
 
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):
-    """The command's entry point (``python -m spider_training.convert_tk_train`` exits with what it returns; the
+    """The command's entry point (``spider-convert-tk-train`` exits with what it returns; the
     ``-m`` runs are test_cli_release_loads_with_auto_classes_in_a_fresh_process's) on a missing file: status 1 and one
     line naming it, no traceback."""
     missing = tmp_path / "spider-step404.pt"
@@ -579,7 +580,7 @@ def test_old_module_name_and_dtype_seed_still_work(tk_train, tmp_path, monkeypat
         warnings.simplefilter("always")
         sys.modules.pop("spider_training.convert_seed", None)
         from spider_training import convert_seed
-    assert any("spider_training.convert_tk_train" in str(w.message) for w in caught)
+    assert any("spider_training.commands.convert_tk_train" in str(w.message) for w in caught)
     assert convert_seed.convert_seed_checkpoint is convert_tk_train_checkpoint
     assert convert_seed.seed_to_spider_name is tk_train_to_spider_name
     assert convert_seed.SEED_KEY_MAPPING is TK_TRAIN_KEY_MAPPING

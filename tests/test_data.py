@@ -1,4 +1,4 @@
-"""Tests of spider_training.data and spider_training.write_shards (byte-level datasets, shards, sharding)."""
+"""Tests of spider_training.data and spider_training.commands.write_shards (byte-level datasets, shards, sharding)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from spider_training import data as D
-from spider_training.write_shards import write_shards
+from spider_training.commands.write_shards import write_shards
 from tests.helpers import write_header_shard, write_headerless_shard
 
 TEXTS = [
@@ -843,9 +843,9 @@ def test_write_shards_splits_metadata_and_overwrite(tmp_path):
 
 
 def test_write_shards_cli(tmp_path, capsys):
-    """``python -m spider_training.write_shards`` (its entry point in-process): the JSON summary on stdout, exit code
+    """``spider-write-shards`` (its entry point in-process): the JSON summary on stdout, exit code
     2 with the fix named when the shards already exist."""
-    from spider_training.write_shards import main
+    from spider_training.commands.write_shards import main
 
     argv = ["--source", "mock", "--num_samples", "20", "--out", str(tmp_path / "cli"), "--format", "header"]
     assert main(argv) == 0

@@ -1,5 +1,5 @@
 """Every path that builds tensors for the model builds them on the model's device (a CUDA crash found on a GPU:
-``spider_training.generate.sample`` built the prompt on the CPU for a model on ``cuda:0``).
+``spider_training.commands.generate.sample`` built the prompt on the CPU for a model on ``cuda:0``).
 
 On a CPU-only machine the model and the default device are the same, so a tensor built without naming a device
 cannot be told apart. The test double here, :func:`default_device_elsewhere`, makes them differ: inside it the
@@ -18,7 +18,7 @@ import contextlib
 import pytest
 import torch
 
-from spider_training.generate import sample
+from spider_training.commands.generate import sample
 from spider_training.metrics import bits_per_byte
 from tests.helpers import tiny_model
 from tokenization_spider import SpiderTokenizer

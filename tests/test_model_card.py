@@ -405,13 +405,13 @@ def test_boundary_predictor_paragraph_follows_the_configured_teacher(release, co
 def test_the_compute_map_is_shown_with_its_command_only_when_drawn(release, config):
     """With a held-out paragraph's map in the folder the card shows it, says what it shows and the command that drew
     it; without the file (or without a map) the card has no such line."""
-    from spider_training.compute_map import CARD_MAP_NAME
+    from spider_training.commands.compute_map import CARD_MAP_NAME
 
     assert CARD_MAP_NAME not in write(release, config, compute_map=CARD_MAP_NAME).read_text()  # named, not drawn
     (release / CARD_MAP_NAME).write_bytes(b"\x89PNG\r\n\x1a\n")
     text = write(release, config, compute_map=CARD_MAP_NAME).read_text()
     assert f"]({CARD_MAP_NAME})" in text and "each colour is one segment" in text
-    assert f"python -m spider_training.compute_map {REPO} --file paragraph.txt" in text
+    assert f"python -m spider_training.commands.compute_map {REPO} --file paragraph.txt" in text
     assert CARD_MAP_NAME not in write(release, config).read_text()
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (``spider_training.serve``), driven by the official ``openai`` client against a server
+"""The OpenAI-compatible server (``spider-serve``), driven by the official ``openai`` client against a server
 on localhost: every answer is compared with what ``model.generate`` gives for the same prompt alone.
 
 The release is a tiny model trained for a few seconds to continue a text with multi-byte characters, so that greedy
@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from spider_training.serve import build_app, load_release, serving_in_thread
+from spider_training.commands.serve import build_app, load_release, serving_in_thread
 from tests.helpers import tiny_model
 from tokenization_spider import SpiderTokenizer
 

@@ -1,4 +1,4 @@
-"""Where Spider spends its compute on a text: ``python -m spider_training.compute_map RELEASE --text TEXT``.
+"""Where Spider spends its compute on a text: ``python -m spider_training.commands.compute_map RELEASE --text TEXT``.
 
 :func:`compute_map` runs the model once and returns a :class:`ComputeMap`: per byte the boundary probability, the
 decision and its segment; per segment the loops ACT ran and each loop's weight; per loop and recurrent layer the
@@ -515,7 +515,9 @@ def held_out_paragraph(eval_dataset, max_bytes: int = 600) -> str | None:
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     """The command: parse `argv`, load the release, write the HTML and the PNG, print their paths and the time."""
-    parser = argparse.ArgumentParser(prog="python -m spider_training.compute_map", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m spider_training.commands.compute_map", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("release", help="a release folder (or Hub model id) that from_pretrained loads")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", help="the text to map")
@@ -541,5 +543,10 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     return page, picture
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``spider-compute-map``: :func:`main` on the command line (what it returns is printed, not the exit status)."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,7 +1,7 @@
 """Import a checkpoint of tk-train.py (``spider-stepN.pt``) as a safetensors release -- the only way its pickle gets
 in.
 
-``python -m spider_training.convert_tk_train spider-step50.pt OUTPUT_DIR [--preset NAME] [--dtype
+``python -m spider_training.commands.convert_tk_train spider-step50.pt OUTPUT_DIR [--preset NAME] [--dtype
 checkpoint|float32|...]
 [--rename PATTERN=REPLACEMENT ...] [--overwrite] [--strict]`` prints a JSON report on stdout and writes ``OUTPUT_DIR``
 with
@@ -556,7 +556,7 @@ def convert_tk_train_checkpoint(
     from modeling_spider import SpiderForConditionalGeneration
     from tokenization_spider import SpiderTokenizer
 
-    from .checkpointing import save_folder_atomically
+    from ..checkpointing import save_folder_atomically
 
     path, output_dir = Path(path), Path(output_dir)
     if preset is not None and preset not in SPIDER_PRESETS:
@@ -639,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     from configuration_spider import SPIDER_PRESETS
 
     parser = argparse.ArgumentParser(
-        prog="python -m spider_training.convert_tk_train",
+        prog="python -m spider_training.commands.convert_tk_train",
         description="Convert a tk-train.py checkpoint (spider-stepN.pt, a torch pickle) into a safetensors release "
         "folder. "
         "The pickle is read with torch's weights-only unpickler; tk-train.py's config class is read as inert data.",

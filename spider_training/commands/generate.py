@@ -1,4 +1,4 @@
-"""Sample text from a Spider model: ``python -m spider_training.generate [--model PATH] --prompt TEXT``.
+"""Sample text from a Spider model: ``python -m spider_training.commands.generate [--model PATH] --prompt TEXT``.
 
 With ``--model`` it loads a saved folder (a training release or checkpoint) through the Auto classes with
 ``trust_remote_code=True``, exactly as a user of the Hub would; without it, it builds a fresh model from a preset
@@ -17,7 +17,7 @@ def load(model_path: str | None, preset: str = "tiny"):
     if model_path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from .release import checked_from_pretrained
+        from ..release import checked_from_pretrained
 
         model = checked_from_pretrained(AutoModelForCausalLM.from_pretrained, model_path, trust_remote_code=True)
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)

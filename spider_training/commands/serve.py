@@ -1,5 +1,5 @@
 """Serve a Spider release over HTTP in the shape of OpenAI's API: ``spider-serve RELEASE`` or
-``python -m spider_training.serve RELEASE [--host H] [--port P]``.
+``python -m spider_training.commands.serve RELEASE [--host H] [--port P]``.
 
 Endpoints (FastAPI on uvicorn): ``GET /v1/models``, ``POST /v1/completions`` and, when the release's tokenizer has a
 chat template, ``POST /v1/chat/completions``. Tokens are bytes: ``max_tokens`` counts bytes, ``usage`` counts ids.
@@ -568,7 +568,7 @@ def load_release(path: str, device: str | None = None):
         ValueError / OSError: as :func:`spider_training.release.checked_from_pretrained`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .release import checked_from_pretrained
+    from ..release import checked_from_pretrained
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = checked_from_pretrained(AutoModelForCausalLM.from_pretrained, path, trust_remote_code=True)

