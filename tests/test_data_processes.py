@@ -141,14 +141,16 @@ def test_two_processes_encode_once_and_split_one_processs_order(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_two_processes_stream_disjoint_parts_and_resume_them(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_processes_stream_disjoint_parts_and_resume_them(tmp_path, workers):
     """--streaming on two files: each rank reads its own file (split_dataset_by_node), so the ranks' windows are
-    disjoint and each is the first windows of the library's stream for that rank; a two-process run resumed from a
-    checkpoint continues every rank's stream from its saved position with the windows the uninterrupted run trained
-    on."""
+    disjoint and each is the first windows of the library's stream for that rank (with 2 dataloader workers, taken
+    every other window by each worker, a batch each in turn); a two-process run resumed from a checkpoint continues
+    every rank's stream (with 2 dataloader workers: every worker's part) from its saved position with the windows
+    the uninterrupted run trained on."""
     corpus = write_corpus(tmp_path / "corpus")
     steps, checkpoint = 6, 3
-    stream_args = ["--streaming", "--shuffle_buffer", "16", "--seed", "4"]
+    stream_args = ["--streaming", "--shuffle_buffer", "16", "--seed", "4", "--dataloader_num_workers", str(workers)]
     args = train_args(
         corpus, tmp_path / "run", *stream_args, "--max_steps", str(steps), "--save_steps", str(checkpoint)
     )
@@ -162,8 +164,13 @@ def test_two_processes_stream_disjoint_parts_and_resume_them(tmp_path):
             str(corpus), SEQ_LEN, stream=True, rank=rank, world_size=2, shuffle=True, shuffle_buffer=16, seed=4
         )
         assert stream.source.num_shards == 1  # one file per rank
-        expected = [tuple(w.tolist()) for _, w in zip(range(len(ranks[rank])), stream.iter_windows())]
-        assert ranks[rank] == expected
+        expected = [tuple(w.tolist()) for w in stream.iter_windows()]
+        if workers:  # worker w takes windows w, w + 2, ... of the rank's stream; the workers give a batch in turn
+            parts = [expected[w::workers] for w in range(workers)]
+            expected = [
+                x for j in range(steps) for part in parts for x in part[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]
+            ]
+        assert ranks[rank] == expected[: len(ranks[rank])]
 
     shutil.rmtree(tmp_path / "run" / f"checkpoint-{steps}")  # checkpoint-3 is now the newest: the rerun resumes it
     resumed = run_two_processes(tmp_path, tmp_path / "resumed", args, tmp_path / "datasets")
