@@ -11,7 +11,7 @@ import torch
 
 from spider_training import checkpointing
 from spider_training import data as D
-from spider_training.data.loader import STREAM_READ_DOCUMENTS
+from spider_training.data.loader import STREAM_READ_DOCUMENTS, STREAM_STATE_VERSION
 from tests.helpers import cpu_trainer
 
 SEQ_LEN = 31
@@ -58,12 +58,13 @@ def test_streamed_local_source_yields_the_cached_sources_windows(tmp_path):
     assert stream.stats.documents == cached.stats.documents
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_resume_from_any_batch_gives_the_uninterrupted_stream_without_rereading(tmp_path, shuffle):
+@pytest.mark.parametrize(("files", "shuffle"), [(2, False), (2, True), (1, True)])
+def test_resume_from_any_batch_gives_the_uninterrupted_stream_without_rereading(tmp_path, files, shuffle):
     """From the position saved after any batch, a fresh dataset yields exactly the batches the uninterrupted pass
     yielded next, and reads from datasets only the block holding that position onwards (earlier documents are never
-    pulled again, none but one is encoded again)."""
-    docs = write_jsonl(tmp_path / "data", files=2, per_file=400)
+    pulled again, none but one is encoded again). Shuffled, 2 files are read in a seeded order through datasets'
+    shuffle, one file without it."""
+    docs = write_jsonl(tmp_path / "data", files=files, per_file=800 // files)
     options = dict(shuffle=shuffle, shuffle_buffer=64, seed=3)
     full, positions = batches_and_positions(streamed(tmp_path / "data", **options))
     read = 64 if shuffle else STREAM_READ_DOCUMENTS
@@ -118,6 +119,9 @@ def test_a_position_of_another_stream_is_refused(tmp_path):
         streamed(tmp_path / "data", shuffle=True, shuffle_buffer=8).load_state_dict(positions[3])
     with pytest.raises(ValueError, match="not a stream position"):
         streamed(tmp_path / "data").load_state_dict({"windows": 3})
+    older = {**positions[3], "version": STREAM_STATE_VERSION - 1}  # another way of reading the stream
+    with pytest.raises(ValueError, match=r"of version \d+, this code reads version \d+.*--ignore_data_skip"):
+        streamed(tmp_path / "data").load_state_dict(older)
 
 
 class RecordingTrainer:

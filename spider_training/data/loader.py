@@ -39,8 +39,9 @@ logger = logging.getLogger("spider_training.data")  # one logger for the whole p
 #: documents read from ``datasets`` at a time by an unshuffled stream (its position is saved per read, plus the
 #: document and byte within it)
 STREAM_READ_DOCUMENTS = 256
-#: version of :meth:`StreamingTextDataset.state_dict`
-STREAM_STATE_VERSION = 1
+#: version of :meth:`StreamingTextDataset.state_dict` (2: a one-file stream is read without ``datasets``' shuffle
+#: layer, so its ``datasets`` state has another shape than version 1's)
+STREAM_STATE_VERSION = 2
 
 
 def _one_document_buffer_filter(record: logging.LogRecord) -> bool:
@@ -60,7 +61,8 @@ class StreamingTextDataset(IterableDataset):
     worker_id``. Yields the same examples as :class:`TextByteDataset` (:func:`window_to_example`).
 
     Shuffling (``shuffle=True``): the files in a seeded order (``datasets``' ``IterableDataset.shuffle(seed)``, its
-    shard order, with a buffer of one document) and the documents permuted in blocks of ``shuffle_buffer``
+    shard order, with a buffer of one document; skipped for a stream of one file, whose order it cannot change and
+    whose reading it slows 30x by going example by example) and the documents permuted in blocks of ``shuffle_buffer``
     (``numpy.random.default_rng([seed, epoch, block])``). Unlike ``datasets``' rolling shuffle buffer, whose content
     its state dict does not hold (a resume refills it and so changes the order), a block is read again from its
     ``datasets`` position and permuted the same way, so the shuffled stream resumes exactly from a state of a few
@@ -272,7 +274,14 @@ class StreamingTextDataset(IterableDataset):
 
     def _check_position(self, state: Any) -> None:
         """Raise ValueError unless ``state`` is a :meth:`state_dict` of this stream (version and layout)."""
-        if not isinstance(state, dict) or state.get("version") != STREAM_STATE_VERSION:
+        if isinstance(state, dict) and isinstance(state.get("version"), int) and "layout" in state:
+            if state["version"] != STREAM_STATE_VERSION:
+                raise ValueError(
+                    f"{self.source.description}: the saved stream position is of version {state['version']}, this "
+                    f"code reads version {STREAM_STATE_VERSION} (the stream is read another way), so it cannot "
+                    "continue exactly: pass --ignore_data_skip to start the stream from its beginning"
+                )
+        elif not isinstance(state, dict) or state.get("version") != STREAM_STATE_VERSION:
             raise ValueError(
                 f"{self.source.description}: not a stream position of version {STREAM_STATE_VERSION}: "
                 f"{str(state)[:200]}"
@@ -296,8 +305,10 @@ class StreamingTextDataset(IterableDataset):
         ds = self.source.dataset
         if shard is not None:
             ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=False)
-        if self.shuffle:
-            ds = ds.shuffle(seed=self.seed, buffer_size=1)  # the file order only: blocks are permuted below
+        if self.shuffle and ds.num_shards > 1:
+            # the file order only (blocks are permuted below). Not for one file: datasets' shuffle layer reads example
+            # by example (30x slower than its Arrow batches) and a resume skips to the saved example one by one
+            ds = ds.shuffle(seed=self.seed, buffer_size=1)
         ds.set_epoch(epoch)
         block, source_state, first = 0, None, 0
         if resume is not None:
