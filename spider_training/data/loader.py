@@ -305,7 +305,10 @@ class StreamingTextDataset(IterableDataset):
         ds = self.source.dataset
         if shard is not None:
             ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=False)
-        if self.shuffle and ds.num_shards > 1:
+        # the files this process reads: split_dataset_by_node takes effect when iterating, whole files per rank when
+        # their count divides by the process count, else every world_size-th document of all of them
+        files = ds.num_shards // self.world_size if ds.num_shards % self.world_size == 0 else ds.num_shards
+        if self.shuffle and files > 1:
             # the file order only (blocks are permuted below). Not for one file: datasets' shuffle layer reads example
             # by example (30x slower than its Arrow batches) and a resume skips to the saved example one by one
             ds = ds.shuffle(seed=self.seed, buffer_size=1)
