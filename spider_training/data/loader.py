@@ -60,9 +60,10 @@ class StreamingTextDataset(IterableDataset):
     num_workers, ...`` when the stream has at least ``num_workers`` files, else windows ``k % num_workers ==
     worker_id``. Yields the same examples as :class:`TextByteDataset` (:func:`window_to_example`).
 
-    Shuffling (``shuffle=True``): the files in a seeded order (``datasets``' ``IterableDataset.shuffle(seed)``, its
-    shard order, with a buffer of one document; skipped for a stream of one file, whose order it cannot change and
-    whose reading it slows 30x by going example by example) and the documents permuted in blocks of ``shuffle_buffer``
+    Shuffling (``shuffle=True``): the files in a seeded order (one process: ``datasets.concatenate_datasets`` of its
+    files in the order ``numpy.random.default_rng([seed, epoch]).permutation``; a process of several reading several
+    files: ``datasets``' ``IterableDataset.shuffle(seed)``, its shard order, with a buffer of one document, which reads
+    example by example, 30x slower) and the documents permuted in blocks of ``shuffle_buffer``
     (``numpy.random.default_rng([seed, epoch, block])``). Unlike ``datasets``' rolling shuffle buffer, whose content
     its state dict does not hold (a resume refills it and so changes the order), a block is read again from its
     ``datasets`` position and permuted the same way, so the shuffled stream resumes exactly from a state of a few
@@ -308,9 +309,18 @@ class StreamingTextDataset(IterableDataset):
         # the files this process reads: split_dataset_by_node takes effect when iterating, whole files per rank when
         # their count divides by the process count, else every world_size-th document of all of them
         files = ds.num_shards // self.world_size if ds.num_shards % self.world_size == 0 else ds.num_shards
-        if self.shuffle and files > 1:
-            # the file order only (blocks are permuted below). Not for one file: datasets' shuffle layer reads example
-            # by example (30x slower than its Arrow batches) and a resume skips to the saved example one by one
+        if self.shuffle and files > 1 and self.world_size == 1:
+            # the files in a seeded order (blocks are permuted below), one after the other in Arrow batches
+            import datasets
+
+            order = np.random.default_rng([self.seed, epoch]).permutation(files)
+            ds = datasets.concatenate_datasets(
+                [ds.shard(num_shards=files, index=int(i), contiguous=False) for i in order]
+            )
+        elif self.shuffle and files > 1:
+            # the file order through datasets (a split stream's files are chosen when it is iterated): its shuffle
+            # layer, with a buffer of one document, reads example by example (30x slower than Arrow batches) and a
+            # resume skips to the saved example one by one
             ds = ds.shuffle(seed=self.seed, buffer_size=1)
         ds.set_epoch(epoch)
         block, source_state, first = 0, None, 0
