@@ -237,7 +237,8 @@ class SpiderTrainingArguments(TrainingArguments):
         metadata={
             "help": "stream local text training data as a Hub dataset is (datasets streaming, packed on the fly, "
             "each process reading its own files or documents; a resume continues from the position saved in the "
-            "checkpoint, with --dataloader_num_workers 0) instead of encoding it once into the byte cache"
+            "checkpoint, each dataloader worker's with --dataloader_num_workers) instead of encoding it once into the "
+            "byte cache"
         },
     )
     shuffle_buffer: int = field(

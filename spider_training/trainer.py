@@ -12,9 +12,9 @@ overrides public, documented methods:
   refuses a launch whose processes do not see each other.
 - ``get_train_dataloader``: only for a streamed source (:class:`spider_training.data.StreamingTextDataset`, which
   splits itself by rank) the loader is prepared for device placement and gradient-accumulation bookkeeping only, not
-  re-sharded; its state (the stream's position) goes into every checkpoint, one file per rank. Map-style sources
-  keep Trainer's own loader (seeded random sampler, accelerate's split across processes, ``skip_first_batches`` on
-  resume).
+  re-sharded; its state (the stream's position, each dataloader worker's with ``--dataloader_num_workers``) goes into
+  every checkpoint, one file per rank. Map-style sources keep Trainer's own loader (seeded random sampler,
+  accelerate's split across processes, ``skip_first_batches`` on resume).
 - ``train``: resuming a streamed source continues from the checkpoint's stream position rather than Trainer's replay
   of the consumed batches (``skip_first_batches``); a checkpoint without one is refused.
 - ``compute_loss`` / ``log``: run the forward inside ``mixed_precision.shared_weight_casts``, pass ``n_loops`` (in
@@ -344,8 +344,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if not isinstance(self.train_dataset, StreamingTextDataset):
             return super().get_train_dataloader()
         # An accelerate DataLoaderShard: iterating it registers it with the accelerator's GradientState (end of data
-        # inside an accumulation window), as a loader from `accelerator.prepare` would. With num_workers=0 its
-        # state_dict() is the stream's position at the last batch handed out: saved in every checkpoint.
+        # inside an accumulation window), as a loader from `accelerator.prepare` would. Its state_dict() is the
+        # stream's position at the last batch handed out (with dataloader workers, each worker's): saved in every
+        # checkpoint.
         self._stream_loader = make_dataloader(
             self.train_dataset,
             self._train_batch_size,
@@ -353,6 +354,8 @@ class SpiderTrainer(HubPushMixin, Trainer):
             num_workers=self.args.dataloader_num_workers,
             collate_fn=self.data_collator,
             pin_memory=self.args.dataloader_pin_memory,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+            persistent_workers=self.args.dataloader_persistent_workers,
             non_blocking=self.args.accelerator_config.non_blocking,
         )
         return self._stream_loader
@@ -387,8 +390,9 @@ class SpiderTrainer(HubPushMixin, Trainer):
         Raises:
             ValueError: the checkpoint's process count, micro-batch or accumulation differ
                 (:func:`spider_training.checkpointing.check_data_layout`), it holds no position for this rank (written
-                with dataloader workers, or before positions were saved: the stream cannot continue exactly), or its
-                position is of another stream (another source, split, seq_len, shuffle).
+                before positions were saved: the stream cannot continue exactly), its position was saved with another
+                ``--dataloader_num_workers`` (each worker reads its own part of the stream), or it is of another
+                stream (another source, split, seq_len, shuffle).
         """
         checkpointing.check_data_layout(folder, checkpointing.data_layout(self.args))
         if self.args.ignore_data_skip:
@@ -398,16 +402,25 @@ class SpiderTrainer(HubPushMixin, Trainer):
         if state is None:
             raise ValueError(
                 f"{folder} holds no position in the streamed source for process {self.args.process_index} (written "
-                "by a run with --dataloader_num_workers > 0, whose workers hold the stream's position, or before "
-                "positions were saved), so the stream cannot continue where it stopped. Pass --ignore_data_skip to "
-                "resume the model and optimizer with the stream from its beginning, or --init_from for a new run."
+                "before positions were saved), so the stream cannot continue where it stopped. Pass "
+                "--ignore_data_skip to resume the model and optimizer with the stream from its beginning, or "
+                "--init_from for a new run."
+            )
+        workers = state.get("num_workers", 0) if "worker_positions" in state else 0
+        if workers != self.args.dataloader_num_workers:
+            raise ValueError(
+                f"{folder}: its stream position was saved by a run with --dataloader_num_workers {workers}, this "
+                f"run has {self.args.dataloader_num_workers}; each worker reads its own part of the stream, so the "
+                f"stream continues exactly only with --dataloader_num_workers {workers} (or pass --ignore_data_skip "
+                "to start the stream from its beginning)"
             )
         self.train_dataset.load_state_dict(state)
+        positions = state["worker_positions"] if workers else [state]
         logger.info(
-            "%s: the stream continues at window %d of epoch %d (saved position; nothing replayed)",
+            "%s: the stream continues at window %s of epoch %d (saved position; nothing replayed)",
             folder,
-            state["windows"],
-            state["epoch"],
+            "/".join(str(p["windows"]) for p in positions),
+            positions[0]["epoch"],
         )
         return True
 
@@ -665,7 +678,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         finally:
             self._staging_root = None
         loader = getattr(self, "_stream_loader", None)
-        if loader is not None and self.args.dataloader_num_workers == 0:  # every rank its own position
+        if loader is not None:  # every rank its own position (with dataloader workers: each worker's)
             checkpointing.write_stream_position(
                 os.path.join(run_dir, checkpointing.STAGING_DIRNAME, f"checkpoint-{self.state.global_step}"),
                 self.args.process_index,

@@ -11,7 +11,7 @@ import torch
 
 from spider_training import checkpointing
 from spider_training import data as D
-from spider_training.data.loader import STREAM_READ_DOCUMENTS
+from spider_training.data.loader import STREAM_READ_DOCUMENTS, STREAM_STATE_VERSION
 from tests.helpers import cpu_trainer
 
 SEQ_LEN = 31
@@ -58,12 +58,13 @@ def test_streamed_local_source_yields_the_cached_sources_windows(tmp_path):
     assert stream.stats.documents == cached.stats.documents
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_resume_from_any_batch_gives_the_uninterrupted_stream_without_rereading(tmp_path, shuffle):
+@pytest.mark.parametrize(("files", "shuffle"), [(2, False), (2, True), (1, True)])
+def test_resume_from_any_batch_gives_the_uninterrupted_stream_without_rereading(tmp_path, files, shuffle):
     """From the position saved after any batch, a fresh dataset yields exactly the batches the uninterrupted pass
     yielded next, and reads from datasets only the block holding that position onwards (earlier documents are never
-    pulled again, none but one is encoded again)."""
-    docs = write_jsonl(tmp_path / "data", files=2, per_file=400)
+    pulled again, none but one is encoded again). Shuffled, 2 files are read in a seeded order through datasets'
+    shuffle, one file without it."""
+    docs = write_jsonl(tmp_path / "data", files=files, per_file=800 // files)
     options = dict(shuffle=shuffle, shuffle_buffer=64, seed=3)
     full, positions = batches_and_positions(streamed(tmp_path / "data", **options))
     read = 64 if shuffle else STREAM_READ_DOCUMENTS
@@ -118,6 +119,9 @@ def test_a_position_of_another_stream_is_refused(tmp_path):
         streamed(tmp_path / "data", shuffle=True, shuffle_buffer=8).load_state_dict(positions[3])
     with pytest.raises(ValueError, match="not a stream position"):
         streamed(tmp_path / "data").load_state_dict({"windows": 3})
+    older = {**positions[3], "version": STREAM_STATE_VERSION - 1}  # another way of reading the stream
+    with pytest.raises(ValueError, match=r"of version \d+, this code reads version \d+.*--ignore_data_skip"):
+        streamed(tmp_path / "data").load_state_dict(older)
 
 
 class RecordingTrainer:
@@ -279,3 +283,97 @@ def test_a_stream_resumed_by_another_number_of_processes_is_refused(tmp_path):
         resume()
     position_file.write_text(json.dumps(position))
     assert resume().state.global_step == 6
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# dataloader workers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("files", "shuffle"), [(1, True), (3, False)])
+def test_a_stream_read_by_dataloader_workers_resumes_from_any_batch(tmp_path, files, shuffle):
+    """With 2 dataloader workers the loader's position is each worker's position and the worker of the last batch;
+    from the position after any batch a fresh loader yields exactly the batches the uninterrupted loader yielded
+    next. One file: the workers take every other window of one stream; 3 files: 2 and 1 files each, so one worker's
+    part ends first and the other's batches follow alone (positions there included)."""
+    write_jsonl(tmp_path / "data", files=files, per_file=240 // files)
+    options = dict(shuffle=shuffle, shuffle_buffer=32, seed=2)
+    loader = D.make_dataloader(streamed(tmp_path / "data", **options), 4, num_workers=2)
+    full, positions = [], []
+    for batch in loader:
+        full.append(batch["input_ids"].numpy().copy())
+        positions.append(json.loads(json.dumps(loader.state_dict())))
+    assert {p["last_worker"] for p in positions} == {0, 1}
+    ends = [k for k, p in enumerate(positions) if sum(w["finished"] for w in p["worker_positions"]) == 1]
+    if files == 3:  # one worker's part ended while the other's went on
+        assert ends and ends[0] < len(full) - 2
+    for k in sorted({0, 1, len(full) // 2, *ends[:1], len(full) - 2}):
+        resumed = D.make_dataloader(streamed(tmp_path / "data", **options), 4, num_workers=2)
+        resumed.load_state_dict(positions[k])
+        rest = [b["input_ids"].numpy() for b in resumed]
+        assert len(rest) == len(full) - k - 1
+        assert all(np.array_equal(a, b) for a, b in zip(rest, full[k + 1 :]))
+    # after the epoch's last batch every part is done: the next iteration is the next epoch's first batch
+    assert all(w["finished"] for w in positions[-1]["worker_positions"])
+    nxt = D.make_dataloader(streamed(tmp_path / "data", **options), 4, num_workers=2)
+    nxt.load_state_dict(positions[-1])
+    assert streamed(tmp_path / "data", **options).epoch == 0 and nxt.dataset.epoch == 1
+
+
+def test_a_worker_position_needs_the_same_number_of_workers(tmp_path):
+    """Each worker reads its own part of the stream, so a position saved with 2 workers continues only with 2: a
+    loader with 0 or 1 worker refuses it, and a single position is refused by a loader with workers."""
+    write_jsonl(tmp_path / "data", files=1, per_file=80)
+    _, two = batches_and_positions_with_workers(streamed(tmp_path / "data"), 2)
+    _, none = batches_and_positions(streamed(tmp_path / "data"))
+    for workers, position, message in [
+        (0, two[3], "of 2 dataloader workers.*this loader has 0: resume with --dataloader_num_workers 2"),
+        (1, two[3], "of 2 dataloader workers.*this loader has 1: resume with --dataloader_num_workers 2"),
+        (2, none[3], "read in the main process.*--dataloader_num_workers 0"),
+    ]:
+        loader = D.make_dataloader(streamed(tmp_path / "data"), 4, num_workers=workers)
+        with pytest.raises(ValueError, match=message):
+            loader.load_state_dict(position)
+    dataset = streamed(tmp_path / "data")  # positioned without a loader (as SpiderTrainer does): refused when read
+    dataset.load_state_dict(two[3])
+    with pytest.raises(ValueError, match="this loader has 0: resume with --dataloader_num_workers 2"):
+        next(iter(D.make_dataloader(dataset, 4)))
+
+
+def batches_and_positions_with_workers(dataset, workers: int, batch_size: int = 4):
+    """:func:`batches_and_positions` of a loader with `workers` dataloader workers."""
+    loader = D.make_dataloader(dataset, batch_size, num_workers=workers)
+    out, positions = [], []
+    for batch in loader:
+        out.append(batch["input_ids"].numpy().copy())
+        positions.append(json.loads(json.dumps(loader.state_dict())))
+    return out, positions
+
+
+def test_trainer_resumes_a_stream_read_by_dataloader_workers(tmp_path):
+    """--dataloader_num_workers 2: every checkpoint holds the workers' positions and a resume continues from them
+    (nothing replayed): the micro-batches and losses of every later step equal the uninterrupted run's. A resume
+    with another worker count is refused, naming the count to use."""
+    write_jsonl(tmp_path / "data", files=1, per_file=100)
+    options = dict(shuffle=True, shuffle_buffer=8, seed=3)
+    full = RecordingTrainer.build(
+        tmp_path / "full", streamed(tmp_path / "data", **options), 12, dataloader_num_workers=2
+    )
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-6"
+    position = checkpointing.read_stream_position(checkpoint, 0)
+    assert position["num_workers"] == 2 and len(position["worker_positions"]) == 2
+    resumed = RecordingTrainer.build(
+        tmp_path / "resumed", streamed(tmp_path / "data", **options), 12, dataloader_num_workers=2
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    want = [x for step, x in full.seen if step >= 6]
+    got = [x for step, x in resumed.seen]
+    assert len(got) == len(want) == 12 and all(torch.equal(a, b) for a, b in zip(got, want))
+    losses = [
+        {e["step"]: e["loss"] for e in t.state.log_history if "loss" in e and e["step"] > 6} for t in (full, resumed)
+    ]
+    assert losses[0] == losses[1]
+    other = RecordingTrainer.build(tmp_path / "other", streamed(tmp_path / "data", **options), 12)
+    with pytest.raises(ValueError, match="--dataloader_num_workers 2, this run has 0"):
+        other.train(resume_from_checkpoint=str(checkpoint))

@@ -59,7 +59,13 @@ public name is importable from ``spider_training.data``.
 """
 
 from spider_training.data.cache import cached_shard, default_cache_dir
-from spider_training.data.loader import FirstWindows, StreamingTextDataset, build_dataset, make_dataloader
+from spider_training.data.loader import (
+    FirstWindows,
+    StreamingTextDataset,
+    build_dataset,
+    make_dataloader,
+    workers_position,
+)
 from spider_training.data.shards import (
     DOCUMENTS_SUFFIX,
     HEADER_BYTES,
@@ -142,6 +148,7 @@ __all__ = [
     "discover_shards",
     "build_dataset",
     "make_dataloader",
+    "workers_position",
     "FirstWindows",
     "split_of_path",
     "is_hub_repo_id",

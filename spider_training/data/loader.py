@@ -39,8 +39,9 @@ logger = logging.getLogger("spider_training.data")  # one logger for the whole p
 #: documents read from ``datasets`` at a time by an unshuffled stream (its position is saved per read, plus the
 #: document and byte within it)
 STREAM_READ_DOCUMENTS = 256
-#: version of :meth:`StreamingTextDataset.state_dict`
-STREAM_STATE_VERSION = 1
+#: version of :meth:`StreamingTextDataset.state_dict` (2: a one-file stream is read without ``datasets``' shuffle
+#: layer, so its ``datasets`` state has another shape than version 1's)
+STREAM_STATE_VERSION = 2
 
 
 def _one_document_buffer_filter(record: logging.LogRecord) -> bool:
@@ -59,8 +60,10 @@ class StreamingTextDataset(IterableDataset):
     num_workers, ...`` when the stream has at least ``num_workers`` files, else windows ``k % num_workers ==
     worker_id``. Yields the same examples as :class:`TextByteDataset` (:func:`window_to_example`).
 
-    Shuffling (``shuffle=True``): the files in a seeded order (``datasets``' ``IterableDataset.shuffle(seed)``, its
-    shard order, with a buffer of one document) and the documents permuted in blocks of ``shuffle_buffer``
+    Shuffling (``shuffle=True``): the files in a seeded order (one process: ``datasets.concatenate_datasets`` of its
+    files in the order ``numpy.random.default_rng([seed, epoch]).permutation``; a process of several reading several
+    files: ``datasets``' ``IterableDataset.shuffle(seed)``, its shard order, with a buffer of one document, which reads
+    example by example, 30x slower) and the documents permuted in blocks of ``shuffle_buffer``
     (``numpy.random.default_rng([seed, epoch, block])``). Unlike ``datasets``' rolling shuffle buffer, whose content
     its state dict does not hold (a resume refills it and so changes the order), a block is read again from its
     ``datasets`` position and permuted the same way, so the shuffled stream resumes exactly from a state of a few
@@ -73,8 +76,11 @@ class StreamingTextDataset(IterableDataset):
     :data:`STREAM_READ_DOCUMENTS`, documents, none of them encoded but the one the window starts in) and continues
     with exactly the windows the uninterrupted stream would have yielded; nothing before is replayed. In a training
     run the state travels through :func:`make_dataloader`'s loader (accelerate's snapshot of it at each batch it
-    hands out) into every checkpoint (``SpiderTrainer``). Only a stream iterated in this process has a position
-    (``num_workers=0``): with dataloader workers each holds its own, out of reach.
+    hands out) into every checkpoint (``SpiderTrainer``). With dataloader workers each worker reads its own part of
+    the stream and sends its position with every batch (as torchdata's ``StatefulDataLoader`` does); the loader's
+    position is every worker's plus the worker of the last batch (:func:`workers_position`), and a loader with as
+    many workers continues it exactly: torch's loader takes batches from its workers in turn, starting at worker 0,
+    so a resumed worker ``i`` reads the part ``i`` places after the last batch's (:meth:`__iter__`).
 
     Use it with :func:`make_dataloader` (``SpiderTrainer`` does): accelerate's default ``prepare`` would dispatch
     (rank 0 reads for everyone) or re-shard this already rank-split stream.
@@ -132,6 +138,8 @@ class StreamingTextDataset(IterableDataset):
         self._resume_epoch: int | None = None
         self._resume: dict | None = None  # the position the next iteration starts from (load_state_dict)
         self._position: tuple | None = None  # (epoch, finished, block, source state, document, token, windows)
+        self._worker_resume: dict | None = None  # a dataloader-workers position to continue (load_state_dict)
+        self.worker_id: int | None = None  # in a dataloader worker: the part of the stream it reads (__iter__)
         self.stats = DocumentStats()
         self.documents_read = 0
 
@@ -194,15 +202,87 @@ class StreamingTextDataset(IterableDataset):
             "windows": windows,
         }
 
+    def epoch_start_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` of the start of the current epoch (no window read yet)."""
+        start = {"epoch": self.epoch, "finished": False, "block": 0, "source": None, "document": 0, "token": 0}
+        return {**self.state_dict(), **start, "windows": 0}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (:meth:`state_dict` of a stream read the same way): the next iteration yields
-        exactly the windows the saved stream would have yielded next (the next epoch's first when ``finished``).
+        """Continue from ``state`` (:meth:`state_dict` of a stream read the same way, or the position of a loader's
+        dataloader workers, :func:`workers_position`): the next iteration yields exactly the windows the saved stream
+        would have yielded next (the next epoch's first when ``finished``, for every worker).
 
         Raises:
             ValueError: ``state`` is not a stream state of this version, or it was saved by a stream read otherwise
                 (another source, split, ``seq_len``, shuffle or ``max_doc_bytes``): the message names what differs.
         """
-        if not isinstance(state, dict) or state.get("version") != STREAM_STATE_VERSION:
+        self._worker_resume = None
+        if isinstance(state, dict) and "worker_positions" in state:
+            self._load_workers_position(state)
+            return
+        self._check_position(state)
+        epoch = int(state["epoch"]) + (1 if state["finished"] else 0)
+        self._resume = None if state["finished"] else dict(state)
+        self._resume_epoch = epoch
+        self._epoch.fill_(epoch)
+        self._position = (
+            (epoch, False, 0, None, 0, 0, 0)
+            if state["finished"]
+            else (epoch, False, state["block"], state["source"], state["document"], state["token"], state["windows"])
+        )
+
+    def _load_workers_position(self, state: dict[str, Any]) -> None:
+        """:meth:`load_state_dict` of a dataloader workers' position: each worker continues from its own (in
+        :meth:`__iter__`), the first batch coming from the worker after the one that gave the last batch."""
+        positions, workers = state["worker_positions"], state.get("num_workers")
+        if not isinstance(positions, list) or workers != len(positions) or workers < 1:
+            raise ValueError(f"{self.source.description}: not a workers' stream position: {str(state)[:200]}")
+        for position in positions:
+            self._check_position(position)
+        if len({int(p["epoch"]) for p in positions}) != 1:
+            raise ValueError(f"{self.source.description}: the workers' positions are in different epochs")
+        if all(p["finished"] for p in positions):  # the epoch is over: the next one starts from the beginning
+            self.load_state_dict(positions[0])
+            return
+        epoch = int(positions[0]["epoch"])
+        last = state.get("last_worker")
+        self._worker_resume = {
+            "num_workers": workers,
+            "last_worker": last,
+            "offset": 0 if last is None else (int(last) + 1) % workers,
+            "positions": positions,
+        }
+        self._resume = None
+        self._resume_epoch = epoch
+        self._epoch.fill_(epoch)
+        self._position = None
+
+    def check_workers(self, num_workers: int) -> None:
+        """Raise ValueError unless a loader with ``num_workers`` dataloader workers (0: none) can continue the loaded
+        position: a workers' position needs as many workers (each continues its own part of the stream), a single
+        position none."""
+        saved = self._worker_resume["num_workers"] if self._worker_resume is not None else None
+        if saved is not None and saved != num_workers:
+            raise ValueError(
+                f"{self.source.description}: the saved position is of {saved} dataloader workers, each with its own "
+                f"part of the stream; this loader has {num_workers}: resume with --dataloader_num_workers {saved}"
+            )
+        if self._resume is not None and num_workers > 0:
+            raise ValueError(
+                f"{self.source.description}: the saved position is of a stream read in the main process; this "
+                f"loader has {num_workers} dataloader workers: resume with --dataloader_num_workers 0"
+            )
+
+    def _check_position(self, state: Any) -> None:
+        """Raise ValueError unless ``state`` is a :meth:`state_dict` of this stream (version and layout)."""
+        if isinstance(state, dict) and isinstance(state.get("version"), int) and "layout" in state:
+            if state["version"] != STREAM_STATE_VERSION:
+                raise ValueError(
+                    f"{self.source.description}: the saved stream position is of version {state['version']}, this "
+                    f"code reads version {STREAM_STATE_VERSION} (the stream is read another way), so it cannot "
+                    "continue exactly: pass --ignore_data_skip to start the stream from its beginning"
+                )
+        elif not isinstance(state, dict) or state.get("version") != STREAM_STATE_VERSION:
             raise ValueError(
                 f"{self.source.description}: not a stream position of version {STREAM_STATE_VERSION}: "
                 f"{str(state)[:200]}"
@@ -217,15 +297,6 @@ class StreamingTextDataset(IterableDataset):
                 + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in differ.items())
                 + ". Resuming it would skip or repeat documents; read the stream as the saved run did"
             )
-        epoch = int(state["epoch"]) + (1 if state["finished"] else 0)
-        self._resume = None if state["finished"] else dict(state)
-        self._resume_epoch = epoch
-        self._epoch.fill_(epoch)
-        self._position = (
-            (epoch, False, 0, None, 0, 0, 0)
-            if state["finished"]
-            else (epoch, False, state["block"], state["source"], state["document"], state["token"], state["windows"])
-        )
 
     # -- iteration ---------------------------------------------------------------------------------------------------
     def _documents(self, epoch: int, shard: tuple[int, int] | None, resume: dict | None, where: list):
@@ -235,8 +306,22 @@ class StreamingTextDataset(IterableDataset):
         ds = self.source.dataset
         if shard is not None:
             ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=False)
-        if self.shuffle:
-            ds = ds.shuffle(seed=self.seed, buffer_size=1)  # the file order only: blocks are permuted below
+        # the files this process reads: split_dataset_by_node takes effect when iterating, whole files per rank when
+        # their count divides by the process count, else every world_size-th document of all of them
+        files = ds.num_shards // self.world_size if ds.num_shards % self.world_size == 0 else ds.num_shards
+        if self.shuffle and files > 1 and self.world_size == 1:
+            # the files in a seeded order (blocks are permuted below), one after the other in Arrow batches
+            import datasets
+
+            order = np.random.default_rng([self.seed, epoch]).permutation(files)
+            ds = datasets.concatenate_datasets(
+                [ds.shard(num_shards=files, index=int(i), contiguous=False) for i in order]
+            )
+        elif self.shuffle and files > 1:
+            # the file order through datasets (a split stream's files are chosen when it is iterated): its shuffle
+            # layer, with a buffer of one document, reads example by example (30x slower than Arrow batches) and a
+            # resume skips to the saved example one by one
+            ds = ds.shuffle(seed=self.seed, buffer_size=1)
         ds.set_epoch(epoch)
         block, source_state, first = 0, None, 0
         if resume is not None:
@@ -265,11 +350,6 @@ class StreamingTextDataset(IterableDataset):
         loaded position (:meth:`load_state_dict`) if any, else from the start of the epoch."""
         by_files = num_workers > 1 and self.source.num_shards >= num_workers
         resume, self._resume = self._resume, None
-        if num_workers > 1 and resume is not None:
-            raise ValueError(
-                f"{self.source.description}: a saved stream position is resumed with num_workers=0 only (each "
-                "dataloader worker would hold its own part of it)"
-            )
         epoch = int(resume["epoch"]) if resume is not None else self.epoch
         windows = int(resume["windows"]) if resume is not None else 0
         stats = self.stats = DocumentStats()
@@ -325,10 +405,28 @@ class StreamingTextDataset(IterableDataset):
             raise ValueError(msg)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The examples of this rank's stream (:func:`window_to_example` of :meth:`iter_windows`); in a dataloader
+        worker, of the worker's part. After :meth:`load_state_dict` of a workers' position, worker ``i`` of this
+        iteration continues part ``(i + offset) % num_workers`` from its saved position, where part ``offset`` is the
+        one after the part of the last batch handed out: torch's loader asks its workers in turn from worker 0, so
+        the batches come in the uninterrupted order (a part whose epoch was over yields nothing)."""
         info = get_worker_info()
-        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for window in self.iter_windows(worker_id, num_workers):
-            yield window_to_example(window)
+        if info is None:
+            self.check_workers(0)
+            self.worker_id = None
+            yield from map(window_to_example, self.iter_windows())
+            return
+        self.check_workers(info.num_workers)
+        resume, self._worker_resume = self._worker_resume, None  # this worker's copy: the first iteration only
+        self.worker_id = info.id
+        if resume is not None:
+            self.worker_id = (info.id + resume["offset"]) % info.num_workers
+            position = resume["positions"][self.worker_id]
+            if position["finished"]:  # this part's epoch is over; the other parts go on
+                self._position = (position["epoch"], True, 0, None, 0, 0, position["windows"])
+                return
+            self._resume = dict(position)
+        yield from map(window_to_example, self.iter_windows(self.worker_id, info.num_workers))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -464,9 +562,11 @@ def make_dataloader(
     the device's stream (a blocking host-to-device copy is a host sync on CUDA). Batches are
     ``{"input_ids": LongTensor[B, seq_len + 1], "labels": ...}``; the last batch (of each worker, for an iterable
     dataset) may be smaller (``drop_last=False``). For a dataset with a position (``state_dict``: a
-    :class:`StreamingTextDataset`) read in this process (``num_workers=0``) the loader is a ``StreamPositionLoader``
-    (a ``DataLoaderShard`` subclass) whose ``state_dict()`` is the dataset's position after the last batch it handed
-    out and whose ``load_state_dict`` continues from a saved one (what ``SpiderTrainer`` checkpoints and resumes).
+    :class:`StreamingTextDataset`) the loader is a ``StreamPositionLoader`` (a ``DataLoaderShard`` subclass) whose
+    ``state_dict()`` is the dataset's position after the last batch it handed out (with ``num_workers > 0``, every
+    worker's: :func:`workers_position`) and whose ``load_state_dict`` continues from a saved one (what
+    ``SpiderTrainer`` checkpoints and resumes; ValueError for a position of another stream or another number of
+    workers).
     """
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader, default_collate
@@ -484,14 +584,17 @@ def make_dataloader(
         drop_last=False,
         in_order=in_order,
     )
-    if num_workers == 0 and callable(getattr(dataset, "state_dict", None)):
+    if callable(getattr(dataset, "state_dict", None)):
         return _stream_position_loader()(
             dataset,
             device=torch.device(device) if device is not None else None,
             _non_blocking=non_blocking,
             batch_size=batch_size,
+            num_workers=num_workers,
             collate_fn=collate_fn or default_collate,
             pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            persistent_workers=persistent_workers and num_workers > 0,
             drop_last=False,
             in_order=in_order,
         )
@@ -507,10 +610,79 @@ def make_dataloader(
     )
 
 
+#: key of the worker's position in a batch on its way from a dataloader worker to the main process
+WORKER_POSITION_KEY = "_spider_stream_worker_position"
+
+
+def workers_position(positions: list[dict[str, Any]], last_worker: int | None) -> dict[str, Any]:
+    """The position of a loader's dataloader workers (what its ``state_dict()`` returns, JSON-serialisable):
+    ``{"version", "num_workers", "last_worker", "worker_positions"}``, ``worker_positions[i]`` being part ``i``'s
+    :meth:`StreamingTextDataset.state_dict` after the last batch it gave and ``last_worker`` the part that gave the
+    last batch handed out (``None``: none yet)."""
+    return {
+        "version": STREAM_STATE_VERSION,
+        "num_workers": len(positions),
+        "last_worker": last_worker,
+        "worker_positions": list(positions),
+    }
+
+
+class _CollateWithWorkerPosition:
+    """A collate function that adds, to the batch a dataloader worker built, the worker's part of the stream and its
+    position after the batch's last window (``batch[WORKER_POSITION_KEY] = (part, state_dict)``): torchdata's
+    ``StatefulDataLoader`` sends each worker's dataset state with its batches the same way."""
+
+    def __init__(self, collate_fn: Callable):
+        self.collate_fn = collate_fn
+
+    def __call__(self, examples):
+        batch = self.collate_fn(examples)
+        info = get_worker_info()
+        if info is not None:
+            if not isinstance(batch, dict):
+                raise TypeError(f"a streamed dataset's collate_fn must return a dict, got {type(batch).__name__}")
+            batch[WORKER_POSITION_KEY] = (info.dataset.worker_id, info.dataset.state_dict())
+        return batch
+
+
 @functools.cache
 def _stream_position_loader() -> type:
     """:class:`StreamPositionLoader`'s class, built on first use (accelerate is imported then)."""
     from accelerate.data_loader import DataLoaderShard
+    from torch.utils.data import DataLoader
+
+    class WorkersPositionDataLoader(DataLoader):
+        """torch's ``DataLoader`` over a :class:`StreamingTextDataset` with dataloader workers that follows their
+        positions: each batch arrives with its worker's (:class:`_CollateWithWorkerPosition`, removed from the batch
+        here), and ``workers_position`` is the position (:func:`workers_position`) after the last batch yielded.
+        Batches come from the workers in turn (``in_order``), a worker whose part ended being skipped; so a resumed
+        loader whose worker 0 continues the part after the last batch's (:meth:`StreamingTextDataset.__iter__`)
+        yields the uninterrupted sequence."""
+
+        def __init__(self, dataset, *, collate_fn: Callable, **kwargs):
+            super().__init__(dataset, collate_fn=_CollateWithWorkerPosition(collate_fn), **kwargs)
+            self.workers_position: dict | None = None
+
+        def start_position(self) -> dict[str, Any]:
+            """The position the next iteration starts from: a loaded one, else every part at the epoch's start."""
+            dataset = self.dataset
+            dataset.check_workers(self.num_workers)
+            resume = dataset._worker_resume
+            if resume is not None:
+                return workers_position(resume["positions"], resume["last_worker"])
+            return workers_position([dataset.epoch_start_state()] * self.num_workers, None)
+
+        def __iter__(self):
+            state = self.workers_position = self.start_position()
+            positions, last = list(state["worker_positions"]), state["last_worker"]
+            iterator = super().__iter__()  # starts the workers, which copy the dataset with its loaded position
+            self.dataset._worker_resume = None  # the next epoch starts afresh
+            for batch in iterator:
+                last, positions[last] = batch.pop(WORKER_POSITION_KEY)
+                self.workers_position = workers_position(positions, last)
+                yield batch
+            # every part is done: the epoch is over (a part ending on a full batch had not seen its end)
+            self.workers_position = workers_position([{**p, "finished": True} for p in positions], last)
 
     class StreamPositionLoader(DataLoaderShard):
         """accelerate's ``DataLoaderShard`` (device placement, ``GradientState``, ``set_epoch``) whose
@@ -518,16 +690,35 @@ def _stream_position_loader() -> type:
         handed out: accelerate's stateful-dataloader snapshot (``_update_state_dict``, taken before its one-batch
         look-ahead), with the dataset's own state in place of torchdata's ``StatefulDataLoader``'s (not installed
         here; and transformers 5.24's Trainer neither saves nor restores a loader's state: ``SpiderTrainer`` does).
-        ``load_state_dict`` positions the dataset; the next iteration continues from there."""
+        With dataloader workers (``num_workers > 0``) it is every worker's position and the worker of the last batch
+        (:func:`workers_position`, followed by ``WorkersPositionDataLoader``). ``load_state_dict`` positions the
+        dataset; the next iteration continues from there."""
+
+        def __init__(self, dataset, *, device=None, _non_blocking: bool = False, **loader_kwargs):
+            super().__init__(dataset, device=device, _non_blocking=_non_blocking, **loader_kwargs)
+            if loader_kwargs.get("num_workers", 0) > 0:
+                self.base_dataloader = WorkersPositionDataLoader(dataset, **loader_kwargs)
 
         def _update_state_dict(self):
-            self.dl_state_dict = self.dataset.state_dict()
+            base = self.base_dataloader
+            if isinstance(base, WorkersPositionDataLoader):
+                self.dl_state_dict = base.workers_position or base.start_position()
+            else:
+                self.dl_state_dict = self.dataset.state_dict()
 
         def state_dict(self):
-            return self.__dict__.get("dl_state_dict") or self.dataset.state_dict()
+            if self.__dict__.get("dl_state_dict") is None:
+                self._update_state_dict()
+            return self.dl_state_dict
 
         def load_state_dict(self, state_dict):
+            """Position the dataset at `state_dict` (see :meth:`StreamingTextDataset.load_state_dict`).
+
+            Raises: ValueError: not a position of this stream, or of another number of dataloader workers
+                (:meth:`StreamingTextDataset.check_workers`)."""
             self.dataset.load_state_dict(state_dict)
-            self.dl_state_dict = self.dataset.state_dict()
+            self.dataset.check_workers(self.base_dataloader.num_workers)
+            self.dl_state_dict = None
+            self._update_state_dict()
 
     return StreamPositionLoader
