@@ -338,7 +338,10 @@ def _check_weights_path(flag: str, value: str | None, *, local_only: bool) -> No
     if os.path.isfile(path):
         hint = ""
         if path.endswith((".pt", ".pth")):
-            hint = f" -- a tk-train.py .pt checkpoint is converted first: spider-convert-tk-train {value} OUTPUT_DIR"
+            hint = (
+                " -- a tk-train.py .pt checkpoint is converted first: python -m "
+                f"spider_training.commands.convert_tk_train {value} OUTPUT_DIR"
+            )
         raise ValueError(
             f"{flag} {value}: is a file; expected a folder saved with save_pretrained (config.json + "
             f"model.safetensors){hint}"
