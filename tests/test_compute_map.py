@@ -1,4 +1,4 @@
-"""Tests of spider_training/compute_map.py: the map agrees with the forward pass it was read from (boundaries,
+"""Tests of spider_training/commands/compute_map.py: the map agrees with the forward pass it was read from (boundaries,
 segments, ACT loops and weights, routed experts), padded batches, the HTML and PNG the command writes, bad input."""
 
 from __future__ import annotations
