@@ -17,17 +17,16 @@ Targets: ``delivered / consumed >= 50`` for the shard path and for the text path
 writing speed (``write_shards``' own MB/s of shard bytes, which includes reading and encoding the text, and the
 wall-clock MB/s of the whole call).
 
-Corpus costs (:func:`corpus_costs`, also alone: ``python -m bench.data_pipeline --corpus [--quick]``): for a
-generated ``.jsonl`` corpus of each size in ``corpus_mb``, each source kind measured in a fresh process (so that its
-max RSS is its own): seconds from the dataset's construction to its first batch and the process's max RSS, for the
-byte cache's first start (encoding the cache) and second start (reusing it), the in-memory encoding
-(``cache_dir=None``, before the cache) and the stream (``--streaming``), and for the stream the time to its first
-batch when resumed from the position saved 90 % of the way through the corpus (``load_state_dict``: nothing
-replayed) against that of a fresh start, and the same resumed after 20 and 2,000 batches (issue 67's targets); the
-stream's starts are the fastest of :data:`START_REPEATS` fresh processes each. ``stream_seconds_per_batch`` is the
-stream's time per batch once started (what "a fresh start plus one batch" allows). ``split_stream_*``: the same
-documents split into :data:`SPLIT_FILES` files, streamed fresh and resumed 90 % in. ``import_rss_mb`` is the
-process's RSS after its imports, before any data.
+Corpus costs (:func:`corpus_costs`, also alone: ``python -m bench.data_pipeline --corpus [--quick]``): for a generated
+``.jsonl`` corpus of each size in ``corpus_mb``, each source kind measured in a fresh process (so that its max RSS is
+its own): seconds from the dataset's construction to its first batch and the process's max RSS, for the byte cache's
+first start (encoding the cache) and second start (reusing it), the in-memory encoding (``cache_dir=None``, before the
+cache) and the stream (``--streaming``), and for the stream the time to its first batch when resumed from the position
+saved 90 % of the way through the corpus (``load_state_dict``: nothing replayed) against that of a fresh start, and the
+same resumed after 20 and 2,000 batches (issue 67's targets); the stream's starts are the fastest of ``start_repeats``
+fresh processes each (3; 1 in the quick mode). ``stream_seconds_per_batch`` is the stream's time per batch once started
+(what "a fresh start plus one batch" allows). ``split_stream_*``: the same documents split into :data:`SPLIT_FILES`
+files, streamed fresh and resumed 90 % in. ``import_rss_mb`` is the process's RSS after its imports, before any data.
 """
 
 from __future__ import annotations
@@ -42,18 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (
-    TrainStep,
-    check,
-    finish,
-    info,
-    main_for,
-    random_bytes,
-    spider_config,
-    spider_model,
-    time_interleaved,
-)
-
 TARGET = 50.0
 FULL = dict(
     preset="small",
@@ -65,6 +52,7 @@ FULL = dict(
     step_warmup=2,
     step_repeats=5,
     corpus_mb=(10, 100),
+    start_repeats=3,
 )
 QUICK = dict(
     preset="tiny",
@@ -76,6 +64,7 @@ QUICK = dict(
     step_warmup=1,
     step_repeats=2,
     corpus_mb=(2,),
+    start_repeats=1,
 )
 #: where the corpus costs' stream resumes, as a fraction of the corpus's windows
 RESUME_AT = 0.9
@@ -83,8 +72,6 @@ RESUME_AT = 0.9
 RESUME_BATCHES = (20, 2000)
 #: files the corpus is also split into (a stream resumed there skips whole files)
 SPLIT_FILES = 10
-#: fresh processes per stream start timed (fresh and each resume); the minimum is reported (other load only adds)
-START_REPEATS = 3
 #: the corpus costs' loader shape (gpu_check's training runs on CPU: 8 windows of 256 bytes)
 CORPUS_BATCH, CORPUS_SEQ_LEN = 8, 255
 
@@ -170,9 +157,9 @@ def _measure_in_child(**kwargs) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def corpus_costs(corpus_mb=(10, 100)) -> list[dict]:
+def corpus_costs(corpus_mb=(10, 100), start_repeats: int = 3) -> list[dict]:
     """Per corpus size: what each source kind costs to its first batch (seconds, max RSS in MB), measured in fresh
-    processes (see the module docstring)."""
+    processes (see the module docstring); each stream start is the fastest of `start_repeats` processes."""
     rows = []
     for megabytes in corpus_mb:
         with tempfile.TemporaryDirectory(prefix="spider-bench-corpus-") as tmp:
@@ -183,7 +170,7 @@ def corpus_costs(corpus_mb=(10, 100)) -> list[dict]:
             row["cache_first_start"] = _measure_in_child(kind="cache", **common)
             row["cache_second_start"] = _measure_in_child(kind="cache", **common)
             row["in_memory"] = _measure_in_child(kind="memory", **common)
-            row["stream_fresh"] = _fastest_start(kind="stream", **common)
+            row["stream_fresh"] = _fastest_start(start_repeats, kind="stream", **common)
             windows = int(size * RESUME_AT / (CORPUS_SEQ_LEN + 1))
             position = str(Path(tmp) / "position.json")
             row["stream_reach_position"] = _measure_in_child(
@@ -194,18 +181,20 @@ def corpus_costs(corpus_mb=(10, 100)) -> list[dict]:
                 (reach["seconds_to_position"] - reach["seconds_to_first_batch"]) / max(1, windows // CORPUS_BATCH - 1),
                 5,
             )
-            row["stream_resumed"] = _resumed(position, row["stream_fresh"], common)
+            row["stream_resumed"] = _resumed(position, row["stream_fresh"], common, start_repeats)
             for batches in RESUME_BATCHES:
                 if batches * CORPUS_BATCH < windows:
                     at = str(Path(tmp) / f"position-{batches}.json")
                     _measure_in_child(kind="stream", position=at, batches=batches, **common)
-                    row[f"stream_resumed_after_{batches}_batches"] = _resumed(at, row["stream_fresh"], common)
+                    row[f"stream_resumed_after_{batches}_batches"] = _resumed(
+                        at, row["stream_fresh"], common, start_repeats
+                    )
             # the same documents in SPLIT_FILES files: datasets skips the files before a position without reading them
             split = dict(corpus=str(split_corpus(corpus, Path(tmp) / "split", SPLIT_FILES)), cache_dir=cache)
-            row["split_stream_fresh"] = _fastest_start(kind="stream", **split)
+            row["split_stream_fresh"] = _fastest_start(start_repeats, kind="stream", **split)
             at = str(Path(tmp) / "position-split.json")
             _measure_in_child(kind="stream", position=at, batches=max(1, windows // CORPUS_BATCH), **split)
-            row["split_stream_resumed"] = _resumed(at, row["split_stream_fresh"], split)
+            row["split_stream_resumed"] = _resumed(at, row["split_stream_fresh"], split, start_repeats)
             rows.append(row)
     return rows
 
@@ -228,19 +217,18 @@ def split_corpus(corpus: Path, folder: Path, files: int) -> Path:
     return folder
 
 
-def _fastest_start(**kwargs) -> dict:
-    """The fastest of :data:`START_REPEATS` measurements of `kwargs` (each in a fresh process), with all their
-    times."""
-    runs = [_measure_in_child(**kwargs) for _ in range(START_REPEATS)]
+def _fastest_start(repeats: int, **kwargs) -> dict:
+    """The fastest of `repeats` measurements of `kwargs` (each in a fresh process), with all their times."""
+    runs = [_measure_in_child(**kwargs) for _ in range(repeats)]
     best = min(runs, key=lambda r: r["seconds_to_first_batch"])
     return {**best, "all_seconds_to_first_batch": [r["seconds_to_first_batch"] for r in runs]}
 
 
-def _resumed(position: str, fresh: dict, common: dict) -> dict:
+def _resumed(position: str, fresh: dict, common: dict, repeats: int) -> dict:
     """The fastest resumed start from saved `position`, where in the stream it is (window, ``datasets`` shard and
     example, the block's document) and its time over the fastest fresh start."""
     state = json.loads(Path(position).read_text())
-    out = _fastest_start(kind="stream", position=position, **common)
+    out = _fastest_start(repeats, kind="stream", position=position, **common)
     out["resumed_at_window"] = state["windows"]
     out["block"], out["document"] = state["block"], state["document"]
     out["datasets_position"] = state["source"]
@@ -250,6 +238,18 @@ def _resumed(position: str, fresh: dict, common: dict) -> dict:
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     """Run the benchmark; ``sizes`` override :data:`FULL` / :data:`QUICK`. Returns the result dict."""
+    # bench.common (torchao through spider_training.mixed_precision) is imported here, not at the top: the corpus
+    # costs' children import this module and must measure the data path's imports, not the benchmark's
+    from bench.common import (
+        TrainStep,
+        check,
+        finish,
+        info,
+        random_bytes,
+        spider_config,
+        spider_model,
+        time_interleaved,
+    )
     from spider_training.commands.write_shards import write_shards
     from spider_training.data import build_dataset, make_dataloader
 
@@ -275,7 +275,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         bytes_per_batch,
     )
 
-    corpus = corpus_costs(s["corpus_mb"])
+    corpus = corpus_costs(s["corpus_mb"], s["start_repeats"])
 
     cfg = spider_config(s["preset"])
     step = TrainStep(spider_model(s["preset"]), random_bytes(s["micro_batch"], s["seq_len"]))
@@ -327,7 +327,9 @@ if __name__ == "__main__":
     if "--measure" in sys.argv:  # a child of corpus_costs
         print(json.dumps(measure(**json.loads(sys.argv[sys.argv.index("--measure") + 1]))))
     elif "--corpus" in sys.argv:
-        quick = "--quick" in sys.argv
-        print(json.dumps({"corpus_costs": corpus_costs((QUICK if quick else FULL)["corpus_mb"])}, indent=2))
+        sizes = QUICK if "--quick" in sys.argv else FULL
+        print(json.dumps({"corpus_costs": corpus_costs(sizes["corpus_mb"], sizes["start_repeats"])}, indent=2))
     else:
+        from bench.common import main_for
+
         main_for(run)

@@ -109,14 +109,16 @@ def test_config_says_what_the_cache_holds():
 def test_static_decode_compiles_three_graphs_once():
     """``generate`` compiles the decode step's regions (a ``CompileConfig`` on CPU needs ``_compile_all_devices``):
     byte layers in, the recurrent block, byte layers out; nothing recompiles from byte to byte or call to call, and a
-    cache of another shape gets graphs of its own."""
+    cache of another shape gets graphs of its own. The backend is ``aot_eager`` (dynamo's graphs and guards and
+    AOTAutograd's functionalized buffer writes, without inductor's minute of C++ compiling here): the same regions
+    under inductor are checked by tests/test_serve.py's compiled server (each client's bytes equal ``generate``'s)."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model = tiny_model(seed=18).eval()
     ids, attention_mask = _left_padded(seed=19)
     reference = _generate(model, ids, attention_mask, 40, n_loops=2)
-    compile_config = CompileConfig(mode="default")
+    compile_config = CompileConfig(backend="aot_eager", mode=None)
     compile_config._compile_all_devices = True
     torch._dynamo.reset()
     counters.clear()
