@@ -20,7 +20,8 @@ from tests.helpers import run_module
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
-def _rejected_unknown_benchmark():
+@pytest.fixture(scope="module")
+def rejected_unknown_benchmark():
     """``python -m bench.run_all --only nope``: the command's result and the benchmarks its error names as known."""
     done = run_module("bench.run_all", "--only", "nope", "--out", "/dev/null")
     known = re.search(r"known: (\[[^\]]*\])", done.stderr)
@@ -36,9 +37,9 @@ def quick_results(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def benchmarks():
+def benchmarks(rejected_unknown_benchmark):
     """Every benchmark ``run_all`` runs by default, as its error for an unknown name lists them."""
-    return _rejected_unknown_benchmark()[1]
+    return rejected_unknown_benchmark[1]
 
 
 def _finite_number(x) -> bool:
@@ -141,7 +142,7 @@ def test_write_block_rejects_a_file_without_markers(tmp_path):
     assert readme.read_text() == "# Spider\nno markers here\n"
 
 
-def test_run_all_rejects_unknown_benchmark():
-    done, known = _rejected_unknown_benchmark()
+def test_run_all_rejects_unknown_benchmark(rejected_unknown_benchmark):
+    done, known = rejected_unknown_benchmark
     assert done.returncode == 2 and "unknown benchmark" in done.stderr, done.stderr
     assert known and "nope" not in known
