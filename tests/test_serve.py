@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from spider_training.commands.serve import build_app, load_release, serving_in_thread
+from spider_training.commands.serve import Engine, Job, build_app, load_release, serving_in_thread
 from tests.helpers import tiny_model
 from tokenization_spider import SpiderTokenizer
 
@@ -176,6 +176,48 @@ def test_concurrent_clients_are_batched_and_each_gets_what_it_gets_alone(release
     prefills = [shape for shape in batch_sizes if shape[1] > 1]
     assert max(shape[0] for shape in prefills) > 1, prefills  # requests were generated together
     assert len(prefills) < len(prompts)
+
+
+def _engine_batches(release, batch_wait_s: float, max_batch_size: int, submit) -> list[int]:
+    """The sizes of the batches a running :class:`Engine` on the release generates while `submit(engine, job)` is
+    called on three-byte jobs (each generated for real); fails if they are not all done within 120 s."""
+    model, tokenizer = load_release(str(release[0]), "cpu")
+    engine = Engine(model, tokenizer.pad_token_id, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s)
+    batches, done, generate = [], threading.Semaphore(0), engine.generate
+
+    def recording_generate(jobs):
+        batches.append(len(jobs))
+        generate(jobs)
+        for _ in jobs:
+            done.release()
+
+    engine.generate = recording_generate
+    jobs = [Job(prompt_ids=[256, *b"The state"], budget=3, n_loops=1, act_early_exit=False) for _ in range(5)]
+    engine.start()
+    try:
+        for job in jobs:
+            submit(engine, job)
+        assert all(done.acquire(timeout=120) for _ in jobs), batches
+    finally:
+        engine.stop()
+    assert all(job.generated == 3 for job in jobs)
+    return batches
+
+
+def test_a_burst_of_requests_joins_one_batch(release):
+    """Requests arriving 0.4 s apart, each before the last one's 1 s quiet period ends, join one batch (a fixed wait
+    after the first would split them: the burst lasts 1.6 s)."""
+
+    def submit(engine, job):
+        engine.submit(job)
+        time.sleep(0.4)
+
+    assert _engine_batches(release, batch_wait_s=1.0, max_batch_size=8, submit=submit) == [5]
+
+
+def test_a_full_batch_starts_without_waiting(release):
+    """With `max_batch_size` jobs waiting the batch starts at once: a quiet period of 10 minutes is never waited."""
+    assert _engine_batches(release, batch_wait_s=600.0, max_batch_size=5, submit=Engine.submit) == [5]
 
 
 @pytest.mark.slow

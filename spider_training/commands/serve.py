@@ -37,6 +37,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 logger = logging.getLogger(__name__)
+#: most quiet periods (``batch_wait_s`` each) a batch waits for a burst of requests to end before it starts anyway
+MAX_BATCH_WAITS = 10
 
 
 class BadRequest(Exception):
@@ -244,7 +246,8 @@ class Engine:
             ``model.config.act_early_exit`` per batch).
         pad_token_id: the id left padding uses (masked out).
         max_batch_size: most jobs generated together.
-        batch_wait_s: seconds the worker waits after the first job of a batch for concurrent ones to arrive.
+        batch_wait_s: seconds without a new job after which the worker starts a batch (a burst of concurrent
+            requests joins one batch; at most ``MAX_BATCH_WAITS * batch_wait_s`` in all).
         compile: decode over fixed-size caches (``SpiderStaticCache``: a batch of 1, 2, 4, 8... rows, the extra
             rows and finished jobs' rows kept and ignored; a length rounded up to a power of two) whose decode step's
             regions are compiled (``compile_decode``) once per shape: the first batch of each shape pays the compile.
@@ -287,13 +290,21 @@ class Engine:
         return all(width + job.budget - 1 <= self.context for job in jobs)
 
     def _take_batch(self) -> list[Job] | None:
+        """The next batch: up to `max_batch_size` waiting jobs with the first one's `n_loops` and `act_early_exit`
+        that fit the context together, taken once no job has arrived for `batch_wait_s` (a burst of requests joins
+        one batch however long it lasts, up to :data:`MAX_BATCH_WAITS` waits) or once `max_batch_size` jobs wait.
+        None once :meth:`stop` was called."""
         with self.condition:
             while not self.waiting and not self.closed:
                 self.condition.wait()
             if self.closed:
                 return None
-        time.sleep(self.batch_wait_s)  # let requests sent at the same moment join this batch
-        with self.condition:
+            deadline = time.monotonic() + MAX_BATCH_WAITS * self.batch_wait_s
+            while len(self.waiting) < self.max_batch_size and not self.closed:
+                arrived = len(self.waiting)
+                quiet = not self.condition.wait(max(0.0, min(self.batch_wait_s, deadline - time.monotonic())))
+                if (quiet and len(self.waiting) == arrived) or time.monotonic() >= deadline:
+                    break
             self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
             batch: list[Job] = []
             for job in list(self.waiting):
