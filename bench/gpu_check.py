@@ -25,8 +25,8 @@ The parts, in the order they run (most important first), and the module that say
   (``tests/test_training_runs.py``)
 - ``fp8_<recipe>_<preset>``, ``tile_kernels_moe``, ``fsdp2_fp8_all_gather``: FP8 against bf16, TileKernels against
   torch's MoE routing, FSDP2 with float8 all-gather (``tests/test_gpu.py``)
-- ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``bench.fp8_gemm``); its ``fp8_gemm_table`` is
-  what ``spider_training/fp8_gemm_table.json`` holds per GPU
+- ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``spider-measure-fp8-gemms``,
+  :mod:`spider_training.commands.measure_fp8_gemms`); its ``fp8_gemm_table`` is what ``--fp8_gemm_table`` reads
 
 Time budget (``bench.parts``): ``--budget_s`` (460 s) is shared by the parts in that order, each capped by
 :data:`PART_CAPS_S` (``--part_cap step_table=400`` replaces one cap); a part that no longer fits is ``skipped`` with
@@ -52,7 +52,6 @@ import torch
 
 from bench.common import environment
 from bench.diagnostics import attention_backends_check, host_syncs_check
-from bench.fp8_gemm import DEFAULT_BATCHES, fp8_gemm_check
 from bench.parts import (
     MIN_PART_S,
     TIME_BUDGET,
@@ -72,6 +71,7 @@ from bench.step_table import (
     TK_TRAIN_RECIPE_SHAPE,
     step_table_check,
 )
+from spider_training.commands.measure_fp8_gemms import DEFAULT_BATCHES, measure_gemm_table, parse_batch
 
 PARTS = (
     "main_job",
@@ -118,15 +118,7 @@ def parse_part_cap(text: str) -> tuple[str, float]:
     return part, cap
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    """``"32x256"`` -> ``(32, 256)`` (batch, bytes)."""
-    try:
-        batch, length = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCHxBYTES such as 32x256, got {text!r}") from None
-    if batch < 1 or length < 2:
-        raise argparse.ArgumentTypeError(f"batch must be >= 1 and bytes >= 2, got {text!r}")
-    return batch, length
+parse_shape = parse_batch  # BATCHxBYTES
 
 
 def _check_tests(options) -> dict[str, dict[str, str]]:
@@ -198,16 +190,36 @@ def _part_functions(options, on_row=None) -> dict:
                 deadline=d,
             )
         ],
-        "fp8_gemm": lambda d: [
-            fp8_gemm_check(
-                options.fp8_gemm_presets,
-                options.fp8_gemm_batches,
-                repeats=options.step_repeats,
-                backend=options.compile_backend,
-                deadline=d,
-            )
-        ],
+        "fp8_gemm": lambda d: [fp8_gemm_check(options, d)],
     }
+
+
+def fp8_gemm_check(options, deadline: Deadline) -> dict:
+    """The ``fp8_gemm`` entry: ``spider-measure-fp8-gemms``'s ``rows`` (seconds per variant, FP8's speedup) and its
+    table as ``fp8_gemm_table``, measured at ``--fp8_gemm_presets`` / ``--fp8_gemm_batches`` until `deadline`."""
+    device = default_device()
+    measured = measure_gemm_table(
+        options.fp8_gemm_presets,
+        options.fp8_gemm_batches,
+        device,
+        repeats=options.step_repeats,
+        backend=options.compile_backend,
+        out_of_time=lambda: deadline.expired(10),
+    )
+    rows, skipped = measured["rows"], measured["skipped"]
+    return entry(
+        "fp8_gemm",
+        "skipped" if skipped and not rows else "passed",
+        f"{TIME_BUDGET}: {skipped} of {measured['shapes']} shapes not measured" if skipped else "",
+        device=str(device),
+        presets=list(options.fp8_gemm_presets),
+        batches=[f"{b}x{length}" for b, length in options.fp8_gemm_batches],
+        compile_backend=options.compile_backend,
+        rows=rows,
+        not_run=measured["not_run"],
+        fp8_gemm_table=measured["table"],
+        note="" if device.type == "cuda" else "CPU emulation: the FP8 times are not FP8's",
+    )
 
 
 def _placeholder_names(part: str, options) -> list[str]:
@@ -424,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["1b"],
         choices=PRESETS,
-        help="fp8_gemm: the presets whose GEMM shapes are timed (bench.fp8_gemm)",
+        help="fp8_gemm: the presets whose GEMM shapes are timed (spider-measure-fp8-gemms --presets)",
     )
     parser.add_argument(
         "--fp8_gemm_batches",

@@ -140,8 +140,8 @@ class SpiderTrainingArguments(TrainingArguments):
     fp8_gemm_table: str | None = field(
         default=None,
         metadata={
-            "help": "with fp8: the per-GEMM-shape timings that --fp8_layers auto reads (JSON from `python -m "
-            "bench.gpu_check --only fp8_gemm`); default spider_training/fp8_gemm_table.json"
+            "help": "with fp8: the per-GEMM-shape timings that --fp8_layers auto reads (JSON from "
+            "`spider-measure-fp8-gemms --out FILE`); default spider_training/fp8_gemm_table.json"
         },
     )
     fp8_experts: str = field(
