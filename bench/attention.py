@@ -1,19 +1,6 @@
 """Benchmark 9 -- attention backends: the training step with each ``attn_implementation``.
 
-Spider routes every MLA layer through transformers' attention interface (docs/design.md, "Attention backends"); this
-times one training step (forward with labels, backward, AdamW) of the same model with ``"sdpa"`` (the default) and
-``"eager"`` (``modeling_spider.eager_attention_forward``), interleaved in one process, and records whether both give
-the same loss within fp32 tolerance. Target: the default, ``"sdpa"``, is at least as fast as ``"eager"`` (``eager
-time / sdpa time >= 1``). ``flex_attention`` is not supported (docs/design.md), so it is not timed.
-
-Run alone: ``python -m bench.attention [--quick]``.
-
-:func:`sdpa_backend_timings` times torch's SDPA kernels themselves (``torch.nn.attention.SDPBackend``: cuDNN, flash
-with the value zero-padded to the query/key head dim, memory-efficient, math, and torch's unrestricted default) at the
-recurrent-layer attention shapes of a preset, over a shuffled sequence of padded segment counts as training meets
-them: the first call on each new shape (cuDNN plans there) against the steady state. ``bench.gpu_check``'s
-``attention_backends`` part runs it on a GPU; ``--sdpa_backend`` (``spider_training.sdpa``) is the training knob it
-informs.
+What its entries and fields mean: bench/README.md, "Module notes", `attention.py`.
 """
 
 from __future__ import annotations
@@ -155,7 +142,7 @@ def sdpa_backend_timings(
     stop_at: float | None = None,
     **config_overrides,
 ) -> dict:
-    """Time SDPA forward+backward per kernel at `preset`'s recurrent-layer attention (see the module docstring).
+    """Time SDPA forward+backward per kernel at `preset`'s recurrent-layer attention (bench/README.md).
 
     Every backend runs the same shuffled sequence: each count in `segment_counts` `visits` times (seeded), after one
     call at :data:`SDPA_WARMUP_SEGMENTS` (or another count outside the sequence). Per call, ``torch.cuda.synchronize``

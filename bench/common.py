@@ -1,21 +1,7 @@
 """Shared pieces of the benchmarks: timing, environment record, model builders, profiling, results (FLOP counting and
 the matmul peak: :mod:`spider_training.throughput`, what the trainer logs).
 
-Timing rules: every figure is a ratio of two variants measured side by side in one process on this
-machine; each variant gets ``warmup`` untimed calls, then ``repeats`` timed calls, and the **median** is used.
-Variants are interleaved (A, B, A, B, ...) by :func:`time_interleaved` so that load from other processes hits
-both alike.
-
-Result format (what every ``bench.<name>.run`` returns, and :mod:`bench.report` reads)::
-
-    {"benchmark": str, "description": str, "sizes": {...}, "dtype": str,
-     "checks": [{"name": str, "metric": str, "target": float, "measured": float, "met": bool}, ...],
-     "info": [{"name": str, "measured": float, "unit": str}]  (figures without a target),
-     "met": bool, "measurements": {...}, "notes": [str], "profile": {...} (only when a target is missed),
-     "seconds": float}
-
-``met`` of a benchmark is ``all(check["met"])`` unless the module says otherwise in its docstring. A benchmark that
-crashed is recorded by the runner as ``{"benchmark": name, "error": "...", "met": False, "checks": []}``.
+What its entries and fields mean: bench/README.md, "Module notes", `common.py`.
 """
 
 from __future__ import annotations

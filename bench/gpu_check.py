@@ -5,35 +5,7 @@
     torchrun --nproc_per_node 2 -m bench.gpu_check --only fsdp2_fp8_all_gather     # FSDP2 over NCCL (>= 2 GPUs)
     python -m pytest -m gpu                                                        # the correctness checks as tests
 
-It prints one JSON result (``--out FILE`` also writes it, and rewrites it after each part and each step-table row with
-``"complete": false`` until the end, so a run killed from outside keeps what it measured; ``--progress_log FILE``
-appends each of those as a JSON line; everything the parts print, the trainer's progress included, goes to stderr).
-``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or ``"skipped"``, a ``reason``
-(empty when passed) and its figures; ``passed`` is true when no check failed; ``parts`` records each part's time
-allowance and wall time; ``options`` the command's flags. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
-
-The parts, in the order they run (most important first), and the module that says what each entry means:
-
-- ``main_job``: the README's main job end to end, then its release reloaded onto the GPU
-  (``tests/test_training_runs.py``)
-- ``step_table``: one training step of Spider 1b and its peers, timed and counted (``bench.step_table``)
-- ``host_syncs``: the device-to-host syncs of one 1b forward+backward (``bench.diagnostics``)
-- ``distributed``: DDP and FSDP2 at world size 1 over NCCL: losses against the unwrapped model's, FSDP2's sharded
-  checkpoint saved, resumed and gathered into a release that loads (``tests/test_gpu.py``)
-- ``attention_backends``: SDPA forward+backward per kernel at the 1b attention's shapes (``bench.diagnostics``)
-- ``run_1b``: 300 training steps of the 1b preset, judged by its boundary rate and held-out loss
-  (``tests/test_training_runs.py``)
-- ``fp8_<recipe>_<preset>``, ``tile_kernels_moe``, ``fsdp2_fp8_all_gather``: FP8 against bf16, TileKernels against
-  torch's MoE routing, FSDP2 with float8 all-gather (``tests/test_gpu.py``)
-- ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``spider-measure-fp8-gemms``,
-  :mod:`spider_training.commands.measure_fp8_gemms`); its ``fp8_gemm_table`` is what ``--fp8_gemm_table`` reads
-
-Time budget (``bench.parts``): ``--budget_s`` (460 s) is shared by the parts in that order, each capped by
-:data:`PART_CAPS_S` (``--part_cap step_table=400`` replaces one cap); a part that no longer fits is ``skipped`` with
-the reason "time budget".
-
-Everything that can run on CPU does (``tests/test_gpu_check.py`` runs it at toy sizes through the size/steps flags);
-the GPU-only parts report ``"skipped"`` with "needs CUDA" on a machine without one.
+What its entries and fields mean: bench/README.md, "Module notes", `gpu_check.py`.
 """
 
 from __future__ import annotations
