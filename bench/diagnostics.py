@@ -223,9 +223,9 @@ def attention_backends_check(
     deadline: Deadline | None = None,
 ) -> dict:
     """SDPA forward+backward per kernel at `preset`'s recurrent-layer attention over a shuffled sequence of padded
-    segment counts (:func:`bench.attention.sdpa_backend_timings`; bench/README.md). `batch`: default 32 on
-    CUDA, 4 on CPU. A measurement: passes when torch's default and every kernel that takes the call ran."""
-    from bench.attention import SDPA_SEGMENT_COUNTS, sdpa_backend_timings
+    segment counts (``spider-measure-sdpa-backends``'s :func:`sdpa_backend_timings`). `batch`: default 32 on CUDA, 4
+    on CPU. A measurement: passes when torch's default and every kernel that takes the call ran."""
+    from spider_training.commands.measure_sdpa_backends import SDPA_SEGMENT_COUNTS, sdpa_backend_timings
 
     device = device or default_device()
     deadline = deadline or Deadline(None)
