@@ -14,15 +14,13 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import environment
+from bench.common import environment, write_json
 from bench.diagnostics import attention_backends_check, host_syncs_check
 from bench.parts import (
     MIN_PART_S,
@@ -420,24 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _write_json(path: str, result: dict) -> None:
-    """`result` as JSON at `path`, atomically (a temporary file beside it, then renamed): a reader, or a run killed
-    mid-write, never sees half a file."""
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    os.replace(tmp, target)
-
-
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     args.step_table_models = [DEPRECATED_ROW_NAMES.get(label, label) for label in args.step_table_models]
     kept = ("only", "out", "progress_log", "budget_s", "presets", "part_cap")
     options = {k: v for k, v in vars(args).items() if k not in kept}
 
-    def progress(partial: dict) -> None:
+    def progress(partial: dict) -> None:  # after each part and step-table row, and the final result
         if args.out:
-            _write_json(args.out, partial)
+            write_json(args.out, partial)
         if args.progress_log:
             with open(args.progress_log, "a") as log:
                 log.write(json.dumps(partial, default=str) + "\n")
@@ -452,11 +441,7 @@ def main(argv=None) -> dict:
     )
     result["options"] = {k: v for k, v in vars(args).items() if k not in ("out", "progress_log")}
     text = json.dumps(result, indent=1, default=str)
-    if args.out:
-        _write_json(args.out, result)
-    if args.progress_log:
-        with open(args.progress_log, "a") as log:
-            log.write(json.dumps(result, default=str) + "\n")
+    progress(result)
     print(text)
     return json.loads(text)
 
