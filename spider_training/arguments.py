@@ -156,7 +156,7 @@ class SpiderTrainingArguments(TrainingArguments):
         default="auto",
         metadata={
             "help": "auto | cudnn | flash | efficient | math: the SDPA kernel training steps prefer "
-            "(spider_training.sdpa; measured by python -m bench.gpu_check --only attention_backends). auto: "
+            "(spider_training.sdpa; spider-measure-sdpa-backends measures them on the GPU at hand). auto: "
             "torch's choice. flash pads MLA's narrower value head dim to the query/key head dim"
         },
     )
