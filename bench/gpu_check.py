@@ -55,7 +55,6 @@ PARTS = (
     "tile_kernels_moe",
     "fsdp2_fp8_all_gather",
 )
-CHECKS = PARTS  # the name earlier versions used
 FP8_RECIPES = ("tensorwise", "rowwise")
 PRESETS = ("tiny", "small", "1b")
 #: each part's largest time allowance in seconds (see bench.parts: "Time budget")
