@@ -1,26 +1,6 @@
 """Benchmark 5 -- activation checkpointing: peak memory of a training step with and without, and its time cost.
 
-Spider ``small`` preset, ``batch x seq_len`` = 1 x 2048 random bytes, fp32, AdamW step as in :mod:`bench.train_step`.
-Checkpointing is switched on with transformers' ``activation_checkpointing_enable()`` (the non-deprecated name in
-transformers 5.x; ``gradient_checkpointing_enable()`` on older versions); every ``GradientCheckpointingLayer``
-(prelude, recurrent and coda layers) then recomputes its activations in the backward.
-
-Peak memory (method recorded in the JSON as ``memory_method``): each variant runs in a **fresh subprocess**
-(``python -m bench.activation_checkpointing --child on|off``) with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` so every
-tensor above 64 KiB is its own ``mmap`` and goes back to the OS when freed (resident memory then follows live
-tensors instead of malloc's cache). The child builds the model and optimizer, runs one warm-up step (which also
-allocates AdamW's state), frees garbage and ``malloc_trim``s, reads ``VmRSS`` as the baseline, resets the kernel's
-high-water mark (``echo 5 > /proc/self/clear_refs``), runs one step and reads ``VmHWM``: ``step peak = VmHWM -
-baseline`` is the extra resident memory the step needed at its peak (activations, gradients, temporaries). Repeated
-``repeats`` times in the child; the median is used. If ``clear_refs`` is not writable the child falls back to
-``ru_maxrss`` minus the RSS after the model build, without a warm-up step (then AdamW's state is included).
-
-Time: both variants in this process, separate models with the same weights, interleaved, median of ``repeats``.
-
-Target: ``1 - peak(on) / peak(off) >= 0.40`` (40 % less step memory). The slowdown (``time on / time off``) is
-reported, with no target.
-
-Run alone: ``python -m bench.activation_checkpointing [--quick]``.
+What its entries and fields mean: bench/README.md, "Module notes", `activation_checkpointing.py`.
 """
 
 from __future__ import annotations
@@ -81,7 +61,7 @@ def _release_memory() -> None:
 
 
 def child(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> dict:
-    """Measure the step peak in this (fresh) process; see the module docstring. Returns a JSON-able dict (bytes)."""
+    """Measure the step peak in this (fresh) process (bench/README.md). Returns a JSON-able dict (bytes)."""
     model = spider_model(preset)
     method = enable_checkpointing(model) if variant == "on" else None
     step = TrainStep(model, random_bytes(batch, seq_len))

@@ -1,27 +1,14 @@
 """Shared pieces of the benchmarks: timing, environment record, model builders, profiling, results (FLOP counting and
 the matmul peak: :mod:`spider_training.throughput`, what the trainer logs).
 
-Timing rules: every figure is a ratio of two variants measured side by side in one process on this
-machine; each variant gets ``warmup`` untimed calls, then ``repeats`` timed calls, and the **median** is used.
-Variants are interleaved (A, B, A, B, ...) by :func:`time_interleaved` so that load from other processes hits
-both alike.
-
-Result format (what every ``bench.<name>.run`` returns, and :mod:`bench.report` reads)::
-
-    {"benchmark": str, "description": str, "sizes": {...}, "dtype": str,
-     "checks": [{"name": str, "metric": str, "target": float, "measured": float, "met": bool}, ...],
-     "info": [{"name": str, "measured": float, "unit": str}]  (figures without a target),
-     "met": bool, "measurements": {...}, "notes": [str], "profile": {...} (only when a target is missed),
-     "seconds": float}
-
-``met`` of a benchmark is ``all(check["met"])`` unless the module says otherwise in its docstring. A benchmark that
-crashed is recorded by the runner as ``{"benchmark": name, "error": "...", "met": False, "checks": []}``.
+What its entries and fields mean: bench/README.md, "Module notes", `common.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import platform
 import statistics
@@ -72,6 +59,15 @@ def environment() -> dict[str, Any]:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "device": "cpu",
     }
+
+
+def write_json(path: str | Path, result: dict, indent: int = 1) -> None:
+    """`result` as JSON at `path` (values JSON lacks as ``str``), atomically (a temporary file beside it, then
+    renamed): a reader, or a run killed mid-write, never sees half a file. Every runner writes its output with it."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=indent, default=str) + "\n")
+    os.replace(tmp, target)
 
 
 def check(name: str, metric: str, target: float, measured: float | None, higher_is_better: bool = True) -> dict:
@@ -261,7 +257,6 @@ def profile_top(fn: Callable[[], Any], steps: int = 2, top: int = 12) -> dict[st
 def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
     """``python -m bench.<name> [--quick] [--out FILE]``: run one benchmark, print (and write) its JSON."""
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(description=(run.__module__ or "").split(".")[-1] + " benchmark")
     parser.add_argument("--quick", action="store_true", help="toy sizes (seconds, not minutes)")
@@ -270,10 +265,9 @@ def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
     result = {"environment": environment(), "quick": args.quick, "benchmarks": {}}
     single = run(quick=args.quick)
     result["benchmarks"][single["benchmark"]] = single
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, result, indent=2)
     return result
 
 

@@ -1,33 +1,6 @@
 """Benchmark 7 -- ``--compile``: what compiling costs (cold and warm), what it recompiles, and what a step gains.
 
-Each run is a **fresh subprocess** (``python -m bench.compile --child``) under a wall-clock ``timeout``, so a slow or
-hanging compilation cannot stall the whole run and dynamo's state starts empty. The benchmark runs it twice on one
-inductor cache folder of its own (``TORCHINDUCTOR_CACHE_DIR``, new and empty for the first): **cold** (nothing
-cached) and **warm** (the first run's inductor and AOTAutograd caches on disk, as a second training run finds them).
-
-In each child: two Spider models with the same weights (preset ``preset``, or ``proxy_1b``: the 1b structure at the
-tiny widths; fp32 as ``train_hf.py`` trains on a CPU), one eager, one compiled as ``--compile`` compiles it
-(:func:`spider_training.compile.compile_model`: each layer kind one graph, the segment axis dynamic), each with its own
-AdamW on random bytes, a new batch (so a new segment axis) every step. Measured: the compiled model's first step (its
-compile included: the target), the graphs it compiled, the frames dynamo traced (``traced_frames``) and the
-recompilations it logged in the first step and after it (``compile_steps`` steps in all), the seconds per compile phase
-(``torch._dynamo.utils.compilation_time_metrics``: dynamo's tracing, AOTAutograd, inductor's code generation and
-C++/Triton compile, forward and backward), the cache hits, then ``repeats`` interleaved steady-state steps of both
-models: speedup = median eager step / median compiled step. ``eager_aten_ops_per_step`` counts the aten ops each model
-runs eagerly in one forward+backward (:func:`spider_training.profiling.eager_aten_ops`): the eager model's all, the
-compiled model's glue between its layers (on a GPU each is a kernel launch from Python).
-
-Both models train on the same batches from the same weights (the tiny preset's boundaries are deterministic), so
-their losses over the ``compile_steps + warmup + repeats`` steps (20) are compared too.
-
-Targets (issue 63, this 2-core CPU, tiny preset, 8 x 256 bytes): cold first step <= 75 s, warm <= 15 s, no
-recompilation after the first step and at most 2 in all, at most 8 graphs, a steady-state step no slower than eager,
-and every compiled loss within one bf16 rounding (2^-8, relative) of the eager one. A compile failure or timeout is
-recorded under ``"error"`` with ``met: false`` instead of crashing the run.
-``--quick`` uses a batch of one 32-byte row and dynamo's ``"eager"`` backend (graph capture only, no code
-generation, no warm run): it checks the machinery, not inductor's speed.
-
-Run alone: ``python -m bench.compile [--quick]``.
+What its entries and fields mean: bench/README.md, "Module notes", `compile.py`.
 """
 
 from __future__ import annotations
@@ -116,7 +89,7 @@ def build_model(preset: str):
 
 
 def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: int, warmup: int, repeats: int) -> dict:
-    """Measure in this process (see the module docstring); returns a JSON-able dict."""
+    """Measure in this process (bench/README.md); returns a JSON-able dict."""
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,32 +1,6 @@
 """Benchmark 6 -- data pipeline: bytes/s the loader delivers vs bytes/s a training step consumes.
 
-Producer side (``spider_training.data``, single process, ``num_workers=0`` as in the default CPU run):
-
-* **byte shards**: the ``sotu`` train split written with ``spider_training.commands.write_shards.write_shards``
-  (headerless format)
-  into a temporary directory, read with ``build_dataset(<dir>, seq_len)`` + ``make_dataloader(ds, micro_batch)``;
-* **text**: ``build_dataset("sotu", seq_len)`` (``datasets`` streaming + on-the-fly UTF-8 encoding and packing).
-
-A measurement iterates ``batches`` batches from a fresh iterator (iterator creation included, so the text path pays
-its ``datasets`` setup) and counts ``micro_batch x seq_len`` bytes per batch; median of ``repeats``.
-
-Consumer side: one training step of Spider ``small`` (default ``n_loops``) on ``micro_batch x seq_len`` = 8 x 256
-bytes, median step time (as :mod:`bench.train_step`). Consumed bytes/s = ``micro_batch x seq_len / step time``.
-
-Targets: ``delivered / consumed >= 50`` for the shard path and for the text path. Also reported: byte-shard
-writing speed (``write_shards``' own MB/s of shard bytes, which includes reading and encoding the text, and the
-wall-clock MB/s of the whole call).
-
-Corpus costs (:func:`corpus_costs`, also alone: ``python -m bench.data_pipeline --corpus [--quick]``): for a generated
-``.jsonl`` corpus of each size in ``corpus_mb``, each source kind measured in a fresh process (so that its max RSS is
-its own): seconds from the dataset's construction to its first batch and the process's max RSS, for the byte cache's
-first start (encoding the cache) and second start (reusing it), the in-memory encoding (``cache_dir=None``, before the
-cache) and the stream (``--streaming``), and for the stream the time to its first batch when resumed from the position
-saved 90 % of the way through the corpus (``load_state_dict``: nothing replayed) against that of a fresh start, and the
-same resumed after 20 and 2,000 batches (issue 67's targets); the stream's starts are the fastest of ``start_repeats``
-fresh processes each (3; 1 in the quick mode). ``stream_seconds_per_batch`` is the stream's time per batch once started
-(what "a fresh start plus one batch" allows). ``split_stream_*``: the same documents split into :data:`SPLIT_FILES`
-files, streamed fresh and resumed 90 % in. ``import_rss_mb`` is the process's RSS after its imports, before any data.
+What its entries and fields mean: bench/README.md, "Module notes", `data_pipeline.py`.
 """
 
 from __future__ import annotations
@@ -159,7 +133,7 @@ def _measure_in_child(**kwargs) -> dict:
 
 def corpus_costs(corpus_mb=(10, 100), start_repeats: int = 3) -> list[dict]:
     """Per corpus size: what each source kind costs to its first batch (seconds, max RSS in MB), measured in fresh
-    processes (see the module docstring); each stream start is the fastest of `start_repeats` processes."""
+    processes (bench/README.md); each stream start is the fastest of `start_repeats` processes."""
     rows = []
     for megabytes in corpus_mb:
         with tempfile.TemporaryDirectory(prefix="spider-bench-corpus-") as tmp:

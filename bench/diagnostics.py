@@ -1,35 +1,7 @@
 """Diagnostics of a training step: host syncs, aten ops, kernel launches and profiles, the segment axis of each
 step, and two parts of ``python -m bench.gpu_check``:
 
-- ``host_syncs``: the device-to-host syncs of one Spider ``1b`` training forward+backward (32 x 256 bytes), with the
-  default experts implementation (``grouped_mm``) and with ``eager``. On CUDA,
-  ``torch.cuda.set_sync_debug_mode("warn")`` with the warnings
-  recorded (:class:`spider_training.profiling.CudaSyncWarnings`), counted, with the top source lines; everywhere, the
-  dispatch-level count by op and source line (:class:`spider_training.profiling.HostSyncCounter`: ``.item()``,
-  ``nonzero``, boolean indexing, ... and ``Tensor.tolist``, which the sorted MoE path calls). On CPU the ``1b`` preset
-  runs at the ``tiny`` preset's widths with the ``1b`` depth, loops and experts (the sync count depends on the
-  structure, not the width; the full ``1b`` takes minutes per step there). Beside each count, the aten ops dispatched
-  by the same forward+backward (``aten_ops_forward_backward``: every op but views, ``detach`` and ``empty*``; a proxy
-  for the kernels a GPU launches, which tracked it on the H200: 32,344 ops, 40,967 launches) and those of transformers'
-  ``DeepseekV3ForCausalLM`` of the same config (``deepseek_v3_aten_ops_forward_backward``). A measurement: passes
-  when it ran.
-- ``attention_backends``: which of torch's SDPA kernels the recurrent layers' attention should run
-  (:func:`bench.attention.sdpa_backend_timings`): forward+backward at the ``1b`` preset's heads and head dims
-  (query/key
-  96, value 64), batch 32, bf16, causal without a mask (``is_causal``, as the training forward's recurrent layers call
-  it), over the padded segment counts 80, 96, 112 (``1 + S`` at about one segment per 3 bytes of 32 x 256), each
-  visited 5 times in a seeded shuffled order after one warm-up call at 32, for ``default`` (torch's own choice, run
-  first as training runs it) and each of ``cudnn``, ``flash`` (the value zero-padded to 96), ``efficient`` and
-  ``math`` alone (``torch.nn.attention.sdpa_kernel``). Per backend: the kernel that ran at each count (profiler op
-  names), the first call at each new count (where cuDNN builds its execution plan) and the steady-state median,
-  ``torch.cuda.synchronize`` before and after each call, the host's share (until the call has been launched), the
-  whole sequence's total, and ``first_calls_after`` where an earlier row ran the same kernel at these shapes (its plans
-  were cached); a kernel that does not take the call is skipped with torch's reason. ``fastest_steady`` and
-  ``fastest_sequence_total`` name the winners (the latter among the rows whose first calls were their own: on the
-  H200 the ``cudnn`` row reused the plans ``default`` built, and its total of 6 ms against ``default``'s 307 ms hid
-  the planning); ``--sdpa_backend`` (``spider_training.sdpa``) makes one the training
-  default. On CPU at batch 4 (math, flash on CPU, the rest skipped). A measurement: passes when the default and every
-  kernel that takes the call ran (``--attention_*`` flags change the sizes).
+What its entries and fields mean: bench/README.md, "Module notes", `diagnostics.py`.
 """
 
 from __future__ import annotations
@@ -166,7 +138,7 @@ def host_syncs_check(
     variants: tuple[str | None, ...] = (None, "eager"),
     top: int = 10,
 ) -> dict:
-    """Device-to-host syncs of one training forward+backward of `preset` (see the module docstring). `variants`:
+    """Device-to-host syncs of one training forward+backward of `preset` (bench/README.md). `variants`:
     experts implementations (None: the preset's own)."""
     from modeling_spider import SpiderForConditionalGeneration
 
@@ -251,9 +223,9 @@ def attention_backends_check(
     deadline: Deadline | None = None,
 ) -> dict:
     """SDPA forward+backward per kernel at `preset`'s recurrent-layer attention over a shuffled sequence of padded
-    segment counts (:func:`bench.attention.sdpa_backend_timings`; see the module docstring). `batch`: default 32 on
-    CUDA, 4 on CPU. A measurement: passes when torch's default and every kernel that takes the call ran."""
-    from bench.attention import SDPA_SEGMENT_COUNTS, sdpa_backend_timings
+    segment counts (``spider-measure-sdpa-backends``'s :func:`sdpa_backend_timings`). `batch`: default 32 on CUDA, 4
+    on CPU. A measurement: passes when torch's default and every kernel that takes the call ran."""
+    from spider_training.commands.measure_sdpa_backends import SDPA_SEGMENT_COUNTS, sdpa_backend_timings
 
     device = device or default_device()
     deadline = deadline or Deadline(None)

@@ -5,35 +5,7 @@
     torchrun --nproc_per_node 2 -m bench.gpu_check --only fsdp2_fp8_all_gather     # FSDP2 over NCCL (>= 2 GPUs)
     python -m pytest -m gpu                                                        # the correctness checks as tests
 
-It prints one JSON result (``--out FILE`` also writes it, and rewrites it after each part and each step-table row with
-``"complete": false`` until the end, so a run killed from outside keeps what it measured; ``--progress_log FILE``
-appends each of those as a JSON line; everything the parts print, the trainer's progress included, goes to stderr).
-``checks`` holds one entry per check, each with ``status`` ``"passed"``, ``"failed"`` or ``"skipped"``, a ``reason``
-(empty when passed) and its figures; ``passed`` is true when no check failed; ``parts`` records each part's time
-allowance and wall time; ``options`` the command's flags. The H200 run of 2026-11-26: ``bench/gpu_check_h200.json``.
-
-The parts, in the order they run (most important first), and the module that says what each entry means:
-
-- ``main_job``: the README's main job end to end, then its release reloaded onto the GPU
-  (``tests/test_training_runs.py``)
-- ``step_table``: one training step of Spider 1b and its peers, timed and counted (``bench.step_table``)
-- ``host_syncs``: the device-to-host syncs of one 1b forward+backward (``bench.diagnostics``)
-- ``distributed``: DDP and FSDP2 at world size 1 over NCCL: losses against the unwrapped model's, FSDP2's sharded
-  checkpoint saved, resumed and gathered into a release that loads (``tests/test_gpu.py``)
-- ``attention_backends``: SDPA forward+backward per kernel at the 1b attention's shapes (``bench.diagnostics``)
-- ``run_1b``: 300 training steps of the 1b preset, judged by its boundary rate and held-out loss
-  (``tests/test_training_runs.py``)
-- ``fp8_<recipe>_<preset>``, ``tile_kernels_moe``, ``fsdp2_fp8_all_gather``: FP8 against bf16, TileKernels against
-  torch's MoE routing, FSDP2 with float8 all-gather (``tests/test_gpu.py``)
-- ``fp8_gemm``: the FP8 GEMM table, bf16 against FP8 per GEMM shape (``bench.fp8_gemm``); its ``fp8_gemm_table`` is
-  what ``spider_training/fp8_gemm_table.json`` holds per GPU
-
-Time budget (``bench.parts``): ``--budget_s`` (460 s) is shared by the parts in that order, each capped by
-:data:`PART_CAPS_S` (``--part_cap step_table=400`` replaces one cap); a part that no longer fits is ``skipped`` with
-the reason "time budget".
-
-Everything that can run on CPU does (``tests/test_gpu_check.py`` runs it at toy sizes through the size/steps flags);
-the GPU-only parts report ``"skipped"`` with "needs CUDA" on a machine without one.
+What its entries and fields mean: bench/README.md, "Module notes", `gpu_check.py`.
 """
 
 from __future__ import annotations
@@ -42,17 +14,14 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import environment
+from bench.common import environment, write_json
 from bench.diagnostics import attention_backends_check, host_syncs_check
-from bench.fp8_gemm import DEFAULT_BATCHES, fp8_gemm_check
 from bench.parts import (
     MIN_PART_S,
     TIME_BUDGET,
@@ -72,6 +41,7 @@ from bench.step_table import (
     TK_TRAIN_RECIPE_SHAPE,
     step_table_check,
 )
+from spider_training.commands.measure_fp8_gemms import DEFAULT_BATCHES, measure_gemm_table, parse_batch
 
 PARTS = (
     "main_job",
@@ -85,7 +55,6 @@ PARTS = (
     "tile_kernels_moe",
     "fsdp2_fp8_all_gather",
 )
-CHECKS = PARTS  # the name earlier versions used
 FP8_RECIPES = ("tensorwise", "rowwise")
 PRESETS = ("tiny", "small", "1b")
 #: each part's largest time allowance in seconds (see bench.parts: "Time budget")
@@ -118,15 +87,7 @@ def parse_part_cap(text: str) -> tuple[str, float]:
     return part, cap
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    """``"32x256"`` -> ``(32, 256)`` (batch, bytes)."""
-    try:
-        batch, length = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCHxBYTES such as 32x256, got {text!r}") from None
-    if batch < 1 or length < 2:
-        raise argparse.ArgumentTypeError(f"batch must be >= 1 and bytes >= 2, got {text!r}")
-    return batch, length
+parse_shape = parse_batch  # BATCHxBYTES
 
 
 def _check_tests(options) -> dict[str, dict[str, str]]:
@@ -198,16 +159,36 @@ def _part_functions(options, on_row=None) -> dict:
                 deadline=d,
             )
         ],
-        "fp8_gemm": lambda d: [
-            fp8_gemm_check(
-                options.fp8_gemm_presets,
-                options.fp8_gemm_batches,
-                repeats=options.step_repeats,
-                backend=options.compile_backend,
-                deadline=d,
-            )
-        ],
+        "fp8_gemm": lambda d: [fp8_gemm_check(options, d)],
     }
+
+
+def fp8_gemm_check(options, deadline: Deadline) -> dict:
+    """The ``fp8_gemm`` entry: ``spider-measure-fp8-gemms``'s ``rows`` (seconds per variant, FP8's speedup) and its
+    table as ``fp8_gemm_table``, measured at ``--fp8_gemm_presets`` / ``--fp8_gemm_batches`` until `deadline`."""
+    device = default_device()
+    measured = measure_gemm_table(
+        options.fp8_gemm_presets,
+        options.fp8_gemm_batches,
+        device,
+        repeats=options.step_repeats,
+        backend=options.compile_backend,
+        out_of_time=lambda: deadline.expired(10),
+    )
+    rows, skipped = measured["rows"], measured["skipped"]
+    return entry(
+        "fp8_gemm",
+        "skipped" if skipped and not rows else "passed",
+        f"{TIME_BUDGET}: {skipped} of {measured['shapes']} shapes not measured" if skipped else "",
+        device=str(device),
+        presets=list(options.fp8_gemm_presets),
+        batches=[f"{b}x{length}" for b, length in options.fp8_gemm_batches],
+        compile_backend=options.compile_backend,
+        rows=rows,
+        not_run=measured["not_run"],
+        fp8_gemm_table=measured["table"],
+        note="" if device.type == "cuda" else "CPU emulation: the FP8 times are not FP8's",
+    )
 
 
 def _placeholder_names(part: str, options) -> list[str]:
@@ -424,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["1b"],
         choices=PRESETS,
-        help="fp8_gemm: the presets whose GEMM shapes are timed (bench.fp8_gemm)",
+        help="fp8_gemm: the presets whose GEMM shapes are timed (spider-measure-fp8-gemms --presets)",
     )
     parser.add_argument(
         "--fp8_gemm_batches",
@@ -436,24 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _write_json(path: str, result: dict) -> None:
-    """`result` as JSON at `path`, atomically (a temporary file beside it, then renamed): a reader, or a run killed
-    mid-write, never sees half a file."""
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    os.replace(tmp, target)
-
-
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     args.step_table_models = [DEPRECATED_ROW_NAMES.get(label, label) for label in args.step_table_models]
     kept = ("only", "out", "progress_log", "budget_s", "presets", "part_cap")
     options = {k: v for k, v in vars(args).items() if k not in kept}
 
-    def progress(partial: dict) -> None:
+    def progress(partial: dict) -> None:  # after each part and step-table row, and the final result
         if args.out:
-            _write_json(args.out, partial)
+            write_json(args.out, partial)
         if args.progress_log:
             with open(args.progress_log, "a") as log:
                 log.write(json.dumps(partial, default=str) + "\n")
@@ -468,11 +440,7 @@ def main(argv=None) -> dict:
     )
     result["options"] = {k: v for k, v in vars(args).items() if k not in ("out", "progress_log")}
     text = json.dumps(result, indent=1, default=str)
-    if args.out:
-        _write_json(args.out, result)
-    if args.progress_log:
-        with open(args.progress_log, "a") as log:
-            log.write(json.dumps(result, default=str) + "\n")
+    progress(result)
     print(text)
     return json.loads(text)
 

@@ -3,7 +3,8 @@
 # Prepared on a CPU; run it on one H100/H200 with the wheel folder of ../shared/gpu/wheels.sh carried as .whl:
 #   device run, carry [".whl"], command: "bash bench/gpu_fp8.sh", timeout_s 560
 # Each part writes its own JSON under $OUT as it goes (a part cut by its timeout keeps the rows it finished):
-#   gemm.json     the FP8 GEMM table of the 1b preset at 8 x 2048, 32 x 256 and 112 x 256 bytes (bench.fp8_gemm):
+#   gemm.json     the FP8 GEMM table of the 1b preset at 8 x 2048, 32 x 256 and 112 x 256 bytes
+#                 (spider-measure-fp8-gemms):
 #                 copy its checks[0].fp8_gemm_table.gpus entry into spider_training/fp8_gemm_table.json
 #   steps.json    1b, 8 x 2048: spider_compiled against spider_fp8_compiled (target: FP8 >= 1.10x the bf16 bytes/s,
 #                 or no layer pays and --precision fp8 trains bf16); run it again after committing the table

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import environment
+from bench.common import environment, write_json
 from bench.report import write_block
 from spider_training.memory_plan import render, run
 
@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     else:
         result = {**run(args.preset, args.seq_len, args.gpus), "environment": environment()}
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     if args.write_results:
         write_results(result, Path(args.write_results))
     print(json.dumps({k: v for k, v in result.items() if k not in ("probes", "environment")}, indent=1))

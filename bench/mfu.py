@@ -1,19 +1,6 @@
 """Benchmark 3 -- model FLOP utilisation of a training step, Spider vs the DeepseekV3 peer.
 
-``MFU = FLOPs of one training step / (median step time x peak FLOP/s)``. FLOPs are counted once per model with
-``torch.utils.flop_counter.FlopCounterMode`` plus :func:`spider_training.throughput.extra_flop_formulas`
-(``_grouped_mm`` and the
-CPU flash-attention kernel, which torch 2.13 does not count); peak FLOP/s is the median of a fp32
-``2048x2048 @ 2048x2048`` matmul measured in the same process. Models and step as in :mod:`bench.train_step`
-(Spider at its default ``n_loops`` and at ``n_loops=1``).
-
-Target: ``MFU(Spider, default n_loops) / MFU(peer) >= 1`` (Spider's MFU at least the peer's).
-
-Caveats recorded in the JSON: torch's counter counts matmul-like ops only (norms, softmax, optimizer: 0); its
-``convolution_backward`` formula ignores ``groups``, so Spider's depthwise Engram ShortConv backward is over-counted
-(listed separately under ``by_op``).
-
-Run alone: ``python -m bench.mfu [--quick]``.
+What its entries and fields mean: bench/README.md, "Module notes", `mfu.py`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Benchmark 1 -- MoE layer: ``SpiderMoE`` fast path vs the per-expert loop, forward + backward.
 
-``SpiderMoE`` built from ``SpiderConfig.from_preset("tiny", hidden_size=512, n_routed_experts=32,
-num_experts_per_tok=2, moe_intermediate_size=512, n_shared_experts=0)`` once per ``experts_implementation``
-(``"eager"``, ``"grouped_mm"``; the fused experts under transformers' experts interface), both loaded
-with the same ``state_dict``. ``"batched_mm"`` is left out: it gathers one weight matrix per token-slot (17 GB for
-the full size here). One call = forward on
-``(tokens, hidden)`` activations that require grad, then ``out.backward(grad)`` with a fixed contiguous gradient
-(``torch._grouped_mm``'s fp32 backward rejects the zero-stride gradient of ``out.sum()``), then parameter grads are
-dropped. The shared expert is left out (``n_shared_experts=0``): it is the same ``SpiderMLP`` call in every
-implementation and would only dilute the ratio.
-
-Targets: ``eager time / fast time >= 1.5`` in fp32 and bf16, one check per (fast implementation, dtype). The
-benchmark's ``met`` is true when at least one fast implementation meets the target in both dtypes (the "fast path"
-is whichever one the config selects).
-
-Also reported: eager's share of the peak matmul FLOP/s (a ``2048^3`` matmul of the same dtype, measured in-process)
-and so the highest speedup any implementation of the same matmuls could reach here. On a CPU the per-expert loop
-is already matmul-bound (no kernel launches to save, unlike a GPU), which caps the fast paths well below 1.5x.
-
-Run alone: ``python -m bench.moe [--quick]``.
+What its entries and fields mean: bench/README.md, "Module notes", `moe.py`.
 """
 
 from __future__ import annotations

@@ -2,22 +2,7 @@
 (:class:`Deadline`, the hard limit :func:`hard_limit`), building its models on the device, and running the checks
 that are tests (:func:`run_tests`: ``tests/test_gpu.py``, ``tests/test_training_runs.py``) into entries.
 
-Time budget: ``--budget_s`` (default 460 s, so that the command with its imports stays under 8 minutes) is shared
-by the parts in the order of ``bench.gpu_check.PARTS``; each part gets at most its own cap (``PART_CAPS_S``;
-``--part_cap
-step_table=400`` replaces one) and at most what is left, and is skipped with the reason "time budget" when less than
-:data:`MIN_PART_S` is left. Inside its allowance a part
-stops itself (the training runs stop early, keeping time for their final scoring and release; tables skip the rows
-that no longer fit), and a hard limit (``SIGALRM``, main thread) cuts off a part still running at the end of its
-allowance, reported as skipped for the time budget. The order: the main job is what every user runs; the step table,
-the host syncs and the attention kernels are the GPU figures the project's performance work is judged by; the 1b
-run is the only check of the 1b preset's training dynamics on a GPU; FP8 and TileKernels come last because their
-GPU figures are recorded (FP8 slower than bf16 at every size measured, TileKernels 0.98x; H200, 2026-11-26) and
-neither is on the default training path (``--precision auto`` picks bf16 on every CUDA device). The caps follow what
-each part took on the H200 at c2bcf51 (``bench/gpu_check_h200.json``: main job 60 s, host syncs 7, attention 1, the
-1b run 108 s for 237 of its 300 steps; the table's rows ~10 s each, a compiled one ~95 s). A default run there spends
-its budget on the first five parts, and FP8 / TileKernels get what they leave; ``--only fp8 tile_kernels_moe`` runs
-them alone.
+What its entries and fields mean: bench/README.md, "Module notes", `parts.py`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/run_all.py` as well as `python -m bench.run_all`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment  # noqa: E402
+from bench.common import environment, write_json  # noqa: E402
 
 BENCHMARKS = (
     "moe",
@@ -73,7 +73,7 @@ def run_all(
         status = "ERROR" if "error" in result else ("met" if result["met"] else "missed")
         print(f"[bench] {name}: {status} ({result.get('seconds', 0):.1f} s)", file=log, flush=True)
         if partial_out is not None:
-            Path(partial_out).write_text(json.dumps(out, indent=2) + "\n")
+            write_json(partial_out, out, indent=2)
     out["summary"] = {
         "met": [n for n, r in out["benchmarks"].items() if r.get("met") and "error" not in r],
         "missed": [n for n, r in out["benchmarks"].items() if not r.get("met") and "error" not in r],
@@ -102,12 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run_all(quick=args.quick, only=only, profile=args.profile, partial_out=args.out)
     except ValueError as e:
         parser.error(str(e))
-    text = json.dumps(result, indent=2)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
-    print(text)
-    print(f"[bench] wrote {out}", file=sys.stderr)
+    write_json(args.out, result, indent=2)
+    print(json.dumps(result, indent=2))
+    print(f"[bench] wrote {args.out}", file=sys.stderr)
     return 1 if result["summary"]["errors"] else 0
 
 

@@ -1,63 +1,6 @@
-"""The training-step table of ``python -m bench.gpu_check`` (:func:`step_table_check`):
+"""The training-step table of ``python -m bench.gpu_check`` (:func:`step_table_check`).
 
-- ``step_table``: one training step (forward, backward, AdamW: fused on CUDA; bf16 autocast on CUDA, fp32 on CPU)
-  at 32 x 256 and 8 x 2048 bytes, rows :data:`STEP_TABLE_MODELS` (``--step_table_models``): Spider ``1b`` (its default
-  config,
-  the fused experts on ``grouped_mm``; freshly initialised on uniform random bytes, its boundary predictor closes
-  about 0.4 segments per byte, 1 + S = 128 slots at 32 x 256 on CPU), Spider at a trained model's segment rate
-  (``spider_word_rate``: ``boundary_mode="fixed"``, a segment every ``round(1 / boundary_prior)`` bytes, 5 for
-  ``1b``, so 1 + S = 64 slots at 256 bytes, the same slot count the SpaceByte teacher's 0.167 segments per byte on
-  the SOTU text gives, where the 1b run's boundaries settle; the same modules and ops, and one axis size every step),
-  transformers' ``DeepseekV3ForCausalLM`` of the same shape
-  (:func:`spider_training.peers.peer_config`; with fp32 master weights under autocast, as every row, its experts'
-  grouped GEMMs
-  run in fp32, torch's fallback on CUDA, where Spider's are cast to bf16: docs/design.md, "MoE experts"), a dense
-  ``LlamaForCausalLM`` of about the same parameter count
-  (:func:`bench.common.dense_llama_config`), then Spider as ``--precision fp8`` converts it (``spider_fp8``:
-  ``Float8Linear`` where torchao's filter expects a gain, the experts through torchao's FP8 grouped GEMM where the GPU
-  has it; the row says what was converted and why the rest was not), Spider as ``--compile`` compiles it
-  (``spider_compiled``: one graph per layer kind, :func:`spider_training.compile.compile_model`, ``--compile_backend``;
-  three warm-up steps, whose times
-  ``warmup_step_s`` include the compilation; no instrumented step, its FLOPs are the plain row's), and on request
-  the word-rate model compiled the same way (``spider_word_rate_compiled``) and Spider with
-  ``experts_implementation="eager"`` (``spider_eager_experts``: a loop over the experts, as the per-expert layout ran
-  them); and ``spider_tk_train_recipe``: tk-train.py's configuration, activation checkpointing at 112
-  x 256 bytes (``--tk_train_recipe_shape``), in the precision ``--precision auto`` picks, and on request compiled too
-  (``spider_tk_train_recipe_compiled``, for the 40,000 bytes/s target); and on request FP8 judged under compile,
-  where torchao states its gains (:data:`FP8_COMPILED_ROWS`: ``spider_fp8_compiled``, tensorwise with the experts
-  through the FP8 grouped GEMM; ``spider_fp8_bf16_experts_compiled``; ``spider_fp8_rowwise_compiled``), last of
-  all; and ``spider_compiled_automatic_dynamic`` (on request): compiled with torch's automatic dynamic shapes
-  (``dynamic=None``: static first, then dynamic only in the dims that change, such as the segment axis) instead of
-  ``--compile``'s segment axis marked dynamic up front (``dynamic=False`` and
-  :func:`spider_training.compile.mark_segment_axis`). The order: the comparison rows
-  shape by shape (so a budget that runs out leaves the comparison at 32 x 256 complete), tk-train.py's recipe, then the
-  compiled rows (one compiled model, recompiled at the second shape; 82-86 s to compile on the H200; then the
-  compiled word-rate model and the compiled tk-train.py recipe), then the FP8 rows (the first FP8 step took 54 s
-  there). Per
-  row: step seconds (median of ``--step_repeats`` after the warm-up; ``step_s_min`` and ``step_times_s`` beside it:
-  a step at a segment count not seen before costs more; Spider's rows record the padded segment axis of each warm-up,
-  instrumented, timed and profiled step, ``segment_axis`` (``spider_training.step_times``), how many timed steps met
-  a new one, ``timed_steps_at_new_axis``, and the median of the others, ``step_s_repeated_axis``; on CUDA each timed
-  step's ``cudaMalloc`` calls, ``device_allocations_per_step``: a larger axis grows the allocator's pool; for a
-  compiled model the graphs each warm-up and timed step compiled, ``graphs_compiled_per_step``), host seconds
-  (``host_s``: until the step's last call returns, before the device is synchronised: how long the host takes to
-  issue the step), bytes/s, peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights and
-  optimizer state included; null on CPU), FLOPs per step (:func:`spider_training.throughput.count_flops`, what the
-  trainer logs), MFU against the matmul
-  peak measured in-process (:func:`spider_training.throughput.measured_matmul_flops`: bf16 8192^3 on CUDA, fp32 on
-  CPU), aten
-  ops dispatched per step,
-  host syncs per step, forward+backward and optimizer apart (:class:`spider_training.profiling.HostSyncCounter`; on
-  CUDA also the
-  ``set_sync_debug_mode`` warnings and the lines they point at, ``cuda_sync_sources``; torch's CPU AdamW reads each
-  parameter's step count on the host, the fused CUDA one does not), and at the first shape (the profiler's
-  post-processing of ~40k kernels takes seconds, and the launch count hardly depends on the shape) one profiled step:
-  on CUDA the kernels launched, the host's launch calls, the GPU busy time (``torch.profiler`` with CUDA activity;
-  ``gpu_busy_fraction`` = busy time / median step time; for Spider also ``gpu_busy_fraction_repeated_axis``, over
-  ``step_s_repeated_axis``), the ops with the most host time (``top_host_ops``), the kernels launched most often
-  (``top_kernels``: launches and device milliseconds by kernel name; on CPU none of these), the aten ops called most
-  often (``top_aten_ops``) and those outside compiled regions (``eager_aten_ops``). A
-  measurement: passes when every row ran. On CPU the ``1b`` rows are skipped unless ``--step_table_shapes`` is given.
+What its entries and fields mean: bench/README.md, "Module notes", `step_table.py`.
 """
 
 from __future__ import annotations
@@ -103,7 +46,7 @@ FP8_COMPILED_ROWS = {
     "spider_fp8_bf16_experts_compiled": ("tensorwise", "off"),
     "spider_fp8_rowwise_compiled": ("rowwise", "auto"),
 }
-#: the step table's rows at each shape (module docstring: the order they run in)
+#: the step table's rows at each shape (bench/README.md, "Module notes": the order they run in)
 STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
 #: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
 #: per-expert layout ran them)
@@ -352,7 +295,7 @@ def step_table_check(
     compile_mode: str | None = None,
     on_row=None,
 ) -> dict:
-    """The training-step table (see the module docstring). `shapes`: ``[(batch, bytes)]``, default
+    """The training-step table (bench/README.md). `shapes`: ``[(batch, bytes)]``, default
     :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
     (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
     `tk_train_recipe_shape`: the ``spider_tk_train_recipe`` row's batch (None: no such row); `compile_mode`:

@@ -1,20 +1,6 @@
 """Benchmark 2 -- training step: Spider vs the HF-native peer (transformers' ``DeepseekV3ForCausalLM``).
 
-Spider ``small`` preset at ``n_loops=1`` and at its default ``n_loops``; the peer is
-:func:`spider_training.peers.peer_config` (same width, heads, MLA ranks, experts, layer count, vocab 272; prelude
-dense via
-``first_k_dense_replace``; the coda layers are MoE in the peer because DeepseekV3 cannot make a last layer dense).
-One step = ``model.train()``, forward with ``labels=input_ids``, backward, ``torch.optim.AdamW.step()``,
-``zero_grad(set_to_none=True)``; fp32, same random byte batch for both.
-
-Target: ``tokens/s Spider(n_loops=1) / tokens/s peer >= 1.5``. Also reported: ``default / n_loops=1`` step-time ratio
-(what the default loop count costs). Spider's recurrent block runs over FlexiTokens *segments* (about one per 2
-bytes at initialisation, where the boundary predictor's probability is ~0.5; one per ~3 bytes once trained to the
-0.333 prior), the peer runs every layer over every byte. Both operating points are measured: the fresh model, and a
-copy whose boundary predictor samples at the prior rate (``out_proj`` weight 0, bias ``logit(prior)``); one check
-each.
-
-Run alone: ``python -m bench.train_step [--quick]``.
+What its entries and fields mean: bench/README.md, "Module notes", `train_step.py`.
 """
 
 from __future__ import annotations

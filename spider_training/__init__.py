@@ -15,5 +15,5 @@ Robustness: ``checkpointing`` (atomic checkpoints), ``preemption`` (graceful sto
 Releases: ``release`` (the folder ``from_pretrained`` loads), ``model_card``, ``hub`` (pushes that never stall
 training), ``sft`` (TRL fine-tuning).
 Commands (``commands/``: ``spider-serve``, ``spider-generate``, ``spider-compute-map``, ``spider-write-shards``,
-``spider-convert-tk-train``). Old module paths kept as aliases, with the version that removes each:
-``compatibility``."""
+``spider-convert-tk-train``, ``spider-measure-fp8-gemms``, ``spider-measure-sdpa-backends``). Old module paths kept
+as aliases, with the version that removes each: ``compatibility``."""

@@ -140,8 +140,8 @@ class SpiderTrainingArguments(TrainingArguments):
     fp8_gemm_table: str | None = field(
         default=None,
         metadata={
-            "help": "with fp8: the per-GEMM-shape timings that --fp8_layers auto reads (JSON from `python -m "
-            "bench.gpu_check --only fp8_gemm`); default spider_training/fp8_gemm_table.json"
+            "help": "with fp8: the per-GEMM-shape timings that --fp8_layers auto reads (JSON from "
+            "`spider-measure-fp8-gemms --out FILE`); default spider_training/fp8_gemm_table.json"
         },
     )
     fp8_experts: str = field(
@@ -156,7 +156,7 @@ class SpiderTrainingArguments(TrainingArguments):
         default="auto",
         metadata={
             "help": "auto | cudnn | flash | efficient | math: the SDPA kernel training steps prefer "
-            "(spider_training.sdpa; measured by python -m bench.gpu_check --only attention_backends). auto: "
+            "(spider_training.sdpa; spider-measure-sdpa-backends measures them on the GPU at hand). auto: "
             "torch's choice. flash pads MLA's narrower value head dim to the query/key head dim"
         },
     )

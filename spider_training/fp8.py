@@ -4,10 +4,10 @@ is the model, tk-train.py's ``configure_fp8_training`` the original).
 
 ``--fp8_layers`` (:func:`convert_for_fp8_training`): never a module named with one of tk-train.py's skip words
 (:data:`TK_TRAIN_FP8_SKIP`: router, ``lm_head``, boundary predictor, Engram, halt predictor, norms) or with a dim not
-divisible by 16. ``auto`` (default) converts a layer when the GEMM table (:data:`FP8_GEMM_TABLE`, from ``python -m
-bench.gpu_check --only fp8_gemm``) measured its ``(M, K, N)`` faster in FP8 on this GPU; M is the rows one call
-multiplies at the run's micro-batch (:func:`gemm_shapes`). A GPU the table lacks gets torchao's size filter (from its
-H100 benchmarks) and a warning. ``tk_train`` converts every layer tk-train.py converted.
+divisible by 16. ``auto`` (default) converts a layer when the GEMM table (:data:`FP8_GEMM_TABLE`, or
+``--fp8_gemm_table`` from ``spider-measure-fp8-gemms``) measured its ``(M, K, N)`` faster in FP8 on this GPU; M is the
+rows one call multiplies at the run's micro-batch (:func:`gemm_shapes`). A GPU the table lacks gets torchao's size
+filter (from its H100 benchmarks) and a warning. ``tk_train`` converts every layer tk-train.py converted.
 
 The routed experts (3-D ``gate_up_proj`` / ``down_proj``) run torchao's FP8 grouped GEMM (``moe_training``: CUDA SM90,
 triton, no emulated mode) with each expert's rows at a multiple of 16 (:func:`aligned_grouped_mm_experts_forward`):
@@ -345,9 +345,7 @@ def convert_for_fp8_training(
         why = "no batch size given" if measured else f"no measured GEMM table for {gpu or 'this device'}"
         source = f"torchao's size filter ({why})"
         if measured is None and gpu is not None:
-            logger.warning(
-                "FP8: no GEMM table for %s: run `python -m bench.gpu_check --only fp8_gemm` to measure one", gpu
-            )
+            logger.warning("FP8: no GEMM table for %s: run `spider-measure-fp8-gemms` to measure one", gpu)
     report = Fp8Report(recipe=recipe, layers=layers, source=source)
     chosen, chosen_experts = set(), set()
     for fqn, module in model.named_modules():

@@ -2,8 +2,9 @@
 
 Spider's attention goes through transformers' ``"sdpa"`` function (docs/design.md, "Attention backends"), and torch
 picks the kernel per call: on Hopper/Blackwell with a recent cuDNN it prefers cuDNN, which builds an execution plan per
-new shape. ``bench.gpu_check``'s ``attention_backends`` part times each kernel at the ``1b`` preset's recurrent-layer
-shapes; this module is the knob that makes the measured winner the training default:
+new shape. ``spider-measure-sdpa-backends`` (also ``bench.gpu_check``'s ``attention_backends`` part) times each kernel
+at the ``1b`` preset's recurrent-layer shapes; this module is the knob that makes the measured winner the training
+default:
 
 - ``auto`` (default): torch's own choice, unchanged.
 - ``cudnn`` | ``flash`` | ``efficient`` | ``math``: SDPA may run that kernel and, for the calls it cannot run,

@@ -524,3 +524,47 @@ def test_tensorwise_fp8_trains_under_compile_as_eagerly(input_ids):
     eager, compiled = curves
     assert eager[0] != eager[-1]  # the weights moved: two different models were compared
     torch.testing.assert_close(compiled, eager, rtol=torch.finfo(torch.bfloat16).eps, atol=0)
+
+
+def test_measure_fp8_gemms_writes_the_table_auto_reads_and_keeps_other_gpus(tmp_path, capsys):
+    """``spider-measure-fp8-gemms`` on CPU (FP8 emulated, eager backend: the command, not FP8's times): one row
+    per GEMM shape of the preset, merged into an existing table beside its other GPUs, read by --fp8_layers auto."""
+    from spider_training.commands import measure_fp8_gemms
+
+    out = tmp_path / "table.json"
+    other = {"capability": [9, 0], "measured": "2026-01-01", "versions": "torch x", "gemms": []}
+    out.write_text(json.dumps({"gpus": {"Other GPU": other}}))
+    args = (
+        "--presets",
+        "tiny",
+        "--batches",
+        "2x64",
+        "--repeats",
+        "1",
+        "--compile_backend",
+        "eager",
+        "--out",
+        str(out),
+    )
+    assert measure_fp8_gemms.main(list(args)) == 0
+    summary = json.loads(capsys.readouterr().out)
+    table = load_gemm_table(out)
+    assert table["gpus"]["Other GPU"] == other
+    gemms = table["gpus"]["cpu (emulated)"]["gemms"]
+    shapes = measure_fp8_gemms.gemm_table_shapes(["tiny"], [(2, 64)])
+    assert (
+        [(r["kind"], r["m"], r["k"], r["n"], r["groups"]) for r in gemms]
+        == shapes
+        == [(r["kind"], r["m"], r["k"], r["n"], r["groups"]) for r in summary["rows"]]
+    )
+    assert all(r["seconds"].keys() == {"bf16", "tensorwise", "rowwise"} for r in gemms if r["kind"] == "linear")
+    assert all(r["seconds"].keys() == {"bf16"} for r in gemms if r["kind"] == "grouped")  # no FP8 grouped GEMM on CPU
+    assert "grouped rowwise" in summary["not_run"]
+    report = convert_for_fp8_training(
+        tiny_model(), batch_size=2, seq_len=64, gemm_table=out, gpu="cpu (emulated)", emulate=True
+    )
+    assert not any("not measured" in reason for reason in report.kept.values())  # every shape has its row
+    out.write_text("not json")
+    with pytest.raises(SystemExit) as exit_info:
+        measure_fp8_gemms.main(list(args))
+    assert exit_info.value.code == 2 and "table.json" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``--sdpa_backend`` (spider_training/sdpa.py): the kernel SDPA prefers in a training step, seen in the profiler."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -138,3 +139,27 @@ def test_command_line_flag():
     assert parse_args(["--sdpa_backend", "efficient"]).sdpa_backend == "efficient"
     with pytest.raises(ValueError, match="--sdpa_backend must be one of"):
         parse_args(["--sdpa_backend", "xformers"])
+
+
+def test_measure_sdpa_backends_command_names_the_fastest_kernel_as_a_flag(tmp_path, capsys):
+    """``spider-measure-sdpa-backends`` on CPU at toy sizes: its JSON (stdout and ``--out``) has a row per kernel,
+    the ones CPU lacks skipped with torch's reason, and stderr names the fastest kernel as an ``--sdpa_backend``
+    value; bad sizes are argparse errors."""
+    from spider_training.commands import measure_sdpa_backends
+    from spider_training.sdpa import SDPA_BACKENDS
+
+    out = tmp_path / "sdpa.json"
+    args = ["--preset", "tiny", "--batch", "1", "--segment_counts", "16", "--visits", "2", "--out", str(out)]
+    assert measure_sdpa_backends.main(args) == 0
+    captured = capsys.readouterr()
+    timings = json.loads(captured.out)
+    assert json.loads(out.read_text()) == timings and timings["segment_counts"] == [16]
+    assert list(timings["backends"]) == list(measure_sdpa_backends.SDPA_BACKENDS)
+    assert timings["backends"]["cudnn"]["status"] == "skipped"  # no cuDNN attention on CPU
+    assert timings["backends"]["math"]["status"] == "ran" and timings["backends"]["math"]["calls"] == 2
+    fastest = timings["fastest_sequence_total"]
+    flag = measure_sdpa_backends.KNOB_NAMES.get(fastest, fastest)
+    assert flag in SDPA_BACKENDS and f"--sdpa_backend {flag}" in captured.err
+    with pytest.raises(SystemExit) as exit_info:
+        measure_sdpa_backends.main(["--visits", "0"])
+    assert exit_info.value.code == 2

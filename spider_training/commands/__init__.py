@@ -5,6 +5,10 @@
 - ``spider-compute-map`` (:mod:`.compute_map`): where a release spends its compute on a text, as HTML and PNG.
 - ``spider-write-shards`` (:mod:`.write_shards`): encode text into byte shards for training.
 - ``spider-convert-tk-train`` (:mod:`.convert_tk_train`): tk-train.py's ``.pt`` checkpoints into safetensors releases.
+- ``spider-measure-fp8-gemms`` (:mod:`.measure_fp8_gemms`): the FP8 GEMM table ``--fp8_layers auto`` reads, measured
+  on the GPU at hand.
+- ``spider-measure-sdpa-backends`` (:mod:`.measure_sdpa_backends`): which SDPA kernel ``--sdpa_backend`` should pick
+  on the GPU at hand.
 
 Training itself is ``spider-train`` / ``train_hf.py`` (:mod:`spider_training.train`). The old paths
 ``spider_training.<command>`` are aliases until 0.3.0 (:mod:`spider_training.compatibility`).
