@@ -302,6 +302,59 @@ class SpiderCache(Cache):
             else torch.zeros(0, dtype=torch.long)
         )
 
+    def add_rows(self, other: SpiderCache) -> None:
+        """Append the rows of `other` below this cache's, in place: continuous batching (Orca, Yu et al. 2022),
+        where a request prefilled on its own joins a batch that is already decoding. Both caches are between decode
+        steps, of one config and `n_loops`. Byte columns are aligned at the right: the rows of the cache that has
+        seen fewer columns get left padding, masked out as a left-padded prompt's is (so a row goes on generating
+        what it generates alone); segment slots are aligned at the left, the unused ones zeros that the masks hide.
+
+        Raises:
+            ValueError: a fixed-size cache (its rows are fixed), another `n_loops`, or a cache without a prefill.
+        """
+        if self.is_compileable or other.is_compileable:
+            raise ValueError("add_rows: a SpiderStaticCache has a fixed number of rows; use SpiderCache")
+        if other.n_loops != self.n_loops:
+            raise ValueError(f"add_rows: a cache of n_loops={other.n_loops} cannot join one of n_loops={self.n_loops}")
+        if not (self.seen_bytes and other.seen_bytes):
+            raise ValueError("add_rows: both caches must hold a prefill (seen_bytes > 0)")
+        width = max(self.seen_bytes, other.seen_bytes)
+        slots = max(self.segment_outputs.shape[1], other.segment_outputs.shape[1])
+
+        def joined(mine: torch.Tensor, theirs: torch.Tensor, dim: int, left: bool, fill=0) -> torch.Tensor:
+            size = width if left else slots
+            parts = []
+            for tensor in (mine, theirs):
+                pad = list(tensor.shape)
+                pad[dim] = size - tensor.shape[dim]
+                padding = tensor.new_full(pad, fill)
+                parts.append(torch.cat([padding, tensor] if left else [tensor, padding], dim=dim))
+            return torch.cat(parts, dim=0)
+
+        for mine, theirs in zip(self.prelude + self.coda, other.prelude + other.coda):
+            mine.keys, mine.values = (
+                joined(getattr(mine, n), getattr(theirs, n), 2, True) for n in ("keys", "values")
+            )
+        for mine_loop, their_loop in zip(self.recurrent, other.recurrent):
+            for mine, theirs in zip(mine_loop, their_loop):
+                mine.keys = joined(mine.keys, theirs.keys, 2, False)
+                mine.values = joined(mine.values, theirs.values, 2, False)
+                if mine.conv_inputs is not None:
+                    mine.conv_inputs = joined(mine.conv_inputs, theirs.conv_inputs, 1, False)
+        masks = [c.byte_mask if c.byte_mask is not None else c.input_ids.new_ones(c.input_ids.shape, dtype=torch.bool)
+                 for c in (self, other)]  # fmt: skip
+        self.byte_mask = joined(*masks, 1, True, fill=False)
+        pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        self.record = {
+            name: joined(getattr(self, name), getattr(other, name), 1, True, fill=pad_id if name == "input_ids" else 0)
+            for name in self.RECORD
+        }
+        self.record_length = self.seen_bytes = width
+        self.segment_outputs = joined(self.segment_outputs, other.segment_outputs, 1, False)
+        self.segment_slots = slots
+        for name in self.ROW_STATE[2:]:  # per-row state: rows stacked
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)], dim=0))
+
     # --- what the model writes --------------------------------------------------------------------
 
     def start(self, input_ids, byte_states, byte_memory, boundaries, byte_mask, segment_outputs) -> None:

@@ -341,3 +341,48 @@ def test_batch_repeat_interleave_and_select_keep_rows_consistent():
     torch.testing.assert_close(
         step.logits, full.logits[:, 20:].repeat_interleave(2, 0), **float_tol(full.logits, model_terms(model))
     )
+
+
+@pytest.mark.parametrize("joining_length", [9, 47])
+def test_a_request_joining_a_running_batch_decodes_as_it_decodes_alone(joining_length):
+    """`SpiderCache.add_rows` (continuous batching): a batch of two rows (one left-padded) decodes 12 bytes, then a
+    request prefilled alone joins it (shorter than the batch's columns, so its row gets the padding; or longer, so
+    the batch's rows do), and all three decode 30 more bytes: every row's logits are the full forward's over its own
+    bytes alone. Segments closed in every row while decoding, after the join too."""
+    model = tiny_model(seed=4).eval()
+    n_loops, before, after = 2, 12, 30
+    prompts = [_prompt(1, 30, seed=6), _prompt(1, 21, seed=7), _prompt(1, joining_length, seed=8)]
+    fed = _prompt(3, before + after, seed=9)  # the bytes each row decodes (the joining row: the last `after`)
+    batch = torch.cat([prompts[0], torch.cat([torch.full((1, 9), 256), prompts[1]], 1)])
+    mask = torch.cat([torch.ones(1, 30), torch.cat([torch.zeros(1, 9), torch.ones(1, 21)], 1)]).long()
+    with torch.no_grad():
+        cache = model(batch, attention_mask=mask, n_loops=n_loops, use_cache=True).cache
+        first = [model(fed[:2, j : j + 1], n_loops=n_loops, cache=cache).logits for j in range(before)]
+        segments_at_join = cache.num_segments.clone()
+        joining = model(prompts[2], n_loops=n_loops, use_cache=True).cache
+        segments_at_join = torch.cat([segments_at_join, joining.num_segments])
+        cache.add_rows(joining)
+        assert cache.seen_bytes == max(30 + before, joining_length) and cache.num_segments.shape == (3,)
+        columns = range(before, before + after)
+        second = torch.cat([model(fed[:, j : j + 1], n_loops=n_loops, cache=cache).logits for j in columns], 1)
+        first = torch.cat(first, 1)
+        own_bytes = [fed[0:1], fed[1:2], fed[2:, before:]]  # the joining row decoded only the last `after`
+        alone = [model(torch.cat([p, b], 1), n_loops=n_loops).logits for p, b in zip(prompts, own_bytes)]
+    assert bool((cache.num_segments > segments_at_join).all())
+    tol = float_tol(alone[0], model_terms(model))  # same ops over more (masked) columns
+    for row in range(2):
+        length = prompts[row].shape[1]
+        torch.testing.assert_close(first[row], alone[row][0, length : length + before], **tol)
+        torch.testing.assert_close(second[row], alone[row][0, length + before :], **tol)
+    torch.testing.assert_close(second[2], alone[2][0, joining_length:], **tol)
+
+
+def test_add_rows_refuses_what_cannot_join():
+    model = tiny_model(seed=4).eval()
+    with torch.no_grad():
+        two = model(_prompt(1, 12), n_loops=2, use_cache=True).cache
+        three = model(_prompt(1, 12), n_loops=3, use_cache=True).cache
+    with pytest.raises(ValueError, match="n_loops=3 cannot join one of n_loops=2"):
+        two.add_rows(three)
+    with pytest.raises(ValueError, match="both caches must hold a prefill"):
+        two.add_rows(SpiderCache(model.config, 2))

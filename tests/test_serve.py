@@ -220,6 +220,44 @@ def test_a_full_batch_starts_without_waiting(release):
     assert _engine_batches(release, batch_wait_s=600.0, max_batch_size=5, submit=Engine.submit) == [5]
 
 
+def test_a_request_arriving_mid_batch_joins_it_and_gets_what_it_gets_alone(release):
+    """Continuous batching: a request that arrives while a batch decodes is prefilled on its own and joins that batch
+    at the next step (one batch in all), and each request's text is greedy ``generate`` on its prompt alone."""
+    model, tokenizer = load_release(str(release[0]), "cpu")
+    engine = Engine(model, tokenizer.pad_token_id, max_batch_size=4, batch_wait_s=0.01)
+    batches, prefills, ended = [], [], threading.Semaphore(0)
+    generate, prefill = engine.generate, engine._prefill
+    prompts = [("The state", 60), ("Spider says: héllo", 20)]
+    jobs = [Job(prompt_ids=[tokenizer.bos_token_id, *prompt.encode()], budget=budget, n_loops=model.config.n_loops,
+                act_early_exit=False, temperature=0, eos_token_id=tokenizer.eos_token_id)
+            for prompt, budget in prompts]  # fmt: skip
+
+    def recording_generate(batch):
+        batches.append(len(batch))
+        generate(batch)
+        ended.release()
+
+    def recording_prefill(rows, filler, cache=None):
+        prefills.append((len(rows), jobs[0].generated))
+        return prefill(rows, filler, cache)
+
+    engine.generate, engine._prefill = recording_generate, recording_prefill
+    engine.start()
+    try:
+        engine.submit(jobs[0])
+        deadline = time.monotonic() + 120
+        while jobs[0].generated < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.submit(jobs[1])
+        assert ended.acquire(timeout=120), "the batch did not end"
+    finally:
+        engine.stop()
+    assert batches == [1] and len(prefills) == 2 and prefills[0] == (1, 0), (batches, prefills)
+    assert prefills[1][0] == 1 and 5 <= prefills[1][1] < jobs[0].generated, prefills  # joined mid-batch
+    for job, (prompt, budget) in zip(jobs, prompts):
+        assert job.text == expected(release, prompt, budget)[0], prompt
+
+
 @pytest.mark.slow
 def test_compiled_server_keeps_fixed_batch_slots_and_each_client_gets_what_it_gets_alone(release):
     """``--compile``: three concurrent requests fill a batch of four fixed rows (one filler) over a

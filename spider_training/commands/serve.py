@@ -308,8 +308,7 @@ class Engine:
             self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
             batch: list[Job] = []
             for job in list(self.waiting):
-                same = not batch or (job.n_loops, job.act_early_exit) == (batch[0].n_loops, batch[0].act_early_exit)
-                if len(batch) < self.max_batch_size and same and self._fits(batch + [job]):
+                if len(batch) < self.max_batch_size and self._compatible(job, batch) and self._fits(batch + [job]):
                     batch.append(job)
                     self.waiting.remove(job)
             return batch
@@ -325,11 +324,50 @@ class Engine:
                 for job in batch:
                     job.post("error", f"generation failed: {type(err).__name__}: {err}")
 
+    def _compatible(self, job: Job, batch: list[Job]) -> bool:
+        return not batch or (job.n_loops, job.act_early_exit) == (batch[0].n_loops, batch[0].act_early_exit)
+
+    def _take_joining(self, rows: list[Job], seen_bytes: int) -> list[Job]:
+        """Waiting jobs that can join the running batch of `rows` (decoding, `seen_bytes` columns): same `n_loops`
+        and `act_early_exit`, room under `max_batch_size`, and every row, the joining ones' prompts aligned at the
+        right, still within the context at its last byte."""
+        joining: list[Job] = []
+        with self.condition:
+            self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
+            for job in list(self.waiting):
+                if len(rows) + len(joining) >= self.max_batch_size:
+                    break
+                width = max(seen_bytes, *(len(j.prompt_ids) for j in [*joining, job]))
+                fits = all(width + j.budget - j.generated - 1 <= self.context for j in [*rows, *joining, job])
+                if self._compatible(job, rows) and fits:
+                    joining.append(job)
+                    self.waiting.remove(job)
+        return joining
+
+    def _prefill(self, rows: list[Job | None], filler: Job, cache=None):
+        """The full forward over the rows' prompts, left-padded (a None row: `filler`'s prompt), into `cache` (None:
+        a new ``SpiderCache``); returns the last position's logits `(len(rows), V)` and the cache."""
+        prompts = [(job or filler).prompt_ids for job in rows]
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        device = self.model.device
+        out = self.model(
+            ids.to(device), attention_mask=mask.to(device), n_loops=filler.n_loops, cache=cache, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        return out.logits[:, -1], out.cache
+
     @torch.inference_mode()
     def generate(self, jobs: list[Job]) -> None:
         """Generate `jobs` (same `n_loops` and `act_early_exit`) as one left-padded batch, feeding each job the ids
-        it gets. A row leaves the batch, and Spider's cache, when its job ends; with `compile` every row stays (a
-        fixed shape) and finished or filler rows (copies of the first job's prompt) are ignored."""
+        it gets. A row leaves the batch, and Spider's cache, when its job ends; waiting jobs join the batch between
+        two steps while it has room (continuous batching: each prefilled on its own, its rows appended with
+        ``SpiderCache.add_rows``). With `compile` the batch keeps its rows (a fixed shape): finished or filler rows
+        (copies of the first job's prompt) are ignored, and no job joins."""
         rows: list[Job | None] = list(jobs)
         cache = None
         n_loops = jobs[0].n_loops
@@ -341,30 +379,22 @@ class Engine:
             rows += [None] * (min(self.max_batch_size, 1 << (len(jobs) - 1).bit_length()) - len(jobs))
             length = max(len(job.prompt_ids) + job.budget - 1 for job in jobs)
             cache = SpiderStaticCache(self.model.config, n_loops, min(self.context, 1 << (length - 1).bit_length()))
-        prompts = [(job or jobs[0]).prompt_ids for job in rows]
-        width = max(len(prompt) for prompt in prompts)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        device = self.model.device
         self.model.config.act_early_exit = jobs[0].act_early_exit
-        out = self.model(
-            ids.to(device), attention_mask=mask.to(device), n_loops=n_loops, cache=cache, use_cache=True,
-            logits_to_keep=1,
-        )  # fmt: skip
-        cache = out.cache
+        logits, cache = self._prefill(rows, jobs[0], cache)
         while True:
-            chosen = next_tokens(out.logits[:, -1], rows)
+            if not self.compile and (joining := self._take_joining(rows, cache.seen_bytes)):
+                joining_logits, joining_cache = self._prefill(joining, joining[0])
+                cache.add_rows(joining_cache)
+                rows, logits = rows + joining, torch.cat([logits, joining_logits])
+            chosen = next_tokens(logits, rows)
             rows = [job if job is not None and job.step(token) else None for job, token in zip(rows, chosen.tolist())]
             if all(job is None for job in rows):
                 return
             if not self.compile and None in rows:
-                keep = torch.tensor([row for row, job in enumerate(rows) if job is not None], device=device)
+                keep = torch.tensor([row for row, job in enumerate(rows) if job is not None], device=chosen.device)
                 cache.batch_select_indices(keep)
                 chosen, rows = chosen[keep], [job for job in rows if job is not None]
-            out = self.model(chosen[:, None], n_loops=n_loops, cache=cache, logits_to_keep=1)
+            logits = self.model(chosen[:, None], n_loops=n_loops, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
 # --- the http layer --------------------------------------------------------------------------------------------------
