@@ -7,8 +7,9 @@ hidden matrices but the routed experts', AdamW for the rest), schedule (warmup, 
 seed. The default row (``spider``) is the main job, ``python train_hf.py`` with no arguments; the dense baselines and
 Spider's byte layers alone (:class:`BytePathOnly`) train through the same trainer. Each row is then scored on the
 held-out SOTU addresses from 2000 on (a 32 KB slice a third of the way in, context 256:
-:mod:`bench.quality_scoring`) and on any ``--text`` file given; Spider's rows also by loop count, by the kind of byte
-predicted, with the global stream replaced at evaluation and under other boundary rules. A row is one JSON object.
+:mod:`spider_training.evaluation`, what ``spider-evaluate`` runs) and on any ``--text`` file given; Spider's rows also
+by loop count, by the kind of byte predicted, with the global stream replaced at evaluation and under other boundary
+rules. A row is one JSON object.
 
 The suite's rows (their names, kinds, config overrides, recipes) and the pairs of the results tables are data:
 bench/quality_rows.json (:func:`suite`). bench/quality_report.py renders the tables and the plot.
@@ -48,7 +49,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.quality_models import BytePathOnly, build, initial_model  # noqa: E402, F401  (BytePathOnly: re-exported)
-from bench.quality_scoring import (  # noqa: E402
+from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
+from spider_training.evaluation import (  # noqa: E402
     GLOBAL_STREAM_PROBES,
     _GlobalStreamProbe,
     corpus_bytes,
@@ -60,7 +62,6 @@ from bench.quality_scoring import (  # noqa: E402
     text_file_ids,
     xz_bits_per_byte,
 )
-from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR  # noqa: E402
 from spider_training.step_times import StepTimes  # noqa: E402
 
@@ -168,7 +169,7 @@ def sotu_datasets(seq_len: int) -> tuple:
 
 class StepClock(StepTimes):
     """:class:`spider_training.step_times.StepTimes` that, with `windows` and `every`, also scores the held-out
-    `windows` (:func:`bench.quality_scoring.score`) every `every` steps into ``curve`` (``step``, ``seconds`` of
+    `windows` (:func:`spider_training.evaluation.score`) every `every` steps into ``curve`` (``step``, ``seconds`` of
     training so far, ``bits_per_byte``); the scoring falls between steps and is not timed."""
 
     def __init__(self, windows: torch.Tensor | None = None, every: int = 0):

@@ -9,8 +9,8 @@ the global path adds" table and the plot's labels are data: bench/quality_rows.j
 from __future__ import annotations
 
 from bench.quality import suite
-from bench.quality_scoring import BYTE_KINDS, GLOBAL_STREAM_PROBES
 from configuration_spider import SpiderConfig
+from spider_training.evaluation import BYTE_KINDS, GLOBAL_STREAM_PROBES
 from spider_training.optim import DEFAULT_MUON_LR
 
 SUITE = suite()

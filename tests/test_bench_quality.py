@@ -1,17 +1,16 @@
 """bench.quality: its rows (bench/quality_rows.json) and their recipes, training through train_hf.py's trainer (a
 few-step row of each kind, the recipe against train_hf.py's defaults, the optimizer, loop-count draws and data the
-trainer gets), the scoring (bench/quality_scoring.py) and the tables and targets rendered from rows
-(bench/quality_report.py). The suite's full training runs are the benchmark itself."""
+trainer gets) and the tables and targets rendered from rows (bench/quality_report.py). The suite's full training runs
+are the benchmark itself."""
 
-import math
 import os
-import re
 
 import pytest
 import torch
 
-from bench import quality, quality_report, quality_scoring
+from bench import quality, quality_report
 from configuration_spider import SpiderConfig
+from spider_training import evaluation
 from spider_training.optim import DEFAULT_MUON_LR
 from tests.helpers import tiny_model
 
@@ -211,28 +210,6 @@ def test_shards_keep_the_baselines_together_and_balance_the_rest():
     assert max(cost) - min(cost) <= quality._COST["spider"]  # within one run of each other
 
 
-def test_evaluation_boundary_rules_change_only_the_decision_and_are_undone():
-    model = tiny_model(seed=0).eval()
-    ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
-    plain = quality_scoring.score(model, ids)
-    matched = quality_scoring.score_with_boundary_rule(model, ids, "rate-matched", 5.0)
-    assert matched["bytes_per_segment"] == pytest.approx(5.0, rel=0.25)  # the requested rate, up to quantile ties
-    sampled = quality_scoring.score_with_boundary_rule(model, ids, "sampled", None)
-    assert math.isfinite(sampled["bits_per_byte"])
-    assert quality_scoring.score(model, ids) == plain  # the predictor's own forward is back
-
-
-def test_sample_words_counts_words_of_the_training_text():
-    model = tiny_model(seed=0)
-    train_ids = torch.tensor(list(b"the state of the union is strong ")).numpy()
-    result = quality_scoring.sample_words(model, train_ids, n_samples=1, new_bytes=40)
-    assert result["sample"].startswith(quality_scoring.SAMPLE_PROMPT)
-    words = re.findall(r"[A-Za-z]+", result["sample"][len(quality_scoring.SAMPLE_PROMPT) :])
-    vocabulary = {"the", "state", "of", "union", "is", "strong"}
-    expected = sum(w.lower() in vocabulary for w in words) / max(1, len(words))
-    assert result["real_word_rate"] == pytest.approx(expected)
-
-
 def test_global_path_table_pairs_each_spider_row_with_its_ablation():
     rows = _rows(2.21) + [
         _row("2-byte window in the byte layers", 2.34),
@@ -356,8 +333,8 @@ def test_a_row_trains_through_spider_trainer_and_its_loss_falls(monkeypatch):
     train = SpiderTrainer.train
     monkeypatch.setattr(SpiderTrainer, "train", lambda self, *a, **k: trained.append(self) or train(self, *a, **k))
     model = tiny_model(seed=0)
-    windows = quality_scoring.heldout_windows(quality_scoring.corpus_bytes("eval"), 16, slice_bytes=16 * 17)
-    before = quality_scoring.score(model, windows)["bits_per_byte"]
+    windows = evaluation.heldout_windows(evaluation.corpus_bytes("eval"), 16, slice_bytes=16 * 17)
+    before = evaluation.score(model, windows)["bits_per_byte"]
     stats = quality.fit(
         model,
         quality.Recipe(steps=30, batch_size=4, seq_len=16, warmup_steps=3, lr=3e-3, eval_every=10, eval_steps=30),
@@ -500,49 +477,9 @@ def test_dense_baseline_with_spiders_local_attention():
     assert "equal wall-clock (lr 0.002) | Muon (lr 0.01) + AdamW | 250 | 6.00M | 2.120 |" in table
 
 
-def test_byte_kinds_place_every_predicted_byte_in_its_word():
-    windows = torch.tensor([list(b"xx, a word!  ok")])
-    kinds = quality_scoring.byte_kinds(windows)[0].tolist()  # predicted bytes: windows[:, 1:] = "x, a word!  ok"
-    #       x  ,  ' ' a  ' ' w  o  r  d  !  ' ' ' ' o  k
-    assert kinds == [2, 0, 0, 1, 0, 1, 2, 3, 4, 0, 0, 0, 1, 2]
-    long_word = torch.tensor([list(b" abcdefg")])
-    assert quality_scoring.byte_kinds(long_word)[0].tolist() == [1, 2, 3, 4, 5, 5, 5]  # the 5th byte on share one kind
-
-
-def test_score_by_byte_kind_splits_the_same_total():
-    model = tiny_model(seed=0).eval()
-    ids = torch.tensor([list(b"the state of the union is strong, and we are here. ")] * 3)
-    plain = quality_scoring.score(model, ids)
-    split = quality_scoring.score(model, ids, by_byte_kind=True)
-    assert split["bits_per_byte"] == plain["bits_per_byte"]  # the headline number is computed as before
-    shares, bpb = split["byte_kind_shares"], split["bits_per_byte_by_byte_kind"]
-    assert set(shares) == set(bpb) == set(quality_scoring.BYTE_KINDS) and sum(shares.values()) == pytest.approx(1.0)
-    # the kinds' bits, weighted by their shares, add up to the total (fp64 sums of fp32 per-byte losses over
-    # ids.numel() bytes: a relative tolerance of fp32's epsilon times the count)
-    total = sum(shares[k] * bpb[k] for k in quality_scoring.BYTE_KINDS)
-    assert total == pytest.approx(plain["bits_per_byte"], rel=torch.finfo(torch.float32).eps * ids.numel())
-
-
-@pytest.mark.parametrize("probe", list(quality_scoring.GLOBAL_STREAM_PROBES))
-def test_global_stream_probes_change_only_what_the_bytes_read_and_are_undone(probe):
-    # a segment closes every 4 bytes (at positions 3, 7, ...); the tiny preset's global stream reaches the output at
-    # initialisation
-    model = tiny_model(seed=0, boundary_mode="fixed", boundary_prior=0.25).eval()
-    ids = torch.tensor([list(b"the state of the union is strong, and we are here. ")] * 2)
-    with torch.no_grad():
-        plain = model(input_ids=ids).logits
-        with quality_scoring._GlobalStreamProbe(model, probe):
-            probed = model(input_ids=ids).logits
-        after = model(input_ids=ids).logits
-    assert torch.equal(after, plain)  # the class's global_stream is back
-    assert not torch.equal(probed, plain)
-    if probe != "removed":  # bytes 0-2, before the first boundary, read the null segment's stream in both: no change
-        assert torch.equal(probed[:, :3], plain[:, :3]) and not torch.equal(probed[:, 3:], plain[:, 3:])
-
-
 def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
-    kinds = dict.fromkeys(quality_scoring.BYTE_KINDS, 2.0)
-    shares = dict.fromkeys(quality_scoring.BYTE_KINDS, 1 / len(quality_scoring.BYTE_KINDS))
+    kinds = dict.fromkeys(evaluation.BYTE_KINDS, 2.0)
+    shares = dict.fromkeys(evaluation.BYTE_KINDS, 1 / len(evaluation.BYTE_KINDS))
     rows = _rows(2.21)
     rows[0].update(
         bpb_by_byte_kind={**kinds, "1st byte of a word": 4.0},
