@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the SOTU slice starts a third of the way in, as every published figure's; a text file from its start
         start = 0.0 if args.text else 1 / 3
         result = evaluate(model, ids, args.n_loops, args.seq_len, args.max_bytes, start, args.batch_size)
-    except (OSError, ValueError) as error:
+    except (ImportError, OSError, ValueError) as error:  # no sotu package, no file or folder, bad input
         sys.exit(f"spider-evaluate: {error}")
     result = {"release": args.release, "text": args.text or "SOTU addresses from 2000 on (held-out slice)", **result}
     print(json.dumps(result, indent=1))
