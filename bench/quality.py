@@ -733,7 +733,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--print_suite",
         action="store_true",
-        help="print the plan as JSON and exit, training nothing: the rows file, the base recipe, every run with the "
+        help="print the plan as JSON and exit, training nothing with --step_times (without, the step times are "
+        "measured first): the rows file, the base recipe, every run with the "
         "recipe it trains by, the runs of each shard (of --only's rows if given), the base recipe's train_hf.py "
         "arguments, the dense baselines' configs (and, with --report --render_each, the reports)",
     )
