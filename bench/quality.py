@@ -7,8 +7,9 @@ hidden matrices but the routed experts', AdamW for the rest), schedule (warmup, 
 seed. The default row (``spider``) is the main job, ``python train_hf.py`` with no arguments; the dense baselines and
 Spider's byte layers alone (:class:`BytePathOnly`) train through the same trainer. Each row is then scored on the
 held-out SOTU addresses from 2000 on (a 32 KB slice a third of the way in, context 256:
-:mod:`bench.quality_scoring`) and on any ``--text`` file given; Spider's rows also by loop count, by the kind of byte
-predicted, with the global stream replaced at evaluation and under other boundary rules. A row is one JSON object.
+:mod:`spider_training.evaluation`, what ``spider-evaluate`` runs) and on any ``--text`` file given; Spider's rows also
+by loop count, by the kind of byte predicted, with the global stream replaced at evaluation and under other boundary
+rules. A row is one JSON object.
 
 The suite's rows (their names, kinds, config overrides, recipes) and the pairs of the results tables are data:
 bench/quality_rows.json (:func:`suite`). bench/quality_report.py renders the tables and the plot.
@@ -23,6 +24,8 @@ Usage::
     python -m bench.quality --suite --only "n_loops=3" "Engram off" --out q.json   # chosen rows only
     python -m bench.quality --time_steps --threads 1   # step times (forward + backward, optimizer) for --step_times
     python -m bench.quality --report q0.json q1.json --write_results docs/results.md --plot docs/quality.png
+    python -m bench.quality --print_suite --step_times '{"default": [0.6, 1.2, 0.25], "adamw": [0.5, 1.25, 0.2]}'
+    python -m bench.quality --suite --rows my_rows.json --recipe '{"steps": 6, "seq_len": 16}' --record --no_samples
 
 ``bench.run_all`` runs :func:`run`: the headline rows judged against the quality targets.
 """
@@ -31,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import math
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +51,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from transformers import TrainerCallback  # noqa: E402
+
 from bench.quality_models import BytePathOnly, build, initial_model  # noqa: E402, F401  (BytePathOnly: re-exported)
-from bench.quality_scoring import (  # noqa: E402
+from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
+from spider_training.evaluation import (  # noqa: E402
     GLOBAL_STREAM_PROBES,
     _GlobalStreamProbe,
     corpus_bytes,
@@ -60,7 +67,6 @@ from bench.quality_scoring import (  # noqa: E402
     text_file_ids,
     xz_bits_per_byte,
 )
-from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training.optim import DEFAULT_MUON_LR  # noqa: E402
 from spider_training.step_times import StepTimes  # noqa: E402
 
@@ -100,10 +106,11 @@ class Recipe:
 
 
 @functools.cache
-def suite() -> dict:
-    """bench/quality_rows.json: ``rows`` (each a dict: name, kind, group, overrides, recipe, lr, steps, curve, timing),
-    ``global_path_pairs``, ``references``, ``recipes``, ``timing_recipes``, ``byte_kind_columns``, ``plot_labels``."""
-    return json.loads(ROWS_FILE.read_text())
+def suite(rows_file: Path = ROWS_FILE) -> dict:
+    """`rows_file` (default bench/quality_rows.json, ``--rows``): ``rows`` (each a dict: name, kind, group,
+    overrides, recipe, lr, steps, curve, timing), ``global_path_pairs``, ``references``, ``recipes``,
+    ``timing_recipes``, ``byte_kind_columns``, ``plot_labels``."""
+    return json.loads(Path(rows_file).read_text())
 
 
 def training_arguments(recipe: Recipe, output_dir: str, evaluate: bool = True):
@@ -168,7 +175,7 @@ def sotu_datasets(seq_len: int) -> tuple:
 
 class StepClock(StepTimes):
     """:class:`spider_training.step_times.StepTimes` that, with `windows` and `every`, also scores the held-out
-    `windows` (:func:`bench.quality_scoring.score`) every `every` steps into ``curve`` (``step``, ``seconds`` of
+    `windows` (:func:`spider_training.evaluation.score`) every `every` steps into ``curve`` (``step``, ``seconds`` of
     training so far, ``bits_per_byte``); the scoring falls between steps and is not timed."""
 
     def __init__(self, windows: torch.Tensor | None = None, every: int = 0):
@@ -187,8 +194,64 @@ class StepClock(StepTimes):
             model.train()
 
 
+def _digest(tensor: torch.Tensor) -> str:
+    """SHA-1 of `tensor`'s bytes: equal digests, equal tensors (of one dtype and shape)."""
+    return hashlib.sha1(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class TrainingRecord(TrainerCallback):
+    """``--record``: what a row's trainer did, written into the row (``record``) so that the bench's wiring can be
+    checked from its JSON. ``trainer`` (the trainer's class) and ``train_calls``; ``steps``: per training forward,
+    ``[n_loops the trainer passed (None: the config's), SHA-1 of the input ids]``; ``optimizer``: its class and, per
+    parameter name, the part that steps it (``muon``/``adamw`` of :class:`~spider_training.optim.MuonWithAdamW`, else
+    the class), its peak learning rate (``initial_lr``), ``lr_after_step_1`` (the schedule after one step), weight
+    decay, AdamW's betas and the parameter's shape. Its forward hook stays until ``hook.remove()``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.record = {"train_calls": 0, "steps": []}
+        self.optimizer = None
+        self.hook = model.register_forward_pre_hook(self.on_forward, with_kwargs=True)
+
+    def on_forward(self, module, args, kwargs):
+        if module.training:  # evaluation forwards run in eval mode
+            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            self.record["steps"].append([kwargs.get("n_loops"), _digest(ids)])
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.record["train_calls"] += 1
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the optimizer
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step != 1:
+            return
+        optimizer, names = self.optimizer, {id(p): n for n, p in model.named_parameters()}
+        parts = (
+            {"muon": optimizer.muon.param_groups, "adamw": optimizer.adamw.param_groups}
+            if hasattr(optimizer, "muon")
+            else {type(optimizer).__name__: optimizer.param_groups}
+        )
+        parameters = {
+            names[id(p)]: {
+                "optimizer": part,
+                "initial_lr": group["initial_lr"],
+                "lr_after_step_1": group["lr"],
+                "weight_decay": group["weight_decay"],
+                "shape": list(p.shape),
+                **({"betas": list(group["betas"])} if "betas" in group else {}),
+            }
+            for part, groups in parts.items()
+            for group in groups
+            for p in group["params"]
+        }
+        self.record["optimizer"] = {"type": type(optimizer).__name__, "parameters": parameters}
+
+
 def fit(
-    model: torch.nn.Module, recipe: Recipe, eval_windows: torch.Tensor | None = None, clock: StepClock | None = None
+    model: torch.nn.Module,
+    recipe: Recipe,
+    eval_windows: torch.Tensor | None = None,
+    clock: StepClock | None = None,
+    record: bool = False,
 ) -> dict:
     """Train `model` (built under ``set_seed(recipe.seed)``) by `recipe` through ``train_hf.py``'s trainer
     (:func:`spider_training.train.build_trainer`) on the main job's data (:func:`sotu_datasets`). A Spider model is
@@ -197,7 +260,8 @@ def fit(
     :class:`StepClock`), ``train_bits_per_byte`` and ``train_bytes_per_segment`` (means over the last tenth of the
     steps, from the trainer's logs), ``eval_bits_per_byte`` (the main job's held-out figure after training) where
     evaluated, and the ``curve`` with `recipe.eval_every`. `clock`: the :class:`StepClock` to time the steps with
-    (default: a new one)."""
+    (default: a new one). `record`: also ``record``, the :class:`TrainingRecord` of the training with the trainer's
+    log history and, with `eval_windows`, ``bits_per_byte_before`` on them."""
     from transformers import PrinterCallback
 
     from spider_training.train import build_trainer
@@ -205,6 +269,10 @@ def fit(
     is_spider = isinstance(model, SpiderForConditionalGeneration)
     output_dir = tempfile.mkdtemp(prefix="quality-")
     clock = clock or StepClock(eval_windows, recipe.eval_every)
+    recorder = TrainingRecord(model) if record else None
+    if recorder and eval_windows is not None:
+        recorder.record["bits_per_byte_before"] = score(model, eval_windows)["bits_per_byte"]
+        model.train()
     try:
         args = training_arguments(recipe, output_dir, evaluate=is_spider)
         evaluate = args.eval_strategy != "no"
@@ -215,13 +283,18 @@ def fit(
             extra["lr_scale_of"] = lambda name: 1.0 if name.startswith(BYTE_LAYERS) else scale
         if is_spider and recipe.loop_counts:
             extra["train_loop_counts"] = tuple(recipe.loop_counts)
-        trainer = build_trainer(args, model, callbacks=[clock], stop_signals=(), **extra)
+        callbacks = [clock, *([recorder] if recorder else [])]
+        trainer = build_trainer(args, model, callbacks=callbacks, stop_signals=(), **extra)
+        if recorder:
+            recorder.record["trainer"] = type(trainer).__name__
         trainer.remove_callback(PrinterCallback)  # the logs stay in log_history; stdout carries the rows
         if evaluate:  # as the main job: the held-out figure before training
             trainer.evaluate(metric_key_prefix="eval_before")
         trainer.train()
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
+        if recorder:
+            recorder.hook.remove()
     history = trainer.state.log_history
     tail = max(1, recipe.steps // 10)
     logged = [e for e in history if "loss" in e and "bits_per_byte" in e and e["step"] > recipe.steps - tail]
@@ -237,6 +310,8 @@ def fit(
         stats["eval_bits_per_byte"] = final[-1] if final else trainer.evaluate()["eval_bits_per_byte"]
     if clock.curve:
         stats["curve"] = clock.curve
+    if recorder:
+        stats["record"] = {**recorder.record, "log_history": history}
     return stats
 
 
@@ -275,11 +350,13 @@ def train_and_score(
     save: str | None = None,
     slice_bytes: int = 32 * 1024,
     samples: bool = True,
+    record: bool = False,
 ) -> dict:
     """Train one variant (`kind` ``"spider"``, ``"bytes_only"``, ``"llama"`` or ``"llama_local"``, with config
     `overrides`) by `recipe` through the trainer (:func:`fit`) and score it on the held-out slice (`slice_bytes`
     bytes): one row of the docs/results.md tables (a dict of floats in bits per byte, bytes per segment, seconds).
-    `save`: a folder for ``save_pretrained``.
+    `save`: a folder for ``save_pretrained``. `record`: also the training's ``record`` (:class:`TrainingRecord`) with
+    ``initial_parameters``, the SHA-1 of every initial parameter and buffer by name.
 
     `recipe.same_init`: a variant starts every parameter it shares with the default model (same name and shape) from
     the default model's initial values under the same seed. Without it, a variant that adds or removes a module
@@ -287,9 +364,12 @@ def train_and_score(
     layers too (seed-to-seed differences are about 0.015 bpb at 500 steps)."""
     same_init = recipe.same_init and bool(overrides)
     model = initial_model(kind, overrides, recipe.seed, same_init)
+    initial = {name: _digest(t) for name, t in model.state_dict().items()} if record else None
     train_ids = corpus_bytes("train")
     eval_windows = heldout_windows(corpus_bytes("eval"), recipe.seq_len, slice_bytes=slice_bytes)
-    stats = fit(model, recipe, eval_windows)
+    stats = fit(model, recipe, eval_windows, record=record)
+    if record:
+        stats["record"]["initial_parameters"] = initial
     row = {
         "name": name,
         "model": kind,
@@ -339,7 +419,8 @@ def train_and_score(
                 for rule in ("sampled", "rate-matched")
             }
     for label, ids in (extra_texts or {}).items():
-        row[f"{label}_bits_per_byte"] = score(model, heldout_windows(ids, recipe.seq_len))["bits_per_byte"]
+        windows = heldout_windows(ids, recipe.seq_len, slice_bytes=slice_bytes)
+        row[f"{label}_bits_per_byte"] = score(model, windows)["bits_per_byte"]
     if samples and kind in ("spider", "llama"):
         row.update(sample_words(model, train_ids))
     if save and hasattr(model, "save_pretrained"):
@@ -410,19 +491,21 @@ def run(quick: bool = False, profile: bool | None = None) -> dict:
 
 
 def suite_runs(
-    recipe: Recipe, step_times: tuple[float, ...] | None = None, adamw_step_times: tuple[float, ...] | None = None
+    recipe: Recipe,
+    step_times: tuple[float, ...] | None = None,
+    adamw_step_times: tuple[float, ...] | None = None,
+    rows_file: Path = ROWS_FILE,
 ) -> list[dict]:
-    """Every run of the full benchmark (the rows of bench/quality_rows.json), as the keyword arguments of one training:
-    ``group``, ``kind``, ``name``, ``overrides``, ``steps``, ``lr``, ``recipe`` (when the row names one; the changes to
-    :class:`Recipe` it trains with), ``curve`` and ``step_seconds``.
+    """Every run of the full benchmark (the rows of `rows_file`, bench/quality_rows.json by default), as the keyword
+    arguments of one training: ``group``, ``kind``, ``name``, ``overrides``, ``steps``, ``lr``, ``recipe`` (when the
+    row names one; the changes to :class:`Recipe` it trains with), ``curve`` and ``step_seconds``.
 
     A row's steps are the default's (`recipe.steps`), a multiple of them (``{"budget": k}``), or the steps one model
     runs in another's default steps of wall-clock (``{"wall_clock_of": [kind, timing], "at": [kind, timing]}``), from
     the step times of Spider, the dense Llama and the byte layers alone under each of the file's ``timing_recipes``.
     `step_times` / `adamw_step_times`: those `(Spider, Llama, byte layers alone)` seconds per step under the
-    ``default``
-    / ``adamw`` timing recipe, instead of measuring them (:func:`step_seconds`)."""
-    data = suite()
+    ``default`` / ``adamw`` timing recipe, instead of measuring them (:func:`step_seconds`)."""
+    data = suite(rows_file)
     given = {"default": step_times, "adamw": adamw_step_times}
     times = {
         name: given.get(name)
@@ -483,6 +566,40 @@ def shard_of(runs: list[dict], shard: int, num_shards: int) -> list[dict]:
     return assigned[shard]
 
 
+def planned_runs(
+    shard: int = 0,
+    num_shards: int = 1,
+    base: Recipe | None = None,
+    only: list[str] | None = None,
+    step_times: dict[str, tuple[float, ...]] | None = None,
+    rows_file: Path = ROWS_FILE,
+) -> list[tuple[dict, Recipe]]:
+    """This shard's part (:func:`shard_of`) of :func:`suite_runs`, only the rows named in `only` if given, each with
+    the :class:`Recipe` it trains by: `base` (default: the main job's :class:`Recipe`) with the run's steps,
+    learning rate, warmup (a tenth of the steps, at most 200), curve and the row's own recipe changes. Raises
+    ``ValueError`` naming unknown rows of `only`, before any step timing. `step_times`: ``{"default": (Spider, Llama,
+    bytes), "adamw": (...)}`` seconds per step measured beforehand (``--step_times``)."""
+    base = base or Recipe()
+    if only:  # checked before the step timing, which trains both models for a few steps
+        unknown = sorted(set(only) - {r["name"] for r in suite(rows_file)["rows"]})
+        if unknown:
+            raise ValueError(f"unknown quality rows {unknown}; the names are those of {rows_file}")
+    times = step_times or {}
+    runs = suite_runs(base, times.get("default"), times.get("adamw"), rows_file)
+    runs = [r for r in runs if not only or r["name"] in only]
+    planned = []
+    for spec in shard_of(runs, shard, num_shards):
+        changes = {
+            "steps": spec["steps"],
+            "lr": spec["lr"],
+            "warmup_steps": min(200, max(1, spec["steps"] // 10)),
+            "eval_every": max(1, base.steps // 10) if spec["curve"] else 0,
+            **spec.get("recipe", {}),
+        }
+        planned.append((spec, Recipe(**{**asdict(base), **changes})))
+    return planned
+
+
 def run_suite(
     shard: int = 0,
     num_shards: int = 1,
@@ -492,34 +609,25 @@ def run_suite(
     log=sys.stderr,
     only: list[str] | None = None,
     step_times: dict[str, tuple[float, ...]] | None = None,
+    rows_file: Path = ROWS_FILE,
+    base: Recipe | None = None,
+    **scoring,
 ) -> list[dict]:
-    """Run this shard's part (:func:`shard_of`) of :func:`suite_runs` -- only the rows named in `only`, if given
-    (unknown names raise ``ValueError``); one row per run, rewritten to `out` (JSON) after every run. `step_times`:
-    ``{"default": (Spider, Llama, bytes), "adamw": (...)}`` seconds per step measured beforehand on an otherwise idle
-    machine (``--step_times``), so that shards running side by side share one measurement."""
-    base = Recipe(steps=steps)
-    if only:  # checked before the step timing, which trains both models for a few steps
-        unknown = sorted(set(only) - {r["name"] for r in suite()["rows"]})
-        if unknown:
-            raise ValueError(f"unknown quality rows {unknown}; the names are those of {ROWS_FILE}")
-    times = step_times or {}
-    runs = [
-        r
-        for r in suite_runs(base, step_times=times.get("default"), adamw_step_times=times.get("adamw"))
-        if not only or r["name"] in only
-    ]
+    """Train and score this shard's runs (:func:`planned_runs`; `base` defaults to the main job's recipe at `steps`
+    steps), one row per run, rewritten to `out` (JSON) after every run. `step_times`: seconds per step measured
+    beforehand on an otherwise idle machine (``--step_times``), so that shards running side by side share one
+    measurement. `scoring`: :func:`train_and_score`'s ``slice_bytes``, ``samples``, ``record``."""
     rows = []
-    for spec in shard_of(runs, shard, num_shards):
-        recipe = Recipe(
-            steps=spec["steps"],
-            lr=spec["lr"],
-            warmup_steps=min(200, max(1, spec["steps"] // 10)),
-            eval_every=max(1, base.steps // 10) if spec["curve"] else 0,
-            **spec.get("recipe", {}),
-        )
+    for spec, recipe in planned_runs(shard, num_shards, base or Recipe(steps=steps), only, step_times, rows_file):
         print(f"[quality] {spec['name']} ...", file=log, flush=True)
         row = train_and_score(
-            spec["kind"], spec["name"], spec["overrides"], recipe, texts, loops_curve=spec["kind"] == "spider"
+            spec["kind"],
+            spec["name"],
+            spec["overrides"],
+            recipe,
+            texts,
+            loops_curve=spec["kind"] == "spider",
+            **scoring,
         )
         row.update(group=spec["group"], step_seconds=spec["step_seconds"])
         if spec.get("recipe"):
@@ -615,7 +723,72 @@ def main(argv=None) -> list[dict]:
         help="with --report: write the default recipe's comparison for the model card here "
         "(hub_card/reference_quality.json)",
     )
+    parser.add_argument(
+        "--render_each",
+        action="store_true",
+        help="with --report: render each file's rows on their own, plot them to the file's name with .png, and "
+        'print a JSON list, one {"section", "plot_labels"} per file (plot_labels: the curves drawn, [] for none)',
+    )
+    parser.add_argument("--rows", default=str(ROWS_FILE), help="with --suite / --print_suite: the rows file")
+    parser.add_argument(
+        "--print_suite",
+        action="store_true",
+        help="print the plan as JSON and exit, training nothing with --step_times (without, the step times are "
+        "measured first): the rows file, the base recipe, every run with the "
+        "recipe it trains by, the runs of each shard (of --only's rows if given), the base recipe's train_hf.py "
+        "arguments, the dense baselines' configs (and, with --report --render_each, the reports)",
+    )
+    parser.add_argument(
+        "--recipe",
+        default="{}",
+        help="JSON changes to the base Recipe (the suite's, single runs', --time_steps'), e.g. "
+        '\'{"steps": 6, "batch_size": 2, "seq_len": 16}\'; the other flags of single runs apply first',
+    )
+    parser.add_argument("--slice_bytes", type=int, default=32 * 1024, help="bytes of the held-out slice scored")
+    parser.add_argument("--no_samples", action="store_true", help="no sampled continuations (real-word rate)")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="each row also carries what its trainer did (bench.quality.TrainingRecord): loop counts and batches "
+        "per step, the optimizer's parameter groups, the log history, digests of the initial weights",
+    )
+    parser.add_argument("--timed_steps", type=int, default=12, help="with --time_steps: steps timed (after 3)")
     args = parser.parse_args(argv)
+    changes = json.loads(args.recipe)
+    step_times = json.loads(args.step_times) if args.step_times else None
+    reports = []
+    if args.report and args.render_each:
+        from bench.quality_report import plot, render
+
+        for f in args.report:
+            rows = json.loads(Path(f).read_text())
+            reports.append({"section": render(rows), "plot_labels": plot(rows, str(Path(f).with_suffix(".png")))})
+        if not args.print_suite:
+            print(json.dumps(reports))
+            return reports
+    if args.print_suite:
+        shard, num_shards = (int(x) for x in args.shard.split("/"))
+        base = Recipe(**{**asdict(Recipe(steps=args.steps)), **changes})
+        plan = {
+            "suite": suite(Path(args.rows)),
+            "recipe": asdict(base),
+            "cost_per_run": _COST,
+            "dense_kinds": DENSE_KINDS,
+            "byte_layers": BYTE_LAYERS,
+            "runs": [
+                {**spec, "trained": asdict(recipe)}
+                for spec, recipe in planned_runs(0, 1, base, None, step_times, Path(args.rows))
+            ],
+            "shards": [
+                [spec["name"] for spec, _ in planned_runs(k, num_shards, base, args.only, step_times, Path(args.rows))]
+                for k in range(num_shards)
+            ],
+            "training_arguments": training_arguments(base, "/tmp/quality-row").to_dict(),
+            "model_configs": {kind: build(kind, {}).config.to_dict() for kind in DENSE_KINDS},
+            **({"reports": reports} if reports else {}),
+        }
+        print(json.dumps(plan, default=str))
+        return [plan]
     if args.report:
         from bench.quality_report import card_reference, plot, render
 
@@ -634,23 +807,24 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.time_steps:
-        split = {
-            kind: step_split(kind, {}, Recipe(batch_size=args.batch_size, muon_experts=args.muon_experts))
-            for kind in TIMED_KINDS
-        }
+        recipe = Recipe(**{**asdict(Recipe(batch_size=args.batch_size, muon_experts=args.muon_experts)), **changes})
+        split = {kind: step_split(kind, {}, recipe, steps=args.timed_steps) for kind in TIMED_KINDS}
         print(json.dumps({"threads": torch.get_num_threads(), "seconds_per_step": split}))
         return [split]
     texts = {Path(t).stem: text_file_ids(t) for t in args.text}
+    scoring = dict(slice_bytes=args.slice_bytes, samples=not args.no_samples, record=args.record)
     if args.suite:
         shard, num_shards = (int(x) for x in args.shard.split("/"))
         rows = run_suite(
             shard,
             num_shards,
             {"pydoc_topics": technical_text_ids(), **texts},
-            steps=args.steps,
             out=args.out,
             only=args.only,
-            step_times=json.loads(args.step_times) if args.step_times else None,
+            step_times=step_times,
+            rows_file=Path(args.rows),
+            base=Recipe(**{**asdict(Recipe(steps=args.steps)), **changes}),
+            **scoring,
         )
     else:
         recipe = Recipe(
@@ -664,6 +838,7 @@ def main(argv=None) -> list[dict]:
             muon_experts=args.muon_experts,
             warmup_steps=min(200, max(1, args.steps // 10)),
         )
+        recipe = Recipe(**{**asdict(recipe), **changes})
         rows = []
         for kind in args.runs:
             row = train_and_score(
@@ -674,6 +849,7 @@ def main(argv=None) -> list[dict]:
                 texts,
                 loops_curve=not args.no_loops_curve,
                 save=args.save and f"{args.save}/{kind}",
+                **scoring,
             )
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -65,19 +65,22 @@ class BytePathOnly(torch.nn.Module):
 def build(kind: str, overrides: dict) -> torch.nn.Module:
     """A fresh model of `kind`: ``"spider"`` (the small preset with `overrides`), ``"bytes_only"`` (its byte layers,
     :class:`BytePathOnly`), ``"llama"`` (:data:`LLAMA_BASELINE`) or ``"llama_local"`` (the same dense model with
-    Spider's byte-layer window: transformers' ``MistralForCausalLM``, Llama with sliding-window attention)."""
+    Spider's byte-layer window: transformers' ``MistralForCausalLM``, Llama with sliding-window attention).
+    `overrides` may name another Spider preset, ``{"preset": "tiny", ...}`` (a quick check of the wiring)."""
+    overrides = dict(overrides)
+    preset = overrides.pop("preset", "small")
     if kind == "llama_local":
         from transformers import MistralConfig, MistralForCausalLM
 
         window = SpiderConfig.from_preset("small").sliding_window
         return MistralForCausalLM(MistralConfig(**{**LLAMA_BASELINE, "sliding_window": window, **overrides}))
     if kind == "bytes_only":
-        return BytePathOnly(SpiderForConditionalGeneration(SpiderConfig.from_preset("small", **overrides)))
+        return BytePathOnly(SpiderForConditionalGeneration(SpiderConfig.from_preset(preset, **overrides)))
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BASELINE, **overrides}))
-    return SpiderForConditionalGeneration(SpiderConfig.from_preset("small", **overrides))
+    return SpiderForConditionalGeneration(SpiderConfig.from_preset(preset, **overrides))
 
 
 def initial_model(kind: str, overrides: dict, seed: int, same_init: bool = False) -> torch.nn.Module:
@@ -87,7 +90,7 @@ def initial_model(kind: str, overrides: dict, seed: int, same_init: bool = False
     model = build(kind, overrides)
     if same_init and overrides:
         set_seed(seed)
-        reference = build(kind, {}).state_dict()
+        reference = build(kind, {k: v for k, v in overrides.items() if k == "preset"}).state_dict()
         own = model.state_dict()
         model.load_state_dict(
             {k: v for k, v in reference.items() if k in own and own[k].shape == v.shape}, strict=False

@@ -9,8 +9,8 @@ the global path adds" table and the plot's labels are data: bench/quality_rows.j
 from __future__ import annotations
 
 from bench.quality import suite
-from bench.quality_scoring import BYTE_KINDS, GLOBAL_STREAM_PROBES
 from configuration_spider import SpiderConfig
+from spider_training.evaluation import BYTE_KINDS, GLOBAL_STREAM_PROBES
 from spider_training.optim import DEFAULT_MUON_LR
 
 SUITE = suite()
@@ -328,15 +328,16 @@ def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[
     return ["| target | measured | met |", "|---|---|---|", *rows] if rows else []
 
 
-def plot(rows: list[dict], path: str) -> bool:
+def plot(rows: list[dict], path: str) -> list[str]:
     """Held-out bpb against training wall-clock, Spider and the dense baseline: the default runs of each recipe and
-    their Llama baselines, where their rows have a ``curve``. Returns False when none has."""
+    their Llama baselines, where their rows have a ``curve``, written to `path`. Returns the labels of the curves
+    drawn, in order; none (and no file) when no such row has a curve."""
     from matplotlib.figure import Figure
 
     labels = SUITE["plot_labels"]
     curves = [(r["name"], r["curve"]) for r in rows if r.get("curve") and r["name"] in labels]
     if not curves:
-        return False
+        return []
     fig = Figure(figsize=(6, 3.6))
     ax = fig.subplots()
     for name, curve in curves:
@@ -350,4 +351,4 @@ def plot(rows: list[dict], path: str) -> bool:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    return True
+    return [labels[name] for name, _ in curves]

@@ -9,11 +9,12 @@ Speed and precision, applied to the model from here: ``fp8`` (FP8 per layer wher
 ``tile_kernels_moe`` (TileKernels MoE kernels, CPU fallbacks), ``compile`` (per-layer ``torch.compile``), ``sdpa``
 (attention kernels), ``mixed_precision`` (bf16 autocast around the experts), ``optim`` (Muon + AdamW).
 Measuring itself: ``throughput`` (FLOPs, MFU), ``step_times`` (step wall times), ``profiling`` (host syncs),
-``metrics`` (held-out bits per byte), ``memory_plan`` (memory on paper), ``peers`` (the DeepseekV3 peer's config).
+``metrics`` (held-out bits per byte), ``evaluation`` (a model judged on held-out text, ``spider-evaluate``),
+``memory_plan`` (memory on paper), ``peers`` (the DeepseekV3 peer's config).
 Robustness: ``checkpointing`` (atomic checkpoints), ``preemption`` (graceful stop), ``nonfinite`` (skipped NaN steps),
 ``run_lock`` (one run per output folder).
 Releases: ``release`` (the folder ``from_pretrained`` loads), ``model_card``, ``hub`` (pushes that never stall
 training), ``sft`` (TRL fine-tuning).
-Commands (``commands/``: ``spider-serve``, ``spider-generate``, ``spider-compute-map``, ``spider-write-shards``,
-``spider-convert-tk-train``, ``spider-measure-fp8-gemms``, ``spider-measure-sdpa-backends``). Old module paths kept
-as aliases, with the version that removes each: ``compatibility``."""
+Commands (``commands/``: ``spider-serve``, ``spider-generate``, ``spider-evaluate``, ``spider-compute-map``,
+``spider-write-shards``, ``spider-convert-tk-train``, ``spider-measure-fp8-gemms``, ``spider-measure-sdpa-backends``).
+Old module paths kept as aliases, with the version that removes each: ``compatibility``."""

@@ -1,6 +1,7 @@
 """Held-out metrics: bits per byte, counted in bytes (summed next-byte cross-entropy over the predicted bytes).
 
-:func:`byte_nll` is the one computation; :func:`bits_per_byte` scores a model over a loader of byte windows, and
+:func:`byte_nll` (summing :func:`per_byte_nll`) is the one computation; :func:`bits_per_byte` scores a model over a
+loader of byte windows (:mod:`spider_training.evaluation` over a text, by byte kind too), and
 :func:`compute_bits_per_byte` is the ``compute_metrics`` of :class:`~spider_training.trainer.SpiderTrainer`, whose
 ``prediction_step`` hands Trainer's evaluation loop each row's :func:`byte_nll`.
 """
@@ -15,19 +16,31 @@ import torch
 import torch.nn.functional as F
 
 
-def byte_nll(logits: torch.Tensor, labels: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-byte cross-entropy summed per row.
+def per_byte_nll(logits: torch.Tensor, labels: torch.LongTensor) -> torch.Tensor:
+    """Next-byte cross-entropy of every predicted byte: fp32 ``(B, L - 1)`` in nats, 0 where the label is -100.
 
     Args:
         logits: ``(B, L, V)`` any float dtype (computed in fp32).
         labels: int64 ``(B, L)`` aligned with the inputs (shifted here), -100 ignored.
+    """
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
+
+
+def byte_nll(
+    logits: torch.Tensor, labels: torch.LongTensor, per_byte: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-byte cross-entropy summed per row (:func:`per_byte_nll`, summed in fp64).
+
+    Args:
+        logits: ``(B, L, V)`` any float dtype (computed in fp32).
+        labels: int64 ``(B, L)`` aligned with the inputs (shifted here), -100 ignored.
+        per_byte: :func:`per_byte_nll` of the same `logits` and `labels` where the caller has it already.
     Returns:
         ``(nll, n_bytes)``: float64 ``(B,)`` summed negative log-likelihood in nats, and int64 ``(B,)`` the number
         of predicted bytes per row.
     """
-    target = labels[:, 1:]
-    nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, ignore_index=-100, reduction="none")
-    return nll.double().sum(1), (target != -100).sum(1)
+    nll = per_byte_nll(logits, labels) if per_byte is None else per_byte
+    return nll.double().sum(1), (labels[:, 1:] != -100).sum(1)
 
 
 def _summary(nll_sum: float, n_bytes: float, rate_mean: float, halting_mean: float) -> dict[str, float]:

@@ -35,6 +35,16 @@ def tiny_model(seed: int = 0, **overrides) -> SpiderForConditionalGeneration:
     return SpiderForConditionalGeneration(tiny(**overrides))
 
 
+def save_tiny_release(folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save :func:`tiny_model` (`seed`, config `overrides`) and the tokenizer to `folder` as a release is saved
+    (weights, config, the remote-code files, the tokenizer files); returns `folder`."""
+    from tokenization_spider import SpiderTokenizer
+
+    tiny_model(seed, **overrides).save_pretrained(folder)
+    SpiderTokenizer().save_pretrained(folder)
+    return folder
+
+
 def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
     """int64 ``(batch, length)`` ids drawn uniformly from the 256 byte values (no specials), seeded."""
     return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -1,21 +1,22 @@
-"""bench.quality: its rows (bench/quality_rows.json) and their recipes, training through train_hf.py's trainer (a
-few-step row of each kind, the recipe against train_hf.py's defaults, the optimizer, loop-count draws and data the
-trainer gets), the scoring (bench/quality_scoring.py) and the tables and targets rendered from rows
-(bench/quality_report.py). The suite's full training runs are the benchmark itself."""
+"""bench.quality through its command line and JSON (``python -m bench.quality``), as tests/test_bench.py drives
+bench.run_all: the suite's rows (bench/quality_rows.json) and the recipe each run trains by (``--print_suite``),
+a few-step row of each kind trained through train_hf.py's trainer with what the trainer did recorded (``--suite
+--rows FILE --record``: the optimizer, loop-count draws, the data and the initial weights each model gets), the
+step-time split (``--time_steps``) and the tables, targets and plot rendered from rows (``--report FILE ...
+--render_each``). Four commands, started together once for the module. The suite's full training runs are the
+benchmark itself; the scoring is spider_training.evaluation's (tests/test_evaluation.py)."""
 
-import math
-import os
-import re
+import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-from bench import quality, quality_report, quality_scoring
 from configuration_spider import SpiderConfig
+from spider_training.evaluation import BYTE_KINDS
 from spider_training.optim import DEFAULT_MUON_LR
-from tests.helpers import tiny_model
+from tests.helpers import REPO, run_module
 
-SUITE = quality.suite()
+SUITE = json.loads((REPO / "bench" / "quality_rows.json").read_text())  # the rows file is data
 REFERENCES = SUITE["references"]
 BATCH8_RECIPE = SUITE["recipes"]["batch8"]  # {"batch_size": 8, "muon_experts": True}
 ADAMW = {"muon_lr": None}
@@ -30,6 +31,15 @@ LARGER_BATCH_NAME = "the batch-8 default at batch 16 x 256 (twice the bytes per 
 LARGEST_BATCH_NAME = (
     "the batch-8 default at batch 32 x 256 (four times the bytes per step, Muon for every hidden matrix)"
 )
+#: the step times the plan is made with: (Spider, Llama, byte layers alone) seconds per step under each timing recipe
+STEP_TIMES = {"default": [0.6, 1.2, 0.25], "adamw": [0.5, 1.25, 0.2]}
+#: the rows the sharding test splits: the ablations, three dense baselines at equal wall-clock, the local baselines
+SHARDED = [r["name"] for r in SUITE["rows"] if r["group"] == "ablation"] + [
+    *(f"llama lr={lr}, equal wall-clock" for lr in ("0.0005", "0.001", "0.002")),
+    LOCAL_DENSE,
+    f"{LOCAL_DENSE}, equal wall-clock",
+    "llama",
+]
 
 
 def _row(name, bpb, kind="spider", group="ablation", **extra):
@@ -81,36 +91,41 @@ def _rows(removed_bpb):
     ]
 
 
-@pytest.mark.parametrize("removed_bpb, met", [(2.35, "yes"), (2.21, "**no**")])
-def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
-    text = quality_report.render(_rows(removed_bpb))
-    line = next(line for line in text.splitlines() if line.startswith("| the global path pays"))
-    assert line.endswith(f"| {met} |") and f"{removed_bpb - 2.20:+.3f}" in line
-    assert "| held-out bpb at or below the dense baseline at equal wall-clock | 2.200 vs 2.500 | yes |" in text
-    assert "| technical text: no worse than the dense baseline by more than 0.05 | 4.600 vs 4.580 | yes |" in text
-    assert "| 1 loop is worse than the trained count | 2.2500 vs 2.2000 | yes |" in text
-    assert "| twice the trained count no worse than it by more than 0.01 | +0.0050 | yes |" in text
-    assert "| samples are real words at least as often as the dense baseline's | 90% vs 80% | yes |" in text
+def _byte_kind_rows():
+    kinds = dict.fromkeys(BYTE_KINDS, 2.0)
+    shares = dict.fromkeys(BYTE_KINDS, 1 / len(BYTE_KINDS))
+    rows = _rows(2.21)
+    rows[0].update(
+        bpb_by_byte_kind={**kinds, "1st byte of a word": 4.0},
+        byte_kind_shares=shares,
+        bpb_by_global_stream_probe={
+            "removed": {"bits_per_byte": 2.3, "by_byte_kind": {**kinds, "1st byte of a word": 4.5}}
+        },
+    )
+    rows[1].update(bpb_by_byte_kind={**kinds, "1st byte of a word": 4.25}, byte_kind_shares=shares)
+    return rows
 
 
-def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
-    """The plain model with Spider's local attention at equal compute: its step count comes from both step times
-    under each recipe, and its row stands in the first table beside the dense baselines."""
-    runs = {
-        r["name"]: r
-        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
-    }
-    equal = runs["global path removed, equal wall-clock"]
-    assert (equal["kind"], equal["steps"], equal["overrides"], equal.get("recipe")) == ("bytes_only", 1200, {}, {})
-    assert runs["llama lr=0.001, equal wall-clock"]["steps"] == 250
-    assert runs["llama lr=0.002, equal wall-clock"]["recipe"] == {"muon_lr": pytest.approx(0.02)}
-    adamw = runs["global path removed, equal wall-clock, AdamW"]
-    assert (adamw["steps"], adamw["recipe"]) == (1250, {**BATCH8_RECIPE, "muon_lr": None})
-    assert runs["llama lr=0.001, equal wall-clock, AdamW"]["steps"] == 200
-    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == {**BATCH8_RECIPE, **ADAMW}
-    optimizer_at_equal_time = runs["spider, AdamW, equal wall-clock"]  # AdamW for as long as the Muon run takes
-    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == (600, {**BATCH8_RECIPE, **ADAMW})
-    rows = _rows(2.21) + [
+OLD = dict(overrides=END_TO_END_SEGMENTS, muon_lr=0.01)
+ABLATIONS = _rows(2.21) + [
+    _row(REFERENCES["batch8_default"], 2.21, muon_lr=0.01, recipe={**BATCH8_RECIPE, "muon_lr": 0.01}),
+    _row(REFERENCES["adamw_default"], 2.30),
+    _row("n_loops=1", 2.35),
+    _row(REFERENCES["end_to_end_default"], 2.24, **OLD),
+    _row("Muon at lr 0.02", 2.25, **{**OLD, "muon_lr": 0.02}),
+    _row("segments: a fixed stride of 6 bytes instead of the teacher's", 2.23, muon_lr=0.01),
+]
+CURVE = [{"step": 1, "seconds": 1.0, "bits_per_byte": 3.0}, {"step": 2, "seconds": 2.0, "bits_per_byte": 2.5}]
+LARGER = {
+    16: (LARGER_BATCH_NAME, REFERENCES["byte_layers_alone"]),
+    32: (LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon"),
+}
+#: every set of rows a test renders (``--report`` files, each rendered on its own)
+REPORTS = {
+    "targets 2.35": _rows(2.35),
+    "targets 2.21": _rows(2.21),
+    "byte layers alone": _rows(2.21)
+    + [
         _row(
             "global path removed, equal wall-clock",
             2.1,
@@ -127,8 +142,192 @@ def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
             steps=1250,
         ),
         _row("spider, AdamW, equal wall-clock", 2.25, group="spider equal wall-clock, AdamW", steps=600),
-    ]
-    table = quality_report.render(rows).split("\n\n")[0]
+    ],
+    "ablations": ABLATIONS,
+    "ablations and seeds": ABLATIONS
+    + [
+        _row(DRAWN_LOOPS_NAME, 2.19, muon_lr=0.01, recipe={"muon_lr": 0.01, **DRAWN_LOOPS}),
+        _row("the default run, seed 43 (seed noise)", 2.18, muon_lr=0.01, recipe={**DEFAULT_RECIPE, "seed": 43}),
+    ],
+    "global path pairs": _rows(2.21)
+    + [
+        _row("2-byte window in the byte layers", 2.34),
+        _row("global path removed, 2-byte window", 2.49, kind="bytes_only"),
+        _row("3-byte window in the byte layers", 2.23),
+    ],  # no partner: no line
+    # the rows the tables need, without curves, and an ablation's curve: no default run or baseline to draw
+    "plot nothing": _rows(2.21) + [_row("n_loops=3, Muon", 2.2, curve=CURVE)],
+    "plot": [
+        _row("spider", 2.1, curve=CURVE),
+        _row("n_loops=3, Muon", 2.2, curve=CURVE),
+        _row("llama", 2.2, kind="llama", curve=CURVE),
+        *_rows(2.21)[1:4:2],  # the byte layers alone and the equal-wall-clock baseline: no curves
+    ],
+    "local dense": _rows(2.21)
+    + [
+        _row(LOCAL_DENSE, 2.02, kind="llama_local", group="local baseline equal parameters"),
+        _row(
+            f"{LOCAL_DENSE}, equal wall-clock",
+            2.12,
+            kind="llama_local",
+            group="local baseline equal wall-clock",
+            steps=250,
+            lr=2e-3,
+        ),
+    ],
+    "byte kinds": _byte_kind_rows(),
+    **{
+        f"batch {b}": _rows(2.21) + [_row(spider, 2.0), _row(removed, 2.07, kind="bytes_only")]
+        for b, (spider, removed) in LARGER.items()
+    },
+}
+
+#: the few-step rows trained with ``--record``, by name: Spider's ``tiny`` preset (the base recipe: TINY; the 1-step
+#: rows only show their optimizer or initial weights)
+TINY = dict(steps=6, batch_size=2, seq_len=16, warmup_steps=1, eval_steps=0)  # no held-out evaluation
+ONE_STEP = {"steps": 1, "warmup_steps": 2}  # the one step still in warmup: the rates at half their peaks
+TINY_MODEL = {"preset": "tiny"}
+TRAINED_ROWS = [
+    {"name": "fixed", "kind": "spider", "overrides": TINY_MODEL},
+    {"name": "drawn", "kind": "spider", "overrides": TINY_MODEL, "recipe": DRAWN_LOOPS},
+    {"name": "(1, 3)", "kind": "spider", "overrides": TINY_MODEL, "recipe": {"loop_counts": [1, 3]}},
+    {"name": "llama", "kind": "llama", "overrides": {"num_hidden_layers": 1}},
+    {"name": "bytes_only", "kind": "bytes_only", "overrides": TINY_MODEL},
+    {
+        "name": "global path at 3x",
+        "kind": "spider",
+        "overrides": TINY_MODEL,
+        "recipe": {**ONE_STEP, "global_lr_scale": 3.0},
+    },
+    # two rows for two tests each: the initial weights without Engram, and the optimizer of two other recipes
+    {
+        "name": "Engram off, Muon for the experts too",
+        "kind": "spider",
+        "overrides": {**TINY_MODEL, "engram_layer_ids": []},
+        "recipe": {**ONE_STEP, "muon_experts": True},
+    },
+    {
+        "name": "Engram off, same init, AdamW",
+        "kind": "spider",
+        "overrides": {**TINY_MODEL, "engram_layer_ids": []},
+        "recipe": {**ONE_STEP, "same_init": True, **ADAMW},
+    },
+    {  # 30 steps of 4 x 16, scored on 16 held-out windows every 10 steps and by the trainer at the end
+        "name": "30 steps",
+        "kind": "spider",
+        "overrides": TINY_MODEL,
+        "steps": {"budget": 5},
+        "lr": 3e-3,
+        "recipe": {"batch_size": 4, "eval_every": 10, "eval_steps": 30},
+    },
+]
+
+
+def _json_out(done) -> dict | list:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """The module's four ``bench.quality`` commands, started together: `{"plan", "unknown_row", "step_times",
+    "trained"}` futures of their completed processes. ``plan``: ``--print_suite`` with :data:`STEP_TIMES`, the
+    :data:`SHARDED` rows in two shards and every :data:`REPORTS` file rendered; ``trained``: ``--suite`` over
+    :data:`TRAINED_ROWS` with ``--record`` (its rows in ``trained.json``)."""
+    tmp = tmp_path_factory.mktemp("quality")
+    for key, rows in REPORTS.items():
+        (tmp / f"{key}.json").write_text(json.dumps(rows))
+    rows_file = tmp / "rows.json"
+    rows_file.write_text(
+        json.dumps({"timing_recipes": {"default": {}}, "rows": [{"group": "t", **r} for r in TRAINED_ROWS]})
+    )
+    step_times = json.dumps(STEP_TIMES)
+    reports = [tmp / f"{key}.json" for key in REPORTS]
+    argv = {
+        "plan": [
+            "--print_suite",
+            "--step_times",
+            step_times,
+            "--shard",
+            "0/2",
+            "--only",
+            *SHARDED,
+            "--report",
+            *reports,
+            "--render_each",
+        ],
+        "unknown_row": ["--suite", "--only", "no such row"],
+        "step_times": ["--time_steps", "--batch_size", "1", "--recipe", '{"seq_len": 16}', "--timed_steps", "1"],
+        "trained": [
+            "--suite",
+            "--rows",
+            rows_file,
+            "--step_times",
+            '{"default": [1, 1, 1]}',
+            "--recipe",
+            json.dumps(TINY),
+            "--slice_bytes",
+            16 * 17,
+            "--no_samples",
+            "--record",
+            "--out",
+            tmp / "trained.json",
+        ],
+    }
+    with pytest.MonkeyPatch.context() as env, ThreadPoolExecutor(len(argv)) as pool:
+        for var in ("ACCELERATE_USE_FSDP", "MICRO_BATCH", "LR", "SEQ_LEN", "N_LOOPS", "TARGET_TOKENS"):
+            env.delenv(var, raising=False)  # the main job's defaults, not this shell's (train_hf.py reads these)
+        env.setenv("OMP_NUM_THREADS", "1")  # four processes side by side: one thread each
+        futures = {key: pool.submit(run_module, "bench.quality", *args) for key, args in argv.items()}
+        yield {"tmp": tmp, **futures}
+
+
+@pytest.fixture(scope="module")
+def plan(commands):
+    """``--print_suite``'s JSON, with ``runs`` by name and ``reports`` by :data:`REPORTS` key."""
+    out = _json_out(commands["plan"].result())
+    return {**out, "runs": {r["name"]: r for r in out["runs"]}, "reports": dict(zip(REPORTS, out["reports"]))}
+
+
+@pytest.fixture(scope="module")
+def trained(commands):
+    """The rows of :data:`TRAINED_ROWS` as trained, by name (each with its ``record``)."""
+    done = commands["trained"].result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["name"]: r for r in json.loads((commands["tmp"] / "trained.json").read_text())}
+
+
+def _section(plan, key):
+    return plan["reports"][key]["section"]
+
+
+@pytest.mark.parametrize("removed_bpb, met", [(2.35, "yes"), (2.21, "**no**")])
+def test_targets_are_judged_from_the_measured_numbers(plan, removed_bpb, met):
+    text = _section(plan, f"targets {removed_bpb}")
+    line = next(line for line in text.splitlines() if line.startswith("| the global path pays"))
+    assert line.endswith(f"| {met} |") and f"{removed_bpb - 2.20:+.3f}" in line
+    assert "| held-out bpb at or below the dense baseline at equal wall-clock | 2.200 vs 2.500 | yes |" in text
+    assert "| technical text: no worse than the dense baseline by more than 0.05 | 4.600 vs 4.580 | yes |" in text
+    assert "| 1 loop is worse than the trained count | 2.2500 vs 2.2000 | yes |" in text
+    assert "| twice the trained count no worse than it by more than 0.01 | +0.0050 | yes |" in text
+    assert "| samples are real words at least as often as the dense baseline's | 90% vs 80% | yes |" in text
+
+
+def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered(plan):
+    """The plain model with Spider's local attention at equal compute: its step count comes from both step times
+    under each recipe, and its row stands in the first table beside the dense baselines."""
+    runs = plan["runs"]
+    equal = runs["global path removed, equal wall-clock"]
+    assert (equal["kind"], equal["steps"], equal["overrides"], equal.get("recipe")) == ("bytes_only", 1200, {}, {})
+    assert runs["llama lr=0.001, equal wall-clock"]["steps"] == 250
+    assert runs["llama lr=0.002, equal wall-clock"]["recipe"] == {"muon_lr": pytest.approx(0.02)}
+    adamw = runs["global path removed, equal wall-clock, AdamW"]
+    assert (adamw["steps"], adamw["recipe"]) == (1250, {**BATCH8_RECIPE, "muon_lr": None})
+    assert runs["llama lr=0.001, equal wall-clock, AdamW"]["steps"] == 200
+    assert runs["spider"].get("recipe") is None and runs["n_loops=1"]["recipe"] == {**BATCH8_RECIPE, **ADAMW}
+    optimizer_at_equal_time = runs["spider, AdamW, equal wall-clock"]  # AdamW for as long as the Muon run takes
+    assert (optimizer_at_equal_time["steps"], optimizer_at_equal_time["recipe"]) == (600, {**BATCH8_RECIPE, **ADAMW})
+    table = _section(plan, "byte layers alone").split("\n\n")[0]
     assert (
         "| Spider's byte layers alone (global path removed), equal wall-clock | Muon (lr 0.01) + AdamW | 1200 | "
         "6.00M | 2.100 | 4.400 |"
@@ -143,39 +342,23 @@ def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
     )
 
 
-def test_ablations_compare_with_the_default_of_their_own_recipe():
+def test_ablations_compare_with_the_default_of_their_own_recipe(plan):
     """AdamW rows are measured against the AdamW default run, Muon rows of the batch-8 recipe (and the AdamW default
     itself) against that recipe's default run, rows of today's recipe and the batch-8 default against the default
     run."""
-    old = dict(overrides=END_TO_END_SEGMENTS, muon_lr=0.01)
-    rows = _rows(2.21) + [
-        _row(REFERENCES["batch8_default"], 2.21, muon_lr=0.01, recipe={**BATCH8_RECIPE, "muon_lr": 0.01}),
-        _row(REFERENCES["adamw_default"], 2.30),
-        _row("n_loops=1", 2.35),
-        _row(REFERENCES["end_to_end_default"], 2.24, **old),
-        _row("Muon at lr 0.02", 2.25, **{**old, "muon_lr": 0.02}),
-        _row("segments: a fixed stride of 6 bytes instead of the teacher's", 2.23, muon_lr=0.01),
-    ]
-    text = quality_report.render(rows)
+    text = _section(plan, "ablations")
     assert f"| {REFERENCES['adamw_default']} | 2.300 | +0.060 |" in text  # the optimizer alone: same segmentation
     assert "| n_loops=1 | 2.350 | +0.050 |" in text  # AdamW rows: the AdamW default
     assert "| Muon at lr 0.02 | 2.250 | +0.010 |" in text  # end-to-end boundaries: that default under Muon
     assert f"| {REFERENCES['end_to_end_default']} | 2.240 | +0.030 |" in text  # against the batch-8 default run
     assert "| segments: a fixed stride of 6 bytes instead of the teacher's | 2.230 | +0.020 |" in text
     assert f"| {REFERENCES['batch8_default']} | 2.210 | +0.010 |" in text  # the old default against today's
-    drawn = dict(muon_lr=0.01, recipe={"muon_lr": 0.01, **DRAWN_LOOPS})
-    seed = dict(muon_lr=0.01, recipe={**DEFAULT_RECIPE, "seed": 43})
-    text = quality_report.render(
-        rows + [_row(DRAWN_LOOPS_NAME, 2.19, **drawn), _row("the default run, seed 43 (seed noise)", 2.18, **seed)]
-    )
+    text = _section(plan, "ablations and seeds")
     assert f"| {DRAWN_LOOPS_NAME} | 2.190 | -0.020 |" in text  # against the batch-8 default run
     assert "| the default run, seed 43 (seed noise) | 2.180 | -0.020 |" in text  # against the default run
     # a rerun reproduces the stored rows: the AdamW and longer-budget Spider rows run with end-to-end boundaries and
     # the gated mixing of their day
-    runs = {
-        r["name"]: r
-        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
-    }
+    runs = plan["runs"]
     then = {**END_TO_END_SEGMENTS, **GATED_MIXING}
     assert runs["n_loops=1"]["overrides"] == {**then, "n_loops": 1}
     assert runs["segments of about 5 bytes (boundary_prior 0.2)"]["overrides"]["boundary_prior"] == 0.2
@@ -185,8 +368,8 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert runs["spider"]["overrides"] == {} and runs["the default run, seed 43 (seed noise)"]["overrides"] == {}
     assert runs[GATED_DEFAULT]["overrides"] == GATED_MIXING
     # the default run trains with a fixed loop count; only the rows that name the draw draw
-    assert quality.Recipe().extra_train_loops == 0
-    drawn_rows = {name for name, r in runs.items() if (r.get("recipe") or {}).get("extra_train_loops")}
+    assert plan["recipe"]["extra_train_loops"] == 0
+    drawn_rows = {name for name, r in runs.items() if r["trained"]["extra_train_loops"]}
     assert drawn_rows == {
         DRAWN_LOOPS_NAME,
         f"{DRAWN_LOOPS_NAME}, seed 43",
@@ -198,48 +381,23 @@ def test_ablations_compare_with_the_default_of_their_own_recipe():
     assert SpiderConfig.from_preset("small").expand_mixing != GATED_MIXING["expand_mixing"]
 
 
-def test_shards_keep_the_baselines_together_and_balance_the_rest():
-    runs = [dict(kind=r["kind"], name=r["name"], steps=500) for r in SUITE["rows"] if r["group"] == "ablation"]
-    runs += [dict(kind="llama", name=f"llama {i}", steps=250) for i in range(3)]
-    shards = [quality.shard_of(runs, i, 2) for i in range(2)]
-    assert sorted(r["name"] for s in shards for r in s) == sorted(r["name"] for r in runs)
-    assert all(r["kind"] != "llama" for r in shards[0])
+def test_shards_keep_the_baselines_together_and_balance_the_rest(plan):
+    shards, runs, cost_per_run = plan["shards"], plan["runs"], plan["cost_per_run"]
+    assert sorted(name for s in shards for name in s) == sorted(SHARDED)
+    assert all(runs[name]["kind"] != "llama" for name in shards[0])
     cost = [
-        sum(quality._COST[r["kind"]] * (r["steps"] if r["kind"] == "llama" else r["steps"] / 500) for r in s)
+        sum(
+            cost_per_run[runs[n]["kind"]]
+            * (runs[n]["steps"] if runs[n]["kind"] in plan["dense_kinds"] else runs[n]["steps"] / 500)
+            for n in s
+        )
         for s in shards
     ]
-    assert max(cost) - min(cost) <= quality._COST["spider"]  # within one run of each other
+    assert max(cost) - min(cost) <= cost_per_run["spider"]  # within one run of each other
 
 
-def test_evaluation_boundary_rules_change_only_the_decision_and_are_undone():
-    model = tiny_model(seed=0).eval()
-    ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
-    plain = quality_scoring.score(model, ids)
-    matched = quality_scoring.score_with_boundary_rule(model, ids, "rate-matched", 5.0)
-    assert matched["bytes_per_segment"] == pytest.approx(5.0, rel=0.25)  # the requested rate, up to quantile ties
-    sampled = quality_scoring.score_with_boundary_rule(model, ids, "sampled", None)
-    assert math.isfinite(sampled["bits_per_byte"])
-    assert quality_scoring.score(model, ids) == plain  # the predictor's own forward is back
-
-
-def test_sample_words_counts_words_of_the_training_text():
-    model = tiny_model(seed=0)
-    train_ids = torch.tensor(list(b"the state of the union is strong ")).numpy()
-    result = quality_scoring.sample_words(model, train_ids, n_samples=1, new_bytes=40)
-    assert result["sample"].startswith(quality_scoring.SAMPLE_PROMPT)
-    words = re.findall(r"[A-Za-z]+", result["sample"][len(quality_scoring.SAMPLE_PROMPT) :])
-    vocabulary = {"the", "state", "of", "union", "is", "strong"}
-    expected = sum(w.lower() in vocabulary for w in words) / max(1, len(words))
-    assert result["real_word_rate"] == pytest.approx(expected)
-
-
-def test_global_path_table_pairs_each_spider_row_with_its_ablation():
-    rows = _rows(2.21) + [
-        _row("2-byte window in the byte layers", 2.34),
-        _row("global path removed, 2-byte window", 2.49, kind="bytes_only"),
-        _row("3-byte window in the byte layers", 2.23),
-    ]  # no partner: no line
-    text = quality_report.render(rows)
+def test_global_path_table_pairs_each_spider_row_with_its_ablation(plan):
+    text = _section(plan, "global path pairs")
     assert "| 2-byte window | 500 | 2.340 | 2.490 | +0.150 |" in text
     assert (
         "| 4-byte window, Muon but the MoE experts on AdamW, the teacher's word segments, batch 16 x 256 (the "
@@ -248,225 +406,166 @@ def test_global_path_table_pairs_each_spider_row_with_its_ablation():
     assert "| 3-byte window |" not in text
 
 
-def _trainer_of(model, recipe, **fit_kwargs):
-    """The SpiderTrainer :func:`bench.quality.fit` builds for `model` and `recipe`, set up but not trained."""
-    from spider_training.train import build_trainer
-
-    args = quality.training_arguments(recipe, "/nonexistent-not-written", evaluate=False)
-    trainer = build_trainer(args, model, stop_signals=(), eval_dataset=None, **fit_kwargs)
-    trainer.create_optimizer()
-    return trainer
+def _parameters(row):
+    return row["record"]["optimizer"]["parameters"]
 
 
-def test_global_lr_scale_multiplies_only_the_global_path():
+def test_global_lr_scale_multiplies_only_the_global_path(plan, trained):
     """`Recipe.global_lr_scale` reaches the trainer as per-parameter learning rates (SpiderTrainer's `lr_scale_of`):
     the global path's parameters at 3x in both optimizers, the byte layers at 1x, weight decay as without it."""
-    from spider_training.optim import MuonWithAdamW
+    from modeling_spider import SpiderForConditionalGeneration
 
-    model = tiny_model(seed=0)
-    scale = {"lr_scale_of": lambda name: 1.0 if name.startswith(quality.BYTE_LAYERS) else 3.0}
-    plain, scaled = _trainer_of(tiny_model(seed=0), quality.Recipe()), _trainer_of(model, quality.Recipe(), **scale)
-    assert isinstance(scaled.optimizer, MuonWithAdamW)
-
-    def rates(trainer, model):
-        named = {id(p): n for n, p in model.named_parameters()}
-        return {
-            named[id(p)]: (g["lr"], g["weight_decay"]) for g in trainer.optimizer.param_groups for p in g["params"]
-        }
-
-    before, after = rates(plain, plain.model), rates(scaled, model)
+    scaled = trained["global path at 3x"]["record"]
+    assert scaled["optimizer"]["type"] == "MuonWithAdamW"
+    before, after = _parameters(trained["fixed"]), scaled["optimizer"]["parameters"]
+    model = SpiderForConditionalGeneration(SpiderConfig.from_preset("tiny"))
     assert set(before) == set(after) == {n for n, _ in model.named_parameters()}
-    for name, (lr, decay) in after.items():
-        factor = 1.0 if name.startswith(quality.BYTE_LAYERS) else 3.0
-        assert lr == pytest.approx(factor * before[name][0]) and decay == before[name][1], name
-    assert after["model.recurrent_block.layers.0.mlp.router.weight"][0] == pytest.approx(3e-3)  # AdamW's half
-    assert after["model.prelude_layers.0.mlp.up_proj.weight"][0] == pytest.approx(DEFAULT_MUON_LR)  # Muon's
-    assert after["model.recurrent_block.layers.0.self_attn.q_a_proj.weight"][0] == pytest.approx(3 * DEFAULT_MUON_LR)
-    peaks = [g["lr"] for g in scaled.optimizer.param_groups]
-    scaled.create_scheduler(num_training_steps=10, optimizer=scaled.optimizer)  # the schedule scales every group alike
-    assert [g["initial_lr"] for g in scaled.optimizer.param_groups] == peaks
+    byte_layers = tuple(plan["byte_layers"])
+    for name, group in after.items():
+        factor = 1.0 if name.startswith(byte_layers) else 3.0
+        assert group["initial_lr"] == pytest.approx(factor * before[name]["initial_lr"]), name
+        assert group["weight_decay"] == before[name]["weight_decay"], name
+    assert after["model.recurrent_block.layers.0.mlp.router.weight"]["initial_lr"] == pytest.approx(3e-3)  # AdamW's
+    assert after["model.prelude_layers.0.mlp.up_proj.weight"]["initial_lr"] == pytest.approx(DEFAULT_MUON_LR)  # Muon's
+    q_a = after["model.recurrent_block.layers.0.self_attn.q_a_proj.weight"]
+    assert q_a["initial_lr"] == pytest.approx(3 * DEFAULT_MUON_LR)
+    # the schedule scales every group alike: after one step every parameter's rate is the same share of its peak
+    shares = {g["lr_after_step_1"] / g["initial_lr"] for g in after.values()}
+    assert max(shares) == pytest.approx(min(shares)) == 0.5
 
 
 @pytest.mark.parametrize("muon_experts", [False, True])
-def test_rows_train_with_the_main_jobs_optimizer(muon_experts):
+def test_rows_train_with_the_main_jobs_optimizer(plan, trained, muon_experts):
     """A row's optimizer is the trainer's (spider_training.optim.muon_with_adamw, as train_hf.py's): Muon at the
     recipe's rate for the hidden matrices (the routed experts' only with `muon_experts`), AdamW at `lr` for the rest;
     `muon_lr=None` is Trainer's AdamW for every parameter. A dense baseline gets the same split."""
-    from spider_training.optim import MuonWithAdamW
-
-    model = tiny_model(seed=0)
-    optimizer = _trainer_of(model, quality.Recipe(muon_experts=muon_experts)).optimizer
-    assert isinstance(optimizer, MuonWithAdamW)
-    named = {id(p): n for n, p in model.named_parameters()}
-    in_muon = {named[id(p)] for g in optimizer.muon.param_groups for p in g["params"]}
-    assert {g["lr"] for g in optimizer.muon.param_groups} == {DEFAULT_MUON_LR}
-    assert {g["lr"] for g in optimizer.adamw.param_groups} == {quality.Recipe.lr}
-    experts = {n for n in named.values() if ".mlp.experts." in n}
+    row = trained["Engram off, Muon for the experts too" if muon_experts else "fixed"]
+    assert row["record"]["optimizer"]["type"] == "MuonWithAdamW"
+    parameters = _parameters(row)
+    in_muon = {n for n, g in parameters.items() if g["optimizer"] == "muon"}
+    assert {g["initial_lr"] for g in parameters.values() if g["optimizer"] == "muon"} == {DEFAULT_MUON_LR}
+    assert {g["initial_lr"] for g in parameters.values() if g["optimizer"] == "adamw"} == {plan["recipe"]["lr"]}
+    experts = {n for n in parameters if ".mlp.experts." in n}
     assert experts and (experts <= in_muon) == muon_experts and not (experts & in_muon and not muon_experts)
     assert "model.prelude_layers.0.self_attn.q_a_proj.weight" in in_muon and "lm_head.weight" not in in_muon
-    adamw = _trainer_of(tiny_model(seed=0), quality.Recipe(muon_lr=None)).optimizer
-    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == quality.Recipe.betas
-    dense = quality.build("llama", {"num_hidden_layers": 1})
-    dense_muon = _trainer_of(dense, quality.Recipe()).optimizer.muon
-    names = {id(p): n for n, p in dense.named_parameters()}
-    assert {names[id(p)] for g in dense_muon.param_groups for p in g["params"]} == {
-        n for n, p in dense.named_parameters() if n.startswith("model.layers.0.") and p.dim() == 2
+    adamw = trained["Engram off, same init, AdamW"]["record"]["optimizer"]
+    assert adamw["type"] == "AdamW"
+    assert {tuple(g["betas"]) for g in adamw["parameters"].values()} == {tuple(plan["recipe"]["betas"])}
+    dense = _parameters(trained["llama"])
+    assert {n for n, g in dense.items() if g["optimizer"] == "muon"} == {
+        n for n, g in dense.items() if n.startswith("model.layers.0.") and len(g["shape"]) == 2
     }
 
 
-def _spy_forward(model, calls):
-    forward = model.forward
-
-    def spy(*args, **kwargs):  # the real forward, recording what the trainer passed in training
-        if model.training:
-            calls.append((kwargs.get("n_loops"), kwargs["input_ids"].clone()))
-        return forward(*args, **kwargs)
-
-    model.forward = spy
-
-
-TINY = dict(steps=6, batch_size=2, seq_len=16, warmup_steps=1, eval_steps=0)  # no held-out evaluation
-
-
-def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data():
+def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data(trained):
     """`Recipe.extra_train_loops` (n_loops or one more) and `Recipe.loop_counts` (a given set): the trainer draws
     every training step's loop count (SpiderTrainer's `extra_train_loops`, `train_loop_counts`), and the batches are
     the fixed-count run's."""
-    seen = {}
-    variants = {"fixed": {}, "drawn": dict(extra_train_loops=1), (1, 3): dict(loop_counts=(1, 3))}
-    for key, recipe in variants.items():
-        model, calls = tiny_model(seed=0), []
-        _spy_forward(model, calls)
-        quality.fit(model, quality.Recipe(**TINY, **recipe))
-        seen[key] = calls
-    assert [n for n, _ in seen["fixed"]] == [None] * 6
-    n = tiny_model(seed=0).config.n_loops
-    for key, allowed in (("drawn", {n, n + 1}), ((1, 3), {1, 3})):
+    seen = {key: trained[key]["record"]["steps"] for key in ("fixed", "drawn", "(1, 3)")}
+    assert [n for n, _ in seen["fixed"]] == [None] * TINY["steps"]
+    n = SpiderConfig.from_preset("tiny").n_loops
+    for key, allowed in (("drawn", {n, n + 1}), ("(1, 3)", {1, 3})):
         drawn = [n for n, _ in seen[key]]
         assert set(drawn) == allowed, key
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen["fixed"], seen[key]))
+        assert [batch for _, batch in seen["fixed"]] == [batch for _, batch in seen[key]]
 
 
-def test_a_row_trains_through_spider_trainer_and_its_loss_falls(monkeypatch):
+def test_a_row_trains_through_spider_trainer_and_its_loss_falls(trained):
     """bench.quality has no training loop of its own: a row is SpiderTrainer.train (train_hf.py's), its held-out
     figure the trainer's evaluation, its training loss the trainer's logs, and the loss falls."""
-    from spider_training.trainer import SpiderTrainer
-
-    trained = []
-    train = SpiderTrainer.train
-    monkeypatch.setattr(SpiderTrainer, "train", lambda self, *a, **k: trained.append(self) or train(self, *a, **k))
-    model = tiny_model(seed=0)
-    windows = quality_scoring.heldout_windows(quality_scoring.corpus_bytes("eval"), 16, slice_bytes=16 * 17)
-    before = quality_scoring.score(model, windows)["bits_per_byte"]
-    stats = quality.fit(
-        model,
-        quality.Recipe(steps=30, batch_size=4, seq_len=16, warmup_steps=3, lr=3e-3, eval_every=10, eval_steps=30),
-        windows,
-    )
-    assert len(trained) == 1 and trained[0].model is model
-    history = trained[0].state.log_history
+    row = trained["30 steps"]
+    record = row["record"]
+    assert record["trainer"] == "SpiderTrainer" and record["train_calls"] == 1
+    assert len(record["steps"]) == 30  # the row's own model took every training step
+    history = record["log_history"]
     losses = [e["bits_per_byte"] for e in history if "loss" in e and "bits_per_byte" in e]
     assert losses[-1] < losses[0] - 0.5, losses
-    assert stats["train_bits_per_byte"] == pytest.approx(sum(losses[-3:]) / 3)  # the last tenth: logged every step
-    assert stats["eval_bits_per_byte"] == next(
+    assert row["train_bits_per_byte"] == pytest.approx(sum(losses[-3:]) / 3)  # the last tenth: logged every step
+    assert row["eval_bits_per_byte"] == next(
         e["eval_bits_per_byte"] for e in reversed(history) if "eval_bits_per_byte" in e
     )
-    assert [c["step"] for c in stats["curve"]] == [10, 20, 30] and stats["curve"][-1]["bits_per_byte"] < before
-    assert 0 < stats["curve"][0]["seconds"] < stats["curve"][-1]["seconds"] == stats["train_seconds"]
+    curve = row["curve"]
+    assert [c["step"] for c in curve] == [10, 20, 30] and curve[-1]["bits_per_byte"] < record["bits_per_byte_before"]
+    assert 0 < curve[0]["seconds"] < curve[-1]["seconds"] == row["train_seconds"]
 
 
-def test_dense_rows_train_on_the_same_windows_as_spiders():
+def test_dense_rows_train_on_the_same_windows_as_spiders(trained):
     """Equal data: the dense baseline and the byte layers alone see the batches Spider's row sees, in order (Spider
     is scored on the main job's held-out windows before and after training; they are not)."""
-    batches = {}
-    for kind in ("spider", "llama", "bytes_only"):
-        model, calls = quality.initial_model(kind, {"num_hidden_layers": 1} if kind == "llama" else {}, seed=0), []
-        if kind == "spider":
-            model = tiny_model(seed=0)
-        _spy_forward(model, calls)
-        quality.fit(model, quality.Recipe(**{**TINY, "steps": 3, "eval_steps": 3}))
-        batches[kind] = [ids for _, ids in calls]
-    assert len(batches["spider"]) == 3
+    batches = {
+        kind: [ids for _, ids in trained[name]["record"]["steps"]]
+        for kind, name in (("spider", "fixed"), ("llama", "llama"), ("bytes_only", "bytes_only"))
+    }
+    assert len(batches["spider"]) == TINY["steps"]
     for kind in ("llama", "bytes_only"):
-        assert all(torch.equal(a, b) for a, b in zip(batches["spider"], batches[kind], strict=True)), kind
+        assert batches[kind] == batches["spider"], kind
 
 
-def test_suite_rows_can_be_chosen_by_name(monkeypatch):
-    with pytest.raises(ValueError, match="no such row"):
-        quality.run_suite(only=["no such row"])
+def test_suite_rows_can_be_chosen_by_name(commands):
+    done = commands["unknown_row"].result()
+    assert done.returncode != 0 and "ValueError" in done.stderr and "no such row" in done.stderr
 
 
-def test_step_times_given_to_the_suite_set_the_equal_wall_clock_steps(monkeypatch):
+def test_step_times_given_to_the_suite_set_the_equal_wall_clock_steps(plan):
     """Shards started side by side share one step-time measurement (`--step_times`) instead of each timing the
-    models while the others train; nothing is timed then."""
-    monkeypatch.setattr(quality, "step_seconds", lambda *a, **k: pytest.fail("timed although times were given"))
-    trained = []
-    monkeypatch.setattr(
-        quality,
-        "train_and_score",
-        lambda kind, name, overrides, recipe, *a, **k: (
-            trained.append((name, recipe.steps, recipe.muon_lr)) or {"name": name}
-        ),
-    )
-    quality.run_suite(
-        only=["global path removed, equal wall-clock", "spider, AdamW, equal wall-clock"],
-        step_times={"default": (0.8, 1.6, 0.4), "adamw": (0.5, 1.0, 0.25)},
-        log=open(os.devnull, "w"),
-    )
-    assert sorted(trained) == [
-        ("global path removed, equal wall-clock", 1000, quality.DEFAULT_MUON_LR),
-        ("spider, AdamW, equal wall-clock", 800, None),
+    models while the others train: every run carries the given times (nothing was measured), and the
+    equal-wall-clock rows train for the steps they give."""
+    runs = plan["runs"]
+    given = [dict(zip(("spider", "llama", "bytes_only"), times)) for times in STEP_TIMES.values()]
+    assert all(r["step_seconds"] in given for r in runs.values())
+    trained = [
+        (name, runs[name]["trained"]["steps"], runs[name]["trained"]["muon_lr"])
+        for name in ("global path removed, equal wall-clock", "spider, AdamW, equal wall-clock")
+    ]
+    assert trained == [
+        ("global path removed, equal wall-clock", 1200, DEFAULT_MUON_LR),  # 500 x 0.6 / 0.25
+        ("spider, AdamW, equal wall-clock", 600, None),  # 500 x 0.6 / 0.5
     ]
 
 
-def test_step_split_times_the_forward_backward_and_the_optimizer_apart():
-    split = quality.step_split("bytes_only", {}, quality.Recipe(batch_size=1, seq_len=16), steps=1, warmup=0)
-    assert set(split) == {"step", "forward_backward", "optimizer"}
-    assert split["forward_backward"] > 0 and split["optimizer"] > 0
-    # one timed step: the two parts are the step's two intervals
-    assert split["step"] == pytest.approx(split["forward_backward"] + split["optimizer"], rel=1e-9)
+def test_step_split_times_the_forward_backward_and_the_optimizer_apart(commands):
+    out = _json_out(commands["step_times"].result())
+    assert set(out["seconds_per_step"]) == {"spider", "llama", "bytes_only"}
+    for kind, split in out["seconds_per_step"].items():
+        assert set(split) == {"step", "forward_backward", "optimizer"}, kind
+        assert split["forward_backward"] > 0 and split["optimizer"] > 0, kind
+        # one timed step: the two parts are the step's two intervals
+        assert split["step"] == pytest.approx(split["forward_backward"] + split["optimizer"], rel=1e-9), kind
 
 
-def test_plot_draws_the_default_runs_and_their_baselines_only(tmp_path, monkeypatch):
+def test_plot_draws_the_default_runs_and_their_baselines_only(plan, commands):
     pytest.importorskip("matplotlib")
-    from matplotlib.axes import Axes
-
-    curve = [{"step": 1, "seconds": 1.0, "bits_per_byte": 3.0}, {"step": 2, "seconds": 2.0, "bits_per_byte": 2.5}]
-    drawn = []
-    plot_line = Axes.plot
-    monkeypatch.setattr(Axes, "plot", lambda ax, *a, label=None, **k: (drawn.append(label), plot_line(ax, *a, **k))[1])
-    ablation = _row("n_loops=3, Muon", 2.2, curve=curve)
-    assert not quality_report.plot(
-        [ablation], str(tmp_path / "none.png")
-    )  # no default run or baseline: nothing to draw
-    assert quality_report.plot(
-        [_row("spider", 2.1, curve=curve), ablation, _row("llama", 2.2, kind="llama", curve=curve)],
-        str(tmp_path / "q.png"),
-    )
-    assert (tmp_path / "q.png").stat().st_size > 0
-    assert drawn == [
+    tmp = commands["tmp"]
+    # no default run or baseline: nothing to draw
+    assert plan["reports"]["plot nothing"]["plot_labels"] == [] and not (tmp / "plot nothing.png").exists()
+    assert (tmp / "plot.png").stat().st_size > 0
+    assert plan["reports"]["plot"]["plot_labels"] == [
         "Spider small (the default run), batch 16, Muon + AdamW",
         "LlamaForCausalLM (equal parameters), batch 16, Muon + AdamW",
     ]
 
 
-def test_same_init_gives_a_variant_the_default_models_initial_weights():
+def test_same_init_gives_a_variant_the_default_models_initial_weights(trained):
     """Removing Engram shifts the random stream for every later parameter (another seed for the byte layers);
     with same_init the shared parameters start from the default model's values, and only they."""
-    default = quality.initial_model("spider", {}, seed=5).state_dict()
-    shifted = quality.initial_model("spider", {"engram_layer_ids": []}, seed=5).state_dict()
-    same = quality.initial_model("spider", {"engram_layer_ids": []}, seed=5, same_init=True).state_dict()
-    assert not torch.equal(shifted["lm_head.weight"], default["lm_head.weight"])
+    default = trained["fixed"]["record"]["initial_parameters"]
+    shifted = trained["Engram off, Muon for the experts too"]["record"]["initial_parameters"]
+    same = trained["Engram off, same init, AdamW"]["record"]["initial_parameters"]
+    assert shifted["lm_head.weight"] != default["lm_head.weight"]
     assert set(same) < set(default)
-    for name, tensor in same.items():
-        assert torch.equal(tensor, default[name]), name
+    for name, digest in same.items():
+        assert digest == default[name], name
 
 
-def test_dense_baseline_with_spiders_local_attention():
+def test_dense_baseline_with_spiders_local_attention(plan):
     """The stronger plain baseline: the dense Llama with Spider's 4-byte byte-layer window. Its window is real (a
     prediction far enough from a byte cannot depend on it: 7 layers x 3 bytes back), it runs at equal parameters and
     at the Llama's equal-wall-clock step count, stays in the baselines' shard, and is rendered beside them."""
-    model = quality.build("llama_local", {"num_hidden_layers": 2}).eval()
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig.from_dict({**plan["model_configs"]["llama_local"], "num_hidden_layers": 2})
+    model = MistralForCausalLM(config).eval()
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     other = ids.clone()
     other[0, 0] = (other[0, 0] + 1) % 256
@@ -475,115 +574,36 @@ def test_dense_baseline_with_spiders_local_attention():
     reach = 2 * (4 - 1)  # two layers, each 3 bytes further back than the byte itself
     assert torch.equal(a[0, reach + 1 :], b[0, reach + 1 :])  # beyond the receptive field: bit-identical
     assert not torch.allclose(a[0, : reach + 1], b[0, : reach + 1])  # inside it: the byte matters
-    runs = {
-        r["name"]: r
-        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
-    }
+    runs = plan["runs"]
     equal, timed = runs[LOCAL_DENSE], runs[f"{LOCAL_DENSE}, equal wall-clock"]
     assert (equal["kind"], equal["steps"], timed["steps"]) == ("llama_local", 500, 250)
-    assert timed["recipe"] == {"muon_lr": pytest.approx(2 * quality.DEFAULT_MUON_LR)}
-    last_shard = {r["name"] for r in quality.shard_of(list(runs.values()), 1, 2)}
-    assert {LOCAL_DENSE, f"{LOCAL_DENSE}, equal wall-clock", "llama"} <= last_shard
-    rows = _rows(2.21) + [
-        _row(LOCAL_DENSE, 2.02, kind="llama_local", group="local baseline equal parameters"),
-        _row(
-            f"{LOCAL_DENSE}, equal wall-clock",
-            2.12,
-            kind="llama_local",
-            group="local baseline equal wall-clock",
-            steps=250,
-            lr=2e-3,
-        ),
-    ]
-    table = quality_report.render(rows).split("\n\n")[0]
+    assert timed["recipe"] == {"muon_lr": pytest.approx(2 * DEFAULT_MUON_LR)}
+    assert {LOCAL_DENSE, f"{LOCAL_DENSE}, equal wall-clock", "llama"} <= set(plan["shards"][-1])
+    table = _section(plan, "local dense").split("\n\n")[0]
     assert "4-byte local attention (`MistralForCausalLM`), equal parameters and steps (lr 0.001) |" in table
     assert "equal wall-clock (lr 0.002) | Muon (lr 0.01) + AdamW | 250 | 6.00M | 2.120 |" in table
 
 
-def test_byte_kinds_place_every_predicted_byte_in_its_word():
-    windows = torch.tensor([list(b"xx, a word!  ok")])
-    kinds = quality_scoring.byte_kinds(windows)[0].tolist()  # predicted bytes: windows[:, 1:] = "x, a word!  ok"
-    #       x  ,  ' ' a  ' ' w  o  r  d  !  ' ' ' ' o  k
-    assert kinds == [2, 0, 0, 1, 0, 1, 2, 3, 4, 0, 0, 0, 1, 2]
-    long_word = torch.tensor([list(b" abcdefg")])
-    assert quality_scoring.byte_kinds(long_word)[0].tolist() == [1, 2, 3, 4, 5, 5, 5]  # the 5th byte on share one kind
-
-
-def test_score_by_byte_kind_splits_the_same_total():
-    model = tiny_model(seed=0).eval()
-    ids = torch.tensor([list(b"the state of the union is strong, and we are here. ")] * 3)
-    plain = quality_scoring.score(model, ids)
-    split = quality_scoring.score(model, ids, by_byte_kind=True)
-    assert split["bits_per_byte"] == plain["bits_per_byte"]  # the headline number is computed as before
-    shares, bpb = split["byte_kind_shares"], split["bits_per_byte_by_byte_kind"]
-    assert set(shares) == set(bpb) == set(quality_scoring.BYTE_KINDS) and sum(shares.values()) == pytest.approx(1.0)
-    # the kinds' bits, weighted by their shares, add up to the total (fp64 sums of fp32 per-byte losses over
-    # ids.numel() bytes: a relative tolerance of fp32's epsilon times the count)
-    total = sum(shares[k] * bpb[k] for k in quality_scoring.BYTE_KINDS)
-    assert total == pytest.approx(plain["bits_per_byte"], rel=torch.finfo(torch.float32).eps * ids.numel())
-
-
-@pytest.mark.parametrize("probe", list(quality_scoring.GLOBAL_STREAM_PROBES))
-def test_global_stream_probes_change_only_what_the_bytes_read_and_are_undone(probe):
-    # a segment closes every 4 bytes (at positions 3, 7, ...); the tiny preset's global stream reaches the output at
-    # initialisation
-    model = tiny_model(seed=0, boundary_mode="fixed", boundary_prior=0.25).eval()
-    ids = torch.tensor([list(b"the state of the union is strong, and we are here. ")] * 2)
-    with torch.no_grad():
-        plain = model(input_ids=ids).logits
-        with quality_scoring._GlobalStreamProbe(model, probe):
-            probed = model(input_ids=ids).logits
-        after = model(input_ids=ids).logits
-    assert torch.equal(after, plain)  # the class's global_stream is back
-    assert not torch.equal(probed, plain)
-    if probe != "removed":  # bytes 0-2, before the first boundary, read the null segment's stream in both: no change
-        assert torch.equal(probed[:, :3], plain[:, :3]) and not torch.equal(probed[:, 3:], plain[:, 3:])
-
-
-def test_gain_by_byte_kind_table_is_rendered_from_the_rows():
-    kinds = dict.fromkeys(quality_scoring.BYTE_KINDS, 2.0)
-    shares = dict.fromkeys(quality_scoring.BYTE_KINDS, 1 / len(quality_scoring.BYTE_KINDS))
-    rows = _rows(2.21)
-    rows[0].update(
-        bpb_by_byte_kind={**kinds, "1st byte of a word": 4.0},
-        byte_kind_shares=shares,
-        bpb_by_global_stream_probe={
-            "removed": {"bits_per_byte": 2.3, "by_byte_kind": {**kinds, "1st byte of a word": 4.5}}
-        },
-    )
-    rows[1].update(bpb_by_byte_kind={**kinds, "1st byte of a word": 4.25}, byte_kind_shares=shares)
-    text = quality_report.render(rows)
+def test_gain_by_byte_kind_table_is_rendered_from_the_rows(plan):
+    text = _section(plan, "byte kinds")
     assert "| 1st byte of a word | 16.7% | 4.000 | 4.250 | +0.250 |" in text
     assert "| **every byte** | 100.0% | 2.200 | 2.210 | +0.010 |" in text
     assert "| removed | +0.100 | +0.500 |" in text
 
 
-@pytest.mark.parametrize(
-    "spider_name, removed_name, batch_size",
-    [
-        (LARGER_BATCH_NAME, REFERENCES["byte_layers_alone"], 16),
-        (LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon", 32),
-    ],
-)
-def test_larger_batch_pairs_train_both_models_with_more_bytes_per_step(spider_name, removed_name, batch_size):
-    runs = {
-        r["name"]: r
-        for r in quality.suite_runs(quality.Recipe(), step_times=(0.6, 1.2, 0.25), adamw_step_times=(0.5, 1.25, 0.2))
-    }
-    spider, removed = runs[spider_name], runs[removed_name]
-    assert (spider["kind"], spider["overrides"], spider["steps"]) == ("spider", {}, quality.Recipe.steps)
-    trained = {
-        name: quality.Recipe(**(r.get("recipe") or {})) for name, r in (("spider", spider), ("removed", removed))
-    }
-    assert trained["spider"].batch_size == trained["removed"].batch_size == batch_size
-    assert trained["spider"].muon_lr == DEFAULT_MUON_LR and trained["spider"].muon_experts  # Muon everywhere
+@pytest.mark.parametrize("batch_size", [16, 32])
+def test_larger_batch_pairs_train_both_models_with_more_bytes_per_step(plan, batch_size):
+    spider_name, removed_name = LARGER[batch_size]
+    spider, removed = plan["runs"][spider_name], plan["runs"][removed_name]
+    assert (spider["kind"], spider["overrides"], spider["steps"]) == ("spider", {}, plan["recipe"]["steps"])
+    assert spider["trained"]["batch_size"] == removed["trained"]["batch_size"] == batch_size
+    assert spider["trained"]["muon_lr"] == DEFAULT_MUON_LR and spider["trained"]["muon_experts"]  # Muon everywhere
     assert removed["kind"] == "bytes_only"  # (no experts: the default run's split leaves it on the same optimizers)
-    rows = _rows(2.21) + [_row(spider_name, 2.0), _row(removed_name, 2.07, kind="bytes_only")]
     label = f"4-byte window, Muon, the teacher's word segments, batch {batch_size} x 256"
-    assert f"| {label} | 500 | 2.000 | 2.070 | +0.070 |" in quality_report.render(rows)
+    assert f"| {label} | 500 | 2.000 | 2.070 | +0.070 |" in _section(plan, f"batch {batch_size}")
 
 
-def test_the_recipe_is_train_hf_defaults(monkeypatch):
+def test_the_recipe_is_train_hf_defaults(plan, monkeypatch):
     """The benchmark's default run is `train_hf.py` with no arguments: the same steps, batch, learning rates,
     schedule, clipping, seed and optimizer split."""
     from spider_training.arguments import parse_args
@@ -591,32 +611,31 @@ def test_the_recipe_is_train_hf_defaults(monkeypatch):
     for var in ("ACCELERATE_USE_FSDP", "MICRO_BATCH", "LR", "SEQ_LEN", "N_LOOPS", "TARGET_TOKENS"):
         monkeypatch.delenv(var, raising=False)
     args = parse_args([])
-    recipe = quality.Recipe()
+    recipe = plan["recipe"]
     assert (args.max_steps, args.per_device_train_batch_size, args.seq_len) == (
-        recipe.steps,
-        recipe.batch_size,
-        recipe.seq_len,
+        recipe["steps"],
+        recipe["batch_size"],
+        recipe["seq_len"],
     )
-    assert (args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.max_grad_norm) == (
-        recipe.lr,
-        recipe.weight_decay,
-        recipe.betas,
-        recipe.max_grad_norm,
+    assert (args.learning_rate, args.weight_decay, [args.adam_beta1, args.adam_beta2], args.max_grad_norm) == (
+        recipe["lr"],
+        recipe["weight_decay"],
+        recipe["betas"],
+        recipe["max_grad_norm"],
     )
     assert (args.warmup_steps, args.lr_scheduler_kwargs["min_lr_rate"], args.seed) == (
-        recipe.warmup_steps,
-        recipe.min_lr_rate,
-        recipe.seed,
+        recipe["warmup_steps"],
+        recipe["min_lr_rate"],
+        recipe["seed"],
     )
     assert (args.muon_lr, args.muon_experts, args.extra_train_loops) == (
-        recipe.muon_lr,
-        recipe.muon_experts,
-        recipe.extra_train_loops,
+        recipe["muon_lr"],
+        recipe["muon_experts"],
+        recipe["extra_train_loops"],
     )
     # ... and the arguments a row trains with are train_hf.py's, parsed by its parser: only the output folder,
     # checkpointing, progress bar and logging interval (every 10 steps either way here) differ
-    row_args = quality.training_arguments(recipe, "/tmp/quality-row")
+    mine, main_job = plan["training_arguments"], json.loads(json.dumps(args.to_dict(), default=str))
     differ = {"output_dir", "logging_dir", "save_strategy", "disable_tqdm", "logging_steps"}
-    mine, main_job = row_args.to_dict(), args.to_dict()
     assert {k for k in mine if mine[k] != main_job.get(k)} <= differ
-    assert (row_args.logging_steps, args.logging_steps) == (10, 10)
+    assert (mine["logging_steps"], args.logging_steps) == (10, 10)

@@ -19,7 +19,7 @@ from spider_training.commands.compute_map import (
     row_segments,
     write_card_map,
 )
-from tests.helpers import float_tol, tiny_model
+from tests.helpers import float_tol, save_tiny_release, tiny_model
 from tokenization_spider import SpiderTokenizer
 
 TEXT = "héllo wörld — 日本語 🕷️ the quick brown fox jumps over the lazy dog, twice: the quick brown fox."
@@ -203,10 +203,7 @@ def test_html_has_one_colour_class_per_segment():
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     """A tiny release folder that reads 2 KB texts."""
-    folder = tmp_path_factory.mktemp("release")
-    tiny_model(max_position_embeddings=2048).save_pretrained(folder)
-    SpiderTokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_release(tmp_path_factory.mktemp("release"), max_position_embeddings=2048)
 
 
 def test_command_writes_html_and_png(release, tmp_path):

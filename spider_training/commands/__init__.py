@@ -2,6 +2,7 @@
 
 - ``spider-serve`` (:mod:`.serve`): serve a release over HTTP in the shape of OpenAI's API.
 - ``spider-generate`` (:mod:`.generate`): sample text from a release (or an untrained preset) on the command line.
+- ``spider-evaluate`` (:mod:`.evaluate`): held-out bits per byte of a release (:mod:`spider_training.evaluation`).
 - ``spider-compute-map`` (:mod:`.compute_map`): where a release spends its compute on a text, as HTML and PNG.
 - ``spider-write-shards`` (:mod:`.write_shards`): encode text into byte shards for training.
 - ``spider-convert-tk-train`` (:mod:`.convert_tk_train`): tk-train.py's ``.pt`` checkpoints into safetensors releases.

@@ -1,8 +1,17 @@
-"""Scoring for ``bench.quality``: the held-out slice, bits per byte (by the kind of byte predicted too), the
-evaluation-time probes of Spider's global stream and boundary rule, the real-word rate of samples, and ``xz -9e``.
+"""Held-out evaluation of a Spider model: how a user judges a release or a run (``spider-evaluate``).
+
+The project's quality measure is held-out bits per byte: the summed next-byte cross-entropy over the predicted bytes
+(:func:`spider_training.metrics.byte_nll`, the trainer's own computation) divided by their number and by ln 2. This
+module scores a model on the held-out slice every published figure uses, or on any text, also by the kind of byte
+predicted and at other loop counts; ``spider-evaluate`` (:mod:`spider_training.commands.evaluate`) runs it on a saved
+release. ``bench.quality`` builds its results tables from the same functions.
 
 The held-out slice: the SOTU addresses from 2000 on (:func:`corpus_bytes` ``"eval"``), a 32 KB slice starting a third
-of the way in, as non-overlapping windows of 257 ids (:func:`heldout_windows`); the quality targets are judged on it.
+of the way in, as non-overlapping windows of 257 ids (:func:`heldout_windows`). Beyond bits per byte: the kind of byte
+predicted (SpaceByte's word bytes, Slagle 2024: :func:`byte_kinds`), evaluation-time probes of what a trained model's
+prediction rests on (its global stream replaced, :data:`GLOBAL_STREAM_PROBES`; its boundary rule replaced,
+:func:`score_with_boundary_rule`), the real-word rate of samples (:func:`sample_words`) and ``xz -9e`` on the same
+bytes (:func:`xz_bits_per_byte`), the compressor a byte model has to beat.
 """
 
 from __future__ import annotations
@@ -12,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from modeling_spider import word_bytes
-from spider_training.data import encode_document, sotu_documents
-from spider_training.metrics import byte_nll
 from tokenization_spider import BOS_ID, PAD_ID
+
+from .data import encode_document, sotu_documents
+from .metrics import byte_nll, per_byte_nll
 
 
 def corpus_bytes(split: str) -> np.ndarray:
@@ -34,12 +43,23 @@ def heldout_windows(
     start = int(len(ids) * start_fraction) if len(ids) > slice_bytes else 0
     piece = ids[start : start + slice_bytes]
     n = (len(piece) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"held-out text of {len(piece)} ids is shorter than one window of {seq_len + 1} ids")
     windows = [piece[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]
     return torch.from_numpy(np.stack(windows))
 
 
 def text_file_ids(path: str) -> np.ndarray:
-    return encode_document(Path(path).read_text(encoding="utf-8", errors="replace")).astype(np.int64)
+    """The UTF-8 text file `path` as one int64 id stream (BOS + bytes + EOS; undecodable bytes become U+FFFD).
+
+    Raises ``FileNotFoundError`` naming `path` when it is missing, ``ValueError`` when it holds no text."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"text file {path!r}: no such file")
+    text = file.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"text file {path!r} holds no text")
+    return encode_document(text).astype(np.int64)
 
 
 #: What a predicted byte is, by its place in the text (SpaceByte's word bytes, :func:`modeling_spider.word_bytes`):
@@ -82,13 +102,12 @@ def score(
         batch = windows[i : i + batch_size].to(device)
         kwargs = {"n_loops": n_loops} if n_loops is not None else {}
         out = model(input_ids=batch, **kwargs)
-        row_nll, row_bytes = byte_nll(out.logits, batch)  # the trainer's held-out computation
+        per_byte = per_byte_nll(out.logits, batch)
+        row_nll, row_bytes = byte_nll(out.logits, batch, per_byte)  # the trainer's held-out computation
         nll += float(row_nll.sum())
         count += int(row_bytes.sum())
         if kinds is not None:
-            logits = out.logits[:, :-1].float()
-            per_byte = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").double().cpu()
-            kind_nll.index_add_(0, kinds[i : i + batch_size].reshape(-1), per_byte.reshape(-1))
+            kind_nll.index_add_(0, kinds[i : i + batch_size].reshape(-1), per_byte.double().cpu().reshape(-1))
         if getattr(out, "compression_rate", None) is not None:
             segs += batch.numel() / float(out.compression_rate)
             seg_bytes += batch.numel()
