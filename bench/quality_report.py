@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bench.quality import suite
 from bench.quality_scoring import BYTE_KINDS, GLOBAL_STREAM_PROBES
+from bench.report import wrap
 from configuration_spider import SpiderConfig
 from spider_training.optim import DEFAULT_MUON_LR
 
@@ -178,9 +179,11 @@ def render(rows: list[dict]) -> str:
     if samples:
         lines += [
             "",
-            'Samples (temperature 0.8, prompt "The state of the Union is"; real words = share of the '
-            f"sampled words that occur in the training addresses, over {samples[0][1].get('real_word_samples', 4)} "
-            "200-byte samples):",
+            wrap(
+                'Samples (temperature 0.8, prompt "The state of the Union is"; real words = share of the sampled '
+                f"words that occur in the training addresses, over {samples[0][1].get('real_word_samples', 4)} "
+                "200-byte samples):"
+            ),
             "",
         ]
         for label, r in samples:

@@ -4,7 +4,8 @@
 between the markers ``<!-- bench:start -->`` and ``<!-- bench:end -->`` in that file (the markers stay; everything
 else is untouched). The section: a line with the environment (torch, threads, CPU, quick or full sizes), a table
 ``| Benchmark | Target | Measured | Met |`` with one row per check (and per reported figure without target), the
-benchmarks that errored, and the profile hot spots of missed targets.
+benchmarks that errored, and the profile hot spots of missed targets. Its paragraphs and hot-spot items are wrapped
+at 119 columns (:func:`wrap`); a table row stays one line.
 """
 
 from __future__ import annotations
@@ -12,10 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
+#: the Markdown's line length, the Python's (``pyproject.toml``'s ruff setting)
+WIDTH = 119
+
+
+def wrap(text: str, indent: str = "") -> str:
+    """`text` (one paragraph or list item of Markdown) broken at spaces into lines of at most :data:`WIDTH` characters,
+    continuation lines indented by `indent`; words (and hyphenated words) are never split, so it renders the same."""
+    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
 def _fmt(value) -> str:
@@ -36,11 +46,13 @@ def render(results: dict) -> str:
     lines = [
         "## Performance on CPU",
         "",
-        f"Measured with `python -m bench.run_all{' --quick' if results.get('quick') else ''}` "
-        f"(torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
-        f"{env.get('torch_num_threads', '?')} threads, {env.get('cpu', '?')}, CPU only"
-        f"{', quick toy sizes' if results.get('quick') else ''}). Every figure is a ratio of two variants timed side "
-        "by side in one process (median of repeats after warm-up); see `bench/README.md`.",
+        wrap(
+            f"Measured with `python -m bench.run_all{' --quick' if results.get('quick') else ''}` "
+            f"(torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
+            f"{env.get('torch_num_threads', '?')} threads, {env.get('cpu', '?')}, CPU only"
+            f"{', quick toy sizes' if results.get('quick') else ''}). Every figure is a ratio of two variants timed "
+            "side by side in one process (median of repeats after warm-up); see `bench/README.md`."
+        ),
         "",
         "| Benchmark | Target | Measured | Met |",
         "|---|---|---|---|",
@@ -68,7 +80,7 @@ def render(results: dict) -> str:
         for name, prof in hot:
             for variant, p in prof.items():
                 top = ", ".join(f"`{t['op']}` {t['self_cpu_pct']:.0f}%" for t in p.get("top", [])[:5])
-                lines.append(f"- {name} / {variant}: {top}")
+                lines.append(wrap(f"- {name} / {variant}: {top}", indent="  "))
     return "\n".join(lines) + "\n"
 
 

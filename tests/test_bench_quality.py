@@ -91,6 +91,11 @@ def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
     assert "| 1 loop is worse than the trained count | 2.2500 vs 2.2000 | yes |" in text
     assert "| twice the trained count no worse than it by more than 0.01 | +0.0050 | yes |" in text
     assert "| samples are real words at least as often as the dense baseline's | 90% vs 80% | yes |" in text
+    samples = text.split("\n\nSamples (", 1)[1].split("\n\n", 1)[0].splitlines()  # a paragraph wrapped at 119
+    assert len(samples) > 1 and all(len(line) <= 119 for line in samples)
+    assert " ".join(samples).endswith(
+        "real words = share of the sampled words that occur in the training addresses, over 4 200-byte samples):"
+    )
 
 
 def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
