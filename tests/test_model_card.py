@@ -153,6 +153,7 @@ def test_usage_names_the_versions_loading_needs(release, config):
     usage = text[start : text.index("```python", start)]
     for requirement in requirements:
         assert f'"{requirement}"' in usage
+    assert all(len(line) <= 119 for line in usage.splitlines()), usage  # the list, then the pip line (both fit)
     assert loading_requirements("no-such-distribution-spider") == []
 
 
