@@ -187,8 +187,8 @@ def render(rows: list[dict]) -> str:
             "",
         ]
         for label, r in samples:
-            text = " ".join(r["sample"][:160].split()).replace("`", "'")  # one line of inline code
-            lines.append(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`")
+            text = " ".join(r["sample"][:160].split()).replace("`", "'")  # inline code, no backtick inside
+            lines.append(wrap(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`", indent="  "))
     return "\n".join(lines) + "\n"
 
 

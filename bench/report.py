@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-import textwrap
 from pathlib import Path
 
 START = "<!-- bench:start -->"
@@ -22,10 +22,33 @@ END = "<!-- bench:end -->"
 WIDTH = 119
 
 
+#: a word that would open a Markdown block at the start of a line (heading, quote, table, HTML, list item, fence,
+#: setext underline): :func:`wrap` never breaks a line before one
+BLOCK_START = re.compile(r"[#>|<=+*-]|\d+[.)]$|```|~~~")
+
+
 def wrap(text: str, indent: str = "") -> str:
-    """`text` (one paragraph or list item of Markdown) broken at spaces into lines of at most :data:`WIDTH` characters,
-    continuation lines indented by `indent`; words (and hyphenated words) are never split, so it renders the same."""
-    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+    """`text` (one paragraph or list item of Markdown, e.g. a model's sample as inline code) broken greedily at spaces
+    into lines of at most :data:`WIDTH` characters, continuation lines indented by `indent`. Words are never split and
+    no line starts with a word matching :data:`BLOCK_START` (the break moves back to an earlier word), so the text
+    renders as it did on one line; a line runs over :data:`WIDTH` only where no word of it may start the next. Runs of
+    spaces become one."""
+    lines, line = [], []  # finished lines; the words of the current one
+
+    def width(words: list[str]) -> int:
+        return len(indent if lines else "") + len(" ".join(words))
+
+    for word in text.split():
+        line.append(word)
+        if width(line) <= WIDTH:
+            continue
+        cuts = [k for k in range(len(line) - 1, 0, -1) if not BLOCK_START.match(line[k])]  # may start a line
+        cut = next((k for k in cuts if width(line[:k]) <= WIDTH), cuts[-1] if cuts else None)
+        if cut is not None:
+            lines.append(" ".join(line[:cut]))
+            line = line[cut:]
+    lines.append(" ".join(line))
+    return f"\n{indent}".join(lines)
 
 
 def _fmt(value) -> str:

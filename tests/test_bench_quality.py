@@ -98,6 +98,20 @@ def test_targets_are_judged_from_the_measured_numbers(removed_bpb, met):
     )
 
 
+def test_a_long_sample_wraps_at_119_columns_and_no_line_opens_a_markdown_block():
+    """A sample is model output shown as inline code in a list item: it wraps at 119 columns (docs/results.md keeps its
+    lines within 120), and never before a word that would open a block at the start of a line (a heading, list item,
+    quote, table row), which would end the code span; the item's words stay the same, in order."""
+    rows = _rows(2.35)
+    rows[0]["sample"] = "The state of the Union is " + " ".join(f"word{i} # - 1. > |" for i in range(30))
+    text = quality_report.render(rows)
+    item = text.split("\n- Spider (real words 90%): ", 1)[1].split("\n- Llama", 1)[0].splitlines()
+    assert len(item) > 1 and all(len(line) <= 119 for line in item)
+    assert all(line.startswith("  ") and line[2:].split()[0].startswith(("word", "`")) for line in item[1:]), item
+    sample = " ".join(rows[0]["sample"][:160].split())
+    assert " ".join(line.strip() for line in item) == f"`{sample}`"
+
+
 def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered():
     """The plain model with Spider's local attention at equal compute: its step count comes from both step times
     under each recipe, and its row stands in the first table beside the dense baselines."""
