@@ -185,6 +185,16 @@ def test_the_cards_prose_says_only_what_its_figures_show(release, config):
     assert expected in " ".join(worse_with_more.read_text().split())
 
 
+def test_the_code_files_sentence_wraps_at_119_columns(release, config):
+    """The sentence naming a release's remote-code files (five of them here) grows with their names: the template wraps
+    it at 119 columns with Jinja's ``wordwrap`` (the same words, in order)."""
+    lines = write(release, config).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("The code is the 5 Python files"))
+    end = lines.index("", start)
+    assert end - start > 1 and all(len(line) <= 119 for line in lines[start:end])
+    assert " ".join(lines[start:end]).endswith("the papers each part comes from are listed at the end of this card.")
+
+
 def test_act_early_exit_is_reported_under_the_loops_table(release, config):
     sweep = {"1": 2.5, str(config["n_loops"]): 2.25}
     exit_result = {
