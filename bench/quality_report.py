@@ -9,6 +9,7 @@ the global path adds" table and the plot's labels are data: bench/quality_rows.j
 from __future__ import annotations
 
 from bench.quality import suite
+from bench.report import wrap
 from configuration_spider import SpiderConfig
 from spider_training.evaluation import BYTE_KINDS, GLOBAL_STREAM_PROBES
 from spider_training.optim import DEFAULT_MUON_LR
@@ -178,14 +179,16 @@ def render(rows: list[dict]) -> str:
     if samples:
         lines += [
             "",
-            'Samples (temperature 0.8, prompt "The state of the Union is"; real words = share of the '
-            f"sampled words that occur in the training addresses, over {samples[0][1].get('real_word_samples', 4)} "
-            "200-byte samples):",
+            wrap(
+                'Samples (temperature 0.8, prompt "The state of the Union is"; real words = share of the sampled '
+                f"words that occur in the training addresses, over {samples[0][1].get('real_word_samples', 4)} "
+                "200-byte samples):"
+            ),
             "",
         ]
         for label, r in samples:
-            text = " ".join(r["sample"][:160].split()).replace("`", "'")  # one line of inline code
-            lines.append(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`")
+            text = " ".join(r["sample"][:160].split()).replace("`", "'")  # inline code, no backtick inside
+            lines.append(wrap(f"- {label} (real words {r['real_word_rate']:.0%}): `{text}`", indent="  "))
     return "\n".join(lines) + "\n"
 
 

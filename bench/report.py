@@ -4,18 +4,51 @@
 between the markers ``<!-- bench:start -->`` and ``<!-- bench:end -->`` in that file (the markers stay; everything
 else is untouched). The section: a line with the environment (torch, threads, CPU, quick or full sizes), a table
 ``| Benchmark | Target | Measured | Met |`` with one row per check (and per reported figure without target), the
-benchmarks that errored, and the profile hot spots of missed targets.
+benchmarks that errored, and the profile hot spots of missed targets. Its paragraphs and hot-spot items are wrapped
+at 119 columns (:func:`wrap`); a table row stays one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
+#: the Markdown's line length, the Python's (``pyproject.toml``'s ruff setting)
+WIDTH = 119
+
+
+#: a word that would open a Markdown block at the start of a line (heading, quote, table, HTML, list item, fence,
+#: setext underline): :func:`wrap` never breaks a line before one
+BLOCK_START = re.compile(r"[#>|<=+*-]|\d+[.)]$|```|~~~")
+
+
+def wrap(text: str, indent: str = "") -> str:
+    """`text` (one paragraph or list item of Markdown, e.g. a model's sample as inline code) broken greedily at spaces
+    into lines of at most :data:`WIDTH` characters, continuation lines indented by `indent`. Words are never split and
+    no line starts with a word matching :data:`BLOCK_START` (the break moves back to an earlier word), so the text
+    renders as it did on one line; a line runs over :data:`WIDTH` only where no word of it may start the next. Runs of
+    spaces become one."""
+    lines, line = [], []  # finished lines; the words of the current one
+
+    def width(words: list[str]) -> int:
+        return len(indent if lines else "") + len(" ".join(words))
+
+    for word in text.split():
+        line.append(word)
+        if width(line) <= WIDTH:
+            continue
+        cuts = [k for k in range(len(line) - 1, 0, -1) if not BLOCK_START.match(line[k])]  # may start a line
+        cut = next((k for k in cuts if width(line[:k]) <= WIDTH), cuts[-1] if cuts else None)
+        if cut is not None:
+            lines.append(" ".join(line[:cut]))
+            line = line[cut:]
+    lines.append(" ".join(line))
+    return f"\n{indent}".join(lines)
 
 
 def _fmt(value) -> str:
@@ -36,11 +69,13 @@ def render(results: dict) -> str:
     lines = [
         "## Performance on CPU",
         "",
-        f"Measured with `python -m bench.run_all{' --quick' if results.get('quick') else ''}` "
-        f"(torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
-        f"{env.get('torch_num_threads', '?')} threads, {env.get('cpu', '?')}, CPU only"
-        f"{', quick toy sizes' if results.get('quick') else ''}). Every figure is a ratio of two variants timed side "
-        "by side in one process (median of repeats after warm-up); see `bench/README.md`.",
+        wrap(
+            f"Measured with `python -m bench.run_all{' --quick' if results.get('quick') else ''}` "
+            f"(torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
+            f"{env.get('torch_num_threads', '?')} threads, {env.get('cpu', '?')}, CPU only"
+            f"{', quick toy sizes' if results.get('quick') else ''}). Every figure is a ratio of two variants timed "
+            "side by side in one process (median of repeats after warm-up); see `bench/README.md`."
+        ),
         "",
         "| Benchmark | Target | Measured | Met |",
         "|---|---|---|---|",
@@ -68,7 +103,7 @@ def render(results: dict) -> str:
         for name, prof in hot:
             for variant, p in prof.items():
                 top = ", ".join(f"`{t['op']}` {t['self_cpu_pct']:.0f}%" for t in p.get("top", [])[:5])
-                lines.append(f"- {name} / {variant}: {top}")
+                lines.append(wrap(f"- {name} / {variant}: {top}", indent="  "))
     return "\n".join(lines) + "\n"
 
 

@@ -35,6 +35,7 @@ cores) and :func:`render` (the Markdown table).
 
 from __future__ import annotations
 
+import textwrap
 import time
 
 import torch
@@ -224,13 +225,21 @@ def run(preset: str = "1b", seq_len: int = 2048, gpus: int = 8) -> dict:
     }
 
 
+def _wrap(paragraph: str) -> str:
+    """A Markdown paragraph broken at spaces into lines of at most 119 characters (the project's line length)."""
+    return textwrap.fill(paragraph, 119, break_long_words=False, break_on_hyphens=False)
+
+
 def render(result: dict) -> str:
-    """The docs/results.md table (Markdown) from a :func:`run` result."""
+    """The docs/results.md table (Markdown) from a :func:`run` result; its paragraphs wrap at 119 columns, a table row
+    stays one line."""
     r = result
     lines = [
-        f"`{r['preset']}` preset, {r['parameters'] / 1e6:.0f}M parameters, sequences of {r['seq_len']} bytes, "
-        f"{r['gpus']} GPUs of {GPU_MEMORY_GIB} GB, a training step at {r['n_loops']} loops (`n_loops` plus the "
-        "default `--extra_train_loops`; `python -m bench.memory_plan`, `bench/memory_plan.json`):",
+        _wrap(
+            f"`{r['preset']}` preset, {r['parameters'] / 1e6:.0f}M parameters, sequences of {r['seq_len']} bytes, "
+            f"{r['gpus']} GPUs of {GPU_MEMORY_GIB} GB, a training step at {r['n_loops']} loops (`n_loops` plus the "
+            "default `--extra_train_loops`; `python -m bench.memory_plan`, `bench/memory_plan.json`):"
+        ),
         "",
         "| strategy | optimizer | activation checkpointing | weights + grads + optimizer per GPU | activations per "
         "sequence (bf16) | largest micro-batch in 80 GB |",
@@ -245,9 +254,11 @@ def render(result: dict) -> str:
         )
     lines += [
         "",
-        f"One training step of one {r['seq_len']}-byte sequence at {r['n_loops']} loops costs "
-        f"{r['train_flops_per_sequence'] / 1e12:.2f} TFLOP (measured GPU step times: `python -m bench.gpu_check`). "
-        "The micro-batch column leaves nothing for the CUDA context, allocator fragmentation or NCCL buffers: "
-        "keep 10-20% free.",
+        _wrap(
+            f"One training step of one {r['seq_len']}-byte sequence at {r['n_loops']} loops costs "
+            f"{r['train_flops_per_sequence'] / 1e12:.2f} TFLOP (measured GPU step times: "
+            "`python -m bench.gpu_check`). The micro-batch column leaves nothing for the CUDA context, allocator "
+            "fragmentation or NCCL buffers: keep 10-20% free."
+        ),
     ]
     return "\n".join(lines) + "\n"

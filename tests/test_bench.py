@@ -142,6 +142,36 @@ def test_write_block_rejects_a_file_without_markers(tmp_path):
     assert readme.read_text() == "# Spider\nno markers here\n"
 
 
+def test_report_wraps_its_prose_at_119_columns_and_keeps_each_table_row_one_line(tmp_path):
+    """docs/results.md keeps no line over 120 characters: the section's paragraph and hot-spot items break between
+    words (the same words, in order), a table row (which cannot wrap) stays one line."""
+    ops = ["aten::mm", "aten::bmm", "aten::_index_put_impl_", "aten::_softmax_backward_data", "Optimizer.step#AdamW"]
+    check = {"name": "train step " + "Spider(n_loops=1) / peer, " * 5, "metric": "tokens/s ratio", "target": 1.5}
+    results = {
+        "environment": {"torch": "2.13.0+cpu", "transformers": "5.24.0", "torch_num_threads": 2, "cpu": "AMD EPYC"},
+        "benchmarks": {
+            "train_step": {
+                "checks": [{**check, "measured": 1.2, "met": False}],
+                "profile": {"peer": {"top": [{"op": op, "self_cpu_pct": 20.0} for op in ops]}},
+            }
+        },
+    }
+    results_file = tmp_path / "results.json"
+    results_file.write_text(json.dumps(results))
+    done = run_module("bench.report", results_file)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("| train step"))
+    assert len(row) > 120 and row.endswith("| no |")  # one line, however long
+    assert all(len(line) <= 119 for line in lines if not line.startswith("|")), done.stdout
+    prose = " ".join(lines[2 : lines.index("| Benchmark | Target | Measured | Met |")]).split()
+    assert " ".join(prose).startswith("Measured with `python -m bench.run_all` (torch 2.13.0+cpu, transformers 5.24.0")
+    assert " ".join(prose).endswith("(median of repeats after warm-up); see `bench/README.md`.")
+    item = lines[lines.index("Hot spots where a target is missed (torch.profiler, self CPU time):") + 1 :]
+    assert len(item) > 1 and item[0].startswith("- train_step / peer: ") and all(x.startswith("  `") for x in item[1:])
+    assert " ".join(x.strip() for x in item) == "- train_step / peer: " + ", ".join(f"`{op}` 20%" for op in ops)
+
+
 def test_run_all_rejects_unknown_benchmark(rejected_unknown_benchmark):
     done, known = rejected_unknown_benchmark
     assert done.returncode == 2 and "unknown benchmark" in done.stderr, done.stderr

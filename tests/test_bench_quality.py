@@ -121,8 +121,15 @@ LARGER = {
     32: (LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon"),
 }
 #: every set of rows a test renders (``--report`` files, each rendered on its own)
+def _long_sample_rows():
+    rows = _rows(2.35)
+    rows[0]["sample"] = "The state of the Union is " + " ".join(f"word{i} # - 1. > |" for i in range(30))
+    return rows
+
+
 REPORTS = {
     "targets 2.35": _rows(2.35),
+    "long sample": _long_sample_rows(),
     "targets 2.21": _rows(2.21),
     "byte layers alone": _rows(2.21)
     + [
@@ -311,6 +318,23 @@ def test_targets_are_judged_from_the_measured_numbers(plan, removed_bpb, met):
     assert "| 1 loop is worse than the trained count | 2.2500 vs 2.2000 | yes |" in text
     assert "| twice the trained count no worse than it by more than 0.01 | +0.0050 | yes |" in text
     assert "| samples are real words at least as often as the dense baseline's | 90% vs 80% | yes |" in text
+    samples = text.split("\n\nSamples (", 1)[1].split("\n\n", 1)[0].splitlines()  # a paragraph wrapped at 119
+    assert len(samples) > 1 and all(len(line) <= 119 for line in samples)
+    assert " ".join(samples).endswith(
+        "real words = share of the sampled words that occur in the training addresses, over 4 200-byte samples):"
+    )
+
+
+def test_a_long_sample_wraps_at_119_columns_and_no_line_opens_a_markdown_block(plan):
+    """A sample is model output shown as inline code in a list item: it wraps at 119 columns (docs/results.md keeps its
+    lines within 120), and never before a word that would open a block at the start of a line (a heading, list item,
+    quote, table row), which would end the code span; the item's words stay the same, in order."""
+    text = _section(plan, "long sample")
+    item = text.split("\n- Spider (real words 90%): ", 1)[1].split("\n- Llama", 1)[0].splitlines()
+    assert len(item) > 1 and all(len(line) <= 119 for line in item)
+    assert all(line.startswith("  ") and line[2:].split()[0].startswith(("word", "`")) for line in item[1:]), item
+    sample = " ".join(REPORTS["long sample"][0]["sample"][:160].split())
+    assert " ".join(line.strip() for line in item) == f"`{sample}`"
 
 
 def test_byte_layers_alone_train_for_spiders_wall_clock_and_are_rendered(plan):

@@ -2,6 +2,7 @@
 bench.memory_plan`` writing its table into docs/results.md."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +75,17 @@ def test_results_block_is_filled_and_a_missing_block_is_named(tiny_plan, tmp_pat
     readme.write_text("no block\n")
     done = run_module("bench.memory_plan", "--report", saved, "--write_results", readme)
     assert done.returncode != 0 and "ValueError" in done.stderr and "results.md" in done.stderr, done.stderr
+
+
+def test_rendered_block_wraps_its_paragraphs_at_119_columns():
+    """The committed 1b plan (bench/memory_plan.json) renders with no prose line over 119 characters (docs/results.md
+    keeps its lines within 120), the same words in order; the table's rows stay one line each."""
+    plan = json.loads((Path(__file__).resolve().parents[1] / "bench" / "memory_plan.json").read_text())
+    lines = memory_plan.render(plan).splitlines()
+    rows = [line for line in lines if line.startswith("|")]
+    assert len(rows) == 2 + len(plan["plans"])
+    assert all(len(line) <= 119 for line in lines if not line.startswith("|"))
+    last = " ".join(lines[lines.index(rows[-1]) + 2 :])
+    assert last.startswith(f"One training step of one {plan['seq_len']}-byte sequence at {plan['n_loops']} loops")
+    assert last.endswith("allocator fragmentation or NCCL buffers: keep 10-20% free.")
+    assert len(lines[lines.index(rows[-1]) + 2 :]) > 1  # it was wrapped, not merely short

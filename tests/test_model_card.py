@@ -153,6 +153,7 @@ def test_usage_names_the_versions_loading_needs(release, config):
     usage = text[start : text.index("```python", start)]
     for requirement in requirements:
         assert f'"{requirement}"' in usage
+    assert all(len(line) <= 119 for line in usage.splitlines()), usage  # the list, then the pip line (both fit)
     assert loading_requirements("no-such-distribution-spider") == []
 
 
@@ -182,6 +183,16 @@ def test_the_cards_prose_says_only_what_its_figures_show(release, config):
     assert len(files) == len(REMOTE_CODE_FILES)
     expected = f"The code is the {len(files)} Python files in this repository (" + ", ".join(f"`{f}`" for f in files)
     assert expected in " ".join(worse_with_more.read_text().split())
+
+
+def test_the_code_files_sentence_wraps_at_119_columns(release, config):
+    """The sentence naming a release's remote-code files (five of them here) grows with their names: the template wraps
+    it at 119 columns with Jinja's ``wordwrap`` (the same words, in order)."""
+    lines = write(release, config).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("The code is the 5 Python files"))
+    end = lines.index("", start)
+    assert end - start > 1 and all(len(line) <= 119 for line in lines[start:end])
+    assert " ".join(lines[start:end]).endswith("the papers each part comes from are listed at the end of this card.")
 
 
 def test_act_early_exit_is_reported_under_the_loops_table(release, config):
