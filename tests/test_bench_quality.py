@@ -120,6 +120,8 @@ LARGER = {
     16: (LARGER_BATCH_NAME, REFERENCES["byte_layers_alone"]),
     32: (LARGEST_BATCH_NAME, "global path removed, batch 32 x 256, Muon"),
 }
+
+
 #: every set of rows a test renders (``--report`` files, each rendered on its own)
 def _long_sample_rows():
     rows = _rows(2.35)
