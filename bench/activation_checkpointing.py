@@ -11,20 +11,19 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 from bench.common import (
-    REPO_ROOT,
     TrainStep,
     check,
     finish,
     info,
     main_for,
     random_bytes,
+    run_child,
     spider_model,
     time_interleaved,
 )
@@ -103,30 +102,8 @@ def child(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> 
 
 def measure_in_subprocess(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> dict:
     """Run :func:`child` in a fresh interpreter; raises ``RuntimeError`` with the child's stderr tail on failure."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.activation_checkpointing",
-        "--child",
-        variant,
-        "--preset",
-        preset,
-        "--batch",
-        str(batch),
-        "--seq-len",
-        str(seq_len),
-        "--repeats",
-        str(repeats),
-    ]
-    env = {
-        **os.environ,
-        **CHILD_ENV,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory child ({variant}) failed with exit code {proc.returncode}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    sizes = ["--preset", preset, "--batch", batch, "--seq-len", seq_len, "--repeats", repeats]
+    return run_child("bench.activation_checkpointing", ["--child", variant, *sizes], env=CHILD_ENV)
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:

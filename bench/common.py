@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -21,13 +22,10 @@ from typing import Any
 import torch
 
 from spider_training.mixed_precision import autocast_experts, shared_weight_casts
-from spider_training.throughput import synchronize  # noqa: F401 (bench's API)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
     sys.path.insert(0, str(REPO_ROOT))
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -68,6 +66,27 @@ def write_json(path: str | Path, result: dict, indent: int = 1) -> None:
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=indent, default=str) + "\n")
     os.replace(tmp, target)
+
+
+def run_child(module: str, args: list, env: dict | None = None, timeout: float = 600) -> dict:
+    """``python -m <module> <args>`` in a fresh interpreter on this checkout (its root the working directory and first
+    on ``PYTHONPATH``; `env` on top of this process's environment): the JSON its last printed line holds. Raises
+    ``RuntimeError`` with the exit code and the tail of its stderr if it fails or prints nothing,
+    ``subprocess.TimeoutExpired`` after `timeout` seconds. What the benchmarks measure in a fresh process (peak memory,
+    a cold compile, a loader's start) runs through it."""
+    path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {}), "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"python -m {module} failed with exit code {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def check(name: str, metric: str, target: float, measured: float | None, higher_is_better: bool = True) -> dict:

@@ -6,10 +6,8 @@ What its entries and fields mean: bench/README.md, "Module notes", `data_pipelin
 from __future__ import annotations
 
 import json
-import os
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -117,18 +115,10 @@ def measure(kind: str, corpus: str, cache_dir: str, position: str | None = None,
 
 
 def _measure_in_child(**kwargs) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": kwargs["cache_dir"]}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.data_pipeline", "--measure", json.dumps(kwargs)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parents[1],
-        timeout=3600,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"measurement {kwargs} failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from bench.common import run_child  # the parent's import: the child measures its own memory without it
+
+    env = {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": kwargs["cache_dir"]}
+    return run_child("bench.data_pipeline", ["--measure", json.dumps(kwargs)], env=env, timeout=3600)
 
 
 def corpus_costs(corpus_mb=(10, 100), start_repeats: int = 3) -> list[dict]:
