@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -180,6 +181,52 @@ def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
     """int64 ``(batch, length)`` ids drawn uniformly from the 256 byte values (no specials)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (batch, length), generator=g)
+
+
+def trainer_steps(
+    model, ids: torch.LongTensor, n_loops: int | None, warmup: int, repeats: int, peak: float | None = None
+) -> dict:
+    """``warmup + repeats`` optimizer steps of `model` on the one batch `ids` (int64 ``(batch, seq_len)``) through
+    :class:`~spider_training.trainer.SpiderTrainer` on the CPU (what ``spider-train`` runs there: AdamW at 1e-4,
+    fp32, gradient clipping, the trainer's loss terms), logging every step, each step timed by
+    :class:`~spider_training.step_times.StepTimes`. `peak`: the FLOP/s the trainer's MFU is against (None: its own,
+    :func:`spider_training.throughput.peak_flops`). Returns ``{"median_s", "times_s": the timed steps' seconds,
+    "logs": their logged entries (``tokens_per_second``, ``flops_per_step``, ``tflops_per_second``, ``mfu``, ...),
+    "trainer"}``."""
+    from transformers import PrinterCallback
+
+    from spider_training.arguments import SpiderTrainingArguments
+    from spider_training.step_times import StepTimes
+    from spider_training.train import build_trainer
+
+    clock, rows = StepTimes(), [{"input_ids": row, "labels": row} for row in ids]
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-steps-") as output_dir:  # nothing is saved there
+        args = SpiderTrainingArguments(
+            output_dir=output_dir,
+            use_cpu=True,  # bench measures this CPU in fp32 (gpu_check measures GPUs)
+            precision="fp32",
+            report_to="none",
+            save_strategy="no",
+            max_steps=warmup + repeats,
+            per_device_train_batch_size=len(ids),
+            learning_rate=1e-4,
+            n_loops=n_loops,
+            logging_steps=1,
+            disable_tqdm=True,
+        )
+        trainer = build_trainer(args, model, train_dataset=rows, eval_dataset=None, callbacks=[clock], stop_signals=())
+        trainer.remove_callback(PrinterCallback)
+        if peak is not None:
+            trainer.throughput.peak, trainer.throughput.peak_source = peak, "given"
+        trainer.train()
+    times = clock.step_times[warmup:]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and entry["step"] > warmup]
+    return {
+        "median_s": statistics.median(times),
+        "times_s": [round(t, 5) for t in times],
+        "logs": logs,
+        "trainer": trainer,
+    }
 
 
 class TrainStep:

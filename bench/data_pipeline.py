@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -50,8 +51,6 @@ CORPUS_BATCH, CORPUS_SEQ_LEN = 8, 255
 
 def loader_rate(make_loader, batches: int, repeats: int, bytes_per_batch: int) -> dict:
     """Median bytes/s over ``repeats`` passes of ``batches`` batches, each from a fresh ``iter(make_loader())``."""
-    import statistics
-
     times, delivered = [], []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -204,16 +203,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     """Run the benchmark; ``sizes`` override :data:`FULL` / :data:`QUICK`. Returns the result dict."""
     # bench.common (torchao through spider_training.mixed_precision) is imported here, not at the top: the corpus
     # costs' children import this module and must measure the data path's imports, not the benchmark's
-    from bench.common import (
-        TrainStep,
-        check,
-        finish,
-        info,
-        random_bytes,
-        spider_config,
-        spider_model,
-        time_interleaved,
-    )
+    from bench.common import check, finish, info, random_bytes, spider_config, spider_model, trainer_steps
     from spider_training.commands.write_shards import write_shards
     from spider_training.data import build_dataset, make_dataloader
 
@@ -242,9 +232,9 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     corpus = corpus_costs(s["corpus_mb"], s["start_repeats"])
 
     cfg = spider_config(s["preset"])
-    step = TrainStep(spider_model(s["preset"]), random_bytes(s["micro_batch"], s["seq_len"]))
-    step_s = time_interleaved({"step": step}, s["step_warmup"], s["step_repeats"])["step"]
-    consumed = bytes_per_batch / step_s["median_s"]
+    ids = random_bytes(s["micro_batch"], s["seq_len"])
+    step_s = trainer_steps(spider_model(s["preset"]), ids, None, s["step_warmup"], s["step_repeats"])
+    consumed = statistics.median(entry["tokens_per_second"] for entry in step_s["logs"])  # bytes/s, as it logs them
     result = {
         "benchmark": "data_pipeline",
         "description": "loader bytes/s / training-step bytes/s (Spider small, micro_batch x seq_len)",

@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from bench.common import check, finish, main_for, random_bytes
+from bench.common import check, finish, main_for, random_bytes, trainer_steps
 from bench.train_step import FULL as TRAIN_FULL
 from bench.train_step import QUICK as TRAIN_QUICK
-from bench.train_step import build_models, profile_trainer, train
+from bench.train_step import build_models, profile_trainer
 from spider_training.throughput import measured_matmul_flops
 
 TARGET = 1.0
@@ -33,7 +33,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     runs = {}
     for name in ROWS:
         model, n_loops = models[name]
-        runs[name] = train(model, ids, n_loops, s["warmup"], s["repeats"], peak=peak["flops_per_s"])
+        runs[name] = trainer_steps(model, ids, n_loops, s["warmup"], s["repeats"], peak=peak["flops_per_s"])
     meters = {n: run["trainer"].throughput for n, run in runs.items()}
     logged = {  # what the trainer logged at the timed steps, against `peak`
         n: {k: statistics.median(e[k] for e in run["logs"]) for k in ("tflops_per_second", "mfu")}

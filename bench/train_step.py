@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
-import tempfile
 import time
 
 import torch
@@ -23,6 +21,7 @@ from bench.common import (
     random_bytes,
     spider_config,
     spider_model,
+    trainer_steps,
 )
 from spider_training.peers import peer_model
 
@@ -65,49 +64,6 @@ def build_models(preset: str) -> tuple[dict, dict]:
     return models, details
 
 
-def train(model, ids: torch.LongTensor, n_loops: int | None, warmup: int, repeats: int, peak: float | None = None):
-    """``warmup + repeats`` optimizer steps of `model` on the one batch `ids` (int64 ``(batch, seq_len)``) through
-    :class:`~spider_training.trainer.SpiderTrainer` (what ``spider-train`` runs: AdamW at 1e-4, fp32 on CPU,
-    gradient clipping, the trainer's loss terms), logging every step, each step timed by
-    :class:`~spider_training.step_times.StepTimes`. `peak`: the FLOP/s the trainer's MFU is against (None: its own,
-    :func:`spider_training.throughput.peak_flops`). Returns ``{"median_s", "times_s": the timed steps' seconds,
-    "logs": their logged entries (``tokens_per_second``, ``flops_per_step``, ``tflops_per_second``, ``mfu``, ...),
-    "trainer"}``."""
-    from transformers import PrinterCallback
-
-    from spider_training.arguments import SpiderTrainingArguments
-    from spider_training.step_times import StepTimes
-    from spider_training.train import build_trainer
-
-    clock, rows = StepTimes(), [{"input_ids": row, "labels": row} for row in ids]
-    with tempfile.TemporaryDirectory(prefix="bench-train-step-") as output_dir:  # nothing is saved there
-        args = SpiderTrainingArguments(
-            output_dir=output_dir,
-            use_cpu=not torch.cuda.is_available(),
-            report_to="none",
-            save_strategy="no",
-            max_steps=warmup + repeats,
-            per_device_train_batch_size=len(ids),
-            learning_rate=1e-4,
-            n_loops=n_loops,
-            logging_steps=1,
-            disable_tqdm=True,
-        )
-        trainer = build_trainer(args, model, train_dataset=rows, eval_dataset=None, callbacks=[clock], stop_signals=())
-        trainer.remove_callback(PrinterCallback)
-        if peak is not None:
-            trainer.throughput.peak, trainer.throughput.peak_source = peak, "given"
-        trainer.train()
-    times = clock.step_times[warmup:]
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry and entry["step"] > warmup]
-    return {
-        "median_s": statistics.median(times),
-        "times_s": [round(t, 5) for t in times],
-        "logs": logs,
-        "trainer": trainer,
-    }
-
-
 def profile_trainer(trainer) -> dict:
     """:func:`bench.common.profile_top` of two more one-step ``trainer.train()`` calls (the step and the trainer's
     per-run setup)."""
@@ -122,7 +78,10 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     profile = (not quick) if profile is None else profile
     models, info_ = build_models(s["preset"])
     ids = random_bytes(s["batch"], s["seq_len"])
-    runs = {name: train(model, ids, n_loops, s["warmup"], s["repeats"]) for name, (model, n_loops) in models.items()}
+    runs = {
+        name: trainer_steps(model, ids, n_loops, s["warmup"], s["repeats"])
+        for name, (model, n_loops) in models.items()
+    }
     tokens = s["batch"] * s["seq_len"]
     tps = {name: tokens / t["median_s"] for name, t in runs.items()}
     result = {
