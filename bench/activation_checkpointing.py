@@ -25,7 +25,7 @@ from bench.common import (
     random_bytes,
     run_child,
     spider_model,
-    time_interleaved,
+    trainer_steps,
 )
 
 TARGET = 0.40
@@ -117,9 +117,9 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     ids = random_bytes(s["batch"], s["seq_len"])
     off_model, on_model = spider_model(s["preset"]), spider_model(s["preset"])  # same seed: same weights
     method = enable_checkpointing(on_model)
-    timed = time_interleaved(
-        {"off": TrainStep(off_model, ids), "on": TrainStep(on_model, ids)}, s["warmup"], s["repeats"]
-    )
+    timed = {
+        v: trainer_steps(m, ids, None, s["warmup"], s["repeats"]) for v, m in (("off", off_model), ("on", on_model))
+    }
     off_b, on_b = mem["off"]["step_peak_bytes"], mem["on"]["step_peak_bytes"]
     saving = 1.0 - on_b / off_b if off_b > 0 else None
     result = {
