@@ -11,22 +11,21 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 from bench.common import (
-    REPO_ROOT,
     TrainStep,
     check,
     finish,
     info,
     main_for,
     random_bytes,
+    run_child,
     spider_model,
-    time_interleaved,
+    trainer_steps,
 )
 
 TARGET = 0.40
@@ -103,30 +102,8 @@ def child(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> 
 
 def measure_in_subprocess(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> dict:
     """Run :func:`child` in a fresh interpreter; raises ``RuntimeError`` with the child's stderr tail on failure."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.activation_checkpointing",
-        "--child",
-        variant,
-        "--preset",
-        preset,
-        "--batch",
-        str(batch),
-        "--seq-len",
-        str(seq_len),
-        "--repeats",
-        str(repeats),
-    ]
-    env = {
-        **os.environ,
-        **CHILD_ENV,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory child ({variant}) failed with exit code {proc.returncode}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    sizes = ["--preset", preset, "--batch", batch, "--seq-len", seq_len, "--repeats", repeats]
+    return run_child("bench.activation_checkpointing", ["--child", variant, *sizes], env=CHILD_ENV)
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
@@ -140,9 +117,9 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     ids = random_bytes(s["batch"], s["seq_len"])
     off_model, on_model = spider_model(s["preset"]), spider_model(s["preset"])  # same seed: same weights
     method = enable_checkpointing(on_model)
-    timed = time_interleaved(
-        {"off": TrainStep(off_model, ids), "on": TrainStep(on_model, ids)}, s["warmup"], s["repeats"]
-    )
+    timed = {
+        v: trainer_steps(m, ids, None, s["warmup"], s["repeats"]) for v, m in (("off", off_model), ("on", on_model))
+    }
     off_b, on_b = mem["off"]["step_peak_bytes"], mem["on"]["step_peak_bytes"]
     saving = 1.0 - on_b / off_b if off_b > 0 else None
     result = {

@@ -9,16 +9,7 @@ import time
 
 import torch
 
-from bench.common import (
-    TrainStep,
-    check,
-    finish,
-    info,
-    main_for,
-    random_bytes,
-    spider_model,
-    time_interleaved,
-)
+from bench.common import check, finish, info, main_for, random_bytes, spider_model, trainer_steps
 
 TARGET = 1.0
 
@@ -33,14 +24,13 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     start = time.perf_counter()
     s = {**(QUICK if quick else FULL), **sizes}
     ids = random_bytes(s["batch"], s["seq_len"])
-    steps, losses = {}, {}
+    timed, losses = {}, {}
     for implementation in IMPLEMENTATIONS:
         model = spider_model(s["preset"])  # same seed: the same weights for every backend
         model.set_attn_implementation(implementation)
-        steps[implementation] = TrainStep(model, ids)
         with torch.no_grad():
             losses[implementation] = float(model(input_ids=ids, labels=ids).loss)
-    timed = time_interleaved(steps, s["warmup"], s["repeats"])
+        timed[implementation] = trainer_steps(model, ids, None, s["warmup"], s["repeats"])
     ms = {name: 1000 * t["median_s"] for name, t in timed.items()}
     result = {
         "benchmark": "attention",

@@ -12,7 +12,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,13 +23,10 @@ from typing import Any
 import torch
 
 from spider_training.mixed_precision import autocast_experts, shared_weight_casts
-from spider_training.throughput import synchronize  # noqa: F401 (bench's API)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
     sys.path.insert(0, str(REPO_ROOT))
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -68,6 +67,27 @@ def write_json(path: str | Path, result: dict, indent: int = 1) -> None:
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=indent, default=str) + "\n")
     os.replace(tmp, target)
+
+
+def run_child(module: str, args: list, env: dict | None = None, timeout: float = 600) -> dict:
+    """``python -m <module> <args>`` in a fresh interpreter on this checkout (its root the working directory and first
+    on ``PYTHONPATH``; `env` on top of this process's environment): the JSON its last printed line holds. Raises
+    ``RuntimeError`` with the exit code and the tail of its stderr if it fails or prints nothing,
+    ``subprocess.TimeoutExpired`` after `timeout` seconds. What the benchmarks measure in a fresh process (peak memory,
+    a cold compile, a loader's start) runs through it."""
+    path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {}), "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"python -m {module} failed with exit code {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def check(name: str, metric: str, target: float, measured: float | None, higher_is_better: bool = True) -> dict:
@@ -161,6 +181,52 @@ def random_bytes(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
     """int64 ``(batch, length)`` ids drawn uniformly from the 256 byte values (no specials)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (batch, length), generator=g)
+
+
+def trainer_steps(
+    model, ids: torch.LongTensor, n_loops: int | None, warmup: int, repeats: int, peak: float | None = None
+) -> dict:
+    """``warmup + repeats`` optimizer steps of `model` on the one batch `ids` (int64 ``(batch, seq_len)``) through
+    :class:`~spider_training.trainer.SpiderTrainer` on the CPU (what ``spider-train`` runs there: AdamW at 1e-4,
+    fp32, gradient clipping, the trainer's loss terms), logging every step, each step timed by
+    :class:`~spider_training.step_times.StepTimes`. `peak`: the FLOP/s the trainer's MFU is against (None: its own,
+    :func:`spider_training.throughput.peak_flops`). Returns ``{"median_s", "times_s": the timed steps' seconds,
+    "logs": their logged entries (``tokens_per_second``, ``flops_per_step``, ``tflops_per_second``, ``mfu``, ...),
+    "trainer"}``."""
+    from transformers import PrinterCallback
+
+    from spider_training.arguments import SpiderTrainingArguments
+    from spider_training.step_times import StepTimes
+    from spider_training.train import build_trainer
+
+    clock, rows = StepTimes(), [{"input_ids": row, "labels": row} for row in ids]
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-steps-") as output_dir:  # nothing is saved there
+        args = SpiderTrainingArguments(
+            output_dir=output_dir,
+            use_cpu=True,  # bench measures this CPU in fp32 (gpu_check measures GPUs)
+            precision="fp32",
+            report_to="none",
+            save_strategy="no",
+            max_steps=warmup + repeats,
+            per_device_train_batch_size=len(ids),
+            learning_rate=1e-4,
+            n_loops=n_loops,
+            logging_steps=1,
+            disable_tqdm=True,
+        )
+        trainer = build_trainer(args, model, train_dataset=rows, eval_dataset=None, callbacks=[clock], stop_signals=())
+        trainer.remove_callback(PrinterCallback)
+        if peak is not None:
+            trainer.throughput.peak, trainer.throughput.peak_source = peak, "given"
+        trainer.train()
+    times = clock.step_times[warmup:]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and entry["step"] > warmup]
+    return {
+        "median_s": statistics.median(times),
+        "times_s": [round(t, 5) for t in times],
+        "logs": logs,
+        "trainer": trainer,
+    }
 
 
 class TrainStep:

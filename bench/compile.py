@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import REPO_ROOT, check, finish, info, main_for
+from bench.common import check, finish, info, main_for, run_child
 from spider_training.compile import COMPILE_OPTIONS
 
 FULL = dict(
@@ -158,24 +158,18 @@ def measure_in_subprocess(s: dict, cache_dir: str) -> dict:
     """Run :func:`child` in a fresh interpreter whose inductor cache is `cache_dir`, with ``s["timeout"]``; returns
     its dict or ``{"error": ...}``."""
     keys = ("preset", "batch", "seq_len", "backend", "compile_steps", "warmup", "repeats")
-    cmd = [sys.executable, "-m", "bench.compile", "--child", json.dumps({k: s[k] for k in keys})]
-    env = {
-        **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
     try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=s["timeout"])
+        return run_child(
+            "bench.compile",
+            ["--child", json.dumps({k: s[k] for k in keys})],
+            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir},
+            timeout=s["timeout"],
+        )
     except subprocess.TimeoutExpired:
-        return {
-            "error": f"timeout: {s['compile_steps'] + s['warmup'] + s['repeats']} steps took more than "
-            f"{s['timeout']} s"
-        }
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = [line for line in proc.stderr.splitlines() if line.strip()][-15:]
-        return {"error": f"exit code {proc.returncode}: " + "\n".join(tail)}
-    return json.loads(lines[-1])
+        steps = s["compile_steps"] + s["warmup"] + s["repeats"]
+        return {"error": f"timeout: {steps} steps took more than {s['timeout']} s"}
+    except RuntimeError as e:
+        return {"error": str(e)}
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:

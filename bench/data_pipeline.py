@@ -6,10 +6,9 @@ What its entries and fields mean: bench/README.md, "Module notes", `data_pipelin
 from __future__ import annotations
 
 import json
-import os
 import random
 import resource
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -52,8 +51,6 @@ CORPUS_BATCH, CORPUS_SEQ_LEN = 8, 255
 
 def loader_rate(make_loader, batches: int, repeats: int, bytes_per_batch: int) -> dict:
     """Median bytes/s over ``repeats`` passes of ``batches`` batches, each from a fresh ``iter(make_loader())``."""
-    import statistics
-
     times, delivered = [], []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -117,18 +114,10 @@ def measure(kind: str, corpus: str, cache_dir: str, position: str | None = None,
 
 
 def _measure_in_child(**kwargs) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": kwargs["cache_dir"]}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.data_pipeline", "--measure", json.dumps(kwargs)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parents[1],
-        timeout=3600,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"measurement {kwargs} failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from bench.common import run_child  # the parent's import: the child measures its own memory without it
+
+    env = {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": kwargs["cache_dir"]}
+    return run_child("bench.data_pipeline", ["--measure", json.dumps(kwargs)], env=env, timeout=3600)
 
 
 def corpus_costs(corpus_mb=(10, 100), start_repeats: int = 3) -> list[dict]:
@@ -214,16 +203,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     """Run the benchmark; ``sizes`` override :data:`FULL` / :data:`QUICK`. Returns the result dict."""
     # bench.common (torchao through spider_training.mixed_precision) is imported here, not at the top: the corpus
     # costs' children import this module and must measure the data path's imports, not the benchmark's
-    from bench.common import (
-        TrainStep,
-        check,
-        finish,
-        info,
-        random_bytes,
-        spider_config,
-        spider_model,
-        time_interleaved,
-    )
+    from bench.common import check, finish, info, random_bytes, spider_config, spider_model, trainer_steps
     from spider_training.commands.write_shards import write_shards
     from spider_training.data import build_dataset, make_dataloader
 
@@ -252,9 +232,9 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     corpus = corpus_costs(s["corpus_mb"], s["start_repeats"])
 
     cfg = spider_config(s["preset"])
-    step = TrainStep(spider_model(s["preset"]), random_bytes(s["micro_batch"], s["seq_len"]))
-    step_s = time_interleaved({"step": step}, s["step_warmup"], s["step_repeats"])["step"]
-    consumed = bytes_per_batch / step_s["median_s"]
+    ids = random_bytes(s["micro_batch"], s["seq_len"])
+    step_s = trainer_steps(spider_model(s["preset"]), ids, None, s["step_warmup"], s["step_repeats"])
+    consumed = statistics.median(entry["tokens_per_second"] for entry in step_s["logs"])  # bytes/s, as it logs them
     result = {
         "benchmark": "data_pipeline",
         "description": "loader bytes/s / training-step bytes/s (Spider small, micro_batch x seq_len)",

@@ -12,16 +12,11 @@ import time
 
 import torch
 
-from bench.common import (
-    TrainStep,
-    random_bytes,
-    spider_config,
-    synchronize,
-)
+from bench.common import TrainStep, random_bytes, spider_config
 from bench.parts import MIN_PART_S, TIME_BUDGET, Deadline, build_on, default_device, entry, free_memory, train_step_of
 from spider_training.peers import peer_model
 from spider_training.profiling import CudaSyncWarnings, HostSyncCounter, eager_aten_ops, proxy_1b_config
-from spider_training.throughput import count_flops
+from spider_training.throughput import count_flops, synchronize
 
 #: ops named in a profiled step's ``top_host_ops``
 TOP_HOST_OPS = 8

@@ -5,19 +5,21 @@ What its entries and fields mean: bench/README.md, "Module notes", `mfu.py`.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
-from bench.common import check, finish, main_for, profile_top, time_interleaved
+from bench.common import check, finish, main_for, random_bytes, trainer_steps
 from bench.train_step import FULL as TRAIN_FULL
 from bench.train_step import QUICK as TRAIN_QUICK
-from bench.train_step import build_steps
-from spider_training.throughput import count_flops, measured_matmul_flops
+from bench.train_step import build_models, profile_trainer
+from spider_training.throughput import measured_matmul_flops
 
 TARGET = 1.0
 FULL = {**TRAIN_FULL, "matmul_n": 2048}
 QUICK = {**TRAIN_QUICK, "matmul_n": 512}
+ROWS = ("spider_n_loops_1", "spider_default", "peer")
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
@@ -25,14 +27,19 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     start = time.perf_counter()
     s = {**(QUICK if quick else FULL), **sizes}
     profile = (not quick) if profile is None else profile
-    steps, details = build_steps(s["preset"], s["batch"], s["seq_len"])
-    flops = {}
-    for name, step in steps.items():
-        torch.manual_seed(0)  # Spider's boundary sampling (hence its segment count) is seeded
-        flops[name] = count_flops(step)
+    models, details = build_models(s["preset"])
+    ids = random_bytes(s["batch"], s["seq_len"])
     peak = measured_matmul_flops("cpu", torch.float32, n=s["matmul_n"])
-    timed = time_interleaved(steps, s["warmup"], s["repeats"])
-    mfu = {n: flops[n]["total"] / (timed[n]["median_s"] * peak["flops_per_s"]) for n in steps}
+    runs = {}
+    for name in ROWS:
+        model, n_loops = models[name]
+        runs[name] = trainer_steps(model, ids, n_loops, s["warmup"], s["repeats"], peak=peak["flops_per_s"])
+    meters = {n: run["trainer"].throughput for n, run in runs.items()}
+    logged = {  # what the trainer logged at the timed steps, against `peak`
+        n: {k: statistics.median(e[k] for e in run["logs"]) for k in ("tflops_per_second", "mfu")}
+        for n, run in runs.items()
+    }
+    mfu = {n: v["mfu"] for n, v in logged.items()}
     result = {
         "benchmark": "mfu",
         "description": "MFU of a training step: Spider (default n_loops) / DeepseekV3 peer",
@@ -46,26 +53,26 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
                 "median_s": round(peak["median_s"], 5),
                 "gflops_per_s": round(peak["flops_per_s"] / 1e9, 2),
             },
-            "step_gflops": {n: round(f["total"] / 1e9, 3) for n, f in flops.items()},
+            "step_gflops": {n: round(m.flops_per_micro_batch / 1e9, 3) for n, m in meters.items()},
             "step_gflops_by_op": {
-                n: {op: round(v / 1e9, 3) for op, v in f["by_op"].items()} for n, f in flops.items()
+                n: {op: round(v / 1e9, 3) for op, v in m.flops_by_op.items()} for n, m in meters.items()
             },
-            "median_step_s": {n: round(t["median_s"], 5) for n, t in timed.items()},
-            "achieved_gflops_per_s": {n: round(flops[n]["total"] / timed[n]["median_s"] / 1e9, 2) for n in steps},
+            "median_step_s": {n: round(run["median_s"], 5) for n, run in runs.items()},
+            "achieved_gflops_per_s": {n: round(v["tflops_per_second"] * 1e3, 2) for n, v in logged.items()},
             "mfu": {n: round(v, 4) for n, v in mfu.items()},
         },
         "checks": [
             check("MFU Spider(default n_loops) / peer", "MFU ratio", TARGET, mfu["spider_default"] / mfu["peer"])
         ],
         "notes": [
-            "FlopCounterMode counts matmul-like ops only; _grouped_mm and CPU flash SDPA formulas added by the bench",
-            "convolution_backward of the depthwise Engram ShortConv is over-counted by torch's formula "
-            "(ignores groups)",
+            "FLOPs, achieved FLOP/s and MFU as the trainer logs them (spider_training.throughput): the first "
+            "micro-batch's forward counted by FlopCounterMode (matmul-like ops only; _grouped_mm and CPU flash SDPA "
+            "formulas added), 3x for forward and backward",
             f"Spider(n_loops=1) / peer MFU ratio: {mfu['spider_n_loops_1'] / mfu['peer']:.3f}",
         ],
     }
     if profile and not result["checks"][0]["met"]:
-        result["profile"] = {"spider_default": profile_top(steps["spider_default"], steps=2)}
+        result["profile"] = {"spider_default": profile_trainer(runs["spider_default"]["trainer"])}
     return finish(result, start)
 
 

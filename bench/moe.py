@@ -10,7 +10,6 @@ import time
 import torch
 
 from bench.common import (
-    DTYPES,
     check,
     finish,
     info,
@@ -22,6 +21,7 @@ from bench.common import (
 from spider_training.throughput import count_flops, measured_matmul_flops
 
 TARGET = 1.5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FAST = ("grouped_mm",)
 FULL = dict(
     tokens=4096,

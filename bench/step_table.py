@@ -17,7 +17,6 @@ from bench.common import (
     random_bytes,
     spider_config,
     spider_model,
-    synchronize,
 )
 from bench.diagnostics import _instrumented_step, _profile_kernels, device_allocations
 from bench.parts import (
@@ -36,7 +35,7 @@ from bench.parts import (
 from spider_training.peers import peer_model
 from spider_training.profiling import graphs_compiled
 from spider_training.step_times import SegmentAxisRecorder, repeated_axis_summary
-from spider_training.throughput import measured_matmul_flops
+from spider_training.throughput import measured_matmul_flops, synchronize
 
 STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
 #: the compiled FP8 rows (on request; issue 51): row -> (torchao recipe, ``--fp8_experts``). FP8 is judged under

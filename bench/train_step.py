@@ -12,7 +12,6 @@ import time
 import torch
 
 from bench.common import (
-    TrainStep,
     check,
     finish,
     info,
@@ -22,7 +21,7 @@ from bench.common import (
     random_bytes,
     spider_config,
     spider_model,
-    time_interleaved,
+    trainer_steps,
 )
 from spider_training.peers import peer_model
 
@@ -31,15 +30,13 @@ FULL = dict(preset="small", batch=8, seq_len=256, warmup=2, repeats=7)
 QUICK = dict(preset="tiny", batch=1, seq_len=32, warmup=1, repeats=2)
 
 
-def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
-    """``({"spider_n_loops_1", "spider_default", "peer"}: TrainStep, details)`` on one shared random byte batch.
-
-    The two Spider variants share one model (only the ``n_loops`` forward argument differs) but have their own
-    AdamW state."""
+def build_models(preset: str) -> tuple[dict, dict]:
+    """``({"spider_n_loops_1", "spider_n_loops_1_at_prior_rate", "spider_default", "peer"}: (model, n_loops),
+    details)``. The two plain Spider rows share one model's initial weights (only the trainer's ``n_loops`` differs;
+    each trains its own copy); ``n_loops`` None for the peer."""
     cfg = spider_config(preset)
     spider = spider_model(preset)
     peer = peer_model(cfg)
-    ids = random_bytes(batch, seq_len)
     # The same model with the boundary predictor at the FlexiTokens prior: training samples a boundary with
     # probability sigmoid(logit), so logit(prior) gives the rate the boundary loss trains towards.
     at_prior = copy.deepcopy(spider)
@@ -48,11 +45,11 @@ def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
         at_prior.model.flexitokens.boundary_predictor.out_proj.bias.fill_(
             math.log(cfg.boundary_prior / (1 - cfg.boundary_prior))
         )
-    steps = {
-        "spider_n_loops_1": TrainStep(spider, ids, n_loops=1),
-        "spider_n_loops_1_at_prior_rate": TrainStep(at_prior, ids, n_loops=1),
-        "spider_default": TrainStep(spider, ids, n_loops=cfg.n_loops),
-        "peer": TrainStep(peer, ids),
+    models = {
+        "spider_n_loops_1": (spider, 1),
+        "spider_n_loops_1_at_prior_rate": (at_prior, 1),
+        "spider_default": (copy.deepcopy(spider), cfg.n_loops),
+        "peer": (peer, None),
     }
     details = {
         "default_n_loops": cfg.n_loops,
@@ -64,7 +61,14 @@ def build_steps(preset: str, batch: int, seq_len: int) -> tuple[dict, dict]:
         "peer_attn_implementation": peer.config._attn_implementation,
         "peer_layers": [type(layer.mlp).__name__ for layer in peer.model.layers],
     }
-    return steps, details
+    return models, details
+
+
+def profile_trainer(trainer) -> dict:
+    """:func:`bench.common.profile_top` of two more one-step ``trainer.train()`` calls (the step and the trainer's
+    per-run setup)."""
+    trainer.args.max_steps = 1
+    return profile_top(trainer.train, steps=2)
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
@@ -72,10 +76,14 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     start = time.perf_counter()
     s = {**(QUICK if quick else FULL), **sizes}
     profile = (not quick) if profile is None else profile
-    steps, info_ = build_steps(s["preset"], s["batch"], s["seq_len"])
-    timed = time_interleaved(steps, s["warmup"], s["repeats"])
+    models, info_ = build_models(s["preset"])
+    ids = random_bytes(s["batch"], s["seq_len"])
+    runs = {
+        name: trainer_steps(model, ids, n_loops, s["warmup"], s["repeats"])
+        for name, (model, n_loops) in models.items()
+    }
     tokens = s["batch"] * s["seq_len"]
-    tps = {name: tokens / t["median_s"] for name, t in timed.items()}
+    tps = {name: tokens / t["median_s"] for name, t in runs.items()}
     result = {
         "benchmark": "train_step",
         "description": "training step tokens/s: Spider (n_loops=1) / DeepseekV3ForCausalLM peer",
@@ -84,11 +92,11 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         "timing": {"warmup": s["warmup"], "repeats": s["repeats"], "statistic": "median"},
         "models": info_,
         "measurements": {
-            "median_s": {n: round(t["median_s"], 5) for n, t in timed.items()},
-            "times_s": {n: t["times_s"] for n, t in timed.items()},
+            "median_s": {n: round(t["median_s"], 5) for n, t in runs.items()},
+            "times_s": {n: t["times_s"] for n, t in runs.items()},
             "tokens_per_s": {n: round(v, 1) for n, v in tps.items()},
             "default_over_n_loops_1_time": round(
-                timed["spider_default"]["median_s"] / timed["spider_n_loops_1"]["median_s"], 4
+                runs["spider_default"]["median_s"] / runs["spider_n_loops_1"]["median_s"], 4
             ),
             "spider_default_over_peer_tokens_per_s": round(tps["spider_default"] / tps["peer"], 4),
         },
@@ -112,7 +120,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             info("peer tokens/s", tps["peer"], "tokens/s"),
             info(
                 "default n_loops step time / n_loops=1",
-                timed["spider_default"]["median_s"] / timed["spider_n_loops_1"]["median_s"],
+                runs["spider_default"]["median_s"] / runs["spider_n_loops_1"]["median_s"],
                 "x",
             ),
         ],
@@ -122,14 +130,11 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "peer uses sigmoid routing with one group (n_group=topk_group=1), Spider softmax routing; "
             "both top-k of the same number of experts",
             f"default loop count ({info_['default_n_loops']}) costs "
-            f"{timed['spider_default']['median_s'] / timed['spider_n_loops_1']['median_s']:.2f}x the n_loops=1 step",
+            f"{runs['spider_default']['median_s'] / runs['spider_n_loops_1']['median_s']:.2f}x the n_loops=1 step",
         ],
     }
     if profile and not result["checks"][0]["met"]:
-        result["profile"] = {
-            "spider_n_loops_1": profile_top(steps["spider_n_loops_1"], steps=2),
-            "peer": profile_top(steps["peer"], steps=2, top=8),
-        }
+        result["profile"] = {name: profile_trainer(runs[name]["trainer"]) for name in ("spider_n_loops_1", "peer")}
     return finish(result, start)
 
 

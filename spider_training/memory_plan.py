@@ -28,9 +28,10 @@ Nothing here runs on a GPU. Each figure comes from the model itself:
   derived from them: a CPU's MFU says nothing of a GPU's, and ``python -m bench.gpu_check`` measures the step on a
   GPU.
 
-Usage: :func:`run` (``python -m bench.memory_plan [--preset 1b] [--seq_len 2048] [--gpus 8] [--out F.json]
-[--write_results docs/results.md]`` runs it and fills docs/results.md's block: about 3 minutes for the 1b preset on 2
-cores) and :func:`render` (the Markdown table).
+Usage: :func:`run` (the command ``spider-memory-plan [--preset 1b] [--seq_len 2048] [--gpus 8] [--out F.json]
+[--markdown]``, :mod:`spider_training.commands.memory_plan`, runs it: about 3 minutes for the 1b preset on 2 cores;
+``python -m bench.memory_plan ... --write_results docs/results.md`` fills docs/results.md's block) and :func:`render`
+(the Markdown table).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def render(result: dict) -> str:
         _wrap(
             f"`{r['preset']}` preset, {r['parameters'] / 1e6:.0f}M parameters, sequences of {r['seq_len']} bytes, "
             f"{r['gpus']} GPUs of {GPU_MEMORY_GIB} GB, a training step at {r['n_loops']} loops (`n_loops` plus the "
-            "default `--extra_train_loops`; `python -m bench.memory_plan`, `bench/memory_plan.json`):"
+            "default `--extra_train_loops`; `spider-memory-plan`, `bench/memory_plan.json`):"
         ),
         "",
         "| strategy | optimizer | activation checkpointing | weights + grads + optimizer per GPU | activations per "

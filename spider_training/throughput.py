@@ -138,11 +138,16 @@ class ThroughputMeter:
     Args:
         device: the training device; dtype: the matmul dtype (bf16 under autocast, else fp32) for :func:`peak_flops`.
         micro_batches_per_step: gradient accumulation steps (``flops_per_step`` = FLOPs of that many micro-batches).
+
+    Attributes (after :meth:`count`): ``flops_per_micro_batch`` (int), ``flops_by_op`` (those FLOPs by aten op, e.g.
+    ``{"aten.mm": ...}``; ``bench.mfu`` reports them), ``peak`` (FLOP/s; set it beforehand to skip measuring) and
+    ``peak_source``.
     """
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype, micro_batches_per_step: int = 1):
         self.device, self.dtype, self.micro_batches_per_step = torch.device(device), dtype, micro_batches_per_step
         self.flops_per_micro_batch: int | None = None
+        self.flops_by_op: dict[str, int] = {}  # flops_per_micro_batch by aten op (str), as count_flops names them
         self.peak: float | None = None
         self.peak_source = ""
         self._micro_batches, self._since = 0, time.perf_counter()
@@ -152,7 +157,9 @@ class ThroughputMeter:
         `forward_only`, `fn` is the forward alone and its FLOPs count 3 times (the backward's matmuls are twice the
         forward's: the input and the weight gradient), the convention of MFU (PaLM's 6N per token)."""
         counted = count_flops(fn)
-        self.flops_per_micro_batch = counted["total"] * (3 if forward_only else 1)
+        scale = 3 if forward_only else 1
+        self.flops_per_micro_batch = counted["total"] * scale
+        self.flops_by_op = {op: flops * scale for op, flops in counted["by_op"].items()}
         if self.peak is None:
             self.peak, self.peak_source = peak_flops(self.device, self.dtype)
         return counted["result"]

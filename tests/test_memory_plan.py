@@ -1,5 +1,5 @@
-"""spider_training/memory_plan.py: what it counts and how it extrapolates, on the tiny preset; ``python -m
-bench.memory_plan`` writing its table into docs/results.md."""
+"""spider_training/memory_plan.py: what it counts and how it extrapolates, on the tiny preset; the command
+``spider-memory-plan``; ``python -m bench.memory_plan`` writing its table into docs/results.md."""
 
 import json
 from pathlib import Path
@@ -89,3 +89,22 @@ def test_rendered_block_wraps_its_paragraphs_at_119_columns():
     assert last.startswith(f"One training step of one {plan['seq_len']}-byte sequence at {plan['n_loops']} loops")
     assert last.endswith("allocator fragmentation or NCCL buffers: keep 10-20% free.")
     assert len(lines[lines.index(rows[-1]) + 2 :]) > 1  # it was wrapped, not merely short
+
+
+def test_command_computes_writes_and_renders_a_plan(tmp_path):
+    """``spider-memory-plan``: the plan it computes is :func:`memory_plan.run`'s with its environment, ``--out``
+    keeps all of it, ``--report --markdown`` renders that file; bad sizes are refused by name."""
+    out = tmp_path / "plan.json"
+    done = run_module(
+        "spider_training.commands.memory_plan", "--preset", "tiny", "--seq_len", "512", "--gpus", "2", "--out", out
+    )
+    assert done.returncode == 0, done.stderr
+    written = json.loads(out.read_text())
+    assert written["environment"]["torch"] == torch.__version__ and len(written["probes"]) == 2
+    printed = json.loads(done.stdout)
+    assert printed == {k: v for k, v in written.items() if k not in ("probes", "environment")}
+    assert (printed["preset"], printed["seq_len"], printed["gpus"]) == ("tiny", 512, 2)
+    done = run_module("spider_training.commands.memory_plan", "--report", out, "--markdown")
+    assert done.returncode == 0 and done.stdout == memory_plan.render(written), done.stderr
+    done = run_module("spider_training.commands.memory_plan", "--gpus", "0")
+    assert done.returncode == 2 and "--gpus" in done.stderr

@@ -56,6 +56,7 @@ def test_wheel_ships_the_card_template_and_no_generic_top_level_module(installed
     assert "spider-serve = spider_training.commands.serve:cli" in entry_points
     assert "spider-evaluate = spider_training.commands.evaluate:main" in entry_points
     assert "spider_training/evaluation.py" in names and "spider_training/commands/evaluate.py" in names
+    assert "spider-memory-plan = spider_training.commands.memory_plan:main" in entry_points
     assert "spider_training/commands/serve.py" in names and "spider_training/commands/__init__.py" in names
     assert "spider_training/fp8_gemm_table.json" in names  # --fp8_layers auto reads it from the installed package
 

@@ -95,6 +95,8 @@ def test_a_training_run_logs_flops_and_mfu_at_every_logging_step(tmp_path):
     assert [entry["step"] for entry in logs] == [5, 10, 15, 20]
     per_micro_batch = trainer.throughput.flops_per_micro_batch
     assert per_micro_batch > 0
+    assert sum(trainer.throughput.flops_by_op.values()) == per_micro_batch  # bench.mfu's FLOPs by op
+    assert any("mm" in op for op in trainer.throughput.flops_by_op)
     for entry in logs:
         assert entry["flops_per_step"] == 2 * per_micro_batch
         assert 0 < entry["mfu"] < 1 and entry["tflops_per_second"] > 0

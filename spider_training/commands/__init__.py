@@ -10,6 +10,8 @@
   on the GPU at hand.
 - ``spider-measure-sdpa-backends`` (:mod:`.measure_sdpa_backends`): which SDPA kernel ``--sdpa_backend`` should pick
   on the GPU at hand.
+- ``spider-memory-plan`` (:mod:`.memory_plan`): the GPU memory a preset needs at a sequence length, per GPU for
+  DDP and FSDP2, on paper.
 
 Training itself is ``spider-train`` / ``train_hf.py`` (:mod:`spider_training.train`). The old paths
 ``spider_training.<command>`` are aliases until 0.3.0 (:mod:`spider_training.compatibility`).
