@@ -284,10 +284,26 @@ class Engine:
             self.waiting.append(job)
             self.condition.notify()
 
-    def _fits(self, jobs: list[Job]) -> bool:
-        # every row is fed at most budget - 1 bytes after the padded prompt, which must stay within the context
-        width = max(len(job.prompt_ids) for job in jobs)
-        return all(width + job.budget - 1 <= self.context for job in jobs)
+    def _fits(self, jobs: list[Job], seen_bytes: int = 0) -> bool:
+        # every row is fed at most (budget - generated) - 1 more bytes after the prompts, aligned at the right of
+        # `seen_bytes` columns (a running batch's) or of the longest prompt, which must stay within the context
+        width = max(seen_bytes, *(len(job.prompt_ids) for job in jobs))
+        return all(width + job.budget - job.generated - 1 <= self.context for job in jobs)
+
+    def _take_waiting(self, rows: list[Job], seen_bytes: int = 0) -> list[Job]:
+        """(With `condition` held.) Waiting jobs, oldest first, that can join `rows` (a running batch of
+        `seen_bytes` columns, or none): the first row's `n_loops` and `act_early_exit`, room under `max_batch_size`,
+        and every row within the context (:meth:`_fits`). They leave the queue; cancelled ones are dropped."""
+        self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
+        taken: list[Job] = []
+        for job in list(self.waiting):
+            batch = [*rows, *taken]
+            if len(batch) >= self.max_batch_size:
+                break
+            if self._compatible(job, batch) and self._fits([*batch, job], seen_bytes):
+                taken.append(job)
+                self.waiting.remove(job)
+        return taken
 
     def _take_batch(self) -> list[Job] | None:
         """The next batch: up to `max_batch_size` waiting jobs with the first one's `n_loops` and `act_early_exit`
@@ -305,13 +321,7 @@ class Engine:
                 quiet = not self.condition.wait(max(0.0, min(self.batch_wait_s, deadline - time.monotonic())))
                 if (quiet and len(self.waiting) == arrived) or time.monotonic() >= deadline:
                     break
-            self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
-            batch: list[Job] = []
-            for job in list(self.waiting):
-                if len(batch) < self.max_batch_size and self._compatible(job, batch) and self._fits(batch + [job]):
-                    batch.append(job)
-                    self.waiting.remove(job)
-            return batch
+            return self._take_waiting([])
 
     def _work(self) -> None:
         while (batch := self._take_batch()) is not None:
@@ -326,23 +336,6 @@ class Engine:
 
     def _compatible(self, job: Job, batch: list[Job]) -> bool:
         return not batch or (job.n_loops, job.act_early_exit) == (batch[0].n_loops, batch[0].act_early_exit)
-
-    def _take_joining(self, rows: list[Job], seen_bytes: int) -> list[Job]:
-        """Waiting jobs that can join the running batch of `rows` (decoding, `seen_bytes` columns): same `n_loops`
-        and `act_early_exit`, room under `max_batch_size`, and every row, the joining ones' prompts aligned at the
-        right, still within the context at its last byte."""
-        joining: list[Job] = []
-        with self.condition:
-            self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
-            for job in list(self.waiting):
-                if len(rows) + len(joining) >= self.max_batch_size:
-                    break
-                width = max(seen_bytes, *(len(j.prompt_ids) for j in [*joining, job]))
-                fits = all(width + j.budget - j.generated - 1 <= self.context for j in [*rows, *joining, job])
-                if self._compatible(job, rows) and fits:
-                    joining.append(job)
-                    self.waiting.remove(job)
-        return joining
 
     def _prefill(self, rows: list[Job | None], filler: Job, cache=None):
         """The full forward over the rows' prompts, left-padded (a None row: `filler`'s prompt), into `cache` (None:
@@ -382,10 +375,13 @@ class Engine:
         self.model.config.act_early_exit = jobs[0].act_early_exit
         logits, cache = self._prefill(rows, jobs[0], cache)
         while True:
-            if not self.compile and (joining := self._take_joining(rows, cache.seen_bytes)):
-                joining_logits, joining_cache = self._prefill(joining, joining[0])
-                cache.add_rows(joining_cache)
-                rows, logits = rows + joining, torch.cat([logits, joining_logits])
+            if not self.compile:
+                with self.condition:
+                    joining = self._take_waiting(rows, cache.seen_bytes)
+                if joining:
+                    joining_logits, joining_cache = self._prefill(joining, joining[0])
+                    cache.add_rows(joining_cache)
+                    rows, logits = rows + joining, torch.cat([logits, joining_logits])
             chosen = next_tokens(logits, rows)
             rows = [job if job is not None and job.step(token) else None for job, token in zip(rows, chosen.tolist())]
             if all(job is None for job in rows):
