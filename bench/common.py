@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from spider_training.checkpointing import write_json  # the one atomic JSON writer; bench's runners write with it
 from spider_training.mixed_precision import autocast_experts, shared_weight_casts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,15 +59,6 @@ def environment() -> dict[str, Any]:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "device": "cpu",
     }
-
-
-def write_json(path: str | Path, result: dict, indent: int = 1) -> None:
-    """`result` as JSON at `path` (values JSON lacks as ``str``), atomically (a temporary file beside it, then
-    renamed): a reader, or a run killed mid-write, never sees half a file. Every runner writes its output with it."""
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=indent, default=str) + "\n")
-    os.replace(tmp, target)
 
 
 def run_child(module: str, args: list, env: dict | None = None, timeout: float = 600) -> dict:

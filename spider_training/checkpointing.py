@@ -214,6 +214,16 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return get_last_checkpoint(str(output_dir)) if os.path.isdir(output_dir) else None
 
 
+def write_json(path: str | os.PathLike, result, indent: int = 1) -> None:
+    """`result` as JSON at `path` (values JSON lacks as ``str``), atomically (a temporary file beside it, then one
+    ``os.replace``): a reader, or a run killed mid-write, never sees half a file. The commands' ``--out`` files and
+    bench's runners write with it."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=indent, default=str) + "\n")
+    os.replace(tmp, target)
+
+
 def save_folder_atomically(final: str | os.PathLike, write) -> Path:
     """Call ``write(tmp_folder)`` to fill a fresh sibling temp folder, then publish it as `final`.
 

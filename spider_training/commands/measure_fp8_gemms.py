@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from spider_training import fp8
+from spider_training.checkpointing import write_json
 from spider_training.throughput import synchronize
 
 __all__ = [
@@ -226,9 +226,7 @@ def main(argv=None) -> int:
             parser.error(f"--out: {exc}")
     result = measure_gemm_table(args.presets, args.batches, repeats=args.repeats, backend=args.compile_backend)
     table["gpus"].update(result["table"]["gpus"])
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(table, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_json(out, table)
     summary = {key: result[key] for key in ("rows", "not_run", "shapes")} | {"out": str(out)}
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}: train with --fp8_layers auto --fp8_gemm_table {out}", file=sys.stderr)

@@ -23,11 +23,11 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from spider_training.checkpointing import write_json
 from spider_training.throughput import synchronize
 
 __all__ = ["SDPA_BACKENDS", "SDPA_SEGMENT_COUNTS", "sdpa_backend_timings", "main"]
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     timings = sdpa_backend_timings(args.preset, batch, tuple(args.segment_counts), args.visits)
     text = json.dumps(timings, indent=1)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, timings)
     print(text)
     fastest = timings["fastest_sequence_total"]
     if fastest is not None:

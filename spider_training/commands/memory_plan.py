@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from spider_training.checkpointing import write_json
 from spider_training.memory_plan import render, run
 
 __all__ = ["plan", "main"]
@@ -62,7 +63,7 @@ def plan(argv=None) -> dict:
         }
         result = {**run(args.preset, args.seq_len, args.gpus), "environment": environment}
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     if args.markdown:
         print(render(result), end="")
     else:
