@@ -26,6 +26,8 @@ FULL = dict(
     step_repeats=5,
     corpus_mb=(10, 100),
     start_repeats=3,
+    resume_batches=(20, 2000),
+    split_files=10,
 )
 QUICK = dict(
     preset="tiny",
@@ -38,13 +40,11 @@ QUICK = dict(
     step_repeats=2,
     corpus_mb=(2,),
     start_repeats=1,
+    resume_batches=(),
+    split_files=0,
 )
 #: where the corpus costs' stream resumes, as a fraction of the corpus's windows
 RESUME_AT = 0.9
-#: and after how many batches (issue 67's targets: N = 20 and N = 2,000), where the corpus holds them
-RESUME_BATCHES = (20, 2000)
-#: files the corpus is also split into (a stream resumed there skips whole files)
-SPLIT_FILES = 10
 #: the corpus costs' loader shape (gpu_check's training runs on CPU: 8 windows of 256 bytes)
 CORPUS_BATCH, CORPUS_SEQ_LEN = 8, 255
 
@@ -120,9 +120,15 @@ def _measure_in_child(**kwargs) -> dict:
     return run_child("bench.data_pipeline", ["--measure", json.dumps(kwargs)], env=env, timeout=3600)
 
 
-def corpus_costs(corpus_mb=(10, 100), start_repeats: int = 3) -> list[dict]:
+def corpus_costs(
+    corpus_mb=(10, 100), start_repeats: int = 3, resume_batches=(20, 2000), split_files: int = 10
+) -> list[dict]:
     """Per corpus size: what each source kind costs to its first batch (seconds, max RSS in MB), measured in fresh
-    processes (bench/README.md); each stream start is the fastest of `start_repeats` processes."""
+    processes (bench/README.md); each stream start is the fastest of `start_repeats` processes. The stream is also
+    resumed after each of `resume_batches` batches (issue 67's targets: N = 20 and N = 2,000) where the corpus holds
+    them, and streamed fresh and resumed from the same documents split into `split_files` files (0: not), where
+    ``datasets`` skips the files before a position without reading them. The quick mode leaves both out: each costs
+    fresh interpreters and measures no other code path than the plain resume."""
     rows = []
     for megabytes in corpus_mb:
         with tempfile.TemporaryDirectory(prefix="spider-bench-corpus-") as tmp:
@@ -145,21 +151,27 @@ def corpus_costs(corpus_mb=(10, 100), start_repeats: int = 3) -> list[dict]:
                 5,
             )
             row["stream_resumed"] = _resumed(position, row["stream_fresh"], common, start_repeats)
-            for batches in RESUME_BATCHES:
+            for batches in resume_batches:
                 if batches * CORPUS_BATCH < windows:
                     at = str(Path(tmp) / f"position-{batches}.json")
                     _measure_in_child(kind="stream", position=at, batches=batches, **common)
                     row[f"stream_resumed_after_{batches}_batches"] = _resumed(
                         at, row["stream_fresh"], common, start_repeats
                     )
-            # the same documents in SPLIT_FILES files: datasets skips the files before a position without reading them
-            split = dict(corpus=str(split_corpus(corpus, Path(tmp) / "split", SPLIT_FILES)), cache_dir=cache)
-            row["split_stream_fresh"] = _fastest_start(start_repeats, kind="stream", **split)
-            at = str(Path(tmp) / "position-split.json")
-            _measure_in_child(kind="stream", position=at, batches=max(1, windows // CORPUS_BATCH), **split)
-            row["split_stream_resumed"] = _resumed(at, row["split_stream_fresh"], split, start_repeats)
+            if split_files:
+                row.update(_split_stream(corpus, Path(tmp), split_files, windows, cache, start_repeats))
             rows.append(row)
     return rows
+
+
+def _split_stream(corpus: Path, tmp: Path, files: int, windows: int, cache: str, start_repeats: int) -> dict:
+    """The split-file entries of :func:`corpus_costs`: `corpus` dealt into `files` files under `tmp`, streamed fresh
+    and resumed at `windows` windows."""
+    split = dict(corpus=str(split_corpus(corpus, tmp / "split", files)), cache_dir=cache)
+    fresh = _fastest_start(start_repeats, kind="stream", **split)
+    at = str(tmp / "position-split.json")
+    _measure_in_child(kind="stream", position=at, batches=max(1, windows // CORPUS_BATCH), **split)
+    return {"split_stream_fresh": fresh, "split_stream_resumed": _resumed(at, fresh, split, start_repeats)}
 
 
 def split_corpus(corpus: Path, folder: Path, files: int) -> Path:
@@ -229,7 +241,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         bytes_per_batch,
     )
 
-    corpus = corpus_costs(s["corpus_mb"], s["start_repeats"])
+    corpus = corpus_costs(s["corpus_mb"], s["start_repeats"], s["resume_batches"], s["split_files"])
 
     cfg = spider_config(s["preset"])
     ids = random_bytes(s["micro_batch"], s["seq_len"])
@@ -282,7 +294,8 @@ if __name__ == "__main__":
         print(json.dumps(measure(**json.loads(sys.argv[sys.argv.index("--measure") + 1]))))
     elif "--corpus" in sys.argv:
         sizes = QUICK if "--quick" in sys.argv else FULL
-        print(json.dumps({"corpus_costs": corpus_costs(sizes["corpus_mb"], sizes["start_repeats"])}, indent=2))
+        costs = corpus_costs(sizes["corpus_mb"], sizes["start_repeats"], sizes["resume_batches"], sizes["split_files"])
+        print(json.dumps({"corpus_costs": costs}, indent=2))
     else:
         from bench.common import main_for
 

@@ -30,7 +30,7 @@ TARGET_STATIC = 3.0
 #: issue 65: 8 concurrent streams through spider-serve against one, aggregate bytes/s
 TARGET_SERVING = 4.0
 FULL = dict(preset="small", prompt_len=256, new_tokens=512, warmup=1, repeats=1, compile_static=True)
-QUICK = dict(preset="tiny", prompt_len=32, new_tokens=32, warmup=1, repeats=2, compile_static=False)
+QUICK = dict(preset="tiny", prompt_len=32, new_tokens=16, warmup=1, repeats=1, compile_static=False)
 
 
 def prompt_ids(length: int) -> torch.LongTensor:

@@ -1,6 +1,6 @@
 """Run every Spider benchmark and write one JSON file: ``python -m bench.run_all --out bench/results.json``.
 
-Options: ``--quick`` (toy sizes, about a minute on an idle 2-core CPU; what ``tests/test_bench.py`` runs),
+Options: ``--quick`` (toy sizes, about 1.5 minutes on an idle 2-core CPU; what ``tests/test_bench.py`` runs),
 ``--only moe,train_step`` (a subset), ``--no-profile`` (skip the torch.profiler pass on missed targets).
 The JSON (also printed on stdout) is ``{"environment": {...}, "quick": bool, "benchmarks": {name: result},
 "summary": {"met": [...], "missed": [...], "errors": [...]}, "seconds": float}``; each result is described in
@@ -21,8 +21,6 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/run_all.py` as well as `python -m bench.run_all`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import environment, write_json  # noqa: E402
 
 BENCHMARKS = (
     "moe",
@@ -52,6 +50,9 @@ def run_all(
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
+    # imported once the names are known good: bench.common brings in torch, transformers and torchao (~5 s)
+    from bench.common import environment, write_json
+
     start = time.perf_counter()
     out = {"environment": environment(), "quick": quick, "benchmarks": {}}
     for name in names:
@@ -86,7 +87,7 @@ def run_all(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results.json", help="JSON output file (default bench/results.json)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes (~1 min)")
+    parser.add_argument("--quick", action="store_true", help="toy sizes (~1.5 min on an idle 2-core CPU)")
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument(
         "--no-profile",
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_all(quick=args.quick, only=only, profile=args.profile, partial_out=args.out)
     except ValueError as e:
         parser.error(str(e))
+    from bench.common import write_json
+
     write_json(args.out, result, indent=2)
     print(json.dumps(result, indent=2))
     print(f"[bench] wrote {args.out}", file=sys.stderr)
