@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from spider_training.checkpointing import write_json  # the one atomic JSON writer; bench's runners write with it
-from spider_training.mixed_precision import autocast_experts, shared_weight_casts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -246,12 +245,16 @@ class TrainStep:
         self.autocast_dtype = autocast_dtype
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
         self.model.train()
+        from spider_training.mixed_precision import autocast_experts  # the models' imports: not at bench.common's
+
         autocast_experts(model)
 
     def forward_backward(self):
         """Forward with labels and backward; returns the model output. Each call begins a new CUDA graph generation
         (``torch.compiler.cudagraph_mark_step_begin``, as ``SpiderTrainer.training_step`` does under
         ``reduce-overhead``): the compiled layers' forwards all run before their backwards."""
+        from spider_training.mixed_precision import shared_weight_casts
+
         torch.compiler.cudagraph_mark_step_begin()
         autocast = (
             torch.autocast(self.input_ids.device.type, dtype=self.autocast_dtype)

@@ -12,36 +12,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from bench.common import environment, write_json
-from bench.diagnostics import attention_backends_check, host_syncs_check
-from bench.parts import (
-    MIN_PART_S,
-    TIME_BUDGET,
-    Deadline,
-    PartTimeout,
-    default_device,
-    entry,
-    error_reason,
-    free_memory,
-    hard_limit,
-    run_tests,
-)
-from bench.step_table import (
+# Only what the flags are parsed with is imported here: a bad flag costs an interpreter start, not torch's and the
+# models' imports (each part imports what it runs, :func:`_part_functions`).
+from bench.step_table_rows import (
     DEPRECATED_ROW_NAMES,
     STEP_TABLE_MODEL_CHOICES,
     STEP_TABLE_MODELS,
     TK_TRAIN_RECIPE_SHAPE,
-    step_table_check,
 )
-from spider_training.commands.measure_fp8_gemms import DEFAULT_BATCHES, measure_gemm_table, parse_batch
+from spider_training.shapes import DEFAULT_BATCHES, parse_batch
+
+if TYPE_CHECKING:
+    from bench.parts import Deadline
 
 PARTS = (
     "main_job",
@@ -130,6 +120,12 @@ def _test_options(options, deadline: Deadline) -> tuple[str, ...]:
 
 
 def _part_functions(options, on_row=None) -> dict:
+    """Each part's function of its :class:`~bench.parts.Deadline`, returning its entries; the modules the parts run
+    (torch's, transformers', the models') are imported here."""
+    from bench.diagnostics import attention_backends_check, host_syncs_check
+    from bench.parts import run_tests
+    from bench.step_table import step_table_check
+
     tests = {
         part: (lambda d, names=names: run_tests(names, _test_options(options, d), d))
         for part, names in _check_tests(options).items()
@@ -166,6 +162,9 @@ def _part_functions(options, on_row=None) -> dict:
 def fp8_gemm_check(options, deadline: Deadline) -> dict:
     """The ``fp8_gemm`` entry: ``spider-measure-fp8-gemms``'s ``rows`` (seconds per variant, FP8's speedup) and its
     table as ``fp8_gemm_table``, measured at ``--fp8_gemm_presets`` / ``--fp8_gemm_batches`` until `deadline`."""
+    from bench.parts import TIME_BUDGET, default_device, entry
+    from spider_training.commands.measure_fp8_gemms import measure_gemm_table
+
     device = default_device()
     measured = measure_gemm_table(
         options.fp8_gemm_presets,
@@ -191,6 +190,16 @@ def fp8_gemm_check(options, deadline: Deadline) -> dict:
     )
 
 
+def _freeze_imported() -> None:
+    """Leave the objects alive now, the imported libraries and models' modules, out of the garbage collections that
+    follow until :func:`run` ends (``gc.freeze``; ``gc.unfreeze`` at the end): ``bench.parts.free_memory`` collects
+    after every part and step-table row, and pytest twice after each part's tests, and on a CPU each full collection
+    over torch's, transformers' and the models' objects took ~0.4 s. What the parts build is made after this point,
+    and collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def _placeholder_names(part: str, options) -> list[str]:
     return list(_check_tests(options).get(part, {part: part}).values())
 
@@ -207,9 +216,32 @@ def run(
     `options` are the command's size/steps flags (see :func:`build_parser`). `progress`, if given, is called with the
     result so far (``"complete": False``; a step table still running appears with status ``"running"`` and its rows)
     after each part and each step-table row."""
+    import torch
+
+    from bench.common import environment
+    from bench.parts import (
+        MIN_PART_S,
+        TIME_BUDGET,
+        Deadline,
+        PartTimeout,
+        default_device,
+        entry,
+        error_reason,
+        free_memory,
+        hard_limit,
+    )
+
     namespace = build_parser().parse_args([])
     vars(namespace).update(presets=list(presets), **options)
     caps = {**PART_CAPS_S, **(caps or {})}
+    # the parts' modules (torch's, transformers', the models') are imported before the budget starts, and only when a
+    # part fits it (each gets at most its cap and what is left, and needs MIN_PART_S)
+    fits = budget_s is None or any(min(caps[part], budget_s) >= MIN_PART_S for part in PARTS if part in only)
+    functions = (
+        _part_functions(namespace, lambda rows: report([entry("step_table", "running", rows=rows)])) if fits else {}
+    )
+    if fits:
+        _freeze_imported()
     start = time.perf_counter()
     total = Deadline(budget_s)
     checks, parts = [], []
@@ -227,38 +259,43 @@ def run(
                 }
             )
 
-    functions = _part_functions(namespace, on_row=lambda rows: report([entry("step_table", "running", rows=rows)]))
-    for part in PARTS:
-        if part not in only:
-            continue
-        allowed = None if budget_s is None else min(caps[part], total.left())  # no budget: no caps either
-        if allowed is not None and allowed < MIN_PART_S:
-            left = max(0.0, total.left())
-            checks += [
-                entry(name, "skipped", f"{TIME_BUDGET}: {left:.0f} s of --budget_s {budget_s:g} left")
-                for name in _placeholder_names(part, namespace)
-            ]
-            parts.append({"name": part, "allowed_s": round(left, 1), "seconds": 0.0, "ran": False})
-            continue
-        part_start = time.perf_counter()
-        try:
-            with contextlib.redirect_stdout(sys.stderr), hard_limit(allowed):
-                entries = functions[part](Deadline(allowed))
-        except PartTimeout as exc:
-            entries = [entry(name, "skipped", f"{TIME_BUDGET}: {exc}") for name in _placeholder_names(part, namespace)]
-        except Exception as exc:  # noqa: BLE001 - one broken part does not hide the others
-            entries = [entry(name, "failed", error_reason(exc)) for name in _placeholder_names(part, namespace)]
-        free_memory()
-        checks += entries
-        parts.append(
-            {
-                "name": part,
-                "allowed_s": None if allowed is None else round(allowed, 1),
-                "seconds": round(time.perf_counter() - part_start, 2),
-                "ran": True,
-            }
-        )
-        report()
+    try:
+        for part in PARTS:
+            if part not in only:
+                continue
+            allowed = None if budget_s is None else min(caps[part], total.left())  # no budget: no caps either
+            if allowed is not None and allowed < MIN_PART_S:
+                left = max(0.0, total.left())
+                checks += [
+                    entry(name, "skipped", f"{TIME_BUDGET}: {left:.0f} s of --budget_s {budget_s:g} left")
+                    for name in _placeholder_names(part, namespace)
+                ]
+                parts.append({"name": part, "allowed_s": round(left, 1), "seconds": 0.0, "ran": False})
+                continue
+            part_start = time.perf_counter()
+            try:
+                with contextlib.redirect_stdout(sys.stderr), hard_limit(allowed):
+                    entries = functions[part](Deadline(allowed))
+            except PartTimeout as exc:
+                entries = [
+                    entry(name, "skipped", f"{TIME_BUDGET}: {exc}") for name in _placeholder_names(part, namespace)
+                ]
+            except Exception as exc:  # noqa: BLE001 - one broken part does not hide the others
+                entries = [entry(name, "failed", error_reason(exc)) for name in _placeholder_names(part, namespace)]
+            free_memory()
+            checks += entries
+            parts.append(
+                {
+                    "name": part,
+                    "allowed_s": None if allowed is None else round(allowed, 1),
+                    "seconds": round(time.perf_counter() - part_start, 2),
+                    "ran": True,
+                }
+            )
+            report()
+    finally:
+        if fits:
+            gc.unfreeze()
     env = environment()
     env.update(
         cuda=torch.cuda.is_available(),
@@ -418,7 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # before any torch import: a bad flag costs only an interpreter start
+    from spider_training.checkpointing import write_json
+
     args.step_table_models = [DEPRECATED_ROW_NAMES.get(label, label) for label in args.step_table_models]
     kept = ("only", "out", "progress_log", "budget_s", "presets", "part_cap")
     options = {k: v for k, v in vars(args).items() if k not in kept}

@@ -32,33 +32,19 @@ from bench.parts import (
     free_memory,
     train_step_of,
 )
+from bench.step_table_rows import (  # noqa: F401  (re-exported: the names bench.gpu_check parses its flags with)
+    DEPRECATED_ROW_NAMES,
+    FP8_COMPILED_ROWS,
+    STEP_TABLE_MODEL_CHOICES,
+    STEP_TABLE_MODELS,
+    STEP_TABLE_SHAPES,
+    TK_TRAIN_RECIPE_SHAPE,
+)
 from spider_training.peers import peer_model
 from spider_training.profiling import graphs_compiled
 from spider_training.step_times import SegmentAxisRecorder, repeated_axis_summary
 from spider_training.throughput import measured_matmul_flops, synchronize
 
-STEP_TABLE_SHAPES = ((32, 256), (8, 2048))
-#: the compiled FP8 rows (on request; issue 51): row -> (torchao recipe, ``--fp8_experts``). FP8 is judged under
-#: ``torch.compile``, where torchao states its gains (eager ``Float8Linear`` pays separate amax and cast kernels)
-FP8_COMPILED_ROWS = {
-    "spider_fp8_compiled": ("tensorwise", "auto"),
-    "spider_fp8_bf16_experts_compiled": ("tensorwise", "off"),
-    "spider_fp8_rowwise_compiled": ("rowwise", "auto"),
-}
-#: the step table's rows at each shape (bench/README.md, "Module notes": the order they run in)
-STEP_TABLE_MODELS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_fp8", "spider_compiled")
-#: every row kind ``--step_table_models`` may name (``spider_eager_experts``: the experts looped over, as the
-#: per-expert layout ran them)
-STEP_TABLE_MODEL_CHOICES = (
-    *STEP_TABLE_MODELS,
-    "spider_eager_experts",
-    "spider_word_rate_compiled",
-    "spider_tk_train_recipe_compiled",
-    "spider_compiled_automatic_dynamic",
-    *FP8_COMPILED_ROWS,
-)
-#: row names of earlier versions, still accepted by ``--step_table_models`` (tk-train.py was called "the seed")
-DEPRECATED_ROW_NAMES = {"spider_seed_recipe_compiled": "spider_tk_train_recipe_compiled"}
 #: the rows that run first, shape by shape (the compiled, tk-train-recipe and FP8 rows follow: ``step_table_check``)
 _COMPARISON_ROWS = ("spider", "spider_word_rate", "deepseek_v3", "llama_dense", "spider_eager_experts")
 #: compiled rows and the eager row whose FLOPs each reports (a dispatch mode does not see into compiled graphs, so
@@ -74,10 +60,6 @@ _EAGER_TWIN = {
 #: as the first loop's, during its first steps: ``graphs_compiled_per_step``); every compiled row is an eager row's
 #: twin
 STEP_TABLE_WARMUP = dict.fromkeys(_EAGER_TWIN, 3)
-#: tk-train.py's micro-batch (``tk-train.py``: 112 windows of 256 bytes, activation checkpointing): the
-#: ``spider_tk_train_recipe``
-#: row after the table
-TK_TRAIN_RECIPE_SHAPE = (112, 256)
 
 
 def _step_row(

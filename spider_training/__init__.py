@@ -16,5 +16,6 @@ Robustness: ``checkpointing`` (atomic checkpoints), ``preemption`` (graceful sto
 Releases: ``release`` (the folder ``from_pretrained`` loads), ``model_card``, ``hub`` (pushes that never stall
 training), ``sft`` (TRL fine-tuning).
 Commands (``commands/``: ``spider-serve``, ``spider-generate``, ``spider-evaluate``, ``spider-compute-map``,
-``spider-write-shards``, ``spider-convert-tk-train``, ``spider-measure-fp8-gemms``, ``spider-measure-sdpa-backends``).
+``spider-write-shards``, ``spider-convert-tk-train``, ``spider-measure-fp8-gemms``, ``spider-measure-sdpa-backends``);
+``shapes``: their ``BATCHxBYTES`` flags, parsed without importing torch.
 Old module paths kept as aliases, with the version that removes each: ``compatibility``."""

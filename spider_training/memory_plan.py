@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import textwrap
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from configuration_spider import SpiderConfig
-from spider_training.throughput import count_flops
+# torch and the model are imported where a plan is computed: rendering a saved plan (``spider-memory-plan --report``,
+# ``python -m bench.memory_plan --report``) needs neither
 
 GIB = 1024**3
 GPU_MEMORY_GIB = 80  # H100 / A100 80 GB (B200: 180 GB)
@@ -50,6 +52,9 @@ PROBE_LENGTHS = (128, 256)
 
 
 def meta_model(preset: str, **overrides):
+    import torch
+
+    from configuration_spider import SpiderConfig
     from modeling_spider import SpiderForConditionalGeneration
 
     with torch.device("meta"):
@@ -105,6 +110,7 @@ class SavedActivations:
         return t
 
     def __enter__(self):
+        import torch
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         calls = {"n": 0}
@@ -134,6 +140,7 @@ def training_loops_max(preset: str) -> int:
     """The most recurrent loops a training step of `preset` runs with the default arguments: the preset's ``n_loops``
     plus ``SpiderTrainingArguments.extra_train_loops`` (each step draws its count from ``n_loops .. n_loops +
     extra``)."""
+    from configuration_spider import SpiderConfig
     from spider_training.arguments import SpiderTrainingArguments
 
     return SpiderConfig.from_preset(preset).n_loops + SpiderTrainingArguments.extra_train_loops
@@ -142,7 +149,11 @@ def training_loops_max(preset: str) -> int:
 def probe(preset: str, length: int, seed: int = 0, n_loops: int | None = None) -> dict[str, float]:
     """One sequence of `length` bytes through the preset on CPU (fp32) at `n_loops` recurrent loops (None: the
     preset's): saved-activation bytes without and with checkpointing, and the FLOPs of a forward + backward."""
+    import torch
+
+    from configuration_spider import SpiderConfig
     from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.throughput import count_flops
 
     cfg = SpiderConfig.from_preset(
         preset, boundary_mode="fixed"

@@ -30,6 +30,7 @@ from torch import nn
 
 from spider_training import fp8
 from spider_training.checkpointing import write_json
+from spider_training.shapes import DEFAULT_BATCHES, parse_batch
 from spider_training.throughput import synchronize
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
     "main",
 ]
 
-#: (batch, bytes) per micro-batch: the step table's shapes and tk-train.py's recipe
-DEFAULT_BATCHES = ((8, 2048), (32, 256), (112, 256))
 LINEAR_RECIPES = ("tensorwise", "rowwise")
 
 
@@ -177,17 +176,6 @@ def measure_gemm_table(
         "skipped": skipped,
         "table": {"gpus": {name: gpu}},
     }
-
-
-def parse_batch(text: str) -> tuple[int, int]:
-    """``"32x256"`` -> ``(32, 256)``: a micro-batch, BATCHxBYTES (batch >= 1, bytes >= 2), else argparse's error."""
-    try:
-        batch, length = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCHxBYTES such as 32x256, got {text!r}") from None
-    if batch < 1 or length < 2:
-        raise argparse.ArgumentTypeError(f"batch must be >= 1 and bytes >= 2, got {text!r}")
-    return batch, length
 
 
 def main(argv=None) -> int:

@@ -19,10 +19,8 @@ import os
 import platform
 from pathlib import Path
 
-import torch
-
-from spider_training.checkpointing import write_json
-from spider_training.memory_plan import render, run
+# torch is imported where a plan is computed: a bad flag, and --report, cost an interpreter start
+from spider_training.memory_plan import render
 
 __all__ = ["plan", "main"]
 
@@ -52,7 +50,10 @@ def plan(argv=None) -> dict:
         except (OSError, ValueError) as e:
             parser.error(f"--report {args.report}: {e}")
     else:
+        import torch
         import transformers
+
+        from spider_training.memory_plan import run
 
         environment = {
             "torch": torch.__version__,
@@ -63,6 +64,8 @@ def plan(argv=None) -> dict:
         }
         result = {**run(args.preset, args.seq_len, args.gpus), "environment": environment}
     if args.out:
+        from spider_training.checkpointing import write_json
+
         write_json(args.out, result)
     if args.markdown:
         print(render(result), end="")
