@@ -109,11 +109,16 @@ def compiled_run(tmp_path_factory):
     from types import SimpleNamespace
 
     from torch._dynamo.utils import counters
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.utils import fresh_cache
 
     from spider_training.compile import configure_dynamo
     from tests.helpers import tiny_model
 
+    # Inductor probes the CPU's vector instruction sets once per process, building a small library per set into its
+    # cache folder: here in its default folder, where those builds stay from run to run, not in the empty folder
+    # below (where they took 10-17 s of compiler runs every time).
+    pick_vec_isa()
     configure_dynamo()
     norm = tiny_model(seed=0).model.norm
     x = torch.randn(2, 8, norm.weight.shape[0], requires_grad=True)
