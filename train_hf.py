@@ -7,7 +7,8 @@ release -- is wired in :mod:`spider_training.train`, so that an installed packag
 top-level ``train_hf`` module; ``--help`` lists every flag.
 """
 
-from spider_training.train import main
+from spider_training.train import main, skip_final_collection
 
 if __name__ == "__main__":
     main()
+    skip_final_collection()  # the process exits at once, without collecting the libraries' objects first

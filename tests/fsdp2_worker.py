@@ -19,6 +19,7 @@ FP8 and ``--compile``'s compiled layers under FSDP2). Results go to ``OUT_DIR/ra
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import sys
@@ -194,3 +195,4 @@ def main(out_dir: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1])
+    gc.freeze()  # exit without collecting the libraries' objects first (as train_hf.py: 1-3 s per rank)

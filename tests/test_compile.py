@@ -56,50 +56,135 @@ class _StepAndShapes(TrainerCallback):
             self.hooked = True
 
 
-@pytest.mark.slow
-def test_compiled_training_compiles_only_in_its_first_step(tmp_path):
-    """`train_hf.py --compile` on the tiny preset: 12 steps whose segment counts differ; the first step compiles the
-    3 graphs (the byte layers, the recurrent layers, the recurrent layer with Engram, each kind a compiled function of
-    its own) and nothing recompiles, then or later."""
+def _common_run_flags(output_dir) -> list[str]:
+    """`train_hf.py --compile` on the tiny preset with dynamo's `eager` backend, mock data, no evaluation or sample."""
+    return [
+        "--preset",
+        "tiny",
+        "--data",
+        "mock",
+        "--compile",
+        "--torch_compile_backend",
+        "eager",
+        "--ckpt_dir",
+        str(output_dir),
+        "--eval_strategy",
+        "no",
+        "--sample_bytes",
+        "0",
+        "--dataloader_num_workers",
+        "0",
+    ]
+
+
+def _compile_norm(norm, x) -> dict:
+    """An inductor compile of one RMSNorm (forward and backward) after a dynamo reset: inductor's counters."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(norm, backend="inductor", fullgraph=True)(x).sum().backward()
+    return dict(counters["inductor"])
+
+
+class _Messages(logging.Handler):
+    """Records every message of the loggers it is added to."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    """Two `--compile` runs, shared by the recompile test and the warm-start test. The first, 12 steps, starts in an
+    empty inductor cache right after an inductor compile of one RMSNorm (`configure_dynamo`'s settings, which change
+    the graphs and so the cache keys, set first, as in the run), with dynamo's recompile log recorded per step, and
+    writes a checkpoint at its last step (which carries the compiled artifacts). The second resumes that checkpoint
+    in another empty cache (a new machine's: only the checkpoint's artifacts can serve a compile), for one step more,
+    and the RMSNorm is compiled again after it."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.utils import fresh_cache
+
+    from spider_training.compile import configure_dynamo
+    from tests.helpers import tiny_model
+
+    # Inductor probes the CPU's vector instruction sets once per process, building a small library per set into its
+    # cache folder: here in its default folder, where those builds stay from run to run, not in the empty folder
+    # below (where they took 10-17 s of compiler runs every time).
+    pick_vec_isa()
+    configure_dynamo()
+    norm = tiny_model(seed=0).model.norm
+    x = torch.randn(2, 8, norm.weight.shape[0], requires_grad=True)
+    folder = tmp_path_factory.mktemp("compiled_run")
     log = _RecompileLog()
     callback = _StepAndShapes(log)
     dynamo_logger = logging.getLogger("torch._dynamo")
-    torch._logging.set_logs(recompiles=True)
-    dynamo_logger.addHandler(log)
+    trainer_messages = _Messages()
+    trainer_logger = logging.getLogger("spider_training.trainer")
     try:
-        torch._dynamo.reset()
-        counters.clear()
-        summary = train_hf.main(
-            [
-                "--preset",
-                "tiny",
-                "--data",
-                "mock",
-                "--max_steps",
-                str(STEPS),
-                "--compile",
-                "--torch_compile_backend",
-                "eager",
-                "--ckpt_dir",
-                str(tmp_path / "run"),
-                "--save_strategy",
-                "no",
-                "--eval_strategy",
-                "no",
-                "--sample_bytes",
-                "0",
-                "--dataloader_num_workers",
-                "0",
-            ],
-            callbacks=[callback],
-        )
-        graphs = counters["stats"]["unique_graphs"]
+        with fresh_cache():  # an empty cache folder of its own
+            torch.compiler.reset()  # nothing recorded from earlier tests
+            cold = _compile_norm(norm, x)
+            torch._dynamo.reset()
+            counters.clear()
+            torch._logging.set_logs(recompiles=True)
+            dynamo_logger.addHandler(log)
+            try:
+                summary = train_hf.main(
+                    [*_common_run_flags(folder / "run"), "--max_steps", str(STEPS), "--save_steps", str(STEPS)],
+                    callbacks=[callback],
+                )
+                graphs = counters["stats"]["unique_graphs"]
+            finally:
+                dynamo_logger.removeHandler(log)
+                torch._logging.set_logs()
+        checkpoint = folder / "run" / f"checkpoint-{STEPS}"
+        level = trainer_logger.level
+        with fresh_cache():
+            trainer_logger.addHandler(trainer_messages)
+            trainer_logger.setLevel(logging.INFO)
+            try:
+                resumed = train_hf.main(
+                    [
+                        *_common_run_flags(folder / "resumed"),
+                        "--max_steps",
+                        str(STEPS + 1),
+                        "--resume",
+                        str(checkpoint),
+                    ]
+                )
+            finally:
+                trainer_logger.removeHandler(trainer_messages)
+                trainer_logger.setLevel(level)
+            warm = _compile_norm(norm, x)
     finally:
-        dynamo_logger.removeHandler(log)
-        torch._logging.set_logs()
         torch._dynamo.reset()
+    return SimpleNamespace(
+        checkpoint=checkpoint,
+        cold=cold,
+        summary=summary,
+        graphs=graphs,
+        log=log,
+        callback=callback,
+        resumed=resumed,
+        resumed_messages=trainer_messages.messages,
+        warm=warm,
+    )
+
+
+@pytest.mark.slow
+def test_compiled_training_compiles_only_in_its_first_step(compiled_run):
+    """`train_hf.py --compile` on the tiny preset: 12 steps whose segment counts differ; the first step compiles the
+    3 graphs (the byte layers, the recurrent layers, the recurrent layer with Engram, each kind a compiled function of
+    its own) and nothing recompiles, then or later."""
+    summary, log, callback, graphs = compiled_run.summary, compiled_run.log, compiled_run.callback, compiled_run.graphs
     assert summary["steps"] == STEPS
     axes, counts = callback.segment_axes, callback.segment_counts
     assert len(axes) == len(counts) == STEPS and all(axis % 16 == 0 for axis in axes)  # padded to multiples of 16
@@ -365,69 +450,26 @@ def test_a_second_compile_reuses_aotautograd_cache_without_retracing():
 
 
 @pytest.mark.slow
-def test_compiled_artifacts_travel_with_a_checkpoint_and_warm_a_resumed_run(tmp_path, caplog):
+def test_compiled_artifacts_travel_with_a_checkpoint_and_warm_a_resumed_run(compiled_run, tmp_path, caplog):
     """The warm start (`spider_training.compile`): a `--compile` run writes what this process compiled
     (`torch.compiler.save_cache_artifacts`) into each checkpoint as `compile_artifacts.bin`, and a run resumed from it
     loads them, so an empty inductor cache then serves the compile from them (a hit, no code generated). The inductor
     compile here is one RMSNorm, standing in for a model's layers (the tiny preset's take a minute on 2 cores); the
-    training runs use the `eager` backend, so the artifacts in the checkpoint are that RMSNorm's. A file that does not
-    load is skipped with a warning, never an error."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_cache
+    training runs (`compiled_run`) use the `eager` backend, so the artifacts in the checkpoint are that RMSNorm's. A
+    file that does not load is skipped with a warning, never an error."""
+    from spider_training.compile import COMPILE_ARTIFACTS_NAME, load_compile_artifacts
 
-    from spider_training.compile import COMPILE_ARTIFACTS_NAME, configure_dynamo, load_compile_artifacts
-    from tests.helpers import tiny_model
-
-    configure_dynamo()  # as in the runs below (it changes the graphs, so the cache keys), before the first compile
-    norm = tiny_model(seed=0).model.norm
-    x = torch.randn(2, 8, norm.weight.shape[0], requires_grad=True)
-
-    def compile_norm():
-        torch._dynamo.reset()
-        counters.clear()
-        torch.compile(norm, backend="inductor", fullgraph=True)(x).sum().backward()
-        return dict(counters["inductor"])
-
-    common = [
-        "--preset",
-        "tiny",
-        "--data",
-        "mock",
-        "--compile",
-        "--torch_compile_backend",
-        "eager",
-        "--ckpt_dir",
-        str(tmp_path / "run"),
-        "--eval_strategy",
-        "no",
-        "--sample_bytes",
-        "0",
-        "--dataloader_num_workers",
-        "0",
-        "--save_steps",
-        "2",
-    ]
-    try:
-        with fresh_cache():  # an empty cache folder of its own
-            torch.compiler.reset()  # nothing recorded from earlier tests
-            assert compile_norm().get("fxgraph_cache_miss", 0) >= 1
-            train_hf.main([*common, "--max_steps", "2"])
-        checkpoint = tmp_path / "run" / "checkpoint-2"
-        assert (checkpoint / COMPILE_ARTIFACTS_NAME).stat().st_size > 0
-        with fresh_cache():  # a new machine's empty cache: only the checkpoint's artifacts can serve the compile
-            with caplog.at_level(logging.INFO, logger="spider_training.trainer"):
-                summary = train_hf.main([*common, "--max_steps", "3", "--resume", str(checkpoint)])
-            assert summary["steps"] == 3
-            assert any("compiled artifacts loaded" in record.getMessage() for record in caplog.records)
-            warm = compile_norm()
-        (tmp_path / "broken").mkdir()
-        (tmp_path / "broken" / COMPILE_ARTIFACTS_NAME).write_bytes(b"not a cache")
-        with caplog.at_level(logging.WARNING, logger="spider_training.compile"):
-            assert load_compile_artifacts(tmp_path / "broken") is False
-        assert any("compiling from scratch" in record.getMessage() for record in caplog.records)
-    finally:
-        torch._dynamo.reset()
+    assert compiled_run.cold.get("fxgraph_cache_miss", 0) >= 1
+    assert (compiled_run.checkpoint / COMPILE_ARTIFACTS_NAME).stat().st_size > 0
+    assert compiled_run.resumed["steps"] == STEPS + 1
+    assert any("compiled artifacts loaded" in message for message in compiled_run.resumed_messages)
+    warm = compiled_run.warm
     assert warm.get("fxgraph_cache_hit", 0) >= 1 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / COMPILE_ARTIFACTS_NAME).write_bytes(b"not a cache")
+    with caplog.at_level(logging.WARNING, logger="spider_training.compile"):
+        assert load_compile_artifacts(tmp_path / "broken") is False
+    assert any("compiling from scratch" in record.getMessage() for record in caplog.records)
 
 
 def test_a_compile_cache_that_cannot_be_serialised_leaves_the_checkpoint_without_it(tmp_path, monkeypatch, caplog):

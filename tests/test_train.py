@@ -336,17 +336,30 @@ def test_config_overrides_use_the_transformers_format(tmp_path):
         bad.update_from_string("n_loops=0")
 
 
-def test_smoke_fp32_writes_complete_checkpoints_and_release(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    """One finished 6-step fp32 run (a checkpoint every 2 steps, the newest two kept, and the release), shared by the
+    tests that read one: the smoke test, resume, --reset_steps and the release in a fresh process (each copies what
+    it changes). Returns the output folder, the summary, and the n_loops of every held-out scoring pass (Trainer's
+    evaluation loop)."""
     from spider_training.trainer import SpiderTrainer
 
-    scored = []  # n_loops of every held-out scoring pass (Trainer's evaluation loop)
+    scored = []
     original = SpiderTrainer.evaluation_loop
-    monkeypatch.setattr(
-        SpiderTrainer,
-        "evaluation_loop",
-        lambda self, *args, **kwargs: scored.append(self.n_loops) or original(self, *args, **kwargs),
-    )
-    out, summary = run(tmp_path, "fp32", "--max_steps", "6", "--save_steps", "2", "--precision", "fp32")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(
+            SpiderTrainer,
+            "evaluation_loop",
+            lambda self, *args, **kwargs: scored.append(self.n_loops) or original(self, *args, **kwargs),
+        )
+        out, summary = run(
+            tmp_path_factory.mktemp("fp32_run"), "fp32", "--max_steps", "6", "--save_steps", "2", "--precision", "fp32"
+        )
+    return out, summary, scored
+
+
+def test_smoke_fp32_writes_complete_checkpoints_and_release(fp32_run):
+    out, summary, scored = fp32_run
     # before training, at each of the 6 steps, then loops 1 and 4 only (the final step's score is reused for
     # eval_after and the trained loop count, not computed again), and once with ACT early exit (the configured count)
     assert sorted(map(str, scored)) == sorted(["None"] * 8 + ["1", "4"]), scored
@@ -425,23 +438,25 @@ def test_smoke_bf16_and_emulated_fp8(tmp_path, precision):
 
 
 @pytest.mark.slow
-def test_resume_continues_the_same_trajectory(tmp_path):
-    straight, _ = run(tmp_path, "straight", "--max_steps", "6", "--save_steps", "3", "--save_total_limit", "4")
+def test_resume_continues_the_same_trajectory(tmp_path, fp32_run):
+    straight, _, _ = fp32_run
     expected = losses(straight, 6)
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
-    shutil.copytree(straight / "checkpoint-3", resumed_dir / "checkpoint-3")
+    shutil.copytree(straight / "checkpoint-4", resumed_dir / "checkpoint-4")
     # auto-resume: picks the newest complete checkpoint of ckpt_dir, ignoring staging debris
     (resumed_dir / checkpointing.STAGING_DIRNAME / "checkpoint-9").mkdir(parents=True)
-    train_hf.main(TINY + ["--ckpt_dir", str(resumed_dir), "--max_steps", "6", "--save_steps", "3"])
+    train_hf.main(
+        TINY + ["--ckpt_dir", str(resumed_dir), "--max_steps", "6", "--save_steps", "2", "--precision", "fp32"]
+    )
     got = losses(resumed_dir, 6)
-    for step in (4, 5, 6):
+    for step in (5, 6):
         assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5), step
 
 
 @pytest.mark.slow
-def test_reset_steps_loads_weights_only(tmp_path):
-    first, _ = run(tmp_path, "first", "--max_steps", "2", "--save_steps", "2")
+def test_reset_steps_loads_weights_only(tmp_path, fp32_run):
+    first, _, _ = fp32_run
     second, summary = run(
         tmp_path,
         "second",
@@ -450,17 +465,17 @@ def test_reset_steps_loads_weights_only(tmp_path):
         "--save_steps",
         "2",
         "--resume",
-        str(first / "checkpoint-2"),
+        str(first / "checkpoint-6"),
         "--reset_steps",
     )
-    assert summary["steps"] == 2  # restarted at step 0
+    assert summary["steps"] == 2  # restarted at step 0 (resuming the step-6 checkpoint would have stopped at 6)
 
 
 @pytest.mark.slow
-def test_release_loads_in_fresh_process(tmp_path):
+def test_release_loads_in_fresh_process(tmp_path, fp32_run):
     """The release loads and generates in a fresh process with the Auto classes, and the model card's Usage snippet,
     exactly as a reader copies it (it names this folder: no hub id was given), runs there first, on its own."""
-    out, _ = run(tmp_path, "rel", "--max_steps", "2", "--save_steps", "2")
+    out, _, _ = fp32_run
     card = (out / "release" / "README.md").read_text()
     usage = card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert f'repo = "{out / "release"}"' in usage
@@ -472,6 +487,7 @@ def test_release_loads_in_fresh_process(tmp_path):
         "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "ids = t('Hello', return_tensors='pt')\n"
         "print('generated length', m.generate(**ids, max_new_tokens=3, do_sample=False).shape[1])\n"
+        "import gc; gc.freeze()\n"  # exit without collecting transformers' objects first (about 1.5 s)
     )
     stdout = run_fresh_python(code, str(out / "release"), workdir=tmp_path)
     assert stdout.startswith("The state of the Union is")
