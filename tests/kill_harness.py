@@ -164,6 +164,10 @@ class _Life:
     def poll(self) -> int | None:
         return self.process.exitcode
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
     def kill(self) -> None:
         self.process.kill()  # SIGKILL
 
@@ -217,6 +221,14 @@ def losses(output_dir: Path, step: int) -> dict[int, float]:
 
 def _start(context, cmd: list[str], log_path: Path) -> _Life:
     return _Life(context, cmd, log_path)
+
+
+def start_train_hf(argv: list[str], log_path: Path) -> _Life:
+    """``python train_hf.py ARGV`` as a life: a fresh process forked from the fork server (started on first use, with
+    :data:`LIFE_ENVIRONMENT`), its stdout and stderr in `log_path`; ``poll``/``kill``/``wait``/``returncode`` and
+    ``pid`` (send it signals) as on a ``subprocess.Popen``. Used by tests that signal a training run
+    (``tests/test_fault_tolerance.py``)."""
+    return _Life(_life_context(), argv, log_path)
 
 
 def _resumed_from(log_text: str) -> str | None:

@@ -1,7 +1,8 @@
 """Fault tolerance of training: preemption signals, full/read-only disk, one run per folder, NaN/inf steps.
 
 The fast tests drive a real ``SpiderTrainer`` (tiny preset, mock data, CPU) in-process; the ``slow`` ones start
-``train_hf.py`` in a subprocess and send it real signals. Test doubles, named as such: ``NaNLossAtSteps`` (a forward
+``train_hf.py`` in a process of its own (forked from the kill harness's fork server, which imported the training
+libraries once) and send it real signals. Test doubles, named as such: ``NaNLossAtSteps`` (a forward
 hook poisoning the real model's loss at chosen steps -- a NaN cannot be provoked on demand otherwise) and
 ``FullDiskWriter`` (raises ``OSError(ENOSPC)`` from the safetensors writer; used where no tmpfs can be mounted).
 """
@@ -403,10 +404,17 @@ def test_stop_callback_without_signals_is_refused():
         StopOnSignalCallback(())
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "train_hf.py"), *TINY, "--ckpt_dir", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 intra-op threads make tiny steps 10-100x slower on 2 cores
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _start(out: Path, log: Path, *extra: str):
+    """``python train_hf.py`` on the tiny preset into `out`, its output in `log`: a process of its own, forked from the
+    kill harness's fork server (:func:`tests.kill_harness.start_train_hf`: the training libraries imported once, not
+    by every run; ``OMP_NUM_THREADS=1``, as 2 intra-op threads make tiny steps 10-100x slower on 2 cores)."""
+    from tests.kill_harness import start_train_hf
+
+    return start_train_hf([*TINY, "--ckpt_dir", str(out), *extra], log)
+
+
+def _output(log: Path) -> str:
+    return log.read_text(errors="replace") if log.exists() else ""
 
 
 def _log_steps(output_dir: Path, step: int) -> list[int]:
@@ -419,20 +427,16 @@ def _log_steps(output_dir: Path, step: int) -> list[int]:
 def test_train_hf_preempted_then_resumed(tmp_path, signum):
     out = tmp_path / "run"
     args = ["--max_steps", "12", "--save_steps", "1000"]
-    proc = _start(out, *args)
+    proc = _start(out, tmp_path / "first.log", *args)
     # wait for the first logged step (Trainer prints each log dict, "{'loss': ...}", at the end of a step)
-    lines: list[str] = []
     deadline = time.monotonic() + 180
-    while True:
-        line = proc.stdout.readline()
-        assert line, f"train_hf.py ended before logging a step:\n{''.join(lines)[-3000:]}"
-        lines.append(line)
-        if "'loss'" in line:
-            break
+    while "'loss'" not in (text := _output(tmp_path / "first.log")):
+        assert proc.poll() is None, f"train_hf.py ended before logging a step:\n{text[-3000:]}"
         assert time.monotonic() < deadline, "no step logged in time"
-    proc.send_signal(signum)
-    rest, _ = proc.communicate(timeout=180)
-    text = "".join(lines) + rest
+        time.sleep(0.01)
+    os.kill(proc.pid, signum)
+    proc.wait(timeout=180)
+    text = _output(tmp_path / "first.log")
     assert proc.returncode == 0, text[-3000:]
     name = signal.Signals(signum).name
     stopped = [line for line in text.splitlines() if line.startswith(f"stopped by {name} at step ")]
@@ -445,8 +449,9 @@ def test_train_hf_preempted_then_resumed(tmp_path, signum):
     if signum != signal.SIGTERM:
         return  # the resume below does not depend on which signal stopped the run: once is enough
     # restart with the same command: resumes from `step`, reaches max_steps
-    proc = _start(out, *args)
-    text, _ = proc.communicate(timeout=300)
+    proc = _start(out, tmp_path / "restart.log", *args)
+    proc.wait(timeout=300)
+    text = _output(tmp_path / "restart.log")
     assert proc.returncode == 0, text[-3000:]
     assert f"resuming from {out / f'checkpoint-{step}'}" in text
     assert _log_steps(out, 12)[-1] == 12
