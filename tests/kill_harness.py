@@ -227,7 +227,7 @@ def start_train_hf(argv: list[str], log_path: Path) -> _Life:
     """``python train_hf.py ARGV`` as a life: a fresh process forked from the fork server (started on first use, with
     :data:`LIFE_ENVIRONMENT`), its stdout and stderr in `log_path`; ``poll``/``kill``/``wait``/``returncode`` and
     ``pid`` (send it signals) as on a ``subprocess.Popen``. Used by tests that signal a training run
-    (``tests/test_fault_tolerance.py``)."""
+    (``tests/test_kill_resume.py``'s preemption test)."""
     return _Life(_life_context(), argv, log_path)
 
 
