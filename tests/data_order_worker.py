@@ -53,9 +53,7 @@ class _OutputTo:
 def main(argv: list[str]) -> None:
     """Run the runs of the plan ``argv[0]`` (see the module docstring)."""
     plan = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    import datasets.config
-
-    from spider_training import train
+    from spider_training import train  # first, as in train_hf.py (it imports some libraries quietly)
     from spider_training.data import cache
     from spider_training.trainer import SpiderTrainer
 
@@ -73,6 +71,8 @@ def main(argv: list[str]) -> None:
 
     SpiderTrainer.training_step = recording_step
     cache._build = counted_build
+    import datasets.config  # where the byte cache's default folder is read (after train: see the first import)
+
     # the imports' objects out of the garbage collector's reach: Trainer starts every train() with a full collection
     # (~0.4 s over them each time, in each process); what the runs make is collected as before
     gc.freeze()
