@@ -4,8 +4,12 @@ streamed corpus is split between the ranks (disjoint parts) and a two-process re
 exactly.
 
 Each run is ``train_hf.py``'s entry point under ``torchrun`` (gloo), recording what every rank trained on
-(:mod:`tests.data_order_worker`). The one-process order is Trainer's own loader for the same arguments, built in this
-process (``build_trainer(...).get_train_dataloader()``: what a one-process ``train_hf.py`` iterates).
+(:mod:`tests.data_order_worker`). Two launches carry all the runs (each process runs its launch's runs one after the
+other: an interpreter start with the training libraries costs more than a tiny run): the first the byte-cache run
+and the uninterrupted streamed runs (0 and 2 dataloader workers), the second, in fresh processes as a restart is,
+the streamed runs resumed from their checkpoints. The one-process order is Trainer's own loader for the same
+arguments, built in this process (``build_trainer(...).get_train_dataloader()``: what a one-process ``train_hf.py``
+iterates).
 """
 
 from __future__ import annotations
@@ -65,23 +69,36 @@ def train_args(corpus: Path, output_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def run_two_processes(tmp_path: Path, record_dir: Path, args: list[str], datasets_cache: Path) -> dict[int, dict]:
-    """``torchrun --standalone --nproc_per_node 2`` of :mod:`tests.data_order_worker` with `args`; each rank's record
-    (``{rank: {"steps": [[step, input_ids], ...], "encoded": n}}``) and the run's combined output under ``"log"``."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "HF_DATASETS_CACHE": str(datasets_cache),
-        "HF_DATASETS_OFFLINE": "1",
-    }
+def run_two_processes(tmp_path: Path, runs: list[dict]) -> list[dict]:
+    """One ``torchrun --standalone --nproc_per_node 2`` of :mod:`tests.data_order_worker` running `runs` one after the
+    other (``{"record_dir", "datasets_cache", "args"}`` each: ``train_hf.py``'s arguments, the run's
+    ``HF_DATASETS_CACHE``); per run, each rank's record (``{rank: {"steps": [[step, input_ids], ...], "encoded":
+    n}}``) and the run's combined output under ``"log"``."""
+    plan = tmp_path / f"plan-{len(list(tmp_path.glob('plan-*.json')))}.json"
+    plan.write_text(json.dumps([{**run, "datasets_cache": str(run["datasets_cache"])} for run in runs]))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
+    env["HF_DATASETS_CACHE"] = str(runs[0]["datasets_cache"])
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tests.data_order_worker", str(record_dir), *args]
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tests.data_order_worker", str(plan)]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-6000:])
-    records = {r: json.loads((record_dir / f"rank{r}.json").read_text()) for r in range(2)}
-    assert all(records[r]["world_size"] == 2 for r in range(2))
-    return {**records, "log": result.stdout + result.stderr}
+    logs = {
+        f"{run['record_dir']}/rank{r}.log": Path(run["record_dir"], f"rank{r}.log").read_text(errors="replace")
+        for run in runs
+        for r in range(2)
+        if Path(run["record_dir"], f"rank{r}.log").is_file()
+    }
+    assert result.returncode == 0, (
+        result.stdout[-3000:],
+        result.stderr[-6000:],
+        {k: v[-3000:] for k, v in logs.items()},
+    )
+    out = []
+    for run in runs:
+        record_dir = Path(run["record_dir"])
+        records = {r: json.loads((record_dir / f"rank{r}.json").read_text()) for r in range(2)}
+        assert all(records[r]["world_size"] == 2 for r in range(2))
+        out.append({**records, "log": "".join(logs[f"{record_dir}/rank{r}.log"] for r in range(2))})
+    return out
 
 
 def windows(record: dict, first_step: int = 0) -> list[tuple[int, ...]]:
@@ -94,8 +111,70 @@ def cache_entries(datasets_cache: Path) -> list[Path]:
     return [p.parent for p in (datasets_cache / "spider_bytes").glob("*/metadata.json")]
 
 
+STEPS_ENCODED = 4  # the byte-cache run
+STEPS_STREAMED, CHECKPOINT = 6, 3  # the streamed runs, resumed from checkpoint-3
+WORKERS = (0, 2)  # dataloader workers of the streamed runs
+
+
+def stream_args(workers: int) -> list[str]:
+    return ["--streaming", "--shuffle_buffer", "16", "--seed", "4", "--dataloader_num_workers", str(workers)]
+
+
+@pytest.fixture(scope="module")
+def first_launch(tmp_path_factory) -> dict:
+    """One two-process launch running, one after the other, the byte-cache run (``"encoded"``) and the uninterrupted
+    streamed run with each number of dataloader workers (``workers``: 0 and 2), each into its own output and
+    datasets-cache folder; the records of each and the folders (``"tmp"``, ``"corpus"``, ``"streamed_args"``)."""
+    tmp = tmp_path_factory.mktemp("data_processes")
+    corpus = write_corpus(tmp / "corpus")
+    encoded = train_args(corpus, tmp / "two", "--max_steps", str(STEPS_ENCODED), "--save_steps", str(STEPS_ENCODED))
+    streamed = {
+        w: train_args(
+            corpus,
+            tmp / f"run{w}",
+            *stream_args(w),
+            "--max_steps",
+            str(STEPS_STREAMED),
+            "--save_steps",
+            str(CHECKPOINT),
+        )
+        for w in WORKERS
+    }
+    runs = [{"record_dir": str(tmp / "record"), "datasets_cache": tmp / "datasets-two", "args": encoded}]
+    runs += [
+        {"record_dir": str(tmp / f"full{w}"), "datasets_cache": tmp / f"datasets{w}", "args": streamed[w]}
+        for w in WORKERS
+    ]
+    records = run_two_processes(tmp, runs)
+    return {
+        "encoded": records[0],
+        **dict(zip(WORKERS, records[1:])),
+        "tmp": tmp,
+        "corpus": corpus,
+        "streamed_args": streamed,
+    }
+
+
+@pytest.fixture(scope="module")
+def resumed_launch(first_launch) -> dict:
+    """One two-process launch resuming each streamed run of `first_launch` from checkpoint-3 (its newest once
+    checkpoint-6 is deleted), with the same command: ``{workers: records}``."""
+    tmp = first_launch["tmp"]
+    runs = []
+    for w in WORKERS:
+        shutil.rmtree(tmp / f"run{w}" / f"checkpoint-{STEPS_STREAMED}")  # checkpoint-3 is now the newest
+        runs.append(
+            {
+                "record_dir": str(tmp / f"resumed{w}"),
+                "datasets_cache": tmp / f"datasets{w}",
+                "args": first_launch["streamed_args"][w],
+            }
+        )
+    return dict(zip(WORKERS, run_two_processes(tmp, runs)))
+
+
 @pytest.mark.slow
-def test_two_processes_encode_once_and_split_one_processs_order(tmp_path, monkeypatch):
+def test_two_processes_encode_once_and_split_one_processs_order(first_launch, tmp_path, monkeypatch):
     """Byte cache: the two ranks encode the corpus once (one rank encodes, the other waits and maps the same entry);
     at step s rank r trains on micro-batch 2s + r of the shuffled order one process iterates with two accumulation
     steps (accelerate's split of Trainer's seeded sampler), so the ranks' windows are disjoint and together are one
@@ -104,16 +183,10 @@ def test_two_processes_encode_once_and_split_one_processs_order(tmp_path, monkey
     from spider_training.train import build_trainer
     from tests.helpers import tiny_model
 
-    corpus = write_corpus(tmp_path / "corpus")
-    steps = 4
-    two = run_two_processes(
-        tmp_path,
-        tmp_path / "record",
-        train_args(corpus, tmp_path / "two", "--max_steps", str(steps), "--save_steps", str(steps)),
-        tmp_path / "datasets-two",
-    )
+    corpus, steps = first_launch["corpus"], STEPS_ENCODED
+    two = first_launch["encoded"]
     assert two[0]["encoded"] + two[1]["encoded"] == 1, (two[0]["encoded"], two[1]["encoded"])
-    assert len(cache_entries(tmp_path / "datasets-two")) == 1
+    assert len(cache_entries(first_launch["tmp"] / "datasets-two")) == 1
 
     import datasets.config
 
@@ -141,21 +214,18 @@ def test_two_processes_encode_once_and_split_one_processs_order(tmp_path, monkey
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-def test_two_processes_stream_disjoint_parts_and_resume_them(tmp_path, workers):
+@pytest.mark.parametrize("workers", WORKERS)
+def test_two_processes_stream_disjoint_parts_and_resume_them(first_launch, resumed_launch, workers):
     """--streaming on two files: each rank reads its own file (split_dataset_by_node), so the ranks' windows are
     disjoint and each is the first windows of the library's stream for that rank (with 2 dataloader workers, taken
     every other window by each worker, a batch each in turn); a two-process run resumed from a checkpoint continues
     every rank's stream (with 2 dataloader workers: every worker's part) from its saved position with the windows
     the uninterrupted run trained on."""
-    corpus = write_corpus(tmp_path / "corpus")
-    steps, checkpoint = 6, 3
-    stream_args = ["--streaming", "--shuffle_buffer", "16", "--seed", "4", "--dataloader_num_workers", str(workers)]
-    args = train_args(
-        corpus, tmp_path / "run", *stream_args, "--max_steps", str(steps), "--save_steps", str(checkpoint)
+    corpus, steps, checkpoint = first_launch["corpus"], STEPS_STREAMED, CHECKPOINT
+    full = first_launch[workers]
+    assert full[0]["encoded"] == full[1]["encoded"] == 0 and not cache_entries(
+        first_launch["tmp"] / f"datasets{workers}"
     )
-    full = run_two_processes(tmp_path, tmp_path / "full", args, tmp_path / "datasets")
-    assert full[0]["encoded"] == full[1]["encoded"] == 0 and not cache_entries(tmp_path / "datasets")
     ranks = [windows(full[r]) for r in range(2)]
     assert [len(w) for w in ranks] == [steps * MICRO_BATCH] * 2
     assert not set(ranks[0]) & set(ranks[1])
@@ -172,8 +242,7 @@ def test_two_processes_stream_disjoint_parts_and_resume_them(tmp_path, workers):
             ]
         assert ranks[rank] == expected[: len(ranks[rank])]
 
-    shutil.rmtree(tmp_path / "run" / f"checkpoint-{steps}")  # checkpoint-3 is now the newest: the rerun resumes it
-    resumed = run_two_processes(tmp_path, tmp_path / "resumed", args, tmp_path / "datasets")
+    resumed = resumed_launch[workers]  # the same command once checkpoint-6 was deleted: it resumed checkpoint-3
     assert "saved position; nothing replayed" in resumed["log"]
     for rank in range(2):
         assert {step for step, _ in resumed[rank]["steps"]} == set(range(checkpoint, steps))
