@@ -3,7 +3,6 @@ replaying, the shuffle, the split across processes, and SpiderTrainer's checkpoi
 
 from __future__ import annotations
 
-import gc
 import json
 
 import numpy as np
@@ -16,17 +15,6 @@ from spider_training.data.loader import STREAM_READ_DOCUMENTS, STREAM_STATE_VERS
 from tests.helpers import cpu_trainer
 
 SEQ_LEN = 31
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _imports_out_of_the_garbage_collectors_reach():
-    """The objects alive when this module's tests start (the imported libraries: half a million) are frozen out of the
-    garbage collector (``gc.freeze``) until they end: the full collection Trainer starts each ``train`` with
-    (``accelerator.free_memory``) and the automatic ones then walk only what the tests make, not ~0.3-0.5 s of
-    library objects each time. Nothing frozen is freed or changed; ``gc.unfreeze`` hands it back afterwards."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def write_jsonl(folder, files: int = 2, per_file: int = 300) -> list[str]:

@@ -11,7 +11,6 @@ tmpfs can be mounted).
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import signal
 import subprocess
@@ -52,17 +51,6 @@ TINY = [
     "--data",
     "mock",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _imports_out_of_the_garbage_collectors_reach():
-    """The objects alive when this module's tests start (the imported libraries: half a million) are frozen out of the
-    garbage collector (``gc.freeze``) until they end: the full collection Trainer starts each ``train`` with
-    (``accelerator.free_memory``) and the automatic ones then walk only what the tests make, not ~0.3-0.5 s of
-    library objects each time. Nothing frozen is freed or changed; ``gc.unfreeze`` hands it back afterwards."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def make_trainer(
