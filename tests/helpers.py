@@ -22,6 +22,12 @@ REMOTE_CODE_FILES = (
     "conversion_spider.py",
     "tokenization_spider.py",
 )
+#: ``train_hf.py``'s arguments of a tiny CPU run (tiny preset, 2 x 32 bytes, a log line every step, 4 held-out
+#: windows, a 4-byte sample, no dataloader workers) on its default data; the tests add ``--data mock`` and the rest
+TINY_TRAIN_HF_ARGS = [
+    *("--preset", "tiny", "--seq_len", "32", "--micro_batch", "2", "--eval_windows", "4", "--sample_bytes", "4"),
+    *("--logging_steps", "1", "--dataloader_num_workers", "0"),
+]
 
 
 def tiny(**overrides) -> SpiderConfig:
@@ -118,7 +124,8 @@ def run_readme_recipe(marker: str, release: Path, workdir: Path) -> None:
 def run_fresh_python(code: str, *argv: str, workdir: Path, timeout: int = 600) -> str:
     """Run `code` (``python -c``) with `argv` in a fresh process, as a user's script would: cwd `workdir`, no
     PYTHONPATH (so trust_remote_code loads a release's own files, not this checkout's), a remote-code module cache
-    of its own. Fails with the process's stderr; returns its stdout."""
+    of its own; it exits without collecting the libraries' objects first (``gc.freeze`` after `code`, as
+    ``train_hf.py`` does: about 1.5 s a process). Fails with the process's stderr; returns its stdout."""
     import os
     import subprocess
     import sys
@@ -126,7 +133,12 @@ def run_fresh_python(code: str, *argv: str, workdir: Path, timeout: int = 600) -
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(workdir / "modules")
     done = subprocess.run(
-        [sys.executable, "-c", code, *argv], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", f"{code}\nimport gc; gc.freeze()\n", *argv],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

@@ -29,28 +29,11 @@ from spider_training.nonfinite import NonFiniteGuardCallback, NonFiniteLossError
 from spider_training.preemption import DEFAULT_SIGNALS, StopOnSignalCallback
 from spider_training.run_lock import RunLock, RunLockedError, lock_path
 from spider_training.trainer import SpiderTrainer
-from tests.helpers import checkpoint_names, tiny_model
+from tests.helpers import TINY_TRAIN_HF_ARGS, checkpoint_names, tiny_model
 from tokenization_spider import SpiderTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--preset",
-    "tiny",
-    "--seq_len",
-    "32",
-    "--micro_batch",
-    "2",
-    "--eval_windows",
-    "4",
-    "--sample_bytes",
-    "4",
-    "--logging_steps",
-    "1",
-    "--dataloader_num_workers",
-    "0",
-    "--data",
-    "mock",
-]
+TINY = [*TINY_TRAIN_HF_ARGS, "--data", "mock"]
 
 
 def make_trainer(

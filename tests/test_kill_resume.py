@@ -18,28 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import checkpoint_names
+from tests.helpers import TINY_TRAIN_HF_ARGS, checkpoint_names
 from tests.kill_harness import run_kill_harness, start_train_hf
 
 #: train_hf.py's arguments of the preempted run (tiny preset, mock data)
-TINY = [
-    "--preset",
-    "tiny",
-    "--seq_len",
-    "32",
-    "--micro_batch",
-    "2",
-    "--eval_windows",
-    "4",
-    "--sample_bytes",
-    "4",
-    "--logging_steps",
-    "1",
-    "--dataloader_num_workers",
-    "0",
-    "--data",
-    "mock",
-]
+TINY = [*TINY_TRAIN_HF_ARGS, "--data", "mock"]
 
 
 @pytest.mark.slow

@@ -15,25 +15,10 @@ import torch
 import train_hf
 from spider_training import checkpointing
 from spider_training.arguments import TK_TRAIN_FLAGS, parse_args
-from tests.helpers import REMOTE_CODE_FILES, checkpoint_names, run_fresh_python
+from tests.helpers import REMOTE_CODE_FILES, TINY_TRAIN_HF_ARGS, checkpoint_names, run_fresh_python
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--preset",
-    "tiny",
-    "--seq_len",
-    "32",
-    "--micro_batch",
-    "2",
-    "--eval_windows",
-    "4",
-    "--sample_bytes",
-    "4",
-    "--logging_steps",
-    "1",
-    "--dataloader_num_workers",
-    "0",
-]
+TINY = TINY_TRAIN_HF_ARGS
 
 
 def run(tmp_path, name, *extra):
@@ -487,7 +472,6 @@ def test_release_loads_in_fresh_process(tmp_path, fp32_run):
         "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "ids = t('Hello', return_tensors='pt')\n"
         "print('generated length', m.generate(**ids, max_new_tokens=3, do_sample=False).shape[1])\n"
-        "import gc; gc.freeze()\n"  # exit without collecting transformers' objects first (about 1.5 s)
     )
     stdout = run_fresh_python(code, str(out / "release"), workdir=tmp_path)
     assert stdout.startswith("The state of the Union is")
