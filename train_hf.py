@@ -7,8 +7,7 @@ release -- is wired in :mod:`spider_training.train`, so that an installed packag
 top-level ``train_hf`` module; ``--help`` lists every flag.
 """
 
-from spider_training.train import main, skip_final_collection
+from spider_training.train import cli, main  # noqa: F401  (main: the entry point tests and scripts import)
 
 if __name__ == "__main__":
-    main()
-    skip_final_collection()  # the process exits at once, without collecting the libraries' objects first
+    cli()  # spider-train's: main, then exit without collecting the libraries' objects first
