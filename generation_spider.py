@@ -2,7 +2,7 @@
 """Incremental decoding for Spider: :class:`SpiderCache` and the hooks ``generate()`` calls.
 
 :class:`SpiderCache` is a transformers ``Cache`` with one layer per model layer, in the model's
-order: a ``DynamicLayer`` per prelude and coda layer (byte keys and values), a
+order: a :class:`SpiderDynamicLayer` per prelude and coda layer (byte keys and values), a
 :class:`SpiderRecurrentLayerCache` per recurrent layer holding one :class:`SpiderLayerCache` per
 loop (segment keys and values written at per-row slots, which no transformers cache layer can
 express). Beside the layers it keeps the segment-level state: a per-byte record of the prelude
@@ -38,22 +38,20 @@ logger = logging.get_logger(__name__)
 
 
 def write_segment_slots(cache: SpiderCache, buffer: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
-    """`buffer` grown (zeros) to `cache.segment_slots` along `dim`, with `new` (one segment per
-    row) written at each row's slot `cache.segment_write_index` `(B,)`; a fixed-size cache's buffer
-    is written in place."""
-    if cache.is_compileable:  # fixed size: written in place, so the buffer keeps its address (CUDA graphs)
-        # an index_put_ (not scatter_): inductor writes it into the buffer instead of copying the whole buffer
-        rows = torch.arange(new.shape[0], device=new.device)
-        index = (rows, *([slice(None)] * (dim - 1)), cache.segment_write_index)
-        buffer[index] = new.select(dim, 0)
-        return buffer
-    index = cache.segment_write_index.view(-1, *([1] * (new.dim() - 1))).expand_as(new)
-    slots = cache.segment_slots
-    if buffer.shape[dim] < slots:
+    """`new` (one segment per row, length 1 along `dim`) written in place into `buffer` at each row's slot
+    `cache.segment_write_index` `(B,)`; returns the buffer. A growing cache's buffer is first grown (zeros) to hold
+    `cache.segment_slots` slots, at least doubling, so a decode step copies its own segment, not the whole cache
+    (the slots past `segment_slots` are never read: :meth:`SpiderLayerCache.update` returns the first
+    `segment_slots`); a fixed-size cache's buffer keeps its address (CUDA graphs)."""
+    if not cache.is_compileable and buffer.shape[dim] < cache.segment_slots:
         grow = list(buffer.shape)
-        grow[dim] = slots - buffer.shape[dim]
+        grow[dim] = max(cache.segment_slots, 2 * buffer.shape[dim]) - buffer.shape[dim]
         buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
-    return buffer.scatter(dim, index, new)
+    # an index_put_ (not scatter_): inductor writes it into the buffer instead of copying the whole buffer
+    rows = torch.arange(new.shape[0], device=new.device)
+    index = (rows, *([slice(None)] * (dim - 1)), cache.segment_write_index)
+    buffer[index] = new.select(dim, 0)
+    return buffer
 
 
 def segment_slot_mask_function(
@@ -80,38 +78,59 @@ def _select_rows(holder, names: tuple[str, ...], rows: torch.LongTensor) -> None
             setattr(holder, name, getattr(holder, name).index_select(0, rows))
 
 
+def _filled_slots(buffer_name: str, dim: int) -> property:
+    """A :class:`SpiderLayerCache` tensor: its buffer `buffer_name` cut to the cache's `segment_slots` along `dim` (a
+    growing cache's buffers have room to grow into); setting it sets the buffer."""
+
+    def get(self):
+        buffer, cache = getattr(self, buffer_name), self.cache
+        if buffer is None or cache.is_compileable or not cache.seen_bytes or buffer.shape[dim] == cache.segment_slots:
+            return buffer
+        return buffer.narrow(dim, 0, cache.segment_slots)
+
+    setter = lambda self, value: setattr(self, buffer_name, value)  # noqa: E731
+    return property(get, setter, doc=f"The first `segment_slots` slots of `{buffer_name}` (along dim {dim}).")
+
+
 class SpiderLayerCache:
     """One recurrent layer's cache for one loop: keys `(B, H, S, qk_head_dim)`, values
     `(B, H, S, v_head_dim)` (post-RoPE) and Engram conv inputs `(B, S, D)` per segment slot. A
     decode step writes row b at ``segment_write_index[b]``: rows close segments at different bytes,
-    which no transformers cache layer can express."""
+    which no transformers cache layer can express. The tensors are the first `S = segment_slots` slots of buffers
+    that a growing cache doubles when full (:func:`write_segment_slots`)."""
+
+    keys, values, conv_inputs = (
+        _filled_slots("key_buffer", 2),
+        _filled_slots("value_buffer", 2),
+        _filled_slots("conv_buffer", 1),
+    )
 
     def __init__(self, cache: SpiderCache):
         self.cache = cache
-        self.keys = self.values = self.conv_inputs = None
+        self.key_buffer = self.value_buffer = self.conv_buffer = None
 
     def _write(self, buffer: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
         return new if buffer is None else write_segment_slots(self.cache, buffer, new, dim)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `keys`/`values` `(B, H, T, d)`; return every key/value the queries may see."""
-        self.keys = self._write(self.keys, keys, dim=2)
-        self.values = self._write(self.values, values, dim=2)
+        self.key_buffer = self._write(self.key_buffer, keys, dim=2)
+        self.value_buffer = self._write(self.value_buffer, values, dim=2)
         return self.keys, self.values
 
     def conv_window(self, conv_inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
         """The Engram convolution's causal window: `(B, S, D)` -> `(B, kernel_size - 1 + S, D)`."""
-        first = self.conv_inputs is None
-        self.conv_inputs = self._write(self.conv_inputs, conv_inputs, dim=1)
+        first = self.conv_buffer is None
+        self.conv_buffer = self._write(self.conv_buffer, conv_inputs, dim=1)
         if first:
             return F.pad(conv_inputs, (0, 0, kernel_size - 1, 0))
         offsets = torch.arange(-(kernel_size - 1), 1, device=conv_inputs.device)
         positions = self.cache.segment_write_index[:, None] + offsets  # (B, kernel_size)
-        window = self.conv_inputs.gather(1, positions.clamp(min=0)[..., None].expand(-1, -1, conv_inputs.shape[-1]))
+        window = self.conv_buffer.gather(1, positions.clamp(min=0)[..., None].expand(-1, -1, conv_inputs.shape[-1]))
         return window * (positions >= 0)[..., None].to(window.dtype)
 
     def select_rows(self, rows: torch.LongTensor) -> None:
-        _select_rows(self, ("keys", "values", "conv_inputs"), rows)
+        _select_rows(self, ("key_buffer", "value_buffer", "conv_buffer"), rows)
 
 
 class SpiderRecurrentLayerCache(CacheLayerMixin):
@@ -132,8 +151,8 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Segment slots held (the null segment included)."""
-        keys = self.loops[0].keys if self.loops else None
-        return 0 if keys is None else keys.shape[2]
+        loop = self.loops[0] if self.loops else None
+        return 0 if loop is None or loop.keys is None else loop.cache.segment_slots
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -156,6 +175,42 @@ def fixed_size(tensor: torch.Tensor, dim: int, length: int, fill=0) -> torch.Ten
     buffer = tensor.new_full(shape, fill)
     buffer.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
     return buffer
+
+
+class SpiderDynamicLayer(DynamicLayer):
+    """transformers' ``DynamicLayer`` for a prelude or coda layer (keys `(B, H, T, qk_head_dim)`, values `(B, H, T,
+    v_head_dim)`, exactly the bytes seen) whose tensors are views of buffers that at least double when full: a decode
+    step writes its byte's column in place, where ``DynamicLayer`` concatenates (a copy of the whole cache every
+    byte). A layer whose tensors were replaced (rows selected, caches joined) is copied into a new buffer at its
+    next write; the attention reads the same values, in the same layout but for the row stride."""
+
+    key_buffer = value_buffer = None
+
+    def update(self, key_states, value_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized or self.keys.numel() == 0:
+            return super().update(key_states, value_states, *args, **kwargs)
+        length, new = self.keys.shape[-2], key_states.shape[-2]
+        if not (_views_start_of(self.keys, self.key_buffer) and _views_start_of(self.values, self.value_buffer)) or (
+            length + new > self.key_buffer.shape[-2]
+        ):
+            self.key_buffer = fixed_size(self.keys, 2, 2 * (length + new))
+            self.value_buffer = fixed_size(self.values, 2, 2 * (length + new))
+        self.key_buffer[:, :, length : length + new] = key_states
+        self.value_buffer[:, :, length : length + new] = value_states
+        self.keys = self.key_buffer[:, :, : length + new]
+        self.values = self.value_buffer[:, :, : length + new]
+        return self.keys, self.values
+
+
+def _views_start_of(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    """Whether `tensor` is the first columns (dim 2) of `buffer`, all its other dims whole."""
+    return (
+        buffer is not None
+        and tensor.data_ptr() == buffer.data_ptr()
+        and tensor.stride() == buffer.stride()
+        and tensor.shape[:2] == buffer.shape[:2]
+        and tensor.shape[3:] == buffer.shape[3:]
+    )
 
 
 class SpiderStaticByteLayer(CacheLayerMixin):
@@ -220,8 +275,8 @@ class SpiderCache(Cache):
     def __init__(self, config: SpiderConfig, n_loops: int):
         self.config = config
         self.n_loops = n_loops
-        self.prelude = [DynamicLayer() for _ in range(config.num_prelude_layers)]
-        self.coda = [DynamicLayer() for _ in range(config.num_coda_layers)]
+        self.prelude = [SpiderDynamicLayer() for _ in range(config.num_prelude_layers)]
+        self.coda = [SpiderDynamicLayer() for _ in range(config.num_coda_layers)]
         # recurrent[t][i]: loop t's cache of recurrent layer i
         self.recurrent = [[SpiderLayerCache(self) for _ in range(config.num_recurrent_layers)] for _ in range(n_loops)]
         recurrent_layers = [
@@ -233,7 +288,7 @@ class SpiderCache(Cache):
         # RECORD's (B, n) int64, (B, n, D), (B, n, M), (B, n) fp32, in buffers that double
         self.record = dict.fromkeys(self.RECORD)
         self.record_length = 0
-        self.segment_outputs = None  # (B, slots, D) fp32 per closed segment (slot 0: null segment)
+        self.segment_outputs = None  # (B, >= segment_slots, D) fp32 per closed segment (slot 0: null segment)
         # derived from the record by restore(): (B,) int64 RoPE position of the next byte
         self.byte_positions = None
         self.open_sum = self.open_memory_sum = self.open_count = None  # (B, D), (B, M), (B,) fp32
@@ -319,10 +374,9 @@ class SpiderCache(Cache):
         if not (self.seen_bytes and other.seen_bytes):
             raise ValueError("add_rows: both caches must hold a prefill (seen_bytes > 0)")
         width = max(self.seen_bytes, other.seen_bytes)
-        slots = max(self.segment_outputs.shape[1], other.segment_outputs.shape[1])
 
         def joined(mine: torch.Tensor, theirs: torch.Tensor, dim: int, left: bool, fill=0) -> torch.Tensor:
-            size = width if left else slots
+            size = width if left else max(mine.shape[dim], theirs.shape[dim])  # segment buffers may have room
             parts = []
             for tensor in (mine, theirs):
                 pad = list(tensor.shape)
@@ -351,7 +405,7 @@ class SpiderCache(Cache):
         }
         self.record_length = self.seen_bytes = width
         self.segment_outputs = joined(self.segment_outputs, other.segment_outputs, 1, False)
-        self.segment_slots = slots
+        self.segment_slots = max(self.segment_slots, other.segment_slots)
         for name in self.ROW_STATE[2:]:  # per-row state: rows stacked
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)], dim=0))
 
@@ -368,6 +422,19 @@ class SpiderCache(Cache):
         self.segment_outputs = segment_outputs.detach()
         self.segment_slots = segment_outputs.shape[1]
         self.restore()
+        if not self.is_compileable:  # room to grow into: decode steps write the segment buffers in place
+            self.reserve_segment_slots(2 * self.segment_slots)
+
+    def reserve_segment_slots(self, slots: int) -> None:
+        """Move the recurrent layers' keys, values and Engram conv inputs and the segment outputs into new buffers of
+        `slots` segment slots (zeros past the filled ones): the cache's own, which decode steps write in place."""
+        for loop in self.recurrent:
+            for layer in loop:
+                layer.key_buffer = fixed_size(layer.key_buffer, 2, slots)
+                layer.value_buffer = fixed_size(layer.value_buffer, 2, slots)
+                if layer.conv_buffer is not None:
+                    layer.conv_buffer = fixed_size(layer.conv_buffer, 1, slots)
+        self.segment_outputs = fixed_size(self.segment_outputs, 1, slots)
 
     def append(self, input_ids, byte_state, memory, boundary) -> None:
         """Record one decoded byte per row: ids `(B, 1)`, prelude output `(B, 1, D)`, memory
@@ -457,13 +524,7 @@ class SpiderStaticCache(SpiderCache):
         self.layers[: len(self.prelude)] = self.prelude
         self.layers[len(self.layers) - len(self.coda) :] = self.coda
         self.segment_slots = N + 1
-        for loop in self.recurrent:
-            for layer in loop:
-                layer.keys = fixed_size(layer.keys, 2, N + 1)
-                layer.values = fixed_size(layer.values, 2, N + 1)
-                if layer.conv_inputs is not None:
-                    layer.conv_inputs = fixed_size(layer.conv_inputs, 1, N + 1)
-        self.segment_outputs = fixed_size(self.segment_outputs, 1, N + 1)
+        self.reserve_segment_slots(N + 1)
         self.record = {name: fixed_size(t, 1, N) for name, t in self.record.items()}
         mask = self.byte_mask if self.byte_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         self.byte_mask = fixed_size(mask, 1, N, fill=True)  # the columns to come are real bytes

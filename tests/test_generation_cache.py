@@ -239,9 +239,9 @@ def test_spider_cache_is_a_transformers_cache():
 
 def test_cache_holds_one_transformers_layer_per_model_layer():
     """As transformers' generation utilities expect of a `Cache`: `len(cache) == config.num_hidden_layers`, one layer
-    per model layer in order; the byte layers' are transformers' own `DynamicLayer`s (keys and values `(B, H, bytes,
-    d)`), the recurrent layers' hold one segment cache per loop (the same objects the model writes); beam reordering
-    through the layers keeps the chosen rows."""
+    per model layer in order; the byte layers' are transformers' `DynamicLayer`s (`SpiderDynamicLayer`, which writes
+    in place; keys and values `(B, H, bytes, d)`), the recurrent layers' hold one segment cache per loop (the same
+    objects the model writes); beam reordering through the layers keeps the chosen rows."""
     from transformers.cache_utils import DynamicLayer
 
     from generation_spider import SpiderRecurrentLayerCache
@@ -252,7 +252,7 @@ def test_cache_holds_one_transformers_layer_per_model_layer():
     assert len(cache) == config.num_hidden_layers
     P, R = config.num_prelude_layers, config.num_recurrent_layers
     byte_layers = cache.layers[:P] + cache.layers[P + R :]
-    assert all(type(layer) is DynamicLayer and layer.get_seq_length() == 24 for layer in byte_layers)
+    assert all(isinstance(layer, DynamicLayer) and layer.get_seq_length() == 24 for layer in byte_layers)
     assert byte_layers == cache.prelude + cache.coda
     recurrent = cache.layers[P : P + R]
     assert all(isinstance(layer, SpiderRecurrentLayerCache) and len(layer.loops) == 3 for layer in recurrent)
@@ -386,3 +386,35 @@ def test_add_rows_refuses_what_cannot_join():
         two.add_rows(three)
     with pytest.raises(ValueError, match="both caches must hold a prefill"):
         two.add_rows(SpiderCache(model.config, 2))
+
+
+def test_decode_steps_write_the_growing_cache_in_place():
+    """A decode step writes its byte's keys and values, and a closed segment's, into buffers that at least double when
+    full (`SpiderDynamicLayer`, `write_segment_slots`), instead of copying the whole cache every byte: between two
+    growths a buffer keeps its storage, the tensors the model reads are exactly the bytes and segment slots seen, and
+    a cache whose rows were selected (new tensors) takes new buffers at its next write. The logits stay those of the
+    full forward."""
+    model = tiny_model(seed=1).eval()
+    ids = _prompt(2, 72, seed=3)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :24], use_cache=True).cache
+        byte_layer, segment_layer = cache.prelude[0], cache.recurrent[0][0]
+        storages, slot_storages, logits, grew = set(), set(), [], 0
+        for j in range(24, 72):
+            before = byte_layer.key_buffer
+            logits.append(model(ids[:, j : j + 1], cache=cache).logits)
+            grew += before is not None and byte_layer.key_buffer is not before
+            storages.add(byte_layer.key_buffer.data_ptr())
+            slot_storages.add(segment_layer.key_buffer.data_ptr())
+            assert byte_layer.keys.shape[2] == j + 1 and byte_layer.keys.data_ptr() == byte_layer.key_buffer.data_ptr()
+            assert segment_layer.keys.shape[2] == cache.segment_slots <= segment_layer.key_buffer.shape[2]
+            assert cache.segment_outputs.shape[1] >= cache.segment_slots
+    torch.testing.assert_close(torch.cat(logits, 1), full[:, 24:], **float_tol(full, model_terms(model)))
+    # 48 steps from 24 bytes: the byte buffers grew (doubling) a few times, not at every byte
+    assert 1 <= grew <= 3 and len(storages) == grew + 1
+    assert int(cache.num_segments.min()) > 3 and len(slot_storages) < int(cache.num_segments.max())
+    cache.batch_select_indices(torch.tensor([1]))
+    with torch.no_grad():
+        model(ids[1:, 72 - 1 :], cache=cache)  # any byte: the write after the selection
+    assert byte_layer.keys.data_ptr() == byte_layer.key_buffer.data_ptr() and byte_layer.keys.shape[0] == 1
