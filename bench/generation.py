@@ -312,55 +312,16 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     return finish(result, start)
 
 
-def card_reference(results: dict, machine: str = "a 2-core CPU, 2 threads") -> dict:
-    """The model card's generation table (``hub_card/reference_generation.json``,
-    ``spider_training.model_card.reference_generation``) from a full run's JSON (``--out``): Spider's rows at each
-    loop count and cache (ACT early exit beside), each peer's caches on one row."""
-    generation = results["benchmarks"]["generation"]
-    rows, sizes = generation["measurements"]["peers"]["bytes_per_s"], generation["sizes"]
-    loop_counts = sorted({int(k.split("_")[1].removeprefix("loops")) for k in rows if k.startswith("spider_")})
-    trained = sorted(loop_counts)[len(loop_counts) // 2]  # 1, trained, 2x trained
-
-    def spider_row(loops: int, cache: str, suffix: str) -> dict | None:
-        name = f"spider_loops{loops}"
-        if name + suffix not in rows:
-            return None
-        label = f"Spider, {loops} loop{'s' if loops > 1 else ''}" + (" (trained)" if loops == trained else "")
-        early = rows.get(f"{name}_act_early_exit{suffix}")
-        value = f"{rows[name + suffix]:.0f}" + (f" (ACT early exit: {early:.0f})" if early is not None else "")
-        return {"model": label, "cache": cache, "bytes_per_s": value}
-
-    table = [
-        row
-        for loops in loop_counts
-        for cache, suffix in (("`SpiderCache`", ""), ("`SpiderStaticCache`, compiled", "_static_compiled"))
-        if (row := spider_row(loops, cache, suffix)) is not None
-    ]
-    for peer, label in (("llama", "dense `LlamaForCausalLM`"), ("mistral", "`MistralForCausalLM`, local attention")):
-        caches = [c for c in ("dynamic", "static", "static_compiled") if f"{peer}_{c}" in rows]
-        table.append(
-            {
-                "model": label,
-                "cache": " / ".join(c.replace("_", " ") for c in caches),
-                "bytes_per_s": " / ".join(f"{rows[f'{peer}_{c}']:.0f}" for c in caches),
-            }
-        )
-    return {
-        "preset": sizes["preset"],
-        "machine": machine,
-        "prompt_len": sizes["prompt_len"],
-        "new_tokens": sizes["new_tokens"],
-        "rows": table,
-    }
-
-
 if __name__ == "__main__":
     import json
     import sys
     from pathlib import Path
 
+    from spider_training.model_card import generation_reference
+
     if sys.argv[1:2] == ["--write_card_reference"]:  # --write_card_reference RESULTS.json OUT.json
         results, out = sys.argv[2:4]
-        Path(out).write_text(json.dumps(card_reference(json.loads(Path(results).read_text())), indent=1) + "\n")
+        reference = generation_reference(json.loads(Path(results).read_text()))
+        Path(out).write_text(json.dumps(reference, indent=1) + "\n")
     else:
         main_for(run)

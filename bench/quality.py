@@ -791,14 +791,16 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(plan, default=str))
         return [plan]
     if args.report:
-        from bench.quality_report import card_reference, plot, render
+        from bench.quality_report import REFERENCES, plot, render
+        from spider_training.model_card import quality_reference
 
         rows = [r for f in args.report for r in json.loads(Path(f).read_text())]
         section = render(rows)
         if args.plot:
             plot(rows, args.plot)
         if args.write_card_reference:
-            Path(args.write_card_reference).write_text(json.dumps(card_reference(rows), indent=1) + "\n")
+            reference = quality_reference(rows, REFERENCES["byte_layers_alone"])
+            Path(args.write_card_reference).write_text(json.dumps(reference, indent=1) + "\n")
         if args.write_results:
             from bench.report import write_block
 
