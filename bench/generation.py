@@ -11,7 +11,6 @@ import torch
 
 from bench.common import (
     check,
-    dense_llama_config,
     finish,
     main_for,
     num_params,
@@ -20,6 +19,7 @@ from bench.common import (
     spider_model,
     time_interleaved,
 )
+from spider_training.peers import dense_peer_models
 from tokenization_spider import BOS_ID, PAD_ID
 
 TARGET = 5.0
@@ -66,19 +66,6 @@ def generate(model, ids: torch.LongTensor, new_tokens: int, use_cache: bool, **k
         )
 
 
-def peer_models(spider_cfg) -> dict:
-    """The dense peers of a Spider config, about its parameter count (``bench.common.dense_llama_config``): a
-    ``LlamaForCausalLM`` with full attention and a ``MistralForCausalLM`` of the same shape with local attention over
-    Spider's byte window (``sliding_window``, at least 16 bytes), both eval mode, fp32."""
-    from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
-
-    llama = dense_llama_config(spider_cfg)
-    mistral = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k in MistralConfig().to_dict()})
-    mistral.sliding_window = max(16, spider_cfg.sliding_window or 16)
-    torch.manual_seed(0)
-    return {"llama": LlamaForCausalLM(llama).eval(), "mistral": MistralForCausalLM(mistral).eval()}
-
-
 def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int, compile_static: bool) -> dict:
     """Cached greedy bytes/s of Spider beside its dense peers (issue 65's table), one process, batch 1.
 
@@ -110,7 +97,7 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
 
                 calls[f"spider_loops{loops}" + ("_act_early_exit" if early_exit else "") + cache] = call
     caches = ("dynamic", "static", "static_compiled") if compile_static else ("dynamic", "static")
-    peers = peer_models(spider.config)
+    peers = dense_peer_models(spider.config)
     for name, peer in peers.items():
         for cache in caches:
 
