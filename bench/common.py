@@ -10,7 +10,6 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from spider_training.checkpointing import write_json  # the one atomic JSON writer; bench's runners write with it
+from spider_training.throughput import environment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -32,32 +32,6 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench
 # ---------------------------------------------------------------------------------------------------------------------
 # Environment and results
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers depend on: versions, threads, CPU model, load average at the time of the run."""
-    import transformers
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_num_threads": torch.get_num_threads(),
-        "torch_num_interop_threads": torch.get_num_interop_threads(),
-        "mkldnn": bool(torch.backends.mkldnn.is_available()),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "device": "cpu",
-    }
 
 
 def run_child(module: str, args: list, env: dict | None = None, timeout: float = 600) -> dict:
