@@ -10,7 +10,6 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from spider_training.checkpointing import write_json  # the one atomic JSON writer; bench's runners write with it
+from spider_training.throughput import environment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench.moe` both import the model files
@@ -32,32 +32,6 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench
 # ---------------------------------------------------------------------------------------------------------------------
 # Environment and results
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers depend on: versions, threads, CPU model, load average at the time of the run."""
-    import transformers
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_num_threads": torch.get_num_threads(),
-        "torch_num_interop_threads": torch.get_num_interop_threads(),
-        "mkldnn": bool(torch.backends.mkldnn.is_available()),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "device": "cpu",
-    }
 
 
 def run_child(module: str, args: list, env: dict | None = None, timeout: float = 600) -> dict:
@@ -330,42 +304,3 @@ def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(args.out, result, indent=2)
     return result
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The dense peer of the same size (host syncs, ops and graphs: spider_training.profiling; matmul peaks:
-# spider_training.throughput.measured_matmul_flops)
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):
-    """transformers' ``LlamaConfig`` of a dense byte model with about the parameter count of a Spider model built from
-    `spider_cfg`: Spider's vocab, width, heads and dense-MLP width; the layer count is the one that brings the
-    parameter count nearest to Spider's (untied embeddings, full multi-head attention, SDPA)."""
-    from transformers import LlamaConfig
-
-    from modeling_spider import SpiderForConditionalGeneration
-
-    with torch.device("meta"):
-        target = num_params(SpiderForConditionalGeneration(spider_cfg))
-    c = spider_cfg
-    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
-    per_layer = 4 * h * h + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
-    layers = max(1, round((target - 2 * v * h - h) / per_layer))
-    return LlamaConfig(
-        vocab_size=v,
-        hidden_size=h,
-        intermediate_size=i,
-        num_hidden_layers=layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_attention_heads,
-        max_position_embeddings=max(max_position_embeddings, c.max_position_embeddings),
-        tie_word_embeddings=False,
-        rms_norm_eps=c.rms_norm_eps,
-        initializer_range=c.initializer_range,
-        pad_token_id=c.pad_token_id,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_id,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )

@@ -11,7 +11,6 @@ import torch
 
 from bench.common import (
     check,
-    dense_llama_config,
     finish,
     main_for,
     num_params,
@@ -20,6 +19,7 @@ from bench.common import (
     spider_model,
     time_interleaved,
 )
+from spider_training.peers import dense_peer_models
 from tokenization_spider import BOS_ID, PAD_ID
 
 TARGET = 5.0
@@ -66,19 +66,6 @@ def generate(model, ids: torch.LongTensor, new_tokens: int, use_cache: bool, **k
         )
 
 
-def peer_models(spider_cfg) -> dict:
-    """The dense peers of a Spider config, about its parameter count (``bench.common.dense_llama_config``): a
-    ``LlamaForCausalLM`` with full attention and a ``MistralForCausalLM`` of the same shape with local attention over
-    Spider's byte window (``sliding_window``, at least 16 bytes), both eval mode, fp32."""
-    from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
-
-    llama = dense_llama_config(spider_cfg)
-    mistral = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k in MistralConfig().to_dict()})
-    mistral.sliding_window = max(16, spider_cfg.sliding_window or 16)
-    torch.manual_seed(0)
-    return {"llama": LlamaForCausalLM(llama).eval(), "mistral": MistralForCausalLM(mistral).eval()}
-
-
 def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int, compile_static: bool) -> dict:
     """Cached greedy bytes/s of Spider beside its dense peers (issue 65's table), one process, batch 1.
 
@@ -110,7 +97,7 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
 
                 calls[f"spider_loops{loops}" + ("_act_early_exit" if early_exit else "") + cache] = call
     caches = ("dynamic", "static", "static_compiled") if compile_static else ("dynamic", "static")
-    peers = peer_models(spider.config)
+    peers = dense_peer_models(spider.config)
     for name, peer in peers.items():
         for cache in caches:
 
@@ -312,55 +299,16 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     return finish(result, start)
 
 
-def card_reference(results: dict, machine: str = "a 2-core CPU, 2 threads") -> dict:
-    """The model card's generation table (``hub_card/reference_generation.json``,
-    ``spider_training.model_card.reference_generation``) from a full run's JSON (``--out``): Spider's rows at each
-    loop count and cache (ACT early exit beside), each peer's caches on one row."""
-    generation = results["benchmarks"]["generation"]
-    rows, sizes = generation["measurements"]["peers"]["bytes_per_s"], generation["sizes"]
-    loop_counts = sorted({int(k.split("_")[1].removeprefix("loops")) for k in rows if k.startswith("spider_")})
-    trained = sorted(loop_counts)[len(loop_counts) // 2]  # 1, trained, 2x trained
-
-    def spider_row(loops: int, cache: str, suffix: str) -> dict | None:
-        name = f"spider_loops{loops}"
-        if name + suffix not in rows:
-            return None
-        label = f"Spider, {loops} loop{'s' if loops > 1 else ''}" + (" (trained)" if loops == trained else "")
-        early = rows.get(f"{name}_act_early_exit{suffix}")
-        value = f"{rows[name + suffix]:.0f}" + (f" (ACT early exit: {early:.0f})" if early is not None else "")
-        return {"model": label, "cache": cache, "bytes_per_s": value}
-
-    table = [
-        row
-        for loops in loop_counts
-        for cache, suffix in (("`SpiderCache`", ""), ("`SpiderStaticCache`, compiled", "_static_compiled"))
-        if (row := spider_row(loops, cache, suffix)) is not None
-    ]
-    for peer, label in (("llama", "dense `LlamaForCausalLM`"), ("mistral", "`MistralForCausalLM`, local attention")):
-        caches = [c for c in ("dynamic", "static", "static_compiled") if f"{peer}_{c}" in rows]
-        table.append(
-            {
-                "model": label,
-                "cache": " / ".join(c.replace("_", " ") for c in caches),
-                "bytes_per_s": " / ".join(f"{rows[f'{peer}_{c}']:.0f}" for c in caches),
-            }
-        )
-    return {
-        "preset": sizes["preset"],
-        "machine": machine,
-        "prompt_len": sizes["prompt_len"],
-        "new_tokens": sizes["new_tokens"],
-        "rows": table,
-    }
-
-
 if __name__ == "__main__":
     import json
     import sys
     from pathlib import Path
 
+    from spider_training.model_card import generation_reference
+
     if sys.argv[1:2] == ["--write_card_reference"]:  # --write_card_reference RESULTS.json OUT.json
         results, out = sys.argv[2:4]
-        Path(out).write_text(json.dumps(card_reference(json.loads(Path(results).read_text())), indent=1) + "\n")
+        reference = generation_reference(json.loads(Path(results).read_text()))
+        Path(out).write_text(json.dumps(reference, indent=1) + "\n")
     else:
         main_for(run)

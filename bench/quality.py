@@ -57,13 +57,11 @@ from transformers import TrainerCallback  # noqa: E402
 from bench.quality_models import BytePathOnly, build, initial_model  # noqa: E402, F401  (BytePathOnly: re-exported)
 from modeling_spider import SpiderForConditionalGeneration  # noqa: E402
 from spider_training.evaluation import (  # noqa: E402
-    GLOBAL_STREAM_PROBES,
-    _GlobalStreamProbe,
     corpus_bytes,
     heldout_windows,
+    probe_spider,
     sample_words,
     score,
-    score_with_boundary_rule,
     technical_text_ids,
     text_file_ids,
     xz_bits_per_byte,
@@ -387,38 +385,9 @@ def train_and_score(
     row["bpb_by_byte_kind"], row["byte_kind_shares"] = base["bits_per_byte_by_byte_kind"], base["byte_kind_shares"]
     row["xz_bits_per_byte"] = xz_bits_per_byte(eval_windows)
     if kind == "spider":
-        cfg = model.config
-        row["n_loops"] = cfg.n_loops
+        row["n_loops"] = model.config.n_loops
         row["eval_bytes_per_segment"] = base.get("bytes_per_segment")
-        if loops_curve:
-            counts = sorted({1, max(1, cfg.n_loops // 2), cfg.n_loops, 2 * cfg.n_loops})
-            row["bpb_by_loops"] = {str(n): score(model, eval_windows, n_loops=n)["bits_per_byte"] for n in counts}
-        with torch.no_grad():
-            out = model(input_ids=eval_windows[:16])
-        row["mean_halting_step"] = float(out.mean_halting_step)
-        # ACT early exit at inference (SpiderConfig.act_early_exit): halted segments skip the remaining loops
-        model.config.act_early_exit = True
-        with torch.no_grad():
-            exit_steps = float(model(input_ids=eval_windows[:16]).mean_halting_step)
-        row["act_early_exit"] = {
-            "bits_per_byte": score(model, eval_windows)["bits_per_byte"],
-            "mean_halting_step": exit_steps,
-            "loops_saved_per_segment": cfg.n_loops - exit_steps,
-        }
-        model.config.act_early_exit = False
-        row["bpb_by_global_stream_probe"] = {}
-        for probe in GLOBAL_STREAM_PROBES:
-            with _GlobalStreamProbe(model, probe):
-                probed = score(model, eval_windows, by_byte_kind=True)
-            row["bpb_by_global_stream_probe"][probe] = {
-                "bits_per_byte": probed["bits_per_byte"],
-                "by_byte_kind": probed["bits_per_byte_by_byte_kind"],
-            }
-        if cfg.boundary_mode != "fixed":
-            row["bpb_by_eval_boundary_rule"] = {
-                rule: score_with_boundary_rule(model, eval_windows, rule, stats.get("train_bytes_per_segment"))
-                for rule in ("sampled", "rate-matched")
-            }
+        row.update(probe_spider(model, eval_windows, stats.get("train_bytes_per_segment"), loops_curve))
     for label, ids in (extra_texts or {}).items():
         windows = heldout_windows(ids, recipe.seq_len, slice_bytes=slice_bytes)
         row[f"{label}_bits_per_byte"] = score(model, windows)["bits_per_byte"]
@@ -791,14 +760,16 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(plan, default=str))
         return [plan]
     if args.report:
-        from bench.quality_report import card_reference, plot, render
+        from bench.quality_report import REFERENCES, plot, render
+        from spider_training.model_card import quality_reference
 
         rows = [r for f in args.report for r in json.loads(Path(f).read_text())]
         section = render(rows)
         if args.plot:
             plot(rows, args.plot)
         if args.write_card_reference:
-            Path(args.write_card_reference).write_text(json.dumps(card_reference(rows), indent=1) + "\n")
+            reference = quality_reference(rows, REFERENCES["byte_layers_alone"])
+            Path(args.write_card_reference).write_text(json.dumps(reference, indent=1) + "\n")
         if args.write_results:
             from bench.report import write_block
 

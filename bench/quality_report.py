@@ -1,8 +1,9 @@
-"""The Model quality section of docs/results.md, the bpb-vs-wall-clock plot and the model card's reference figures,
-from the rows ``bench.quality`` measured (JSON lists of rows, e.g. bench/quality_results.json).
+"""The Model quality section of docs/results.md and the bpb-vs-wall-clock plot, from the rows ``bench.quality``
+measured (JSON lists of rows, e.g. bench/quality_results.json); the model card's reference figures from the same rows:
+:func:`spider_training.model_card.quality_reference`.
 
 ``python -m bench.quality --report q0.json q1.json --write_results docs/results.md --plot docs/quality.png`` calls
-:func:`render`, :func:`plot` and :func:`card_reference`. Which rows are each table's references, the pairs of the "what
+:func:`render` and :func:`plot`. Which rows are each table's references, the pairs of the "what
 the global path adds" table and the plot's labels are data: bench/quality_rows.json (:func:`bench.quality.suite`).
 """
 
@@ -246,30 +247,6 @@ def _gain_by_byte_kind(spider: dict, by_name: dict) -> list[str]:
                 ]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
-
-
-def card_reference(rows: list[dict]) -> dict:
-    """What a release card of the default recipe shows next to its own figure (``spider_training.model_card.
-    reference_quality``): the default run, the dense baseline at equal parameters and at equal wall-clock (best swept
-    learning rate), and the same byte layers without the global path, in held-out bits per byte (3 decimals)."""
-    by_name = {r["name"]: r for r in rows}
-    spider, llama, bytes_only = by_name["spider"], by_name["llama"], by_name[REFERENCES["byte_layers_alone"]]
-    equal_time = min(
-        (r for r in rows if r.get("group") == "baseline equal wall-clock"), key=lambda r: r["sotu_bits_per_byte"]
-    )
-    millions = lambda r: f"{r['parameters'] / 1e6:.2f}M"  # noqa: E731
-    return {
-        "preset": "small",
-        "data": "sotu",
-        "steps": spider["steps"],
-        "spider_parameters": millions(spider),
-        "spider_bits_per_byte": _f(spider["sotu_bits_per_byte"]),
-        "llama_parameters": millions(llama),
-        "llama_bits_per_byte": _f(llama["sotu_bits_per_byte"]),
-        "llama_equal_time_bits_per_byte": _f(equal_time["sotu_bits_per_byte"]),
-        "bytes_only_parameters": millions(bytes_only),
-        "bytes_only_bits_per_byte": _f(bytes_only["sotu_bits_per_byte"]),
-    }
 
 
 def _targets(spider: dict, by_name: dict, best_equal_time: dict | None) -> list[str]:

@@ -11,13 +11,7 @@ import time
 
 import torch
 
-from bench.common import (
-    dense_llama_config,
-    num_params,
-    random_bytes,
-    spider_config,
-    spider_model,
-)
+from bench.common import num_params, random_bytes, spider_config, spider_model
 from bench.diagnostics import _instrumented_step, _profile_kernels, device_allocations
 from bench.parts import (
     MIN_PART_S,
@@ -40,7 +34,7 @@ from bench.step_table_rows import (  # noqa: F401  (re-exported: the names bench
     STEP_TABLE_SHAPES,
     TK_TRAIN_RECIPE_SHAPE,
 )
-from spider_training.peers import peer_model
+from spider_training.peers import dense_llama_config, peer_model
 from spider_training.profiling import graphs_compiled
 from spider_training.step_times import SegmentAxisRecorder, repeated_axis_summary
 from spider_training.throughput import measured_matmul_flops, synchronize

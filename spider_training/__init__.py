@@ -10,7 +10,7 @@ Speed and precision, applied to the model from here: ``fp8`` (FP8 per layer wher
 (attention kernels), ``mixed_precision`` (bf16 autocast around the experts), ``optim`` (Muon + AdamW).
 Measuring itself: ``throughput`` (FLOPs, MFU), ``step_times`` (step wall times), ``profiling`` (host syncs),
 ``metrics`` (held-out bits per byte), ``evaluation`` (a model judged on held-out text, ``spider-evaluate``),
-``memory_plan`` (memory on paper), ``peers`` (the DeepseekV3 peer's config).
+``memory_plan`` (memory on paper), ``peers`` (the DeepseekV3 peer's config, the dense peers').
 Robustness: ``checkpointing`` (atomic checkpoints), ``preemption`` (graceful stop), ``nonfinite`` (skipped NaN steps),
 ``run_lock`` (one run per output folder).
 Releases: ``release`` (the folder ``from_pretrained`` loads), ``model_card``, ``hub`` (pushes that never stall

@@ -10,8 +10,9 @@ The held-out slice: the SOTU addresses from 2000 on (:func:`corpus_bytes` ``"eva
 of the way in, as non-overlapping windows of 257 ids (:func:`heldout_windows`). Beyond bits per byte: the kind of byte
 predicted (SpaceByte's word bytes, Slagle 2024: :func:`byte_kinds`), evaluation-time probes of what a trained model's
 prediction rests on (its global stream replaced, :data:`GLOBAL_STREAM_PROBES`; its boundary rule replaced,
-:func:`score_with_boundary_rule`), the real-word rate of samples (:func:`sample_words`) and ``xz -9e`` on the same
-bytes (:func:`xz_bits_per_byte`), the compressor a byte model has to beat.
+:func:`score_with_boundary_rule`; all of them: :func:`probe_spider`), the real-word rate of samples
+(:func:`sample_words`) and ``xz -9e`` on the same bytes (:func:`xz_bits_per_byte`), the compressor a byte model has to
+beat.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class _BoundaryRule:
         def decide(hidden_states, token_mask=None, position_ids=None):
             probs = torch.sigmoid(predictor.logits(hidden_states))
             if rule == "sampled":
-                boundaries = (torch.rand(probs.shape, generator=generator) < probs).float()
+                boundaries = (torch.rand(probs.shape, generator=generator).to(probs.device) < probs).float()
             else:
                 real = probs if token_mask is None else probs[token_mask.bool()]
                 boundaries = (probs > torch.quantile(real.float(), 1.0 - rate)).float()
@@ -184,6 +185,49 @@ def score_with_boundary_rule(model, windows: torch.Tensor, rule: str, train_byte
     """:func:`score` with the boundary decision at evaluation replaced by `rule` ("sampled" or "rate-matched")."""
     with _BoundaryRule(model, rule, train_bytes_per_segment):
         return score(model, windows)
+
+
+def probe_spider(
+    model, windows: torch.Tensor, train_bytes_per_segment: float | None, loop_counts: bool = True
+) -> dict:
+    """What a trained Spider's held-out figure on `windows` rests on (the results tables' Spider rows,
+    ``spider-evaluate --probes``): ``bpb_by_loops`` (bits per byte at 1, half, the configured and twice the configured
+    loop count; with `loop_counts`), ``mean_halting_step`` (ACT's, over the first 16 windows), ``act_early_exit`` (with
+    ACT early exit at inference, ``config.act_early_exit``: bits per byte, mean halting step over the first 16 windows,
+    loops saved per segment), ``bpb_by_global_stream_probe`` (each of :data:`GLOBAL_STREAM_PROBES`: bits per byte, and
+    by the kind of byte predicted) and, unless the boundaries are fixed, ``bpb_by_eval_boundary_rule`` (the
+    ``"sampled"`` and ``"rate-matched"`` rules of :func:`score_with_boundary_rule`, rate-matched to
+    `train_bytes_per_segment`)."""
+    cfg, out = model.config, {}
+    first = windows[:16].to(next(model.parameters()).device)  # the windows are built on the CPU
+    if loop_counts:
+        counts = sorted({1, max(1, cfg.n_loops // 2), cfg.n_loops, 2 * cfg.n_loops})
+        out["bpb_by_loops"] = {str(n): score(model, windows, n_loops=n)["bits_per_byte"] for n in counts}
+    with torch.no_grad():
+        out["mean_halting_step"] = float(model(input_ids=first).mean_halting_step)
+    model.config.act_early_exit = True  # halted segments skip the remaining loops
+    with torch.no_grad():
+        exit_steps = float(model(input_ids=first).mean_halting_step)
+    out["act_early_exit"] = {
+        "bits_per_byte": score(model, windows)["bits_per_byte"],
+        "mean_halting_step": exit_steps,
+        "loops_saved_per_segment": cfg.n_loops - exit_steps,
+    }
+    model.config.act_early_exit = False
+    out["bpb_by_global_stream_probe"] = {}
+    for probe in GLOBAL_STREAM_PROBES:
+        with _GlobalStreamProbe(model, probe):
+            probed = score(model, windows, by_byte_kind=True)
+        out["bpb_by_global_stream_probe"][probe] = {
+            "bits_per_byte": probed["bits_per_byte"],
+            "by_byte_kind": probed["bits_per_byte_by_byte_kind"],
+        }
+    if cfg.boundary_mode != "fixed":
+        out["bpb_by_eval_boundary_rule"] = {
+            rule: score_with_boundary_rule(model, windows, rule, train_bytes_per_segment)
+            for rule in ("sampled", "rate-matched")
+        }
+    return out
 
 
 SAMPLE_PROMPT = "The state of the Union is"

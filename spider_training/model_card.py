@@ -198,8 +198,8 @@ def _arch_summary(config: dict, params: float | None) -> str:
     return ", ".join(p for p in parts if p) or "configuration not recorded"
 
 
-#: The default recipe's comparison with a dense LlamaForCausalLM, written by ``python -m bench.quality --report
-#: bench/quality_results.json --write_card_reference hub_card/reference_quality.json``.
+#: The default recipe's comparison with a dense LlamaForCausalLM (:func:`quality_reference`), written by ``python -m
+#: bench.quality --report bench/quality_results.json --write_card_reference hub_card/reference_quality.json``.
 REFERENCE_QUALITY = DEFAULT_TEMPLATE.parent / "reference_quality.json"
 
 
@@ -215,8 +215,35 @@ def reference_quality(preset: str | None, data: str | None, path: str | Path | N
     return ref if (preset, data) == (ref.get("preset"), ref.get("data")) else None
 
 
-#: Spider's greedy decoding speed beside its dense peers for a preset, written by ``python -m bench.generation
-#: --write_card_reference bench/generation_cpu.json hub_card/reference_generation.json``.
+def quality_reference(rows: list[dict], byte_layers_alone: str) -> dict:
+    """What :func:`reference_quality` reads, from ``bench/quality.py``'s rows (``python -m bench.quality --report
+    ROWS.json --write_card_reference FILE``): the default run (row ``spider``), the dense baseline at equal parameters
+    (``llama``) and at equal wall-clock (the best swept learning rate of the group ``baseline equal wall-clock``), and
+    the same byte layers without the global path (the row named `byte_layers_alone`), in held-out bits per byte (3
+    decimals)."""
+    by_name = {r["name"]: r for r in rows}
+    spider, llama, bytes_only = by_name["spider"], by_name["llama"], by_name[byte_layers_alone]
+    equal_time = min(
+        (r for r in rows if r.get("group") == "baseline equal wall-clock"), key=lambda r: r["sotu_bits_per_byte"]
+    )
+    millions = lambda r: f"{r['parameters'] / 1e6:.2f}M"  # noqa: E731
+    bpb = lambda r: "-" if r["sotu_bits_per_byte"] is None else f"{r['sotu_bits_per_byte']:.3f}"  # noqa: E731
+    return {
+        "preset": "small",
+        "data": "sotu",
+        "steps": spider["steps"],
+        "spider_parameters": millions(spider),
+        "spider_bits_per_byte": bpb(spider),
+        "llama_parameters": millions(llama),
+        "llama_bits_per_byte": bpb(llama),
+        "llama_equal_time_bits_per_byte": bpb(equal_time),
+        "bytes_only_parameters": millions(bytes_only),
+        "bytes_only_bits_per_byte": bpb(bytes_only),
+    }
+
+
+#: Spider's greedy decoding speed beside its dense peers for a preset (:func:`generation_reference`), written by
+#: ``python -m bench.generation --write_card_reference bench/generation_cpu.json hub_card/reference_generation.json``.
 REFERENCE_GENERATION = DEFAULT_TEMPLATE.parent / "reference_generation.json"
 
 
@@ -231,6 +258,48 @@ def reference_generation(preset: str | None, path: str | Path | None = None) -> 
     except (OSError, ValueError):
         return None
     return ref if preset == ref.get("preset") else None
+
+
+def generation_reference(results: dict, machine: str = "a 2-core CPU, 2 threads") -> dict:
+    """What :func:`reference_generation` reads, from a full ``python -m bench.run_all`` JSON (``python -m
+    bench.generation --write_card_reference RESULTS.json FILE``): Spider's rows at each loop count and cache (ACT
+    early exit beside), each dense peer's caches on one row."""
+    generation = results["benchmarks"]["generation"]
+    rows, sizes = generation["measurements"]["peers"]["bytes_per_s"], generation["sizes"]
+    loop_counts = sorted({int(k.split("_")[1].removeprefix("loops")) for k in rows if k.startswith("spider_")})
+    trained = sorted(loop_counts)[len(loop_counts) // 2]  # 1, trained, 2x trained
+
+    def spider_row(loops: int, cache: str, suffix: str) -> dict | None:
+        name = f"spider_loops{loops}"
+        if name + suffix not in rows:
+            return None
+        label = f"Spider, {loops} loop{'s' if loops > 1 else ''}" + (" (trained)" if loops == trained else "")
+        early = rows.get(f"{name}_act_early_exit{suffix}")
+        value = f"{rows[name + suffix]:.0f}" + (f" (ACT early exit: {early:.0f})" if early is not None else "")
+        return {"model": label, "cache": cache, "bytes_per_s": value}
+
+    table = [
+        row
+        for loops in loop_counts
+        for cache, suffix in (("`SpiderCache`", ""), ("`SpiderStaticCache`, compiled", "_static_compiled"))
+        if (row := spider_row(loops, cache, suffix)) is not None
+    ]
+    for peer, label in (("llama", "dense `LlamaForCausalLM`"), ("mistral", "`MistralForCausalLM`, local attention")):
+        caches = [c for c in ("dynamic", "static", "static_compiled") if f"{peer}_{c}" in rows]
+        table.append(
+            {
+                "model": label,
+                "cache": " / ".join(c.replace("_", " ") for c in caches),
+                "bytes_per_s": " / ".join(f"{rows[f'{peer}_{c}']:.0f}" for c in caches),
+            }
+        )
+    return {
+        "preset": sizes["preset"],
+        "machine": machine,
+        "prompt_len": sizes["prompt_len"],
+        "new_tokens": sizes["new_tokens"],
+        "rows": table,
+    }
 
 
 def _loops_finding(bits_per_byte_by_loops: dict | None, trained: int | None) -> str:

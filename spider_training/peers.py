@@ -1,6 +1,8 @@
 """transformers' ``DeepseekV3ForCausalLM`` at a Spider config's shape: the peer Spider's training step is measured
 against (aten ops per layer application in ``tests/test_op_count.py``; step time, FLOPs and host syncs in
 ``python -m bench.gpu_check``'s step table), the architecture Spider's MLA attention and routed experts come from.
+Beside it the dense peers of about a Spider model's parameter count (:func:`dense_llama_config`,
+:func:`dense_peer_models`): the step table's ``llama_dense`` row and ``bench.generation``'s decoding rows.
 """
 
 from __future__ import annotations
@@ -21,13 +23,9 @@ def peer_config(spider_cfg):
 
     c = spider_cfg
     return DeepseekV3Config(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
+        **_shared_fields(c),
         moe_intermediate_size=c.moe_intermediate_size,
         num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_attention_heads,
         n_shared_experts=c.n_shared_experts,
         n_routed_experts=c.n_routed_experts,
         num_experts_per_tok=c.num_experts_per_tok,
@@ -43,6 +41,18 @@ def peer_config(spider_cfg):
         max_position_embeddings=c.max_position_embeddings,
         num_mtp_layers=0,
         rope_interleave=False,
+    )
+
+
+def _shared_fields(c) -> dict:
+    """What every peer takes from the Spider config `c`: vocab, width, dense-MLP width, heads (full multi-head
+    attention), norm epsilon, initialisation and special ids; no cache, SDPA attention."""
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_attention_heads,
         rms_norm_eps=c.rms_norm_eps,
         initializer_range=c.initializer_range,
         pad_token_id=c.pad_token_id,
@@ -59,3 +69,38 @@ def peer_model(spider_cfg, seed: int = 0, dtype: torch.dtype = torch.float32):
 
     torch.manual_seed(seed)
     return DeepseekV3ForCausalLM(peer_config(spider_cfg)).to(dtype)
+
+
+def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):
+    """transformers' ``LlamaConfig`` of a dense byte model with about the parameter count of a Spider model built from
+    `spider_cfg`: Spider's vocab, width, heads and dense-MLP width; the layer count is the one that brings the
+    parameter count nearest to Spider's (untied embeddings, full multi-head attention, SDPA)."""
+    from transformers import LlamaConfig
+
+    from modeling_spider import SpiderForConditionalGeneration
+
+    with torch.device("meta"):
+        target = sum(p.numel() for p in SpiderForConditionalGeneration(spider_cfg).parameters())
+    c = spider_cfg
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    per_layer = 4 * h * h + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
+    layers = max(1, round((target - 2 * v * h - h) / per_layer))
+    return LlamaConfig(
+        **_shared_fields(c),
+        num_hidden_layers=layers,
+        max_position_embeddings=max(max_position_embeddings, c.max_position_embeddings),
+        tie_word_embeddings=False,
+    )
+
+
+def dense_peer_models(spider_cfg) -> dict:
+    """The dense peers of a Spider config, about its parameter count (:func:`dense_llama_config`): a
+    ``LlamaForCausalLM`` with full attention and a ``MistralForCausalLM`` of the same shape with local attention over
+    Spider's byte window (``sliding_window``, at least 16 bytes), both eval mode, fp32."""
+    from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    llama = dense_llama_config(spider_cfg)
+    mistral = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k in MistralConfig().to_dict()})
+    mistral.sliding_window = max(16, spider_cfg.sliding_window or 16)
+    torch.manual_seed(0)
+    return {"llama": LlamaForCausalLM(llama).eval(), "mistral": MistralForCausalLM(mistral).eval()}

@@ -10,14 +10,18 @@ computes uncounted, tested; under ``--compile`` that one forward runs eagerly), 
 backward, and scales by the micro-batches since the
 last log: Spider's FLOPs move a little with its segment count, which the first micro-batch fixes. MFU divides the
 achieved FLOP/s by :func:`peak_flops`: the GPU's dense bf16 peak
-from its data sheet (:data:`PEAK_FLOPS`), or on another device a measured ``n x n`` matmul.
+from its data sheet (:data:`PEAK_FLOPS`), or on another device a measured ``n x n`` matmul. Beside a measurement, the
+machine and versions it was taken on: :func:`environment`.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -182,3 +186,31 @@ class ThroughputMeter:
             "tflops_per_second": float(f"{achieved / 1e12:.4g}"),
             "mfu": float(f"{achieved / self.peak:.4g}"),
         }
+
+
+def environment() -> dict[str, Any]:
+    """What a measurement depends on, recorded beside it (``spider-memory-plan``'s plan, every ``bench`` JSON):
+    versions, threads, CPU model, load average at the time of the run; ``device`` is ``"cpu"`` (``bench.gpu_check``
+    adds its GPU)."""
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "mkldnn": bool(torch.backends.mkldnn.is_available()),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "device": "cpu",
+    }

@@ -119,6 +119,26 @@ def test_command_scores_a_release_per_loop_count_as_the_library_does(release, tm
     )
 
 
+def test_command_probes_are_what_the_results_tables_probe(release, capsys):
+    """``spider-evaluate --probes`` adds :func:`spider_training.evaluation.probe_spider`'s figures (what
+    ``bench.quality`` records in every Spider row) for the same weights on the same windows, its rate-matched boundary
+    rule at the release's own bytes per segment there; the config's ACT early exit is left off."""
+    result = main([str(release), "--seq_len", "64", "--max_bytes", "600", "--probes"])
+    assert json.loads(capsys.readouterr().out) == result
+    model = tiny_model(seed=0).eval()
+    windows = evaluation.heldout_windows(evaluation.corpus_bytes("eval"), 64, slice_bytes=600)
+    expected = evaluation.probe_spider(model, windows, evaluation.score(model, windows)["bytes_per_segment"])
+    n = model.config.n_loops
+    assert set(result["probes"]["bpb_by_loops"]) == {str(c) for c in {1, max(1, n // 2), n, 2 * n}}
+    assert set(result["probes"]["bpb_by_global_stream_probe"]) == set(evaluation.GLOBAL_STREAM_PROBES)
+    assert set(result["probes"]) == set(expected) and model.config.act_early_exit is False
+    for key in ("bpb_by_loops", "mean_halting_step", "act_early_exit"):
+        assert result["probes"][key] == pytest.approx(expected[key], rel=1e-6)
+    for key in ("bpb_by_global_stream_probe", "bpb_by_eval_boundary_rule"):
+        for name, probed in expected.get(key, {}).items():
+            assert result["probes"][key][name]["bits_per_byte"] == pytest.approx(probed["bits_per_byte"], rel=1e-6)
+
+
 def test_command_errors_name_the_problem(release, tmp_path):
     (tmp_path / "short.txt").write_text("too short")
     cases = [

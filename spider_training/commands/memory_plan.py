@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 
 # torch is imported where a plan is computed: a bad flag, and --report, cost an interpreter start
@@ -27,9 +25,9 @@ __all__ = ["plan", "main"]
 
 def plan(argv=None) -> dict:
     """The command's work: parse `argv`, compute the plan (or read ``--report``), write ``--out``, print it. Returns
-    the plan: :func:`spider_training.memory_plan.run`'s dict plus ``environment`` (torch, transformers and Python
-    versions, CPU count, torch threads). Bad flags, a ``--report`` file that does not read as JSON: argparse's error
-    naming it (exit code 2)."""
+    the plan: :func:`spider_training.memory_plan.run`'s dict plus ``environment``
+    (:func:`spider_training.throughput.environment`: versions, threads, CPU). Bad flags, a ``--report`` file that does
+    not read as JSON: argparse's error naming it (exit code 2)."""
     parser = argparse.ArgumentParser(
         prog="spider-memory-plan",
         description=__doc__.split("\n\n")[0],
@@ -50,19 +48,10 @@ def plan(argv=None) -> dict:
         except (OSError, ValueError) as e:
             parser.error(f"--report {args.report}: {e}")
     else:
-        import torch
-        import transformers
-
         from spider_training.memory_plan import run
+        from spider_training.throughput import environment
 
-        environment = {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "torch_num_threads": torch.get_num_threads(),
-        }
-        result = {**run(args.preset, args.seq_len, args.gpus), "environment": environment}
+        result = {**run(args.preset, args.seq_len, args.gpus), "environment": environment()}
     if args.out:
         from spider_training.checkpointing import write_json
 
