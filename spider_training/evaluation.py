@@ -205,15 +205,19 @@ def probe_spider(
         out["bpb_by_loops"] = {str(n): score(model, windows, n_loops=n)["bits_per_byte"] for n in counts}
     with torch.no_grad():
         out["mean_halting_step"] = float(model(input_ids=first).mean_halting_step)
-    model.config.act_early_exit = True  # halted segments skip the remaining loops
-    with torch.no_grad():
-        exit_steps = float(model(input_ids=first).mean_halting_step)
+    early_exit = cfg.act_early_exit
+    cfg.act_early_exit = True  # halted segments skip the remaining loops
+    try:
+        with torch.no_grad():
+            exit_steps = float(model(input_ids=first).mean_halting_step)
+        exit_bpb = score(model, windows)["bits_per_byte"]
+    finally:
+        cfg.act_early_exit = early_exit
     out["act_early_exit"] = {
-        "bits_per_byte": score(model, windows)["bits_per_byte"],
+        "bits_per_byte": exit_bpb,
         "mean_halting_step": exit_steps,
         "loops_saved_per_segment": cfg.n_loops - exit_steps,
     }
-    model.config.act_early_exit = False
     out["bpb_by_global_stream_probe"] = {}
     for probe in GLOBAL_STREAM_PROBES:
         with _GlobalStreamProbe(model, probe):
