@@ -151,8 +151,8 @@ class SpiderRecurrentLayerCache(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Segment slots held (the null segment included)."""
-        loop = self.loops[0] if self.loops else None
-        return 0 if loop is None or loop.keys is None else loop.cache.segment_slots
+        keys = self.loops[0].keys if self.loops else None
+        return 0 if keys is None else keys.shape[2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
