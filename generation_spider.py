@@ -44,9 +44,7 @@ def write_segment_slots(cache: SpiderCache, buffer: torch.Tensor, new: torch.Ten
     (the slots past `segment_slots` are never read: :meth:`SpiderLayerCache.update` returns the first
     `segment_slots`); a fixed-size cache's buffer keeps its address (CUDA graphs)."""
     if not cache.is_compileable and buffer.shape[dim] < cache.segment_slots:
-        grow = list(buffer.shape)
-        grow[dim] = max(cache.segment_slots, 2 * buffer.shape[dim]) - buffer.shape[dim]
-        buffer = torch.cat([buffer, buffer.new_zeros(grow)], dim=dim)
+        buffer = fixed_size(buffer, dim, max(cache.segment_slots, 2 * buffer.shape[dim]))
     # an index_put_ (not scatter_): inductor writes it into the buffer instead of copying the whole buffer
     rows = torch.arange(new.shape[0], device=new.device)
     index = (rows, *([slice(None)] * (dim - 1)), cache.segment_write_index)
@@ -83,6 +81,8 @@ def _filled_slots(buffer_name: str, dim: int) -> property:
     growing cache's buffers have room to grow into); setting it sets the buffer."""
 
     def get(self):
+        # is_compileable first: a compiled decode step must not read `seen_bytes` (a Python int; dynamo would guard
+        # on it and recompile at every byte), and a fixed-size buffer is all slots anyway
         buffer, cache = getattr(self, buffer_name), self.cache
         if buffer is None or cache.is_compileable or not cache.seen_bytes or buffer.shape[dim] == cache.segment_slots:
             return buffer
