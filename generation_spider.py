@@ -214,10 +214,11 @@ def _views_start_of(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
 
 
 class SpiderStaticByteLayer(CacheLayerMixin):
-    """A prelude or coda layer's keys `(B, H, max_cache_len, qk_head_dim)` and values `(B, H, max_cache_len,
-    v_head_dim)` in fixed-size buffers (transformers' ``StaticLayer`` with Spider's write position): a decode step
-    writes its byte's column ``cache.position`` in place and attends over the whole buffer, the mask hiding the
-    columns not yet written."""
+    """A prelude or coda layer's keys `(B, H, K, qk_head_dim)` and values `(B, H, K, v_head_dim)` in fixed-size
+    buffers of ``K = cache.byte_key_slots`` columns (transformers' ``StaticLayer`` with Spider's write position, or,
+    under a ``sliding_window`` shorter than ``max_cache_len``, its ``StaticSlidingWindowLayer``: a ring of the last
+    ``sliding_window`` bytes): a decode step writes its byte at slot ``cache.position % K`` in place and attends over
+    the whole buffer, the mask (:func:`static_byte_mask_function`) hiding the slots not yet written."""
 
     is_compileable = True
     is_croppable = False
@@ -232,10 +233,11 @@ class SpiderStaticByteLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one byte's `key_states`/`value_states` `(B, H, 1, d)` at column ``cache.position``; return the
+        """Write one byte's `key_states`/`value_states` `(B, H, 1, d)` at slot ``cache.position % K``; return the
         whole buffers."""
-        self.keys.index_copy_(2, self.cache.position, key_states)
-        self.values.index_copy_(2, self.cache.position, value_states)
+        slot = self.cache.position.remainder(self.keys.shape[2])
+        self.keys.index_copy_(2, slot, key_states)
+        self.values.index_copy_(2, slot, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -484,11 +486,13 @@ class SpiderCache(Cache):
 class SpiderStaticCache(SpiderCache):
     """:class:`SpiderCache` in buffers of fixed size (``generate(cache_implementation="static")``): after the prefill
     (which fills it as :class:`SpiderCache` does) every tensor is moved into a buffer sized for `max_cache_len` bytes
-    (byte keys and values, the per-byte record, the byte mask) and `max_cache_len + 1` segment slots (a byte can close
-    a segment at every step; slot 0 is the null segment), and each decode step writes in place at the tensor
+    (the per-byte record, the byte mask; the byte layers' keys and values hold the last ``config.sliding_window``
+    bytes where the window is shorter, :attr:`byte_key_slots`) and `max_cache_len + 1` segment slots (a byte can
+    close a segment at every step; slot 0 is the null segment), and each decode step writes in place at the tensor
     ``position``. A decode step then has the same shapes at every byte, so its regions compile once
-    (:meth:`SpiderDecodingMixin.compile_decode`) and, on CUDA, replay as CUDA graphs; its outputs equal
-    :class:`SpiderCache`'s (masked keys add exact zeros). Not croppable.
+    (:meth:`SpiderDecodingMixin.compile_decode`) and, on CUDA, replay as CUDA graphs; its greedy ids equal
+    :class:`SpiderCache`'s (the attention reads the same keys, beside masked ones that add exact zeros; a byte layer's
+    softmax over its window's slots rounds in another order, so logits may differ in the last bits). Not croppable.
 
     Raises:
         ValueError: (at the prefill) a prompt longer than `max_cache_len`.
@@ -518,7 +522,7 @@ class SpiderStaticCache(SpiderCache):
             raise ValueError(f"the prompt has {T} bytes, more than the static cache's max_cache_len={N}")
         for layers in (self.prelude, self.coda):
             layers[:] = [
-                SpiderStaticByteLayer(self, fixed_size(layer.keys, 2, N), fixed_size(layer.values, 2, N))
+                SpiderStaticByteLayer(self, self._byte_slots(layer.keys, T), self._byte_slots(layer.values, T))
                 for layer in layers
             ]
         self.layers[: len(self.prelude)] = self.prelude
@@ -532,6 +536,22 @@ class SpiderStaticCache(SpiderCache):
         self.segment_write_index = torch.zeros_like(self.num_segments)
         for buffer in self.buffers().values():  # as transformers' StaticCache: CUDA graphs may keep the addresses
             torch._dynamo.mark_static_address(buffer)
+
+    @property
+    def byte_key_slots(self) -> int:
+        """Key slots of a byte layer: ``config.sliding_window`` where it is shorter than `max_cache_len` (older
+        bytes are never attended to again), else `max_cache_len`."""
+        window = self.config.sliding_window
+        return self.max_cache_len if window is None else min(window, self.max_cache_len)
+
+    def _byte_slots(self, states: torch.Tensor, length: int) -> torch.Tensor:
+        """A byte layer's prefilled `states` `(B, H, length, d)` in a buffer of :attr:`byte_key_slots` columns, the
+        byte at column `c` in slot ``c % byte_key_slots`` (the last ones kept); the other slots zero."""
+        slots = self.byte_key_slots
+        buffer = states.new_zeros(*states.shape[:2], slots, states.shape[3])
+        columns = torch.arange(max(0, length - slots), length, device=states.device)
+        buffer[:, :, columns % slots] = states[:, :, columns]
+        return buffer
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor a decode step reads or writes in place, by name (after the prefill)."""
@@ -642,7 +662,7 @@ class SpiderDecodingMixin:
         x = self.embed_tokens(input_ids)
         if cache.is_compileable:
             byte_attention_mask = self.attention_mask(
-                x, cache.max_cache_len, mask_function=static_byte_mask_function(cache, self.config.sliding_window)
+                x, cache.byte_key_slots, mask_function=static_byte_mask_function(cache, self.config.sliding_window)
             )
         else:
             if cache.byte_mask is not None:
@@ -702,14 +722,15 @@ def call_compiled(region: Callable, cache: SpiderStaticCache, *args):
 
 
 def static_byte_mask_function(cache: SpiderStaticCache, sliding_window: int | None) -> Callable:
-    """A byte decode step's mask function over a :class:`SpiderStaticCache`'s `max_cache_len` columns: the query
-    at column ``cache.position`` sees the real bytes (``cache.byte_mask``) at or before it and, with a
-    `sliding_window`, less than `sliding_window` before it (the same keys as :func:`attention_mask_function`)."""
-    position, byte_mask = cache.position, cache.byte_mask
+    """A byte decode step's mask function over a :class:`SpiderStaticCache`'s ``byte_key_slots`` key slots (slot `s`
+    holds the latest column `c <= position` with ``c % byte_key_slots == s``): the query at column ``cache.position``
+    sees the real bytes (``cache.byte_mask``) at or before it and, with a `sliding_window`, less than
+    `sliding_window` before it (the same keys as :func:`attention_mask_function`)."""
+    position, byte_mask, slots = cache.position, cache.byte_mask, cache.byte_key_slots
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        distance = position - kv_idx
-        visible = (distance >= 0) & byte_mask[batch_idx, kv_idx]
+        distance = (position - kv_idx).remainder(slots)  # the slot's column is position - distance
+        visible = (distance <= position) & byte_mask[batch_idx, (position - distance).clamp(min=0)]
         return visible if sliding_window is None else visible & (distance < sliding_window)
 
     return inner_mask

@@ -40,9 +40,12 @@ def _generate(model, ids, attention_mask, new_tokens, **kwargs):
         )
 
 
-@pytest.mark.parametrize("n_loops,act_early_exit", [(1, False), (3, False), (3, True)])
-def test_static_cache_generates_the_dynamic_caches_ids(n_loops, act_early_exit):
-    model = tiny_model(seed=24, act_early_exit=act_early_exit).eval()
+@pytest.mark.parametrize(
+    "n_loops,act_early_exit,sliding_window", [(1, False, None), (3, False, None), (3, True, None), (2, False, 4)]
+)
+def test_static_cache_generates_the_dynamic_caches_ids(n_loops, act_early_exit, sliding_window):
+    seed = 24 if sliding_window is None else 28  # seeds under which both rows close segments while decoding
+    model = tiny_model(seed=seed, act_early_exit=act_early_exit, sliding_window=sliding_window).eval()
     ids, attention_mask = _left_padded(seed=12)
     dynamic = _generate(model, ids, attention_mask, 48, n_loops=n_loops)
     static = _generate(model, ids, attention_mask, 48, n_loops=n_loops, cache_implementation="static")
@@ -56,8 +59,21 @@ def test_static_cache_generates_the_dynamic_caches_ids(n_loops, act_early_exit):
     assert torch.equal(static.cache.num_segments, dynamic.cache.num_segments)
 
 
-def test_static_decode_step_keeps_every_buffer_and_equals_the_full_forward():
-    model = tiny_model(seed=13).eval()
+def test_windowed_static_cache_from_a_prompt_shorter_than_the_window():
+    """The ring's slots past the prompt (and a padded row's) are masked until bytes fill them, then reused."""
+    model = tiny_model(seed=25, sliding_window=8).eval()
+    ids = _prompt(2, 3, seed=26)
+    attention_mask = torch.tensor([[1, 1, 1], [0, 0, 1]])
+    dynamic = _generate(model, ids, attention_mask, 30)
+    static = _generate(model, ids, attention_mask, 30, cache_implementation="static")
+    assert static.cache.layers[0].keys.shape[2] == 8 < static.cache.max_cache_len
+    assert torch.equal(static.sequences, dynamic.sequences)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_static_decode_step_keeps_every_buffer_and_equals_the_full_forward(sliding_window):
+    """Under a byte `sliding_window` the byte layers keep a ring of that many keys, not `max_cache_len`."""
+    model = tiny_model(seed=13, sliding_window=sliding_window).eval()
     ids = _prompt(2, 64, seed=14)
     attention_mask = torch.ones_like(ids)
     attention_mask[0, :5] = 0
@@ -72,8 +88,8 @@ def test_static_decode_step_keeps_every_buffer_and_equals_the_full_forward():
     assert bool((cache.num_segments > closed_after_prompt).all())
     after = {name: (t.data_ptr(), t.shape) for name, t in cache.buffers().items()}
     assert after == before  # written in place: same shapes, same storage
-    assert cache.layers[0].keys.shape[2] == 64 and cache.recurrent[0][0].keys.shape[2] == 65
-    tol = float_tol(full.logits, model_terms(model))  # same ops over more (masked) keys
+    assert cache.layers[0].keys.shape[2] == (sliding_window or 64) and cache.recurrent[0][0].keys.shape[2] == 65
+    tol = float_tol(full.logits, model_terms(model))  # same ops over more (masked) keys, or a ring's in another order
     torch.testing.assert_close(prefill.logits[0, 5:], full.logits[0, 5:24], **tol)
     torch.testing.assert_close(prefill.logits[1], full.logits[1, :24], **tol)
     torch.testing.assert_close(torch.cat(steps, 1), full.logits[:, 24:], **tol)
@@ -115,7 +131,7 @@ def test_static_decode_compiles_three_graphs_once():
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
-    model = tiny_model(seed=18).eval()
+    model = tiny_model(seed=18, sliding_window=4).eval()  # the byte layers as the presets have them: a ring of keys
     ids, attention_mask = _left_padded(seed=19)
     reference = _generate(model, ids, attention_mask, 40, n_loops=2)
     compile_config = CompileConfig(backend="aot_eager", mode=None)
