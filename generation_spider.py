@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils import logging
 
 try:  # loaded as part of a package (trust_remote_code, or `spider` installed as a package)
@@ -686,8 +687,12 @@ class SpiderDecodingMixin:
         whole with fixed shapes (``fullgraph=True, dynamic=False``); `compile_kwargs` (``backend``, ``mode``,
         ``options``: a ``CompileConfig``'s) go to ``torch.compile``. From then on every decode step over a
         :class:`SpiderStaticCache` runs them (one without ``output_hidden_states``; ``del model.compiled_decode``
-        returns to eager); the segment region stays eager under ACT early exit."""
+        returns to eager); the segment region stays eager under ACT early exit. Experts run by ``"grouped_mm"`` (the
+        default) switch to :data:`DECODE_EXPERTS_IMPLEMENTATION`, which differs from it only inside a compiled decode
+        step."""
         compile_kwargs = {**compile_kwargs, "fullgraph": True, "dynamic": False}
+        if self.config._experts_implementation == "grouped_mm":  # the same outside the compiled regions
+            self.config._experts_implementation = DECODE_EXPERTS_IMPLEMENTATION
         self.compiled_decode = tuple(
             torch.compile(region, **compile_kwargs)
             for region in (self.decode_byte_in, self.decode_segment, self.decode_byte_out)
@@ -705,6 +710,41 @@ class SpiderDecodingMixin:
         mask = self.attention_mask(e, cache.segment_slots, mask_function=mask_function)
         h_out = self.recurrent_block(e, segment_rope, mask, None, segment_memory, cache.n_loops, cache).h_out
         cache.end_segment_step(closing, h_out)
+
+
+#: The experts implementation :meth:`SpiderDecodingMixin.compile_decode` selects: transformers' ``"grouped_mm"``
+#: except in a compiled no-grad call of a few tokens with weights other than bf16 (:func:`decode_experts_forward`).
+DECODE_EXPERTS_IMPLEMENTATION = "grouped_mm_gathered_decode"
+#: Most tokens for which :func:`decode_experts_forward` reads each token's experts in place: on the 2-core CPU, one
+#: compiled fp32 `small` experts call took 119 against 386 us at 1 token, 830 against 928 at 16, 1,280 against 1,060
+#: at 32 (docs/research_log.md).
+DECODE_EXPERTS_MAX_TOKENS = 16
+
+
+def decode_experts_forward(
+    experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """``SpiderExperts`` on `hidden_states` `(T, D)`, int64 `top_k_index` `(T, k)`, `top_k_weights` `(T, k)` ->
+    `(T, D)`, as transformers' ``grouped_mm`` computes it. Inside a compiled decode step (``torch.compile``, no grad,
+    at most :data:`DECODE_EXPERTS_MAX_TOKENS` tokens, weights other than bf16) each token's `k` experts are read in
+    place instead: ``gate_up_proj[top_k_index]`` multiplied and summed, which inductor fuses into one reduction
+    without copying a weight, where ``grouped_mm`` would call transformers' per-expert fallback (a custom op, a host
+    read of the offsets and a GEMM per expert: ``torch._grouped_mm`` takes only bf16 when traced). The two agree to
+    the rounding of their sums."""
+    if not (
+        torch.compiler.is_compiling()
+        and not torch.is_grad_enabled()
+        and hidden_states.shape[0] <= DECODE_EXPERTS_MAX_TOKENS
+        and experts.gate_up_proj.dtype != torch.bfloat16
+    ):
+        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, hidden_states, top_k_index, top_k_weights)
+    x = hidden_states.to(experts.gate_up_proj.dtype)[:, None, None, :]  # (T, 1, 1, D)
+    gated = experts._apply_gate((x * experts.gate_up_proj[top_k_index]).sum(-1))  # (T, k, I)
+    out = (gated[:, :, None, :] * experts.down_proj[top_k_index]).sum(-1)  # (T, k, D)
+    return (out.float() * top_k_weights[..., None].float()).sum(1).to(hidden_states.dtype)
+
+
+ALL_EXPERTS_FUNCTIONS.register(DECODE_EXPERTS_IMPLEMENTATION, decode_experts_forward)
 
 
 def call_compiled(region: Callable, cache: SpiderStaticCache, *args):

@@ -157,3 +157,36 @@ def test_static_decode_compiles_three_graphs_once():
     assert counters["stats"]["unique_graphs"] == 3 + len(called)  # each region called got a graph for this shape
     one.cache.batch_select_indices(torch.tensor([0]))  # new buffers: guarded again at the next call
     assert not one.cache.guarded_regions
+
+
+@pytest.mark.parametrize("tokens", [3, 17])
+def test_compiled_decode_reads_few_tokens_experts_in_place(tokens):
+    """``compile_decode`` switches ``grouped_mm`` experts to ``DECODE_EXPERTS_IMPLEMENTATION``: eager it is
+    ``grouped_mm`` exactly; traced without grad it gathers each token's experts (no per-expert fallback op in the
+    graph) up to ``DECODE_EXPERTS_MAX_TOKENS`` tokens, and agrees with ``grouped_mm`` to the rounding of its sums."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from generation_spider import DECODE_EXPERTS_IMPLEMENTATION, DECODE_EXPERTS_MAX_TOKENS
+
+    model = tiny_model(seed=27).eval()
+    model.model.compile_decode(backend="aot_eager")
+    assert model.config._experts_implementation == DECODE_EXPERTS_IMPLEMENTATION
+    experts = next(m for m in model.modules() if type(m).__name__ == "SpiderExperts")
+    generator = torch.Generator().manual_seed(28)
+    x = torch.randn(tokens, model.config.hidden_size, generator=generator)
+    top_k_index = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(tokens)])
+    top_k_weights = torch.rand(tokens, 2, generator=generator)
+    graphs = []
+
+    def recording_backend(gm, example_inputs):  # dynamo's graph, run as traced
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    with torch.no_grad():
+        reference = ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, top_k_index, top_k_weights)
+        assert torch.equal(experts(x, top_k_index, top_k_weights), reference)
+        torch._dynamo.reset()
+        traced = torch.compile(experts, backend=recording_backend, fullgraph=True)(x, top_k_index, top_k_weights)
+    gathered = tokens <= DECODE_EXPERTS_MAX_TOKENS
+    assert len(graphs) == 1 and ("grouped_mm_fallback" in graphs[0]) != gathered
+    torch.testing.assert_close(traced, reference, **float_tol(reference, model.config.hidden_size))
