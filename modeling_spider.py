@@ -1515,6 +1515,8 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
         if labels is not None and cache is not None and cache.seen_bytes > 0:
             raise ValueError("labels cannot be scored against a non-empty cache; pass the whole sequence")
         shift_labels = kwargs.get("shift_labels")  # pre-shifted targets (sequence parallelism)
+        if self.is_decode_step(input_ids, cache, output_hidden_states, logits_to_keep, kwargs):
+            return self.decode_step(input_ids, cache, n_loops)
         keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
         if (labels is not None or shift_labels is not None) and not keep_all:
             raise ValueError(f"logits_to_keep={logits_to_keep!r} with labels: the loss needs every position's logits")
@@ -1561,6 +1563,40 @@ class SpiderForConditionalGeneration(SpiderPreTrainedModel, SpiderGenerationMixi
                 for name in ("boundaries", "boundary_probs", "segment_mask", "halting_step", "loop_weights")
             },
         )
+
+    def is_decode_step(self, input_ids, cache, output_hidden_states, logits_to_keep, kwargs) -> bool:
+        """Whether :meth:`forward` is a ``generate()`` decode step that :meth:`decode_step` serves: one new byte per
+        row after a non-empty `cache`, no labels, no hidden states or attentions asked for, the one position's
+        logits."""
+        return (
+            cache is not None
+            and cache.seen_bytes > 0
+            and isinstance(input_ids, torch.Tensor)
+            and input_ids.dim() == 2
+            and input_ids.shape[1] == 1
+            and not (self.config.output_hidden_states if output_hidden_states is None else output_hidden_states)
+            and not kwargs.get("output_attentions", self.config.output_attentions)
+            and kwargs.get("shift_labels") is None
+            and isinstance(logits_to_keep, int)
+            and logits_to_keep in (0, 1)
+        )
+
+    def decode_step(
+        self, input_ids: torch.LongTensor, cache: SpiderCache, n_loops: int | None
+    ) -> SpiderCausalLMOutput:
+        """One decode step of ``generate()``: one new byte per row, int64 `input_ids` `(B, 1)`, after `cache`,
+        through :meth:`SpiderModel.decode_byte` and the LM head, without the full forward's output capturing and the
+        base model's output (which cost about a tenth of a compiled byte's step on CPU). Returns the outputs the full
+        forward returns for it: `logits` `(B, 1, vocab_size)`, the cache and the byte's `boundaries` fp32 `(B, 1)`.
+
+        Raises:
+            ValueError: as :meth:`SpiderModel.check_inputs`; a full static cache.
+        """
+        n_loops = self.config.n_loops if n_loops is None else n_loops
+        self.model.check_inputs(input_ids, None, n_loops, cache)
+        hidden_states, boundaries, _ = self.model.decode_byte(input_ids, cache)
+        logits = self.lm_head(as_weight_dtype(self.lm_head, hidden_states))
+        return SpiderCausalLMOutput(logits=logits, cache=cache, boundaries=boundaries)
 
     def lm_loss(
         self,

@@ -418,3 +418,31 @@ def test_decode_steps_write_the_growing_cache_in_place():
     with torch.no_grad():
         model(ids[1:, 72 - 1 :], cache=cache)  # any byte: the write after the selection
     assert byte_layer.keys.data_ptr() == byte_layer.key_buffer.data_ptr() and byte_layer.keys.shape[0] == 1
+
+
+def test_one_byte_decode_step_gives_what_the_full_forward_gives():
+    """``generate()``'s one-byte steps take ``decode_step`` (``SpiderModel.decode_byte`` and the LM head); the same
+    step through the base model's full forward gives the same logits, boundaries and cache, and a step that asks for
+    more (two bytes, hidden states) takes the full forward."""
+    import copy
+
+    model = tiny_model(seed=41).eval()
+    ids = _prompt(2, 30, seed=42)
+    with torch.no_grad():
+        cache = model(ids[:, :20], use_cache=True).cache
+        reference_cache = copy.deepcopy(cache)
+        for j in range(20, 30):
+            byte = ids[:, j : j + 1]
+            assert model.is_decode_step(byte, cache, None, 1, {})
+            step = model(byte, cache=cache, logits_to_keep=1)
+            reference = model.model(byte, cache=reference_cache)
+            assert torch.equal(step.logits, model.lm_head(reference.last_hidden_state))
+            assert torch.equal(step.boundaries, reference.boundaries)
+    assert cache.seen_bytes == reference_cache.seen_bytes == 30
+    assert torch.equal(cache.num_segments, reference_cache.num_segments) and bool((cache.num_segments > 0).all())
+    assert torch.equal(cache.layers[0].keys, reference_cache.layers[0].keys)
+    assert not model.is_decode_step(ids[:, :2], cache, None, 1, {})
+    assert not model.is_decode_step(ids[:, :1], cache, True, 1, {})
+    assert not model.is_decode_step(ids[:, :1], SpiderCache(model.config, 2), None, 1, {})
+    with torch.no_grad(), pytest.raises(ValueError, match="token id 300"):
+        model(torch.tensor([[300], [1]]), cache=cache)
