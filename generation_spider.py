@@ -646,8 +646,6 @@ class SpiderDecodingMixin:
         if compiled:
             compiled = tuple(functools.partial(call_compiled, region, cache) for region in compiled)
         byte_in, segment, byte_out = compiled or (self.decode_byte_in, self.decode_segment, self.decode_byte_out)
-        if self.config.act_early_exit:  # halted rows leave the MoE by index: shapes follow the data
-            segment = self.decode_segment
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)  # a column of the ids: strides vary
         x, boundary, closing, e, segment_memory, byte_rope, byte_attention_mask = byte_in(input_ids, cache, hidden)
         if bool(closing.any()):  # every row runs the block; the others keep their last output
@@ -687,7 +685,8 @@ class SpiderDecodingMixin:
         whole with fixed shapes (``fullgraph=True, dynamic=False``); `compile_kwargs` (``backend``, ``mode``,
         ``options``: a ``CompileConfig``'s) go to ``torch.compile``. From then on every decode step over a
         :class:`SpiderStaticCache` runs them (one without ``output_hidden_states``; ``del model.compiled_decode``
-        returns to eager); the segment region stays eager under ACT early exit. Experts run by ``"grouped_mm"`` (the
+        returns to eager); under ACT early exit halted segments' MoE output is masked there, not skipped by index
+        (``SpiderRecurrentBlock``), so the shapes stay fixed. Experts run by ``"grouped_mm"`` (the
         default) switch to :data:`DECODE_EXPERTS_IMPLEMENTATION`, which differs from it only inside a compiled decode
         step."""
         compile_kwargs = {**compile_kwargs, "fullgraph": True, "dynamic": False}

@@ -676,7 +676,8 @@ class SpiderDecoderLayer(GradientCheckpointingLayer):
 
 class SpiderRecurrentLayer(GradientCheckpointingLayer):
     """One layer of the looped block over segments `(B, S, D)`, pre-norm: (Engram) + MLA + MoE. Positional arguments
-    (for activation checkpointing); `segment_index` int64 `(N,)`: the rows to route (None: all). Returns
+    (for activation checkpointing); `segment_index` int64 `(N,)`: the rows to route (None: all), or bool `(B*S,)`:
+    every row routed and the others' MoE output zeroed (fixed shapes, for a compiled decode step). Returns
     `(hidden_states, router_logits (N, E), expert_load (E,), mean_scores (E,))`."""
 
     def __init__(self, config: SpiderConfig, layer_idx: int, memory_size: int):
@@ -704,8 +705,12 @@ class SpiderRecurrentLayer(GradientCheckpointingLayer):
         normed = self.input_layernorm(hidden_states)
         hidden_states = hidden_states + self.self_attn(normed, position_embeddings, attention_mask, cache)[0]
         normed = self.post_attention_layernorm(hidden_states)
-        # routed rows packed by index (gather / scatter-add): no boolean mask, no host sync
         flat = normed.reshape(-1, normed.shape[-1])
+        if segment_index is not None and segment_index.dtype == torch.bool:  # fixed shapes: every row, masked
+            moe_out, router_logits, expert_load, mean_scores = self.mlp(flat, None)
+            moe_out = torch.where(segment_index[:, None], moe_out, 0.0)
+            return hidden_states + moe_out.view_as(hidden_states), router_logits, expert_load, mean_scores
+        # routed rows packed by index (gather / scatter-add): no boolean mask, no host sync
         rows = flat if segment_index is None else flat.index_select(0, segment_index)
         if rows.shape[0] == 0:  # every segment has exited (act_early_exit)
             E = self.mlp.num_experts
@@ -1098,6 +1103,8 @@ class SpiderRecurrentBlock(nn.Module):
         )
         if early_exit and segment_index is not None:  # the non-padding segments, as a flat mask
             real_rows = torch.zeros(B * S, dtype=torch.bool, device=e.device).index_fill(0, segment_index, True)
+        # a fixed-size cache (a compiled decode step) keeps fixed shapes: halted segments' MoE output is masked out
+        mask_halted = early_exit and cache is not None and cache.is_compileable
         for t in range(n_loops):
             if early_exit and t > 0:
                 # halted segments keep their state and serve keys and values but leave the MoE;
@@ -1107,7 +1114,7 @@ class SpiderRecurrentBlock(nn.Module):
                     break
                 keep = running.reshape(-1)
                 keep = keep if segment_index is None else keep & real_rows
-                routed_rows = keep.nonzero().squeeze(1)
+                routed_rows = keep if mask_halted else keep.nonzero().squeeze(1)
             z = self.loop_norm(h + e + loop_embeddings[t])
             for i, layer in enumerate(self.layers):
                 z, logits, load, scores = layer(

@@ -122,7 +122,8 @@ def test_config_says_what_the_cache_holds():
 
 
 @pytest.mark.slow
-def test_static_decode_compiles_three_graphs_once():
+@pytest.mark.parametrize("act_early_exit,n_loops", [(False, 2), (True, 3)])
+def test_static_decode_compiles_three_graphs_once(act_early_exit, n_loops):
     """``generate`` compiles the decode step's regions (a ``CompileConfig`` on CPU needs ``_compile_all_devices``):
     byte layers in, the recurrent block, byte layers out; nothing recompiles from byte to byte or call to call, and a
     cache of another shape gets graphs of its own. The backend is ``aot_eager`` (dynamo's graphs and guards and
@@ -131,26 +132,34 @@ def test_static_decode_compiles_three_graphs_once():
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
-    model = tiny_model(seed=18, sliding_window=4).eval()  # the byte layers as the presets have them: a ring of keys
+    # the byte layers as the presets have them (a ring of keys); under ACT early exit halted segments' MoE output is
+    # masked in the recurrent region, which keeps its fixed shapes
+    model = tiny_model(seed=18, sliding_window=4, act_early_exit=act_early_exit).eval()
     ids, attention_mask = _left_padded(seed=19)
-    reference = _generate(model, ids, attention_mask, 40, n_loops=2)
+    reference = _generate(model, ids, attention_mask, 40, n_loops=n_loops)
     compile_config = CompileConfig(backend="aot_eager", mode=None)
     compile_config._compile_all_devices = True
     torch._dynamo.reset()
     counters.clear()
-    first = _generate(model, ids, attention_mask, 40, n_loops=2, cache_implementation="static",
+    first = _generate(model, ids, attention_mask, 40, n_loops=n_loops, cache_implementation="static",
                       compile_config=compile_config)  # fmt: skip
-    second = _generate(model, ids, attention_mask, 40, n_loops=2, cache_implementation="static",
+    second = _generate(model, ids, attention_mask, 40, n_loops=n_loops, cache_implementation="static",
                        compile_config=compile_config)  # fmt: skip
     assert torch.equal(first.sequences, reference.sequences) and torch.equal(second.sequences, reference.sequences)
     assert bool((first.cache.num_segments > 0).all())  # the recurrent region ran
+    if act_early_exit:  # and segments halted before the last loop, so the mask changed what the MoE gave
+        with torch.no_grad():
+            halting_step = model.model(first.sequences, n_loops=n_loops).halting_step
+        assert bool((halting_step < n_loops).any())
     assert counters["stats"]["unique_graphs"] == 3
     assert not counters["recompiles"] and not counters["graph_break"]
     # guards are evaluated at a region's first call for a cache only (generation_spider.call_compiled): a second cache
     # of another batch size and length must still get graphs of its own (skipped guards would run these on it)
     single = ids[1:, 9:]
-    reference = _generate(model, single, None, 24, n_loops=2)
-    one = _generate(model, single, None, 24, n_loops=2, cache_implementation="static", compile_config=compile_config)
+    reference = _generate(model, single, None, 24, n_loops=n_loops)
+    one = _generate(
+        model, single, None, 24, n_loops=n_loops, cache_implementation="static", compile_config=compile_config
+    )
     assert torch.equal(one.sequences, reference.sequences)
     called = one.cache.guarded_regions  # the byte regions, and the block's if a segment closed while decoding
     assert len(called) >= 2 and called <= set(model.model.compiled_decode)
