@@ -567,6 +567,45 @@ class SpiderStaticCache(SpiderCache):
             tensors[name] = getattr(self, name)
         return {name: t for name, t in tensors.items() if t is not None}
 
+    def write_row(self, row: int, source: SpiderStaticCache) -> None:
+        """Put the one row of `source` (a cache of the same config, `n_loops` and `max_cache_len` after a prefill of
+        its own, ``position`` P) into row `row`, in place, its bytes at the P columns before ``position``; the columns
+        before them are masked. What the row held before is gone (a finished request's row taking a new one: the
+        compiled decode step keeps its buffers and shapes). Between two decode steps; reads ``position`` on the host.
+
+        Raises:
+            ValueError: `source` of another shape, batch size or `n_loops`; its prompt longer than the columns
+                decoded so far (``position``); `row` outside the batch.
+        """
+        shift = int(self.position) - int(source.position)
+        batch = self.num_segments.shape[0]
+        if (source.n_loops, source.max_cache_len, source.num_segments.shape[0]) != (
+            self.n_loops,
+            self.max_cache_len,
+            1,
+        ):
+            raise ValueError(
+                f"write_row needs a one-row cache with n_loops={self.n_loops}, max_cache_len={self.max_cache_len}; "
+                f"got {source.num_segments.shape[0]} rows, n_loops={source.n_loops}, "
+                f"max_cache_len={source.max_cache_len}"
+            )
+        if shift < 0 or not 0 <= row < batch:
+            raise ValueError(
+                f"write_row: a {int(source.position)}-byte prompt into row {row} of {batch} needs at most "
+                f"{int(self.position)} bytes (the columns decoded so far) and a row in [0, {batch})"
+            )
+        theirs = source.buffers()
+        for name, mine in self.buffers().items():
+            if name == "position":
+                continue
+            if name.startswith("record.") or name == "byte_mask":  # columns: shifted (wrapped ones are masked)
+                mine[row].copy_(theirs[name][0].roll(shift, 0))
+            elif name.startswith("byte") and name.endswith((".keys", ".values")):  # slot c % slots holds column c
+                mine[row].copy_(theirs[name][0].roll(shift, 1))
+            else:
+                mine[row].copy_(theirs[name][0])
+        self.byte_mask[row, :shift] = False
+
     def append(self, input_ids, byte_state, memory, boundary) -> None:
         """Write one decoded byte per row at column ``position`` (`record_length` moves in :meth:`advance`)."""
         for name, column in zip(self.RECORD, (input_ids, byte_state, memory[:, None], boundary.detach())):

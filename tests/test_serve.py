@@ -259,6 +259,48 @@ def test_a_request_arriving_mid_batch_joins_it_and_gets_what_it_gets_alone(relea
 
 
 @pytest.mark.slow
+def test_a_request_takes_a_finished_requests_row_in_a_compiled_batch(release):
+    """``--compile``: a request that arrives once a row of the fixed batch has finished is prefilled on its own and
+    written into that row (``SpiderStaticCache.write_row``), in the same batch; each text is greedy ``generate`` on
+    its prompt alone."""
+    model, tokenizer = load_release(str(release[0]), "cpu")
+    engine = Engine(model, tokenizer.pad_token_id, max_batch_size=2, batch_wait_s=0.01, compile=True)
+    batches, prefills, ended = [], [], threading.Semaphore(0)
+    generate, prefill = engine.generate, engine._prefill
+    prompts = [("The state", 40), ("Spider", 6), ("Spider: héllo", 12)]
+    jobs = [Job(prompt_ids=[tokenizer.bos_token_id, *prompt.encode()], budget=budget, n_loops=model.config.n_loops,
+                act_early_exit=False, temperature=0, eos_token_id=tokenizer.eos_token_id)
+            for prompt, budget in prompts]  # fmt: skip
+
+    def recording_generate(batch):
+        batches.append(len(batch))
+        generate(batch)
+        ended.release()
+
+    def recording_prefill(rows, filler, cache=None):
+        prefills.append((len(rows), jobs[0].generated))
+        return prefill(rows, filler, cache)
+
+    engine.generate, engine._prefill = recording_generate, recording_prefill
+    with engine.condition:  # the first two start together
+        engine.waiting += jobs[:2]
+    engine.start()
+    try:
+        deadline = time.monotonic() + 300
+        while jobs[0].generated < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.submit(jobs[2])
+        assert ended.acquire(timeout=300), "the batch did not end"
+    finally:
+        engine.stop()
+        del model.model.compiled_decode
+    assert batches == [2] and len(prefills) == 2 and prefills[0] == (2, 0), (batches, prefills)
+    assert prefills[1][0] == 1 and 10 <= prefills[1][1] < jobs[0].generated, prefills  # joined mid-batch
+    for job, (prompt, budget) in zip(jobs, prompts):
+        assert job.text == expected(release, prompt, budget)[0], prompt
+
+
+@pytest.mark.slow
 def test_compiled_server_keeps_fixed_batch_slots_and_each_client_gets_what_it_gets_alone(release):
     """``--compile``: three concurrent requests fill a batch of four fixed rows (one filler) over a
     ``SpiderStaticCache``; the rows of requests that end early stay in the batch, and every answer, streamed or not,

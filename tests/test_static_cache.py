@@ -199,3 +199,44 @@ def test_compiled_decode_reads_few_tokens_experts_in_place(tokens):
     gathered = tokens <= DECODE_EXPERTS_MAX_TOKENS
     assert len(graphs) == 1 and ("grouped_mm_fallback" in graphs[0]) != gathered
     torch.testing.assert_close(traced, reference, **float_tol(reference, model.config.hidden_size))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_a_prompt_written_into_a_running_rows_slot_decodes_as_it_decodes_alone(sliding_window):
+    """``SpiderStaticCache.write_row``: a second request's prefill (a one-row cache of its own) takes row 1 of a
+    running batch, right-aligned at the batch's column; both rows then give the logits each gives alone (fed the
+    same bytes), and the greedy ids."""
+    model = tiny_model(seed=29, sliding_window=sliding_window).eval()
+    prompts = _prompt(1, 20, seed=30), _prompt(1, 9, seed=31)
+    fed = _prompt(2, 36, seed=33)  # the bytes each row is fed after its prompt
+
+    def alone(row: int, steps: int) -> torch.Tensor:  # (steps, V): the logits before each fed byte
+        with torch.no_grad():
+            cache = SpiderStaticCache(model.config, n_loops=2, max_cache_len=64)
+            logits = [model(prompts[row], cache=cache).logits[0, -1]]
+            logits += [model(fed[row : row + 1, j : j + 1], cache=cache).logits[0, -1] for j in range(steps - 1)]
+        return torch.stack(logits)
+
+    cache = SpiderStaticCache(model.config, n_loops=2, max_cache_len=64)
+    rows = [[], []]
+    with torch.no_grad():
+        logits = model(torch.cat([prompts[0], prompts[0]]), cache=cache).logits[:, -1]  # row 1: a filler row
+        for step in range(36):
+            if step == 12:  # row 1 is taken by the second prompt, prefilled on its own
+                source = SpiderStaticCache(model.config, n_loops=2, max_cache_len=64)
+                logits[1] = model(prompts[1], cache=source).logits[0, -1]
+                cache.write_row(1, source)
+                rows[1] = []
+            for row in range(2):
+                rows[row].append(logits[row])
+            byte = torch.stack([fed[0, step], fed[1, step - 12 if step >= 12 else 0]])
+            logits = model(byte[:, None], cache=cache).logits[:, -1]
+    tol = float_tol(logits, model_terms(model))
+    torch.testing.assert_close(torch.stack(rows[0]), alone(0, 36), **tol)
+    torch.testing.assert_close(torch.stack(rows[1]), alone(1, 24), **tol)
+    assert bool((cache.num_segments > 0).all())
+    long = SpiderStaticCache(model.config, n_loops=2, max_cache_len=64)
+    with torch.no_grad():
+        model(_prompt(1, 60, seed=32), cache=long)
+    with pytest.raises(ValueError, match="needs at most"):
+        cache.write_row(0, long)

@@ -11,7 +11,8 @@ Concurrent requests are batched: a worker thread (:class:`Engine`) takes up to `
 that share ``n_loops`` and ``act_early_exit``, left-pads their prompts into one batch, prefills Spider's cache and
 decodes one byte per row per step, sampling each row with its own settings. A row leaves the batch (its cache rows
 dropped) when it ends: end of text, ``max_tokens``, a ``stop`` string, or its client going away (with ``--compile``
-the caches have fixed sizes and compiled decode steps, and a finished row stays, ignored). Each row's bytes
+the caches have fixed sizes and compiled decode steps: a finished row stays, ignored, until a waiting request takes
+it). Each row's bytes
 are decoded incrementally, so a streamed chunk only ever holds whole UTF-8 characters; text that may be the start of
 a ``stop`` string is held back until it is known not to be.
 """
@@ -249,7 +250,8 @@ class Engine:
         batch_wait_s: seconds without a new job after which the worker starts a batch (a burst of concurrent
             requests joins one batch; at most ``MAX_BATCH_WAITS * batch_wait_s`` in all).
         compile: decode over fixed-size caches (``SpiderStaticCache``: a batch of 1, 2, 4, 8... rows, the extra
-            rows and finished jobs' rows kept and ignored; a length rounded up to a power of two) whose decode step's
+            rows and finished jobs' rows kept and ignored until a waiting job takes one; a length rounded up to a
+            power of two) whose decode step's
             regions are compiled (``compile_decode``) once per shape: the first batch of each shape pays the compile.
             Without it a growing ``SpiderCache`` drops each job's rows when it ends.
     """
@@ -334,6 +336,24 @@ class Engine:
                 for job in batch:
                     job.post("error", f"generation failed: {type(err).__name__}: {err}")
 
+    def _take_free_rows(self, rows: list[Job | None], first: Job, cache) -> list[Job]:
+        """(With `condition` held.) Waiting jobs, oldest first, that can take the free (None) `rows` of a compiled
+        batch over the fixed-size `cache`: `first`'s `n_loops` and `act_early_exit`, a prompt no longer than the
+        columns decoded so far and a budget that ends within ``cache.max_cache_len``. They leave the queue."""
+        self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
+        taken = []
+        for job in list(self.waiting):
+            if len(taken) == rows.count(None):
+                break
+            if (
+                self._compatible(job, [first])
+                and len(job.prompt_ids) <= cache.seen_bytes
+                and cache.seen_bytes + job.budget - 1 <= cache.max_cache_len
+            ):
+                taken.append(job)
+                self.waiting.remove(job)
+        return taken
+
     def _compatible(self, job: Job, batch: list[Job]) -> bool:
         return not batch or (job.n_loops, job.act_early_exit) == (batch[0].n_loops, batch[0].act_early_exit)
 
@@ -360,7 +380,8 @@ class Engine:
         it gets. A row leaves the batch, and Spider's cache, when its job ends; waiting jobs join the batch between
         two steps while it has room (continuous batching: each prefilled on its own, its rows appended with
         ``SpiderCache.add_rows``). With `compile` the batch keeps its rows (a fixed shape): finished or filler rows
-        (copies of the first job's prompt) are ignored, and no job joins."""
+        (copies of the first job's prompt) are ignored until a waiting job takes one (prefilled on its own, written
+        in with ``SpiderStaticCache.write_row`` when its prompt is no longer than the columns decoded so far)."""
         rows: list[Job | None] = list(jobs)
         cache = None
         n_loops = jobs[0].n_loops
@@ -382,6 +403,16 @@ class Engine:
                     joining_logits, joining_cache = self._prefill(joining, joining[0])
                     cache.add_rows(joining_cache)
                     rows, logits = rows + joining, torch.cat([logits, joining_logits])
+            elif None in rows:
+                with self.condition:
+                    joining = self._take_free_rows(rows, jobs[0], cache)
+                for job in joining:  # each prefilled on its own, written into a free row of the fixed batch
+                    row = rows.index(None)
+                    job_logits, job_cache = self._prefill(
+                        [job], job, SpiderStaticCache(self.model.config, n_loops, cache.max_cache_len)
+                    )
+                    cache.write_row(row, job_cache)
+                    rows[row], logits[row] = job, job_logits[0]
             chosen = next_tokens(logits, rows)
             rows = [job if job is not None and job.step(token) else None for job, token in zip(rows, chosen.tolist())]
             if all(job is None for job in rows):
