@@ -220,14 +220,14 @@ def test_a_full_batch_starts_without_waiting(release):
     assert _engine_batches(release, batch_wait_s=600.0, max_batch_size=5, submit=Engine.submit) == [5]
 
 
-def test_a_request_arriving_mid_batch_joins_it_and_gets_what_it_gets_alone(release):
-    """Continuous batching: a request that arrives while a batch decodes is prefilled on its own and joins that batch
-    at the next step (one batch in all), and each request's text is greedy ``generate`` on its prompt alone."""
+def _join_mid_batch(release, prompts, starting: int, join_after: int, timeout: float, **engine_kwargs):
+    """An ``Engine`` (`engine_kwargs`) on greedy jobs of `prompts` (``(text, budget)`` pairs): the first `starting`
+    queued together, the last one submitted once the first has generated `join_after` bytes. Returns ``(jobs, the
+    batch sizes generate was called with, the prefills as (rows, bytes the first job had generated))``."""
     model, tokenizer = load_release(str(release[0]), "cpu")
-    engine = Engine(model, tokenizer.pad_token_id, max_batch_size=4, batch_wait_s=0.01)
+    engine = Engine(model, tokenizer.pad_token_id, batch_wait_s=0.01, **engine_kwargs)
     batches, prefills, ended = [], [], threading.Semaphore(0)
     generate, prefill = engine.generate, engine._prefill
-    prompts = [("The state", 60), ("Spider says: héllo", 20)]
     jobs = [Job(prompt_ids=[tokenizer.bos_token_id, *prompt.encode()], budget=budget, n_loops=model.config.n_loops,
                 act_early_exit=False, temperature=0, eos_token_id=tokenizer.eos_token_id)
             for prompt, budget in prompts]  # fmt: skip
@@ -242,16 +242,27 @@ def test_a_request_arriving_mid_batch_joins_it_and_gets_what_it_gets_alone(relea
         return prefill(rows, filler, cache)
 
     engine.generate, engine._prefill = recording_generate, recording_prefill
+    with engine.condition:
+        engine.waiting += jobs[:starting]
     engine.start()
     try:
-        engine.submit(jobs[0])
-        deadline = time.monotonic() + 120
-        while jobs[0].generated < 5 and time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout
+        while jobs[0].generated < join_after and time.monotonic() < deadline:
             time.sleep(0.01)
-        engine.submit(jobs[1])
-        assert ended.acquire(timeout=120), "the batch did not end"
+        engine.submit(jobs[-1])
+        assert ended.acquire(timeout=timeout), "the batch did not end"
     finally:
         engine.stop()
+        if engine.compile:
+            del model.model.compiled_decode
+    return jobs, batches, prefills
+
+
+def test_a_request_arriving_mid_batch_joins_it_and_gets_what_it_gets_alone(release):
+    """Continuous batching: a request that arrives while a batch decodes is prefilled on its own and joins that batch
+    at the next step (one batch in all), and each request's text is greedy ``generate`` on its prompt alone."""
+    prompts = [("The state", 60), ("Spider says: héllo", 20)]
+    jobs, batches, prefills = _join_mid_batch(release, prompts, 1, 5, 120, max_batch_size=4)
     assert batches == [1] and len(prefills) == 2 and prefills[0] == (1, 0), (batches, prefills)
     assert prefills[1][0] == 1 and 5 <= prefills[1][1] < jobs[0].generated, prefills  # joined mid-batch
     for job, (prompt, budget) in zip(jobs, prompts):
@@ -263,37 +274,8 @@ def test_a_request_takes_a_finished_requests_row_in_a_compiled_batch(release):
     """``--compile``: a request that arrives once a row of the fixed batch has finished is prefilled on its own and
     written into that row (``SpiderStaticCache.write_row``), in the same batch; each text is greedy ``generate`` on
     its prompt alone."""
-    model, tokenizer = load_release(str(release[0]), "cpu")
-    engine = Engine(model, tokenizer.pad_token_id, max_batch_size=2, batch_wait_s=0.01, compile=True)
-    batches, prefills, ended = [], [], threading.Semaphore(0)
-    generate, prefill = engine.generate, engine._prefill
     prompts = [("The state", 40), ("Spider", 6), ("Spider: héllo", 12)]
-    jobs = [Job(prompt_ids=[tokenizer.bos_token_id, *prompt.encode()], budget=budget, n_loops=model.config.n_loops,
-                act_early_exit=False, temperature=0, eos_token_id=tokenizer.eos_token_id)
-            for prompt, budget in prompts]  # fmt: skip
-
-    def recording_generate(batch):
-        batches.append(len(batch))
-        generate(batch)
-        ended.release()
-
-    def recording_prefill(rows, filler, cache=None):
-        prefills.append((len(rows), jobs[0].generated))
-        return prefill(rows, filler, cache)
-
-    engine.generate, engine._prefill = recording_generate, recording_prefill
-    with engine.condition:  # the first two start together
-        engine.waiting += jobs[:2]
-    engine.start()
-    try:
-        deadline = time.monotonic() + 300
-        while jobs[0].generated < 10 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        engine.submit(jobs[2])
-        assert ended.acquire(timeout=300), "the batch did not end"
-    finally:
-        engine.stop()
-        del model.model.compiled_decode
+    jobs, batches, prefills = _join_mid_batch(release, prompts, 2, 10, 300, max_batch_size=2, compile=True)
     assert batches == [2] and len(prefills) == 2 and prefills[0] == (2, 0), (batches, prefills)
     assert prefills[1][0] == 1 and 10 <= prefills[1][1] < jobs[0].generated, prefills  # joined mid-batch
     for job, (prompt, budget) in zip(jobs, prompts):
