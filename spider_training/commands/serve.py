@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -296,13 +297,20 @@ class Engine:
         """(With `condition` held.) Waiting jobs, oldest first, that can join `rows` (a running batch of
         `seen_bytes` columns, or none): the first row's `n_loops` and `act_early_exit`, room under `max_batch_size`,
         and every row within the context (:meth:`_fits`). They leave the queue; cancelled ones are dropped."""
+        return self._take_waiting_where(
+            self.max_batch_size - len(rows),
+            lambda taken, job: self._compatible(job, [*rows, *taken]) and self._fits([*rows, *taken, job], seen_bytes),
+        )
+
+    def _take_waiting_where(self, room: int, can_join: Callable[[list[Job], Job], bool]) -> list[Job]:
+        """(With `condition` held.) Up to `room` waiting jobs, oldest first, for which ``can_join(taken so far,
+        job)``; they leave the queue, and cancelled ones are dropped."""
         self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
         taken: list[Job] = []
         for job in list(self.waiting):
-            batch = [*rows, *taken]
-            if len(batch) >= self.max_batch_size:
+            if len(taken) >= room:
                 break
-            if self._compatible(job, batch) and self._fits([*batch, job], seen_bytes):
+            if can_join(taken, job):
                 taken.append(job)
                 self.waiting.remove(job)
         return taken
@@ -340,19 +348,14 @@ class Engine:
         """(With `condition` held.) Waiting jobs, oldest first, that can take the free (None) `rows` of a compiled
         batch over the fixed-size `cache`: `first`'s `n_loops` and `act_early_exit`, a prompt no longer than the
         columns decoded so far and a budget that ends within ``cache.max_cache_len``. They leave the queue."""
-        self.waiting = [job for job in self.waiting if not job.cancelled.is_set()]
-        taken = []
-        for job in list(self.waiting):
-            if len(taken) == rows.count(None):
-                break
-            if (
+        return self._take_waiting_where(
+            rows.count(None),
+            lambda taken, job: (
                 self._compatible(job, [first])
                 and len(job.prompt_ids) <= cache.seen_bytes
                 and cache.seen_bytes + job.budget - 1 <= cache.max_cache_len
-            ):
-                taken.append(job)
-                self.waiting.remove(job)
-        return taken
+            ),
+        )
 
     def _compatible(self, job: Job, batch: list[Job]) -> bool:
         return not batch or (job.n_loops, job.act_early_exit) == (batch[0].n_loops, batch[0].act_early_exit)
