@@ -129,6 +129,7 @@ def test_static_decode_compiles_three_graphs_once(act_early_exit, n_loops):
     cache of another shape gets graphs of its own. The backend is ``aot_eager`` (dynamo's graphs and guards and
     AOTAutograd's functionalized buffer writes, without inductor's minute of C++ compiling here): the same regions
     under inductor are checked by tests/test_serve.py's compiled server (each client's bytes equal ``generate``'s)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
@@ -161,11 +162,14 @@ def test_static_decode_compiles_three_graphs_once(act_early_exit, n_loops):
         model, single, None, 24, n_loops=n_loops, cache_implementation="static", compile_config=compile_config
     )
     assert torch.equal(one.sequences, reference.sequences)
-    called = one.cache.guarded_regions  # the byte regions, and the block's if a segment closed while decoding
+    called = set(one.cache.compiled_calls)  # the byte regions, and the block's if a segment closed while decoding
     assert len(called) >= 2 and called <= set(model.model.compiled_decode)
     assert counters["stats"]["unique_graphs"] == 3 + len(called)  # each region called got a graph for this shape
-    one.cache.batch_select_indices(torch.tensor([0]))  # new buffers: guarded again at the next call
-    assert not one.cache.guarded_regions
+    for region, call in one.cache.compiled_calls.items():  # on CPU: the code dynamo compiled for this shape, called
+        entries = [entry.code for entry in _debug_get_cache_entry_list(region.__wrapped__.__func__.__code__)]
+        assert call.__self__ is model.model and call.__func__.__code__ in entries
+    one.cache.batch_select_indices(torch.tensor([0]))  # new buffers: through dynamo again at the next call
+    assert not one.cache.compiled_calls
 
 
 @pytest.mark.parametrize("tokens", [3, 17])
