@@ -17,6 +17,7 @@ from bench.common import (
     profile_top,
     random_bytes,
     spider_model,
+    time_call,
     time_interleaved,
 )
 from spider_training.peers import dense_peer_models
@@ -205,14 +206,62 @@ def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8
     return {"bytes_per_s": {k: round(v, 2) for k, v in rows.items()}, "streams": streams, "compile": compile}
 
 
-def _compile_config():
-    """transformers' ``CompileConfig`` for a static cache's decode step; on every device (by default transformers
-    compiles it on accelerators only)."""
+def _compile_config(backend: str = "inductor"):
+    """transformers' ``CompileConfig`` for a static cache's decode step (its default mode: ``reduce-overhead``, CUDA
+    graphs on CUDA), with ``torch.compile``'s `backend`; on every device (by default transformers compiles it on
+    accelerators only)."""
     from transformers import CompileConfig
 
-    config = CompileConfig(fullgraph=False, dynamic=False)
+    config = CompileConfig(fullgraph=False, dynamic=False, backend=backend)
     config._compile_all_devices = True
     return config
+
+
+def generation_check(
+    preset: str = "1b", prompt_len: int = 256, new_tokens: int = 256, backend: str = "inductor", device=None
+) -> dict:
+    """``python -m bench.gpu_check``'s ``generation`` entry (issue 65's GPU row): greedy bytes/s at batch 1 of Spider
+    (`preset` at its trained loops) and the dense ``LlamaForCausalLM`` of about its parameters
+    (:func:`spider_training.peers.dense_peer_models`), each with its static cache and its decode step compiled
+    (:func:`_compile_config` with `backend`), on `device` (default: CUDA where there is one) in bf16 there, fp32
+    elsewhere; `prompt_len` bytes of prompt, `new_tokens` new ones, timed after one untimed generation that pays the
+    compile (``compile_s``: its seconds). ``spider_over_llama``: the bytes/s ratio. Without CUDA the ``1b`` preset is
+    skipped (hours on a CPU)."""
+    from bench.parts import default_device, entry
+    from spider_training.throughput import synchronize
+
+    device = device or default_device()
+    if preset == "1b" and device.type != "cuda":
+        return entry("generation", "skipped", "needs CUDA for the 1b preset (pass --generation_preset tiny on CPU)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spider = spider_model(preset).eval()
+    models = {"spider": spider, "llama": dense_peer_models(spider.config)["llama"].eval()}
+    ids, figures = prompt_ids(prompt_len), {"bytes_per_s": {}, "compile_s": {}, "parameters": {}}
+    for name, model in models.items():
+        model.to(device=device, dtype=dtype)
+        torch._dynamo.reset()
+        compile_config = _compile_config(backend)
+
+        def call(model=model, compile_config=compile_config):
+            generate(model, ids, new_tokens, True, cache_implementation="static", compile_config=compile_config)
+            synchronize(device)
+
+        figures["compile_s"][name] = round(time_call(call), 2)
+        figures["bytes_per_s"][name] = round(new_tokens / time_call(call), 2)
+        figures["parameters"][name] = num_params(model)
+        model.to("cpu")
+    return entry(
+        "generation",
+        "passed",
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        preset=preset,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        compile_backend=backend,
+        spider_over_llama=round(figures["bytes_per_s"]["spider"] / figures["bytes_per_s"]["llama"], 4),
+        **figures,
+    )
 
 
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:

@@ -39,6 +39,7 @@ PARTS = (
     "host_syncs",
     "distributed",
     "attention_backends",
+    "generation",
     "run_1b",
     "fp8",
     "fp8_gemm",
@@ -54,6 +55,7 @@ PART_CAPS_S = {
     "host_syncs": 20,
     "distributed": 90,
     "attention_backends": 15,
+    "generation": 240,
     "run_1b": 150,
     "fp8": 90,
     "fp8_gemm": 150,
@@ -123,6 +125,7 @@ def _part_functions(options, on_row=None) -> dict:
     """Each part's function of its :class:`~bench.parts.Deadline`, returning its entries; the modules the parts run
     (torch's, transformers', the models') are imported here."""
     from bench.diagnostics import attention_backends_check, host_syncs_check
+    from bench.generation import generation_check
     from bench.parts import run_tests
     from bench.step_table import step_table_check
 
@@ -153,6 +156,14 @@ def _part_functions(options, on_row=None) -> dict:
                 options.attention_segments,
                 options.attention_visits,
                 deadline=d,
+            )
+        ],
+        "generation": lambda d: [
+            generation_check(
+                options.generation_preset,
+                options.generation_prompt_len,
+                options.generation_new_tokens,
+                options.compile_backend,
             )
         ],
         "fp8_gemm": lambda d: [fp8_gemm_check(options, d)],
@@ -367,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compile_backend",
         default="inductor",
-        help="torch.compile backend of the spider_compiled row (tests on CPU use 'eager')",
+        help="torch.compile backend of the spider_compiled row and the generation part (tests on CPU use 'eager')",
     )
     parser.add_argument(
         "--compile_mode",
@@ -414,6 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="padded segment counts visited in shuffled order (default 80 96 112)",
     )
     parser.add_argument("--attention_visits", type=int, default=5, help="visits of each segment count")
+    parser.add_argument(
+        "--generation_preset", default="1b", help="preset of the generation part's Spider (and its dense Llama)"
+    )
+    parser.add_argument("--generation_prompt_len", type=int, default=256, help="prompt bytes of the generation part")
+    parser.add_argument("--generation_new_tokens", type=int, default=256, help="greedy bytes generated and timed")
     parser.add_argument("--run_1b_steps", type=int, default=300)
     parser.add_argument("--run_1b_preset", default="1b", help="preset of the run (smaller presets also run on CPU)")
     parser.add_argument("--run_1b_batch", type=parse_shape, default=(32, 256), help="BATCHxBYTES per step")

@@ -25,6 +25,7 @@ PARTS = [
     "host_syncs",
     "distributed",
     "attention_backends",
+    "generation",
     "run_1b",
     "fp8",
     "fp8_gemm",
@@ -88,6 +89,7 @@ def toy_args(default_rows: list[str]) -> list[str]:
         *("--distributed_preset", "tiny", "--distributed_steps", "2", "--distributed_shape", "2x48"),
         *("--attention_preset", "tiny", "--attention_batch", "2", "--attention_segments", "16", "48"),
         *("--attention_visits", "3"),
+        *("--generation_preset", "tiny", "--generation_prompt_len", "16", "--generation_new_tokens", "8"),
         *(
             "--run_1b_preset",
             "tiny",
@@ -204,6 +206,16 @@ def test_cpu_run_of_every_part(toy_run, default_rows):
     attention = by_name["attention_backends"]
     assert attention["status"] == "passed" and attention["backends"]["default"]["kernel"] == ["math"], attention
 
+    generation = by_name["generation"]  # issue 65's GPU row: Spider and its dense Llama, static caches compiled
+    assert generation["status"] == "passed" and generation["preset"] == "tiny", generation
+    assert (
+        generation["device"] == "cpu" and generation["dtype"] == "float32" and generation["compile_backend"] == "eager"
+    )
+    speeds = generation["bytes_per_s"]
+    assert set(speeds) == set(generation["compile_s"]) == {"spider", "llama"} and min(speeds.values()) > 0
+    assert generation["spider_over_llama"] == pytest.approx(speeds["spider"] / speeds["llama"], rel=1e-3)
+    assert 0.9 <= generation["parameters"]["llama"] / generation["parameters"]["spider"] <= 1.1
+
     run = by_name["run_1b"]
     assert run["steps"] == 4 and run["preset"] == "tiny"
     assert len(run["held_out_bits_per_byte"]) >= 3 and run["compression_rate"]  # scored before, during and after
@@ -238,16 +250,16 @@ def test_cpu_run_of_every_part(toy_run, default_rows):
 
 
 def test_default_cpu_run_skips_the_1b_parts_that_need_cuda():
-    """Without size flags the 1b run and the 1b step table say they need CUDA (they would take hours on a CPU); the
-    step table's rows and tk-train.py's recipe shape keep their earlier names ("the seed": ``--seed_recipe_shape``,
-    ``spider_seed_recipe_compiled``), as the ``tk_train`` names."""
+    """Without size flags the 1b run, the 1b step table and the 1b generation say they need CUDA (they would take
+    hours on a CPU); the step table's rows and tk-train.py's recipe shape keep their earlier names ("the seed":
+    ``--seed_recipe_shape``, ``spider_seed_recipe_compiled``), as the ``tk_train`` names."""
     result, _ = gpu_check(
-        *("--budget_s", "0", "--only", "step_table", "run_1b"),
+        *("--budget_s", "0", "--only", "step_table", "generation", "run_1b"),
         *("--seed_recipe_shape", "2x32", "--step_table_models", "spider", "spider_seed_recipe_compiled"),
     )
-    table, run = result["checks"]
-    assert table["status"] == run["status"] == "skipped"
-    assert "needs CUDA" in table["reason"] and "needs CUDA" in run["reason"]
+    table, generation, run = result["checks"]
+    assert table["status"] == generation["status"] == run["status"] == "skipped"
+    assert all("needs CUDA" in entry["reason"] for entry in (table, generation, run))
     assert result["options"]["tk_train_recipe_shape"] == [2, 32]
     assert result["options"]["step_table_models"] == ["spider", "spider_tk_train_recipe_compiled"]
 
