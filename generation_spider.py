@@ -824,13 +824,14 @@ def compiled_entry(region: Callable, args: tuple) -> Callable | None:
     function, owner = method.__func__, method.__self__
     code = function.__code__
     f_locals = dict(zip(code.co_varnames[: code.co_argcount], (owner, *args)))
-    for entry in _debug_get_cache_entry_list(code):
-        if entry.guard_manager.check(f_locals):
-            compiled = types.FunctionType(
-                entry.code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
-            )
-            return types.MethodType(compiled, owner)
-    return None
+    try:
+        code = next(e.code for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(f_locals))
+    except (AttributeError, StopIteration):  # another torch's entries, or none for `args`
+        return None
+    compiled = types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
+    return types.MethodType(compiled, owner)
 
 
 def static_byte_mask_function(cache: SpiderStaticCache, sliding_window: int | None) -> Callable:

@@ -172,6 +172,27 @@ def test_static_decode_compiles_three_graphs_once(act_early_exit, n_loops):
     assert not one.cache.compiled_calls
 
 
+def test_compiled_decode_through_dynamo_where_no_entry_is_called_directly(monkeypatch):
+    """Where the compiled entry is not called directly (on CUDA, or a torch without the cache's entry list:
+    ``compiled_entry`` gives None), each region runs through dynamo with its guards skipped after its first call for a
+    cache (``call_unguarded``), with the same greedy ids as the eager growing cache."""
+    from transformers import CompileConfig
+
+    import generation_spider
+
+    model = tiny_model(seed=21, sliding_window=4).eval()
+    ids, attention_mask = _left_padded(seed=22)
+    reference = _generate(model, ids, attention_mask, 24)
+    compile_config = CompileConfig(backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True
+    monkeypatch.setattr(generation_spider, "compiled_entry", lambda region, args: None)
+    torch._dynamo.reset()
+    out = _generate(model, ids, attention_mask, 24, cache_implementation="static", compile_config=compile_config)
+    assert torch.equal(out.sequences, reference.sequences)
+    calls = out.cache.compiled_calls
+    assert len(calls) >= 2 and all(call.func is generation_spider.call_unguarded for call in calls.values())
+
+
 @pytest.mark.parametrize("tokens", [3, 17])
 def test_compiled_decode_reads_few_tokens_experts_in_place(tokens):
     """``compile_decode`` switches ``grouped_mm`` experts to ``DECODE_EXPERTS_IMPLEMENTATION``: eager it is
