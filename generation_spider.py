@@ -825,11 +825,11 @@ def compiled_entry(region: Callable, args: tuple) -> Callable | None:
     code = function.__code__
     f_locals = dict(zip(code.co_varnames[: code.co_argcount], (owner, *args)))
     try:
-        code = next(e.code for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(f_locals))
+        entry_code = next(e.code for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(f_locals))
     except (AttributeError, StopIteration):  # another torch's entries, or none for `args`
         return None
     compiled = types.FunctionType(
-        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+        entry_code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
     )
     return types.MethodType(compiled, owner)
 

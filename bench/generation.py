@@ -235,7 +235,7 @@ def generation_check(
         return entry("generation", "skipped", "needs CUDA for the 1b preset (pass --generation_preset tiny on CPU)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spider = spider_model(preset).eval()
-    models = {"spider": spider, "llama": dense_peer_models(spider.config)["llama"].eval()}
+    models = {"spider": spider, **dense_peer_models(spider.config, kinds=("llama",))}
     ids, figures = prompt_ids(prompt_len), {"bytes_per_s": {}, "compile_s": {}, "parameters": {}}
     for name, model in models.items():
         model.to(device=device, dtype=dtype)

@@ -93,14 +93,19 @@ def dense_llama_config(spider_cfg, max_position_embeddings: int = 4096):
     )
 
 
-def dense_peer_models(spider_cfg) -> dict:
+def dense_peer_models(spider_cfg, kinds: tuple[str, ...] = ("llama", "mistral")) -> dict:
     """The dense peers of a Spider config, about its parameter count (:func:`dense_llama_config`): a
     ``LlamaForCausalLM`` with full attention and a ``MistralForCausalLM`` of the same shape with local attention over
-    Spider's byte window (``sliding_window``, at least 16 bytes), both eval mode, fp32."""
+    Spider's byte window (``sliding_window``, at least 16 bytes), both eval mode, fp32; only those named in `kinds`
+    are built (the Llama's weights are the same either way: it is drawn first after the seed)."""
     from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     llama = dense_llama_config(spider_cfg)
     mistral = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k in MistralConfig().to_dict()})
     mistral.sliding_window = max(16, spider_cfg.sliding_window or 16)
     torch.manual_seed(0)
-    return {"llama": LlamaForCausalLM(llama).eval(), "mistral": MistralForCausalLM(mistral).eval()}
+    models = {}
+    for kind, build in (("llama", lambda: LlamaForCausalLM(llama)), ("mistral", lambda: MistralForCausalLM(mistral))):
+        if kind in kinds:
+            models[kind] = build().eval()
+    return models

@@ -446,3 +446,20 @@ def test_one_byte_decode_step_gives_what_the_full_forward_gives():
     assert not model.is_decode_step(ids[:, :1], SpiderCache(model.config, 2), None, 1, {})
     with torch.no_grad(), pytest.raises(ValueError, match="token id 300"):
         model(torch.tensor([[300], [1]]), cache=cache)
+
+
+def test_dense_peers_built_alone_have_the_same_weights():
+    """``dense_peer_models(kinds=("llama",))`` (``bench.gpu_check``'s generation part) builds only the Llama, with the
+    weights it has beside the Mistral, about Spider's parameter count."""
+    from configuration_spider import SpiderConfig
+    from modeling_spider import SpiderForConditionalGeneration
+    from spider_training.peers import dense_peer_models
+
+    config = SpiderConfig.from_preset("tiny")
+    both, alone = dense_peer_models(config), dense_peer_models(config, kinds=("llama",))
+    assert list(both) == ["llama", "mistral"] and list(alone) == ["llama"]
+    reference = both["llama"].state_dict()
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in alone["llama"].state_dict().items())
+    with torch.device("meta"):
+        spider = sum(p.numel() for p in SpiderForConditionalGeneration(config).parameters())
+    assert 0.9 <= sum(p.numel() for p in alone["llama"].parameters()) / spider <= 1.1
