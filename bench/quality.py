@@ -120,42 +120,31 @@ def training_arguments(recipe: Recipe, output_dir: str, evaluate: bool = True):
     of the steps (Spider models only)."""
     from spider_training.arguments import parse_args
 
+    flags = {
+        "output_dir": output_dir,
+        "max_steps": recipe.steps,
+        "per_device_train_batch_size": recipe.batch_size,
+        "seq_len": recipe.seq_len,
+        "learning_rate": recipe.lr,
+        "warmup_steps": recipe.warmup_steps,
+        "weight_decay": recipe.weight_decay,
+        "adam_beta1": recipe.betas[0],
+        "adam_beta2": recipe.betas[1],
+        "max_grad_norm": recipe.max_grad_norm,
+        "seed": recipe.seed,
+        "muon_lr": recipe.muon_lr or 0.0,
+        "extra_train_loops": recipe.extra_train_loops,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": math.gcd(10, max(1, recipe.steps // 10), recipe.steps),
+        **({"muon_experts": True} if recipe.muon_experts else {}),
+        **({"eval_steps": recipe.eval_steps} if recipe.eval_steps else {}),
+        **({} if evaluate and recipe.eval_steps != 0 else {"eval_strategy": "no"}),
+    }
     argv = [
-        "--output_dir",
-        output_dir,
-        "--max_steps",
-        str(recipe.steps),
-        "--per_device_train_batch_size",
-        str(recipe.batch_size),
-        "--seq_len",
-        str(recipe.seq_len),
-        "--learning_rate",
-        repr(recipe.lr),
-        "--warmup_steps",
-        str(recipe.warmup_steps),
-        "--weight_decay",
-        repr(recipe.weight_decay),
-        "--adam_beta1",
-        repr(recipe.betas[0]),
-        "--adam_beta2",
-        repr(recipe.betas[1]),
-        "--max_grad_norm",
-        repr(recipe.max_grad_norm),
-        "--seed",
-        str(recipe.seed),
-        "--muon_lr",
-        repr(recipe.muon_lr or 0.0),
-        "--extra_train_loops",
-        str(recipe.extra_train_loops),
-        "--save_strategy",
-        "no",
-        "--disable_tqdm",
-        "True",
-        "--logging_steps",
-        str(math.gcd(10, max(1, recipe.steps // 10), recipe.steps)),
-        *(["--muon_experts"] if recipe.muon_experts else []),
-        *(["--eval_steps", str(recipe.eval_steps)] if recipe.eval_steps else []),
-        *([] if evaluate and recipe.eval_steps != 0 else ["--eval_strategy", "no"]),
+        arg
+        for name, value in flags.items()
+        for arg in (f"--{name}", repr(value) if isinstance(value, float) else str(value))
     ]
     args = parse_args(argv)
     if recipe.min_lr_rate != args.lr_scheduler_kwargs.get("min_lr_rate"):
@@ -334,11 +323,6 @@ def step_split(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warm
     return {key: float(np.median(v)) for key, v in parts.items()}
 
 
-def step_seconds(kind: str, overrides: dict, recipe: Recipe, steps: int = 12, warmup: int = 3) -> float:
-    """Median wall-clock of one training step of a fresh model, in seconds (:func:`step_split`'s ``"step"``)."""
-    return step_split(kind, overrides, recipe, steps, warmup)["step"]
-
-
 def train_and_score(
     kind: str,
     name: str,
@@ -474,12 +458,12 @@ def suite_runs(
     runs in another's default steps of wall-clock (``{"wall_clock_of": [kind, timing], "at": [kind, timing]}``), from
     the step times of Spider, the dense Llama and the byte layers alone under each of the file's ``timing_recipes``.
     `step_times` / `adamw_step_times`: those `(Spider, Llama, byte layers alone)` seconds per step under the
-    ``default`` / ``adamw`` timing recipe, instead of measuring them (:func:`step_seconds`)."""
+    ``default`` / ``adamw`` timing recipe, instead of measuring them (:func:`step_split`'s ``"step"``)."""
     data = suite(rows_file)
     given = {"default": step_times, "adamw": adamw_step_times}
     times = {
         name: given.get(name)
-        or tuple(step_seconds(kind, {}, Recipe(**{**recipe.__dict__, **changes})) for kind in TIMED_KINDS)
+        or tuple(step_split(kind, {}, Recipe(**{**recipe.__dict__, **changes}))["step"] for kind in TIMED_KINDS)
         for name, changes in data["timing_recipes"].items()
     }
 
