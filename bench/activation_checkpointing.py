@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import os
 import resource
 import statistics
-import sys
 import time
 
 import torch
@@ -98,18 +96,16 @@ def child(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> 
     }
 
 
-def measure_in_subprocess(variant: str, preset: str, batch: int, seq_len: int, repeats: int) -> dict:
-    """Run :func:`child` in a fresh interpreter; raises ``RuntimeError`` with the child's stderr tail on failure."""
-    sizes = ["--preset", preset, "--batch", batch, "--seq-len", seq_len, "--repeats", repeats]
-    return run_child("bench.activation_checkpointing", ["--child", variant, *sizes], env=CHILD_ENV)
-
-
 def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     """Run the benchmark; ``sizes`` override :data:`FULL` / :data:`QUICK`. Returns the result dict."""
     start = time.perf_counter()
     s = {**(QUICK if quick else FULL), **sizes}
-    mem = {
-        v: measure_in_subprocess(v, s["preset"], s["batch"], s["seq_len"], s["memory_repeats"]) for v in ("off", "on")
+    shape = {k: s[k] for k in ("preset", "batch", "seq_len")}
+    mem = {  # each variant's peak in a fresh interpreter (`child`)
+        v: run_child(
+            "bench.activation_checkpointing", dict(variant=v, **shape, repeats=s["memory_repeats"]), env=CHILD_ENV
+        )
+        for v in ("off", "on")
     }
 
     ids = random_bytes(s["batch"], s["seq_len"])
@@ -119,11 +115,12 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
         v: trainer_steps(m, ids, None, s["warmup"], s["repeats"]) for v, m in (("off", off_model), ("on", on_model))
     }
     off_b, on_b = mem["off"]["step_peak_bytes"], mem["on"]["step_peak_bytes"]
+    cost = timed["on"]["median_s"] / timed["off"]["median_s"]
     saving = 1.0 - on_b / off_b if off_b > 0 else None
     result = {
         "benchmark": "activation_checkpointing",
         "description": "training-step peak memory saved by activation checkpointing (1 - on/off)",
-        "sizes": {k: s[k] for k in ("preset", "batch", "seq_len")},
+        "sizes": shape,
         "dtype": "fp32",
         "timing": {
             "warmup": s["warmup"],
@@ -138,36 +135,14 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "step_peak_mb_all": {v: [round(b / 2**20, 2) for b in m["step_peak_bytes_all"]] for v, m in mem.items()},
             "median_step_s": {v: round(t["median_s"], 5) for v, t in timed.items()},
             "times_s": {v: t["times_s"] for v, t in timed.items()},
-            "time_cost_on_over_off": round(timed["on"]["median_s"] / timed["off"]["median_s"], 4),
+            "time_cost_on_over_off": round(cost, 4),
         },
         "checks": [check("activation checkpointing memory saving", "1 - peak(on)/peak(off)", TARGET, saving)],
-        "info": [
-            info(
-                "activation checkpointing step time cost (on / off)",
-                timed["on"]["median_s"] / timed["off"]["median_s"],
-                "x",
-            )
-        ],
+        "info": [info("activation checkpointing step time cost (on / off)", cost, "x")],
         "notes": [],
     }
     return finish(result, start)
 
 
-def _child_main(argv: list[str]) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=["on", "off"], required=True)
-    p.add_argument("--preset", default="small")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=2)
-    a = p.parse_args(argv)
-    print(json.dumps(child(a.child, a.preset, a.batch, a.seq_len, a.repeats)))
-
-
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        _child_main(sys.argv[1:])
-    else:
-        main_for(run)
+    main_for(run, child=child)

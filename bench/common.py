@@ -34,15 +34,16 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/moe.py` and `python -m bench
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def run_child(module: str, args: list, env: dict | None = None, timeout: float = 600) -> dict:
-    """``python -m <module> <args>`` in a fresh interpreter on this checkout (its root the working directory and first
-    on ``PYTHONPATH``; `env` on top of this process's environment): the JSON its last printed line holds. Raises
+def run_child(module: str, kwargs: dict, env: dict | None = None, timeout: float = 600) -> dict:
+    """``python -m <module> --child <kwargs as JSON>`` in a fresh interpreter on this checkout (its root the working
+    directory and first on ``PYTHONPATH``; `env` on top of this process's environment), whose ``__main__`` calls its
+    child function with `kwargs` (:func:`main_for`'s `child`): the JSON its last printed line holds. Raises
     ``RuntimeError`` with the exit code and the tail of its stderr if it fails or prints nothing,
     ``subprocess.TimeoutExpired`` after `timeout` seconds. What the benchmarks measure in a fresh process (peak memory,
     a cold compile, a loader's start) runs through it."""
     path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
+        [sys.executable, "-m", module, "--child", json.dumps(kwargs)],
         cwd=REPO_ROOT,
         env={**os.environ, **(env or {}), "PYTHONPATH": path},
         capture_output=True,
@@ -58,17 +59,14 @@ def run_child(module: str, args: list, env: dict | None = None, timeout: float =
 def check(name: str, metric: str, target: float, measured: float | None, higher_is_better: bool = True) -> dict:
     """One target line: ``met`` is ``measured >= target`` (or ``<=`` when lower is better), judged on the recorded
     (rounded to 4 decimals) value so that the record agrees with itself; None -> not met."""
-    if measured is None:
-        met = False
-    else:
-        measured = float(round(measured, 4))
-        met = bool(measured >= target) if higher_is_better else bool(measured <= target)
+    measured = None if measured is None else float(round(measured, 4))
+    met = measured is not None and bool(measured >= target if higher_is_better else measured <= target)
     return {
         "name": name,
         "metric": metric,
         "target": target,
         "comparison": ">=" if higher_is_better else "<=",
-        "measured": None if measured is None else float(round(measured, 4)),
+        "measured": measured,
         "met": met,
     }
 
@@ -124,14 +122,19 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: in
 
 
 def spider_config(preset: str, **overrides):
-    """``SpiderConfig.from_preset(preset, **overrides)``."""
+    """``SpiderConfig.from_preset(preset, **overrides)``; ``"proxy_1b"``: the 1b preset's depth and loops at the tiny
+    preset's widths (:func:`spider_training.profiling.proxy_1b_config`), the 1b structure on a CPU."""
+    if preset == "proxy_1b":
+        from spider_training.profiling import proxy_1b_config
+
+        return proxy_1b_config(**overrides)
     from configuration_spider import SpiderConfig
 
     return SpiderConfig.from_preset(preset, **overrides)
 
 
 def spider_model(preset: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
-    """A freshly initialised ``SpiderForConditionalGeneration`` (seeded), in ``dtype``."""
+    """A freshly initialised ``SpiderForConditionalGeneration`` of :func:`spider_config` (seeded), in ``dtype``."""
     from modeling_spider import SpiderForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -289,9 +292,16 @@ def profile_top(fn: Callable[[], Any], steps: int = 2, top: int = 12) -> dict[st
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def main_for(run: Callable[..., dict], argv: list[str] | None = None) -> dict:
-    """``python -m bench.<name> [--quick] [--out FILE]``: run one benchmark, print (and write) its JSON."""
+def main_for(run: Callable[..., dict], argv: list[str] | None = None, child: Callable | None = None) -> dict:
+    """``python -m bench.<name> [--quick] [--out FILE]``: run one benchmark, print (and write) its JSON. With
+    ``--child JSON`` (a fresh interpreter :func:`run_child` started), print ``child(**JSON)``'s JSON instead."""
     import argparse
+
+    argv = sys.argv[1:] if argv is None else argv
+    if child is not None and argv[:1] == ["--child"]:
+        result = child(**json.loads(argv[1]))
+        print(json.dumps(result))
+        return result
 
     parser = argparse.ArgumentParser(description=(run.__module__ or "").split(".")[-1] + " benchmark")
     parser.add_argument("--quick", action="store_true", help="toy sizes (seconds, not minutes)")

@@ -5,16 +5,15 @@ What its entries and fields mean: bench/README.md, "Module notes", `compile.py`.
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from bench.common import check, finish, info, main_for, run_child
-from spider_training.compile import COMPILE_OPTIONS
+from bench.common import TrainStep, check, finish, info, main_for, random_bytes, run_child, spider_model, time_call
+from spider_training.compile import COMPILE_OPTIONS, compile_model
 
 FULL = dict(
     preset="tiny",
@@ -34,6 +33,8 @@ QUICK = dict(
 TARGETS = dict(
     cold_first_step_s=75.0, warm_first_step_s=15.0, recompiles=2, graphs=8, speedup=1.0, loss_rel_diff=2.0**-8
 )
+#: a check whose measured value must not exceed its target
+at_most = functools.partial(check, higher_is_better=False)
 #: compile phases reported (``compilation_time_metrics`` keys -> names in the JSON); the first three nest the rest
 PHASES = {
     "_compile.compile_inner": "dynamo_total",
@@ -71,34 +72,15 @@ class _RecompileLog:
             self.events.append({"step": self.step, "function": lines[0].split()[2], "reason": reason[:200]})
 
 
-def build_model(preset: str):
-    """A seeded Spider model of `preset`, or of ``"proxy_1b"``: the 1b preset's depth and loops at the tiny preset's
-    widths (:func:`spider_training.profiling.proxy_1b_config`), to see what compiling costs at the 1b structure on a
-    CPU."""
-    from bench.common import spider_model
-
-    if preset != "proxy_1b":
-        return spider_model(preset)
-    import torch
-
-    from modeling_spider import SpiderForConditionalGeneration
-    from spider_training.profiling import proxy_1b_config
-
-    torch.manual_seed(0)
-    return SpiderForConditionalGeneration(proxy_1b_config())
-
-
 def child(preset: str, batch: int, seq_len: int, backend: str, compile_steps: int, warmup: int, repeats: int) -> dict:
     """Measure in this process (bench/README.md); returns a JSON-able dict."""
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.common import TrainStep, random_bytes, time_call
-    from spider_training.compile import compile_model
     from spider_training.profiling import eager_aten_ops, graphs_compiled
 
     log = _RecompileLog()
-    eager_model, compiled_model = build_model(preset), build_model(preset)
+    eager_model, compiled_model = spider_model(preset), spider_model(preset)
     compiled_model = compile_model(compiled_model, backend=backend)
     batches = [random_bytes(batch, seq_len, seed=i) for i in range(compile_steps + warmup + repeats)]
     eager, compiled = TrainStep(eager_model, batches[0]), TrainStep(compiled_model, batches[0])
@@ -160,10 +142,7 @@ def measure_in_subprocess(s: dict, cache_dir: str) -> dict:
     keys = ("preset", "batch", "seq_len", "backend", "compile_steps", "warmup", "repeats")
     try:
         return run_child(
-            "bench.compile",
-            ["--child", json.dumps({k: s[k] for k in keys})],
-            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir},
-            timeout=s["timeout"],
+            "bench.compile", {k: s[k] for k in keys}, env={"TORCHINDUCTOR_CACHE_DIR": cache_dir}, timeout=s["timeout"]
         )
     except subprocess.TimeoutExpired:
         steps = s["compile_steps"] + s["warmup"] + s["repeats"]
@@ -199,11 +178,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             error="; ".join(f"{name}: {e}" for name, e in errors.items()),
             measurements={},
             info=[],
-            checks=[
-                check(
-                    "--compile first step, cold", "seconds", TARGETS["cold_first_step_s"], None, higher_is_better=False
-                )
-            ],
+            checks=[at_most("--compile first step, cold", "seconds", TARGETS["cold_first_step_s"], None)],
         )
         return finish(result, start)
     cold = runs["cold"]
@@ -213,47 +188,27 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     speedup = cold["median_s"]["eager"] / cold["median_s"]["compiled"]
     loss_diff = max(abs(c - e) / abs(e) for e, c in zip(cold["losses"]["eager"], cold["losses"]["compiled"]))
     result["checks"] = [
-        check(
-            "--compile first step, cold cache",
-            "seconds",
-            TARGETS["cold_first_step_s"],
-            cold["first_step_s"],
-            higher_is_better=False,
-        ),
-        check(
+        at_most("--compile first step, cold cache", "seconds", TARGETS["cold_first_step_s"], cold["first_step_s"]),
+        at_most(
             "recompilations after the first step",
             "count of dynamo's recompiles",
             0,
             sum(1 for event in recompiles if event["step"] > 1),
-            higher_is_better=False,
         ),
-        check(
-            "recompilations in all",
-            "count of dynamo's recompiles",
-            TARGETS["recompiles"],
-            len(recompiles),
-            higher_is_better=False,
-        ),
-        check("graphs compiled", "count over every step", TARGETS["graphs"], graphs, higher_is_better=False),
+        at_most("recompilations in all", "count of dynamo's recompiles", TARGETS["recompiles"], len(recompiles)),
+        at_most("graphs compiled", "count over every step", TARGETS["graphs"], graphs),
         check("steady-state step speedup", "eager time / compiled time", TARGETS["speedup"], speedup),
-        check(
+        at_most(
             "compiled losses against eager",
             f"largest relative difference over {len(cold['losses']['eager'])} steps",
             TARGETS["loss_rel_diff"],
             loss_diff,
-            higher_is_better=False,
         ),
     ]
     if "warm" in runs:
+        warm = runs["warm"]["first_step_s"]
         result["checks"].insert(
-            1,
-            check(
-                "--compile first step, warm cache",
-                "seconds",
-                TARGETS["warm_first_step_s"],
-                runs["warm"]["first_step_s"],
-                higher_is_better=False,
-            ),
+            1, at_most("--compile first step, warm cache", "seconds", TARGETS["warm_first_step_s"], warm)
         )
     result["info"] = [
         info(f"compile phase {name} (cold)", seconds, "s")
@@ -264,7 +219,4 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(**json.loads(sys.argv[2]))))
-    else:
-        main_for(run)
+    main_for(run, child=child)

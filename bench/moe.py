@@ -45,31 +45,19 @@ QUICK = dict(
     repeats=2,
     matmul_n=512,
 )
+#: the keys of :data:`FULL` / :data:`QUICK` that size the layer (its config's)
+SHAPE = ("hidden_size", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
-def build_layers(
-    hidden_size: int,
-    n_routed_experts: int,
-    num_experts_per_tok: int,
-    moe_intermediate_size: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> dict:
-    """``{implementation: SpiderMoE}`` for eager and :data:`FAST` with identical weights, in ``dtype``."""
+def build_layers(dtype: torch.dtype, seed: int = 0, **shape) -> dict:
+    """``{implementation: SpiderMoE}`` for eager and :data:`FAST` with identical weights, in ``dtype``; `shape`: the
+    :data:`SHAPE` sizes."""
     from modeling_spider import SpiderMoE
 
     layers = {}
     state = None
     for impl in ("eager",) + FAST:
-        cfg = spider_config(
-            "tiny",
-            hidden_size=hidden_size,
-            n_routed_experts=n_routed_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
-            n_shared_experts=0,
-            experts_implementation=impl,
-        )
+        cfg = spider_config("tiny", **shape, n_shared_experts=0, experts_implementation=impl)
         torch.manual_seed(seed)
         layer = SpiderMoE(cfg)
         if state is None:
@@ -101,11 +89,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     result = {
         "benchmark": "moe",
         "description": "SpiderMoE forward+backward: eager (per-expert loop) time / fast path time",
-        "sizes": {
-            k: s[k]
-            for k in ("tokens", "hidden_size", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-        }
-        | {"n_shared_experts": 0},
+        "sizes": {k: s[k] for k in ("tokens", *SHAPE)} | {"n_shared_experts": 0},
         "dtype": "fp32 and bf16",
         "timing": {"warmup": s["warmup"], "repeats": s["repeats"], "statistic": "median"},
         "checks": [],
@@ -117,9 +101,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     }
     missed = []
     for dname, dtype in DTYPES.items():
-        layers = build_layers(
-            s["hidden_size"], s["n_routed_experts"], s["num_experts_per_tok"], s["moe_intermediate_size"], dtype
-        )
+        layers = build_layers(dtype, **{k: s[k] for k in SHAPE})
         g = torch.Generator().manual_seed(1)
         x = torch.randn(s["tokens"], s["hidden_size"], generator=g).to(dtype).requires_grad_(True)
         grad = torch.randn(s["tokens"], s["hidden_size"], generator=g).to(dtype)

@@ -64,6 +64,14 @@ def build_models(preset: str) -> tuple[dict, dict]:
     return models, details
 
 
+def train_rows(models: dict, s: dict, peak: float | None = None) -> dict:
+    """Each ``(model, n_loops)`` of `models` (:func:`build_models`) through :func:`bench.common.trainer_steps`:
+    ``s["warmup"] + s["repeats"]`` steps on one batch of ``s["batch"] x s["seq_len"]`` random bytes, MFU against `peak`
+    (None: the trainer's own). Returns ``{name: its trainer_steps result}``."""
+    ids = random_bytes(s["batch"], s["seq_len"])
+    return {name: trainer_steps(m, ids, n, s["warmup"], s["repeats"], peak=peak) for name, (m, n) in models.items()}
+
+
 def profile_trainer(trainer) -> dict:
     """:func:`bench.common.profile_top` of two more one-step ``trainer.train()`` calls (the step and the trainer's
     per-run setup)."""
@@ -77,13 +85,10 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
     s = {**(QUICK if quick else FULL), **sizes}
     profile = (not quick) if profile is None else profile
     models, info_ = build_models(s["preset"])
-    ids = random_bytes(s["batch"], s["seq_len"])
-    runs = {
-        name: trainer_steps(model, ids, n_loops, s["warmup"], s["repeats"])
-        for name, (model, n_loops) in models.items()
-    }
+    runs = train_rows(models, s)
     tokens = s["batch"] * s["seq_len"]
     tps = {name: tokens / t["median_s"] for name, t in runs.items()}
+    loop_cost = runs["spider_default"]["median_s"] / runs["spider_n_loops_1"]["median_s"]  # default n_loops / 1
     result = {
         "benchmark": "train_step",
         "description": "training step tokens/s: Spider (n_loops=1) / DeepseekV3ForCausalLM peer",
@@ -95,9 +100,7 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             "median_s": {n: round(t["median_s"], 5) for n, t in runs.items()},
             "times_s": {n: t["times_s"] for n, t in runs.items()},
             "tokens_per_s": {n: round(v, 1) for n, v in tps.items()},
-            "default_over_n_loops_1_time": round(
-                runs["spider_default"]["median_s"] / runs["spider_n_loops_1"]["median_s"], 4
-            ),
+            "default_over_n_loops_1_time": round(loop_cost, 4),
             "spider_default_over_peer_tokens_per_s": round(tps["spider_default"] / tps["peer"], 4),
         },
         "checks": [
@@ -118,19 +121,14 @@ def run(quick: bool = False, profile: bool | None = None, **sizes) -> dict:
             info("Spider tokens/s n_loops=1", tps["spider_n_loops_1"], "tokens/s"),
             info(f"Spider tokens/s n_loops={info_['default_n_loops']} (default)", tps["spider_default"], "tokens/s"),
             info("peer tokens/s", tps["peer"], "tokens/s"),
-            info(
-                "default n_loops step time / n_loops=1",
-                runs["spider_default"]["median_s"] / runs["spider_n_loops_1"]["median_s"],
-                "x",
-            ),
+            info("default n_loops step time / n_loops=1", loop_cost, "x"),
         ],
         "notes": [
             "peer: DeepseekV3 cannot make its last layer dense, so the peer's coda layer(s) are MoE "
             f"(peer layers: {info_['peer_layers']})",
             "peer uses sigmoid routing with one group (n_group=topk_group=1), Spider softmax routing; "
             "both top-k of the same number of experts",
-            f"default loop count ({info_['default_n_loops']}) costs "
-            f"{runs['spider_default']['median_s'] / runs['spider_n_loops_1']['median_s']:.2f}x the n_loops=1 step",
+            f"default loop count ({info_['default_n_loops']}) costs {loop_cost:.2f}x the n_loops=1 step",
         ],
     }
     if profile and not result["checks"][0]["met"]:
