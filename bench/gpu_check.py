@@ -111,10 +111,13 @@ def _test_options(options, deadline: Deadline) -> tuple[str, ...]:
     as BATCHxBYTES, a list of flags as one string; ``--run_1b_experts ''`` left out), and the part's allowance
     (``--check_allowance_s``)."""
     sizes = {name: getattr(options, name) for name in _TEST_SIZE_FLAGS}
+    for name in ("distributed_shape", "run_1b_batch"):
+        sizes[name] = "x".join(map(str, sizes[name]))
+    for name in ("main_job_args", "run_1b_args"):
+        sizes[name] = shlex.join(sizes[name])
     sizes["run_1b_experts"] = sizes["run_1b_experts"] or None
     sizes["check_allowance_s"] = deadline.left() if math.isfinite(deadline.left()) else None
-    texts = {tuple: lambda shape: "x".join(map(str, shape)), list: shlex.join}
-    return tuple(f"--{name}={texts.get(type(v), str)(v)}" for name, v in sizes.items() if v is not None)
+    return tuple(f"--{name}={value}" for name, value in sizes.items() if value is not None)
 
 
 def _part_functions(options, on_row=None) -> dict:

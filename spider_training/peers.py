@@ -104,8 +104,5 @@ def dense_peer_models(spider_cfg, kinds: tuple[str, ...] = ("llama", "mistral"))
     mistral = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k in MistralConfig().to_dict()})
     mistral.sliding_window = max(16, spider_cfg.sliding_window or 16)
     torch.manual_seed(0)
-    models = {}
-    for kind, build in (("llama", lambda: LlamaForCausalLM(llama)), ("mistral", lambda: MistralForCausalLM(mistral))):
-        if kind in kinds:
-            models[kind] = build().eval()
-    return models
+    builders = {"llama": lambda: LlamaForCausalLM(llama), "mistral": lambda: MistralForCausalLM(mistral)}
+    return {kind: build().eval() for kind, build in builders.items() if kind in kinds}
