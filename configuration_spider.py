@@ -30,7 +30,7 @@ except ImportError:  # loaded as a top-level module from the repository root
 # Presets are deltas against the defaults below (tk-train.py's ~1B model). Each one keeps every linear layer's
 # dimensions
 # divisible by 16, so the FP8 trainer converts the same modules at every size.
-#: The training choices measured on the small preset with bench/quality.py (README "Model quality"). The small and 1b
+#: The training choices measured on the small preset (experiments/quality.py, README "Model quality"). The small and 1b
 #: presets both carry them. At 1B they are not yet measured one by one; the original script's own settings, tried on a
 #: GPU at 1B
 #: (6 steps on its mock data), closed one segment per window by step 3 and halted after one loop, and the GPU

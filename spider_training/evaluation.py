@@ -4,7 +4,7 @@ The project's quality measure is held-out bits per byte: the summed next-byte cr
 (:func:`spider_training.metrics.byte_nll`, the trainer's own computation) divided by their number and by ln 2. This
 module scores a model on the held-out slice every published figure uses, or on any text, also by the kind of byte
 predicted and at other loop counts; ``spider-evaluate`` (:mod:`spider_training.commands.evaluate`) runs it on a saved
-release. ``bench.quality`` builds its results tables from the same functions.
+release. ``experiments.quality`` builds its results tables from the same functions.
 
 The held-out slice: the SOTU addresses from 2000 on (:func:`corpus_bytes` ``"eval"``), a 32 KB slice starting a third
 of the way in, as non-overlapping windows of 257 ids (:func:`heldout_windows`). Beyond bits per byte: the kind of byte

@@ -198,15 +198,17 @@ def _arch_summary(config: dict, params: float | None) -> str:
     return ", ".join(p for p in parts if p) or "configuration not recorded"
 
 
-#: The default recipe's comparison with a dense LlamaForCausalLM (:func:`quality_reference`), written by ``python -m
-#: bench.quality --report bench/quality_results.json --write_card_reference hub_card/reference_quality.json``.
+#: The default recipe's comparison with a dense LlamaForCausalLM (:func:`quality_reference`), written by
+#: ``python -m experiments.quality --report experiments/quality_results.json --write_card_reference
+#: hub_card/reference_quality.json``.
 REFERENCE_QUALITY = DEFAULT_TEMPLATE.parent / "reference_quality.json"
 
 
 def reference_quality(preset: str | None, data: str | None, path: str | Path | None = None) -> dict | None:
-    """``bench/quality.py``'s figures for the default recipe (Spider against the dense baseline at equal parameters
-    and equal wall-clock) from ``path`` (default :data:`REFERENCE_QUALITY`) when ``(preset, data)`` is that recipe's;
-    else, or when the file is missing, None. The card shows them as the recipe's reference, not this run's."""
+    """``experiments/quality.py``'s figures of the default recipe (Spider against the dense baseline at equal
+    parameters and equal wall-clock) from ``path`` (default :data:`REFERENCE_QUALITY`) when ``(preset, data)`` is that
+    recipe's; else, or when the file is missing, None. The card shows them as the recipe's reference, not this
+    run's."""
     path = Path(path) if path is not None else REFERENCE_QUALITY
     try:
         ref = json.loads(path.read_text())
@@ -216,7 +218,7 @@ def reference_quality(preset: str | None, data: str | None, path: str | Path | N
 
 
 def quality_reference(rows: list[dict], byte_layers_alone: str) -> dict:
-    """What :func:`reference_quality` reads, from ``bench/quality.py``'s rows (``python -m bench.quality --report
+    """What :func:`reference_quality` reads, from the rows of ``python -m experiments.quality --report
     ROWS.json --write_card_reference FILE``): the default run (row ``spider``), the dense baseline at equal parameters
     (``llama``) and at equal wall-clock (the best swept learning rate of the group ``baseline equal wall-clock``), and
     the same byte layers without the global path (the row named `byte_layers_alone`), in held-out bits per byte (3

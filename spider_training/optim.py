@@ -9,7 +9,7 @@ the single ``torch.optim.Optimizer`` it schedules, clips, checkpoints and steps.
 change of speed, not of result: torch runs the Newton-Schulz products in bf16, which an AVX2 CPU (CI's) computes ~20x
 slower than fp32; there they run in fp32 on bf16-rounded values (:func:`zeropower_via_newtonschulz`).
 
-``bench.quality`` measures it (README "Model quality"); ``train_hf.py`` uses it by default (``--muon_lr``).
+``experiments.quality`` measures it (README "Model quality"); ``train_hf.py`` uses it by default (``--muon_lr``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` (same arguments, parameter groups and state dict, so checkpoints move between the two)
     whose Newton-Schulz step is :func:`zeropower_via_newtonschulz`: torch's bf16 iteration, at fp32 speed on CPUs
     without native bf16 products (torch's own takes ~20x longer there, 19 s instead of 1.4 s per step of the dense
-    baseline in ``bench.quality``). The update per 2-D parameter ``W`` with gradient ``G`` and momentum buffer ``B``
+    baseline in experiments.quality). The update per 2-D parameter ``W`` with gradient ``G`` and momentum buffer ``B``
     (torch's ``_single_tensor_muon``)::
 
         B <- lerp(B, G, 1 - momentum);  U <- lerp(G, B, momentum) if nesterov else B

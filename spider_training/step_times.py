@@ -5,7 +5,7 @@ Spider's segment axis (``1 + S``, padded to ``pad_segments_to_multiple_of``) var
 axis size the process has not met yet costs more (on the H200 about 5x a repeated one: cuDNN plans attention once per
 shape, ``torch.compile`` traces once per shape). :class:`StepTimes` is a ``TrainerCallback`` that records both per
 step (``Trainer(callbacks=[StepTimes()])``); :func:`step_time_summary` says how many steps were slow and how many of
-those met a new axis. ``python -m bench.gpu_check``'s training runs, ``bench.quality`` and ``bench.train_step``
+those met a new axis. ``python -m bench.gpu_check``'s training runs, ``experiments.quality`` and ``bench.train_step``
 time their steps with it.
 """
 

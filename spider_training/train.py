@@ -64,7 +64,7 @@ def build_trainer(
 ) -> SpiderTrainer:
     """The run's :class:`SpiderTrainer` for `model` (built under ``set_seed(args.seed)``) with the ``--data`` and
     held-out datasets built from `args` (or `train_dataset` / `eval_dataset` built beforehand, ``eval_dataset=None``
-    for none: evaluation off); every setting reaches the trainer as `args`. ``bench.quality`` trains its rows through
+    for none: evaluation off); every setting reaches the trainer as `args`. experiments.quality trains its rows through
     this too, a dense model included; `trainer_kwargs` are the trainer's other arguments (``callbacks``, and
     SpiderTrainer's ``lr_scale_of``, ``train_loop_counts``, ``stop_signals``)."""
     data_kwargs = dict(

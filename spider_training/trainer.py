@@ -29,7 +29,7 @@ overrides public, documented methods:
   ``eval_loss`` is the held-out next-byte loss (nats per byte) rather than the training objective's regularised sum.
 - ``create_optimizer``: with ``muon_lr > 0``, Muon for the hidden matrices and AdamW for the rest
   (:class:`spider_training.optim.MuonWithAdamW`, one optimizer that Trainer schedules, clips and checkpoints);
-  with ``lr_scale_of``, per-parameter learning-rate multipliers (``bench.quality``'s global-path rows).
+  with ``lr_scale_of``, per-parameter learning-rate multipliers (``experiments.quality``'s global-path rows).
 - ``training_step``: Trainer's step (forward and backward) inside :func:`spider_training.sdpa.sdpa_backend_context`,
   so that ``--sdpa_backend`` picks SDPA's kernel for the training forward, its backward and any recomputed forward.
 
@@ -197,7 +197,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         stop_signals: signals that stop training gracefully (save, then stop); default SIGTERM and SIGINT;
             ``()`` leaves signal handling alone (tests, benchmarks running in-process).
         lr_scale_of: a function of a parameter's name giving its learning-rate multiplier on top of the schedule
-            (:func:`spider_training.optim.scale_learning_rates`; ``bench.quality``'s global path at 3x); None: 1.
+            (:func:`spider_training.optim.scale_learning_rates`; ``experiments.quality``'s global path at 3x); None: 1.
         train_loop_counts: each training step's loop count drawn uniformly from these (Huginn's set, e.g. ``(1, 2,
             3)``) instead of from `extra_train_loops`' range; same draw rule (:func:`training_loop_count`).
 
@@ -469,7 +469,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def _record(self, outputs, inputs) -> None:
-        # another causal LM (bench.quality's dense baselines) has only `loss`, its LM loss
+        # another causal LM (experiments.quality's dense baselines) has only `loss`, its LM loss
         terms = {
             name: getattr(outputs, name, None)
             for name in (
@@ -541,7 +541,7 @@ class SpiderTrainer(HubPushMixin, Trainer):
         with torch.no_grad():
             outputs = model(**features)
         nll, n_bytes = byte_nll(outputs["logits"], inputs["labels"])
-        nan = nll.new_tensor(float("nan"))  # another causal LM (bench.quality's dense rows) has no segments or ACT
+        nan = nll.new_tensor(float("nan"))  # another causal LM (experiments.quality's dense rows): no segments, no ACT
         per_batch = torch.stack([outputs.get("compression_rate", nan), outputs.get("mean_halting_step", nan)]).double()
         return None, torch.cat([nll[:, None], per_batch.expand(len(nll), 2)], 1), n_bytes
 

@@ -121,8 +121,8 @@ def test_command_scores_a_release_per_loop_count_as_the_library_does(release, tm
 
 def test_command_probes_are_what_the_results_tables_probe(release, capsys):
     """``spider-evaluate --probes`` adds :func:`spider_training.evaluation.probe_spider`'s figures (what
-    ``bench.quality`` records in every Spider row) for the same weights on the same windows, its rate-matched boundary
-    rule at the release's own bytes per segment there; the config's ACT early exit is left off."""
+    experiments.quality records in every Spider row) for the same weights on the same windows, its rate-matched
+    boundary rule at the release's own bytes per segment there; the config's ACT early exit is left off."""
     result = main([str(release), "--seq_len", "64", "--max_bytes", "600", "--probes"])
     assert json.loads(capsys.readouterr().out) == result
     model = tiny_model(seed=0).eval()

@@ -416,7 +416,7 @@ def test_with_a_teacher_the_predictor_learns_from_the_teacher_alone():
 
 
 def heldout_windows(seq_len: int = 256, slice_bytes: int = 32 * 1024) -> torch.Tensor:
-    """``bench.quality``'s held-out slice: the SOTU addresses from 2000 on as one id stream, a `slice_bytes` slice
+    """experiments.quality's held-out slice: the SOTU addresses from 2000 on as one id stream, a `slice_bytes` slice
     starting a third of the way in, as non-overlapping windows of `seq_len + 1` ids, int64 `(N, seq_len + 1)`."""
     import numpy as np
 
@@ -432,7 +432,7 @@ def heldout_windows(seq_len: int = 256, slice_bytes: int = 32 * 1024) -> torch.T
 @torch.no_grad()
 def score(model, windows: torch.Tensor) -> dict:
     """Bits per predicted byte of `model` over `windows` `(N, T)` in eval mode, and bytes per segment (the mean of
-    the batches' ``compression_rate``, weighted by their bytes): what ``bench.quality`` scores a row by."""
+    the batches' ``compression_rate``, weighted by their bytes): what ``experiments.quality`` scores a row by."""
     model.eval()
     nll, segments = 0.0, 0.0
     for batch in windows.split(16):
@@ -458,7 +458,7 @@ def short_run(tmp_path_factory):
 
     set_seed(0)
     model = SpiderForConditionalGeneration(SpiderConfig.from_preset("small"))
-    # the main job's recipe (train_hf.py's defaults, bench.quality's Recipe) for 60 steps of 8 windows, through
+    # the main job's recipe (train_hf.py's defaults, experiments.quality's Recipe) for 60 steps of 8 windows, through
     # train_hf.py's trainer (no held-out evaluation): about 60 s on one thread of this 2-core machine (100 steps took
     # 95-140 s, the longest item of the test run)
     steps, logging_steps = 60, 2

@@ -391,14 +391,14 @@ def test_sample_and_the_recipes_dense_baseline_reference(release, config, tmp_pa
 
 
 def test_shipped_reference_matches_the_committed_benchmark(tmp_path):
-    """hub_card/reference_quality.json is what bench.quality_report derives from bench/quality_results.json
-    (``python -m bench.quality --report bench/quality_results.json --write_card_reference FILE``)."""
+    """hub_card/reference_quality.json is what experiments.quality_report derives from experiments/quality_results.json
+    (``python -m experiments.quality --report experiments/quality_results.json --write_card_reference FILE``)."""
     from spider_training.model_card import REFERENCE_QUALITY
     from tests.helpers import run_module
 
     derived = tmp_path / "reference_quality.json"
-    rows = ROOT / "bench" / "quality_results.json"
-    done = run_module("bench.quality", "--report", rows, "--write_card_reference", derived)
+    rows = ROOT / "experiments" / "quality_results.json"
+    done = run_module("experiments.quality", "--report", rows, "--write_card_reference", derived)
     assert done.returncode == 0, done.stderr
     assert json.loads(REFERENCE_QUALITY.read_text()) == json.loads(derived.read_text())
 

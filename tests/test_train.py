@@ -695,8 +695,8 @@ def test_evaluation_runs_trainer_loop_and_counts_bits_per_byte_in_bytes(tmp_path
 
 
 def test_evaluation_scores_another_causal_lm_in_bits_per_byte(tmp_path):
-    """A dense byte model (bench.quality's peers) evaluates through the same loop: bits per byte from its logits, no
-    segment or halting figures (it has neither), equal to the summed next-byte cross-entropy of its own logits."""
+    """A dense byte model (experiments.quality's peer) evaluates through the same loop: bits per byte from its logits,
+    no segment or halting figures (it has neither), equal to the summed next-byte cross-entropy of its own logits."""
     from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
 
     from spider_training.arguments import SpiderTrainingArguments

@@ -1,9 +1,9 @@
-"""bench.quality through its command line and JSON (``python -m bench.quality``), as tests/test_bench.py drives
-bench.run_all: the suite's rows (bench/quality_rows.json) and the recipe each run trains by (``--print_suite``),
-a few-step row of each kind trained through train_hf.py's trainer with what the trainer did recorded (``--suite
---rows FILE --record``: the optimizer, loop-count draws, the data and the initial weights each model gets), the
-step-time split (``--time_steps``) and the tables, targets and plot rendered from rows (``--report FILE ...
---render_each``). Four commands, started together once for the module. The suite's full training runs are the
+"""experiments.quality through its command line and JSON (``python -m experiments.quality``), as tests/test_bench.py
+drives bench.run_all: the suite's rows (experiments/quality_rows.json) and the recipe each run trains by
+(``--print_suite``), a few-step row of each kind trained through train_hf.py's trainer with what the trainer did
+recorded (``--suite --rows FILE --record``: the optimizer, loop-count draws, the data and the initial weights each
+model gets), the step-time split (``--time_steps``) and the tables, targets and plot rendered from rows (``--report
+FILE ... --render_each``). Four commands, started together once for the module. The suite's full training runs are the
 benchmark itself; the scoring is spider_training.evaluation's (tests/test_evaluation.py)."""
 
 import json
@@ -16,7 +16,7 @@ from spider_training.evaluation import BYTE_KINDS
 from spider_training.optim import DEFAULT_MUON_LR
 from tests.helpers import REPO, run_module
 
-SUITE = json.loads((REPO / "bench" / "quality_rows.json").read_text())  # the rows file is data
+SUITE = json.loads((REPO / "experiments" / "quality_rows.json").read_text())  # the rows file is data
 REFERENCES = SUITE["references"]
 BATCH8_RECIPE = SUITE["recipes"]["batch8"]  # {"batch_size": 8, "muon_experts": True}
 ADAMW = {"muon_lr": None}
@@ -239,7 +239,7 @@ def _json_out(done) -> dict | list:
 
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory):
-    """The module's four ``bench.quality`` commands, started together: `{"plan", "unknown_row", "step_times",
+    """The module's four ``experiments.quality`` commands, started together: `{"plan", "unknown_row", "step_times",
     "trained"}` futures of their completed processes. ``plan``: ``--print_suite`` with :data:`STEP_TIMES`, the
     :data:`SHARDED` rows in two shards and every :data:`REPORTS` file rendered; ``trained``: ``--suite`` over
     :data:`TRAINED_ROWS` with ``--record`` (its rows in ``trained.json``)."""
@@ -287,7 +287,7 @@ def commands(tmp_path_factory):
         for var in ("ACCELERATE_USE_FSDP", "MICRO_BATCH", "LR", "SEQ_LEN", "N_LOOPS", "TARGET_TOKENS"):
             env.delenv(var, raising=False)  # the main job's defaults, not this shell's (train_hf.py reads these)
         env.setenv("OMP_NUM_THREADS", "1")  # four processes side by side: one thread each
-        futures = {key: pool.submit(run_module, "bench.quality", *args) for key, args in argv.items()}
+        futures = {key: pool.submit(run_module, "experiments.quality", *args) for key, args in argv.items()}
         yield {"tmp": tmp, **futures}
 
 
@@ -497,7 +497,7 @@ def test_loop_counts_draw_each_steps_loop_count_without_changing_the_data(traine
 
 
 def test_a_row_trains_through_spider_trainer_and_its_loss_falls(trained):
-    """bench.quality has no training loop of its own: a row is SpiderTrainer.train (train_hf.py's), its held-out
+    """experiments.quality has no training loop of its own: a row is SpiderTrainer.train (train_hf.py's), its held-out
     figure the trainer's evaluation, its training loss the trainer's logs, and the loss falls."""
     row = trained["30 steps"]
     record = row["record"]

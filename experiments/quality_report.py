@@ -1,17 +1,17 @@
-"""The Model quality section of docs/results.md and the bpb-vs-wall-clock plot, from the rows ``bench.quality``
-measured (JSON lists of rows, e.g. bench/quality_results.json); the model card's reference figures from the same rows:
-:func:`spider_training.model_card.quality_reference`.
+"""The Model quality section of docs/results.md and the bpb-vs-wall-clock plot, from the rows
+``experiments.quality`` measured (JSON lists of rows, e.g. experiments/quality_results.json); the model card's
+reference figures from the same rows: :func:`spider_training.model_card.quality_reference`.
 
-``python -m bench.quality --report q0.json q1.json --write_results docs/results.md --plot docs/quality.png`` calls
-:func:`render` and :func:`plot`. Which rows are each table's references, the pairs of the "what
-the global path adds" table and the plot's labels are data: bench/quality_rows.json (:func:`bench.quality.suite`).
+``python -m experiments.quality --report q0.json q1.json --write_results docs/results.md --plot docs/quality.png``
+calls :func:`render` and :func:`plot`. Which rows are each table's references, the pairs of the "what the global path
+adds" table and the plot's labels are data: experiments/quality_rows.json (:func:`experiments.quality.suite`).
 """
 
 from __future__ import annotations
 
-from bench.quality import suite
 from bench.report import wrap
 from configuration_spider import SpiderConfig
+from experiments.quality import suite
 from spider_training.evaluation import BYTE_KINDS, GLOBAL_STREAM_PROBES
 from spider_training.optim import DEFAULT_MUON_LR
 

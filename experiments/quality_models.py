@@ -1,6 +1,6 @@
-"""The models a ``bench.quality`` row trains: Spider's ``small`` preset, its byte layers alone (:class:`BytePathOnly`),
-the dense ``LlamaForCausalLM`` at equal parameters (:data:`LLAMA_BASELINE`) and the same with Spider's local window
-(``MistralForCausalLM``)."""
+"""The models an ``experiments.quality`` row trains: Spider's ``small`` preset, its byte layers alone
+(:class:`BytePathOnly`), the dense ``LlamaForCausalLM`` at equal parameters (:data:`LLAMA_BASELINE`) and the same with
+Spider's local window (``MistralForCausalLM``)."""
 
 from __future__ import annotations
 
